@@ -1,0 +1,568 @@
+"""The Doctor: what ``ampdoctor.attach`` returns. Hooks feed device-side statistics into one buffer per step;
+at the step boundary the buffer crosses to the host in one transfer and goes to the writer thread."""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import platform
+import time
+import warnings
+import weakref
+
+import numpy as np
+import torch
+
+from . import hooks as H
+from . import stats as K
+from ..trace import schema
+from ..trace.writer import Entry, StepPacket, Writer
+
+log = logging.getLogger("ampdoctor")
+
+DEFAULT_EVERY = 10          # full statistics every 10th step: ~1/10 of the full-statistics cost (README figures)
+DEFAULT_HIST_EVERY = 50     # histograms stored every 50th step: keeps 500 sites x 10k steps well under 100 MB
+DEFAULT_WEIGHT_EVERY = 100  # weights and updates: they change slowly, and an update needs a copy of the weights
+
+
+def _rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
+def _free_path(path: str) -> str:
+    """``path``, or ``path`` with -1, -2, ... before the extension when it exists: never overwrite a trace."""
+    if not os.path.exists(path):
+        return path
+    stem, ext = os.path.splitext(path)
+    i = 1
+    while os.path.exists(f"{stem}-{i}{ext}"):
+        i += 1
+    return f"{stem}-{i}{ext}"
+
+
+def _check_positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"Argument {name} should be a positive int, but given {value!r}")
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+class Doctor:
+    """Observes one model during training; use as a context manager or call ``close()``."""
+
+    def __init__(self, model, optimizer=None, scaler=None, trace: str = "runs/ampdoctor.db", *,
+                 every: int = DEFAULT_EVERY, hist_every: int = DEFAULT_HIST_EVERY,
+                 weight_every: int = DEFAULT_WEIGHT_EVERY, include=None, exclude=None):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"Argument model should be of type torch.nn.Module, but given {type(model)}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"Argument optimizer should be of type torch.optim.Optimizer, but given {type(optimizer)}")
+        if scaler is not None and not (callable(getattr(scaler, "scale", None))
+                                       and callable(getattr(scaler, "update", None))):
+            raise TypeError(f"Argument scaler should be a torch.amp.GradScaler, but given {type(scaler)}")
+        for name, value in (("every", every), ("hist_every", hist_every), ("weight_every", weight_every)):
+            _check_positive(name, value)
+        if not isinstance(trace, (str, os.PathLike)):
+            raise TypeError(f"Argument trace should be a path (str), but given {type(trace)}")
+
+        self.model, self.optimizer, self.scaler = model, optimizer, scaler
+        self.every, self.hist_every, self.weight_every = every, hist_every, weight_every
+        self._include, self._exclude = include, exclude
+        requested = os.fspath(trace).replace("{rank}", str(_rank()))
+        self.path = _free_path(requested)
+        self._handles = H.Handles()
+        self._off = False
+        self._warned = False
+        self._closed = False
+        self._sites: dict[tuple[str, str], int] = {}
+        self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._step = 0
+        self._reset_step()
+        self._force_full = False
+        self._t_prev_end = time.perf_counter()
+        self._config_written = False
+        self._autocast: dict = {}
+        self._loss_dtype = None
+        self._snapshot = None
+
+        try:
+            self._writer = Writer(self.path)
+        except Exception as exc:  # a read-only or full directory: warn, observe nothing, let training run
+            self._writer = None
+            self._off = True
+            warnings.warn(f"ampdoctor: cannot write the trace {self.path} ({exc}); collection disabled, "
+                          "training continues", RuntimeWarning, stacklevel=4)
+            return
+        if self.path != requested:
+            warnings.warn(f"ampdoctor: {requested} exists; writing this run's trace to {self.path}",
+                          RuntimeWarning, stacklevel=4)
+        self._writer.start()
+        self._put(("meta", "run", self._run_meta()))
+        self._install()
+
+    # -- installation ------------------------------------------------------------------------------------------
+    def _install(self) -> None:
+        h = self._handles
+        self._modules = H.select_modules(self.model, self._include, self._exclude)
+        for path, mod in self._modules:
+            h.add(mod.register_forward_hook(functools.partial(self._on_forward, path)))
+        h.add(self.model.register_forward_pre_hook(self._on_root_pre, with_kwargs=True))
+
+        scaler_on = self.scaler is not None and self._scaler_enabled()
+        if self.optimizer is not None:
+            h.add(self.optimizer.register_step_pre_hook(self._on_opt_pre))
+            h.add(self.optimizer.register_step_post_hook(self._on_opt_post))
+        if self.scaler is not None:
+            H.wrap_method(h, self.scaler, "scale", self._wrap_scale)
+            H.wrap_method(h, self.scaler, "update", self._wrap_update)
+        if scaler_on:
+            self._boundary = "scaler"
+        elif self.optimizer is not None:
+            self._boundary = "optimizer"
+        else:
+            self._boundary = "manual"
+
+    def _scaler_enabled(self) -> bool:
+        fn = getattr(self.scaler, "is_enabled", None)
+        return bool(fn()) if callable(fn) else True
+
+    # -- per-step buffer ---------------------------------------------------------------------------------------
+    def _reset_step(self) -> None:
+        self._vals: list[torch.Tensor] = []
+        self._offset = 0
+        self._entries: list[Entry] = []
+        self._seen: dict[int, tuple] = {}
+        self._act_seen: set[int] = set()
+        self._micro = 0
+        self._samples = 0
+        self._t_first = None
+        self._losses: list = []
+        self._scale_before = None
+        self._opt_stepped = False
+
+    def _mode(self) -> str:
+        return "f" if (self._force_full or self._step % self.every == 0) else "p"
+
+    def _add(self, vec: torch.Tensor) -> int:
+        off = self._offset
+        self._vals.append(vec)
+        self._offset += vec.numel()
+        return off
+
+    def _observe(self, t: torch.Tensor, mode: str) -> tuple[int, str, int]:
+        """Statistics of one tensor for this step, computed once per tensor (a module's output is often the
+        next module's input, and a container's output is its last child's)."""
+        key = id(t)
+        hit = self._seen.get(key)
+        if hit is not None and hit[0]() is t and hit[1] == t._version and (hit[3] == "f" or mode == "p"):
+            return hit[2], hit[3], t.numel()
+        off = self._add(K.full(t) if mode == "f" else K.peak(t))
+        self._seen[key] = (weakref.ref(t), t._version, off, mode)
+        return off, mode, t.numel()
+
+    def _site(self, path: str, kind: str, module, t: torch.Tensor | None) -> int:
+        sid = self._sites.get((path, kind))
+        if sid is None:
+            sid = len(self._sites)
+            self._sites[(path, kind)] = sid
+            if kind in ("act", "grad_out"):
+                mod_path, mtype = path, type(module).__name__
+            else:
+                mod_path, mtype = path.rpartition(".")[0] or H.ROOT, type(module).__name__ if module else None
+            dtype = _dtype_name(t.dtype) if t is not None else None
+            shape = "x".join(map(str, t.shape)) if t is not None else None
+            self._put(("site", sid, path, mod_path, kind, mtype, dtype, shape, self._step))
+        return sid
+
+    # -- hooks -------------------------------------------------------------------------------------------------
+    def _on_root_pre(self, module, args, kwargs):
+        if self._off or not torch.is_grad_enabled() or H.in_backward():
+            return None
+        try:
+            now = time.perf_counter()
+            if self._t_first is None:
+                self._t_first = now
+                dev = _device_type(self.model)
+                if dev is not None:
+                    enabled = torch.is_autocast_enabled(dev)
+                    self._autocast = {"device_type": dev, "enabled": enabled,
+                                      "dtype": _dtype_name(torch.get_autocast_dtype(dev)) if enabled else None}
+            self._micro += 1
+            t = H.first_tensor(args, kwargs)
+            if t is not None and t.dim() > 0:
+                self._samples += int(t.shape[0])
+        except Exception as exc:
+            self._fail(exc)
+        return None
+
+    def _on_forward(self, path, module, args, output):
+        if self._off or not torch.is_grad_enabled():
+            return None
+        try:
+            tensors = H.float_tensors(output)
+            if not tensors:
+                return None
+            sid = self._site(path, "act", module, tensors[0])
+            recompute = H.in_backward()
+            if recompute and sid in self._act_seen:
+                return None            # checkpoint recomputation: the original forward was already recorded
+            self._act_seen.add(sid)
+            mode = self._mode()
+            outs = [self._observe(t, mode) for t in tensors]
+            ins = [self._observe(t, "p") for t in H.float_tensors(args)]
+            self._entries.append(Entry(sid, "fwd", outs, ins))
+            for t in tensors:
+                if t.requires_grad:
+                    t.register_hook(functools.partial(self._on_grad, path, module))
+        except Exception as exc:
+            self._fail(exc)
+        return None
+
+    def _on_grad(self, path, module, grad):
+        if self._off or grad is None:
+            return None
+        try:
+            sid = self._site(path, "grad_out", module, grad)
+            self._entries.append(Entry(sid, "bwd", [self._observe(grad, self._mode())]))
+        except Exception as exc:
+            self._fail(exc)
+        return None
+
+    def _on_opt_pre(self, optimizer, args, kwargs):
+        if self._off:
+            return
+        try:
+            if self._step % self.weight_every == 0:
+                self._snapshot = [p.detach().clone() for _, p in self._params]
+        except Exception as exc:
+            self._fail(exc)
+
+    def _on_opt_post(self, optimizer, args, kwargs):
+        if self._off:
+            return
+        self._opt_stepped = True
+        try:
+            if self._snapshot is not None:
+                for (name, p), old in zip(self._params, self._snapshot):
+                    sid = self._site(name, "update", None, p)
+                    self._entries.append(Entry(sid, "update", [(self._add(K.full(p.detach() - old)), "f",
+                                                                p.numel())]))
+                self._snapshot = None
+        except Exception as exc:
+            self._fail(exc)
+        if self._boundary == "optimizer":
+            self._end_step(skipped=False)
+
+    def _wrap_scale(self, original):
+        @functools.wraps(original)
+        def scale(outputs):
+            result = original(outputs)
+            if not self._off:
+                try:
+                    t = outputs if isinstance(outputs, torch.Tensor) else H.first_tensor(outputs)
+                    if t is not None:
+                        self._log_loss(t)
+                    if self._scale_before is None:
+                        self._scale_before = self._read_scale()
+                except Exception as exc:
+                    self._fail(exc)
+            return result
+        return scale
+
+    def _wrap_update(self, original):
+        @functools.wraps(original)
+        def update(*args, **kwargs):
+            if not self._off and self._scale_before is None:
+                try:
+                    self._scale_before = self._read_scale()
+                except Exception as exc:
+                    self._fail(exc)
+            result = original(*args, **kwargs)
+            if not self._off and self._boundary == "scaler":
+                skipped = (not self._opt_stepped) if self.optimizer is not None else None
+                self._end_step(skipped=skipped)
+            return result
+        return update
+
+    def _read_scale(self):
+        """The scale in force, as a device tensor when the scaler keeps one (no host sync)."""
+        s = getattr(self.scaler, "_scale", None)
+        if isinstance(s, torch.Tensor):
+            return s.detach().clone().reshape(())
+        return float(self.scaler.get_scale())
+
+    # -- public API ----------------------------------------------------------------------------------------------
+    def log_loss(self, loss) -> None:
+        """The training loss of this step (tensor or float); summed over the step's micro-batches."""
+        if self._off:
+            return
+        try:
+            self._log_loss(loss)
+        except Exception as exc:
+            self._fail(exc)
+
+    def _log_loss(self, loss) -> None:
+        if isinstance(loss, torch.Tensor):
+            if self._loss_dtype is None:
+                self._loss_dtype = _dtype_name(loss.dtype)
+            loss = loss.detach().reshape(-1)[0] if loss.numel() else None
+        if loss is not None:
+            self._losses.append(loss)
+
+    def log_metric(self, name: str, value, step: int | None = None) -> None:
+        """Any scalar, e.g. a validation metric; ``step`` defaults to the last completed step."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"Argument name should be a non-empty str, but given {name!r}")
+        if self._off:
+            return
+        try:
+            value = float(value.item() if isinstance(value, torch.Tensor) else value)
+            if step is None:
+                step = max(self._step - 1, 0)
+            self._put(("metric", int(step), name, value, time.time()))
+        except Exception as exc:
+            self._fail(exc)
+
+    def step(self) -> None:
+        """Explicit step boundary, for loops that give attach() no optimizer (or a disabled scaler and none)."""
+        if self._off:
+            return
+        if self._boundary != "manual":
+            if not self._warned_step:
+                self._warned_step = True
+                warnings.warn("ampdoctor: step() ignored: steps are taken from the "
+                              f"{self._boundary} already", RuntimeWarning, stacklevel=2)
+            return
+        self._end_step(skipped=False)
+
+    _warned_step = False
+
+    @property
+    def steps(self) -> int:
+        """Steps recorded so far."""
+        return self._step
+
+    @property
+    def active(self) -> bool:
+        """False once collection stopped (after close() or an internal error)."""
+        return not self._off and not self._closed
+
+    # -- step boundary -------------------------------------------------------------------------------------------
+    def _end_step(self, skipped) -> None:
+        if self._off:
+            return
+        try:
+            self._record_step(skipped)
+        except Exception as exc:
+            self._fail(exc)
+
+    def _record_step(self, skipped) -> None:
+        if self._writer.error is not None:
+            raise RuntimeError(f"trace writer failed: {self._writer.error}")
+        now = time.perf_counter()
+        step, mode = self._step, self._mode()
+        store_hist = mode == "f" and (step % self.hist_every == 0 or self._force_full)
+        entries = self._entries
+
+        grads = [(n, p.grad) for n, p in self._params if p.grad is not None]
+        for name, g in grads:
+            sid = self._site(name, "param_grad", None, g)
+            entries.append(Entry(sid, "param", [self._observe(g, mode)]))
+        norm_off = self._add(torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for _, g in grads])).reshape(1)) \
+            if grads else None
+        if step % self.weight_every == 0:
+            for name, p in self._params:
+                sid = self._site(name, "weight", None, p)
+                entries.append(Entry(sid, "weight", [self._observe(p.detach(), "f")]))
+        loss_off = self._add(_sum_losses(self._losses)) if self._losses else None
+        scale_after = self._read_scale() if self.scaler is not None and self._scaler_enabled() else None
+        scale_before = self._scale_before if self.scaler is not None and self._scaler_enabled() else None
+        scale_offs = [self._add(torch.as_tensor(s, dtype=torch.float64).reshape(1)) if isinstance(s, torch.Tensor)
+                      else s for s in (scale_before, scale_after)]
+
+        values = self._to_host(self._vals)                 # the step's one host transfer
+
+        def pick(off):
+            return None if off is None else float(values[off])
+
+        scale_vals = [pick(o) if isinstance(o, int) else o for o in scale_offs]
+        t_first = self._t_first if self._t_first is not None else now
+        row = {
+            "time": time.time(),
+            "step_time": now - self._t_prev_end,
+            "data_time": max(t_first - self._t_prev_end, 0.0),
+            "samples": self._samples or None,
+            "lr": [float(g["lr"]) for g in self.optimizer.param_groups] if self.optimizer is not None else None,
+            "microbatches": self._micro,
+            "peak_mem": _peak_mem(self.model),
+            "level": schema.LEVEL_HIST if store_hist else (schema.LEVEL_FULL if mode == "f" else schema.LEVEL_PEAK),
+        }
+        packet = StepPacket(step=step, row=row, values=values, entries=entries, loss=pick(loss_off),
+                            scale=scale_vals[0], scale_next=scale_vals[1], grad_norm=pick(norm_off),
+                            skipped=skipped, store_hist=store_hist)
+        anomalous = bool(skipped) or _anomalous(values, entries) or (
+            packet.loss is not None and not math.isfinite(packet.loss))
+        if not self._config_written:
+            self._put(("meta", "config", self._config()))
+            self._config_written = True
+        self._put(("step", packet))
+        # An anomaly seen now gets full statistics from the next step on, until a clean step (the tensors of
+        # this one are gone; its peaks and the non-finite origin are recorded).
+        self._force_full = anomalous
+        self._step += 1
+        self._reset_step()
+        self._t_prev_end = time.perf_counter()
+
+    @staticmethod
+    def _to_host(vals: list[torch.Tensor]) -> np.ndarray:
+        if not vals:
+            return np.zeros(0)
+        by_dev: dict = {}
+        for v in vals:
+            by_dev.setdefault(v.device, []).append(v)
+        if len(by_dev) == 1:
+            return torch.cat([v.reshape(-1) for v in vals]).cpu().numpy()
+        return np.concatenate([v.reshape(-1).cpu().numpy() for v in vals])
+
+    # -- metadata --------------------------------------------------------------------------------------------------
+    def _run_meta(self) -> dict:
+        import ampdoctor
+        dev = _device_type(self.model) or "cpu"
+        info = {"ampdoctor": ampdoctor.__version__, "torch": torch.__version__, "python": platform.python_version(),
+                "host": platform.node(), "pid": os.getpid(), "rank": _rank(), "started": time.time(),
+                "model": type(self.model).__name__, "device": dev,
+                "params": int(sum(p.numel() for p in self.model.parameters())),
+                "every": self.every, "hist_every": self.hist_every, "weight_every": self.weight_every}
+        if dev == "cuda":
+            idx = next(self.model.parameters()).device.index or 0
+            cap = torch.cuda.get_device_capability(idx)
+            info.update(device_name=torch.cuda.get_device_name(idx), capability=list(cap),
+                        bf16_supported=bool(torch.cuda.is_bf16_supported()))
+        else:
+            info.update(device_name=platform.processor() or platform.machine(), bf16_supported=True)
+        return info
+
+    def _config(self) -> dict:
+        """The observed precision configuration, taken after the first step (autocast and dtypes are known)."""
+        params: dict[str, int] = {}
+        module_dtypes: dict[str, str] = {}
+        for name, p in self.model.named_parameters():
+            d = _dtype_name(p.dtype)
+            params[d] = params.get(d, 0) + p.numel()
+            module_dtypes.setdefault(name.rpartition(".")[0] or H.ROOT, d)
+        cfg = {"autocast": self._autocast or {"enabled": False}, "param_dtypes": params,
+               "module_param_dtypes": module_dtypes, "loss_dtype": self._loss_dtype, "boundary": self._boundary}
+        if self.optimizer is not None:
+            groups = [{k: _plain(v) for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+            cfg["optimizer"] = {"class": type(self.optimizer).__name__, "groups": groups}
+        if self.scaler is not None:
+            s = self.scaler
+            cfg["scaler"] = {"class": type(s).__name__, "enabled": self._scaler_enabled()}
+            for key in ("init_scale", "growth_factor", "backoff_factor", "growth_interval"):
+                getter = getattr(s, f"get_{key}", None)
+                if callable(getter):
+                    cfg["scaler"][key] = _plain(getter())
+                elif key == "init_scale" and hasattr(s, "_init_scale"):   # GradScaler has no public getter
+                    cfg["scaler"][key] = _plain(s._init_scale)
+        return cfg
+
+    # -- failure and shutdown ----------------------------------------------------------------------------------------
+    def _put(self, item) -> None:
+        if self._writer is not None:
+            self._writer.put(item)
+
+    def _fail(self, exc: BaseException) -> None:
+        """Never break training: warn once, stop collecting, leave the user's objects as they were."""
+        self._off = True
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"ampdoctor: collection stopped after an internal error ({type(exc).__name__}: {exc}); "
+                          "training continues", RuntimeWarning, stacklevel=3)
+        self._handles.remove()
+
+    def close(self) -> None:
+        """Remove every hook, restore every wrapped method, flush and close the trace. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._off = True
+        self._handles.remove()
+        if self._writer is not None:
+            try:
+                self._put(("meta", "closed", {"steps": self._step, "time": time.time()}))
+            except Exception:
+                pass
+            self._writer.close()
+            if self._writer.error is not None and not self._warned:
+                self._warned = True
+                warnings.warn(f"ampdoctor: the trace {self.path} may be incomplete ({self._writer.error})",
+                              RuntimeWarning, stacklevel=2)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            if not self._closed and getattr(self, "_writer", None) is not None:
+                self.close()
+        except Exception:
+            pass
+
+
+def _sum_losses(losses: list) -> torch.Tensor:
+    dev = next((v.device for v in losses if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    parts = [v.to(torch.float64) if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=torch.float64,
+                                                                                 device=dev) for v in losses]
+    return torch.stack(parts).sum().reshape(1)
+
+
+def _anomalous(values: np.ndarray, entries: list[Entry]) -> bool:
+    for e in entries:
+        for off, mode, _ in e.values:
+            if mode == "p":
+                if not (math.isfinite(values[off]) and math.isfinite(values[off + 1])):
+                    return True
+            else:
+                nan, inf = K.finite_flags(values[off:off + K.FULL_LEN])
+                if nan or inf:
+                    return True
+    return False
+
+
+def _device_type(model) -> str | None:
+    for p in model.parameters():
+        return p.device.type
+    for b in model.buffers():
+        return b.device.type
+    return None
+
+
+def _peak_mem(model) -> int | None:
+    if _device_type(model) == "cuda":
+        return int(torch.cuda.max_memory_allocated())
+    return None
+
+
+def _plain(v):
+    if isinstance(v, torch.Tensor):
+        return v.item() if v.numel() == 1 else v.tolist()
+    if isinstance(v, (bool, int, float, str)) or v is None:
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return repr(v)
+
+
+def attach(model, optimizer=None, scaler=None, trace: str = "runs/ampdoctor.db", **options) -> Doctor:
+    """Start observing ``model``; returns a Doctor (a context manager). See Doctor for the options."""
+    return Doctor(model, optimizer=optimizer, scaler=scaler, trace=trace, **options)

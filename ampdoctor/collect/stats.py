@@ -1,0 +1,140 @@
+"""Tensor -> numbers. Pure device-side kernels, no I/O and no host sync.
+
+Two kernels, both returning a 1-D float64 tensor on the tensor's own device so that every value of a step can be
+concatenated and moved to the host in one transfer (DESIGN principle 3):
+
+* ``peak(x)``  -> [min, max]: one ``aminmax`` pass (NaN and Inf propagate, so a non-finite tensor is visible).
+* ``full(x)``  -> FULL_LEN values: [nonzeros, count above the FP16 max, sum, l2 norm, finite abs max] + a
+  512-bin histogram.
+
+The histogram key is the top 9 bits of |x| as float32 (8 exponent bits + the first fraction bit), read straight
+from the bit pattern (no log2, no frexp). Keys 2e and 2e+1 hold the binade [2^(e-127), 2^(e-126)); key 510 holds
++Inf and key 511 NaN (every NaN that arithmetic produces is a quiet NaN, whose first fraction bit is set); keys 0 and
+1 hold zeros and FP32 subnormals. Every count the trace stores (zeros, NaN, Inf, FP16/BF16 subnormal and flush,
+overflow) is derived from it on the host by ``derive`` below, so the device does a fixed handful of passes whatever
+the number of statistics. bf16 and fp16 tensors are widened to float32 first, which is exact.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .. import formats
+
+HIST_KEYS = 512
+HEAD = 5                      # nonzeros, count |x| > 65504, sum, l2 norm, finite abs max
+FULL_LEN = HEAD + HIST_KEYS
+PEAK_LEN = 2
+
+# Binade of key k (k = 2..509): floor(log2|x|) = k // 2 - 127.
+KEY_INF, KEY_NAN = 510, 511
+_SHIFT = 22                   # float32: 1 sign + 8 exponent + 23 fraction bits; >> 22 keeps exponent + 1 fraction bit
+
+
+def _as_float32(x: torch.Tensor) -> torch.Tensor:
+    x = x.detach()
+    if x.dtype != torch.float32:
+        x = x.float()           # exact for fp16/bf16; fp64 values beyond float32 range become 0/Inf
+    return x
+
+
+def peak(x: torch.Tensor) -> torch.Tensor:
+    """[min, max] of x in float64 (NaN if x holds a NaN): the every-step figure."""
+    x = x.detach()
+    if x.numel() == 0:
+        return torch.zeros(PEAK_LEN, dtype=torch.float64, device=x.device)
+    mn, mx = torch.aminmax(x)
+    return torch.stack((mn, mx)).to(torch.float64)
+
+
+def full(x: torch.Tensor) -> torch.Tensor:
+    """Full statistics of x as FULL_LEN float64 values (see module docstring for the layout)."""
+    xf = _as_float32(x).reshape(-1)
+    a = xf.abs()
+    key = a.view(torch.int32) >> _SHIFT          # sign bit cleared by abs(), so 0..511
+    hist = torch.bincount(key, minlength=HIST_KEYS)
+    head = torch.stack((
+        torch.count_nonzero(xf).to(torch.float32),
+        # 65504 is not a power of two, so the histogram cannot resolve it: one exact comparison.
+        torch.count_nonzero(a > formats.FP16.max).to(torch.float32),
+        xf.sum(),
+        torch.linalg.vector_norm(xf),
+        torch.nan_to_num(a, 0.0, 0.0, 0.0).amax() if a.numel() else a.new_zeros(()),
+    )).to(torch.float64)
+    return torch.cat((head, hist.to(torch.float64)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Host side: numbers out of the raw vectors (numpy, runs on the writer thread).
+
+FIELDS = ("numel", "nan", "inf", "zeros", "absmax", "minabs", "mean", "rms",
+          "fp16_over", "fp16_sub", "fp16_flush", "bf16_over", "bf16_sub", "bf16_flush")
+MIN_EXP, MAX_EXP = -127, 127      # histogram bins: -127 means "non-zero and below 2^-126" (FP32 subnormal)
+
+
+def _binades(hist512: np.ndarray) -> np.ndarray:
+    """512 key counts -> counts per binade e = -127..127 (index e + 127), zeros/NaN/Inf excluded, subnormals in -127."""
+    pairs = hist512[:510].reshape(255, 2).sum(axis=1)   # exponent fields 0..254
+    return pairs  # index 0 = exponent field 0 (zero + fp32 subnormal); the caller removes the zeros
+
+
+def _count_from(bins: np.ndarray, lo_exp: int, hi_exp: int) -> float:
+    """Sum of binade counts for lo_exp <= e < hi_exp (bins indexed by e + 127)."""
+    lo = max(lo_exp, MIN_EXP) + 127
+    hi = min(hi_exp, MAX_EXP + 1) + 127
+    return float(bins[lo:hi].sum()) if hi > lo else 0.0
+
+
+def merge(vectors: list[np.ndarray], numels: list[int]) -> np.ndarray:
+    """Combine full vectors of several tensors (module reuse, micro-batches) into one: sums add, maxima max."""
+    if len(vectors) == 1:
+        return vectors[0]
+    out = np.sum(vectors, axis=0)
+    out[3] = float(np.sqrt(sum(v[3] ** 2 for v in vectors)))   # l2 norms combine in quadrature
+    out[4] = max(v[4] for v in vectors)
+    return out
+
+
+def derive(vec: np.ndarray, numel: int) -> tuple[dict, np.ndarray]:
+    """Statistics dict (FIELDS) and the binade histogram (counts for e = -127..127) from one full vector."""
+    nonzeros, over16, total, norm, absmax = (float(v) for v in vec[:HEAD])
+    keys = vec[HEAD:]
+    nan = float(keys[KEY_NAN])
+    inf = float(keys[KEY_INF])
+    bins = _binades(keys).astype(np.float64)
+    zeros = float(numel - nonzeros)
+    bins[0] -= zeros                                      # exponent field 0 is zeros + FP32 subnormals
+    finite_nonzero = bins.sum()
+    nz_idx = np.flatnonzero(bins)
+    # Smallest non-zero magnitude, to the binade: the lower edge of the lowest occupied binade.
+    minabs = float(2.0 ** (nz_idx[0] - 127)) if nz_idx.size else 0.0
+    if nz_idx.size and nz_idx[0] == 0:
+        minabs = 2.0 ** -149
+    fp16, bf16 = formats.FP16, formats.BF16
+    stats = {
+        "numel": float(numel),
+        "nan": nan,
+        "inf": inf,
+        "zeros": zeros,
+        "absmax": absmax,
+        "minabs": minabs,
+        "mean": total / numel if numel else 0.0,
+        "rms": norm / np.sqrt(numel) if numel else 0.0,
+        "fp16_over": over16 - inf,                                              # finite |x| > 65504
+        "fp16_sub": _count_from(bins, fp16.subnormal_exp, fp16.normal_exp),     # [2^-24, 2^-14)
+        "fp16_flush": _count_from(bins, -999, fp16.subnormal_exp),             # (0, 2^-24): rounds to 0 in FP16
+        # BF16 keeps FP32's exponent range: overflow only in the top binade, underflow only among FP32 subnormals.
+        # Finite values above the BF16 max all lie in FP32's top binade [2^127, 2^128), which also holds values
+        # below it: exact when absmax settles it or that binade holds one value, else unknown (NaN).
+        "bf16_over": 0.0 if absmax <= bf16.max else (1.0 if bins[-1] == 1 else float("nan")),
+        "bf16_sub": float(bins[0]),                                            # non-zero |x| < 2^-126
+        # Non-zero |x| < 2^-133 (would flush in BF16) lie among the FP32 subnormals, which the histogram does not
+        # split; exact (0) when there are none, else unknown (NaN, stored as NULL) rather than a guess.
+        "bf16_flush": 0.0 if bins[0] == 0 else float("nan"),
+    }
+    return stats, bins
+
+
+def finite_flags(vec: np.ndarray) -> tuple[float, float]:
+    """(nan count, inf count) of a full vector, for quick checks on the training thread."""
+    return float(vec[HEAD + KEY_NAN]), float(vec[HEAD + KEY_INF])

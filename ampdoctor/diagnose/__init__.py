@@ -1,0 +1,1 @@
+"""Rules over a trace (issue: diagnosis)."""

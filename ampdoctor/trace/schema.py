@@ -1,0 +1,58 @@
+"""The trace file: one SQLite database per rank. Tables, version and the error every reader raises.
+
+Documented for people in docs/trace-format.md; keep the two in step.
+"""
+from __future__ import annotations
+
+import sqlite3
+
+VERSION = 1                       # PRAGMA user_version; bump on any incompatible change
+APPLICATION_ID = 0x414D5044       # PRAGMA application_id, "AMPD": tells a trace from any other SQLite file
+
+STATS_FIELDS = ("numel", "nan", "inf", "zeros", "absmax", "minabs", "mean", "rms",
+                "fp16_over", "fp16_sub", "fp16_flush", "bf16_over", "bf16_sub", "bf16_flush")
+STEP_FIELDS = ("step", "time", "step_time", "data_time", "samples", "samples_per_s", "loss", "lr",
+               "loss_scale", "loss_scale_next", "skipped", "grad_norm", "microbatches", "peak_mem",
+               "level", "nonfinite")
+KINDS = ("act", "grad_out", "param_grad", "weight", "update")
+ROOT = "(model)"                  # how the root module is named in site paths
+
+# level of a step: what was recorded for it
+LEVEL_PEAK, LEVEL_FULL, LEVEL_HIST = 0, 1, 2
+
+DDL = f"""
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE sites (
+    id INTEGER PRIMARY KEY, path TEXT NOT NULL, module TEXT NOT NULL, kind TEXT NOT NULL,
+    module_type TEXT, dtype TEXT, shape TEXT, first_step INTEGER, UNIQUE (path, kind));
+CREATE TABLE steps (
+    step INTEGER PRIMARY KEY, time REAL, step_time REAL, data_time REAL, samples INTEGER, samples_per_s REAL,
+    loss REAL, lr TEXT, loss_scale REAL, loss_scale_next REAL, skipped INTEGER, grad_norm REAL,
+    microbatches INTEGER, peak_mem INTEGER, level INTEGER, nonfinite INTEGER);
+CREATE TABLE peaks (step INTEGER PRIMARY KEY, data BLOB NOT NULL);
+CREATE TABLE stats (
+    step INTEGER NOT NULL, site INTEGER NOT NULL, scale REAL, calls INTEGER,
+    {", ".join(f + " REAL" for f in STATS_FIELDS)},
+    PRIMARY KEY (step, site)) WITHOUT ROWID;
+CREATE TABLE hists (step INTEGER NOT NULL, site INTEGER NOT NULL, lo INTEGER NOT NULL, counts BLOB NOT NULL,
+    PRIMARY KEY (step, site)) WITHOUT ROWID;
+CREATE TABLE events (
+    id INTEGER PRIMARY KEY, step INTEGER, kind TEXT NOT NULL, site INTEGER, phase TEXT, message TEXT, data TEXT);
+CREATE TABLE metrics (step INTEGER, name TEXT NOT NULL, value REAL, time REAL);
+CREATE INDEX metrics_name ON metrics (name, step);
+CREATE INDEX events_step ON events (step);
+"""
+
+
+class TraceError(Exception):
+    """A trace file that cannot be read; the message is one line saying what is wrong."""
+
+
+def create(conn: sqlite3.Connection) -> None:
+    """Lay out a new trace (autocommit connection)."""
+    mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+    if mode.lower() != "wal":
+        raise sqlite3.OperationalError(f"the file system does not support WAL mode (got {mode})")
+    conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable against a killed process
+    conn.executescript("BEGIN;" + DDL + f"PRAGMA application_id={APPLICATION_ID};"
+                       f"PRAGMA user_version={VERSION}; COMMIT;")

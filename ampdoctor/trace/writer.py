@@ -1,0 +1,293 @@
+"""Background writer: the training thread only enqueues; this thread turns raw step packets into rows.
+
+All number crunching that need not happen on the training thread (merging calls, deriving counts from the
+histograms, locating the first non-finite value) happens here, in numpy.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import queue
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import schema
+from ..collect import stats as kernels
+
+COMMIT_EVERY_S = 0.5        # the trace promises a commit at least once a second; half that leaves slack
+QUEUE_MAX = 256             # packets; a writer this far behind slows training down instead of eating memory
+
+
+@dataclass
+class Entry:
+    """One observation of a site during a step: which values of the step's vector belong to it."""
+
+    site: int
+    phase: str                       # "fwd", "bwd", "param", "weight", "update"
+    values: list[tuple[int, str, int]]   # per tensor: (offset, mode, numel); mode "p" = 2 values, "f" = FULL_LEN
+    inputs: list[tuple[int, str, int]] = field(default_factory=list)   # forward only, same layout
+
+
+@dataclass
+class StepPacket:
+    step: int
+    row: dict                        # steps-table fields known on the training thread
+    values: np.ndarray               # the step's one host transfer
+    entries: list[Entry]
+    loss: float | None
+    scale: float | None
+    scale_next: float | None
+    grad_norm: float | None
+    skipped: bool | None             # None: infer from the scale (no optimizer to tell)
+    store_hist: bool
+    grad_scale_kinds: tuple = ("grad_out",)
+
+
+def _value_peak(values: np.ndarray, off: int, mode: str) -> float:
+    """max |x| of one tensor: NaN if it held a NaN, Inf if an Inf."""
+    if mode == "p":
+        mn, mx = values[off], values[off + 1]
+        if math.isnan(mn) or math.isnan(mx):
+            return math.nan
+        return max(abs(mn), abs(mx))
+    nan, inf = kernels.finite_flags(values[off:off + kernels.FULL_LEN])
+    if nan:
+        return math.nan
+    if inf:
+        return math.inf
+    return float(values[off + kernels.HEAD - 1])
+
+
+def _worst(peaks) -> float:
+    """Combine peaks of several tensors: NaN beats Inf beats the largest finite value."""
+    out = -1.0
+    for p in peaks:
+        if math.isnan(p):
+            return math.nan
+        out = max(out, p)
+    return out
+
+
+def _finite(p: float) -> bool:
+    return not (math.isnan(p) or math.isinf(p))
+
+
+class Writer(threading.Thread):
+    def __init__(self, path: str):
+        super().__init__(name="ampdoctor-writer", daemon=True)
+        self.path = path
+        self.queue: queue.Queue = queue.Queue(maxsize=QUEUE_MAX)
+        self.error: BaseException | None = None
+        self.n_sites = 0
+        self.steps_written = 0
+        self._conn = self._open(path)
+
+    @staticmethod
+    def _open(path: str) -> sqlite3.Connection:
+        d = os.path.dirname(os.path.abspath(path))
+        os.makedirs(d, exist_ok=True)
+        if os.path.exists(path):
+            raise FileExistsError(f"{path} exists; ampdoctor never overwrites a trace")
+        conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        try:
+            schema.create(conn)
+        except BaseException:
+            conn.close()
+            for suffix in ("", "-wal", "-shm"):      # only what this call created: the path did not exist
+                try:
+                    os.remove(path + suffix)
+                except OSError:
+                    pass
+            raise
+        return conn
+
+    # -- training-thread side ----------------------------------------------------------------------------------
+    def put(self, item) -> None:
+        self.queue.put(item, timeout=30)
+
+    def close(self, timeout: float = 30.0) -> None:
+        if self.is_alive():
+            try:
+                self.queue.put(("close",), timeout=timeout)
+            except queue.Full:
+                pass
+            self.join(timeout)
+        elif self._conn is not None and not self._started.is_set():
+            self._conn.close()
+            self._conn = None
+
+    # -- writer thread -------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        conn = self._conn
+        last_commit = time.monotonic()
+        dirty = False
+        try:
+            conn.execute("BEGIN")
+            while True:
+                try:
+                    item = self.queue.get(timeout=COMMIT_EVERY_S / 2)
+                except queue.Empty:
+                    item = None
+                if item is not None:
+                    if item[0] == "close":
+                        break
+                    self._handle(conn, item)
+                    dirty = True
+                if dirty and (item is None or time.monotonic() - last_commit >= COMMIT_EVERY_S):
+                    conn.execute("COMMIT")
+                    conn.execute("BEGIN")
+                    last_commit = time.monotonic()
+                    dirty = False
+            conn.execute("COMMIT")
+        except BaseException as exc:  # a full disk, a removed directory: report, never raise into training
+            self.error = exc
+            try:
+                conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+            self._drain()
+        finally:
+            try:
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            except sqlite3.Error:
+                pass
+            conn.close()
+            self._conn = None
+
+    def _drain(self) -> None:
+        """Keep taking packets so that a producer never blocks on a dead writer."""
+        while True:
+            try:
+                item = self.queue.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if item[0] == "close":
+                return
+
+    def _handle(self, conn: sqlite3.Connection, item: tuple) -> None:
+        tag = item[0]
+        if tag == "step":
+            self._write_step(conn, item[1])
+        elif tag == "site":
+            conn.execute("INSERT INTO sites (id, path, module, kind, module_type, dtype, shape, first_step) "
+                         "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", item[1:])
+            self.n_sites = max(self.n_sites, item[1] + 1)
+        elif tag == "meta":
+            conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (item[1], json.dumps(item[2])))
+        elif tag == "metric":
+            conn.execute("INSERT INTO metrics (step, name, value, time) VALUES (?, ?, ?, ?)", item[1:])
+        elif tag == "event":
+            step, kind, site, phase, message, data = item[1:]
+            conn.execute("INSERT INTO events (step, kind, site, phase, message, data) VALUES (?, ?, ?, ?, ?, ?)",
+                         (step, kind, site, phase, message, json.dumps(data) if data is not None else None))
+        elif tag == "call":          # run a callable on the writer thread (used by live diagnosis)
+            item[1](conn)
+        else:
+            raise ValueError(f"unknown packet {tag!r}")
+
+    def _write_step(self, conn: sqlite3.Connection, p: StepPacket) -> None:
+        values = p.values
+        # 1. per-site peak and, where every call of the site had full statistics, merged full vectors
+        peaks: dict[int, list[float]] = {}
+        fulls: dict[int, list] = {}
+        calls: dict[int, int] = {}
+        phase_of: dict[int, str] = {}
+        for e in p.entries:
+            peaks.setdefault(e.site, []).extend(_value_peak(values, o, m) for o, m, _ in e.values)
+            calls[e.site] = calls.get(e.site, 0) + 1
+            phase_of[e.site] = e.phase
+            if all(m == "f" for _, m, _ in e.values) and fulls.get(e.site, []) is not None:
+                fulls.setdefault(e.site, []).extend((values[o:o + kernels.FULL_LEN], n) for o, _, n in e.values)
+            else:
+                fulls[e.site] = None        # a peak-only call: the site's full statistics would be partial
+        site_peak = {s: _worst(v) for s, v in peaks.items()}
+
+        n = max(self.n_sites, max(site_peak, default=-1) + 1)
+        blob = np.full(n, -1.0, dtype="<f4")
+        for s, v in site_peak.items():
+            blob[s] = v
+        conn.execute("INSERT INTO peaks (step, data) VALUES (?, ?)", (p.step, blob.tobytes()))
+
+        scale = p.scale if p.scale is not None else 1.0
+        stat_rows, hist_rows = [], []
+        for s, parts in fulls.items():
+            if not parts:
+                continue
+            vec = kernels.merge([v for v, _ in parts], [k for _, k in parts])
+            numel = sum(k for _, k in parts)
+            st, bins = kernels.derive(vec, numel)
+            site_scale = scale if phase_of[s] == "bwd" else 1.0
+            stat_rows.append((p.step, s, site_scale, calls[s],
+                              *[None if isinstance(st[f], float) and math.isnan(st[f]) and f.startswith("bf16")
+                                else st[f] for f in schema.STATS_FIELDS]))
+            if p.store_hist:
+                nz = np.flatnonzero(bins)
+                if nz.size:
+                    lo, hi = int(nz[0]), int(nz[-1])
+                    counts = bins[lo:hi + 1].astype("<i8")
+                    hist_rows.append((p.step, s, lo + kernels.MIN_EXP, counts.tobytes()))
+        if stat_rows:
+            conn.executemany(f"INSERT INTO stats VALUES ({','.join('?' * (4 + len(schema.STATS_FIELDS)))})",
+                             stat_rows)
+        if hist_rows:
+            conn.executemany("INSERT INTO hists VALUES (?, ?, ?, ?)", hist_rows)
+
+        # 2. skipped steps and non-finite values
+        skipped = p.skipped
+        if skipped is None:
+            skipped = (p.scale is not None and p.scale_next is not None and p.scale_next < p.scale)
+        nonfinite = any(not _finite(v) for v in site_peak.values()) or (p.loss is not None and not _finite(p.loss))
+        if nonfinite:
+            self._locate(conn, p, values)
+
+        row = dict(p.row)
+        step_time = row.get("step_time")
+        samples = row.get("samples")
+        row.update(
+            step=p.step, loss=p.loss, loss_scale=p.scale, loss_scale_next=p.scale_next, skipped=int(bool(skipped)),
+            grad_norm=p.grad_norm, nonfinite=int(nonfinite),
+            samples_per_s=(samples / step_time) if samples and step_time else None,
+            lr=json.dumps(row.get("lr")) if row.get("lr") is not None else None,
+        )
+        conn.execute(f"INSERT INTO steps ({','.join(schema.STEP_FIELDS)}) VALUES "
+                     f"({','.join('?' * len(schema.STEP_FIELDS))})", [row.get(f) for f in schema.STEP_FIELDS])
+        self.steps_written += 1
+
+    def _locate(self, conn: sqlite3.Connection, p: StepPacket, values: np.ndarray) -> None:
+        """Event naming where the first non-finite value of this step came from.
+
+        Forward: the first module (in completion order) whose output is non-finite while all of its inputs were
+        finite; a child that merely received a non-finite input is not the origin. Backward: the first output
+        gradient (in the order autograd produced them) that is non-finite, after a finite one.
+        """
+        prev_site = None
+        for phase in ("fwd", "bwd", "param"):
+            for e in p.entries:
+                if e.phase != phase:
+                    continue
+                out = _worst(_value_peak(values, o, m) for o, m, _ in e.values)
+                if _finite(out):
+                    prev_site = e.site
+                    continue
+                if phase == "fwd":
+                    ins = [_value_peak(values, o, m) for o, m, _ in e.inputs]
+                    if not all(_finite(v) for v in ins):
+                        continue
+                    msg = "first non-finite output in the forward pass (inputs finite)"
+                elif phase == "bwd":
+                    msg = "first non-finite gradient in the backward pass"
+                else:
+                    msg = "non-finite parameter gradient"
+                data = {"value": "nan" if math.isnan(out) else "inf", "after": prev_site}
+                conn.execute("INSERT INTO events (step, kind, site, phase, message, data) VALUES (?, ?, ?, ?, ?, ?)",
+                             (p.step, "nonfinite", e.site, phase, msg, json.dumps(data)))
+                return
+        if p.loss is not None and not _finite(p.loss):
+            conn.execute("INSERT INTO events (step, kind, site, phase, message, data) VALUES (?, ?, ?, ?, ?, ?)",
+                         (p.step, "nonfinite", None, "loss", "non-finite loss with finite module outputs",
+                          json.dumps({"value": "nan" if math.isnan(p.loss) else "inf"})))

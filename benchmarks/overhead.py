@@ -1,0 +1,142 @@
+"""Step-time overhead of ampdoctor and its peers, measured side by side in one run (interleaved medians).
+
+Reference model: 8 x [Linear(512, 512), LayerNorm, GELU], batch 256, BF16 autocast on the CPU, SGD.
+Prints the ratio attached / bare for each observer. Run: .venv/bin/python benchmarks/overhead.py [--rounds N]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import ampdoctor  # noqa: E402
+
+WIDTH, DEPTH, BATCH = 512, 8, 256
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(DEPTH):
+        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.LayerNorm(WIDTH), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers)
+
+
+class Runner:
+    """One model + optimizer + observer; ``run(n)`` trains n steps and returns the per-step times."""
+
+    def __init__(self, name, setup):
+        self.name = name
+        self.model = make_model()
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(BATCH, WIDTH, generator=g)
+        self.y = torch.randn(BATCH, WIDTH, generator=g)
+        self.step_hook = None
+        self.closer = setup(self) if setup else None
+
+    def run(self, n):
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = self.model(self.x)
+                loss = torch.nn.functional.mse_loss(out.float(), self.y)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            self.opt.step()
+            if self.step_hook:
+                self.step_hook(loss)
+            times.append(time.perf_counter() - t0)
+        return times
+
+
+def setup_ampdoctor(**options):
+    def setup(r):
+        path = os.path.join(tempfile.mkdtemp(), "bench.db")
+        doc = ampdoctor.attach(r.model, optimizer=r.opt, trace=path, **options)
+        r.step_hook = doc.log_loss
+        return doc.close
+    return setup
+
+
+def setup_debug_underflow(r):
+    from transformers.debug_utils import DebugUnderflowOverflow
+    DebugUnderflowOverflow(r.model)
+    return None
+
+
+def setup_wandb(r):
+    import wandb
+    os.environ.setdefault("WANDB_SILENT", "true")
+    run = wandb.init(mode="offline", dir=tempfile.mkdtemp(), reinit="create_new")
+    run.watch(r.model, log="all", log_freq=1)
+    r.step_hook = lambda loss: run.log({"loss": loss.item()})
+    return run.finish
+
+
+def setup_naive_item(r):
+    """What people write first: a forward and a backward hook per layer calling .item()."""
+    def fwd(mod, args, out):
+        if isinstance(out, torch.Tensor):
+            out.abs().max().item()
+            if out.requires_grad:
+                out.register_hook(lambda g: g.abs().max().item() and None)
+    for m in r.model.modules():
+        m.register_forward_hook(fwd)
+    return None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=10, help="steps per variant per round")
+    ap.add_argument("--peers", action="store_true", help="also time DebugUnderflowOverflow and wandb.watch")
+    args = ap.parse_args()
+    torch.set_num_threads(max(torch.get_num_threads(), 1))
+
+    variants = [("bare", None),
+                ("ampdoctor defaults", setup_ampdoctor()),
+                ("ampdoctor full stats + histograms every step", setup_ampdoctor(every=1, hist_every=1)),
+                ("naive per-layer .item() hooks", setup_naive_item)]
+    if args.peers:
+        variants += [("transformers DebugUnderflowOverflow", setup_debug_underflow),
+                     ("wandb.watch(log='all', log_freq=1), offline", setup_wandb)]
+    runners = []
+    for name, setup in variants:
+        try:
+            with warnings.catch_warnings(), contextlib.redirect_stdout(open(os.devnull, "w")):
+                warnings.simplefilter("ignore")
+                runners.append(Runner(name, setup))
+        except ImportError as exc:
+            print(f"skipping {name}: {exc}")
+    for r in runners:           # warm-up: allocator, autocast caches, first-step full statistics
+        with contextlib.redirect_stdout(open(os.devnull, "w")):
+            r.run(3)
+    samples = {r.name: [] for r in runners}
+    for _ in range(args.rounds):
+        for r in runners:       # interleaved: every variant sees the same machine noise
+            with contextlib.redirect_stdout(open(os.devnull, "w")):
+                samples[r.name].append(statistics.median(r.run(args.steps)))
+    base = statistics.median(samples["bare"])
+    print(f"reference: {DEPTH} x [Linear({WIDTH},{WIDTH}), LayerNorm, GELU], batch {BATCH}, BF16 autocast, CPU, "
+          f"{torch.get_num_threads()} threads; bare step {base * 1e3:.2f} ms (median of {args.rounds} rounds)")
+    for r in runners:
+        med = statistics.median(samples[r.name])
+        print(f"{r.name:50s} {med * 1e3:8.2f} ms   x{med / base:.2f}")
+    for r in runners:
+        if r.closer:
+            with contextlib.redirect_stdout(open(os.devnull, "w")):
+                r.closer()
+
+
+if __name__ == "__main__":
+    main()
