@@ -21,9 +21,11 @@ from ..trace.writer import Entry, StepPacket, Writer
 
 log = logging.getLogger("ampdoctor")
 
-DEFAULT_EVERY = 10          # full statistics every 10th step: ~1/10 of the full-statistics cost (README figures)
-DEFAULT_HIST_EVERY = 50     # histograms stored every 50th step: keeps 500 sites x 10k steps well under 100 MB
-DEFAULT_WEIGHT_EVERY = 100  # weights and updates: they change slowly, and an update needs a copy of the weights
+# Full statistics cost ~2-3x a step on a 2-core CPU (benchmarks/overhead.py), so they are sampled: every 100th
+# step adds ~2% on average, and anomalies (non-finite values, skipped steps) always get them.
+DEFAULT_EVERY = 100
+DEFAULT_HIST_EVERY = 200    # histograms stored every 200th step: 500 sites x 10k steps stay well under 100 MB
+DEFAULT_WEIGHT_EVERY = 200  # weights and updates change slowly, and an update needs a copy of the weights
 
 
 def _rank() -> int:
@@ -81,6 +83,8 @@ class Doctor:
         self._closed = False
         self._sites: dict[tuple[str, str], int] = {}
         self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._owner = {(f"{m}." if m else "") + n: mod for m, mod in model.named_modules()
+                       for n, _ in mod.named_parameters(recurse=False)}
         self._step = 0
         self._reset_step()
         self._force_full = False
@@ -109,7 +113,9 @@ class Doctor:
     def _install(self) -> None:
         h = self._handles
         self._modules = H.select_modules(self.model, self._include, self._exclude)
+        self._grad_hooks = {}
         for path, mod in self._modules:
+            self._grad_hooks[path] = functools.partial(self._on_grad, path, mod)
             h.add(mod.register_forward_hook(functools.partial(self._on_forward, path)))
         h.add(self.model.register_forward_pre_hook(self._on_root_pre, with_kwargs=True))
 
@@ -133,8 +139,13 @@ class Doctor:
 
     # -- per-step buffer ---------------------------------------------------------------------------------------
     def _reset_step(self) -> None:
-        self._vals: list[torch.Tensor] = []
-        self._offset = 0
+        # Three blocks, concatenated at the step end into the step's one host transfer:
+        #   peaks: 0-d min/max tensors as torch.aminmax returns them (stacked once, in whatever dtype),
+        #   fulls: FULL_LEN float64 vectors, extras: float64 step figures (loss, grad norm, scales).
+        self._peaks: list[torch.Tensor] = []
+        self._fulls: list[torch.Tensor] = []
+        self._full_len = 0
+        self._extras: list[torch.Tensor] = []
         self._entries: list[Entry] = []
         self._seen: dict[int, tuple] = {}
         self._act_seen: set[int] = set()
@@ -146,13 +157,18 @@ class Doctor:
         self._opt_stepped = False
 
     def _mode(self) -> str:
-        return "f" if (self._force_full or self._step % self.every == 0) else "p"
+        s = self._step
+        return "f" if (self._force_full or s % self.every == 0 or s % self.hist_every == 0) else "p"
 
-    def _add(self, vec: torch.Tensor) -> int:
-        off = self._offset
-        self._vals.append(vec)
-        self._offset += vec.numel()
+    def _add_full(self, vec: torch.Tensor) -> int:
+        off = self._full_len
+        self._fulls.append(vec)
+        self._full_len += K.FULL_LEN
         return off
+
+    def _add_extra(self, t: torch.Tensor) -> int:
+        self._extras.append(t.reshape(()).to(torch.float64))
+        return len(self._extras) - 1
 
     def _observe(self, t: torch.Tensor, mode: str) -> tuple[int, str, int]:
         """Statistics of one tensor for this step, computed once per tensor (a module's output is often the
@@ -160,10 +176,18 @@ class Doctor:
         key = id(t)
         hit = self._seen.get(key)
         if hit is not None and hit[0]() is t and hit[1] == t._version and (hit[3] == "f" or mode == "p"):
-            return hit[2], hit[3], t.numel()
-        off = self._add(K.full(t) if mode == "f" else K.peak(t))
-        self._seen[key] = (weakref.ref(t), t._version, off, mode)
-        return off, mode, t.numel()
+            return hit[2], hit[3], hit[4]
+        n = t.numel()
+        if mode == "f":
+            off = self._add_full(K.full(t))
+        else:
+            off = len(self._peaks)
+            if n:
+                self._peaks.extend(torch.aminmax(t.detach()))
+            else:
+                self._peaks.extend((t.new_zeros((), dtype=torch.float32),) * 2)
+        self._seen[key] = (weakref.ref(t), t._version, off, mode, n)
+        return off, mode, n
 
     def _site(self, path: str, kind: str, module, t: torch.Tensor | None) -> int:
         sid = self._sites.get((path, kind))
@@ -204,7 +228,8 @@ class Doctor:
         if self._off or not torch.is_grad_enabled():
             return None
         try:
-            tensors = H.float_tensors(output)
+            tensors = [output] if type(output) is torch.Tensor and output.is_floating_point() \
+                else H.float_tensors(output)
             if not tensors:
                 return None
             sid = self._site(path, "act", module, tensors[0])
@@ -218,7 +243,7 @@ class Doctor:
             self._entries.append(Entry(sid, "fwd", outs, ins))
             for t in tensors:
                 if t.requires_grad:
-                    t.register_hook(functools.partial(self._on_grad, path, module))
+                    t.register_hook(self._grad_hooks[path])
         except Exception as exc:
             self._fail(exc)
         return None
@@ -249,8 +274,8 @@ class Doctor:
         try:
             if self._snapshot is not None:
                 for (name, p), old in zip(self._params, self._snapshot):
-                    sid = self._site(name, "update", None, p)
-                    self._entries.append(Entry(sid, "update", [(self._add(K.full(p.detach() - old)), "f",
+                    sid = self._site(name, "update", self._owner.get(name), p)
+                    self._entries.append(Entry(sid, "update", [(self._add_full(K.full(p.detach() - old)), "f",
                                                                 p.numel())]))
                 self._snapshot = None
         except Exception as exc:
@@ -371,27 +396,26 @@ class Doctor:
 
         grads = [(n, p.grad) for n, p in self._params if p.grad is not None]
         for name, g in grads:
-            sid = self._site(name, "param_grad", None, g)
+            sid = self._site(name, "param_grad", self._owner.get(name), g)
             entries.append(Entry(sid, "param", [self._observe(g, mode)]))
-        norm_off = self._add(torch.linalg.vector_norm(torch.stack(
-            [torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for _, g in grads])).reshape(1)) \
-            if grads else None
+        norm_off = self._add_extra(torch.linalg.vector_norm(torch.stack(
+            torch._foreach_norm([g.detach() for _, g in grads])))) if grads else None
         if step % self.weight_every == 0:
             for name, p in self._params:
-                sid = self._site(name, "weight", None, p)
+                sid = self._site(name, "weight", self._owner.get(name), p)
                 entries.append(Entry(sid, "weight", [self._observe(p.detach(), "f")]))
-        loss_off = self._add(_sum_losses(self._losses)) if self._losses else None
-        scale_after = self._read_scale() if self.scaler is not None and self._scaler_enabled() else None
-        scale_before = self._scale_before if self.scaler is not None and self._scaler_enabled() else None
-        scale_offs = [self._add(torch.as_tensor(s, dtype=torch.float64).reshape(1)) if isinstance(s, torch.Tensor)
-                      else s for s in (scale_before, scale_after)]
+        loss_off = self._add_extra(_sum_losses(self._losses)) if self._losses else None
+        scaler_on = self.scaler is not None and self._scaler_enabled()
+        scales = [self._scale_before, self._read_scale()] if scaler_on else [None, None]
+        scale_offs = [self._add_extra(v) if isinstance(v, torch.Tensor) else v for v in scales]
 
-        values = self._to_host(self._vals)                 # the step's one host transfer
+        values, bases = self._to_host()                 # the step's one host transfer
+        extra_base = bases["x"]
 
         def pick(off):
-            return None if off is None else float(values[off])
+            return None if off is None else float(values[extra_base + off])
 
-        scale_vals = [pick(o) if isinstance(o, int) else o for o in scale_offs]
+        scale_vals = [pick(o) if isinstance(v, torch.Tensor) else v for o, v in zip(scale_offs, scales)]
         t_first = self._t_first if self._t_first is not None else now
         row = {
             "time": time.time(),
@@ -403,10 +427,10 @@ class Doctor:
             "peak_mem": _peak_mem(self.model),
             "level": schema.LEVEL_HIST if store_hist else (schema.LEVEL_FULL if mode == "f" else schema.LEVEL_PEAK),
         }
-        packet = StepPacket(step=step, row=row, values=values, entries=entries, loss=pick(loss_off),
+        packet = StepPacket(step=step, row=row, values=values, bases=bases, entries=entries, loss=pick(loss_off),
                             scale=scale_vals[0], scale_next=scale_vals[1], grad_norm=pick(norm_off),
                             skipped=skipped, store_hist=store_hist)
-        anomalous = bool(skipped) or _anomalous(values, entries) or (
+        anomalous = bool(skipped) or _anomalous(values, bases, entries) or (
             packet.loss is not None and not math.isfinite(packet.loss))
         if not self._config_written:
             self._put(("meta", "config", self._config()))
@@ -419,16 +443,21 @@ class Doctor:
         self._reset_step()
         self._t_prev_end = time.perf_counter()
 
-    @staticmethod
-    def _to_host(vals: list[torch.Tensor]) -> np.ndarray:
-        if not vals:
-            return np.zeros(0)
-        by_dev: dict = {}
-        for v in vals:
-            by_dev.setdefault(v.device, []).append(v)
-        if len(by_dev) == 1:
-            return torch.cat([v.reshape(-1) for v in vals]).cpu().numpy()
-        return np.concatenate([v.reshape(-1).cpu().numpy() for v in vals])
+    def _to_host(self) -> tuple[np.ndarray, dict]:
+        """Everything the step computed, in one transfer: [peaks | full vectors | extras] as float64."""
+        parts = []
+        if self._peaks:
+            parts.append(torch.stack(self._peaks).to(torch.float64))
+        parts.extend(self._fulls)
+        if self._extras:
+            parts.append(torch.stack(self._extras))
+        bases = {"p": 0, "f": len(self._peaks), "x": len(self._peaks) + self._full_len}
+        if not parts:
+            return np.zeros(0), bases
+        devices = {t.device for t in parts}
+        if len(devices) == 1:
+            return torch.cat(parts).cpu().numpy(), bases
+        return np.concatenate([t.cpu().numpy() for t in parts]), bases
 
     # -- metadata --------------------------------------------------------------------------------------------------
     def _run_meta(self) -> dict:
@@ -526,9 +555,10 @@ def _sum_losses(losses: list) -> torch.Tensor:
     return torch.stack(parts).sum().reshape(1)
 
 
-def _anomalous(values: np.ndarray, entries: list[Entry]) -> bool:
+def _anomalous(values: np.ndarray, bases: dict, entries: list[Entry]) -> bool:
     for e in entries:
         for off, mode, _ in e.values:
+            off += bases[mode]
             if mode == "p":
                 if not (math.isfinite(values[off]) and math.isfinite(values[off + 1])):
                     return True

@@ -38,6 +38,7 @@ class StepPacket:
     step: int
     row: dict                        # steps-table fields known on the training thread
     values: np.ndarray               # the step's one host transfer
+    bases: dict                      # where each block starts in values: "p" peaks, "f" full vectors, "x" extras
     entries: list[Entry]
     loss: float | None
     scale: float | None
@@ -192,6 +193,9 @@ class Writer(threading.Thread):
 
     def _write_step(self, conn: sqlite3.Connection, p: StepPacket) -> None:
         values = p.values
+        for e in p.entries:          # block-relative offsets -> positions in values
+            e.values = [(o + p.bases[m], m, n) for o, m, n in e.values]
+            e.inputs = [(o + p.bases[m], m, n) for o, m, n in e.inputs]
         # 1. per-site peak and, where every call of the site had full statistics, merged full vectors
         peaks: dict[int, list[float]] = {}
         fulls: dict[int, list] = {}

@@ -1,0 +1,34 @@
+# The two set-up commands of the README: `make demo` (the main job) and `make test`.
+PY      ?= python3
+VENV    ?= .venv
+BIN      = $(VENV)/bin
+TORCH    = torch==2.13.0   # the CPU wheel on these machines; an unpinned torch pulls a multi-GB CUDA build
+
+.PHONY: demo test install browser bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+install: $(BIN)/python
+	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[test]"
+
+demo: install
+	mkdir -p runs
+	AMPDOCTOR_DEMO_OUT=runs/.demo-path $(BIN)/python examples/demo.py runs/demo.db
+	$(BIN)/ampdoctor info "$$(cat runs/.demo-path)"
+
+# Debian's chromium + chromium-driver for the dashboard's browser tests (root; skipped when already there).
+browser:
+	@command -v chromedriver >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null)
+
+test: install browser
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+bench: install
+	$(BIN)/pip install -q -e ".[bench]"
+	$(BIN)/python benchmarks/overhead.py --peers
+	$(BIN)/python benchmarks/trace_io.py
+
+clean:
+	rm -rf runs build *.egg-info

@@ -1,0 +1,58 @@
+"""``ampdoctor diagnose TRACE``: the rules over a trace as a readable report or JSON; exit 1 gates CI."""
+from __future__ import annotations
+
+import json
+import textwrap
+
+from .engine import SEVERITIES, at_least, diagnose
+from .registry import RULES
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("trace", help="trace file (.db)")
+    parser.add_argument("--reference", default=None, metavar="TRACE",
+                        help="a second trace to compare with (e.g. the same model in FP32)")
+    parser.add_argument("--json", action="store_true", help="print a JSON list of findings")
+    parser.add_argument("--fail-on", default="warning", choices=SEVERITIES,
+                        help="exit 1 when a finding at or above this severity exists (default: warning)")
+    parser.add_argument("--disable", nargs="+", default=[], metavar="ID", help="rule ids to leave out")
+
+
+def run(args) -> int:
+    from ..cli import EXIT_FINDINGS, EXIT_OK, UsageError
+    unknown = [r for r in args.disable if r not in RULES]
+    if unknown:
+        raise UsageError(f"ampdoctor diagnose: unknown rule id {unknown[0]!r}; known: {', '.join(RULES)}")
+    findings = diagnose(args.trace, reference=args.reference, rules={r: None for r in args.disable})
+    if args.json:
+        print(json.dumps([d.to_dict() for d in findings], indent=2))
+    else:
+        print(report(args.trace, findings))
+    return EXIT_FINDINGS if any(at_least(d.severity, args.fail_on) for d in findings) else EXIT_OK
+
+
+def report(path: str, findings) -> str:
+    """The human-readable report: one block per finding, worst first."""
+    if not findings:
+        return f"{path}: no findings (rules run: {len(RULES)})"
+    counts = {s: sum(d.severity == s for d in findings) for s in reversed(SEVERITIES)}
+    lines = [f"{path}: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n)]
+    for d in findings:
+        lines += ["", f"[{d.severity.upper()}] {d.rule}: {d.title}"]
+        lines += textwrap.wrap(d.summary, 110, initial_indent="  ", subsequent_indent="  ")
+        if d.layers:
+            lines.append("  layers:   " + ", ".join(d.layers[:8]) + (" ..." if len(d.layers) > 8 else ""))
+        if d.steps:
+            lines.append(f"  steps:    {d.steps[0]}" + (f"-{d.steps[-1]}" if d.steps[-1] != d.steps[0] else ""))
+        ev = d.to_dict()["evidence"]
+        lines.append("  evidence: " + ", ".join(f"{k}={_short(v)}" for k, v in ev.items()))
+        lines.append("  fix:")
+        lines += ["    " + ln for ln in d.recommendation.splitlines()]
+    return "\n".join(lines)
+
+
+def _short(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    s = json.dumps(v)
+    return s if len(s) <= 80 else s[:77] + "..."

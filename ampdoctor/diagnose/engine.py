@@ -1,0 +1,255 @@
+"""The diagnosis engine: the Diagnosis result, the cached view of a run that rules read, and ``diagnose``.
+
+A rule is a function ``check(run, **thresholds) -> Diagnosis | list[Diagnosis] | None``; its keyword-only
+arguments are its thresholds (defaults are named constants in the rule's module). The registry (registry.py)
+maps stable ids to these functions. Offline side: no torch import.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import os
+from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
+from typing import Callable
+
+import numpy as np
+import pandas as pd
+
+from .. import formats
+from ..trace import Trace, TraceError, load
+
+SEVERITIES = ("info", "warning", "critical")
+_RANK = {s: i for i, s in enumerate(SEVERITIES)}
+
+
+@dataclass
+class Diagnosis:
+    """One finding: what is wrong, where (layers, culprit first), on which steps, the figures it rests on, the fix."""
+
+    rule: str
+    severity: str
+    title: str
+    summary: str
+    layers: list = field(default_factory=list)
+    steps: list = field(default_factory=list)       # [first, last] step concerned ([] when not step-bound)
+    evidence: dict = field(default_factory=dict)
+    recommendation: str = ""
+
+    def to_dict(self) -> dict:
+        return _plain(asdict(self))
+
+
+def _plain(v):
+    """JSON-safe copy: numpy scalars to Python numbers, non-finite floats to strings."""
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple, np.ndarray)):
+        return [_plain(x) for x in v]
+    if isinstance(v, (np.integer,)):
+        return int(v)
+    if isinstance(v, (np.floating, float)):
+        f = float(v)
+        return f if math.isfinite(f) else str(f)
+    if isinstance(v, np.bool_):
+        return bool(v)
+    return v
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A registry entry: stable id, the check function and what the rule is about (one line)."""
+
+    id: str
+    check: Callable
+    about: str
+
+    @property
+    def thresholds(self) -> dict:
+        """The rule's thresholds and their defaults (the check's keyword-only arguments)."""
+        return {p.name: p.default for p in inspect.signature(self.check).parameters.values()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def finding(severity: str, title: str, summary: str, *, layers=(), steps=(), evidence=None,
+            recommendation: str = "") -> Diagnosis:
+    """A Diagnosis whose rule id the engine fills in."""
+    if severity not in SEVERITIES:
+        raise ValueError(f"Argument severity should be one of {', '.join(SEVERITIES)}, but given {severity!r}")
+    return Diagnosis(rule="", severity=severity, title=title, summary=summary, layers=list(layers),
+                     steps=[int(s) for s in steps], evidence=dict(evidence or {}), recommendation=recommendation)
+
+
+class Run:
+    """What rules read: a trace plus cached views of it (steps, sites, per-site arrays, configuration)."""
+
+    def __init__(self, trace: Trace):
+        self.trace = trace
+        self._records: dict = {}
+        self._sites: dict = {}
+
+    # -- tables --------------------------------------------------------------------------------------------------
+    @cached_property
+    def steps(self) -> pd.DataFrame:
+        return self.trace.steps()
+
+    @cached_property
+    def meta(self) -> dict:
+        return self.trace.meta
+
+    @property
+    def config(self) -> dict:
+        return self.meta.get("config", {}) or {}
+
+    @property
+    def info(self) -> dict:
+        return self.meta.get("run", {}) or {}
+
+    def sites(self, kind: str) -> pd.DataFrame:
+        if kind not in self._sites:
+            self._sites[kind] = self.trace.sites(kind)
+        return self._sites[kind]
+
+    def records(self, fld: str, kind: str) -> np.ndarray:
+        key = (fld, kind)
+        if key not in self._records:
+            self._records[key] = self.trace.records(fld, kind)
+        return self._records[key]
+
+    @cached_property
+    def events(self) -> pd.DataFrame:
+        return self.trace.events("nonfinite")
+
+    @cached_property
+    def metrics(self) -> pd.DataFrame:
+        return self.trace.metrics()
+
+    @cached_property
+    def full_steps(self) -> np.ndarray:
+        return self.trace.full_steps()
+
+    # -- precision configuration ---------------------------------------------------------------------------------
+    @property
+    def n_steps(self) -> int:
+        return len(self.steps)
+
+    @property
+    def autocast(self) -> dict:
+        return self.config.get("autocast", {}) or {}
+
+    @property
+    def scaler(self) -> dict:
+        return self.config.get("scaler") or {}
+
+    @property
+    def scaler_on(self) -> bool:
+        return bool(self.scaler.get("enabled"))
+
+    @cached_property
+    def compute_dtype(self) -> str | None:
+        """The reduced dtype the model computed in (autocast dtype, else the dominant half activation dtype)."""
+        ac = self.autocast
+        if ac.get("enabled") and ac.get("dtype") in formats.REDUCED:
+            return ac["dtype"]
+        acts = self.sites("act")
+        half = acts[acts["dtype"].isin(formats.REDUCED)]
+        if len(half):
+            return str(half["dtype"].mode().iloc[0])
+        return None
+
+    @property
+    def fp16(self) -> bool:
+        return self.compute_dtype == "float16"
+
+    @cached_property
+    def module_types(self) -> dict:
+        """module path -> module class name (from the activation sites)."""
+        acts = self.sites("act")
+        return dict(zip(acts["path"], acts["module_type"]))
+
+    # -- device --------------------------------------------------------------------------------------------------
+    @property
+    def device(self) -> str:
+        return str(self.info.get("device") or "cpu")
+
+    @property
+    def bf16_supported(self) -> bool:
+        return bool(self.info.get("bf16_supported", self.device == "cpu"))
+
+    @property
+    def capability(self) -> tuple | None:
+        cap = self.info.get("capability")
+        return tuple(cap) if cap else None
+
+    # -- helpers -------------------------------------------------------------------------------------------------
+    def step_range(self, steps) -> list:
+        steps = [int(s) for s in steps]
+        return [min(steps), max(steps)] if steps else []
+
+
+def _as_trace(obj, what: str) -> Trace:
+    if isinstance(obj, Trace):
+        return obj
+    if isinstance(obj, (str, os.PathLike)):
+        return load(obj)
+    raise TypeError(f"Argument {what} should be of type ampdoctor.Trace or a path (str), but given {type(obj)}")
+
+
+def resolve_rules(rules: dict | None) -> list[tuple[Rule, dict]]:
+    """Registry entries to run with their threshold overrides; ``rules={id: None}`` disables a rule."""
+    from .registry import RULES
+    if rules is not None and not isinstance(rules, dict):
+        raise TypeError(f"Argument rules should be of type dict, but given {type(rules)}")
+    rules = dict(rules or {})
+    unknown = [k for k in rules if k not in RULES]
+    if unknown:
+        raise ValueError(f"Unknown rule id {unknown[0]!r}; known: {', '.join(RULES)}")
+    out = []
+    for rid, rule in RULES.items():
+        over = rules.get(rid, {})
+        if over is None or over is False:
+            continue
+        if over is True:
+            over = {}
+        if not isinstance(over, dict):
+            raise TypeError(f"Argument rules[{rid!r}] should be a dict of thresholds or None, but given {type(over)}")
+        known = rule.thresholds
+        bad = [k for k in over if k not in known]
+        if bad:
+            raise ValueError(f"Rule {rid!r} has no threshold {bad[0]!r}; its thresholds: "
+                             f"{', '.join(known) or 'none'}")
+        out.append((rule, over))
+    return out
+
+
+def diagnose(trace_or_path, reference=None, rules: dict | None = None) -> list[Diagnosis]:
+    """Run every registered rule over a trace; findings worst first.
+
+    ``reference``: an optional second trace (e.g. the same model in FP32) for the rules that compare.
+    ``rules``: ``{rule_id: {threshold: value}}`` to re-threshold a rule, ``{rule_id: None}`` to disable it.
+    """
+    selected = resolve_rules(rules)
+    tr = _as_trace(trace_or_path, "trace_or_path")
+    run = Run(tr)
+    run.reference = Run(_as_trace(reference, "reference")) if reference is not None else None
+    if run.n_steps == 0:
+        raise TraceError(f"{tr.path}: no steps recorded; nothing to diagnose")
+    out: list[Diagnosis] = []
+    for order, (rule, over) in enumerate(selected):
+        result = rule.check(run, **over)
+        if result is None:
+            continue
+        for d in (result if isinstance(result, list) else [result]):
+            if not d.evidence:        # DESIGN principle 4: no evidence, no finding
+                continue
+            out.append((order, replace(d, rule=rule.id)))
+    out.sort(key=lambda od: (-_RANK[od[1].severity], od[0]))
+    return [d for _, d in out]
+
+
+def worst(findings: list[Diagnosis]) -> str | None:
+    return max((d.severity for d in findings), key=_RANK.__getitem__, default=None)
+
+
+def at_least(severity: str, threshold: str) -> bool:
+    return _RANK[severity] >= _RANK[threshold]

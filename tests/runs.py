@@ -1,0 +1,70 @@
+"""Small real training runs on the CPU, shared by the tests (FP16 models stay <= 128 wide: CPU FP16 is slow)."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+import ampdoctor
+
+AUTOCAST = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
+
+
+def mlp(width=64, depth=3, d_in=32, d_out=1, seed=0, norm=False):
+    torch.manual_seed(seed)
+    layers, d = [], d_in
+    for _ in range(depth):
+        layers += [torch.nn.Linear(d, width)] + ([torch.nn.LayerNorm(width)] if norm else []) + [torch.nn.ReLU()]
+        d = width
+    layers.append(torch.nn.Linear(d, d_out))
+    return torch.nn.Sequential(*layers)
+
+
+def batches(n, batch=32, d_in=32, d_out=1, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(d_in, d_out, generator=g)
+    for _ in range(n):
+        x = torch.randn(batch, d_in, generator=g)
+        yield x, x @ w + 0.1 * torch.randn(batch, d_out, generator=g)
+
+
+def train(model, steps=20, *, precision="fp16", scaler=True, init_scale=2.0**16, growth_interval=2000, lr=0.01,
+          optimizer="sgd", trace=None, attach_options=None, loss_weight=1.0, data=None, accumulation=1,
+          loss_fn=None):
+    """Train ``model`` for ``steps`` optimizer steps; with ``trace`` set, ampdoctor is attached.
+
+    Returns (model, optimizer, scaler, losses). ``precision``: fp16 | bf16 | fp32 (autocast dtype or none).
+    """
+    opt = (torch.optim.SGD(model.parameters(), lr=lr) if optimizer == "sgd"
+           else torch.optim.Adam(model.parameters(), lr=lr))
+    sc = (torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
+          if scaler and precision == "fp16" else None)
+    dtype = AUTOCAST[precision]
+    data = data if data is not None else batches(steps * accumulation)
+    loss_fn = loss_fn or (lambda out, y: torch.nn.functional.mse_loss(out.float(), y))
+    doc = (ampdoctor.attach(model, optimizer=opt, scaler=sc, trace=trace, **(attach_options or {}))
+           if trace is not None else contextlib.nullcontext())
+    losses = []
+    with doc:
+        it = iter(data)
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            for _ in range(accumulation):
+                x, y = next(it)
+                ctx = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+                with ctx:
+                    out = model(x)
+                loss = loss_fn(out, y) * loss_weight / accumulation
+                losses.append(loss.item())
+                if sc is not None:
+                    sc.scale(loss).backward()
+                else:
+                    loss.backward()
+                    if trace is not None:
+                        doc.log_loss(loss)
+            if sc is not None:
+                sc.step(opt)
+                sc.update()
+            else:
+                opt.step()
+    return model, opt, sc, losses

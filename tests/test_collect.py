@@ -1,0 +1,362 @@
+"""attach() on real CPU training runs: what the trace holds, and that training is left exactly as it was."""
+import math
+import os
+import pathlib
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.checkpoint
+
+import ampdoctor
+from runs import batches, mlp, train
+
+
+def params_of(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("precision,options", [
+    ("fp16", {}), ("fp16", {"every": 1, "hist_every": 1, "weight_every": 7}),
+    ("bf16", {}), ("bf16", {"every": 1}), ("fp32", {"every": 3, "weight_every": 5})])
+def test_zero_observer_effect(tmp_path, precision, options):
+    """50 steps with and without attach end with bit-identical parameters and the same loss scale."""
+    init = 2.0**20 if precision == "fp16" else 2.0**16      # some skipped steps: the scaler path is exercised
+    ref, _, ref_scaler, ref_losses = train(mlp(seed=3), 50, precision=precision, init_scale=init, growth_interval=7,
+                                           optimizer="adam", lr=1e-3)
+    got, _, scaler, losses = train(mlp(seed=3), 50, precision=precision, init_scale=init, growth_interval=7,
+                                   optimizer="adam", lr=1e-3, trace=str(tmp_path / "t.db"), attach_options=options)
+    assert all(torch.equal(a, b) for a, b in zip(params_of(ref), params_of(got)))
+    assert losses == ref_losses
+    if precision == "fp16":
+        assert scaler.get_scale() == ref_scaler.get_scale()
+        assert ampdoctor.load(tmp_path / "t.db").steps()["skipped"].any()
+
+
+def test_steps_scale_history_loss_and_grad_norm(trace_path):
+    """The per-step table agrees with what the loop itself saw, step by step."""
+    torch.manual_seed(0)
+    model = mlp(width=64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=5)
+    seen = []
+    with ampdoctor.attach(model, optimizer=opt, scaler=scaler, trace=trace_path):
+        for x, y in batches(30, batch=16):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            opt.zero_grad()
+            before = scaler.get_scale()
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
+            scaler.step(opt)
+            scaler.update()
+            seen.append((loss.item(), before, scaler.get_scale(), norm))
+    df = ampdoctor.load(trace_path).steps()
+    assert len(df) == 30 and df["step"].tolist() == list(range(30))
+    assert df["loss"].tolist() == [s[0] for s in seen]
+    assert df["loss_scale"].tolist() == [s[1] for s in seen]
+    assert df["loss_scale_next"].tolist() == [s[2] for s in seen]
+    expected_skips = [after < before for _, before, after, _ in seen]
+    assert df["skipped"].tolist() == expected_skips and any(expected_skips) and not all(expected_skips)
+    finite = [i for i, s in enumerate(seen) if math.isfinite(s[3])]
+    assert np.allclose(df["grad_norm"].to_numpy()[finite], [seen[i][3] for i in finite], rtol=1e-5)
+    assert (df["microbatches"] == 1).all() and (df["samples"] == 16).all()
+    assert (df["lr"] == 0.01).all() and (df["step_time"] > 0).all() and (df["data_time"] >= 0).all()
+
+
+def test_grad_out_is_stored_with_the_scale_in_force(trace_path):
+    captured = {}
+    model = mlp(width=32, depth=2)
+
+    def keep(grad):
+        captured.setdefault("g", grad.detach().float().abs().max().item())
+    model[2].register_forward_hook(lambda m, i, o: o.register_hook(keep) and None)
+    train(model, 1, init_scale=2.0**10, trace=trace_path, attach_options={"every": 1})
+    tr = ampdoctor.load(trace_path)
+    j = tr.sites("grad_out")["path"].tolist().index("2")
+    assert tr.records("scale", "grad_out")[0, j] == 2.0**10
+    assert tr.records("absmax", "grad_out")[0, j] == captured["g"]          # stored scaled, exactly as seen
+    assert tr.records("scale", "param_grad")[0, 0] == 1.0                   # .grad after unscale
+
+
+def test_activation_statistics_equal_direct_computation(trace_path):
+    """Full statistics of one layer at one step equal the same numbers computed on the captured output."""
+    outs = {}
+    model = mlp(width=48, depth=2)
+
+    def keep(module, args, out):
+        outs[len(outs)] = out.detach().clone()
+    model[1].register_forward_hook(keep)
+    train(model, 4, precision="bf16", trace=trace_path, attach_options={"every": 3, "hist_every": 3})
+    tr = ampdoctor.load(trace_path)
+    j = tr.sites("act")["path"].tolist().index("1")
+    o = outs[3].double()
+    assert tr.records("numel", "act")[3, j] == o.numel()
+    assert tr.records("zeros", "act")[3, j] == (o == 0).sum().item()
+    assert tr.records("absmax", "act")[3, j] == o.abs().max().item()
+    assert tr.records("mean", "act")[3, j] == pytest.approx(o.mean().item(), rel=1e-5)
+    assert np.isnan(tr.records("absmax", "act")[1, j])                      # step 1: peaks only
+    assert tr.records("peak", "act")[1, j] == outs[1].abs().max().item()
+    steps, counts = tr.hist("1", "act")
+    assert steps.tolist() == [0, 3]
+    nz = o[o != 0].abs()
+    assert counts[1].sum() == nz.numel()
+    assert counts[1][int(np.floor(np.log2(nz.max().item()))) + 127] > 0
+
+
+def test_gradient_accumulation_belongs_to_the_optimizer_step(trace_path):
+    train(mlp(width=32), 6, accumulation=4, trace=trace_path, attach_options={"every": 1})
+    tr = ampdoctor.load(trace_path)
+    df = tr.steps()
+    assert len(df) == 6 and (df["microbatches"] == 4).all() and (df["samples"] == 4 * 32).all()
+    j = tr.sites("act")["path"].tolist().index("0")
+    assert tr.records("numel", "act")[:, j].tolist() == [4 * 32 * 32] * 6
+    assert tr.records("calls", "act")[:, j].tolist() == [4] * 6
+
+
+class Reuse(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.shared = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(self.shared(torch.relu(self.shared(x))))
+
+
+def test_module_called_twice_per_step(trace_path):
+    data = [(torch.randn(8, 16), torch.randn(8, 1)) for _ in range(3)]
+    train(Reuse(), 3, precision="bf16", data=data, trace=trace_path, attach_options={"every": 1})
+    tr = ampdoctor.load(trace_path)
+    j = tr.sites("act")["path"].tolist().index("shared")
+    assert tr.records("calls", "act")[:, j].tolist() == [2, 2, 2]
+    assert tr.records("numel", "act")[:, j].tolist() == [2 * 8 * 16] * 3
+    g = tr.sites("grad_out")["path"].tolist().index("shared")
+    assert tr.records("calls", "grad_out")[:, g].tolist() == [2, 2, 2]
+
+
+class Checkpointed(torch.nn.Module):
+    def __init__(self, reentrant):
+        super().__init__()
+        self.reentrant = reentrant
+        self.block = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        x = x.requires_grad_() if self.reentrant else x
+        h = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_not_double_counted(trace_path, reentrant):
+    data = [(torch.randn(8, 16), torch.randn(8, 1)) for _ in range(3)]
+    model = Checkpointed(reentrant)
+    ref = Checkpointed(reentrant)
+    ref.load_state_dict(model.state_dict())
+    train(ref, 3, precision="bf16", data=list(data))
+    train(model, 3, precision="bf16", data=list(data), trace=trace_path, attach_options={"every": 1})
+    assert all(torch.equal(a, b) for a, b in zip(params_of(ref), params_of(model)))
+    tr = ampdoctor.load(trace_path)
+    acts = tr.sites("act")["path"].tolist()
+    j = acts.index("block.0")
+    assert tr.records("calls", "act")[:, j].tolist() == [1, 1, 1]
+    assert tr.records("numel", "act")[:, j].tolist() == [8 * 32] * 3
+    grads = tr.sites("grad_out")["path"].tolist()
+    assert "block.0" in grads
+    assert tr.records("calls", "grad_out")[:, grads.index("block.0")].tolist() == [1, 1, 1]
+
+
+def test_no_grad_evaluation_is_not_a_training_step(trace_path):
+    model = mlp(width=32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ampdoctor.attach(model, optimizer=opt, trace=trace_path, every=1) as doc:
+        for i, (x, y) in enumerate(batches(5)):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            doc.log_loss(loss)
+            with torch.no_grad():
+                val = torch.nn.functional.mse_loss(model(torch.randn(64, 32)), torch.randn(64, 1))
+            doc.log_metric("val/loss", val)
+    tr = ampdoctor.load(trace_path)
+    df = tr.steps()
+    assert len(df) == 5 and (df["microbatches"] == 1).all() and (df["samples"] == 32).all()
+    j = tr.sites("act")["path"].tolist().index("0")
+    assert (tr.records("numel", "act")[:, j] == 32 * 32).all()      # the 64-row eval batches are not in it
+    m = tr.metrics()
+    assert m["step"].tolist() == [0, 1, 2, 3, 4] and (m["name"] == "val/loss").all()
+
+
+class Attention(torch.nn.Module):
+    """q k^T without the 1/sqrt(d) scale, computed in the parent's own code: the overflow origin is the parent."""
+
+    def __init__(self, d=32, gain=200.0):
+        super().__init__()
+        self.q = torch.nn.Linear(d, d)
+        self.k = torch.nn.Linear(d, d)
+        self.out = torch.nn.Linear(d, d)
+        with torch.no_grad():
+            self.q.weight.mul_(gain)
+            self.k.weight.mul_(gain)
+
+    def forward(self, x):
+        scores = self.q(x) @ self.k(x).transpose(-1, -2)        # FP16 under autocast: overflows
+        return self.out(torch.softmax(scores, dim=-1) @ x)
+
+
+def test_first_nonfinite_in_forward_is_the_parent_not_the_child(trace_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), Attention(), torch.nn.Linear(32, 1))
+    data = [(torch.randn(4, 16, 32), torch.randn(4, 16, 1)) for _ in range(2)]
+    train(model, 2, precision="fp16", data=data, trace=trace_path)
+    ev = ampdoctor.load(trace_path).events("nonfinite")
+    assert len(ev) == 2
+    assert ev["path"].tolist() == ["1", "1"] and ev["phase"].tolist() == ["fwd", "fwd"]
+
+
+class Blowup(torch.nn.Module):
+    def forward(self, x):
+        return x * 1e5            # FP16 input -> values above 65504 -> inf
+
+
+def test_first_nonfinite_in_forward_is_the_child_that_overflows(trace_path):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Sequential(torch.nn.ReLU(), Blowup(),
+                                                                            torch.nn.Linear(8, 8)),
+                                torch.nn.Linear(8, 1))
+    data = [(torch.randn(4, 8) + 3, torch.randn(4, 1)) for _ in range(1)]
+    train(model, 1, precision="fp16", data=data, trace=trace_path)
+    ev = ampdoctor.load(trace_path).events("nonfinite")
+    assert ev["path"].tolist() == ["1.1"] and ev["phase"].tolist() == ["fwd"]
+
+
+def test_first_nonfinite_in_backward_with_too_high_scale(trace_path):
+    train(mlp(width=64), 3, init_scale=2.0**24, trace=trace_path)
+    tr = ampdoctor.load(trace_path)
+    ev = tr.events("nonfinite")
+    assert len(ev) == 3 and set(ev["phase"]) == {"bwd"}
+    assert ev["path"].iloc[0] == "6"          # the output layer: where the scaled gradient first overflows
+    df = tr.steps()
+    assert df["skipped"].all() and (df["level"] == 2).iloc[1:].all()   # anomalies get full statistics after
+
+
+def test_close_restores_everything(trace_path):
+    model = mlp(width=16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    doc = ampdoctor.attach(model, optimizer=opt, scaler=scaler, trace=trace_path)
+    assert "scale" in vars(scaler) and any(m._forward_hooks for m in model.modules())
+    doc.close()
+    doc.close()                                          # idempotent
+    assert "scale" not in vars(scaler) and "update" not in vars(scaler)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert not opt._optimizer_step_post_hooks and not opt._optimizer_step_pre_hooks
+    assert not doc.active
+
+
+def test_hook_error_warns_once_and_training_finishes(trace_path, monkeypatch):
+    from ampdoctor.collect import stats
+
+    calls = {"n": 0}
+    real = stats.full
+
+    def flaky(x):
+        calls["n"] += 1
+        if calls["n"] > 5:
+            raise RuntimeError("boom")
+        return real(x)
+    monkeypatch.setattr(stats, "full", flaky)
+    ref = train(mlp(seed=5), 8, precision="bf16")[0]
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got = train(mlp(seed=5), 8, precision="bf16", trace=trace_path, attach_options={"every": 1})[0]
+    msgs = [str(x.message) for x in w if "ampdoctor" in str(x.message)]
+    assert len(msgs) == 1 and "boom" in msgs[0] and "training continues" in msgs[0]
+    assert all(torch.equal(a, b) for a, b in zip(params_of(ref), params_of(got)))
+    assert not any(m._forward_hooks for m in got.modules())
+    ampdoctor.load(trace_path)                           # what was written before the error is readable
+
+
+def test_writer_error_warns_and_training_finishes(trace_path, monkeypatch):
+    from ampdoctor.trace import writer
+
+    def broken(self, conn, packet):
+        raise OSError("No space left on device")
+    monkeypatch.setattr(writer.Writer, "_write_step", broken)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        _, _, _, losses = train(mlp(), 10, precision="bf16", trace=trace_path)
+    assert len(losses) == 10
+    msgs = [str(x.message) for x in w if "ampdoctor" in str(x.message)]
+    assert len(msgs) == 1 and "No space left" in msgs[0]
+
+
+def test_read_only_directory_warns_and_training_runs(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    if os.geteuid() == 0:          # root writes through file modes: use a directory no one may write to
+        ro = pathlib.Path("/sys/fs")
+    try:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            _, _, _, losses = train(mlp(), 5, precision="bf16", trace=str(ro / "sub" / "t.db"))
+        assert len(losses) == 5
+        assert any("cannot write the trace" in str(x.message) for x in w)
+        assert not (ro / "sub").exists()
+    finally:
+        (tmp_path / "ro").chmod(0o700)
+
+
+def test_existing_trace_is_never_overwritten_and_rank_in_path(tmp_path):
+    path = tmp_path / "exp-{rank}.db"
+    train(mlp(), 2, precision="bf16", trace=str(path))
+    first = tmp_path / "exp-0.db"
+    before = first.read_bytes()
+    with pytest.warns(RuntimeWarning, match="exp-0-1.db"):
+        train(mlp(), 3, precision="bf16", trace=str(path))
+    assert first.read_bytes() == before
+    assert ampdoctor.load(tmp_path / "exp-0-1.db").n_steps == 3
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"model": "not a model"}, "Argument model should be of type torch.nn.Module, but given <class 'str'>"),
+    ({"optimizer": 3}, "Argument optimizer should be of type torch.optim.Optimizer"),
+    ({"scaler": object()}, "Argument scaler should be a torch.amp.GradScaler"),
+    ({"every": 0}, "Argument every should be a positive int, but given 0"),
+])
+def test_arguments_are_validated_eagerly(trace_path, kwargs, message):
+    args = {"model": mlp(), "trace": trace_path, **kwargs}
+    with pytest.raises((TypeError, ValueError), match=message.replace("(", r"\(").replace(")", r"\)")):
+        ampdoctor.attach(**args)
+
+
+def test_manual_steps_without_optimizer(trace_path):
+    model = mlp(width=16)
+    with ampdoctor.attach(model, trace=trace_path) as doc:
+        for x, y in batches(4):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.01 * p.grad
+                    p.grad = None
+            doc.log_loss(loss)
+            doc.step()
+    df = ampdoctor.load(trace_path).steps()
+    assert len(df) == 4 and df["loss"].notna().all()
+
+
+def test_precision_configuration_is_recorded(trace_path):
+    model = mlp(width=16)
+    train(model, 2, precision="fp16", init_scale=1024.0, trace=trace_path)
+    cfg = ampdoctor.load(trace_path).config
+    assert cfg["autocast"] == {"device_type": "cpu", "enabled": True, "dtype": "float16"}
+    assert cfg["param_dtypes"] == {"float32": sum(p.numel() for p in model.parameters())}
+    assert cfg["scaler"]["init_scale"] == 1024.0 and cfg["scaler"]["growth_interval"] == 2000
+    assert cfg["optimizer"]["class"] == "SGD" and cfg["optimizer"]["groups"][0]["lr"] == 0.01
+    sites = ampdoctor.load(trace_path).sites("act")
+    assert set(sites["dtype"]) == {"float16"}
