@@ -19,17 +19,9 @@ def attach(model, optimizer=None, scaler=None, trace: str = "runs/ampdoctor.db",
     return _attach(model, optimizer=optimizer, scaler=scaler, trace=trace, **options)
 
 
-def diagnose(trace_or_path, reference=None, rules=None):
-    """Run the diagnosis rules over a trace; list of ``Diagnosis``, worst first (see ampdoctor.diagnose)."""
-    from .diagnose.engine import diagnose as _diagnose
-    return _diagnose(trace_or_path, reference=reference, rules=rules)
-
-
-def __getattr__(name):
-    if name == "Diagnosis":
-        from .diagnose.engine import Diagnosis
-        return Diagnosis
-    raise AttributeError(f"module 'ampdoctor' has no attribute {name!r}")
+# Imported eagerly (numpy/pandas only, as the trace reader): a lazy wrapper named like the subpackage would be
+# replaced by the module object as soon as anything imports ampdoctor.diagnose.*.
+from .diagnose import Diagnosis, diagnose  # noqa: E402
 
 
 __all__ = ["attach", "load", "diagnose", "Trace", "TraceError", "Diagnosis", "__version__"]

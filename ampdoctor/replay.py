@@ -147,69 +147,316 @@ class _Evidence:
     device: str
 
 
-def _site_limits(tr: Trace, grads, acts) -> tuple[np.ndarray, bool]:
-    """Largest value of the format each gradient site is computed in; a param_grad is computed in its module's
-    compute dtype (its act site), whatever the dtype of the .grad it lands in."""
+def _compute_dtypes(grads, acts) -> list[str]:
+    """The dtype each gradient site is computed in: a grad_out its own; a param_grad its module's compute dtype (the
+    module's act site), whatever the dtype of the .grad it lands in (an FP16 matmul's weight gradient is FP16)."""
     act_dtype = dict(zip(acts["path"], acts["dtype"]))
-    dtypes = []
-    for site in grads.itertuples():
-        d = site.dtype
-        if site.kind == "param_grad":
-            d = act_dtype.get(site.module, d)
-        dtypes.append(str(d or "float32").replace("torch.", ""))
-    fp16 = np.array([d in ("float16", "half") for d in dtypes], dtype=bool)
-    if not fp16.any():                       # an FP32/BF16 run: replay it as if its gradients were FP16
-        return np.full(len(dtypes), formats.FP16.max), np.ones(len(dtypes), bool), True
-    limits = np.array([formats.DTYPE_FORMATS.get(d, formats.FP32).max for d in dtypes])
-    return limits, fp16, False
+    out = []
+    for kind, module, dtype in zip(grads["kind"], grads["module"], grads["dtype"]):
+        d = act_dtype.get(module, dtype) if kind == "param_grad" else dtype
+        out.append(str(d or "float32").replace("torch.", ""))
+    return out
 
 
 def _gather(tr: Trace) -> _Evidence:
+    import pandas as pd
+
     st = tr.steps()
     n = len(st)
     if not n:
         raise ValueError(f"{tr.path}: the trace has no steps yet")
     cfg = tr.config
     sc = cfg.get("scaler") or {}
-    has_scaler = bool(sc.get("enabled")) and st["loss_scale"].notna().any()
+    has_scaler = bool(sc.get("enabled")) and bool(st["loss_scale"].notna().any())
     run = dict(TORCH_DEFAULTS)
     if has_scaler:
         for key in run:
             if sc.get(key) is not None:
-                run[key] = type(run[key])(sc[key])
+                run[key] = type(TORCH_DEFAULTS[key])(sc[key])
         run["init_scale"] = float(st["loss_scale"].dropna().iloc[0])   # the scale in force when the trace began
 
     rec_scale = st["loss_scale"].to_numpy(float) if has_scaler else np.full(n, np.nan)
     rec_next = st["loss_scale_next"].to_numpy(float) if has_scaler else np.full(n, np.nan)
-    carried = np.where(np.isnan(rec_scale), 1.0, rec_scale)        # the scale grad_out values carry
+    carried = np.where(np.isnan(rec_scale), 1.0, rec_scale)          # the scale the grad_out values carry
 
-    go, pg, acts = tr.sites("grad_out"), tr.sites("param_grad"), tr.sites("act")
-    grads = go.assign(kind="grad_out")._append(pg.assign(kind="param_grad")) if hasattr(go, "_append") else \
-        __import__("pandas").concat([go, pg], ignore_index=True)
-    grads = grads.reset_index(drop=True)
-    limits, fp16, assumed = _site_limits(tr, grads, acts)
-    peaks = np.concatenate([tr.records("peak", "grad_out") / carried[:, None],
-                            tr.records("peak", "param_grad")], axis=1)             # unscaled magnitudes
-    if peaks.shape[1]:
-        finite = np.isfinite(peaks)
-        ratio = np.where(finite, peaks, 0.0) / limits[None, :]                      # magnitude / format max
-        ratio = np.where(finite.any(axis=1), ratio.max(axis=1), np.nan)
-        grad_nonfinite = (~finite & ~np.isnan(peaks)).any(axis=1) | (np.isnan(peaks) & _observed(tr, peaks)).any(axis=1)
-    else:
-        ratio, grad_nonfinite = np.full(n, np.nan), np.zeros(n, bool)
+    go, pg = tr.sites("grad_out"), tr.sites("param_grad")
+    grads = pd.concat([go, pg], ignore_index=True)
+    dtypes = _compute_dtypes(grads, tr.sites("act"))
+    fp16 = np.array([d in ("float16", "half") for d in dtypes], dtype=bool)
+    assumed = bool(len(dtypes)) and not fp16.any()       # an FP32/BF16 run: replayed as if computed in FP16
+    if assumed:
+        fp16[:] = True
+    limits = np.array([formats.FP16.max if f else formats.get(d).max if d in formats.DTYPE_FORMATS else _FP32_MAX
+                       for f, d in zip(fp16, dtypes)], dtype=float)
+
+    # peaks with fill=-1: -1 = site not seen that step, NaN = the tensor held a NaN, inf = an inf
+    raw = np.concatenate([tr.records("peak", "grad_out", fill=-1.0), tr.records("peak", "param_grad", fill=-1.0)],
+                         axis=1)
+    nonfinite = ~np.isfinite(raw)
+    finite = np.isfinite(raw) & (raw >= 0)
+    unscaled = np.where(finite, raw, 0.0)
+    unscaled[:, :len(go)] /= carried[:, None]
+    ratio = (unscaled / limits[None, :]).max(axis=1, initial=0.0)     # max over sites of magnitude / format max
+    ratio[~finite.any(axis=1)] = np.nan                               # nothing observed: no information
     loss = st["loss"].to_numpy(float)
-    if str(cfg.get("loss_dtype") or "").replace("torch.", "") == "float16":    # an FP16 loss is scaled in FP16
+    if str(cfg.get("loss_dtype") or "").replace("torch.", "") == "float16":   # an FP16 loss is scaled in FP16
         ratio = np.fmax(ratio, np.abs(loss) / formats.FP16.max)
 
-    act = tr.records("peak", "act")
-    always = (act.shape[1] > 0 and True) and _nonfinite_observed(tr, act) | ~np.isfinite(np.where(np.isnan(loss), 0, loss))
-    if not act.shape[1]:
-        always = ~np.isfinite(np.where(np.isnan(loss), 0, loss))
-    rec_over = st["skipped"].to_numpy(bool) if has_scaler else grad_nonfinite
-    rec_over = rec_over | always if not has_scaler else rec_over
-
-    threshold, from_nb = _thresholds(rec_scale if has_scaler else np.ones(n), rec_over, always, ratio)
+    # a non-finite forward (or loss) makes the step overflow whatever the scale
+    act = tr.records("peak", "act", fill=-1.0)
+    always = (~np.isfinite(act)).any(axis=1) | np.isinf(loss)
+    if np.isfinite(loss).any():                       # the loss is logged in this run: NaN means a NaN loss
+        always |= np.isnan(loss)
+    if has_scaler:
+        rec_over = st["skipped"].to_numpy(bool)
+        assumed_scale = rec_scale
+    else:                                             # no scaler: a non-finite gradient at scale 1 is an overflow
+        rec_over = nonfinite.any(axis=1) | always
+        assumed_scale = np.ones(n)
+    threshold, from_nb = _thresholds(assumed_scale, rec_over, always, ratio)
     return _Evidence(steps=st["step"].to_numpy(int), rec_scale=rec_scale, rec_next=rec_next, rec_over=rec_over,
                      always=always, threshold=threshold, from_neighbours=from_nb,
-                     hist=_histograms(tr, grads, fp16, n), run_settings=run, has_scaler=has_scaler,
+                     hist=_histograms(tr, grads, fp16, len(go), n), run_settings=run, has_scaler=has_scaler,
                      assumed_fp16=assumed, device=str(tr.meta.get("run", {}).get("device") or "cuda"))
+
+
+def _thresholds(scale, over, always, ratio) -> tuple[np.ndarray, np.ndarray]:
+    """Per step, the largest scale that does not overflow (the step overflows at S > threshold).
+
+    Finite step: max / its largest unscaled magnitude, and at least the scale it survived. Overflowed step: the larger
+    magnitude of the nearest finite steps before and after (a skipped step does not change the weights), capped at
+    the scale it overflowed at; with no finite step at all, the smallest scale any step overflowed at.
+    """
+    n = len(scale)
+    with np.errstate(divide="ignore"):
+        own = np.where(np.isnan(ratio), np.nan, 1.0 / ratio)      # ratio 0 -> inf: never overflows
+    ok = ~over & ~np.isnan(own)
+    idx = np.arange(n)
+    prev = np.where(ok, idx, -1)
+    prev = np.maximum.accumulate(prev)
+    nxt = np.where(ok, idx, n)
+    nxt = np.minimum.accumulate(nxt[::-1])[::-1]
+    # nearest finite step strictly before / after each step (for a finite step: itself)
+    before = np.concatenate(([-1], prev[:-1]))
+    after = np.concatenate((nxt[1:], [n]))
+    nb_ratio = np.full(n, np.nan)
+    for name, ref in (("before", before), ("after", after)):
+        has = (ref >= 0) & (ref < n)
+        r = np.full(n, np.nan)
+        r[has] = ratio[ref[has]]
+        nb_ratio = np.fmax(nb_ratio, r)
+    threshold = np.empty(n)
+    from_nb = np.zeros(n, bool)
+    floor = np.nanmin(np.where(over & ~always, scale, np.nan)) if (over & ~always).any() else np.nan
+    for t in range(n):
+        if always[t]:
+            threshold[t] = 0.0
+        elif not over[t]:
+            if np.isnan(own[t]):           # nothing recorded this step: borrow the neighbours' magnitude
+                r = nb_ratio[t]
+                threshold[t] = max(scale[t], 1.0 / r if r > 0 else math.inf) if not np.isnan(r) else math.inf
+                from_nb[t] = True
+            else:
+                threshold[t] = max(own[t], scale[t])
+        else:
+            r = np.fmax(nb_ratio[t], ratio[t])   # its own finite sites are a lower bound on its magnitude
+            est = (1.0 / r if r > 0 else math.inf) if not np.isnan(r) else floor
+            threshold[t] = min(est, scale[t]) if not np.isnan(est) else scale[t]
+            from_nb[t] = True
+    return threshold, from_nb
+
+
+def _histograms(tr: Trace, grads, fp16, n_go: int, n: int) -> dict:
+    """Step index -> (log2 of the lower edge of each unscaled binade, counts), over the gradient sites computed in
+    FP16. Container modules are left out: their grad_out is their last child's."""
+    paths = list(grads["path"])
+    go_paths = set(paths[:n_go])
+    scale = {"grad_out": tr.records("scale", "grad_out"), "param_grad": tr.records("scale", "param_grad")}
+    col = {"grad_out": {sid: j for j, sid in enumerate(grads["id"][:n_go])},
+           "param_grad": {sid: j for j, sid in enumerate(grads["id"][n_go:])}}
+    binades = np.arange(255, dtype=float) - 127.0
+    edges: dict[int, list] = {}
+    counts: dict[int, list] = {}
+    for i, site in enumerate(grads.itertuples()):
+        if not fp16[i]:
+            continue
+        if site.kind == "grad_out" and _is_container(site.path, go_paths):
+            continue
+        steps, hist = tr.hist(int(site.id))
+        for s, row in zip(steps, hist):
+            if s >= n or not row.any():
+                continue
+            carried = scale[site.kind][s, col[site.kind][int(site.id)]]
+            carried = 1.0 if not np.isfinite(carried) or carried <= 0 else carried
+            nz = np.flatnonzero(row)
+            edges.setdefault(int(s), []).append(binades[nz] - math.log2(carried))
+            counts.setdefault(int(s), []).append(row[nz].astype(float))
+    return {s: (np.concatenate(edges[s]), np.concatenate(counts[s])) for s in edges}
+
+
+def _is_container(path: str, paths: set) -> bool:
+    if path == ROOT:
+        return len(paths) > 1
+    prefix = path + "."
+    return any(p.startswith(prefix) for p in paths)
+
+
+def _shares(hist: tuple, scale: float) -> tuple[float, float]:
+    """(share below 2^-14, share below 2^-24) of the elements at ``scale``; a binade straddling a limit counts the
+    fraction below it, values taken as log-uniform inside a binade (exact for power-of-two scales)."""
+    lo, c = hist
+    total = c.sum()
+    if total <= 0 or scale <= 0:
+        return (math.nan, math.nan) if total <= 0 else (1.0, 1.0)
+    lo = lo + math.log2(scale)
+    return (float((c * np.clip(_LOG2_NORMAL - lo, 0.0, 1.0)).sum() / total),
+            float((c * np.clip(_LOG2_SUBNORMAL - lo, 0.0, 1.0)).sum() / total))
+
+
+# -- the simulation ------------------------------------------------------------------------------------------------
+def _f32(x: float) -> float:
+    """Round to FP32, as the scale tensor stores it."""
+    return float(np.float32(x))
+
+
+def _check_settings(s: dict) -> None:
+    if not (isinstance(s["init_scale"], (int, float)) and math.isfinite(s["init_scale"]) and s["init_scale"] > 0):
+        raise ValueError(f"Argument init_scale should be a positive finite number, but given {s['init_scale']!r}")
+    if not (isinstance(s["growth_factor"], (int, float)) and s["growth_factor"] > 1.0
+            and math.isfinite(s["growth_factor"])):
+        raise ValueError(f"Argument growth_factor should be a number > 1.0, but given {s['growth_factor']!r}")
+    if not (isinstance(s["backoff_factor"], (int, float)) and 0.0 < s["backoff_factor"] < 1.0):
+        raise ValueError(f"Argument backoff_factor should be a number in (0, 1), but given {s['backoff_factor']!r}")
+    gi = s["growth_interval"]
+    if not isinstance(gi, (int, np.integer)) or isinstance(gi, bool) or gi < 1:
+        raise ValueError(f"Argument growth_interval should be a positive int, but given {gi!r}")
+
+
+def _initial_tracker(ev: _Evidence) -> int:
+    """Consecutive unskipped steps the scaler had counted when the trace began (0 for a fresh GradScaler): read off
+    the first growth when it comes before any skip."""
+    if not ev.has_scaler:
+        return 0
+    gi = ev.run_settings["growth_interval"]
+    for t in range(len(ev.steps)):
+        if ev.rec_over[t]:
+            return 0
+        if ev.rec_next[t] > ev.rec_scale[t]:
+            return max(gi - (t + 1), 0)
+    return 0
+
+
+def _simulate(ev: _Evidence, settings: dict, tracker: int = 0) -> Replay:
+    n = len(ev.steps)
+    scale = _f32(settings["init_scale"])
+    growth, backoff, interval = settings["growth_factor"], settings["backoff_factor"], settings["growth_interval"]
+    scales = np.empty(n)
+    skipped = np.zeros(n, bool)
+    estimated = np.zeros(n, bool)
+    under = np.full(n, np.nan)
+    flushed = np.full(n, np.nan)
+    rec, over, always, thr, nb = ev.rec_scale, ev.rec_over, ev.always, ev.threshold, ev.from_neighbours
+    for t in range(n):
+        scales[t] = scale
+        if scale == rec[t] or always[t]:
+            skip = bool(over[t] or always[t])            # the recorded outcome at the recorded scale
+        elif ev.has_scaler and over[t] and scale > rec[t]:
+            skip = True                                  # overflow is monotone in the scale
+        elif ev.has_scaler and not over[t] and scale < rec[t]:
+            skip = False
+        else:
+            skip = scale > thr[t]
+            estimated[t] = bool(nb[t])
+        skipped[t] = skip
+        if t in ev.hist:
+            under[t], flushed[t] = _shares(ev.hist[t], scale)
+        if skip:
+            scale = _f32(scale * backoff)
+            tracker = 0
+        else:
+            tracker += 1
+            if tracker >= interval:
+                grown = _f32(scale * growth)
+                if math.isfinite(grown):                 # torch never grows the scale to inf
+                    scale = grown
+                tracker = 0
+    return Replay(settings=dict(settings), steps=ev.steps.copy(), scales=scales, skipped=skipped, underflow=under,
+                  flushed=flushed, estimated=estimated, final_scale=scale, assumed_fp16=ev.assumed_fp16)
+
+
+def _settings(ev: _Evidence, init_scale, growth_factor, backoff_factor, growth_interval) -> dict:
+    s = dict(ev.run_settings)
+    for key, value in (("init_scale", init_scale), ("growth_factor", growth_factor),
+                       ("backoff_factor", backoff_factor), ("growth_interval", growth_interval)):
+        if value is not None:
+            s[key] = value
+    _check_settings(s)
+    s["init_scale"] = float(s["init_scale"])
+    s["growth_factor"], s["backoff_factor"] = float(s["growth_factor"]), float(s["backoff_factor"])
+    s["growth_interval"] = int(s["growth_interval"])
+    return s
+
+
+def _open(trace_or_path) -> Trace:
+    if isinstance(trace_or_path, Trace):
+        return trace_or_path
+    if isinstance(trace_or_path, (str, os.PathLike)):
+        return load(trace_or_path)
+    raise TypeError(f"Argument trace_or_path should be an ampdoctor.Trace or a path, but given {type(trace_or_path)}")
+
+
+def replay(trace_or_path, init_scale=None, growth_factor=None, backoff_factor=None, growth_interval=None) -> Replay:
+    """Simulate GradScaler over a recorded trace; arguments left at None keep the run's own settings (torch's
+    defaults for a run without a scaler). With no arguments the recorded scale history is reproduced exactly."""
+    ev = _gather(_open(trace_or_path))
+    s = _settings(ev, init_scale, growth_factor, backoff_factor, growth_interval)
+    own = s["init_scale"] == ev.run_settings["init_scale"] and s["growth_interval"] == ev.run_settings["growth_interval"]
+    tracker = _initial_tracker(ev) if own else 0
+    out = _simulate(ev, s, tracker)
+    out.growth_tracker = tracker
+    return out
+
+
+def suggest(trace_or_path, search_factors: bool = False) -> Suggestion:
+    """Search init_scale (powers of two, 1 .. 2^24) and growth_interval for the settings that lose the least
+    gradient information (``Replay.lost``: skipped steps count fully, applied steps by their FP16 underflow share).
+
+    Ties go to the growth_interval nearest the run's own, then to the larger init_scale (more underflow headroom).
+    The factors stay at the run's own unless ``search_factors`` (then growth 2/4 and backoff 0.5/0.25 are tried).
+    """
+    tr = _open(trace_or_path)
+    ev = _gather(tr)
+    own = _settings(ev, None, None, None, None)
+    baseline = _simulate(ev, own, _initial_tracker(ev))
+    n = len(ev.steps)
+    longer = [i for i in SUGGEST_INTERVALS if i > n][:1]      # one interval that never grows within the trace
+    intervals = sorted({i for i in SUGGEST_INTERVALS if i <= n} | set(longer) | {own["growth_interval"]})
+    factors = [(own["growth_factor"], own["backoff_factor"])]
+    if search_factors:
+        factors = sorted({*factors, (2.0, 0.5), (4.0, 0.5), (2.0, 0.25), (4.0, 0.25)})
+    best, best_key, tried = None, None, 0
+    for growth, backoff in factors:
+        for gi in intervals:
+            for e in SUGGEST_INIT_EXPONENTS:
+                s = {"init_scale": 2.0 ** e, "growth_factor": growth, "backoff_factor": backoff,
+                     "growth_interval": gi}
+                r = _simulate(ev, s)
+                tried += 1
+                key = (round(r.lost, 12), abs(math.log2(gi / own["growth_interval"])),
+                       (growth, backoff) != factors[0], -e)
+                if best_key is None or key < best_key:
+                    best, best_key = r, key
+    notes = []
+    if best.estimated.any():
+        notes.append(f"{int(best.estimated.sum())} skip decision(s) estimated from neighbouring steps")
+    if ev.assumed_fp16:
+        notes.append("the run computed no gradient in FP16: replayed as if it had")
+    if not ev.has_scaler:
+        notes.append("the run had no GradScaler: compared with torch's defaults")
+    return Suggestion(settings=best.settings, replay=best, baseline=baseline, device=ev.device, searched=tried,
+                      notes=notes)
+
+
+def _nanmean(a: np.ndarray) -> float:
+    a = a[~np.isnan(a)]
+    return float(a.mean()) if len(a) else math.nan

@@ -88,6 +88,7 @@ class Doctor:
         self._step = 0
         self._reset_step()
         self._force_full = False
+        self._pending: StepPacket | None = None
         self._t_prev_end = time.perf_counter()
         self._config_written = False
         self._autocast: dict = {}
@@ -211,6 +212,7 @@ class Doctor:
             now = time.perf_counter()
             if self._t_first is None:
                 self._t_first = now
+                self._flush_pending()
                 dev = _device_type(self.model)
                 if dev is not None:
                     enabled = torch.is_autocast_enabled(dev)
@@ -336,8 +338,23 @@ class Doctor:
             if self._loss_dtype is None:
                 self._loss_dtype = _dtype_name(loss.dtype)
             loss = loss.detach().reshape(-1)[0] if loss.numel() else None
-        if loss is not None:
+        if loss is None:
+            return
+        if self._t_first is None and self._pending is not None and self._pending.loss is None:
+            self._pending.late_loss = loss        # logged after the optimizer step ended the step
+        else:
             self._losses.append(loss)
+
+    def _flush_pending(self) -> None:
+        p = self._pending
+        if p is None:
+            return
+        self._pending = None
+        if p.late_loss is not None:
+            v = p.late_loss
+            p.loss = float(v.item() if isinstance(v, torch.Tensor) else v)
+            p.late_loss = None
+        self._put(("step", p))
 
     def log_metric(self, name: str, value, step: int | None = None) -> None:
         """Any scalar, e.g. a validation metric; ``step`` defaults to the last completed step."""
@@ -435,7 +452,8 @@ class Doctor:
         if not self._config_written:
             self._put(("meta", "config", self._config()))
             self._config_written = True
-        self._put(("step", packet))
+        self._flush_pending()
+        self._pending = packet      # sent when the next step starts: a loss logged after opt.step() joins it
         # An anomaly seen now gets full statistics from the next step on, until a clean step (the tensors of
         # this one are gone; its peaks and the non-finite origin are recorded).
         self._force_full = anomalous
@@ -523,6 +541,10 @@ class Doctor:
         self._off = True
         self._handles.remove()
         if self._writer is not None:
+            try:
+                self._flush_pending()
+            except Exception:
+                pass
             try:
                 self._put(("meta", "closed", {"steps": self._step, "time": time.time()}))
             except Exception:

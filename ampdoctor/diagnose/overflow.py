@@ -25,6 +25,7 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
         ["count", "min"], ascending=[False, True])
     culprit = str(counts.index[0])
     steps = fwd["step"].astype(int).tolist()
+    own = fwd.loc[fwd["path"] == culprit, "step"].astype(int).tolist()
     acts = run.sites("act")
     row = acts[acts["path"] == culprit]
     mtype = str(row["module_type"].iloc[0]) if len(row) else "?"
@@ -38,7 +39,8 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
         last_finite = float(np.nanmax(col[ok])) if ok.any() else None
     share = len(set(steps)) / max(run.n_steps, 1)
     loss = run.steps["loss"].to_numpy(float)
-    loss_bad = int((~np.isfinite(loss[~np.isnan(loss)])).sum()) if len(loss) else 0
+    # a NaN loss is stored as NULL: count missing losses only where the run logs a loss at all
+    loss_bad = int((~np.isfinite(loss)).sum()) if np.isfinite(loss).any() or run.steps["nonfinite"].all() else 0
     severity = "critical" if share >= critical_share or (loss_bad and not run.scaler_on) else "warning"
     fmt = formats.get(dtype) if dtype in formats.DTYPE_FORMATS else formats.FP16
     value = fwd["data"].iloc[0].get("value", "inf")
@@ -57,12 +59,12 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
     others = [str(p) for p in counts.index[1:]]
     return finding(
         severity, f"Forward overflow in {culprit}",
-        f"{culprit} ({mtype}, {dtype}) produced {value} from finite inputs in {len(set(steps))} of {run.n_steps} "
-        f"steps (first at step {min(steps)}); its largest finite output was {A.fmt_num(last_finite)} against the "
+        f"{culprit} ({mtype}, {dtype}) produced {value} from finite inputs in {len(own)} of {run.n_steps} "
+        f"steps (first at step {min(own)}); its largest finite output was {A.fmt_num(last_finite)} against the "
         f"{fmt.name.upper()} max {A.fmt_num(fmt.max)}.",
         layers=[culprit] + others, steps=run.step_range(steps),
-        evidence={"module": culprit, "module_type": mtype, "dtype": dtype, "steps_affected": len(set(steps)),
-                  "first_step": min(steps), "value": value, "max_finite_output": last_finite,
+        evidence={"module": culprit, "module_type": mtype, "dtype": dtype, "steps_affected": len(own),
+                  "first_step": min(own), "value": value, "max_finite_output": last_finite,
                   "format_max": fmt.max, "nonfinite_losses": loss_bad,
                   "other_modules": {str(k): int(v) for k, v in counts["count"].iloc[1:].items()}},
         recommendation="\n".join(fixes))

@@ -46,7 +46,7 @@ class StepPacket:
     grad_norm: float | None
     skipped: bool | None             # None: infer from the scale (no optimizer to tell)
     store_hist: bool
-    grad_scale_kinds: tuple = ("grad_out",)
+    late_loss: object = None         # a loss logged after the step boundary, resolved before writing
 
 
 def _value_peak(values: np.ndarray, off: int, mode: str) -> float:

@@ -1,0 +1,108 @@
+"""``ampdoctor replay TRACE``: recorded vs simulated loss-scale history for other GradScaler settings."""
+from __future__ import annotations
+
+import math
+
+from .cli import UsageError, _ranges
+from .replay import gradscaler_code, replay, suggest
+from .trace import load
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("trace", help="trace file (.db)")
+    parser.add_argument("--init-scale", type=float, default=None, metavar="X",
+                        help="initial loss scale to simulate (default: the run's own)")
+    parser.add_argument("--growth-factor", type=float, default=None, metavar="X",
+                        help="growth factor (> 1; default: the run's own)")
+    parser.add_argument("--backoff-factor", type=float, default=None, metavar="X",
+                        help="backoff factor (between 0 and 1; default: the run's own)")
+    parser.add_argument("--growth-interval", type=int, default=None, metavar="N",
+                        help="steps without overflow before the scale grows (default: the run's own)")
+    parser.add_argument("--suggest", action="store_true",
+                        help="search init_scale and growth_interval for the fewest skipped steps and least underflow")
+
+
+def _num(v: float) -> str:
+    if v is None or math.isnan(v):
+        return "-"
+    return f"{v:g}" if abs(v) < 1e7 else f"{v:.3g}"
+
+
+def _pct(v: float) -> str:
+    return "-" if v is None or math.isnan(v) else f"{100.0 * v:.2f}%"
+
+
+def _column(r) -> dict:
+    n = len(r.steps)
+    return {"skipped steps": f"{r.n_skipped} ({_pct(r.n_skipped / n)})",
+            "scale range": f"{_num(float(r.scales.min()))} .. {_num(float(r.scales.max()))}",
+            "final scale": _num(r.final_scale),
+            "underflow": _pct(r.mean_underflow),
+            "flushed to 0": _pct(r.mean_flushed),
+            "gradient lost": _pct(r.lost)}
+
+
+def _settings_line(s: dict) -> str:
+    return (f"init_scale {_num(s['init_scale'])}, growth_factor {s['growth_factor']:g}, "
+            f"backoff_factor {s['backoff_factor']:g}, growth_interval {s['growth_interval']}")
+
+
+def run(args) -> int:
+    tr = load(args.trace)
+    if not tr.n_steps:
+        raise UsageError(f"{args.trace}: the trace has no steps yet")
+    try:
+        base = replay(tr)
+        sim = replay(tr, init_scale=args.init_scale, growth_factor=args.growth_factor,
+                     backoff_factor=args.backoff_factor, growth_interval=args.growth_interval)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    st = tr.steps()
+    recorded_scaler = bool((tr.config.get("scaler") or {}).get("enabled")) and st["loss_scale"].notna().any()
+    n = len(st)
+    print(f"replay of {args.trace}: {n} steps")
+    if recorded_scaler:
+        print(f"recorded   {_settings_line(base.settings)}")
+        rec = _column(base)
+        rec["skipped steps"] = f"{int(st['skipped'].sum())} ({_pct(st['skipped'].sum() / n)})"
+    else:
+        print("recorded   no GradScaler (unscaled gradients); simulated with torch's defaults unless given")
+        rec = {k: "-" for k in _column(base)}
+        rec["skipped steps"] = "0 (no scaler)"
+        rec["underflow"] = _pct(_at_scale_one(tr))
+    print(f"simulated  {_settings_line(sim.settings)}")
+    print()
+    width = max(len(k) for k in rec)
+    cols = _column(sim)
+    print(f"{'':{width}s}  {'recorded':>20s}  {'simulated':>20s}")
+    for key in rec:
+        print(f"{key:{width}s}  {rec[key]:>20s}  {cols[key]:>20s}")
+    if sim.n_skipped:
+        print(f"simulated skips at step(s) {_ranges([int(s) for s in sim.steps[sim.skipped]])}")
+    if recorded_scaler and sim.settings == base.settings:
+        print("(the run's own settings: the replay reproduces the recorded scale history)")
+    if sim.estimated.any():
+        print(f"note: {int(sim.estimated.sum())} skip decision(s) estimated from neighbouring steps (the recorded "
+              "step overflowed at a higher scale)")
+    if sim.assumed_fp16:
+        print("note: the run computed no gradient in FP16; replayed as if it had (what FP16 would do)")
+    if args.suggest:
+        sg = suggest(tr)
+        print()
+        best = sg.replay
+        print(f"suggested  {_settings_line(sg.settings)}  ({sg.searched} settings tried; objective: the share "
+              "of gradient lost = skipped steps + underflow of the applied ones)")
+        print(f"           skipped {best.n_skipped}, underflow {_pct(best.mean_underflow)}, gradient lost "
+              f"{_pct(best.lost)} (run's own settings: {_pct(sg.baseline.lost)})")
+        if not sg.improves:
+            print("           the run's own settings are already as good as any tried")
+        print(f"    scaler = {gradscaler_code(sg.settings, sg.device)}")
+        for note in sg.notes:
+            print(f"note: {note}")
+    return 0
+
+
+def _at_scale_one(tr) -> float:
+    """Underflow of a run without a scaler: the shares at scale 1 (what happened)."""
+    r = replay(tr, init_scale=1.0, growth_interval=10 ** 9)
+    return r.mean_underflow if not r.n_skipped else float("nan")
