@@ -22,6 +22,9 @@ def attach(model, optimizer=None, scaler=None, trace: str = "runs/ampdoctor.db",
 # Imported eagerly (numpy/pandas only, as the trace reader): a lazy wrapper named like the subpackage would be
 # replaced by the module object as soon as anything imports ampdoctor.diagnose.*.
 from .diagnose import Diagnosis, diagnose  # noqa: E402
+# Same reason for replay and keep_fp32 (functions named like their modules); keep_fp32 imports torch when called.
+from .keep_fp32 import keep_fp32  # noqa: E402
+from .replay import replay  # noqa: E402
 
 
-__all__ = ["attach", "load", "diagnose", "Trace", "TraceError", "Diagnosis", "__version__"]
+__all__ = ["attach", "load", "diagnose", "replay", "keep_fp32", "Trace", "TraceError", "Diagnosis", "__version__"]

@@ -33,6 +33,7 @@ import os
 from dataclasses import dataclass, field
 
 import numpy as np
+import pandas as pd
 
 from . import formats
 from .trace import Trace, load
@@ -40,7 +41,6 @@ from .trace.schema import ROOT
 
 # torch.amp.GradScaler defaults: what a run without a recorded scaler is replayed with
 TORCH_DEFAULTS = {"init_scale": 2.0 ** 16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
-_FP32_MAX = formats.FP32.max
 _LOG2_NORMAL = formats.FP16.normal_exp          # -14: below this an FP16 value is subnormal
 _LOG2_SUBNORMAL = formats.FP16.subnormal_exp    # -24: below this it rounds to zero
 
@@ -50,7 +50,7 @@ SUGGEST_INIT_EXPONENTS = range(0, 25)           # 1 .. 2^24 (MindSpore's default
 SUGGEST_INTERVALS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
 
-@dataclass
+@dataclass(eq=False)
 class Replay:
     """Per-step result of simulating a dynamic loss scaler over a trace (arrays indexed like ``trace.steps()``)."""
 
@@ -101,7 +101,7 @@ class Replay:
                 "mean_flushed": self.mean_flushed, "lost": self.lost, "estimated": int(self.estimated.sum())}
 
 
-@dataclass
+@dataclass(eq=False)
 class Suggestion:
     """Best scaler settings found by ``suggest`` and the replays behind them."""
 
@@ -159,8 +159,6 @@ def _compute_dtypes(grads, acts) -> list[str]:
 
 
 def _gather(tr: Trace) -> _Evidence:
-    import pandas as pd
-
     st = tr.steps()
     n = len(st)
     if not n:
@@ -186,7 +184,7 @@ def _gather(tr: Trace) -> _Evidence:
     assumed = bool(len(dtypes)) and not fp16.any()       # an FP32/BF16 run: replayed as if computed in FP16
     if assumed:
         fp16[:] = True
-    limits = np.array([formats.FP16.max if f else formats.get(d).max if d in formats.DTYPE_FORMATS else _FP32_MAX
+    limits = np.array([formats.FP16.max if f else formats.DTYPE_FORMATS.get(d, formats.FP32).max
                        for f, d in zip(fp16, dtypes)], dtype=float)
 
     # peaks with fill=-1: -1 = site not seen that step, NaN = the tensor held a NaN, inf = an inf
@@ -209,6 +207,7 @@ def _gather(tr: Trace) -> _Evidence:
         always |= np.isnan(loss)
     if has_scaler:
         rec_over = st["skipped"].to_numpy(bool)
+        always &= rec_over            # a non-finite value that did not make the recorded step overflow never mattered
         assumed_scale = rec_scale
     else:                                             # no scaler: a non-finite gradient at scale 1 is an overflow
         rec_over = nonfinite.any(axis=1) | always
@@ -236,11 +235,10 @@ def _thresholds(scale, over, always, ratio) -> tuple[np.ndarray, np.ndarray]:
     prev = np.maximum.accumulate(prev)
     nxt = np.where(ok, idx, n)
     nxt = np.minimum.accumulate(nxt[::-1])[::-1]
-    # nearest finite step strictly before / after each step (for a finite step: itself)
-    before = np.concatenate(([-1], prev[:-1]))
-    after = np.concatenate((nxt[1:], [n]))
+    before = np.concatenate(([-1], prev[:-1]))          # nearest finite step strictly before each step
+    after = np.concatenate((nxt[1:], [n]))              # and strictly after
     nb_ratio = np.full(n, np.nan)
-    for name, ref in (("before", before), ("after", after)):
+    for ref in (before, after):
         has = (ref >= 0) & (ref < n)
         r = np.full(n, np.nan)
         r[has] = ratio[ref[has]]
@@ -315,8 +313,9 @@ def _shares(hist: tuple, scale: float) -> tuple[float, float]:
 
 # -- the simulation ------------------------------------------------------------------------------------------------
 def _f32(x: float) -> float:
-    """Round to FP32, as the scale tensor stores it."""
-    return float(np.float32(x))
+    """Round to FP32, as the scale tensor stores it (beyond the FP32 max: inf)."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(x))
 
 
 def _check_settings(s: dict) -> None:
@@ -358,8 +357,10 @@ def _simulate(ev: _Evidence, settings: dict, tracker: int = 0) -> Replay:
     rec, over, always, thr, nb = ev.rec_scale, ev.rec_over, ev.always, ev.threshold, ev.from_neighbours
     for t in range(n):
         scales[t] = scale
-        if scale == rec[t] or always[t]:
-            skip = bool(over[t] or always[t])            # the recorded outcome at the recorded scale
+        if scale == rec[t]:
+            skip = bool(over[t])                         # the recorded outcome at the recorded scale
+        elif always[t]:
+            skip = True                                  # non-finite forward or loss: no scale helps
         elif ev.has_scaler and over[t] and scale > rec[t]:
             skip = True                                  # overflow is monotone in the scale
         elif ev.has_scaler and not over[t] and scale < rec[t]:
@@ -421,7 +422,8 @@ def suggest(trace_or_path, search_factors: bool = False) -> Suggestion:
     """Search init_scale (powers of two, 1 .. 2^24) and growth_interval for the settings that lose the least
     gradient information (``Replay.lost``: skipped steps count fully, applied steps by their FP16 underflow share).
 
-    Ties go to the growth_interval nearest the run's own, then to the larger init_scale (more underflow headroom).
+    Ties go to the growth_interval nearest the run's own, then to the larger init_scale (more underflow headroom);
+    when nothing beats the run's own settings, they are the suggestion.
     The factors stay at the run's own unless ``search_factors`` (then growth 2/4 and backoff 0.5/0.25 are tried).
     """
     tr = _open(trace_or_path)
@@ -446,6 +448,8 @@ def suggest(trace_or_path, search_factors: bool = False) -> Suggestion:
                        (growth, backoff) != factors[0], -e)
                 if best_key is None or key < best_key:
                     best, best_key = r, key
+    if not best.lost < baseline.lost:          # nothing beats the run's own settings: keep them
+        best = baseline
     notes = []
     if best.estimated.any():
         notes.append(f"{int(best.estimated.sum())} skip decision(s) estimated from neighbouring steps")

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from .cli import UsageError, _ranges
 from .replay import gradscaler_code, replay, suggest
 from .trace import load
@@ -25,7 +27,7 @@ def add_arguments(parser) -> None:
 def _num(v: float) -> str:
     if v is None or math.isnan(v):
         return "-"
-    return f"{v:g}" if abs(v) < 1e7 else f"{v:.3g}"
+    return str(int(v)) if float(v).is_integer() and abs(v) < 1e16 else f"{v:.6g}"   # scales: exact, pasteable
 
 
 def _pct(v: float) -> str:
@@ -104,5 +106,6 @@ def run(args) -> int:
 
 def _at_scale_one(tr) -> float:
     """Underflow of a run without a scaler: the shares at scale 1 (what happened)."""
-    r = replay(tr, init_scale=1.0, growth_interval=10 ** 9)
-    return r.mean_underflow if not r.n_skipped else float("nan")
+    u = replay(tr, init_scale=1.0, growth_interval=10 ** 9).underflow
+    u = u[~np.isnan(u)]
+    return float(u.mean()) if len(u) else float("nan")

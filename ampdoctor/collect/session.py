@@ -17,7 +17,7 @@ import torch
 from . import hooks as H
 from . import stats as K
 from ..trace import schema
-from ..trace.writer import Entry, StepPacket, Writer
+from ..trace.writer import Entry, StepPacket, Writer, tensor_peaks
 
 log = logging.getLogger("ampdoctor")
 
@@ -578,17 +578,8 @@ def _sum_losses(losses: list) -> torch.Tensor:
 
 
 def _anomalous(values: np.ndarray, bases: dict, entries: list[Entry]) -> bool:
-    for e in entries:
-        for off, mode, _ in e.values:
-            off += bases[mode]
-            if mode == "p":
-                if not (math.isfinite(values[off]) and math.isfinite(values[off + 1])):
-                    return True
-            else:
-                nan, inf = K.finite_flags(values[off:off + K.FULL_LEN])
-                if nan or inf:
-                    return True
-    return False
+    peaks = tensor_peaks(values, [r for e in entries for r in e.values], bases)
+    return not np.isfinite(peaks).all()
 
 
 def _device_type(model) -> str | None:

@@ -2,11 +2,19 @@
 ``ampdoctor.diagnose(path, rules={"grad-underflow": {"min_share": 0.05}, "amp-inactive": None})``."""
 from __future__ import annotations
 
-from . import overflow, scaling
+from . import convergence, overflow, policy, scaling, throughput, underflow, weights
 from .engine import Rule
 
 RULES = {r.id: r for r in (
     Rule("init-scale-too-high", scaling.init_scale_too_high, "NaN/skipped steps early: the initial loss scale"),
     Rule("forward-overflow", overflow.forward_overflow, "a module produced Inf/NaN in the forward pass"),
     Rule("loss-scale-collapse", scaling.loss_scale_collapse, "the loss scale falls without recovery"),
+    Rule("grad-underflow", underflow.grad_underflow, "gradients lost to FP16 underflow"),
+    Rule("weight-update-lost", weights.weight_update_lost, "half-precision weights swallow small updates"),
+    Rule("grad-range-anomaly", weights.grad_range_anomaly, "a layer's gradients orders of magnitude off"),
+    Rule("precision-policy", policy.precision_policy, "loss/normalisation/softmax computed in half precision"),
+    Rule("amp-inactive", policy.amp_inactive, "AMP intended but not active"),
+    Rule("input-pipeline-bound", throughput.input_pipeline_bound, "data wait dominates the step time"),
+    Rule("slow-convergence", convergence.slow_convergence, "slower than a reference run with nothing numeric to blame"),
+    Rule("fp16-readiness", underflow.fp16_readiness, "an FP32/BF16 run: would it survive FP16?"),
 )}

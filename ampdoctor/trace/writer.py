@@ -49,28 +49,22 @@ class StepPacket:
     late_loss: object = None         # a loss logged after the step boundary, resolved before writing
 
 
-def _value_peak(values: np.ndarray, off: int, mode: str) -> float:
-    """max |x| of one tensor: NaN if it held a NaN, Inf if an Inf."""
-    if mode == "p":
-        mn, mx = values[off], values[off + 1]
-        if math.isnan(mn) or math.isnan(mx):
-            return math.nan
-        return max(abs(mn), abs(mx))
-    nan, inf = kernels.finite_flags(values[off:off + kernels.FULL_LEN])
-    if nan:
-        return math.nan
-    if inf:
-        return math.inf
-    return float(values[off + kernels.HEAD - 1])
-
-
-def _worst(peaks) -> float:
-    """Combine peaks of several tensors: NaN beats Inf beats the largest finite value."""
-    out = -1.0
-    for p in peaks:
-        if math.isnan(p):
-            return math.nan
-        out = max(out, p)
+def tensor_peaks(values: np.ndarray, refs: list[tuple[int, str, int]], bases: dict) -> np.ndarray:
+    """max |x| of each referenced tensor, vectorised: NaN if it held a NaN, else Inf if an Inf."""
+    if not refs:
+        return np.zeros(0)
+    offs = np.fromiter((o + bases[m] for o, m, _ in refs), dtype=np.int64, count=len(refs))
+    full = np.fromiter((m == "f" for _, m, _ in refs), dtype=bool, count=len(refs))
+    out = np.empty(len(refs))
+    p = ~full
+    with np.errstate(all="ignore"):
+        if p.any():
+            o = offs[p]
+            out[p] = np.maximum(np.abs(values[o]), np.abs(values[o + 1]))     # NaN propagates
+        if full.any():
+            o = offs[full] + kernels.HEAD
+            nan, inf, absmax = values[o + kernels.KEY_NAN], values[o + kernels.KEY_INF], values[o - 1]
+            out[full] = np.where(nan > 0, np.nan, np.where(inf > 0, np.inf, absmax))
     return out
 
 
@@ -173,7 +167,8 @@ class Writer(threading.Thread):
     def _handle(self, conn: sqlite3.Connection, item: tuple) -> None:
         tag = item[0]
         if tag == "step":
-            self._write_step(conn, item[1])
+            with np.errstate(all="ignore"):      # NaN/Inf are data here, not errors (and -W error must not stop us)
+                self._write_step(conn, item[1])
         elif tag == "site":
             conn.execute("INSERT INTO sites (id, path, module, kind, module_type, dtype, shape, first_step) "
                          "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", item[1:])
@@ -192,62 +187,36 @@ class Writer(threading.Thread):
             raise ValueError(f"unknown packet {tag!r}")
 
     def _write_step(self, conn: sqlite3.Connection, p: StepPacket) -> None:
-        values = p.values
-        for e in p.entries:          # block-relative offsets -> positions in values
-            e.values = [(o + p.bases[m], m, n) for o, m, n in e.values]
-            e.inputs = [(o + p.bases[m], m, n) for o, m, n in e.inputs]
-        # 1. per-site peak and, where every call of the site had full statistics, merged full vectors
-        peaks: dict[int, list[float]] = {}
-        fulls: dict[int, list] = {}
-        calls: dict[int, int] = {}
-        phase_of: dict[int, str] = {}
-        for e in p.entries:
-            peaks.setdefault(e.site, []).extend(_value_peak(values, o, m) for o, m, _ in e.values)
-            calls[e.site] = calls.get(e.site, 0) + 1
-            phase_of[e.site] = e.phase
-            if all(m == "f" for _, m, _ in e.values) and fulls.get(e.site, []) is not None:
-                fulls.setdefault(e.site, []).extend((values[o:o + kernels.FULL_LEN], n) for o, _, n in e.values)
-            else:
-                fulls[e.site] = None        # a peak-only call: the site's full statistics would be partial
-        site_peak = {s: _worst(v) for s, v in peaks.items()}
+        values, bases = p.values, p.bases
+        refs = [r for e in p.entries for r in e.values]
+        owner = np.fromiter((i for i, e in enumerate(p.entries) for _ in e.values), dtype=np.int64, count=len(refs))
+        peaks = tensor_peaks(values, refs, bases)
+        sites = np.array([e.site for e in p.entries], dtype=np.int64)
 
-        n = max(self.n_sites, max(site_peak, default=-1) + 1)
+        # 1. per-site peak (worst over calls and tensors; NaN wins through np.maximum)
+        tensor_site = sites[owner] if len(refs) else np.zeros(0, dtype=np.int64)
+        uniq, first = np.unique(tensor_site, return_index=True) if len(refs) else (np.zeros(0, np.int64), None)
+        site_peak = np.zeros(0)
+        if len(refs):
+            order = np.argsort(tensor_site, kind="stable")
+            starts = np.searchsorted(tensor_site[order], uniq)
+            site_peak = np.maximum.reduceat(peaks[order], starts)
+        n = max(self.n_sites, int(uniq.max()) + 1 if len(uniq) else 0)
         blob = np.full(n, -1.0, dtype="<f4")
-        for s, v in site_peak.items():
-            blob[s] = v
+        blob[uniq] = site_peak
         conn.execute("INSERT INTO peaks (step, data) VALUES (?, ?)", (p.step, blob.tobytes()))
 
-        scale = p.scale if p.scale is not None else 1.0
-        stat_rows, hist_rows = [], []
-        for s, parts in fulls.items():
-            if not parts:
-                continue
-            vec = kernels.merge([v for v, _ in parts], [k for _, k in parts])
-            numel = sum(k for _, k in parts)
-            st, bins = kernels.derive(vec, numel)
-            site_scale = scale if phase_of[s] == "bwd" else 1.0
-            stat_rows.append((p.step, s, site_scale, calls[s],
-                              *[None if isinstance(st[f], float) and math.isnan(st[f]) and f.startswith("bf16")
-                                else st[f] for f in schema.STATS_FIELDS]))
-            if p.store_hist:
-                nz = np.flatnonzero(bins)
-                if nz.size:
-                    lo, hi = int(nz[0]), int(nz[-1])
-                    counts = bins[lo:hi + 1].astype("<i8")
-                    hist_rows.append((p.step, s, lo + kernels.MIN_EXP, counts.tobytes()))
-        if stat_rows:
-            conn.executemany(f"INSERT INTO stats VALUES ({','.join('?' * (4 + len(schema.STATS_FIELDS)))})",
-                             stat_rows)
-        if hist_rows:
-            conn.executemany("INSERT INTO hists VALUES (?, ?, ?, ?)", hist_rows)
+        # 2. full statistics, where every call of a site had them
+        if any(m == "f" for _, m, _ in refs):
+            self._write_full(conn, p, values, bases)
 
-        # 2. skipped steps and non-finite values
+        # 3. skipped steps and non-finite values
         skipped = p.skipped
         if skipped is None:
             skipped = (p.scale is not None and p.scale_next is not None and p.scale_next < p.scale)
-        nonfinite = any(not _finite(v) for v in site_peak.values()) or (p.loss is not None and not _finite(p.loss))
+        nonfinite = bool((~np.isfinite(site_peak)).any()) or (p.loss is not None and not _finite(p.loss))
         if nonfinite:
-            self._locate(conn, p, values)
+            self._locate(conn, p, values, peaks, owner)
 
         row = dict(p.row)
         step_time = row.get("step_time")
@@ -262,25 +231,62 @@ class Writer(threading.Thread):
                      f"({','.join('?' * len(schema.STEP_FIELDS))})", [row.get(f) for f in schema.STEP_FIELDS])
         self.steps_written += 1
 
-    def _locate(self, conn: sqlite3.Connection, p: StepPacket, values: np.ndarray) -> None:
+    def _write_full(self, conn: sqlite3.Connection, p: StepPacket, values: np.ndarray, bases: dict) -> None:
+        fulls: dict[int, list | None] = {}
+        calls: dict[int, int] = {}
+        phase_of: dict[int, str] = {}
+        for e in p.entries:
+            calls[e.site] = calls.get(e.site, 0) + 1
+            phase_of[e.site] = e.phase
+            if all(m == "f" for _, m, _ in e.values) and fulls.get(e.site, []) is not None:
+                fulls.setdefault(e.site, []).extend(
+                    (values[o + bases["f"]:o + bases["f"] + kernels.FULL_LEN], n) for o, _, n in e.values)
+            else:
+                fulls[e.site] = None        # a peak-only call: the site's full statistics would be partial
+        scale = p.scale if p.scale is not None else 1.0
+        stat_rows, hist_rows = [], []
+        for s, parts in fulls.items():
+            if not parts:
+                continue
+            vec = kernels.merge([v for v, _ in parts], [k for _, k in parts])
+            st, bins = kernels.derive(vec, sum(k for _, k in parts))
+            site_scale = scale if phase_of[s] == "bwd" else 1.0
+            # NaN marks a count the histogram cannot resolve (bf16 edge cases): stored as NULL, "unknown"
+            stat_rows.append((p.step, s, site_scale, calls[s],
+                              *[None if f.startswith("bf16") and math.isnan(st[f]) else st[f]
+                                for f in schema.STATS_FIELDS]))
+            if p.store_hist:
+                nz = np.flatnonzero(bins)
+                if nz.size:
+                    lo, hi = int(nz[0]), int(nz[-1])
+                    hist_rows.append((p.step, s, lo + kernels.MIN_EXP, bins[lo:hi + 1].astype("<i8").tobytes()))
+        if stat_rows:
+            conn.executemany(f"INSERT INTO stats VALUES ({','.join('?' * (4 + len(schema.STATS_FIELDS)))})",
+                             stat_rows)
+        if hist_rows:
+            conn.executemany("INSERT INTO hists VALUES (?, ?, ?, ?)", hist_rows)
+
+    def _locate(self, conn: sqlite3.Connection, p: StepPacket, values: np.ndarray, peaks: np.ndarray,
+                owner: np.ndarray) -> None:
         """Event naming where the first non-finite value of this step came from.
 
         Forward: the first module (in completion order) whose output is non-finite while all of its inputs were
         finite; a child that merely received a non-finite input is not the origin. Backward: the first output
         gradient (in the order autograd produced them) that is non-finite, after a finite one.
         """
+        worst = np.full(len(p.entries), -1.0)
+        np.maximum.at(worst, owner, peaks)
         prev_site = None
         for phase in ("fwd", "bwd", "param"):
-            for e in p.entries:
+            for i, e in enumerate(p.entries):
                 if e.phase != phase:
                     continue
-                out = _worst(_value_peak(values, o, m) for o, m, _ in e.values)
+                out = float(worst[i])
                 if _finite(out):
                     prev_site = e.site
                     continue
                 if phase == "fwd":
-                    ins = [_value_peak(values, o, m) for o, m, _ in e.inputs]
-                    if not all(_finite(v) for v in ins):
+                    if not np.isfinite(tensor_peaks(values, e.inputs, p.bases)).all():
                         continue
                     msg = "first non-finite output in the forward pass (inputs finite)"
                 elif phase == "bwd":

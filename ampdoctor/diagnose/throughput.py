@@ -1,0 +1,44 @@
+"""input-pipeline-bound: the host waits for data for a large share of each step, so AMP cannot speed it up."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import advice as A
+from .engine import finding
+
+# A third of each step spent waiting for the next batch caps any compute speed-up (AMP's included) at 1.5x.
+MIN_DATA_SHARE = 0.30
+# Half of the step waiting: the accelerator idles more than it computes.
+WARNING_SHARE = 0.50
+WARMUP_STEPS = 2           # the first steps pay for worker start-up and allocation, not for the pipeline
+
+
+def input_pipeline_bound(run, *, min_share=MIN_DATA_SHARE, warning_share=WARNING_SHARE, warmup=WARMUP_STEPS):
+    st = run.steps.iloc[warmup:]
+    st = st[np.isfinite(st["data_time"]) & np.isfinite(st["step_time"]) & (st["step_time"] > 0)]
+    if len(st) < 5:
+        return None
+    share = st["data_time"] / st["step_time"]
+    med = float(np.median(share))
+    if med < min_share:
+        return None
+    cuda = run.device == "cuda"
+    fix = ("Load batches in parallel and ahead of the step:\n"
+           "loader = torch.utils.data.DataLoader(dataset, batch_size=..., shuffle=True,\n"
+           f"    num_workers=8, persistent_workers=True, prefetch_factor=4{', pin_memory=True' if cuda else ''})")
+    if cuda:
+        fix += ("\nx = x.to('cuda', non_blocking=True)  # with pin_memory: the copy overlaps compute\n"
+                "Decode and augment images on the GPU (NVIDIA DALI, torchvision.io.decode_jpeg(device='cuda')) "
+                "when the CPU cannot keep up.")
+    else:
+        fix += "\nMove decoding and augmentation out of __getitem__'s hot path (pre-process once, cache tensors)."
+    return finding(
+        "warning" if med >= warning_share else "info", "Training is input-pipeline bound",
+        f"The step waits for data {A.pct(med)} of its time (median {A.fmt_num(float(st['data_time'].median()))} s "
+        f"of {A.fmt_num(float(st['step_time'].median()))} s); a faster compute precision cannot shorten that part.",
+        steps=[int(st["step"].iloc[0]), int(st["step"].iloc[-1])],
+        evidence={"data_share_median": med, "data_time_median_s": float(st["data_time"].median()),
+                  "step_time_median_s": float(st["step_time"].median()),
+                  "samples_per_s_median": float(np.nanmedian(st["samples_per_s"])) if st["samples_per_s"].notna().any()
+                  else None, "steps_measured": len(st)},
+        recommendation=fix)

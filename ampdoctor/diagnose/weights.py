@@ -1,0 +1,171 @@
+"""Weight rules: weight-update-lost (half-precision weights swallow small updates), grad-range-anomaly (a layer's
+gradients orders of magnitude off, traced back to the weights whose scale is at fault)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import formats
+from . import advice as A
+from .engine import finding
+from .policy import NORM_TYPES, _attr
+
+# An update below half an ULP of its weight rounds back to the weight: the element did not move although its
+# gradient was non-zero. 10% of the parameters frozen that way is material; 90% means training has stalled.
+MIN_LOST_SHARE = 0.10
+STALLED_SHARE = 0.90
+# Default inits (kaiming/xavier/PyTorch's uniform) give a weight RMS within ~2x of 1/sqrt(fan_in); 1.5 decades
+# (~30x) off that cannot come from an init formula or from ordinary training drift.
+WEIGHT_DECADES = 1.5
+# Gradient RMS of weight matrices in a healthy net stays within a couple of decades across layers; a layer three
+# decades away from the median of the others is the "gradient of 1e8" of the troubleshooting table.
+GRAD_DECADES = 3.0
+NO_FAN_IN = NORM_TYPES + ("Embedding", "EmbeddingBag")
+
+
+def weight_update_lost(run, *, min_lost_share=MIN_LOST_SHARE, stalled_share=STALLED_SHARE):
+    w = run.sites("weight")
+    half = w[w["dtype"].isin(formats.REDUCED)]
+    if not len(half):
+        return None
+    up = run.sites("update")
+    pg = run.sites("param_grad")
+    upd_zero, upd_n = run.records("zeros", "update"), run.records("numel", "update")
+    g_zero, g_n = run.records("zeros", "param_grad"), run.records("numel", "param_grad")
+    g_rms = run.records("rms", "param_grad")
+    w_rms = run.records("rms", "weight")
+    skipped = run.steps["skipped"].to_numpy(bool)
+    lr = run.steps["lr"].to_numpy(float)
+    lost_total, n_total, per, steps_used = 0.0, 0.0, {}, set()
+    ratios = []
+    for _, site in half.iterrows():
+        ju = np.flatnonzero(up["path"].to_numpy() == site["path"])
+        jg = np.flatnonzero(pg["path"].to_numpy() == site["path"])
+        jw = int(np.flatnonzero(w["id"].to_numpy() == site["id"])[0])
+        if not len(ju) or not len(jg):
+            continue
+        ju, jg = int(ju[0]), int(jg[0])
+        rows = np.flatnonzero(np.isfinite(upd_n[:, ju]) & np.isfinite(g_n[:, jg]) & ~skipped)
+        if not len(rows):
+            continue
+        with np.errstate(all="ignore"):
+            moved_expected = 1.0 - g_zero[rows, jg] / g_n[rows, jg]       # elements with a non-zero gradient
+            frozen = upd_zero[rows, ju] / upd_n[rows, ju]
+        lost = np.clip(frozen - (1.0 - moved_expected), 0.0, 1.0)
+        numel = float(upd_n[rows[0], ju])
+        share = float(np.nanmean(lost))
+        per[site["path"]] = share
+        lost_total += share * numel
+        n_total += numel
+        steps_used.update(rows.tolist())
+        fmt = formats.get(site["dtype"])
+        wr = np.nanmedian(w_rms[rows, jw]) if np.isfinite(w_rms[rows, jw]).any() else np.nan
+        ur = np.nanmedian(lr[rows] * g_rms[rows, jg])
+        if np.isfinite(wr) and wr > 0 and np.isfinite(ur):
+            ratios.append(float(ur / (0.5 * fmt.ulp(wr))))
+    if not n_total:
+        return None
+    share = lost_total / n_total
+    if share < min_lost_share:
+        return None
+    worst = sorted(per.items(), key=lambda kv: -kv[1])
+    dtype = str(half["dtype"].mode().iloc[0])
+    severity = "critical" if share >= stalled_share else "warning"
+    fix = ("Keep the parameters in FP32 and let autocast compute in half precision (O1: FP32 master weights):\n"
+           "model.float()\noptimizer = torch.optim.SGD(model.parameters(), lr=lr)  # re-create over FP32 params\n"
+           + A.autocast_block(run, dtype))
+    if dtype == "float16":
+        fix += ("\n" + A.scaler_line(run) + "\nscaler.scale(loss).backward()\nscaler.step(optimizer)\n"
+                "scaler.update()")
+    fix += ("\nOr keep an FP32 master copy (O2-style): step the optimizer on FP32 copies of the weights and copy "
+            "them back into the half-precision model after each step.")
+    return finding(
+        severity, "Weight updates lost to rounding",
+        f"Parameters are stored in {dtype} and {A.pct(share)} of their elements did not change although their "
+        f"gradient was non-zero: the updates are below half an ULP of the weights"
+        + (f" (median update/half-ULP ratio {A.fmt_num(float(np.median(ratios)))})" if ratios else "") + ".",
+        layers=list(dict.fromkeys(p.rpartition(".")[0] or p for p, _ in worst)), steps=run.step_range(steps_used),
+        evidence={"param_dtype": dtype, "lost_share": share, "per_parameter": {p: round(s, 4) for p, s in worst[:10]},
+                  "update_to_half_ulp": float(np.median(ratios)) if ratios else None,
+                  "optimizer": (run.config.get("optimizer") or {}).get("class"), "steps_measured": len(steps_used)},
+        recommendation=fix)
+
+
+def _fan_in(shape: str) -> int | None:
+    try:
+        dims = [int(d) for d in str(shape).split("x")]
+    except ValueError:
+        return None
+    if len(dims) < 2:
+        return None
+    return int(np.prod(dims[1:]))
+
+
+def grad_range_anomaly(run, *, grad_decades=GRAD_DECADES, weight_decades=WEIGHT_DECADES):
+    pg = run.sites("param_grad")
+    types = run.module_types
+    mats = [(j, s) for j, s in enumerate(pg.itertuples())
+            if _fan_in(s.shape) and types.get(s.module) not in NO_FAN_IN]
+    if len(mats) < 3:
+        return None                       # "the others" needs at least two other layers
+    st = run.steps
+    clean = ~st["skipped"].to_numpy(bool) & ~st["nonfinite"].to_numpy(bool)
+    fs = [s for s in run.full_steps if clean[s]]
+    if not fs:
+        return None
+    rms = run.records("rms", "param_grad")[np.ix_(fs, [j for j, _ in mats])]
+    with np.errstate(all="ignore"):
+        g = np.nanmedian(np.log10(np.where(rms > 0, rms, np.nan)), axis=0)
+    ok = np.isfinite(g)
+    if ok.sum() < 3:
+        return None
+    med = float(np.median(g[ok]))
+    # each layer against the median of the *other* layers
+    dev = np.array([g[i] - np.median(np.delete(g[ok], np.flatnonzero(np.flatnonzero(ok) == i)))
+                    if ok[i] else np.nan for i in range(len(g))])
+    outliers = [(mats[i][1].path, float(dev[i]), float(10 ** g[i])) for i in np.flatnonzero(np.abs(dev) >= grad_decades)]
+    # weights whose scale is far from what their fan-in gives
+    w = run.sites("weight")
+    w_rms = run.records("rms", "weight")
+    faults = []
+    for j, s in enumerate(w.itertuples()):
+        fan = _fan_in(s.shape)
+        if not fan or types.get(s.module) in NO_FAN_IN:
+            continue
+        col = w_rms[:, j]
+        col = col[np.isfinite(col)]
+        if not len(col):
+            continue
+        ratio = float(col[0] * math.sqrt(fan))       # rms / (1/sqrt(fan_in)), at the first recorded step
+        if ratio > 0 and abs(math.log10(ratio)) >= weight_decades:
+            faults.append((s.path, ratio, float(col[0]), 1.0 / math.sqrt(fan), s.module))
+    if not outliers:
+        return None
+    faults.sort(key=lambda f: -abs(math.log10(f[1])))
+    outliers.sort(key=lambda o: -abs(o[1]))
+    layers = [f[4] for f in faults] + [p.rpartition(".")[0] or p for p, _, _ in outliers]
+    layers = list(dict.fromkeys(layers))
+    if faults:
+        path, ratio, wr, exp, mod = faults[0]
+        cause = (f"the weights of {mod} are {A.fmt_num(ratio)}x the scale its fan-in gives "
+                 f"(RMS {A.fmt_num(wr)} vs about {A.fmt_num(exp)})")
+        fix = (f"Re-initialise {mod} (PyTorch's default for Linear/Conv is kaiming_uniform_ with a=sqrt(5); "
+               f"use kaiming_normal_ before a ReLU):\n"
+               f"torch.nn.init.kaiming_uniform_({_attr(path)}, a=math.sqrt(5))\n"
+               f"# or: torch.nn.init.kaiming_normal_({_attr(path)}, nonlinearity=\"relu\")")
+    else:
+        cause = "no weight is off its fan-in scale, so look at the inputs or a custom op in those layers"
+        fix = ("Clip gradients while you find the cause, and check the inputs of these layers:\n"
+               "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)")
+    return finding(
+        "warning", "Gradient range anomaly",
+        f"{len(outliers)} layer(s) have gradients at least {grad_decades:g} decades away from the other layers "
+        f"(worst {outliers[0][0]}: RMS {A.fmt_num(outliers[0][2])}, {outliers[0][1]:+.1f} decades); {cause}.",
+        layers=layers, steps=run.step_range(fs),
+        evidence={"grad_rms": {mats[i][1].path: float(10 ** g[i]) for i in np.flatnonzero(ok)},
+                  "median_grad_rms": 10 ** med,
+                  "outliers": {p: round(d, 2) for p, d, _ in outliers},
+                  "weight_faults": {p: {"rms": wr, "fan_in_rms": exp, "ratio": ratio}
+                                    for p, ratio, wr, exp, _ in faults}},
+        recommendation=fix)
