@@ -360,3 +360,29 @@ def test_precision_configuration_is_recorded(trace_path):
     assert cfg["optimizer"]["class"] == "SGD" and cfg["optimizer"]["groups"][0]["lr"] == 0.01
     sites = ampdoctor.load(trace_path).sites("act")
     assert set(sites["dtype"]) == {"float16"}
+
+
+def test_half_model_records_weights_and_lost_updates(trace_path):
+    """O3-style: model.half() with plain SGD. Updates below half an ULP of the weights vanish, and the trace
+    shows it: the update is zero where the gradient is not."""
+    torch.manual_seed(0)
+    model = mlp(width=64).half()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    with ampdoctor.attach(model, optimizer=opt, trace=trace_path, every=1, weight_every=2) as doc:
+        for x, y in batches(4):
+            loss = torch.nn.functional.mse_loss(model(x.half()).float(), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            doc.log_loss(loss)
+    tr = ampdoctor.load(trace_path)
+    assert tr.config["param_dtypes"] == {"float16": sum(p.numel() for p in model.parameters())}
+    ups = tr.sites("update")
+    assert set(ups["dtype"]) == {"float16"} and len(ups) == 8
+    j = ups["path"].tolist().index("0.weight")
+    zero_update = tr.records("zeros", "update")[2, j] / tr.records("numel", "update")[2, j]
+    g = tr.sites("param_grad")["path"].tolist().index("0.weight")
+    zero_grad = tr.records("zeros", "param_grad")[2, g] / tr.records("numel", "param_grad")[2, g]
+    assert zero_update > 0.5 and zero_grad < 0.05
+    assert np.isnan(tr.records("numel", "update")[1]).all()                 # only every weight_every steps
+    assert tr.records("numel", "weight")[2, j] == 64 * 32

@@ -415,8 +415,7 @@ class Doctor:
         for name, g in grads:
             sid = self._site(name, "param_grad", self._owner.get(name), g)
             entries.append(Entry(sid, "param", [self._observe(g, mode)]))
-        norm_off = self._add_extra(torch.linalg.vector_norm(torch.stack(
-            torch._foreach_norm([g.detach() for _, g in grads])))) if grads else None
+        norm_off = self._add_extra(_global_norm([g for _, g in grads])) if grads else None
         if step % self.weight_every == 0:
             for name, p in self._params:
                 sid = self._site(name, "weight", self._owner.get(name), p)
@@ -568,6 +567,16 @@ class Doctor:
                 self.close()
         except Exception:
             pass
+
+
+def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm over all gradients, accumulated in float32, one fused call per device."""
+    by_dev: dict = {}
+    for g in grads:
+        by_dev.setdefault(g.device, []).append(g.detach())
+    first = next(iter(by_dev))
+    parts = [torch.stack(torch._foreach_norm(gs, 2, dtype=torch.float32)).to(first) for gs in by_dev.values()]
+    return torch.linalg.vector_norm(torch.cat(parts))
 
 
 def _sum_losses(losses: list) -> torch.Tensor:

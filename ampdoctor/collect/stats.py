@@ -53,13 +53,23 @@ def full(x: torch.Tensor) -> torch.Tensor:
     a = xf.abs()
     key = a.view(torch.int32) >> _SHIFT          # sign bit cleared by abs(), so 0..511
     hist = torch.bincount(key, minlength=HIST_KEYS)
+    if xf.device.type == "cpu" and xf.numel():
+        # On the CPU a value is on the host as soon as it is computed (no device sync), so the two passes that
+        # only matter for rare tensors (non-finite values, values above 65504) run only when needed.
+        nonfinite = bool(hist[KEY_INF:].any())
+        absmax = (torch.nan_to_num(a, 0.0, 0.0, 0.0) if nonfinite else a).amax()
+        over = torch.count_nonzero(a > formats.FP16.max) if nonfinite or absmax.item() > formats.FP16.max \
+            else absmax.new_zeros(())
+    else:
+        absmax = torch.nan_to_num(a, 0.0, 0.0, 0.0).amax() if a.numel() else a.new_zeros(())
+        # 65504 is not a power of two, so the histogram cannot resolve it: one exact comparison.
+        over = torch.count_nonzero(a > formats.FP16.max)
     head = torch.stack((
         torch.count_nonzero(xf).to(torch.float32),
-        # 65504 is not a power of two, so the histogram cannot resolve it: one exact comparison.
-        torch.count_nonzero(a > formats.FP16.max).to(torch.float32),
+        over.to(torch.float32),
         xf.sum(),
         torch.linalg.vector_norm(xf),
-        torch.nan_to_num(a, 0.0, 0.0, 0.0).amax() if a.numel() else a.new_zeros(()),
+        absmax,
     )).to(torch.float64)
     return torch.cat((head, hist.to(torch.float64)))
 
