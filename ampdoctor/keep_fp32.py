@@ -9,6 +9,7 @@ import difflib
 import types
 
 from .trace.schema import ROOT   # how the root module is named in site paths
+
 _HALF = ("float16", "bfloat16")
 
 
@@ -18,7 +19,7 @@ class KeptFP32:
     def __init__(self, model, paths: tuple):
         self.model = model
         self.paths = paths
-        self._wrapped: list = []     # (module, had own forward, previous own forward, wrapper, state)
+        self._wrapped: list = []     # (module, state of its wrapper)
 
     def _wrap(self, module) -> None:
         state = {"active": True}

@@ -20,6 +20,8 @@ to be >= max/S_rec. Its weights are those of the nearest finite steps (a skipped
 the estimate is the larger of the magnitudes of the nearest finite step before and after (and of its own finite
 sites), capped so that the step still overflows at S_rec. Such decisions are flagged in ``Replay.estimated``.
 Gradients the collector did not observe (inside a module, the input gradient of the first layer) are invisible.
+A loss computed in FP16 is itself scaled in FP16 and counts as one more gradient. A run that computed no gradient in
+FP16 (FP32, BF16) is replayed as if it had (``Replay.assumed_fp16``): what a switch to FP16 + GradScaler would meet.
 
 Underflow. From the exponent histograms (recorded every ``hist_every`` steps) of the gradients computed in FP16:
 the share of the non-zero elements that would fall below the FP16 smallest normal (2^-14: subnormal, precision lost)
@@ -29,6 +31,7 @@ recorded scale are not counted (a flushed gradient cannot be told from an exact 
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from dataclasses import dataclass, field
 
@@ -319,15 +322,16 @@ def _f32(x: float) -> float:
 
 
 def _check_settings(s: dict) -> None:
-    if not (isinstance(s["init_scale"], (int, float)) and math.isfinite(s["init_scale"]) and s["init_scale"] > 0):
+    real = (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool))
+    if not (real(s["init_scale"]) and math.isfinite(s["init_scale"]) and s["init_scale"] > 0):
         raise ValueError(f"Argument init_scale should be a positive finite number, but given {s['init_scale']!r}")
-    if not (isinstance(s["growth_factor"], (int, float)) and s["growth_factor"] > 1.0
+    if not (real(s["growth_factor"]) and s["growth_factor"] > 1.0
             and math.isfinite(s["growth_factor"])):
         raise ValueError(f"Argument growth_factor should be a number > 1.0, but given {s['growth_factor']!r}")
-    if not (isinstance(s["backoff_factor"], (int, float)) and 0.0 < s["backoff_factor"] < 1.0):
+    if not (real(s["backoff_factor"]) and 0.0 < s["backoff_factor"] < 1.0):
         raise ValueError(f"Argument backoff_factor should be a number in (0, 1), but given {s['backoff_factor']!r}")
     gi = s["growth_interval"]
-    if not isinstance(gi, (int, np.integer)) or isinstance(gi, bool) or gi < 1:
+    if not isinstance(gi, numbers.Integral) or isinstance(gi, bool) or gi < 1:
         raise ValueError(f"Argument growth_interval should be a positive int, but given {gi!r}")
 
 

@@ -81,8 +81,14 @@ def run(args) -> int:
         print(f"{key:{width}s}  {rec[key]:>20s}  {cols[key]:>20s}")
     if sim.n_skipped:
         print(f"simulated skips at step(s) {_ranges([int(s) for s in sim.steps[sim.skipped]])}")
-    if recorded_scaler and sim.settings == base.settings:
-        print("(the run's own settings: the replay reproduces the recorded scale history)")
+    if recorded_scaler:
+        rec_scales = st["loss_scale"].to_numpy(float)
+        off = np.flatnonzero(~np.isnan(rec_scales) & (base.scales != rec_scales))
+        if len(off):
+            print(f"note: the recorded scale departs from GradScaler's rule at step {int(base.steps[off[0]])} "
+                  "(a manual update(new_scale) or a scaler state loaded mid-run?); the simulation follows the rule")
+        elif sim.settings == base.settings:
+            print("(the run's own settings: the replay reproduces the recorded scale history)")
     if sim.estimated.any():
         print(f"note: {int(sim.estimated.sum())} skip decision(s) estimated from neighbouring steps (the recorded "
               "step overflowed at a higher scale)")

@@ -1,0 +1,277 @@
+"""Loss-scale replay: exact reproduction of recorded GradScaler histories, the scaler dynamics against torch's own
+kernel, predictions checked against real runs with the other settings, underflow, --suggest and the CLI."""
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import ampdoctor
+from ampdoctor.cli import main
+from ampdoctor.replay import Replay, _Evidence, _simulate, suggest
+from runs import batches, mlp, train
+
+
+def _run(path, steps=40, init_scale=2.0 ** 16, growth_interval=2000, **kw):
+    train(mlp(), steps, init_scale=init_scale, growth_interval=growth_interval, trace=path, **kw)
+    return ampdoctor.load(path)
+
+
+# -- exact reproduction ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("init_scale, growth_interval, extra", [
+    (2.0 ** 24, 2000, {}),                   # skips while calibrating at the start
+    (2.0 ** 8, 3, {}),                       # growth every 3 steps, then overflow/backoff cycles
+    (2.0 ** 24, 5, {"accumulation": 2}),     # both, with gradient accumulation
+    (2.0 ** 16, 2000, {"optimizer": "adam", "lr": 1e-3}),   # torch's defaults
+])
+def test_replay_with_the_run_settings_reproduces_the_recorded_history_exactly(trace_path, init_scale,
+                                                                               growth_interval, extra):
+    tr = _run(trace_path, 40, init_scale, growth_interval, **extra)
+    st = tr.steps()
+    r = ampdoctor.replay(trace_path)
+    assert isinstance(r, Replay)
+    assert np.array_equal(r.scales, st["loss_scale"].to_numpy())
+    assert np.array_equal(r.skipped, st["skipped"].to_numpy())
+    assert r.final_scale == st["loss_scale_next"].iloc[-1]
+    assert r.settings == {"init_scale": init_scale, "growth_factor": 2.0, "backoff_factor": 0.5,
+                          "growth_interval": growth_interval}
+    assert r.summary()["skipped"] == int(st["skipped"].sum()) and not r.estimated.any()
+    if growth_interval == 3:                 # the scenario shows both dynamics
+        assert (st["loss_scale_next"] > st["loss_scale"]).any() and st["skipped"].any()
+    if init_scale == 2.0 ** 24:
+        assert st["skipped"].iloc[:3].all()
+    # the same settings passed explicitly change nothing
+    same = ampdoctor.replay(tr, init_scale=init_scale, growth_interval=growth_interval, growth_factor=2.0,
+                            backoff_factor=0.5)
+    assert np.array_equal(same.scales, r.scales)
+
+
+def test_a_trace_attached_mid_run_is_reproduced(trace_path):
+    """The growth tracker the scaler had counted before attach() is read off the first growth."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=7)
+    data = batches(24)
+
+    def step():
+        x, y = next(data)
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        scaler.scale(torch.nn.functional.mse_loss(out.float(), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    for _ in range(4):
+        step()
+    with ampdoctor.attach(model, optimizer=opt, scaler=scaler, trace=trace_path):
+        for _ in range(20):
+            step()
+    st = ampdoctor.load(trace_path).steps()
+    r = ampdoctor.replay(trace_path)
+    assert r.growth_tracker == 4
+    assert np.array_equal(r.scales, st["loss_scale"].to_numpy()) and r.final_scale == scaler.get_scale()
+
+
+# -- the dynamics against torch's own update kernel --------------------------------------------------------------
+@pytest.mark.parametrize("init_scale, growth, backoff, interval", [
+    (2.0 ** 16, 2.0, 0.5, 3), (3.0, 1.7, 0.3, 2), (2.0 ** 126, 2.0, 0.5, 1), (1e-3, 1.1, 0.9, 1)])
+def test_simulated_dynamics_match_torch_amp_update_scale(init_scale, growth, backoff, interval):
+    rng = np.random.default_rng(0)
+    over = rng.random(200) < 0.2
+    n = len(over)
+    ev = _Evidence(steps=np.arange(n), rec_scale=np.full(n, np.nan), rec_next=np.full(n, np.nan), rec_over=over,
+                   always=over, threshold=np.full(n, np.inf), from_neighbours=np.zeros(n, bool), hist={},
+                   run_settings={}, has_scaler=False, assumed_fp16=False, device="cpu")
+    r = _simulate(ev, {"init_scale": init_scale, "growth_factor": growth, "backoff_factor": backoff,
+                       "growth_interval": interval})
+    scale, tracker = torch.tensor(init_scale), torch.tensor(0, dtype=torch.int32)
+    expected = []
+    for o in over:
+        expected.append(scale.item())
+        torch._amp_update_scale_(scale, tracker, torch.tensor(float(o)), growth, backoff, interval)
+    assert r.scales.tolist() == expected and r.final_scale == scale.item()
+    assert np.array_equal(r.skipped, over)
+
+
+# -- predictions: replay one run with other settings, compare with a real run that used them ---------------------------
+@pytest.mark.parametrize("interval", [5, 2000])
+def test_replay_predicts_a_real_run_with_other_settings(tmp_path, interval):
+    high = _run(str(tmp_path / "high.db"), 50, 2.0 ** 24, interval)
+    low = _run(str(tmp_path / "low.db"), 50, 2.0 ** 10, interval)
+    for src, dst, init in ((high, low, 2.0 ** 10), (low, high, 2.0 ** 24)):
+        r = ampdoctor.replay(src, init_scale=init)
+        actual = dst.steps()
+        skipped = actual["skipped"].to_numpy()
+        assert abs(r.n_skipped - int(skipped.sum())) <= 1
+        assert np.array_equal(r.skipped[:12], skipped[:12])          # the calibration at the start
+        assert r.final_scale == actual["loss_scale_next"].iloc[-1]
+    # overflowed steps replayed at a lower scale rest on their neighbours, and say so
+    assert ampdoctor.replay(high, init_scale=2.0 ** 10).estimated[:5].all()
+
+
+def test_a_forward_overflow_skips_at_every_scale(trace_path):
+    model = mlp(width=32)
+    with torch.no_grad():
+        model[0].weight.mul_(4e4)            # first layer outputs beyond 65504: inf in the forward pass
+    train(model, 8, init_scale=2.0 ** 16, trace=trace_path)
+    st = ampdoctor.load(trace_path).steps()
+    assert st["skipped"].all()
+    for init in (2.0 ** 16, 1.0, 2.0 ** -20):
+        r = ampdoctor.replay(trace_path, init_scale=init)
+        assert r.skipped.all() and not r.estimated.any()
+        assert r.scales[-1] == init * 0.5 ** 7
+
+
+# -- underflow ----------------------------------------------------------------------------------------------------------
+def _expected_underflow(tr, step, scale):
+    """Plain re-implementation for power-of-two scales: share of the non-zero elements of the FP16 gradients (leaf
+    modules' grad_out at their carried scale, FP16 modules' parameter gradients unscaled) below 2^-14 and 2^-24."""
+    acts = tr.sites("act").set_index("path")["dtype"].to_dict()
+    below = {-14: 0.0, -24: 0.0}
+    total = 0.0
+    for kind in ("grad_out", "param_grad"):
+        sites = tr.sites(kind)
+        carried = tr.records("scale", kind)
+        for j, site in enumerate(sites.itertuples()):
+            if kind == "grad_out" and any(p.startswith(site.path + ".") or site.path == "(model)"
+                                          for p in sites["path"] if p != site.path):
+                continue
+            if (site.dtype if kind == "grad_out" else acts.get(site.module)) != "float16":
+                continue
+            steps, counts = tr.hist(int(site.id))
+            if step not in steps:
+                continue
+            row = counts[list(steps).index(step)]
+            shift = round(math.log2(scale / carried[step, j]))
+            e = np.arange(255) - 127 + shift
+            total += row.sum()
+            for lim in below:
+                below[lim] += row[e < lim].sum()
+    return below[-14] / total, below[-24] / total
+
+
+def test_underflow_at_the_simulated_scale(trace_path):
+    # no scaler and a small loss weight: FP16 gradients underflow (the grad-underflow fault)
+    train(mlp(), 6, scaler=False, loss_weight=1e-3, trace=trace_path, attach_options={"every": 1, "hist_every": 1})
+    tr = ampdoctor.load(trace_path)
+    what_happened = ampdoctor.replay(tr, init_scale=1.0, growth_interval=10 ** 6)
+    with_scaler = ampdoctor.replay(tr)                   # torch's defaults: 65536
+    assert np.all(with_scaler.scales == 2.0 ** 16) and not with_scaler.skipped.any()
+    for t in range(6):
+        assert what_happened.underflow[t] == pytest.approx(_expected_underflow(tr, t, 1.0)[0], abs=1e-12)
+        assert what_happened.flushed[t] == pytest.approx(_expected_underflow(tr, t, 1.0)[1], abs=1e-12)
+        assert with_scaler.underflow[t] == pytest.approx(_expected_underflow(tr, t, 2.0 ** 16)[0], abs=1e-12)
+    assert what_happened.mean_underflow > 0.5
+    assert ampdoctor.replay(tr, init_scale=2.0 ** -8).mean_flushed > 0.1      # below 1: whole binades flush to 0
+    assert with_scaler.mean_underflow < what_happened.mean_underflow / 10
+    shares = [ampdoctor.replay(tr, init_scale=2.0 ** k).mean_underflow for k in range(0, 17, 4)]
+    assert shares == sorted(shares, reverse=True)
+
+
+# -- --suggest --------------------------------------------------------------------------------------------------------
+def test_suggest_removes_the_skips_and_the_printed_scaler_does_so_in_a_real_run(tmp_path):
+    tr = _run(str(tmp_path / "high.db"), 40, 2.0 ** 24, 2000)
+    assert tr.steps()["skipped"].sum() >= 8
+    sg = suggest(tr)
+    assert sg.improves and sg.replay.n_skipped == 0 and sg.baseline.n_skipped == tr.steps()["skipped"].sum()
+    assert sg.replay.lost < sg.baseline.lost
+    scaler = eval(sg.code, {"torch": torch})            # the line exactly as printed
+    assert isinstance(scaler, torch.amp.GradScaler) and scaler.get_growth_interval() == sg.settings["growth_interval"]
+    _run(str(tmp_path / "fixed.db"), 40, scaler._init_scale, scaler.get_growth_interval())
+    fixed = ampdoctor.load(str(tmp_path / "fixed.db")).steps()
+    assert fixed["skipped"].sum() <= 1
+
+
+# -- CLI ----------------------------------------------------------------------------------------------------------------
+def test_cli_prints_recorded_versus_simulated(trace_path, capsys):
+    tr = _run(trace_path, 30, 2.0 ** 20, 2000)
+    n_skip = int(tr.steps()["skipped"].sum())
+    assert main(["replay", trace_path]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"replay of {trace_path}: 30 steps"
+    assert out[1] == "recorded   init_scale 1048576, growth_factor 2, backoff_factor 0.5, growth_interval 2000"
+    assert out[2] == "simulated  init_scale 1048576, growth_factor 2, backoff_factor 0.5, growth_interval 2000"
+    row = next(line for line in out if line.startswith("skipped steps"))
+    pct = f"({100 * n_skip / 30:.2f}%)"
+    assert row.split() == ["skipped", "steps", str(n_skip), pct, str(n_skip), pct]
+    assert "(the run's own settings: the replay reproduces the recorded scale history)" in out
+
+    assert main(["replay", trace_path, "--init-scale", "1024", "--suggest"]) == 0
+    out = capsys.readouterr().out
+    assert "simulated  init_scale 1024, growth_factor 2, backoff_factor 0.5, growth_interval 2000" in out
+    assert "skipped steps" in out and "0 (0.00%)" in out
+    line = next(x for x in out.splitlines() if x.strip().startswith("scaler = "))
+    assert line.strip().startswith('scaler = torch.amp.GradScaler("cpu", init_scale=')
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--growth-factor", "0.5"], "Argument growth_factor should be a number > 1.0, but given 0.5"),
+    (["--backoff-factor", "1.5"], "Argument backoff_factor should be a number in (0, 1), but given 1.5"),
+    (["--growth-interval", "0"], "Argument growth_interval should be a positive int, but given 0"),
+    (["--init-scale", "-1"], "Argument init_scale should be a positive finite number, but given -1.0"),
+    (["--init-scale", "lots"], "argument --init-scale: invalid float value: 'lots'"),
+])
+def test_cli_bad_arguments_are_one_line_and_exit_2(trace_path, capsys, args, message):
+    _run(trace_path, 2)
+    assert main(["replay", trace_path, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+def test_cli_bad_traces_exit_2(tmp_path, capsys):
+    empty = str(tmp_path / "empty.db")
+    ampdoctor.attach(mlp(), trace=empty).close()
+    for path, message in ((str(tmp_path / "missing.db"), "no such file"), (empty, "the trace has no steps yet")):
+        assert main(["replay", path]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err
+    assert os.path.exists(empty)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_a_run_without_fp16_is_replayed_as_if_it_were_fp16(trace_path, capsys, precision):
+    train(mlp(), 6, precision=precision, trace=trace_path)
+    r = ampdoctor.replay(trace_path)
+    assert r.assumed_fp16 and r.settings == {"init_scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+                                             "growth_interval": 2000}
+    assert r.scales[0] == 65536.0 and len(r.scales) == 6
+    assert main(["replay", trace_path]) == 0
+    out = capsys.readouterr().out
+    assert "recorded   no GradScaler (unscaled gradients); simulated with torch's defaults unless given" in out
+    assert "note: the run computed no gradient in FP16; replayed as if it had (what FP16 would do)" in out
+
+
+def test_a_manual_scale_change_is_reported_not_hidden(trace_path, capsys):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with ampdoctor.attach(model, optimizer=opt, scaler=scaler, trace=trace_path):
+        for i, (x, y) in enumerate(batches(8)):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            scaler.scale(torch.nn.functional.mse_loss(out.float(), y)).backward()
+            scaler.step(opt)
+            scaler.update(new_scale=64.0 if i == 4 else None)
+    r = ampdoctor.replay(trace_path)
+    assert r.scales[5] == 1024.0 and ampdoctor.load(trace_path).steps()["loss_scale"][5] == 64.0
+    assert main(["replay", trace_path]) == 0
+    assert "note: the recorded scale departs from GradScaler's rule at step 5 (a manual update(new_scale)" in \
+        capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kwargs, exc, message", [
+    ({"init_scale": 0.0}, ValueError, "Argument init_scale should be a positive finite number, but given 0.0"),
+    ({"init_scale": True}, ValueError, "Argument init_scale should be a positive finite number, but given True"),
+    ({"growth_factor": 1.0}, ValueError, "Argument growth_factor should be a number > 1.0, but given 1.0"),
+    ({"backoff_factor": 0.0}, ValueError, "Argument backoff_factor should be a number in (0, 1), but given 0.0"),
+    ({"growth_interval": 2.5}, ValueError, "Argument growth_interval should be a positive int, but given 2.5"),
+])
+def test_library_arguments_are_validated(trace_path, kwargs, exc, message):
+    _run(trace_path, 2)
+    with pytest.raises(exc, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ampdoctor.replay(trace_path, **kwargs)
+    with pytest.raises(TypeError, match="Argument trace_or_path should be an ampdoctor.Trace or a path"):
+        ampdoctor.replay(3)
