@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import platform
+import threading
 import time
 import warnings
 import weakref
@@ -82,6 +83,7 @@ class Doctor:
         self._warned = False
         self._closed = False
         self._sites: dict[tuple[str, str], int] = {}
+        self._lock = threading.Lock()
         self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._owner = {(f"{m}." if m else "") + n: mod for m, mod in model.named_modules()
                        for n, _ in mod.named_parameters(recurse=False)}
@@ -191,6 +193,13 @@ class Doctor:
         return off, mode, n
 
     def _site(self, path: str, kind: str, module, t: torch.Tensor | None) -> int:
+        sid = self._sites.get((path, kind))
+        if sid is None:
+            with self._lock:           # backward hooks of several devices run on autograd's per-device threads
+                return self._new_site(path, kind, module, t)
+        return sid
+
+    def _new_site(self, path: str, kind: str, module, t: torch.Tensor | None) -> int:
         sid = self._sites.get((path, kind))
         if sid is None:
             sid = len(self._sites)
