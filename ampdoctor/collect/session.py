@@ -18,6 +18,7 @@ import torch
 from . import hooks as H
 from . import stats as K
 from ..trace import schema
+from ..live import LiveDiagnosis, TrainingHalted, check_severity
 from ..trace.writer import Entry, StepPacket, Writer, tensor_peaks
 
 log = logging.getLogger("ampdoctor")
@@ -60,7 +61,9 @@ class Doctor:
 
     def __init__(self, model, optimizer=None, scaler=None, trace: str = "runs/ampdoctor.db", *,
                  every: int = DEFAULT_EVERY, hist_every: int = DEFAULT_HIST_EVERY,
-                 weight_every: int = DEFAULT_WEIGHT_EVERY, include=None, exclude=None):
+                 weight_every: int = DEFAULT_WEIGHT_EVERY, include=None, exclude=None,
+                 live: bool = True, on_finding=None, halt_on: str | None = None, log_every: int | None = None,
+                 rules: dict | None = None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"Argument model should be of type torch.nn.Module, but given {type(model)}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -72,6 +75,11 @@ class Doctor:
             _check_positive(name, value)
         if not isinstance(trace, (str, os.PathLike)):
             raise TypeError(f"Argument trace should be a path (str), but given {type(trace)}")
+        if log_every is not None:
+            _check_positive("log_every", log_every)
+        if on_finding is not None and not callable(on_finding):
+            raise TypeError(f"Argument on_finding should be callable, but given {type(on_finding)}")
+        check_severity("halt_on", halt_on)
 
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.every, self.hist_every, self.weight_every = every, hist_every, weight_every
@@ -108,9 +116,20 @@ class Doctor:
         if self.path != requested:
             warnings.warn(f"ampdoctor: {requested} exists; writing this run's trace to {self.path}",
                           RuntimeWarning, stacklevel=4)
+        self._writer.log_every = log_every
+        if log_every is not None and not log.handlers and not logging.getLogger().handlers:
+            _handler = logging.StreamHandler()          # the summary is asked for: make sure it is seen
+            _handler.setFormatter(logging.Formatter("%(message)s"))
+            log.addHandler(_handler)
+            log.setLevel(logging.INFO)
         self._writer.start()
         self._put(("meta", "run", self._run_meta()))
         self._install()
+        self._live = None
+        self._halted = False
+        if live or on_finding is not None or halt_on is not None:
+            self._live = LiveDiagnosis(self.path, on_finding=on_finding, halt_on=halt_on, rules=rules)
+            self._live.start()
 
     # -- installation ------------------------------------------------------------------------------------------
     def _install(self) -> None:
@@ -399,6 +418,11 @@ class Doctor:
         return self._step
 
     @property
+    def findings(self) -> list:
+        """Findings the live diagnosis reported so far (worst first within each check)."""
+        return list(self._live.findings) if getattr(self, "_live", None) is not None else []
+
+    @property
     def active(self) -> bool:
         """False once collection stopped (after close() or an internal error)."""
         return not self._off and not self._closed
@@ -411,6 +435,10 @@ class Doctor:
             self._record_step(skipped)
         except Exception as exc:
             self._fail(exc)
+        live = self._live
+        if live is not None and live.halt is not None and not self._halted:
+            self._halted = True        # raised once: a loop that catches it may go on
+            raise TrainingHalted(live.halt)
 
     def _record_step(self, skipped) -> None:
         if self._writer.error is not None:
@@ -548,6 +576,8 @@ class Doctor:
         self._closed = True
         self._off = True
         self._handles.remove()
+        if getattr(self, "_live", None) is not None:
+            self._live.stop(final_check=False)
         if self._writer is not None:
             try:
                 self._flush_pending()

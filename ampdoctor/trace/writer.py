@@ -6,6 +6,7 @@ histograms, locating the first non-finite value) happens here, in numpy.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import queue
@@ -17,7 +18,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import schema
+from .. import formats
 from ..collect import stats as kernels
+
+log = logging.getLogger("ampdoctor")
 
 COMMIT_EVERY_S = 0.5        # the trace promises a commit at least once a second; half that leaves slack
 QUEUE_MAX = 256             # packets; a writer this far behind slows training down instead of eating memory
@@ -80,6 +84,9 @@ class Writer(threading.Thread):
         self.error: BaseException | None = None
         self.n_sites = 0
         self.steps_written = 0
+        self.log_every: int | None = None
+        self._site_names: dict[int, tuple[str, str]] = {}
+        self._skipped_total = 0
         self._conn = self._open(path)
 
     @staticmethod
@@ -173,6 +180,7 @@ class Writer(threading.Thread):
             conn.execute("INSERT INTO sites (id, path, module, kind, module_type, dtype, shape, first_step) "
                          "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", item[1:])
             self.n_sites = max(self.n_sites, item[1] + 1)
+            self._site_names[item[1]] = (item[2], item[4])
         elif tag == "meta":
             conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (item[1], json.dumps(item[2])))
         elif tag == "metric":
@@ -230,6 +238,30 @@ class Writer(threading.Thread):
         conn.execute(f"INSERT INTO steps ({','.join(schema.STEP_FIELDS)}) VALUES "
                      f"({','.join('?' * len(schema.STEP_FIELDS))})", [row.get(f) for f in schema.STEP_FIELDS])
         self.steps_written += 1
+        self._skipped_total += int(bool(skipped))
+        if self.log_every and (p.step + 1) % self.log_every == 0:
+            log.info(self._health(p, uniq, site_peak))
+
+    def _health(self, p: StepPacket, sites: np.ndarray, peaks: np.ndarray) -> str:
+        """One line: loss, loss scale, skipped steps so far, the layer closest to the FP16 max (or non-finite)."""
+        parts = [f"ampdoctor: step {p.step}"]
+        if p.loss is not None:
+            parts.append(f"loss {p.loss:.4g}")
+        if p.scale is not None:
+            parts.append(f"loss scale {p.scale:g}")
+        parts.append(f"skipped {self._skipped_total} so far")
+        worst, worst_room = None, math.inf
+        for s, pk in zip(sites.tolist(), peaks.tolist()):
+            name = self._site_names.get(s)
+            if name is None or name[1] not in ("act", "grad_out"):
+                continue
+            room = -math.inf if not _finite(pk) else (math.log2(formats.FP16.max / pk) if pk > 0 else math.inf)
+            if room < worst_room:
+                worst, worst_room = name, room
+        if worst is not None:
+            room = "non-finite" if worst_room == -math.inf else f"{worst_room:.1f} binades below 65504"
+            parts.append(f"worst FP16 headroom {worst[0]} ({worst[1]}): {room}")
+        return " | ".join(parts)
 
     def _write_full(self, conn: sqlite3.Connection, p: StepPacket, values: np.ndarray, bases: dict) -> None:
         fulls: dict[int, list | None] = {}

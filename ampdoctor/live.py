@@ -1,0 +1,109 @@
+"""Live diagnosis while training writes the trace: the same rules, run off the training thread.
+
+A daemon thread re-reads the trace (a second, read-only SQLite connection; WAL lets it read while the writer
+writes) whenever new steps were committed, runs ``ampdoctor.diagnose`` and reports each new finding once: one line
+through ``logging``, the ``on_finding`` callback, and, at or above ``halt_on``, a request that the Doctor raises
+``TrainingHalted`` at the next step boundary. Torch-free: it only reads the file.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+
+log = logging.getLogger("ampdoctor")
+
+SEVERITIES = ("info", "warning", "critical")
+MIN_INTERVAL_S = 2.0        # how often to look at most: findings appear within seconds of their evidence
+MAX_SHARE = 0.1             # a check may use at most ~10% of the time (interval grows with the check's cost)
+
+
+class TrainingHalted(RuntimeError):
+    """Raised at a step boundary when a live finding reached the ``halt_on`` severity."""
+
+    def __init__(self, finding):
+        self.finding = finding
+        layer = f" in {finding.layers[0]}" if finding.layers else ""
+        super().__init__(f"ampdoctor halted training: {finding.severity} {finding.rule}{layer}: {finding.summary}")
+
+
+def finding_line(f) -> str:
+    """One line: severity, rule id, layer, fix (the recommendation's first line)."""
+    layer = f" [{f.layers[0]}]" if f.layers else ""
+    fix = next((ln.strip() for ln in (f.recommendation or "").splitlines() if ln.strip()), "")
+    return f"ampdoctor: {f.severity} {f.rule}{layer}: {f.summary}" + (f" Fix: {fix}" if fix else "")
+
+
+def check_severity(name: str, value) -> None:
+    if value is not None and value not in SEVERITIES:
+        raise ValueError(f"Argument {name} should be one of {', '.join(SEVERITIES)} or None, but given {value!r}")
+
+
+class LiveDiagnosis(threading.Thread):
+    def __init__(self, path: str, on_finding=None, halt_on: str | None = None, rules=None,
+                 interval: float = MIN_INTERVAL_S):
+        super().__init__(name="ampdoctor-live", daemon=True)
+        self.path = path
+        self.on_finding = on_finding
+        self.halt_on = halt_on
+        self.rules = rules
+        self.interval = interval
+        self.halt = None                       # the finding that asks to stop training
+        self.findings: list = []               # every finding reported so far, in order
+        self._reported: set = set()
+        self._last_steps = -1
+        self._stop_event = threading.Event()
+        self._failed = False
+
+    def run(self) -> None:
+        wait = self.interval
+        while not self._stop_event.wait(wait):
+            t0 = time.perf_counter()
+            self.check()
+            wait = max(self.interval, (time.perf_counter() - t0) / MAX_SHARE)
+
+    def stop(self, final_check: bool = True) -> None:
+        self._stop_event.set()
+        if self.is_alive():
+            self.join(timeout=60)
+        if final_check:
+            self.check()
+
+    def check(self) -> None:
+        """Diagnose the trace as it stands and report what is new; never raises."""
+        if self._failed:
+            return
+        try:
+            from .diagnose import diagnose
+            from .trace import load
+            tr = load(self.path)
+            try:
+                n = tr.n_steps
+                if n == self._last_steps or n == 0:
+                    return
+                self._last_steps = n
+                found = diagnose(tr, rules=self.rules)
+            finally:
+                tr.close()
+        except Exception as exc:   # never break training: say it once and stop looking
+            self._failed = True
+            warnings.warn(f"ampdoctor: live diagnosis stopped ({type(exc).__name__}: {exc}); training continues",
+                          RuntimeWarning, stacklevel=2)
+            return
+        for f in found:
+            key = (f.rule, tuple(f.layers[:1]))
+            if key in self._reported:
+                continue
+            self._reported.add(key)
+            self.findings.append(f)
+            log.log(logging.WARNING if f.severity != "info" else logging.INFO, finding_line(f))
+            if self.on_finding is not None:
+                try:
+                    self.on_finding(f)
+                except Exception as exc:
+                    warnings.warn(f"ampdoctor: on_finding callback raised {type(exc).__name__}: {exc}",
+                                  RuntimeWarning, stacklevel=2)
+            if (self.halt_on is not None and self.halt is None
+                    and SEVERITIES.index(f.severity) >= SEVERITIES.index(self.halt_on)):
+                self.halt = f

@@ -1,0 +1,89 @@
+"""Live diagnosis during training: findings logged once, on_finding, halt_on, and the log_every summary."""
+import logging
+import time
+
+import pytest
+import torch
+
+import ampdoctor
+from runs import batches, mlp
+
+
+class Attention(torch.nn.Module):
+    """Scores without the 1/sqrt(d) scale and large projections: FP16 overflows in the forward pass."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.q, self.k, self.out = torch.nn.Linear(d, d), torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+        with torch.no_grad():
+            self.q.weight.mul_(200.0)
+            self.k.weight.mul_(200.0)
+
+    def forward(self, x):
+        return self.out(torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2), dim=-1) @ x)
+
+
+def overflowing_run(trace, budget_s=40.0, **options):
+    """Train until TrainingHalted or the time budget; returns (steps done, the exception or None)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), Attention(), torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = torch.randn(4, 16, 32), torch.randn(4, 16, 1)
+    steps, halted = 0, None
+    t0 = time.time()
+    with ampdoctor.attach(model, optimizer=opt, scaler=scaler, trace=trace, **options) as doctor:
+        try:
+            while time.time() - t0 < budget_s:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = torch.nn.functional.mse_loss(model(x).float(), y)
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                steps += 1
+                time.sleep(0.005)
+        except ampdoctor.TrainingHalted as exc:
+            halted = exc
+    return steps, halted, doctor
+
+
+def test_halt_on_critical_stops_a_broken_run_early(trace_path, caplog):
+    seen = []
+    with caplog.at_level(logging.INFO, logger="ampdoctor"):
+        steps, halted, doctor = overflowing_run(trace_path, halt_on="critical", on_finding=seen.append)
+    assert halted is not None, f"not halted after {steps} steps"
+    assert halted.finding.rule == "forward-overflow" and halted.finding.layers[0] == "1"
+    assert "ampdoctor halted training: critical forward-overflow in 1" in str(halted)
+    assert [f.rule for f in seen].count("forward-overflow") == 1          # reported once, however many checks
+    lines = [r.getMessage() for r in caplog.records if " forward-overflow [" in r.getMessage()]
+    assert lines == [lines[0]] and lines[0].startswith("ampdoctor: critical forward-overflow [1]:")
+    assert "Fix: " in lines[0]
+    assert doctor.findings and ampdoctor.load(trace_path).n_steps == steps + 1
+
+
+def test_log_every_prints_a_health_line(trace_path, caplog):
+    model = mlp(width=32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20)
+    with caplog.at_level(logging.INFO, logger="ampdoctor"):
+        with ampdoctor.attach(model, optimizer=opt, scaler=scaler, trace=trace_path, log_every=5, live=False):
+            for x, y in batches(10):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = torch.nn.functional.mse_loss(model(x).float(), y)
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ampdoctor: step")]
+    assert [ln.split(" |")[0] for ln in lines] == ["ampdoctor: step 4", "ampdoctor: step 9"]
+    skipped = ampdoctor.load(trace_path).steps()["skipped"]
+    assert f"skipped {int(skipped[:5].sum())} so far" in lines[0]
+    assert "loss scale" in lines[0] and "worst FP16 headroom" in lines[0] and "binades below 65504" in lines[1]
+
+
+def test_live_arguments_are_validated(trace_path):
+    with pytest.raises(ValueError, match="Argument halt_on should be one of info, warning, critical or None"):
+        ampdoctor.attach(mlp(), trace=trace_path, halt_on="fatal")
+    with pytest.raises(TypeError, match="Argument on_finding should be callable"):
+        ampdoctor.attach(mlp(), trace=trace_path, on_finding="print")
