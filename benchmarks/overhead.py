@@ -1,7 +1,11 @@
-"""Step-time overhead of ampdoctor and its peers, measured side by side in one run (interleaved medians).
+"""Step-time overhead of ampdoctor and its peers, measured side by side in one run.
 
 Reference model: 8 x [Linear(512, 512), LayerNorm, GELU], batch 256, BF16 autocast on the CPU, SGD.
-Prints the ratio attached / bare for each observer. Run: .venv/bin/python benchmarks/overhead.py [--rounds N]
+Every variant trains its own copy of the model; rounds interleave the variants (each round runs a block of steps
+of every variant in turn), so machine noise hits all of them alike. Printed per variant: the mean step time over
+all rounds (periodic costs such as ampdoctor's full-statistics steps included) and its ratio to the bare model,
+plus the median of the per-round ratios as a noise check.
+Run: .venv/bin/python benchmarks/overhead.py [--rounds N] [--steps N] [--peers]
 """
 from __future__ import annotations
 
@@ -77,9 +81,9 @@ def setup_debug_underflow(r):
 def setup_wandb(r):
     import wandb
     os.environ.setdefault("WANDB_SILENT", "true")
-    run = wandb.init(mode="offline", dir=tempfile.mkdtemp(), reinit="create_new")
-    run.watch(r.model, log="all", log_freq=1)
-    r.step_hook = lambda loss: run.log({"loss": loss.item()})
+    run = wandb.init(mode="offline", dir=tempfile.mkdtemp())      # wandb.watch logs through the global run
+    wandb.watch(r.model, log="all", log_freq=1)
+    r.step_hook = lambda loss: wandb.log({"loss": loss.item()})
     return run.finish
 
 
@@ -97,8 +101,8 @@ def setup_naive_item(r):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--rounds", type=int, default=12)
-    ap.add_argument("--steps", type=int, default=10, help="steps per variant per round")
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=20, help="steps per variant per round")
     ap.add_argument("--peers", action="store_true", help="also time DebugUnderflowOverflow and wandb.watch")
     args = ap.parse_args()
     torch.set_num_threads(max(torch.get_num_threads(), 1))
@@ -125,13 +129,16 @@ def main():
     for _ in range(args.rounds):
         for r in runners:       # interleaved: every variant sees the same machine noise
             with contextlib.redirect_stdout(open(os.devnull, "w")):
-                samples[r.name].append(statistics.median(r.run(args.steps)))
-    base = statistics.median(samples["bare"])
+                samples[r.name].append(statistics.fmean(r.run(args.steps)))
+    base = statistics.fmean(samples["bare"])
     print(f"reference: {DEPTH} x [Linear({WIDTH},{WIDTH}), LayerNorm, GELU], batch {BATCH}, BF16 autocast, CPU, "
-          f"{torch.get_num_threads()} threads; bare step {base * 1e3:.2f} ms (median of {args.rounds} rounds)")
+          f"{torch.get_num_threads()} threads; {args.rounds} rounds x {args.steps} steps per variant; "
+          f"bare step {base * 1e3:.2f} ms")
+    print(f"{'variant':50s} {'mean step':>10s} {'ratio':>7s} {'median of round ratios':>24s}")
     for r in runners:
-        med = statistics.median(samples[r.name])
-        print(f"{r.name:50s} {med * 1e3:8.2f} ms   x{med / base:.2f}")
+        mean = statistics.fmean(samples[r.name])
+        per_round = statistics.median(a / b for a, b in zip(samples[r.name], samples["bare"]))
+        print(f"{r.name:50s} {mean * 1e3:7.2f} ms  x{mean / base:5.2f}  x{per_round:5.2f}")
     for r in runners:
         if r.closer:
             with contextlib.redirect_stdout(open(os.devnull, "w")):

@@ -104,6 +104,8 @@ class Doctor:
         self._autocast: dict = {}
         self._loss_dtype = None
         self._snapshot = None
+        self._live: LiveDiagnosis | None = None
+        self._halted = False
 
         try:
             self._writer = Writer(self.path)
@@ -125,8 +127,6 @@ class Doctor:
         self._writer.start()
         self._put(("meta", "run", self._run_meta()))
         self._install()
-        self._live = None
-        self._halted = False
         if live or on_finding is not None or halt_on is not None:
             self._live = LiveDiagnosis(self.path, on_finding=on_finding, halt_on=halt_on, rules=rules)
             self._live.start()
