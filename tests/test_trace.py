@@ -170,3 +170,25 @@ def test_memory_stays_flat_over_2000_steps(tmp_path):
     # 1500 more steps: retained tensors or graphs would add MBs (one 16x32 activation set is ~20 kB a step)
     assert at2000 - at500 < 8.0, (at500, at2000)
     assert ampdoctor.load(tmp_path / "leak.db").n_steps == 2000
+
+
+def test_nan_loss_is_recorded_as_nan_not_as_missing(tmp_path):
+    import sqlite3 as sq
+
+    import torch
+    from runs import mlp
+    path = str(tmp_path / "nan.db")
+    model = mlp(width=16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ampdoctor.attach(model, optimizer=opt, trace=path) as doc:
+        for loss_value in (1.0, float("nan"), float("inf")):
+            loss = model(torch.randn(4, 32)).pow(2).sum() * loss_value
+            opt.zero_grad()
+            if loss_value == 1.0:       # no backward through a NaN/Inf: the weights stay finite for the next step
+                loss.backward()
+            opt.step()
+            doc.log_loss(loss)
+    rows = sq.connect(path).execute("SELECT loss, nonfinite FROM steps ORDER BY step").fetchall()
+    assert rows[1] == ("nan", 1) and rows[2][0] == float("inf") and rows[2][1] == 1
+    df = ampdoctor.load(path).steps()
+    assert np.isnan(df["loss"][1]) and df["loss"][2] == np.inf and df["nonfinite"].tolist() == [False, True, True]

@@ -72,6 +72,11 @@ def tensor_peaks(values: np.ndarray, refs: list[tuple[int, str, int]], bases: di
     return out
 
 
+def _sql(v):
+    """SQLite stores a NaN REAL as NULL ("no value"); a NaN loss is data, so it is stored as the text 'nan'."""
+    return "nan" if isinstance(v, float) and math.isnan(v) else v
+
+
 def _finite(p: float) -> bool:
     return not (math.isnan(p) or math.isinf(p))
 
@@ -236,7 +241,7 @@ class Writer(threading.Thread):
             lr=json.dumps(row.get("lr")) if row.get("lr") is not None else None,
         )
         conn.execute(f"INSERT INTO steps ({','.join(schema.STEP_FIELDS)}) VALUES "
-                     f"({','.join('?' * len(schema.STEP_FIELDS))})", [row.get(f) for f in schema.STEP_FIELDS])
+                     f"({','.join('?' * len(schema.STEP_FIELDS))})", [_sql(row.get(f)) for f in schema.STEP_FIELDS])
         self.steps_written += 1
         self._skipped_total += int(bool(skipped))
         if self.log_every and (p.step + 1) % self.log_every == 0:
