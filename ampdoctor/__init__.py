@@ -6,6 +6,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from .live import TrainingHalted
 from .trace import Trace, TraceError, load
 
 
@@ -13,7 +14,10 @@ def attach(model, optimizer=None, scaler=None, trace: str = "runs/ampdoctor.db",
     """Observe ``model`` during training and stream its mixed-precision numerics to the SQLite trace ``trace``.
 
     Options: every (full statistics cadence, default 100), hist_every (histograms, 200), weight_every (weights and
-    updates, 200), include / exclude (module name prefixes, globs or a ``(path, module) -> bool`` predicate).
+    updates, 200), include / exclude (module name prefixes, globs or a ``(path, module) -> bool`` predicate),
+    live (run the rules while training, default True), on_finding (callback per new finding), halt_on
+    ("info" | "warning" | "critical": raise TrainingHalted at the next step boundary), log_every (one-line health
+    summary every N steps), rules (rule overrides for the live diagnosis, as for ``diagnose``).
     """
     from .collect.session import attach as _attach
     return _attach(model, optimizer=optimizer, scaler=scaler, trace=trace, **options)
@@ -27,4 +31,5 @@ from .keep_fp32 import keep_fp32  # noqa: E402
 from .replay import replay  # noqa: E402
 
 
-__all__ = ["attach", "load", "diagnose", "replay", "keep_fp32", "Trace", "TraceError", "Diagnosis", "__version__"]
+__all__ = ["attach", "load", "diagnose", "replay", "keep_fp32", "Trace", "TraceError", "Diagnosis",
+           "TrainingHalted", "__version__"]

@@ -54,6 +54,19 @@ def tf32_note(run) -> str:
     return ""
 
 
+def attr(path: str) -> str:
+    """Module path to Python attribute access: blocks.0.ln -> model.blocks[0].ln, 4.weight -> model[4].weight."""
+    out = ["model"]
+    if path == "(model)":
+        return "model"
+    for part in path.split("."):
+        if part.isdigit():
+            out[-1] += f"[{part}]"
+        else:
+            out.append(part)
+    return ".".join(out)
+
+
 def keep_fp32_line(paths) -> str:
     quoted = ", ".join(f'"{p}"' for p in paths)
     return f"handle = ampdoctor.keep_fp32(model, {quoted})  # these modules compute in FP32 inside autocast"

@@ -15,7 +15,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print a JSON list of findings")
     parser.add_argument("--fail-on", default="warning", choices=SEVERITIES,
                         help="exit 1 when a finding at or above this severity exists (default: warning)")
-    parser.add_argument("--disable", nargs="+", default=[], metavar="ID", help="rule ids to leave out")
+    parser.add_argument("--disable", nargs="+", action="extend", default=[], metavar="ID", help="rule ids to leave out")
 
 
 def run(args) -> int:

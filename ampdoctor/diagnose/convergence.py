@@ -4,7 +4,6 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from . import advice as A
 from .engine import finding
 from .scaling import MAX_SKIP_SHARE
 
@@ -14,6 +13,9 @@ SLOW_RATIO = 1.5
 # Levels of the reference's own improvement (start -> best) at which the two runs are compared.
 LEVELS = (0.5, 0.8)
 MIN_STEPS = 10
+# One-sided Mann-Whitney U over the raw losses between the reference's and this run's arrival at the level: the
+# gap must be significant at 1%, not a few noisy batches.
+ALPHA = 0.01
 
 
 def smooth(values: np.ndarray) -> np.ndarray:
@@ -27,8 +29,8 @@ def first_at_or_below(curve: np.ndarray, level: float) -> int | None:
     return int(hit[0]) if len(hit) else None
 
 
-def slow_convergence(run, *, ratio=SLOW_RATIO, max_skip_share=MAX_SKIP_SHARE):
-    ref = getattr(run, "reference", None)
+def slow_convergence(run, *, ratio=SLOW_RATIO, max_skip_share=MAX_SKIP_SHARE, alpha=ALPHA):
+    ref = run.reference
     if ref is None:
         return None                           # needs the reference run's curve as evidence
     a = run.steps["loss"].to_numpy(float)
@@ -59,6 +61,12 @@ def slow_convergence(run, *, ratio=SLOW_RATIO, max_skip_share=MAX_SKIP_SHARE):
     if ratios[k] < ratio:
         return None
     level, rb, ra = rows[k]
+    end = ra if ra is not None else n
+    from scipy.stats import mannwhitneyu      # scipy only when a comparison is actually made
+    window = slice(rb, max(end, rb + 5))
+    p_value = float(mannwhitneyu(a[window], b[window], alternative="greater").pvalue)
+    if not p_value < alpha:
+        return None
     lr = float(run.steps["lr"].dropna().iloc[-1]) if run.steps["lr"].notna().any() else None
     lr_ref = float(ref.steps["lr"].dropna().iloc[-1]) if ref.steps["lr"].notna().any() else None
     reached = f"at step {ra}" if ra is not None else f"not within {n} steps"
@@ -77,5 +85,5 @@ def slow_convergence(run, *, ratio=SLOW_RATIO, max_skip_share=MAX_SKIP_SHARE):
         steps=[0, n - 1],
         evidence={"level": level, "reference_steps": rb, "steps": ra, "ratio": ratios[k],
                   "ratios_by_level": {f"{int(100 * q)}%": r for q, r in ratios.items()},
-                  "lr": lr, "reference_lr": lr_ref, "skip_share": float(run.steps["skipped"].mean())},
+                  "p_value": p_value, "lr": lr, "reference_lr": lr_ref, "skip_share": float(run.steps["skipped"].mean())},
         recommendation=fix)

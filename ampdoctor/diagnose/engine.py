@@ -40,20 +40,24 @@ class Diagnosis:
         return _plain(asdict(self))
 
 
-def _plain(v):
-    """JSON-safe copy: numpy scalars to Python numbers, non-finite floats to strings."""
+def _py(v, json_safe: bool = False):
+    """Copy with numpy scalars as Python numbers; ``json_safe`` also writes non-finite floats as strings."""
     if isinstance(v, dict):
-        return {str(k): _plain(x) for k, x in v.items()}
+        return {str(k): _py(x, json_safe) for k, x in v.items()}
     if isinstance(v, (list, tuple, np.ndarray)):
-        return [_plain(x) for x in v]
-    if isinstance(v, (np.integer,)):
+        return [_py(x, json_safe) for x in v]
+    if isinstance(v, np.bool_):
+        return bool(v)
+    if isinstance(v, np.integer):
         return int(v)
     if isinstance(v, (np.floating, float)):
         f = float(v)
-        return f if math.isfinite(f) else str(f)
-    if isinstance(v, np.bool_):
-        return bool(v)
+        return f if math.isfinite(f) or not json_safe else str(f)
     return v
+
+
+def _plain(v):
+    return _py(v, json_safe=True)
 
 
 @dataclass(frozen=True)
@@ -83,8 +87,9 @@ def finding(severity: str, title: str, summary: str, *, layers=(), steps=(), evi
 class Run:
     """What rules read: a trace plus cached views of it (steps, sites, per-site arrays, configuration)."""
 
-    def __init__(self, trace: Trace):
+    def __init__(self, trace: Trace, reference: "Run | None" = None):
         self.trace = trace
+        self.reference = reference          # a second run to compare with (slow-convergence)
         self._records: dict = {}
         self._sites: dict = {}
 
@@ -230,8 +235,7 @@ def diagnose(trace_or_path, reference=None, rules: dict | None = None) -> list[D
     """
     selected = resolve_rules(rules)
     tr = _as_trace(trace_or_path, "trace_or_path")
-    run = Run(tr)
-    run.reference = Run(_as_trace(reference, "reference")) if reference is not None else None
+    run = Run(tr, Run(_as_trace(reference, "reference")) if reference is not None else None)
     if run.n_steps == 0:
         raise TraceError(f"{tr.path}: no steps recorded; nothing to diagnose")
     out: list[Diagnosis] = []
@@ -242,7 +246,7 @@ def diagnose(trace_or_path, reference=None, rules: dict | None = None) -> list[D
         for d in (result if isinstance(result, list) else [result]):
             if not d.evidence:        # DESIGN principle 4: no evidence, no finding
                 continue
-            out.append((order, replace(d, rule=rule.id)))
+            out.append((order, replace(d, rule=rule.id, evidence=_py(d.evidence))))
     out.sort(key=lambda od: (-_RANK[od[1].severity], od[0]))
     return [d for _, d in out]
 

@@ -50,8 +50,9 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
              f'with torch.autocast(device_type="{A.dev(run)}", enabled=False):',
              "    out = self.block(x.float())"]
     if _looks_like_attention(culprit, mtype):
-        fixes += ["Scale the attention scores before the softmax (the missing 1/sqrt(d) is the usual cause):",
-                  "scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])",
+        fixes += ["Scale the attention scores by 1/sqrt(d) (its absence is the usual cause), on q before the "
+                  "product, since q @ k^T itself overflows:",
+                  "scores = (q / math.sqrt(q.shape[-1])) @ k.transpose(-2, -1)",
                   "# or use torch.nn.functional.scaled_dot_product_attention(q, k, v)"]
     if dtype == "float16" and run.bf16_supported:
         fixes += ["Or train in BF16 (same exponent range as FP32; this device supports it):",

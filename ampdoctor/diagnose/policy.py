@@ -70,7 +70,7 @@ def precision_policy(run, *, min_softmax_underflow=MIN_SOFTMAX_UNDERFLOW):
             items.append((path, f"{mtype} keeps its parameters/statistics in {pdt[path]}",
                           {"module_type": mtype, "param_dtype": pdt[path]},
                           f"Keep {path} in FP32 (its mean/variance need the range and bits):\n"
-                          f"{_attr(path)}.float()\n" + A.keep_fp32_line([path])))
+                          f"{A.attr(path)}.float()\n" + A.keep_fp32_line([path])))
     soft = acts[acts["module_type"].isin(SOFTMAX_TYPES) & acts["dtype"].isin(formats.REDUCED)]
     if len(soft):
         fs = run.full_steps
@@ -95,14 +95,3 @@ def precision_policy(run, *, min_softmax_underflow=MIN_SOFTMAX_UNDERFLOW):
         layers=layers, steps=[0, run.n_steps - 1],
         evidence={p: ev for p, _, ev, _ in items},
         recommendation="\n".join(f for *_, f in items))
-
-
-def _attr(path: str) -> str:
-    """Module path to Python attribute access: blocks.0.ln -> model.blocks[0].ln."""
-    out = ["model"]
-    for part in path.split("."):
-        if part.isdigit() and out:
-            out[-1] += f"[{part}]"
-        else:
-            out.append(part)
-    return ".".join(out)

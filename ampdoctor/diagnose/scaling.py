@@ -1,8 +1,6 @@
 """Loss-scaler rules: init-scale-too-high, loss-scale-collapse."""
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from .. import formats

@@ -28,9 +28,9 @@ def _layer(site) -> str:
     return site.module if site.kind in ("param_grad", "weight", "update") else site.path
 
 
-def underflow_shares(run, kinds=("grad_out", "param_grad")):
-    """Per FP16 gradient site: median share of elements in the FP16 subnormal range (or vanished) over clean
-    full-statistics steps; rows (site, share, zeros share, unscaled max)."""
+def underflow_shares(run, kinds=("grad_out", "param_grad"), vanished=False):
+    """Per FP16 gradient site: median share of elements in the FP16 subnormal range over clean full-statistics
+    steps; rows (site, share, zeros share, unscaled max). ``vanished``: an all-zero gradient counts as flushed."""
     steps = _clean_full_steps(run)
     rows = []
     if not len(steps):
@@ -48,7 +48,8 @@ def underflow_shares(run, kinds=("grad_out", "param_grad")):
         with np.errstate(all="ignore"):
             share = sub / n
             zshare = zeros / n
-            share = np.where(zshare >= VANISHED_ZEROS, 1.0, share)
+            if vanished:
+                share = np.where(zshare >= VANISHED_ZEROS, 1.0, share)
             unscaled = absmax / np.where(np.isfinite(scale) & (scale > 0), scale, 1.0)
         for j, col in enumerate(half):
             ok = np.isfinite(share[:, j])
@@ -63,9 +64,13 @@ def grad_underflow(run, *, min_share=MIN_SHARE):
     if not run.fp16:
         return None
     rows = underflow_shares(run)
-    bad = sorted([r for r in rows if r[1] >= min_share], key=lambda r: -r[1])
-    if not bad:
+    if not any(r[1] >= min_share for r in rows):
         return None
+    if not run.scaler_on:
+        # nothing lifts these gradients, and others sit at the FP16 floor: an all-zero one was flushed (with a
+        # scaler on, an all-zero gradient is more likely a dead ReLU than underflow)
+        rows = underflow_shares(run, vanished=True)
+    bad = sorted([r for r in rows if r[1] >= min_share], key=lambda r: -r[1])
     layers = list(dict.fromkeys(_layer(r[0]) for r in bad))
     gmax = max((r[3] for r in rows if math.isfinite(r[3])), default=float("nan"))
     suggested = A.suggest_scale(gmax)

@@ -9,7 +9,7 @@ import numpy as np
 from .. import formats
 from . import advice as A
 from .engine import finding
-from .policy import NORM_TYPES, _attr
+from .policy import NORM_TYPES
 
 # An update below half an ULP of its weight rounds back to the weight: the element did not move although its
 # gradient was non-zero. 10% of the parameters frozen that way is material; 90% means training has stalled.
@@ -122,9 +122,12 @@ def grad_range_anomaly(run, *, grad_decades=GRAD_DECADES, weight_decades=WEIGHT_
         return None
     med = float(np.median(g[ok]))
     # each layer against the median of the *other* layers
-    dev = np.array([g[i] - np.median(np.delete(g[ok], np.flatnonzero(np.flatnonzero(ok) == i)))
-                    if ok[i] else np.nan for i in range(len(g))])
-    outliers = [(mats[i][1].path, float(dev[i]), float(10 ** g[i])) for i in np.flatnonzero(np.abs(dev) >= grad_decades)]
+    idx = np.flatnonzero(ok)
+    dev = np.full(len(g), np.nan)
+    for i in idx:
+        dev[i] = g[i] - np.median(g[idx[idx != i]])
+    outliers = [(mats[i][1].path, float(dev[i]), float(10 ** g[i]))
+                for i in idx if abs(dev[i]) >= grad_decades]
     # weights whose scale is far from what their fan-in gives
     w = run.sites("weight")
     w_rms = run.records("rms", "weight")
@@ -152,8 +155,8 @@ def grad_range_anomaly(run, *, grad_decades=GRAD_DECADES, weight_decades=WEIGHT_
                  f"(RMS {A.fmt_num(wr)} vs about {A.fmt_num(exp)})")
         fix = (f"Re-initialise {mod} (PyTorch's default for Linear/Conv is kaiming_uniform_ with a=sqrt(5); "
                f"use kaiming_normal_ before a ReLU):\n"
-               f"torch.nn.init.kaiming_uniform_({_attr(path)}, a=math.sqrt(5))\n"
-               f"# or: torch.nn.init.kaiming_normal_({_attr(path)}, nonlinearity=\"relu\")")
+               f"torch.nn.init.kaiming_uniform_({A.attr(path)}, a=math.sqrt(5))\n"
+               f"# or: torch.nn.init.kaiming_normal_({A.attr(path)}, nonlinearity=\"relu\")")
     else:
         cause = "no weight is off its fan-in scale, so look at the inputs or a custom op in those layers"
         fix = ("Clip gradients while you find the cause, and check the inputs of these layers:\n"

@@ -1,0 +1,158 @@
+"""Fault-injection scenarios: a real CPU training run per fault; the rule fires, names the layer, nothing else does.
+
+Each row: (scenario, the rule that must fire, the layer it must name first or None, rules that may also fire
+because they describe the same fault from another side).
+"""
+import pytest
+import torch
+
+import fault_runs as F
+
+
+def init_scale_2_30(p):
+    F.fit(F.mlp(), F.regression(40), 40, p, init_scale=2.0 ** 30)
+
+
+def attention_without_sqrt_d(p):
+    F.fit(F.Transformer(scaled=False, emb_scale=100.0, prenorm=False), F.tokens(30), 30, p, precision="fp16",
+          loss_fn=F.ce, optimizer="adam", lr=1e-3)
+
+
+def nan_batches(p):
+    def data():
+        for i, (x, y) in enumerate(F.regression(40)):
+            if i >= 5:
+                x = x.clone()
+                x[0, 0] = float("nan")          # a corrupt sample in every batch after the fifth
+            yield x, y
+    F.fit(F.mlp(), data(), 40, p)
+
+
+def fp16_without_scaler_small_loss(p):
+    F.fit(F.mlp(width=64), F.regression(40), 40, p, precision="fp16", scaler=False, loss_weight=1e-4)
+
+
+def fp16_cnn_without_scaler(p):
+    F.fit(F.CNN(), F.images(30), 30, p, precision="fp16", scaler=False, loss_fn=F.ce, loss_weight=1e-3)
+
+
+def half_model_plain_sgd(p):
+    F.fit(F.mlp(width=64).half(), F.regression(30, scale=10), 30, p, precision="fp32", scaler=False,
+          input_dtype=torch.float16, lr=0.001)
+
+
+def scaler_without_autocast(p):
+    F.fit(F.mlp(width=64), F.regression(30), 30, p, precision="fp32", scaler=True)
+
+
+def slow_dataset(p):
+    F.fit(F.mlp(width=64), F.Slow(F.regression(20), 0.02), 20, p, precision="bf16")
+
+
+def layer_initialised_too_large(p):
+    m = F.mlp(width=64, depth=4)
+    with torch.no_grad():
+        m[4].weight.mul_(1e4)
+    F.fit(m, F.regression(30), 30, p, precision="bf16", optimizer="adam", lr=1e-3)
+
+
+def conv_initialised_too_large(p):
+    m = F.CNN()
+    with torch.no_grad():
+        m.conv2.weight.mul_(3e3)
+    F.fit(m, F.images(30), 30, p, precision="fp32", loss_fn=F.ce, optimizer="adam", lr=1e-3)
+
+
+def loss_in_bf16(p):
+    F.fit(F.mlp(width=64), F.regression(30), 30, p, precision="bf16",
+          loss_fn=lambda o, y: ((o - y.to(o.dtype)) ** 2).mean())
+
+
+def loss_in_fp16(p):
+    F.fit(F.mlp(width=64), F.regression(30), 30, p, precision="fp16",
+          loss_fn=lambda o, y: ((o - y.to(o.dtype)) ** 2).mean())
+
+
+def batchnorm_in_bf16(p):
+    m = F.CNN()
+    m.bn1.to(torch.bfloat16)
+    F.fit(m, F.images(30), 30, p, precision="bf16", loss_fn=F.ce, optimizer="adam", lr=1e-2)
+
+
+SCENARIOS = [
+    (init_scale_2_30, "init-scale-too-high", None, set()),
+    (attention_without_sqrt_d, "forward-overflow", "blocks.0.attn", {"loss-scale-collapse"}),
+    (attention_without_sqrt_d, "loss-scale-collapse", "blocks.0.attn", {"forward-overflow"}),
+    (nan_batches, "loss-scale-collapse", None, set()),
+    (fp16_without_scaler_small_loss, "grad-underflow", None, set()),
+    (fp16_cnn_without_scaler, "grad-underflow", None, set()),
+    (half_model_plain_sgd, "weight-update-lost", "0", {"grad-underflow"}),
+    (scaler_without_autocast, "amp-inactive", None, set()),
+    (slow_dataset, "input-pipeline-bound", None, set()),
+    (layer_initialised_too_large, "grad-range-anomaly", "4", set()),
+    (conv_initialised_too_large, "grad-range-anomaly", "conv2", {"fp16-readiness"}),  # its range breaks FP16 too
+    (loss_in_bf16, "precision-policy", None, set()),
+    (loss_in_fp16, "precision-policy", None, set()),
+    (batchnorm_in_bf16, "precision-policy", "bn1", {"weight-update-lost"}),   # its BF16 params lose updates too
+]
+
+
+@pytest.mark.parametrize("make, rule, layer, related", SCENARIOS,
+                         ids=[f"{r}-{m.__name__}" for m, r, _, _ in SCENARIOS])
+def test_rule_fires_on_its_fault(make, rule, layer, related, trace_path):
+    make(trace_path)
+    by_rule, found = F.diagnose(trace_path)
+    assert rule in by_rule, [d.rule for d in found]
+    d = by_rule[rule]
+    assert d.severity in ("warning", "critical")
+    assert d.evidence and d.recommendation and d.summary
+    if layer is not None:
+        assert d.layers[0] == layer, d.layers
+    unrelated = {x.rule for x in found} - {rule} - related
+    assert not unrelated, [(x.rule, x.summary) for x in found if x.rule in unrelated]
+
+
+def unnormalised_inputs_fp32(p):
+    F.fit(F.mlp(width=64), ((x * 3e5, y) for x, y in F.regression(30)), 30, p, precision="fp32",
+          optimizer="adam", lr=1e-3)
+
+
+def test_fp16_readiness_names_the_layer_that_would_overflow(trace_path):
+    unnormalised_inputs_fp32(trace_path)
+    by_rule, found = F.diagnose(trace_path)
+    assert [d.rule for d in found] == ["fp16-readiness"]
+    d = by_rule["fp16-readiness"]
+    assert d.severity == "info" and d.layers[0] == "0"
+    assert d.evidence["overflow_modules"]["0"]["max"] > 65504
+    assert 'ampdoctor.keep_fp32(model, "0"' in d.recommendation
+
+
+def test_fp16_readiness_reports_underflow_at_the_scale_it_suggests(trace_path):
+    # one conv 3000x too large: its gradients cap the usable scale, so others would underflow in FP16
+    conv_initialised_too_large(trace_path)
+    d = F.diagnose(trace_path)[0]["fp16-readiness"]
+    assert d.evidence["suggested_scale"] < 2 ** 16
+    assert d.evidence["underflow_at_scale"] and max(d.evidence["underflow_at_scale"].values()) >= 0.01
+    assert f"init_scale={d.evidence['suggested_scale']:.1f}" in d.recommendation
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("ref") / "fp32.db")
+    F.fit(F.mlp(width=64), F.regression(80), 80, path, precision="fp32", optimizer="adam", lr=1e-2)
+    return path
+
+
+def test_slow_convergence_against_a_reference(reference, trace_path):
+    F.fit(F.mlp(width=64), F.regression(80), 80, trace_path, precision="fp16", optimizer="adam", lr=1e-3)
+    found = F.diagnose(trace_path, reference=reference)[1]
+    assert [d.rule for d in found] == ["slow-convergence"]
+    d = found[0]
+    assert d.evidence["ratio"] >= 1.5 and d.evidence["reference_lr"] == 0.01
+    assert 'group["lr"] = 0.0012' in d.recommendation
+    assert F.diagnose(trace_path)[1] == []             # without a reference there is no evidence: silent
+
+
+def test_same_run_in_fp16_converges_like_the_reference(reference, trace_path):
+    F.fit(F.mlp(width=64), F.regression(80), 80, trace_path, precision="fp16", optimizer="adam", lr=1e-2)
+    assert F.diagnose(trace_path, reference=reference)[1] == []

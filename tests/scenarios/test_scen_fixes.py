@@ -1,0 +1,98 @@
+"""The medicine: apply the recommended fix exactly as printed, re-run, and the finding is gone (run healthy)."""
+import math
+import re
+
+import torch
+
+import fault_runs as F
+import test_scen_faults as S
+
+
+def _code_lines(text, pattern):
+    return [ln for ln in text.splitlines() if re.search(pattern, ln)]
+
+
+def _printed_scaler(rec):
+    """The GradScaler line of a recommendation, executed: (init_scale, growth_interval)."""
+    line = _code_lines(rec, r"^scaler = torch\.amp\.GradScaler\(")[0]
+    ns = {"torch": torch}
+    exec(line, ns)
+    return ns["scaler"].get_scale(), ns["scaler"].get_growth_interval()
+
+
+def test_init_scale_fix(trace_path, tmp_path):
+    S.init_scale_2_30(trace_path)
+    d = F.diagnose(trace_path)[0]["init-scale-too-high"]
+    init, growth = _printed_scaler(d.recommendation)
+    assert init == d.evidence["suggested_init_scale"] < 2 ** 30
+    fixed = str(tmp_path / "fixed.db")
+    F.fit(F.mlp(), F.regression(40), 40, fixed, init_scale=init, growth_interval=growth)
+    assert F.diagnose(fixed)[1] == []
+
+
+def test_grad_underflow_fix(trace_path, tmp_path):
+    S.fp16_without_scaler_small_loss(trace_path)
+    d = F.diagnose(trace_path)[0]["grad-underflow"]
+    init, growth = _printed_scaler(d.recommendation)
+    assert "scaler.scale(loss).backward()" in d.recommendation
+    fixed = str(tmp_path / "fixed.db")
+    F.fit(F.mlp(width=64), F.regression(40), 40, fixed, precision="fp16", scaler=True, init_scale=init,
+          growth_interval=growth, loss_weight=1e-4)
+    assert F.diagnose(fixed)[1] == []
+
+
+def test_weight_update_lost_fix(trace_path, tmp_path):
+    S.half_model_plain_sgd(trace_path)
+    d = F.diagnose(trace_path)[0]["weight-update-lost"]
+    assert "model.float()" in d.recommendation
+    assert 'torch.autocast(device_type="cpu", dtype=torch.float16)' in d.recommendation
+    init, growth = _printed_scaler(d.recommendation)
+    fixed = str(tmp_path / "fixed.db")
+    model = F.mlp(width=64).half()
+    exec("model.float()", {"model": model})
+    F.fit(model, F.regression(30, scale=10), 30, fixed, precision="fp16", scaler=True, init_scale=init,
+          growth_interval=growth, lr=0.001)
+    assert F.diagnose(fixed)[1] == []
+
+
+def test_amp_inactive_fix(trace_path, tmp_path):
+    S.scaler_without_autocast(trace_path)
+    d = F.diagnose(trace_path)[0]["amp-inactive"]
+    assert 'with torch.autocast(device_type="cpu", dtype=torch.float16):' in d.recommendation
+    fixed = str(tmp_path / "fixed.db")
+    F.fit(F.mlp(width=64), F.regression(30), 30, fixed, precision="fp16", scaler=True)
+    assert F.diagnose(fixed)[1] == []
+
+
+def test_grad_range_anomaly_fix(trace_path, tmp_path):
+    S.layer_initialised_too_large(trace_path)
+    d = F.diagnose(trace_path)[0]["grad-range-anomaly"]
+    line = _code_lines(d.recommendation, r"^torch\.nn\.init\.")[0]
+    model = F.mlp(width=64, depth=4)
+    with torch.no_grad():
+        model[4].weight.mul_(1e4)
+        exec(line, {"torch": torch, "math": math, "model": model})
+    fixed = str(tmp_path / "fixed.db")
+    F.fit(model, F.regression(30), 30, fixed, precision="bf16", optimizer="adam", lr=1e-3)
+    assert F.diagnose(fixed)[1] == []
+
+
+def test_precision_policy_fixes(trace_path, tmp_path):
+    S.loss_in_bf16(trace_path)
+    d = F.diagnose(trace_path)[0]["precision-policy"]
+    assert "loss = loss_fn(out.float(), y)" in d.recommendation
+    fixed = str(tmp_path / "fixed.db")
+    F.fit(F.mlp(width=64), F.regression(30), 30, fixed, precision="bf16",
+          loss_fn=lambda out, y: ((out.float() - y) ** 2).mean())
+    assert F.diagnose(fixed)[1] == []
+
+    bn = str(tmp_path / "bn.db")
+    S.batchnorm_in_bf16(bn)
+    d = F.diagnose(bn)[0]["precision-policy"]
+    line = _code_lines(d.recommendation, r"^model\.bn1\.float\(\)$")[0]
+    model = F.CNN()
+    model.bn1.to(torch.bfloat16)
+    exec(line, {"model": model})
+    fixed = str(tmp_path / "bn-fixed.db")
+    F.fit(model, F.images(30), 30, fixed, precision="bf16", loss_fn=F.ce, optimizer="adam", lr=1e-2)
+    assert F.diagnose(fixed)[1] == []
