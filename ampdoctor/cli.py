@@ -106,6 +106,8 @@ def cmd_info(args) -> int:
 
 def describe_precision(cfg: dict) -> str:
     """O0/O1/O2/O3-style label of a run from its observed configuration."""
+    if not cfg:
+        return "unknown: no step recorded yet"
     ac = cfg.get("autocast", {}) or {}
     params = cfg.get("param_dtypes", {}) or {}
     total = sum(params.values()) or 1

@@ -116,9 +116,17 @@ class Run:
         return self._sites[kind]
 
     def records(self, fld: str, kind: str) -> np.ndarray:
+        """[steps x sites] of one statistic, aligned with ``steps``: a trace still being written may have grown
+        between the two reads, so rows are cut (or NaN-padded) to the steps this view holds."""
         key = (fld, kind)
         if key not in self._records:
-            self._records[key] = self.trace.records(fld, kind)
+            arr = self.trace.records(fld, kind)
+            n = self.n_steps
+            if len(arr) > n:
+                arr = arr[:n]
+            elif len(arr) < n:
+                arr = np.vstack([arr, np.full((n - len(arr), arr.shape[1]), np.nan)])
+            self._records[key] = arr
         return self._records[key]
 
     @cached_property

@@ -37,6 +37,21 @@ def _check_file(path: str) -> None:
                          f"{page_size}-byte pages)")
 
 
+def _connect(path: str):
+    """Read-only connection. A WAL reader needs the -shm file; where it cannot create one (a read-only directory)
+    and no writer is active, the file is opened as immutable, which needs nothing next to it."""
+    uri = "file:" + os.path.abspath(path).replace("?", "%3f").replace("#", "%23")
+    try:
+        conn = sqlite3.connect(f"{uri}?mode=ro", uri=True, check_same_thread=False)
+        ids = conn.execute("PRAGMA application_id").fetchone()[0], conn.execute("PRAGMA user_version").fetchone()[0]
+    except sqlite3.OperationalError:
+        if os.path.exists(path + "-wal") or os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+            raise
+        conn = sqlite3.connect(f"{uri}?immutable=1", uri=True, check_same_thread=False)
+        ids = conn.execute("PRAGMA application_id").fetchone()[0], conn.execute("PRAGMA user_version").fetchone()[0]
+    return conn, ids[0], ids[1]
+
+
 class Trace:
     """A trace opened read-only. Every query reads the file again, so a trace being written shows new steps."""
 
@@ -44,10 +59,7 @@ class Trace:
         self.path = os.fspath(path)
         _check_file(self.path)
         try:
-            self._conn = sqlite3.connect(f"file:{os.path.abspath(self.path)}?mode=ro", uri=True,
-                                         check_same_thread=False)
-            app_id = self._conn.execute("PRAGMA application_id").fetchone()[0]
-            version = self._conn.execute("PRAGMA user_version").fetchone()[0]
+            self._conn, app_id, version = _connect(self.path)
         except sqlite3.DatabaseError as exc:
             raise TraceError(f"{self.path}: corrupt or unreadable trace ({exc})") from None
         if app_id != schema.APPLICATION_ID:
