@@ -1,0 +1,68 @@
+"""`ampdoctor serve TRACE_OR_DIR [--host 127.0.0.1] [--port 8050] [--reference TRACE]`: the dashboard."""
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import sys
+
+from ampdoctor.cli import UsageError
+from ampdoctor.trace import load
+
+LOOPBACK = ("localhost",)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("path", metavar="TRACE_OR_DIR",
+                        help="a trace file, or a directory: every trace under it (a run picker)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8050, help="port (default 8050)")
+    parser.add_argument("--reference", metavar="TRACE", default=None,
+                        help="a healthy trace to compare with (e.g. the FP32 run)")
+    parser.add_argument("--poll", metavar="SECONDS", type=float, default=1.5,
+                        help="seconds between checks for new steps (default 1.5)")
+
+
+def is_loopback(host: str) -> bool:
+    if host in LOOPBACK:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check(args):
+    """Validate the arguments: a missing path or a bad trace is a one-line error (exit 2)."""
+    if not os.path.exists(args.path):
+        raise UsageError(f"ampdoctor serve: {args.path}: no such file or directory")
+    if os.path.isfile(args.path):
+        load(args.path).close()              # TraceError (one line, exit 2) on a bad file
+    if args.reference:
+        if not os.path.isfile(args.reference):
+            raise UsageError(f"ampdoctor serve: --reference {args.reference}: no such file")
+        load(args.reference).close()
+    if not 0 < args.port < 65536:
+        raise UsageError(f"ampdoctor serve: --port {args.port}: not a port number")
+    if args.poll <= 0:
+        raise UsageError(f"ampdoctor serve: --poll {args.poll}: must be positive")
+
+
+def run(args) -> int:
+    check(args)
+    from .app import create_app
+
+    app = create_app(args.path, reference=args.reference, poll_ms=int(args.poll * 1000))
+    if os.path.isdir(args.path) and not app.ampdoctor.runs():
+        print(f"ampdoctor serve: no traces under {args.path} yet; they appear as training writes them",
+              file=sys.stderr)
+    if not is_loopback(args.host):
+        print(f"ampdoctor serve: WARNING: binding {args.host} lets anyone on the network who can reach port "
+              f"{args.port} read these traces (model structure, losses, statistics); use 127.0.0.1 and an SSH "
+              f"tunnel unless that is what you want", file=sys.stderr)
+    shown = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"ampdoctor dashboard on http://{shown}:{args.port}/  (Ctrl+C to stop)", file=sys.stderr)
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)    # no line per poll request
+    app.run(host=args.host, port=args.port, debug=False, use_reloader=False)
+    return 0

@@ -1,0 +1,468 @@
+"""Trace -> plain arrays and rows for the views: no plotly, no dash, no torch.
+
+The figure builders (figures.py) take what these functions return; the dashboard pages and the HTML report both
+call them, so the two always show the same numbers.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from ampdoctor import formats
+from ampdoctor.cli import describe_precision
+from ampdoctor.trace import TraceError, load
+
+try:                                    # built by another part of the project; the views work without it
+    from ampdoctor.diagnose import diagnose as _diagnose
+except ImportError:                     # pragma: no cover - depends on the checkout
+    _diagnose = None
+try:
+    from ampdoctor.replay import replay as _replay
+except ImportError:                     # pragma: no cover - depends on the checkout
+    _replay = None
+
+KINDS = ("act", "grad_out", "param_grad")
+# heat map statistic id -> label; for every one of them the worst value of a layer is the largest
+STATS = {
+    "fp16_under": "FP16 underflow share",
+    "fp16_over": "FP16 overflow count",
+    "absmax_log2": "log2 abs max",
+    "zeros": "zero share",
+    "nonfinite": "NaN/Inf count",
+}
+SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
+# the layer types the recommended allocation keeps in FP32 (normalisation, softmax, losses) and the ones that
+# should compute in FP16/BF16 (the matrix multiplies and convolutions that make mixed precision fast)
+_FP32_TYPES = re.compile(r"Norm|Softmax|Loss|Softmin")
+_HALF_TYPES = re.compile(r"^(Linear|Bilinear|LazyLinear|Conv\w*|LazyConv\w*|MultiheadAttention|LSTM|GRU|RNN|"
+                         r"TransformerEncoderLayer|TransformerDecoderLayer)$")
+
+
+# -- runs under a root ------------------------------------------------------------------------------------------
+_RANK = re.compile(r"[._-]?rank[._-]?(\d+)$", re.IGNORECASE)
+_TRACE_EXT = (".db", ".sqlite", ".sqlite3", ".trace")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One trace file the dashboard may open: ``key`` is its path relative to the root (the only name the
+    browser ever sends back), ``group`` the run it belongs to (per-rank traces share one) and ``rank``."""
+
+    key: str
+    path: str
+    group: str
+    rank: int | None
+
+
+def _is_trace_file(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(72)
+    except OSError:
+        return False
+    if not head.startswith(b"SQLite format 3\x00"):
+        return False
+    # PRAGMA application_id sits at header offset 68 ("AMPD"); a trace still being written in WAL mode may carry
+    # it only in the -wal file until the first checkpoint, so an id of 0 needs a real open to decide
+    if head[68:72] == b"AMPD":
+        return True
+    if head[68:72] != b"\x00\x00\x00\x00" or not os.path.exists(path + "-wal"):
+        return False
+    try:
+        load(path).close()
+    except TraceError:
+        return False
+    return True
+
+
+def discover_runs(root: str, max_files: int = 2000) -> dict[str, Run]:
+    """Trace files at or under ``root`` (a file or a directory), keyed by their path relative to the root.
+
+    Symbolic links that lead outside the root are skipped: the browser reaches nothing but what this returns.
+    """
+    root = os.path.realpath(root)
+    if os.path.isfile(root):
+        stem = os.path.splitext(os.path.basename(root))[0]
+        return {os.path.basename(root): Run(os.path.basename(root), root, _RANK.sub("", stem), _rank(stem))}
+    runs: dict[str, Run] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(filenames):
+            if not name.lower().endswith(_TRACE_EXT):
+                continue
+            path = os.path.realpath(os.path.join(dirpath, name))
+            if os.path.commonpath([root, path]) != root or not _is_trace_file(path):
+                continue
+            key = os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/")
+            stem = os.path.splitext(key)[0]
+            runs[key] = Run(key, path, _RANK.sub("", stem), _rank(stem))
+            if len(runs) >= max_files:
+                return runs
+    return runs
+
+
+def _rank(stem: str) -> int | None:
+    m = _RANK.search(stem)
+    return int(m.group(1)) if m else None
+
+
+def run_label(run: Run) -> str:
+    return run.group if run.rank is None else f"{run.group} (rank {run.rank})"
+
+
+# -- summary ----------------------------------------------------------------------------------------------------
+def run_summary(tr) -> list[tuple[str, str]]:
+    """(label, value) rows: steps, model, precision configuration with observed dtypes, scaler, skips."""
+    meta, cfg = tr.meta, tr.config
+    run = meta.get("run", {})
+    steps = tr.steps()
+    sites = tr.sites()
+    rows = [("trace", os.path.basename(tr.path)),
+            ("steps", f"{len(steps)}" + ("" if "closed" in meta else " (run still writing)")),
+            ("model", f"{run.get('model', '?')} ({run.get('params', 0):,} parameters) on {run.get('device', '?')}"),
+            ("precision", describe_precision(cfg))]
+    if len(sites):
+        for kind in ("act", "grad_out", "param_grad"):
+            d = sites[sites["kind"] == kind].groupby("dtype").size().to_dict()
+            if d:
+                rows.append((f"{kind} dtypes", ", ".join(f"{k} ({v})" for k, v in sorted(d.items()))))
+    if cfg.get("param_dtypes"):
+        rows.append(("parameters", ", ".join(f"{k} ({v:,})" for k, v in cfg["param_dtypes"].items())))
+    sc = cfg.get("scaler")
+    if sc:
+        settings = ", ".join(f"{k} {sc[k]:g}" for k in ("init_scale", "growth_factor", "backoff_factor",
+                                                         "growth_interval") if isinstance(sc.get(k), (int, float)))
+        rows.append(("scaler", f"{sc.get('class')} ({'enabled' if sc.get('enabled') else 'disabled'}; {settings})"))
+    else:
+        rows.append(("scaler", "none"))
+    if len(steps):
+        n_skip = int(steps["skipped"].sum())
+        n_bad = int(steps["nonfinite"].sum())
+        rows.append(("skipped steps", f"{n_skip} ({100.0 * n_skip / len(steps):.1f}%)"))
+        rows.append(("non-finite steps", str(n_bad)))
+        scales = steps["loss_scale"].dropna()
+        if len(scales):
+            rows.append(("loss scale", f"{scales.iloc[0]:g} at start, {scales.iloc[-1]:g} last, "
+                                       f"range {scales.min():g} .. {scales.max():g}"))
+        loss = steps["loss"].replace([np.inf, -np.inf], np.nan).dropna()
+        if len(loss):
+            rows.append(("loss", f"{loss.iloc[0]:.4g} -> {loss.iloc[-1]:.4g}"))
+    ev = tr.events("nonfinite")
+    if len(ev):
+        e = ev.iloc[0]
+        where = f"{e['path']} ({e['site_kind']})" if isinstance(e["path"], str) else "the loss"
+        rows.append(("first non-finite", f"step {int(e['step'])}: {where}, {e['phase']} phase"))
+    return rows
+
+
+# -- findings ---------------------------------------------------------------------------------------------------
+def findings(tr, reference=None) -> list:
+    """The diagnosis of a trace, worst first; [] when the rules are not installed or no step is recorded yet."""
+    if _diagnose is None or tr.n_steps == 0:
+        return []
+    out = list(_diagnose(tr, reference=reference) if reference is not None else _diagnose(tr))
+    return sorted(out, key=lambda d: SEVERITY_ORDER.get(getattr(d, "severity", "info"), 3))
+
+
+def finding_mentions(d, path: str) -> bool:
+    """Does finding ``d`` name layer ``path`` (a module path, or a parameter of that module)?"""
+    for layer in getattr(d, "layers", None) or ():
+        layer = str(layer)
+        if layer == path or layer.startswith(path + ".") or path.startswith(layer + "."):
+            return True
+    return False
+
+
+_CODE_LINE = re.compile(r"^(\s+\S|(with|for|if|import|from|return|def|class)\b|[\w.\[\]\"']+\s*[+*/-]?=[^=]|"
+                        r"[\w.]+\(.*\)\s*(#.*)?$|#)")
+
+
+def split_code(text: str) -> list[tuple[str, str]]:
+    """Split a recommendation into ("text", ...) and ("code", ...) parts.
+
+    Code is what ``` fences enclose; without fences, runs of lines that read as Python (an assignment, a call,
+    ``with``/``import``, an indented line) are code, the prose around them is text.
+    """
+    text = text or ""
+    parts: list[tuple[str, str]] = []
+    if "```" in text:
+        for i, chunk in enumerate(re.split(r"```[\w+-]*\n?", text)):
+            chunk = chunk.strip("\n")
+            if chunk.strip():
+                parts.append(("code" if i % 2 else "text", chunk))
+        return parts
+    for line in text.splitlines():
+        kind = "code" if _CODE_LINE.match(line) else "text"
+        if not line.strip():
+            continue
+        if parts and parts[-1][0] == kind:
+            parts[-1] = (kind, parts[-1][1] + "\n" + line)
+        else:
+            parts.append((kind, line))
+    return parts
+
+
+def _short(v) -> str:
+    if isinstance(v, bool) or v is None:
+        return str(v)
+    if isinstance(v, (float, np.floating)):
+        return f"{float(v):.4g}"
+    if isinstance(v, (int, np.integer)):
+        return str(int(v))
+    return str(v)
+
+
+def evidence_items(d) -> list[tuple[str, str]]:
+    """A finding's evidence as (name, short text) rows: numbers to 4 digits, long lists cut at 8 items."""
+    out = []
+    for k, v in (getattr(d, "evidence", None) or {}).items():
+        if isinstance(v, dict):
+            items = list(v.items())
+            v = ", ".join(f"{a}: {_short(b)}" for a, b in items[:8]) + (f", ... ({len(items)} in all)"
+                                                                        if len(items) > 8 else "")
+        elif isinstance(v, (list, tuple, np.ndarray)):
+            v = ", ".join(_short(x) for x in list(v)[:8]) + (f", ... ({len(v)} in all)" if len(v) > 8 else "")
+        else:
+            v = _short(v)
+        out.append((str(k), v))
+    return out
+
+
+# -- layers ------------------------------------------------------------------------------------------------------
+@dataclass
+class LayerMatrix:
+    """A statistic of every site of one kind: ``values[site, step]`` at ``steps``; ``worst`` per site."""
+
+    stat: str
+    kind: str
+    steps: np.ndarray
+    site_ids: np.ndarray
+    labels: list
+    types: list
+    values: np.ndarray
+    worst: np.ndarray = field(init=False)
+
+    def __post_init__(self):
+        v = np.where(np.isfinite(self.values), self.values, np.nan)
+        self.worst = np.array([np.nanmax(r) if np.isfinite(r).any() else np.nan for r in v], dtype=float)
+
+    def order(self, by: str = "order") -> np.ndarray:
+        """Row order: as recorded (forward order) or worst value first."""
+        if by == "worst":
+            key = np.where(np.isnan(self.worst), -np.inf, self.worst)
+            return np.argsort(-key, kind="stable")
+        return np.arange(len(self.labels))
+
+
+def layer_matrix(tr, stat: str = "fp16_under", kind: str = "grad_out", unscale: bool = False) -> LayerMatrix:
+    """``stat`` of every site of ``kind`` over steps. grad_out values are recorded scaled by the loss scale (as
+    FP16 holds them, which is what overflow and underflow are about); ``unscale`` divides abs max by the scale in
+    force, to compare runs with different scales or none."""
+    if stat not in STATS:
+        raise ValueError(f"Argument stat should be one of {', '.join(STATS)}, but given {stat!r}")
+    sites = tr.sites(kind)
+    if stat == "absmax_log2":       # peaks exist at every step
+        peak = tr.records("peak", kind)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            vals = np.log2(peak)
+        vals[~np.isfinite(vals)] = np.nan
+        steps = np.arange(len(vals))
+        if unscale and kind == "grad_out":
+            scale = tr.steps()["loss_scale"].to_numpy(dtype=float)[: len(vals)]
+            shift = np.where(np.isfinite(scale) & (scale > 0), np.log2(np.where(scale > 0, scale, 1.0)), 0.0)
+            vals = vals - shift[:, None]
+    else:
+        steps = tr.full_steps()
+        steps = steps[steps < tr.n_steps]
+
+        def rec(f):
+            return tr.records(f, kind)[steps]
+
+        with np.errstate(divide="ignore", invalid="ignore"):
+            if stat == "fp16_under":
+                vals = (rec("fp16_sub") + rec("fp16_flush")) / rec("numel")
+            elif stat == "zeros":
+                vals = rec("zeros") / rec("numel")
+            elif stat == "fp16_over":
+                vals = rec("fp16_over")
+            else:
+                vals = rec("nan") + rec("inf")
+    labels = [str(p) for p in sites["path"]]
+    types = [t if isinstance(t, str) else "" for t in sites["module_type"]]
+    return LayerMatrix(stat, kind, np.asarray(steps), sites["id"].to_numpy(), labels, types,
+                       np.asarray(vals, dtype=float).T.reshape(len(labels), len(steps)))
+
+
+def layer_series(tr, site_id: int, kind: str) -> dict:
+    """abs max (every step), RMS (full steps) and the run's gradient norm, for one site."""
+    sites = tr.sites(kind)
+    j = int(np.flatnonzero(sites["id"].to_numpy() == site_id)[0])
+    peak = tr.records("peak", kind)[:, j]
+    full = tr.full_steps()
+    full = full[full < tr.n_steps]
+    rms = tr.records("rms", kind)[full, j] if len(full) else np.array([])
+    st = tr.steps()
+    return {"absmax": (np.arange(len(peak)), peak), "rms": (full, rms),
+            "grad_norm": (st["step"].to_numpy(), st["grad_norm"].to_numpy())}
+
+
+def site_info(tr, site_id: int) -> dict | None:
+    s = tr.sites()
+    row = s[s["id"] == site_id]
+    if not len(row):
+        return None
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.iloc[0].to_dict().items()}
+
+
+# -- precision map -----------------------------------------------------------------------------------------------
+def precision_rows(tr) -> list[dict]:
+    """The recommended allocation against what the run did, module by module, plus loss and weight update.
+
+    Recommended (the guide's table): matmuls/convolutions forward and backward in FP16/BF16; normalisation,
+    softmax and the loss in FP32; weights kept and updated in FP32 (master weights).
+    """
+    cfg = tr.config
+    ac = cfg.get("autocast", {}) or {}
+    reduced = ac.get("dtype") if ac.get("enabled") else None
+    sites = tr.sites()
+    act = sites[sites["kind"] == "act"]
+    grad = sites[sites["kind"] == "grad_out"].set_index("path")["dtype"].to_dict()
+    pdt = cfg.get("module_param_dtypes", {}) or {}
+    half = reduced or "float16/bfloat16"
+    rows = []
+    for s in act.itertuples():
+        mtype = s.module_type if isinstance(s.module_type, str) else ""
+        if s.path == "(model)":
+            continue
+        if _FP32_TYPES.search(mtype):
+            rec = "float32"
+        elif _HALF_TYPES.match(mtype):
+            rec = half
+        else:
+            rec = "follows input"
+        observed = s.dtype or "?"
+        param = pdt.get(s.path, "-")
+        verdict = "ok"
+        if rec == "float32" and observed in formats.REDUCED:
+            verdict = "should run in FP32"
+        elif rec not in ("float32", "follows input") and observed == "float32":
+            verdict = "runs in FP32 (no speed-up)"
+        if param in formats.REDUCED:
+            verdict = "weights in half precision" if verdict == "ok" else verdict + "; weights in half precision"
+        rows.append({"module": s.path, "type": mtype, "recommended": rec, "forward": observed,
+                     "backward": grad.get(s.path, "-"), "weights": param, "verdict": verdict})
+    loss = cfg.get("loss_dtype")
+    if loss:
+        rows.append({"module": "loss", "type": "", "recommended": "float32", "forward": loss, "backward": "-",
+                     "weights": "-", "verdict": "ok" if loss == "float32" else "should be FP32"})
+    params = cfg.get("param_dtypes", {}) or {}
+    if params:
+        upd = ", ".join(sorted(params))
+        rows.append({"module": "weight update", "type": (cfg.get("optimizer") or {}).get("class", ""),
+                     "recommended": "float32", "forward": "-", "backward": "-", "weights": upd,
+                     "verdict": "ok" if set(params) == {"float32"} else "keep FP32 master weights"})
+    return rows
+
+
+# -- what-if -----------------------------------------------------------------------------------------------------
+def scaler_settings(tr) -> dict:
+    """The scaler's recorded settings, PyTorch GradScaler defaults for what was not recorded."""
+    sc = tr.config.get("scaler") or {}
+    out = {"init_scale": 2.0 ** 16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
+    for k in out:
+        if isinstance(sc.get(k), (int, float)):
+            out[k] = sc[k]
+    st = tr.steps()
+    if len(st) and not math.isnan(st["loss_scale"].iloc[0]) and "init_scale" not in sc:
+        out["init_scale"] = float(st["loss_scale"].iloc[0])
+    return out
+
+
+def unscaled_grad_peaks(tr) -> tuple[np.ndarray, np.ndarray]:
+    """Per step: the largest unscaled |gradient| seen in the backward pass, and whether it is only a lower bound
+    (the recorded pass overflowed, so the true peak is at least FP16 max / scale)."""
+    st = tr.steps()
+    peak = tr.records("peak", "grad_out")[: len(st)]     # a live trace may have grown between the two reads
+    scale = st["loss_scale"].to_numpy(dtype=float)
+    scale = np.where(np.isfinite(scale) & (scale > 0), scale, 1.0)
+    with np.errstate(invalid="ignore"):
+        bad = ~np.isfinite(peak).all(axis=1) if peak.shape[1] else np.zeros(len(st), bool)
+        fin = np.where(np.isfinite(peak), peak, np.nan)
+        top = (np.array([np.nanmax(r) if np.isfinite(r).any() else 0.0 for r in fin]) if peak.shape[1]
+               else np.zeros(len(st)))
+    bad |= st["nonfinite"].to_numpy(dtype=bool)
+    top = np.where(bad, formats.FP16.max, top) / scale
+    return top, bad
+
+
+def simulate_scaler(peaks, lower_bound, init_scale, growth_factor, backoff_factor, growth_interval,
+                    limit: float = formats.FP16.max) -> tuple[np.ndarray, np.ndarray]:
+    """GradScaler dynamics over recorded unscaled gradient peaks: (scale in force, skipped) per step.
+
+    A step overflows when peak x scale reaches the FP16 max (65504, the largest finite half). Where the recorded
+    pass already overflowed only a lower bound is known, so the step is taken as overflowing at that scale or above.
+    """
+    n = len(peaks)
+    scales, skipped = np.empty(n), np.zeros(n, bool)
+    s, good = float(init_scale), 0
+    for i in range(n):
+        scales[i] = s
+        over = peaks[i] * s >= limit if not lower_bound[i] else peaks[i] * s >= limit * (1 - 1e-9)
+        if over or not np.isfinite(peaks[i]):
+            skipped[i] = True
+            s *= backoff_factor
+            good = 0
+        else:
+            good += 1
+            if good >= growth_interval:
+                s *= growth_factor
+                good = 0
+    return scales, skipped
+
+
+def whatif(tr, init_scale=None, growth_factor=None, backoff_factor=None, growth_interval=None) -> dict:
+    """Recorded vs simulated loss scale and skipped steps for other scaler settings."""
+    cfg = scaler_settings(tr)
+    args = {"init_scale": init_scale, "growth_factor": growth_factor, "backoff_factor": backoff_factor,
+            "growth_interval": growth_interval}
+    used = {k: (cfg[k] if v is None else v) for k, v in args.items()}
+    used["growth_interval"] = max(1, int(used["growth_interval"]))
+    st = tr.steps()
+    if not len(st):
+        sim_scales, sim_skipped, engine = np.array([]), np.array([], bool), "nothing to replay yet"
+    elif _replay is not None:   # settings left at None: the replay keeps the run's own (and its scaler state)
+        r = _replay(tr, **{k: (int(v) if k == "growth_interval" else v) for k, v in args.items() if v is not None})
+        sim_scales, sim_skipped = np.asarray(r.scales, float), np.asarray(r.skipped, bool)
+        used = dict(getattr(r, "settings", None) or used)
+        engine = "ampdoctor.replay"
+    else:
+        peaks, lower = unscaled_grad_peaks(tr)
+        sim_scales, sim_skipped = simulate_scaler(peaks, lower, **used)
+        engine = "built-in simulation"
+    n = min(len(st), len(sim_scales))                  # a live trace may have grown between the reads
+    st, sim_scales, sim_skipped = st.iloc[:n], sim_scales[:n], sim_skipped[:n]
+    return {"steps": st["step"].to_numpy(), "recorded": st["loss_scale"].to_numpy(dtype=float),
+            "recorded_skipped": st["skipped"].to_numpy(bool), "simulated": sim_scales, "simulated_skipped": sim_skipped,
+            "settings": used, "engine": engine}
+
+
+# -- compare -----------------------------------------------------------------------------------------------------
+def compare_layers(tr_a, tr_b, stat: str = "absmax_log2", kind: str = "grad_out") -> pd.DataFrame:
+    """Per layer (matched by path): the mean of ``stat`` over steps in both runs and the difference b - a
+    (gradient abs max unscaled, so runs with different loss scales compare)."""
+    out = []
+    for tr in (tr_a, tr_b):
+        lm = layer_matrix(tr, stat, kind, unscale=True)
+        with np.errstate(all="ignore"):
+            v = np.where(np.isfinite(lm.values), lm.values, np.nan)
+            means = [np.nanmean(r) if np.isfinite(r).any() else np.nan for r in v]
+        out.append(pd.Series(means, index=lm.labels, dtype=float))
+    df = pd.DataFrame({"a": out[0], "b": out[1]}).dropna(how="all")
+    df = df.loc[[p for p in out[0].index if p in df.index] + [p for p in out[1].index if p not in out[0].index]]
+    df["diff"] = df["b"] - df["a"]
+    return df

@@ -1,0 +1,1 @@
+"""Dashboard pages: each module has ``layout(ctx, run, query)`` and ``register(app, ctx)``."""

@@ -1,0 +1,31 @@
+"""`ampdoctor report TRACE -o report.html [--reference TRACE]`: one self-contained HTML file."""
+from __future__ import annotations
+
+import os
+
+from ampdoctor.cli import UsageError
+from ampdoctor.trace import load
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("trace", metavar="TRACE", help="trace file (.db)")
+    parser.add_argument("-o", "--output", metavar="HTML", default=None,
+                        help="HTML file to write (default: TRACE with .html)")
+    parser.add_argument("--reference", metavar="TRACE", default=None,
+                        help="a healthy trace to compare with (e.g. the FP32 run)")
+
+
+def run(args) -> int:
+    from .report import write_report
+
+    if not os.path.exists(args.trace):
+        raise UsageError(f"ampdoctor report: {args.trace}: no such file")
+    out = args.output or os.path.splitext(args.trace)[0] + ".html"
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise UsageError(f"ampdoctor report: {parent}: no such directory for the output")
+    tr = load(args.trace)
+    ref = load(args.reference) if args.reference else None
+    write_report(tr, out, ref)
+    print(f"wrote {out}")
+    return 0

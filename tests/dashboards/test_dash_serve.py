@@ -1,0 +1,156 @@
+"""`ampdoctor serve`: arguments, the 0.0.0.0 warning, and what the browser can and cannot reach."""
+import dash
+import pytest
+
+from ampdoctor.cli import main
+from ampdoctor.dashboards import command
+from ampdoctor.dashboards import data
+from ampdoctor.dashboards.app import create_app, render
+from ampdoctor.dashboards.pages import compare, layer, layers, overview, whatif
+
+
+@pytest.fixture
+def no_server(monkeypatch):
+    """Record app.run instead of serving."""
+    calls = []
+    import dash
+    monkeypatch.setattr(dash.Dash, "run", lambda self, **kw: calls.append(kw))
+    return calls
+
+
+def test_serve_binds_loopback_by_default(traces, no_server, capsys):
+    assert main(["serve", str(traces)]) == 0
+    assert no_server == [{"host": "127.0.0.1", "port": 8050, "debug": False, "use_reloader": False}]
+    err = capsys.readouterr().err
+    assert "WARNING" not in err and "http://127.0.0.1:8050/" in err
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.5"])
+def test_serve_on_all_interfaces_warns(traces, no_server, capsys, host):
+    assert main(["serve", str(traces / "bf16.db"), "--host", host, "--port", "8123"]) == 0
+    assert no_server[0]["host"] == host and no_server[0]["debug"] is False
+    err = capsys.readouterr().err
+    assert "WARNING" in err and "anyone on the network" in err
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "127.0.0.2"])
+def test_loopback_hosts(host):
+    assert command.is_loopback(host)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "/no/such/dir"], "ampdoctor serve: /no/such/dir: no such file or directory"),
+    (["serve", "{traces}", "--reference", "/no/ref.db"], "ampdoctor serve: --reference /no/ref.db: no such file"),
+    (["serve", "{traces}", "--port", "70000"], "ampdoctor serve: --port 70000: not a port number"),
+])
+def test_serve_bad_usage_is_one_line_exit_2(traces, no_server, capsys, argv, message):
+    assert main([a.format(traces=traces) for a in argv]) == 2
+    assert capsys.readouterr().err == message + "\n"
+    assert no_server == []
+
+
+def test_serve_bad_trace_is_one_line_exit_2(tmp_path, no_server, capsys):
+    bad = tmp_path / "empty.db"
+    bad.write_bytes(b"")
+    assert main(["serve", str(bad)]) == 2
+    assert capsys.readouterr().err == f"ampdoctor: {bad}: empty file (0 bytes), not an ampdoctor trace\n"
+
+
+@pytest.mark.parametrize("run", ["../fp16_bad.db", "/etc/passwd", "..%2Ffp16_bad.db", "ddp/../fp16_bad.db",
+                                 "run.rank0.db/../../bf16.db", ""])
+def test_traversal_attempts_reach_nothing(traces, run):
+    app = create_app(str(traces / "ddp"))
+    ctx = app.ampdoctor
+    assert ctx.resolve(run) is None and ctx.trace(run) is None
+    _, page = render(ctx, "/", f"?run={run}")
+    assert getattr(page, "id", None) == "unknown-run" or run == ""
+
+
+def test_only_served_runs_resolve(traces):
+    ctx = create_app(str(traces / "ddp"), reference=str(traces / "bf16.db")).ampdoctor
+    assert set(ctx.runs()) == {"run.rank0.db", "run.rank1.db"}
+    assert ctx.trace("run.rank1.db") is not None
+    assert ctx.trace("reference").path.endswith("bf16.db")       # given on the command line
+
+
+def test_http_paths_do_not_walk_the_file_system(traces):
+    client = create_app(str(traces / "ddp")).server.test_client()
+    for url in ("/assets/../../../../etc/passwd", "/assets/..%2f..%2f..%2fetc%2fpasswd",
+                "/_dash-component-suites/../../etc/passwd", "/_dash-component-suites/dash/../../../../etc/passwd"):
+        r = client.get(url)
+        assert b"root:" not in r.data and r.status_code in (200, 404), url
+        assert r.status_code == 404 or b"<!DOCTYPE html>" in r.data    # the app shell, never a file
+
+
+@pytest.mark.parametrize("which, run", [("traces", "fp16_bad.db"), ("traces", "fp16_under.db"), ("traces", "bf16.db"),
+                                        ("traces", "ddp/run.rank1.db"), ("edge_traces", "zero.db"),
+                                        ("edge_traces", "fp32.db")])
+def test_every_page_and_callback_works_on_every_kind_of_trace(request, which, run):
+    """No page or callback raises, whatever the trace: overflowing, underflowing, BF16, per rank, empty, FP32."""
+    root = request.getfixturevalue(which)
+    ctx = create_app(str(root), reference=str(request.getfixturevalue("traces") / "bf16.db")).ampdoctor
+    tr = ctx.trace(run)
+    search = f"?run={run}&site={int(tr.sites()['id'].iloc[-1]) if len(tr.sites()) else 0}"
+    for path in ("/", "/layers", "/layer", "/precision", "/whatif", "/compare", "/nope"):
+        head, page = render(ctx, path, search)
+        assert head is not None and page is not None
+    version = {"run": run, "n": tr.n_steps}
+    count, *_ = overview.update(ctx, version, search)
+    assert count == f"{tr.n_steps} steps"
+    layer.update(ctx, version, search)
+    for kind in data.KINDS:
+        for stat in data.STATS:
+            fig, _ = layers.update(ctx, kind, stat, "worst", version, search)
+    whatif.update(ctx, 1024, 10, 2.0, 0.5, version, search)
+    whatif.update(ctx, None, None, None, None, version, search)       # emptied inputs: the run's own settings
+    compare.update(ctx, "reference", "fp16_under", version, search)
+    if len(tr.sites("grad_out")):
+        path = str(tr.sites("grad_out")["path"].iloc[0])
+        assert layers.open_clicked(ctx, {"points": [{"y": path}]}, "grad_out", search)[0] == "/layer"
+    assert layers.open_clicked(ctx, {"points": []}, "grad_out", search) == (dash.no_update, dash.no_update)
+
+
+def test_findings_are_cached_and_a_failing_rule_does_not_break_the_overview(traces, monkeypatch):
+    calls = []
+
+    def failing(tr, reference=None):
+        calls.append(tr.path)
+        raise IndexError("boolean index did not match")
+
+    monkeypatch.setattr(data, "findings", failing)
+    ctx = create_app(str(traces)).ampdoctor
+    assert ctx.findings_and_error("bf16.db") == ([], "IndexError: boolean index did not match")
+    assert ctx.findings("bf16.db") == [] and len(calls) == 1          # same trace length: not run again
+    _, _, cards, *_ = overview.update(ctx, None, "?run=bf16.db")
+    assert cards.id == "diagnosis-error" and "IndexError" in cards.children
+
+
+def test_serve_command_serves_the_app_on_loopback(traces):
+    """The real command in a subprocess: the page and its layout come back from 127.0.0.1, nothing crashes."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "ampdoctor", "serve", str(traces), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        body = None
+        deadline = time.time() + 30
+        while time.time() < deadline and body is None:
+            try:
+                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2).read().decode()
+            except OSError:
+                time.sleep(0.3)
+        assert body is not None and "<title>ampdoctor</title>" in body
+        layout = urllib.request.urlopen(f"http://127.0.0.1:{port}/_dash-layout", timeout=5).read().decode()
+        assert '"id":"page"' in layout.replace(" ", "")
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=10)
+    assert f"ampdoctor dashboard on http://127.0.0.1:{port}/" in err
+    assert "Traceback" not in err and "WARNING: binding" not in err
