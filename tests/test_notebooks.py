@@ -1,0 +1,30 @@
+"""The notebooks in notebooks/ run top to bottom on a real trace (Cockpit-style: examples are executed)."""
+import os
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+
+
+@pytest.fixture(scope="module")
+def faulty_trace(tmp_path_factory):
+    from runs import mlp, train
+    path = str(tmp_path_factory.mktemp("nb") / "faulty.db")
+    train(mlp(width=64), 40, init_scale=2.0**30, trace=path, attach_options={"every": 10, "hist_every": 10})
+    return path
+
+
+def test_trace_analysis_notebook_runs(faulty_trace, monkeypatch):
+    monkeypatch.setenv("AMPDOCTOR_TRACE", faulty_trace)
+    nb = nbformat.read(os.path.join(ROOT, "notebooks", "trace_analysis.ipynb"), as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": os.path.join(ROOT, "notebooks")}}).execute()
+    text = "\n".join(o.get("text", "") or str(o.get("data", {}).get("text/plain", ""))
+                     for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "40 steps" in text and "skipped" in text
+    assert "init-scale-too-high" in text
+    assert "loss scale" in text and "flushed %" in text
+    assert any("application/vnd.plotly.v1+json" in o.get("data", {})
+               for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
