@@ -17,6 +17,7 @@ log = logging.getLogger("ampdoctor")
 SEVERITIES = ("info", "warning", "critical")
 MIN_INTERVAL_S = 2.0        # how often to look at most: findings appear within seconds of their evidence
 MAX_SHARE = 0.1             # a check may use at most ~10% of the time (interval grows with the check's cost)
+MAX_ERRORS = 3              # consecutive failed checks before live diagnosis gives up
 
 
 class TrainingHalted(RuntimeError):
@@ -55,6 +56,7 @@ class LiveDiagnosis(threading.Thread):
         self._last_steps = -1
         self._stop_event = threading.Event()
         self._failed = False
+        self._errors = 0
 
     def run(self) -> None:
         wait = self.interval
@@ -86,11 +88,15 @@ class LiveDiagnosis(threading.Thread):
                 found = diagnose(tr, rules=self.rules)
             finally:
                 tr.close()
-        except Exception as exc:   # never break training: say it once and stop looking
-            self._failed = True
-            warnings.warn(f"ampdoctor: live diagnosis stopped ({type(exc).__name__}: {exc}); training continues",
-                          RuntimeWarning, stacklevel=2)
+        except Exception as exc:   # never break training: say it once; stop looking if it keeps failing
+            self._errors += 1
+            if self._errors == 1:
+                warnings.warn(f"ampdoctor: live diagnosis failed ({type(exc).__name__}: {exc}); training continues",
+                              RuntimeWarning, stacklevel=2)
+            if self._errors >= MAX_ERRORS:
+                self._failed = True
             return
+        self._errors = 0
         for f in found:
             key = (f.rule, tuple(f.layers[:1]))
             if key in self._reported:

@@ -87,3 +87,45 @@ def test_live_arguments_are_validated(trace_path):
         ampdoctor.attach(mlp(), trace=trace_path, halt_on="fatal")
     with pytest.raises(TypeError, match="Argument on_finding should be callable"):
         ampdoctor.attach(mlp(), trace=trace_path, on_finding="print")
+
+
+WRITER = """
+import sys, time, torch, ampdoctor
+from runs import mlp, batches
+model = mlp(width=32); opt = torch.optim.SGD(model.parameters(), lr=0.01)
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30, growth_interval=3)
+doc = ampdoctor.attach(model, optimizer=opt, scaler=scaler, trace=sys.argv[1], every=3, hist_every=3, live=False)
+print("started", flush=True)
+for x, y in batches(10**9, batch=8):
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+    opt.zero_grad(); scaler.scale(loss).backward(); scaler.step(opt); scaler.update()
+"""
+
+
+def test_diagnose_while_another_process_writes(tmp_path):
+    """Rules combine several tables; on a growing trace they must see one consistent state of it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    path = str(tmp_path / "growing.db")
+    here = os.path.dirname(__file__)
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, path], stdout=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": here})
+    try:
+        assert proc.stdout.readline().strip() == b"started"
+        rules_seen, checks = set(), 0
+        deadline = time.time() + 30
+        while checks < 25 and time.time() < deadline:
+            try:
+                found = ampdoctor.diagnose(path)
+            except ampdoctor.TraceError as exc:          # before the first step is committed
+                assert "no steps recorded" in str(exc)
+                continue
+            rules_seen.update(f.rule for f in found)
+            checks += 1
+        assert checks == 25 and "init-scale-too-high" in rules_seen
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()

@@ -6,6 +6,7 @@ maps stable ids to these functions. Offline side: no torch import.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
@@ -243,7 +244,14 @@ def diagnose(trace_or_path, reference=None, rules: dict | None = None) -> list[D
     """
     selected = resolve_rules(rules)
     tr = _as_trace(trace_or_path, "trace_or_path")
-    run = Run(tr, Run(_as_trace(reference, "reference")) if reference is not None else None)
+    ref = _as_trace(reference, "reference") if reference is not None else None
+    # One consistent state of each file: a trace being written grows between the reads of different tables.
+    with tr.snapshot(), (ref.snapshot() if ref is not None else contextlib.nullcontext()):
+        return _diagnose(tr, ref, selected)
+
+
+def _diagnose(tr: Trace, ref: Trace | None, selected) -> list[Diagnosis]:
+    run = Run(tr, Run(ref) if ref is not None else None)
     if run.n_steps == 0:
         raise TraceError(f"{tr.path}: no steps recorded; nothing to diagnose")
     out: list[Diagnosis] = []

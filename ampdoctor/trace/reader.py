@@ -1,6 +1,7 @@
 """Read-only view of a trace file. Offline side: no torch import."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -57,6 +58,7 @@ class Trace:
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
+        self._snapshot_depth = 0
         _check_file(self.path)
         try:
             self._conn, app_id, version = _connect(self.path)
@@ -80,6 +82,21 @@ class Trace:
 
     def close(self) -> None:
         self._conn.close()
+
+    @contextlib.contextmanager
+    def snapshot(self):
+        """Every read inside sees one state of the file (one SQLite read transaction): for analyses that combine
+        several tables of a trace that is still being written. Re-entrant."""
+        if self._snapshot_depth == 0:
+            self._query("BEGIN")
+            self._query("SELECT count(*) FROM steps")     # a deferred transaction starts at its first read
+        self._snapshot_depth += 1
+        try:
+            yield self
+        finally:
+            self._snapshot_depth -= 1
+            if self._snapshot_depth == 0:
+                self._conn.rollback()
 
     def __enter__(self):
         return self
