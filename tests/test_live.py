@@ -116,8 +116,8 @@ def test_diagnose_while_another_process_writes(tmp_path):
     try:
         assert proc.stdout.readline().strip() == b"started"
         rules_seen, checks = set(), 0
-        deadline = time.time() + 30
-        while checks < 25 and time.time() < deadline:
+        deadline = time.time() + 90
+        while checks < 12 and time.time() < deadline:
             try:
                 found = ampdoctor.diagnose(path)
             except ampdoctor.TraceError as exc:          # before the first step is committed
@@ -125,7 +125,8 @@ def test_diagnose_while_another_process_writes(tmp_path):
                 continue
             rules_seen.update(f.rule for f in found)
             checks += 1
-        assert checks == 25 and "init-scale-too-high" in rules_seen
+        assert checks == 12, f"only {checks} diagnoses in 90 s"
+        assert "init-scale-too-high" in rules_seen, rules_seen
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()

@@ -13,7 +13,8 @@ import queue
 import sqlite3
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -27,14 +28,46 @@ COMMIT_EVERY_S = 0.5        # the trace promises a commit at least once a second
 QUEUE_MAX = 256             # packets; a writer this far behind slows training down instead of eating memory
 
 
-@dataclass
-class Entry:
-    """One observation of a site during a step: which values of the step's vector belong to it."""
+class Entry(NamedTuple):
+    """One observation of a site during a step: which values of the step's vector belong to it. A tuple, so that
+    two steps with the same control flow compare equal cheaply and share one precomputed Layout."""
 
     site: int
-    phase: str                       # "fwd", "bwd", "param", "weight", "update"
-    values: list[tuple[int, str, int]]   # per tensor: (offset, mode, numel); mode "p" = 2 values, "f" = FULL_LEN
-    inputs: list[tuple[int, str, int]] = field(default_factory=list)   # forward only, same layout
+    phase: str                                   # "fwd", "bwd", "param", "weight", "update"
+    values: list      # per tensor: (offset, mode, numel); mode "f": FULL_LEN values, else ("p<dtype>") [min, max]
+    inputs: list = []                            # forward only, same layout
+
+
+class Layout:
+    """Index arrays for the entries of a step (built once per distinct layout, reused while steps repeat it)."""
+
+    def __init__(self, entries: list[Entry], bases: dict):
+        refs = [r for e in entries for r in e.values]
+        n = len(refs)
+        self.offs = np.fromiter((o + bases[m] for o, m, _ in refs), dtype=np.int64, count=n)
+        self.full = np.fromiter((m == "f" for _, m, _ in refs), dtype=bool, count=n)
+        self.any_full = bool(self.full.any())
+        self.owner = np.fromiter((i for i, e in enumerate(entries) for _ in e.values), dtype=np.int64, count=n)
+        tensor_site = np.array([e.site for e in entries], dtype=np.int64)[self.owner] if n else np.zeros(0, np.int64)
+        self.order = np.argsort(tensor_site, kind="stable")
+        self.sites, self.starts = np.unique(tensor_site[self.order], return_index=True)
+
+    def peaks(self, values: np.ndarray) -> np.ndarray:
+        """max |x| per tensor: NaN if it held a NaN, else Inf if an Inf."""
+        out = np.empty(len(self.offs))
+        p, f = ~self.full, self.full
+        if p.any():
+            o = self.offs[p]
+            out[p] = np.maximum(np.abs(values[o]), np.abs(values[o + 1]))     # NaN propagates
+        if self.any_full:
+            o = self.offs[f] + kernels.HEAD
+            nan, inf, absmax = values[o + kernels.KEY_NAN], values[o + kernels.KEY_INF], values[o - 1]
+            out[f] = np.where(nan > 0, np.nan, np.where(inf > 0, np.inf, absmax))
+        return out
+
+    def site_peaks(self, peaks: np.ndarray) -> np.ndarray:
+        """Worst peak per site (over calls and tensors); NaN wins through np.maximum."""
+        return np.maximum.reduceat(peaks[self.order], self.starts) if len(peaks) else np.zeros(0)
 
 
 @dataclass
@@ -42,7 +75,7 @@ class StepPacket:
     step: int
     row: dict                        # steps-table fields known on the training thread
     values: np.ndarray               # the step's one host transfer
-    bases: dict                      # where each block starts in values: "p" peaks, "f" full vectors, "x" extras
+    bases: dict        # where each block starts in values: "p<dtype>" peaks, "f" full vectors, "x" extras
     entries: list[Entry]
     loss: float | None
     scale: float | None
@@ -54,22 +87,11 @@ class StepPacket:
 
 
 def tensor_peaks(values: np.ndarray, refs: list[tuple[int, str, int]], bases: dict) -> np.ndarray:
-    """max |x| of each referenced tensor, vectorised: NaN if it held a NaN, else Inf if an Inf."""
+    """max |x| of each referenced tensor (see Layout.peaks)."""
     if not refs:
         return np.zeros(0)
-    offs = np.fromiter((o + bases[m] for o, m, _ in refs), dtype=np.int64, count=len(refs))
-    full = np.fromiter((m == "f" for _, m, _ in refs), dtype=bool, count=len(refs))
-    out = np.empty(len(refs))
-    p = ~full
     with np.errstate(all="ignore"):
-        if p.any():
-            o = offs[p]
-            out[p] = np.maximum(np.abs(values[o]), np.abs(values[o + 1]))     # NaN propagates
-        if full.any():
-            o = offs[full] + kernels.HEAD
-            nan, inf, absmax = values[o + kernels.KEY_NAN], values[o + kernels.KEY_INF], values[o - 1]
-            out[full] = np.where(nan > 0, np.nan, np.where(inf > 0, np.inf, absmax))
-    return out
+        return Layout([Entry(-1, "", list(refs))], bases).peaks(values)
 
 
 def _sql(v):
@@ -91,6 +113,7 @@ class Writer(threading.Thread):
         self.steps_written = 0
         self.log_every: int | None = None
         self._site_names: dict[int, tuple[str, str]] = {}
+        self._cached_layout = None
         self._skipped_total = 0
         self._conn = self._open(path)
 
@@ -199,29 +222,29 @@ class Writer(threading.Thread):
         else:
             raise ValueError(f"unknown packet {tag!r}")
 
-    def _write_step(self, conn: sqlite3.Connection, p: StepPacket) -> None:
-        values, bases = p.values, p.bases
-        refs = [r for e in p.entries for r in e.values]
-        owner = np.fromiter((i for i, e in enumerate(p.entries) for _ in e.values), dtype=np.int64, count=len(refs))
-        peaks = tensor_peaks(values, refs, bases)
-        sites = np.array([e.site for e in p.entries], dtype=np.int64)
+    def _layout(self, p: StepPacket) -> Layout:
+        cached = self._cached_layout
+        if cached is not None and cached[0] is p.entries and cached[1] == p.bases:
+            return cached[2]
+        layout = Layout(p.entries, p.bases)
+        self._cached_layout = (p.entries, dict(p.bases), layout)
+        return layout
 
-        # 1. per-site peak (worst over calls and tensors; NaN wins through np.maximum)
-        tensor_site = sites[owner] if len(refs) else np.zeros(0, dtype=np.int64)
-        uniq, first = np.unique(tensor_site, return_index=True) if len(refs) else (np.zeros(0, np.int64), None)
-        site_peak = np.zeros(0)
-        if len(refs):
-            order = np.argsort(tensor_site, kind="stable")
-            starts = np.searchsorted(tensor_site[order], uniq)
-            site_peak = np.maximum.reduceat(peaks[order], starts)
-        n = max(self.n_sites, int(uniq.max()) + 1 if len(uniq) else 0)
+    def _write_step(self, conn: sqlite3.Connection, p: StepPacket) -> None:
+        values = p.values
+        layout = self._layout(p)
+        peaks = layout.peaks(values)
+
+        # 1. per-site peak (worst over calls and tensors)
+        uniq, site_peak = layout.sites, layout.site_peaks(peaks)
+        n = max(self.n_sites, int(uniq[-1]) + 1 if len(uniq) else 0)
         blob = np.full(n, -1.0, dtype="<f4")
         blob[uniq] = site_peak
         conn.execute("INSERT INTO peaks (step, data) VALUES (?, ?)", (p.step, blob.tobytes()))
 
         # 2. full statistics, where every call of a site had them
-        if any(m == "f" for _, m, _ in refs):
-            self._write_full(conn, p, values, bases)
+        if layout.any_full:
+            self._write_full(conn, p, values, p.bases)
 
         # 3. skipped steps and non-finite values
         skipped = p.skipped
@@ -229,7 +252,7 @@ class Writer(threading.Thread):
             skipped = (p.scale is not None and p.scale_next is not None and p.scale_next < p.scale)
         nonfinite = bool((~np.isfinite(site_peak)).any()) or (p.loss is not None and not _finite(p.loss))
         if nonfinite:
-            self._locate(conn, p, values, peaks, owner)
+            self._locate(conn, p, values, peaks, layout.owner)
 
         row = dict(p.row)
         step_time = row.get("step_time")
