@@ -135,6 +135,11 @@ class Run:
         return self.trace.events("nonfinite")
 
     @cached_property
+    def weight_events(self) -> pd.DataFrame:
+        """Steps after whose optimizer update some weights held NaN/Inf (data["params"] names them)."""
+        return self.trace.events("nonfinite_weights")
+
+    @cached_property
     def metrics(self) -> pd.DataFrame:
         return self.trace.metrics()
 

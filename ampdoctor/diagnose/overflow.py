@@ -19,6 +19,13 @@ def _looks_like_attention(path: str, mtype: str) -> bool:
 def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
     ev = run.events
     fwd = ev[ev["phase"] == "fwd"]
+    wev = run.weight_events
+    if len(wev) and len(fwd):
+        # Weights that went NaN/Inf in an optimizer step make the next forwards non-finite from finite inputs:
+        # that is the update's fault (e.g. Adam's eps lost in FP16), not a forward overflow.
+        first = int(wev["step"].min())
+        owners = {p.rpartition(".")[0] or "(model)" for d in wev["data"] for p in d.get("params", [])}
+        fwd = fwd[~((fwd["step"] > first) & fwd["path"].isin(owners))]
     if len(fwd) < min_steps:
         return None
     counts = fwd.groupby("path")["step"].agg(["count", "min", "max"]).sort_values(

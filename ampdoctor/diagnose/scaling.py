@@ -71,6 +71,9 @@ def init_scale_too_high(run, *, min_skips=MIN_EARLY_SKIPS, early_steps=EARLY_STE
     init = float(run.scaler.get("init_scale") or st["loss_scale"].iloc[0])
     if not over or suggested >= init:
         return None
+    if float(early["loss_scale_next"].iloc[-1]) >= init:
+        return None                      # the scale ended the window no lower than it started: the skips are
+                                         # growth/overflow cycles (late-degradation), not a too-high start
     return finding(
         "warning", "Initial loss scale too high",
         f"{len(skipped)} of the first {len(early)} steps were skipped while the loss scale fell from {A.pow2(init)} "

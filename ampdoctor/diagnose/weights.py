@@ -116,7 +116,10 @@ def grad_range_anomaly(run, *, grad_decades=GRAD_DECADES, weight_decades=WEIGHT_
         return None
     rms = run.records("rms", "param_grad")[np.ix_(fs, [j for j, _ in mats])]
     with np.errstate(all="ignore"):
-        g = np.nanmedian(np.log10(np.where(rms > 0, rms, np.nan)), axis=0)
+        logr = np.log10(np.where(rms > 0, rms, np.nan))
+    has = np.isfinite(logr).any(axis=0)           # an all-NaN column would make nanmedian warn
+    g = np.full(logr.shape[1], np.nan)
+    g[has] = np.nanmedian(logr[:, has], axis=0)
     ok = np.isfinite(g)
     if ok.sum() < 3:
         return None

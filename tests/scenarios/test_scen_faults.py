@@ -6,7 +6,10 @@ because they describe the same fault from another side).
 import pytest
 import torch
 
+import ampdoctor
 import fault_runs as F
+from ampdoctor.diagnose import dynamics
+from ampdoctor.diagnose.engine import Run
 
 
 def init_scale_2_30(p):
@@ -156,3 +159,73 @@ def test_slow_convergence_against_a_reference(reference, trace_path):
 def test_same_run_in_fp16_converges_like_the_reference(reference, trace_path):
     F.fit(F.mlp(width=64), F.regression(80), 80, trace_path, precision="fp16", optimizer="adam", lr=1e-2)
     assert F.diagnose(trace_path, reference=reference)[1] == []
+
+
+# -- late-degradation ---------------------------------------------------------------------------------------------
+# Adam on a noise-free regression whose loss weight (3e-6) puts the gradients where a large model's sit (~1e-7):
+# a GradScaler left at init_scale=1.0 with the default growth_interval (2000, never reached in 300 steps) keeps them
+# in FP16's subnormal range; as the fit improves they shrink and flush to zero, and the run stops improving while
+# the FP32 reference goes on.
+LATE = dict(optimizer="adam", lr=3e-3, loss_weight=3e-6)
+
+
+def late_run(path, precision="fp16", **kw):
+    F.fit(F.mlp(width=64), F.regression(300, noise=0.0), 300, path, precision=precision, **LATE, **kw)
+
+
+@pytest.fixture(scope="module")
+def late_reference(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("late") / "fp32.db")
+    late_run(path, "fp32")
+    return path
+
+
+def test_late_degradation_scale_stuck_while_gradients_shrink(late_reference, trace_path):
+    late_run(trace_path, init_scale=1.0)
+    by_rule, found = F.diagnose(trace_path, reference=late_reference)
+    assert set(by_rule) == {"late-degradation", "grad-underflow"}, [(d.rule, d.summary) for d in found]
+    d = by_rule["late-degradation"]
+    assert d.severity == "warning" and d.evidence["dynamic"] == "scale stuck while gradients shrink"
+    assert d.evidence["against"] == "reference" and d.evidence["worsening_factor"] >= 1.25
+    assert d.evidence["late_ci"][0] > d.evidence["early_ci"][1]          # the late trend is worse
+    assert d.evidence["scale_in_force"] == 1.0 and d.evidence["headroom_binades_above_fp16_normal"] < 0
+    assert 50 <= d.evidence["suggested_growth_interval"] < 2000
+    assert f"growth_interval={d.evidence['suggested_growth_interval']}" in d.recommendation
+    # without the reference a plateau is not evidence of degradation: only grad-underflow remains
+    assert [x.rule for x in F.diagnose(trace_path)[1]] == ["grad-underflow"]
+
+
+def test_late_degradation_silent_when_training_is_slow_from_the_start(tmp_path, trace_path):
+    # the same stuck scale on a CNN: it never learns (grad-underflow), but there is no *late* break to report
+    ref = str(tmp_path / "ref.db")
+    F.fit(F.CNN(), F.images(200), 200, ref, precision="fp32", loss_fn=F.ce, **LATE)
+    F.fit(F.CNN(), F.images(200), 200, trace_path, init_scale=1.0, loss_fn=F.ce, **LATE)
+    assert [d.rule for d in F.diagnose(trace_path, reference=ref)[1]] == ["grad-underflow"]
+
+
+def late_skip_cycles(p, init_scale=16.0, growth_interval=10):
+    # a growth_interval of 10 from a low start: the scale reaches the overflow limit only at step ~150 and from
+    # there cycles (grow, overflow, skip, halve) for the rest of the run
+    F.fit(F.mlp(width=64), F.regression(300), 300, p, optimizer="adam", lr=1e-3, init_scale=init_scale,
+          growth_interval=growth_interval)
+
+
+def test_late_skip_cycles_are_recognised_but_not_reported_without_degradation(trace_path):
+    # The skip-cycle dynamic on a real run. On a CPU-sized run cycles cost one step in growth_interval + 1 (8% here)
+    # and the loss does not degrade, so late-degradation stays silent: it reports a dynamic only as the cause of a
+    # trend break it has established.
+    late_skip_cycles(trace_path)
+    why = dynamics.explain(Run(ampdoctor.load(trace_path)), cut_step=150)
+    assert why["dynamic"] == "repeated overflow/skip cycles"
+    assert why["early_skip_share"] == 0 and why["late_skip_share"] > 0.05 and why["late_growths"] >= 2
+    assert why["suggested_growth_interval"] == 500 and why["suggested_init_scale"] >= 2 ** 16
+    assert F.diagnose(trace_path)[1] == []
+
+
+def test_skip_cycles_all_along_are_neither_a_late_cause_nor_a_high_init_scale(trace_path):
+    # growth_interval=2: the scale cycles from the first steps on (30% skipped), upwards from init_scale
+    F.fit(F.mlp(width=64), F.regression(200), 200, trace_path, optimizer="adam", lr=1e-3, growth_interval=2)
+    run = Run(ampdoctor.load(trace_path))
+    assert run.steps["skipped"].mean() > 0.2
+    assert dynamics.explain(run, cut_step=100) is None
+    assert "init-scale-too-high" not in F.diagnose(trace_path)[0]

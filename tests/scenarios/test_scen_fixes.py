@@ -96,3 +96,24 @@ def test_precision_policy_fixes(trace_path, tmp_path):
     fixed = str(tmp_path / "bn-fixed.db")
     F.fit(model, F.images(30), 30, fixed, precision="bf16", loss_fn=F.ce, optimizer="adam", lr=1e-2)
     assert F.diagnose(fixed)[1] == []
+
+
+def test_late_degradation_fix(trace_path, tmp_path):
+    ref = str(tmp_path / "ref.db")
+    S.late_run(ref, "fp32")
+    S.late_run(trace_path, init_scale=1.0)
+    d = F.diagnose(trace_path, reference=ref)[0]["late-degradation"]
+    init, growth = _printed_scaler(d.recommendation)
+    assert growth == d.evidence["suggested_growth_interval"] < 2000
+    fixed = str(tmp_path / "fixed.db")
+    S.late_run(fixed, init_scale=init, growth_interval=growth)
+    assert F.diagnose(fixed, reference=ref)[1] == []
+
+
+def test_late_skip_cycles_fix(trace_path, tmp_path):
+    S.late_skip_cycles(trace_path)
+    why = S.dynamics.explain(S.Run(S.ampdoctor.load(trace_path)), cut_step=150)
+    fixed = str(tmp_path / "fixed.db")
+    S.late_skip_cycles(fixed, init_scale=why["suggested_init_scale"], growth_interval=why["suggested_growth_interval"])
+    assert S.dynamics.explain(S.Run(S.ampdoctor.load(fixed)), cut_step=150) is None
+    assert F.diagnose(fixed)[1] == []
