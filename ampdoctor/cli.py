@@ -101,6 +101,12 @@ def cmd_info(args) -> int:
               f"phase, {first['data'].get('value', '?')} — {first['message']}")
     else:
         print("non-finite none")
+    wev = tr.events("nonfinite_weights")
+    if len(wev):
+        first = wev.iloc[0]
+        names = ", ".join(first["data"].get("params", [])[:3])
+        print(f"weights    NaN/Inf after the optimizer step of step {int(first['step'])}: "
+              f"{first['data'].get('count', '?')} tensor(s) ({names}{', ...' if first['data'].get('count', 0) > 3 else ''})")
     return EXIT_OK
 
 

@@ -386,3 +386,23 @@ def test_half_model_records_weights_and_lost_updates(trace_path):
     assert zero_update > 0.5 and zero_grad < 0.05
     assert np.isnan(tr.records("numel", "update")[1]).all()                 # only every weight_every steps
     assert tr.records("numel", "weight")[2, j] == 64 * 32
+
+
+def test_weights_turned_nonfinite_by_the_update_are_an_event(trace_path):
+    """model.half() + Adam: eps=1e-8 is 0 in FP16, so 0/0 turns weights NaN in the first update. The next forward
+    is non-finite from finite inputs, but the origin is the update, and the trace says so."""
+    torch.manual_seed(0)
+    model = mlp(width=32).half()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with ampdoctor.attach(model, optimizer=opt, trace=trace_path, live=False) as doc:
+        for x, y in batches(4):
+            loss = torch.nn.functional.mse_loss(model(x.half()).float(), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            doc.log_loss(loss)
+    tr = ampdoctor.load(trace_path)
+    wev = tr.events("nonfinite_weights")
+    assert wev["step"].tolist()[0] == 0 and "0.weight" in wev["data"][0]["params"]
+    assert tr.events("nonfinite")["step"].min() == 1          # the forward of step 1 is the first to see them
+    assert "forward-overflow" not in [f.rule for f in ampdoctor.diagnose(tr)]

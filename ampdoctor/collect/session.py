@@ -100,6 +100,8 @@ class Doctor:
         self._force_full = False
         self._pending: StepPacket | None = None
         self._prev_entries: list = []
+        self._bad_weights = 0
+        self._half_params = any(p.dtype in (torch.float16, torch.bfloat16) for _, p in self._params)
         self._t_prev_end = time.perf_counter()
         self._config_written = False
         self._autocast: dict = {}
@@ -473,6 +475,9 @@ class Doctor:
                 sid = self._site(name, "weight", self._owner.get(name), p)
                 entries.append(Entry(sid, "weight", [self._observe(p.detach(), "f")]))
         loss_off = self._add_extra(_sum_losses(self._losses)) if self._losses else None
+        # Half-precision weights can turn NaN/Inf in an optimizer step from finite gradients (Adam's eps is 0 in
+        # FP16): watched every step for them (one fused norm), on anomalous steps only for FP32 weights.
+        bad_w_off = self._add_extra(_count_nonfinite([p for _, p in self._params])) if self._half_params else None
         scaler_on = self.scaler is not None and self._scaler_enabled()
         scales = [self._scale_before, self._read_scale()] if scaler_on else [None, None]
         scale_offs = [self._add_extra(v) if isinstance(v, torch.Tensor) else v for v in scales]
@@ -502,6 +507,8 @@ class Doctor:
                             scale=scale_vals[0], scale_next=scale_vals[1], grad_norm=pick(norm_off),
                             skipped=skipped, store_hist=store_hist)
         anomalous = bool(skipped) or values[-1] > 0 or (packet.loss is not None and not math.isfinite(packet.loss))
+        if anomalous or (bad_w_off is not None and pick(bad_w_off)):
+            self._check_weights(step)
         if not self._config_written:
             self._put(("meta", "config", self._config()))
             self._config_written = True
@@ -513,6 +520,21 @@ class Doctor:
         self._step += 1
         self._reset_step()
         self._t_prev_end = time.perf_counter()
+
+    def _check_weights(self, step: int) -> None:
+        """On an anomalous step only: are the weights themselves non-finite after the optimizer step? Then a later
+        forward NaN comes from the update (e.g. Adam's eps lost in FP16), not from the forward computation."""
+        if not self._params:
+            return
+        norms = torch.stack([n.to(torch.float32) for n in torch._foreach_norm(
+            [p.detach() for _, p in self._params])]).cpu()
+        bad = [name for (name, _), ok in zip(self._params, torch.isfinite(norms).tolist()) if not ok]
+        if len(bad) != self._bad_weights:
+            self._bad_weights = len(bad)
+            if bad:
+                self._put(("event", step, "nonfinite_weights", None, "update",
+                           f"{len(bad)} parameter tensor(s) hold NaN/Inf after the optimizer step",
+                           {"params": bad[:100], "count": len(bad)}))
 
     def _to_host(self) -> tuple[np.ndarray, dict]:
         """Everything the step computed, in one transfer: [peaks per dtype | full vectors | extras | n_bad] as
@@ -643,6 +665,12 @@ def _peak_mode(dtype) -> str:
     if mode is None:
         mode = _PEAK_MODES[dtype] = "p" + _dtype_name(dtype)
     return mode
+
+
+def _count_nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """How many of the tensors hold a NaN/Inf (their norm is then non-finite), without a host sync."""
+    norms = torch.stack([n.to(torch.float32) for n in torch._foreach_norm([t.detach() for t in tensors])])
+    return (~torch.isfinite(norms)).sum()
 
 
 def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
