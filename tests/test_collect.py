@@ -362,20 +362,25 @@ def test_precision_configuration_is_recorded(trace_path):
     assert set(sites["dtype"]) == {"float16"}
 
 
+def train_half(model, opt, trace_path, steps=4, **options):
+    """O3-style loop: a half-precision model fed half inputs, no autocast, no scaler."""
+    with ampdoctor.attach(model, optimizer=opt, trace=trace_path, **options) as doc:
+        for x, y in batches(steps):
+            loss = torch.nn.functional.mse_loss(model(x.half()).float(), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            doc.log_loss(loss)
+    return ampdoctor.load(trace_path)
+
+
 def test_half_model_records_weights_and_lost_updates(trace_path):
     """O3-style: model.half() with plain SGD. Updates below half an ULP of the weights vanish, and the trace
     shows it: the update is zero where the gradient is not."""
     torch.manual_seed(0)
     model = mlp(width=64).half()
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    with ampdoctor.attach(model, optimizer=opt, trace=trace_path, every=1, weight_every=2) as doc:
-        for x, y in batches(4):
-            loss = torch.nn.functional.mse_loss(model(x.half()).float(), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            doc.log_loss(loss)
-    tr = ampdoctor.load(trace_path)
+    tr = train_half(model, opt, trace_path, every=1, weight_every=2)
     assert tr.config["param_dtypes"] == {"float16": sum(p.numel() for p in model.parameters())}
     ups = tr.sites("update")
     assert set(ups["dtype"]) == {"float16"} and len(ups) == 8
@@ -394,14 +399,7 @@ def test_weights_turned_nonfinite_by_the_update_are_an_event(trace_path):
     torch.manual_seed(0)
     model = mlp(width=32).half()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with ampdoctor.attach(model, optimizer=opt, trace=trace_path, live=False) as doc:
-        for x, y in batches(4):
-            loss = torch.nn.functional.mse_loss(model(x.half()).float(), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            doc.log_loss(loss)
-    tr = ampdoctor.load(trace_path)
+    tr = train_half(model, opt, trace_path, live=False)
     wev = tr.events("nonfinite_weights")
     assert wev["step"].tolist()[0] == 0 and "0.weight" in wev["data"][0]["params"]
     assert tr.events("nonfinite")["step"].min() == 1          # the forward of step 1 is the first to see them
