@@ -124,7 +124,8 @@ def loss_scale_collapse(run, *, collapse_scale=COLLAPSE_SCALE, halvings=COLLAPSE
     skipped = st["skipped"].to_numpy(bool)
     if not np.isfinite(nxt).any() or not skipped.any():
         return None
-    lowest = float(np.nanmin(nxt))
+    # the lowest scale a backoff produced: a run that simply starts at a low init_scale has not collapsed
+    lowest = float(np.nanmin(nxt[skipped])) if np.isfinite(nxt[skipped]).any() else float("inf")
     clean = np.flatnonzero(~skipped)
     after = clean[0] if len(clean) else 0          # calibration ends at the first step that went through
     post = skipped[after:]

@@ -229,3 +229,15 @@ def test_skip_cycles_all_along_are_neither_a_late_cause_nor_a_high_init_scale(tr
     assert run.steps["skipped"].mean() > 0.2
     assert dynamics.explain(run, cut_step=100) is None
     assert "init-scale-too-high" not in F.diagnose(trace_path)[0]
+
+
+def test_loss_scale_collapse_silent_for_a_low_start_that_backs_off_later(tmp_path):
+    """init_scale=1 grows (growth_interval 3) and then backs off from high scales: a healthy scaler, no collapse."""
+    import ampdoctor
+    from runs import mlp, train
+    path = str(tmp_path / "low_start.db")
+    train(mlp(width=64), 100, init_scale=1.0, growth_interval=3, trace=path)
+    st = ampdoctor.load(path).steps()
+    assert st["skipped"].any() and st["loss_scale"].iloc[0] == 1.0
+    assert st.loc[st["skipped"], "loss_scale_next"].min() > 1.0
+    assert "loss-scale-collapse" not in [f.rule for f in ampdoctor.diagnose(path)]
