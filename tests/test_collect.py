@@ -1,4 +1,5 @@
 """attach() on real CPU training runs: what the trace holds, and that training is left exactly as it was."""
+import logging
 import math
 import os
 import pathlib
@@ -404,3 +405,24 @@ def test_weights_turned_nonfinite_by_the_update_are_an_event(trace_path):
     assert wev["step"].tolist()[0] == 0 and "0.weight" in wev["data"][0]["params"]
     assert tr.events("nonfinite")["step"].min() == 1          # the forward of step 1 is the first to see them
     assert "forward-overflow" not in [f.rule for f in ampdoctor.diagnose(tr)]
+
+
+def test_torch_compile_runs_hooks_eagerly_without_recompiling(trace_path, caplog):
+    """Under torch.compile the hooks run eagerly (torch.compiler.disable): traced, their identity bookkeeping
+    would make dynamo recompile every step."""
+    model = mlp(width=32)
+    compiled = torch.compile(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with caplog.at_level(logging.WARNING, logger="torch._dynamo"):
+        with ampdoctor.attach(compiled, optimizer=opt, trace=trace_path, live=False) as doc:
+            for x, y in batches(6):
+                loss = torch.nn.functional.mse_loss(compiled(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                doc.log_loss(loss)
+    assert not [r for r in caplog.records if "recompile" in r.getMessage()]
+    tr = ampdoctor.load(trace_path)
+    assert tr.n_steps == 6 and tr.steps()["loss"].notna().all()
+    assert "_orig_mod.0" in tr.sites("act")["path"].tolist()
+    assert np.isfinite(tr.records("peak", "grad_out")).all()

@@ -140,9 +140,9 @@ class Doctor:
         self._modules = H.select_modules(self.model, self._include, self._exclude)
         self._grad_hooks = {}
         for path, mod in self._modules:
-            self._grad_hooks[path] = functools.partial(self._on_grad, path, mod)
-            h.add(mod.register_forward_hook(functools.partial(self._on_forward, path)))
-        h.add(self.model.register_forward_pre_hook(self._on_root_pre, with_kwargs=True))
+            self._grad_hooks[path] = _eager(functools.partial(self._on_grad, path, mod))
+            h.add(mod.register_forward_hook(_eager(functools.partial(self._on_forward, path))))
+        h.add(self.model.register_forward_pre_hook(_eager(self._on_root_pre), with_kwargs=True))
 
         scaler_on = self.scaler is not None and self._scaler_enabled()
         if self.optimizer is not None:
@@ -655,6 +655,13 @@ class Doctor:
                 self.close()
         except Exception:
             pass
+
+
+def _eager(fn):
+    """Hooks run eagerly under torch.compile: traced, their id()/weakref bookkeeping would make dynamo guard on
+    tensor identities and recompile every step."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(fn) if disable is not None else fn
 
 
 _PEAK_MODES: dict = {}
