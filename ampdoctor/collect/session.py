@@ -280,7 +280,9 @@ class Doctor:
             self._act_seen.add(sid)
             mode = self._mode()
             outs = [self._observe(t, mode) for t in tensors]
-            ins = [self._observe(t, "p") for t in H.float_tensors(args)]
+            a0 = args[0] if len(args) == 1 else None      # the common case: one tensor in
+            ins = [self._observe(a0, "p")] if type(a0) is torch.Tensor and a0.is_floating_point() \
+                else [self._observe(t, "p") for t in H.float_tensors(args)]
             self._entries.append(Entry(sid, "fwd", outs, ins))
             for t in tensors:
                 if t.requires_grad:
