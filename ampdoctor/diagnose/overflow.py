@@ -51,8 +51,10 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
     severity = "critical" if share >= critical_share or (loss_bad and not run.scaler_on) else "warning"
     fmt = formats.get(dtype) if dtype in formats.DTYPE_FORMATS else formats.FP16
     value = fwd["data"].iloc[0].get("value", "inf")
-    fixes = [f"Run {culprit} in FP32 inside autocast (loss scaling cannot fix a forward overflow):",
-             A.keep_fp32_line([culprit]),
+    others = [str(p) for p in counts.index[1:]]
+    where = culprit if not others else f"{culprit} (and {', '.join(others)}, which overflowed too)"
+    fixes = [f"Run {where} in FP32 inside autocast (loss scaling cannot fix a forward overflow):",
+             A.keep_fp32_line([culprit] + others),
              "# or, by hand, inside its forward:",
              f'with torch.autocast(device_type="{A.dev(run)}", enabled=False):',
              "    out = self.block(x.float())"]
@@ -64,7 +66,6 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
     if dtype == "float16" and run.bf16_supported:
         fixes += ["Or train in BF16 (same exponent range as FP32; this device supports it):",
                   A.autocast_block(run, "bfloat16")]
-    others = [str(p) for p in counts.index[1:]]
     return finding(
         severity, f"Forward overflow in {culprit}",
         f"{culprit} ({mtype}, {dtype}) produced {value} from finite inputs in {len(own)} of {run.n_steps} "
