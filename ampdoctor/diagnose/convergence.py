@@ -70,14 +70,18 @@ def slow_convergence(run, *, ratio=SLOW_RATIO, max_skip_share=MAX_SKIP_SHARE, al
     lr = float(run.steps["lr"].dropna().iloc[-1]) if run.steps["lr"].notna().any() else None
     lr_ref = float(ref.steps["lr"].dropna().iloc[-1]) if ref.steps["lr"].notna().any() else None
     reached = f"at step {ra}" if ra is not None else f"not within {n} steps"
-    fix = "Nothing numeric (skips, non-finite values, underflow) explains it; raise the learning rate 10-30%, " \
-          "the usual AMP adjustment:\n"
+    fix = "Nothing numeric (skips, non-finite values, underflow) explains it. "
+    if lr and lr_ref and lr < lr_ref:
+        # A lower learning rate than the reference's explains a gap larger than the usual AMP adjustment can close.
+        fix += (f"This run's learning rate {lr:.3g} is below the reference's {lr_ref:.3g}; start from the reference's:\n"
+                f"for group in optimizer.param_groups:\n    group[\"lr\"] = {lr_ref:.3g}  # was {lr:.3g}\n"
+                "With the same learning rate, raise it 10-30%, the usual AMP adjustment:\n")
+    else:
+        fix += "Raise the learning rate 10-30%, the usual AMP adjustment:\n"
     if lr:
         fix += f"for group in optimizer.param_groups:\n    group[\"lr\"] = {lr * 1.2:.3g}  # was {lr:.3g} (+20%)"
     else:
         fix += "for group in optimizer.param_groups:\n    group[\"lr\"] *= 1.2"
-    if lr and lr_ref and lr < lr_ref:
-        fix += f"\nThe reference ran at lr {lr_ref:.3g}; this run at {lr:.3g}."
     return finding(
         "warning", "Convergence slower than the reference",
         f"The reference reached loss {level:.4g} at step {rb}, this run {reached} "

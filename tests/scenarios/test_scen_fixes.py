@@ -140,3 +140,18 @@ def test_forward_overflow_fix(trace_path, tmp_path):
     assert {d.rule for d in F.serious(found)} <= {"init-scale-too-high", "grad-underflow", "grad-range-anomaly"}
     assert all(math.isfinite(v) for v in losses)
     ns["handle"].remove()
+
+
+def test_slow_convergence_fix(trace_path, tmp_path):
+    """FP16 run at a tenth of the FP32 reference's learning rate: the printed lr line, applied, closes the gap."""
+    ref = str(tmp_path / "ref.db")
+    F.fit(F.mlp(width=64), F.regression(80), 80, ref, precision="fp32", optimizer="adam", lr=1e-2)
+    F.fit(F.mlp(width=64), F.regression(80), 80, trace_path, precision="fp16", optimizer="adam", lr=1e-3)
+    d = F.diagnose(trace_path, reference=ref)[0]["slow-convergence"]
+    line = _code_lines(d.recommendation, r'^\s+group\["lr"\] = ')[0]
+    group = {"lr": 1e-3}
+    exec(line.strip(), {"group": group})
+    assert group["lr"] == 0.01
+    fixed = str(tmp_path / "fixed.db")
+    F.fit(F.mlp(width=64), F.regression(80), 80, fixed, precision="fp16", optimizer="adam", lr=group["lr"])
+    assert F.diagnose(fixed, reference=ref)[1] == []
