@@ -572,6 +572,7 @@ class Doctor:
                 "host": platform.node(), "pid": os.getpid(), "rank": _rank(), "started": time.time(),
                 "model": type(self.model).__name__, "device": dev,
                 "params": int(sum(p.numel() for p in self.model.parameters())),
+                "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
                 "every": self.every, "hist_every": self.hist_every, "weight_every": self.weight_every}
         if dev == "cuda":
             idx = next(self.model.parameters()).device.index or 0

@@ -1,6 +1,8 @@
 """input-pipeline-bound: the host waits for data for a large share of each step, so AMP cannot speed it up."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from . import advice as A
@@ -23,9 +25,20 @@ def input_pipeline_bound(run, *, min_share=MIN_DATA_SHARE, warning_share=WARNING
     if med < min_share:
         return None
     cuda = run.device == "cuda"
+    data_s, step_s = float(st["data_time"].median()), float(st["step_time"].median())
+    # Workers that each take data_s per batch keep up with a compute of (step_s - data_s) when there are
+    # data_s / compute of them, plus one spare; more than the host's cores only helps I/O-bound loading.
+    compute_s = max(step_s - data_s, 1e-6)
+    workers = max(2, math.ceil(data_s / compute_s) + 1)
+    cores = run.info.get("cpu_count")
+    note = ""
+    if cores and workers > cores:
+        note = (f"  # more workers than the host's {cores} cores: right for I/O-bound loading; CPU-bound "
+                "decoding needs the steps below too")
     fix = ("Load batches in parallel and ahead of the step:\n"
            "loader = torch.utils.data.DataLoader(dataset, batch_size=..., shuffle=True,\n"
-           f"    num_workers=8, persistent_workers=True, prefetch_factor=4{', pin_memory=True' if cuda else ''})")
+           f"    num_workers={workers}, persistent_workers=True, prefetch_factor=4"
+           f"{', pin_memory=True' if cuda else ''}){note}")
     if cuda:
         fix += ("\nx = x.to('cuda', non_blocking=True)  # with pin_memory: the copy overlaps compute\n"
                 "Decode and augment images on the GPU (NVIDIA DALI, torchvision.io.decode_jpeg(device='cuda')) "
