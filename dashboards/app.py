@@ -167,8 +167,8 @@ def render(ctx: Context, pathname: str | None, search: str | None):
         return head, html.Div([html.H3("No such page"), dcc.Link("Overview", href=href("/", run))])
     if run is None:
         return head, html.Div([html.H3("No traces yet"),
-                               html.P(f"Nothing under the served path looks like an ampdoctor trace; "
-                                      f"new traces appear here as training writes them.")])
+                               html.P("Nothing under the served path looks like an ampdoctor trace; "
+                                      "new traces appear here as training writes them.")])
     if ctx.resolve(run) is None:
         return head, html.Div([html.H3("Unknown run"),
                                html.P("This run is not one of the traces served here."),

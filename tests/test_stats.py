@@ -75,7 +75,7 @@ def test_peak_propagates_nan_and_inf():
 
 def test_merge_combines_calls():
     a, b = torch.randn(100), torch.randn(50) * 3
-    merged = K.merge([K.full(a).numpy(), K.full(b).numpy()], [100, 50])
+    merged = K.merge([K.full(a).numpy(), K.full(b).numpy()])
     st, _ = K.derive(merged, 150)
     both = torch.cat([a, b]).double()
     assert st["absmax"] == both.abs().max().item()

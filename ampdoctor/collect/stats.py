@@ -83,9 +83,9 @@ MIN_EXP, MAX_EXP = -127, 127      # histogram bins: -127 means "non-zero and bel
 
 
 def _binades(hist512: np.ndarray) -> np.ndarray:
-    """512 key counts -> counts per binade e = -127..127 (index e + 127), zeros/NaN/Inf excluded, subnormals in -127."""
-    pairs = hist512[:510].reshape(255, 2).sum(axis=1)   # exponent fields 0..254
-    return pairs  # index 0 = exponent field 0 (zero + fp32 subnormal); the caller removes the zeros
+    """512 key counts -> counts per exponent field 0..254 (binade e = field - 127; NaN/Inf left out). Field 0
+    holds the zeros and the FP32 subnormals together; ``derive`` takes the zeros out."""
+    return hist512[:510].reshape(255, 2).sum(axis=1)
 
 
 def _count_from(bins: np.ndarray, lo_exp: int, hi_exp: int) -> float:
@@ -95,7 +95,7 @@ def _count_from(bins: np.ndarray, lo_exp: int, hi_exp: int) -> float:
     return float(bins[lo:hi].sum()) if hi > lo else 0.0
 
 
-def merge(vectors: list[np.ndarray], numels: list[int]) -> np.ndarray:
+def merge(vectors: list[np.ndarray]) -> np.ndarray:
     """Combine full vectors of several tensors (module reuse, micro-batches) into one: sums add, maxima max."""
     if len(vectors) == 1:
         return vectors[0]
@@ -114,7 +114,6 @@ def derive(vec: np.ndarray, numel: int) -> tuple[dict, np.ndarray]:
     bins = _binades(keys).astype(np.float64)
     zeros = float(numel - nonzeros)
     bins[0] -= zeros                                      # exponent field 0 is zeros + FP32 subnormals
-    finite_nonzero = bins.sum()
     nz_idx = np.flatnonzero(bins)
     # Smallest non-zero magnitude, to the binade: the lower edge of the lowest occupied binade.
     minabs = float(2.0 ** (nz_idx[0] - 127)) if nz_idx.size else 0.0

@@ -5,7 +5,6 @@ import contextlib
 import json
 import os
 import sqlite3
-from functools import cached_property
 
 import numpy as np
 import pandas as pd

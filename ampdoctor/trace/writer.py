@@ -308,7 +308,7 @@ class Writer(threading.Thread):
         for s, parts in fulls.items():
             if not parts:
                 continue
-            vec = kernels.merge([v for v, _ in parts], [k for _, k in parts])
+            vec = kernels.merge([v for v, _ in parts])
             st, bins = kernels.derive(vec, sum(k for _, k in parts))
             site_scale = scale if phase_of[s] == "bwd" else 1.0
             # NaN marks a count the histogram cannot resolve (bf16 edge cases): stored as NULL, "unknown"
