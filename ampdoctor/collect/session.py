@@ -164,10 +164,10 @@ class Doctor:
 
     # -- per-step buffer ---------------------------------------------------------------------------------------
     def _reset_step(self) -> None:
-        # Three blocks, concatenated at the step end into the step's one host transfer:
-        #   peaks: 0-d min/max tensors as torch.aminmax returns them (stacked once, in whatever dtype),
-        #   fulls: FULL_LEN float64 vectors, extras: float64 step figures (loss, grad norm, scales).
-        self._peaks: dict[torch.dtype, list[torch.Tensor]] = {}     # per dtype: stacking one dtype is 3x faster
+        # Blocks concatenated at the step end into the step's one host transfer (see _to_host):
+        #   peaks: 0-d min/max tensors as torch.aminmax returns them, one group per dtype (stacking one dtype is
+        #   3x faster than stacking mixed ones); fulls: FULL_LEN float64 vectors; extras: float64 step figures.
+        self._peaks: dict[torch.dtype, list[torch.Tensor]] = {}
         self._fulls: list[torch.Tensor] = []
         self._full_len = 0
         self._extras: list[torch.Tensor] = []
