@@ -96,8 +96,8 @@ class Doctor:
         self._owner = {(f"{m}." if m else "") + n: mod for m, mod in model.named_modules()
                        for n, _ in mod.named_parameters(recurse=False)}
         self._step = 0
-        self._reset_step()
         self._force_full = False
+        self._reset_step()
         self._pending: StepPacket | None = None
         self._prev_entries: list = []
         self._bad_weights = 0
@@ -180,8 +180,10 @@ class Doctor:
         self._losses: list = []
         self._scale_before = None
         self._opt_stepped = False
+        self._cur_mode = self._mode()
 
     def _mode(self) -> str:
+        """"f" (full statistics) or "p" (peaks) for the current step; cached in _cur_mode by _reset_step."""
         s = self._step
         return "f" if (self._force_full or s % self.every == 0 or s % self.hist_every == 0) else "p"
 
@@ -273,12 +275,13 @@ class Doctor:
                 else H.float_tensors(output)
             if not tensors:
                 return None
-            sid = self._site(path, "act", module, tensors[0])
-            recompute = H.in_backward()
-            if recompute and sid in self._act_seen:
+            sid = self._sites.get((path, "act"))
+            if sid is None:
+                sid = self._site(path, "act", module, tensors[0])
+            if _graph_task_id() != -1 and sid in self._act_seen:
                 return None            # checkpoint recomputation: the original forward was already recorded
             self._act_seen.add(sid)
-            mode = self._mode()
+            mode = self._cur_mode
             outs = [self._observe(t, mode) for t in tensors]
             a0 = args[0] if len(args) == 1 else None      # the common case: one tensor in
             ins = [self._observe(a0, "p")] if type(a0) is torch.Tensor and a0.is_floating_point() \
@@ -295,8 +298,10 @@ class Doctor:
         if self._off or grad is None:
             return None
         try:
-            sid = self._site(path, "grad_out", module, grad)
-            self._entries.append(Entry(sid, "bwd", [self._observe(grad, self._mode())]))
+            sid = self._sites.get((path, "grad_out"))
+            if sid is None:
+                sid = self._site(path, "grad_out", module, grad)
+            self._entries.append(Entry(sid, "bwd", [self._observe(grad, self._cur_mode)]))
         except Exception as exc:
             self._fail(exc)
         return None
@@ -457,7 +462,7 @@ class Doctor:
         if self._writer.error is not None:
             raise RuntimeError(f"trace writer failed: {self._writer.error}")
         now = time.perf_counter()
-        step, mode = self._step, self._mode()
+        step, mode = self._step, self._cur_mode
         store_hist = mode == "f" and (step % self.hist_every == 0 or self._force_full)
         entries = self._entries
 
@@ -660,11 +665,25 @@ class Doctor:
             pass
 
 
+_graph_task_id = torch._C._current_graph_task_id    # -1 outside backward (see hooks.in_backward)
+
+
 def _eager(fn):
     """Hooks run eagerly under torch.compile: traced, their id()/weakref bookkeeping would make dynamo guard on
-    tensor identities and recompile every step."""
-    disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    return disable(fn) if disable is not None else fn
+    tensor identities and recompile every step. The disabled copy is only entered while dynamo traces (its
+    wrapper costs microseconds per call, which eager training would pay on every hook)."""
+    compiler = getattr(torch, "compiler", None)
+    if compiler is None or not hasattr(compiler, "disable") or not hasattr(compiler, "is_compiling"):
+        return fn
+    disabled = compiler.disable(fn)
+    is_compiling = compiler.is_compiling
+
+    @functools.wraps(fn)
+    def hook(*args, **kwargs):
+        if is_compiling():
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return hook
 
 
 _PEAK_MODES: dict = {}
