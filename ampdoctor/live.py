@@ -15,8 +15,9 @@ import warnings
 log = logging.getLogger("ampdoctor")
 
 SEVERITIES = ("info", "warning", "critical")
-MIN_INTERVAL_S = 2.0        # how often to look at most: findings appear within seconds of their evidence
-MAX_SHARE = 0.1             # a check may use at most ~10% of the time (interval grows with the check's cost)
+MIN_INTERVAL_S = 5.0        # how often to look at most: a broken run is stopped within seconds, not hours
+MAX_SHARE = 0.05            # checks use at most ~5% of the time (the interval grows with a check's cost): on a
+                            # 2-core machine the rules compete with training for the cores
 MAX_ERRORS = 3              # consecutive failed checks before live diagnosis gives up
 
 
