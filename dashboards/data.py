@@ -17,14 +17,8 @@ from ampdoctor import formats
 from ampdoctor.cli import describe_precision
 from ampdoctor.trace import TraceError, load
 
-try:                                    # built by another part of the project; the views work without it
-    from ampdoctor.diagnose import diagnose as _diagnose
-except ImportError:                     # pragma: no cover - depends on the checkout
-    _diagnose = None
-try:
-    from ampdoctor.replay import replay as _replay
-except ImportError:                     # pragma: no cover - depends on the checkout
-    _replay = None
+from ampdoctor.diagnose import diagnose as _diagnose
+from ampdoctor.replay import replay as _replay
 
 KINDS = ("act", "grad_out", "param_grad")
 # heat map statistic id -> label; for every one of them the worst value of a layer is the largest
@@ -163,7 +157,7 @@ def run_summary(tr) -> list[tuple[str, str]]:
 # -- findings ---------------------------------------------------------------------------------------------------
 def findings(tr, reference=None) -> list:
     """The diagnosis of a trace, worst first; [] when the rules are not installed or no step is recorded yet."""
-    if _diagnose is None or tr.n_steps == 0:
+    if tr.n_steps == 0:
         return []
     out = list(_diagnose(tr, reference=reference) if reference is not None else _diagnose(tr))
     return sorted(out, key=lambda d: SEVERITY_ORDER.get(getattr(d, "severity", "info"), 3))
@@ -383,48 +377,6 @@ def scaler_settings(tr) -> dict:
     return out
 
 
-def unscaled_grad_peaks(tr) -> tuple[np.ndarray, np.ndarray]:
-    """Per step: the largest unscaled |gradient| seen in the backward pass, and whether it is only a lower bound
-    (the recorded pass overflowed, so the true peak is at least FP16 max / scale)."""
-    st = tr.steps()
-    peak = tr.records("peak", "grad_out")[: len(st)]     # a live trace may have grown between the two reads
-    scale = st["loss_scale"].to_numpy(dtype=float)
-    scale = np.where(np.isfinite(scale) & (scale > 0), scale, 1.0)
-    with np.errstate(invalid="ignore"):
-        bad = ~np.isfinite(peak).all(axis=1) if peak.shape[1] else np.zeros(len(st), bool)
-        fin = np.where(np.isfinite(peak), peak, np.nan)
-        top = (np.array([np.nanmax(r) if np.isfinite(r).any() else 0.0 for r in fin]) if peak.shape[1]
-               else np.zeros(len(st)))
-    bad |= st["nonfinite"].to_numpy(dtype=bool)
-    top = np.where(bad, formats.FP16.max, top) / scale
-    return top, bad
-
-
-def simulate_scaler(peaks, lower_bound, init_scale, growth_factor, backoff_factor, growth_interval,
-                    limit: float = formats.FP16.max) -> tuple[np.ndarray, np.ndarray]:
-    """GradScaler dynamics over recorded unscaled gradient peaks: (scale in force, skipped) per step.
-
-    A step overflows when peak x scale reaches the FP16 max (65504, the largest finite half). Where the recorded
-    pass already overflowed only a lower bound is known, so the step is taken as overflowing at that scale or above.
-    """
-    n = len(peaks)
-    scales, skipped = np.empty(n), np.zeros(n, bool)
-    s, good = float(init_scale), 0
-    for i in range(n):
-        scales[i] = s
-        over = peaks[i] * s >= limit if not lower_bound[i] else peaks[i] * s >= limit * (1 - 1e-9)
-        if over or not np.isfinite(peaks[i]):
-            skipped[i] = True
-            s *= backoff_factor
-            good = 0
-        else:
-            good += 1
-            if good >= growth_interval:
-                s *= growth_factor
-                good = 0
-    return scales, skipped
-
-
 def whatif(tr, init_scale=None, growth_factor=None, backoff_factor=None, growth_interval=None) -> dict:
     """Recorded vs simulated loss scale and skipped steps for other scaler settings."""
     cfg = scaler_settings(tr)
@@ -435,15 +387,11 @@ def whatif(tr, init_scale=None, growth_factor=None, backoff_factor=None, growth_
     st = tr.steps()
     if not len(st):
         sim_scales, sim_skipped, engine = np.array([]), np.array([], bool), "nothing to replay yet"
-    elif _replay is not None:   # settings left at None: the replay keeps the run's own (and its scaler state)
+    else:   # settings left at None: the replay keeps the run's own (and its scaler state)
         r = _replay(tr, **{k: (int(v) if k == "growth_interval" else v) for k, v in args.items() if v is not None})
         sim_scales, sim_skipped = np.asarray(r.scales, float), np.asarray(r.skipped, bool)
-        used = dict(getattr(r, "settings", None) or used)
+        used = dict(r.settings)
         engine = "ampdoctor.replay"
-    else:
-        peaks, lower = unscaled_grad_peaks(tr)
-        sim_scales, sim_skipped = simulate_scaler(peaks, lower, **used)
-        engine = "built-in simulation"
     n = min(len(st), len(sim_scales))                  # a live trace may have grown between the reads
     st, sim_scales, sim_skipped = st.iloc[:n], sim_scales[:n], sim_skipped[:n]
     return {"steps": st["step"].to_numpy(), "recorded": st["loss_scale"].to_numpy(dtype=float),

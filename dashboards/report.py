@@ -94,9 +94,7 @@ def build_report(tr, reference=None) -> str:
     """The report as one HTML string."""
     found = data.findings(tr, reference)
     summary = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in data.run_summary(tr))
-    if data._diagnose is None:
-        fhtml = "<p>The diagnosis rules are not installed in this ampdoctor; figures only.</p>"
-    elif not found:
+    if not found:
         fhtml = "<p>No findings: nothing in this trace trips a rule.</p>"
     else:
         fhtml = "\n".join(finding_html(d) for d in found)

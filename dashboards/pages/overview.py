@@ -39,9 +39,7 @@ def update(ctx, version, search):
         return "", "unknown run", None, {}, {}, {}
     st = tr.steps()
     found, error = ctx.findings_and_error(run)
-    if data._diagnose is None:
-        cards = html.P("The diagnosis rules are not installed in this ampdoctor.")
-    elif error:
+    if error:
         cards = html.P(f"The diagnosis failed on this snapshot of the trace ({error}); "
                        "it runs again as the trace grows.", id="diagnosis-error")
     elif not found:

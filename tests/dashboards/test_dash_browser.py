@@ -11,16 +11,8 @@ from ampdoctor.dashboards import data, ids
 from ampdoctor.dashboards.app import create_app
 
 import runs
-from dash_fakes import fake_diagnose
 
 pytestmark = pytest.mark.browser
-
-
-@pytest.fixture
-def rules(monkeypatch):
-    """The real rules when installed, else Diagnosis-like findings (rendering is what is tested here)."""
-    if data._diagnose is None:
-        monkeypatch.setattr(data, "_diagnose", fake_diagnose)
 
 
 def _array(v):
@@ -35,7 +27,7 @@ def _no_console_errors(dash_duo):
     assert errors == [], errors
 
 
-def test_overview_findings_layer_detail_and_whatif(dash_duo, traces, rules):
+def test_overview_findings_layer_detail_and_whatif(dash_duo, traces):
     app = create_app(str(traces), poll_ms=1000)
     dash_duo.start_server(app)
     dash_duo.wait_for_page(f"{dash_duo.server_url}/?run=fp16_under.db", timeout=20)

@@ -134,15 +134,6 @@ def test_unscaled_abs_max_removes_the_loss_scale(traces):
     np.testing.assert_allclose(diff[ok], want[ok])
 
 
-def test_fallback_scaler_simulation_follows_gradscaler_rules():
-    peaks = np.array([1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
-    lower = np.zeros(6, bool)
-    # 2^16 x 1.0 = 65536 >= 65504: overflow, halve; 2^15 fits; two clean steps grow it back
-    scales, skipped = data.simulate_scaler(peaks, lower, 2.0 ** 16, 2.0, 0.5, 2)
-    assert skipped.tolist() == [True, False, False, True, False, False]
-    assert (np.log2(scales)).tolist() == [16, 15, 15, 16, 15, 15]
-
-
 def test_whatif_reproduces_recorded_scale_and_responds_to_settings(traces):
     tr = ampdoctor.load(traces / "fp16_bad.db")
     own = data.whatif(tr)
@@ -202,13 +193,3 @@ def test_layers_of_the_offline_side_import_neither_dash_nor_torch():
             "assert 'torch' not in sys.modules, 'torch'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-
-
-def test_whatif_without_the_replay_module_uses_the_builtin_simulation(traces, monkeypatch):
-    monkeypatch.setattr(data, "_replay", None)
-    tr = ampdoctor.load(traces / "fp16_bad.db")
-    own = data.whatif(tr)
-    assert own["engine"] == "built-in simulation"
-    np.testing.assert_array_equal(own["simulated_skipped"], own["recorded_skipped"])   # the recorded skips, again
-    low = data.whatif(tr, init_scale=1024.0)
-    assert low["simulated"][0] == 1024.0 and not low["simulated_skipped"].any()
