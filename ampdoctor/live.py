@@ -66,12 +66,11 @@ class LiveDiagnosis(threading.Thread):
             self.check()
             wait = max(self.interval, (time.perf_counter() - t0) / MAX_SHARE)
 
-    def stop(self, final_check: bool = True) -> None:
+    def stop(self) -> None:
+        """No check at the end: the run is over, `ampdoctor diagnose` reads the finished trace."""
         self._stop_event.set()
         if self.is_alive():
             self.join(timeout=60)
-        if final_check:
-            self.check()
 
     def check(self) -> None:
         """Diagnose the trace as it stands and report what is new; never raises."""

@@ -23,6 +23,16 @@ class Attention(torch.nn.Module):
         return self.out(torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2), dim=-1) @ x)
 
 
+def fp16_step(model, opt, scaler, x, y):
+    """One FP16 autocast step with a GradScaler, the way a training loop writes it."""
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+
+
 def overflowing_run(trace, budget_s=40.0, **options):
     """Train until TrainingHalted or the time budget; returns (steps done, the exception or None)."""
     torch.manual_seed(0)
@@ -35,12 +45,7 @@ def overflowing_run(trace, budget_s=40.0, **options):
     with ampdoctor.attach(model, optimizer=opt, scaler=scaler, trace=trace, **options) as doctor:
         try:
             while time.time() - t0 < budget_s:
-                with torch.autocast("cpu", dtype=torch.float16):
-                    loss = torch.nn.functional.mse_loss(model(x).float(), y)
-                opt.zero_grad()
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
+                fp16_step(model, opt, scaler, x, y)
                 steps += 1
                 time.sleep(0.005)
         except ampdoctor.TrainingHalted as exc:
@@ -69,12 +74,7 @@ def test_log_every_prints_a_health_line(trace_path, caplog):
     with caplog.at_level(logging.INFO, logger="ampdoctor"):
         with ampdoctor.attach(model, optimizer=opt, scaler=scaler, trace=trace_path, log_every=5, live=False):
             for x, y in batches(10):
-                with torch.autocast("cpu", dtype=torch.float16):
-                    loss = torch.nn.functional.mse_loss(model(x).float(), y)
-                opt.zero_grad()
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
+                fp16_step(model, opt, scaler, x, y)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ampdoctor: step")]
     assert [ln.split(" |")[0] for ln in lines] == ["ampdoctor: step 4", "ampdoctor: step 9"]
     skipped = ampdoctor.load(trace_path).steps()["skipped"]

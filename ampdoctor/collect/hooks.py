@@ -122,6 +122,6 @@ def first_tensor(args: Iterable, kwargs: dict | None = None) -> torch.Tensor | N
     return None
 
 
-def in_backward() -> bool:
-    """True while autograd runs a backward pass (a forward seen now is a checkpoint recomputation)."""
-    return torch._C._current_graph_task_id() != -1
+# -1 while no backward pass runs: a forward seen during one is a checkpoint recomputation. Bound once, because the
+# forward hook asks on every call.
+graph_task_id = torch._C._current_graph_task_id

@@ -108,6 +108,7 @@ class Doctor:
         self._loss_dtype = None
         self._snapshot = None
         self._live: LiveDiagnosis | None = None
+        self._device = _device_type(model)
         self._halted = False
 
         try:
@@ -247,14 +248,14 @@ class Doctor:
 
     # -- hooks -------------------------------------------------------------------------------------------------
     def _on_root_pre(self, module, args, kwargs):
-        if self._off or not torch.is_grad_enabled() or H.in_backward():
+        if self._off or not torch.is_grad_enabled() or H.graph_task_id() != -1:
             return None
         try:
             now = time.perf_counter()
             if self._t_first is None:
                 self._t_first = now
                 self._flush_pending()
-                dev = _device_type(self.model)
+                dev = self._device = _device_type(self.model)      # once a step: a model may be moved
                 if dev is not None:
                     enabled = torch.is_autocast_enabled(dev)
                     self._autocast = {"device_type": dev, "enabled": enabled,
@@ -278,7 +279,7 @@ class Doctor:
             sid = self._sites.get((path, "act"))
             if sid is None:
                 sid = self._site(path, "act", module, tensors[0])
-            if _graph_task_id() != -1 and sid in self._act_seen:
+            if H.graph_task_id() != -1 and sid in self._act_seen:
                 return None            # checkpoint recomputation: the original forward was already recorded
             self._act_seen.add(sid)
             mode = self._cur_mode
@@ -507,7 +508,7 @@ class Doctor:
             "samples": self._samples or None,
             "lr": [float(g["lr"]) for g in self.optimizer.param_groups] if self.optimizer is not None else None,
             "microbatches": self._micro,
-            "peak_mem": _peak_mem(self.model),
+            "peak_mem": int(torch.cuda.max_memory_allocated()) if self._device == "cuda" else None,
             "level": schema.LEVEL_HIST if store_hist else (schema.LEVEL_FULL if mode == "f" else schema.LEVEL_PEAK),
         }
         packet = StepPacket(step=step, row=row, values=values, bases=bases, entries=entries, loss=pick(loss_off),
@@ -634,7 +635,7 @@ class Doctor:
         self._off = True
         self._handles.remove()
         if getattr(self, "_live", None) is not None:
-            self._live.stop(final_check=False)
+            self._live.stop()
         if self._writer is not None:
             try:
                 self._flush_pending()
@@ -663,9 +664,6 @@ class Doctor:
                 self.close()
         except Exception:
             pass
-
-
-_graph_task_id = torch._C._current_graph_task_id    # -1 outside backward (see hooks.in_backward)
 
 
 def _eager(fn):
@@ -724,12 +722,6 @@ def _device_type(model) -> str | None:
         return p.device.type
     for b in model.buffers():
         return b.device.type
-    return None
-
-
-def _peak_mem(model) -> int | None:
-    if _device_type(model) == "cuda":
-        return int(torch.cuda.max_memory_allocated())
     return None
 
 
