@@ -15,7 +15,7 @@ import pandas as pd
 
 from ampdoctor import formats
 from ampdoctor.cli import describe_precision
-from ampdoctor.trace import TraceError, load
+from ampdoctor.trace import is_trace
 
 from ampdoctor.diagnose import diagnose as _diagnose
 from ampdoctor.replay import replay as _replay
@@ -53,27 +53,6 @@ class Run:
     rank: int | None
 
 
-def _is_trace_file(path: str) -> bool:
-    try:
-        with open(path, "rb") as f:
-            head = f.read(72)
-    except OSError:
-        return False
-    if not head.startswith(b"SQLite format 3\x00"):
-        return False
-    # PRAGMA application_id sits at header offset 68 ("AMPD"); a trace still being written in WAL mode may carry
-    # it only in the -wal file until the first checkpoint, so an id of 0 needs a real open to decide
-    if head[68:72] == b"AMPD":
-        return True
-    if head[68:72] != b"\x00\x00\x00\x00" or not os.path.exists(path + "-wal"):
-        return False
-    try:
-        load(path).close()
-    except TraceError:
-        return False
-    return True
-
-
 def discover_runs(root: str, max_files: int = 2000) -> dict[str, Run]:
     """Trace files at or under ``root`` (a file or a directory), keyed by their path relative to the root.
 
@@ -90,7 +69,7 @@ def discover_runs(root: str, max_files: int = 2000) -> dict[str, Run]:
             if not name.lower().endswith(_TRACE_EXT):
                 continue
             path = os.path.realpath(os.path.join(dirpath, name))
-            if os.path.commonpath([root, path]) != root or not _is_trace_file(path):
+            if os.path.commonpath([root, path]) != root or not is_trace(path):
                 continue
             key = os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/")
             stem = os.path.splitext(key)[0]

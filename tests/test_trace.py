@@ -192,3 +192,15 @@ def test_nan_loss_is_recorded_as_nan_not_as_missing(tmp_path):
     assert rows[1] == ("nan", 1) and rows[2][0] == float("inf") and rows[2][1] == 1
     df = ampdoctor.load(path).steps()
     assert np.isnan(df["loss"][1]) and df["loss"][2] == np.inf and df["nonfinite"].tolist() == [False, True, True]
+
+
+def test_is_trace_tells_traces_from_other_files(tmp_path, good_trace):
+    from ampdoctor.trace import is_trace
+    other = sqlite3.connect(tmp_path / "other.db")
+    other.execute("CREATE TABLE t (x)")
+    other.commit()
+    other.close()
+    (tmp_path / "notes.db").write_text("not a database")
+    assert is_trace(good_trace)
+    assert not is_trace(tmp_path / "other.db") and not is_trace(tmp_path / "notes.db")
+    assert not is_trace(tmp_path / "missing.db")

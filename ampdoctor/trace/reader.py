@@ -247,6 +247,29 @@ def _check_kind(kind: str) -> None:
         raise ValueError(f"Argument kind should be one of {', '.join(schema.KINDS)}, but given {kind!r}")
 
 
+def is_trace(path: str | os.PathLike) -> bool:
+    """Cheap test for directory scans: a SQLite header carrying the trace's application id. A trace still being
+    written in WAL mode may carry the id only in its -wal file until the first checkpoint; then it is opened."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(72)
+    except OSError:
+        return False
+    if not head.startswith(_SQLITE_MAGIC):
+        return False
+    app_id = int.from_bytes(head[68:72], "big")
+    if app_id == schema.APPLICATION_ID:
+        return True
+    if app_id != 0 or not os.path.exists(path + "-wal"):
+        return False
+    try:
+        load(path).close()
+    except TraceError:
+        return False
+    return True
+
+
 def load(path: str | os.PathLike) -> Trace:
     """Open a trace read-only; raises TraceError with one line on a missing, empty, corrupt or foreign file."""
     return Trace(path)
