@@ -28,6 +28,7 @@ log = logging.getLogger("ampdoctor")
 DEFAULT_EVERY = 100
 DEFAULT_HIST_EVERY = 200    # histograms stored every 200th step: 500 sites x 10k steps stay well under 100 MB
 DEFAULT_WEIGHT_EVERY = 200  # weights and updates change slowly, and an update needs a copy of the weights
+SMALL_GRAD = 4096           # parameter gradients up to this size are stacked by size and reduced together
 
 
 def _rank() -> int:
@@ -97,6 +98,8 @@ class Doctor:
                        for n, _ in mod.named_parameters(recurse=False)}
         self._step = 0
         self._force_full = False
+        self._bufs: dict = {}
+        self._grad_plan: _GradPlan | None = None
         self._reset_step()
         self._pending: StepPacket | None = None
         self._prev_entries: list = []
@@ -166,9 +169,10 @@ class Doctor:
     # -- per-step buffer ---------------------------------------------------------------------------------------
     def _reset_step(self) -> None:
         # Blocks concatenated at the step end into the step's one host transfer (see _to_host):
-        #   peaks: 0-d min/max tensors as torch.aminmax returns them, one group per dtype (stacking one dtype is
-        #   3x faster than stacking mixed ones); fulls: FULL_LEN float64 vectors; extras: float64 step figures.
-        self._peaks: dict[torch.dtype, list[torch.Tensor]] = {}
+        #   peaks: [min, max] pairs written in place into one reused buffer per (dtype, device) (_PeakBuffer);
+        #   fulls: FULL_LEN float64 vectors; extras: float64 step figures.
+        for buf in self._bufs.values():
+            buf.n = 0
         self._fulls: list[torch.Tensor] = []
         self._full_len = 0
         self._extras: list[torch.Tensor] = []
@@ -198,17 +202,21 @@ class Doctor:
         self._extras.append(t.reshape(()).to(torch.float64))
         return len(self._extras) - 1
 
+    def _buffer(self, t: torch.Tensor) -> _PeakBuffer:
+        buf = self._bufs.get(t.dtype)
+        if buf is None or buf.device != t.device:
+            key = t.dtype if buf is None else (t.dtype, t.device)      # a second device: its own buffer
+            buf = self._bufs.get(key)
+            if buf is None:
+                buf = self._bufs[key] = _PeakBuffer(t, "p" + _dtype_name(t.dtype) +
+                                                    ("" if key is t.dtype else f"@{t.device}"))
+        return buf
+
     def _peak(self, t: torch.Tensor) -> tuple[int, str]:
-        """Queue [min, max] of t; its position is (offset, mode) where the mode names the dtype group."""
+        """Queue [min, max] of t; its position is (offset, mode) where the mode names the peak buffer."""
         t = t.detach()
-        if not t.numel():
-            t = t.new_zeros(1)
-        group = self._peaks.get(t.dtype)
-        if group is None:
-            group = self._peaks[t.dtype] = []
-        off = len(group)
-        group.extend(torch.aminmax(t))
-        return off, _peak_mode(t.dtype)
+        buf = self._buffer(t)
+        return buf.add(t if t.numel() else t.new_zeros(1)), buf.mode
 
     def _observe(self, t: torch.Tensor, want: str) -> tuple[int, str, int]:
         """Statistics of one tensor for this step ("p": peak, "f": full), computed once per tensor (a module's
@@ -467,17 +475,8 @@ class Doctor:
         store_hist = mode == "f" and (step % self.hist_every == 0 or self._force_full)
         entries = self._entries
 
-        grads = []
-        for name, p in self._params:
-            g = p.grad
-            if g is None:
-                continue
-            grads.append(g)
-            sid = self._site(name, "param_grad", self._owner.get(name), g)
-            # grads are distinct tensors: no need for the de-duplicating _observe
-            off, m = (self._add_full(K.full(g)), "f") if mode == "f" else self._peak(g)
-            entries.append(Entry(sid, "param", [(off, m, g.numel())]))
-        norm_off = self._add_extra(_global_norm(grads)) if grads else None
+        squares = self._observe_param_grads(mode, entries)
+        norm_off = self._add_extra(_global_norm(squares)) if squares else None
         if step % self.weight_every == 0:
             for name, p in self._params:
                 sid = self._site(name, "weight", self._owner.get(name), p)
@@ -490,7 +489,7 @@ class Doctor:
         scales = [self._scale_before, self._read_scale()] if scaler_on else [None, None]
         scale_offs = [self._add_extra(v) if isinstance(v, torch.Tensor) else v for v in scales]
 
-        values, bases = self._to_host()                 # the step's one host transfer
+        values, bases, bad = self._to_host()            # the step's one host transfer
         extra_base = bases["x"]
         if entries == self._prev_entries:               # same control flow as the last step: one shared Layout
             entries = self._prev_entries
@@ -514,7 +513,7 @@ class Doctor:
         packet = StepPacket(step=step, row=row, values=values, bases=bases, entries=entries, loss=pick(loss_off),
                             scale=scale_vals[0], scale_next=scale_vals[1], grad_norm=pick(norm_off),
                             skipped=skipped, store_hist=store_hist)
-        anomalous = bool(skipped) or values[-1] > 0 or (packet.loss is not None and not math.isfinite(packet.loss))
+        anomalous = bool(skipped) or bad or (packet.loss is not None and not math.isfinite(packet.loss))
         if anomalous or (bad_w_off is not None and pick(bad_w_off)):
             self._check_weights(step)
         if not self._config_written:
@@ -528,6 +527,33 @@ class Doctor:
         self._step += 1
         self._reset_step()
         self._t_prev_end = time.perf_counter()
+
+    def _observe_param_grads(self, mode: str, entries: list) -> list[torch.Tensor]:
+        """Peaks (or full statistics) of every parameter gradient, in parameter order; returns their sums of
+        squares for the global norm."""
+        if mode != "f":
+            present = tuple(p.grad is not None for _, p in self._params)
+            plan = self._grad_plan
+            if plan is None or plan.key != present:
+                plan = self._grad_plan = _GradPlan(self, present)
+            try:
+                squares = plan.run()
+            except RuntimeError:         # parameters moved to another device or dtype since the plan was made
+                plan = self._grad_plan = _GradPlan(self, present)
+                squares = plan.run()
+            entries.extend(plan.entries)
+            return squares
+        squares = []
+        for name, p in self._params:
+            g = p.grad
+            if g is None:
+                continue
+            g = g.detach()
+            vec = K.full(g)
+            sid = self._site(name, "param_grad", self._owner.get(name), g)
+            entries.append(Entry(sid, "param", [(self._add_full(vec), "f", g.numel())]))
+            squares.append(vec[3].square())                # the l2 norm is part of the full vector
+        return squares
 
     def _check_weights(self, step: int) -> None:
         """On an anomalous step only: are the weights themselves non-finite after the optimizer step? Then a later
@@ -544,31 +570,33 @@ class Doctor:
                            f"{len(bad)} parameter tensor(s) hold NaN/Inf after the optimizer step",
                            {"params": bad[:100], "count": len(bad)}))
 
-    def _to_host(self) -> tuple[np.ndarray, dict]:
-        """Everything the step computed, in one transfer: [peaks per dtype | full vectors | extras | n_bad] as
-        float64, n_bad counting the non-finite values seen (computed on the device: no host pass over them)."""
-        parts, bad, bases, n = [], [], {}, 0
-        for dtype, group in self._peaks.items():
-            bases[_peak_mode(dtype)] = n
-            pk = torch.stack(group).to(torch.float64)
-            parts.append(pk)
-            bad.append((~torch.isfinite(pk)).sum())
-            n += len(group)
+    def _to_host(self) -> tuple[np.ndarray, dict, bool]:
+        """Everything the step computed, in one transfer: [peaks per buffer | full vectors | extras] as float64.
+        Also says whether any observed value was NaN/Inf (a NaN min/max, or a full vector's NaN/Inf count)."""
+        parts, bases, n = [], {}, 0
+        plan = self._grad_plan
+        for buf in [*self._bufs.values(), *(plan.buffers if plan is not None and self._cur_mode != "f" else ())]:
+            if buf.n:
+                bases[buf.mode] = n
+                parts.append(buf.buf[:buf.n].to(torch.float64))
+                n += buf.n
         bases["f"] = n
         if self._fulls:
-            fl = torch.cat(self._fulls)
-            parts.append(fl)
-            bad.append(fl.view(-1, K.FULL_LEN)[:, K.HEAD + K.KEY_INF:].sum())
+            parts.append(torch.cat(self._fulls))
         bases["x"] = n + self._full_len
         if self._extras:
             parts.append(torch.stack(self._extras))
         if not parts:
-            return np.zeros(1), bases
+            return np.zeros(0), bases, False
         if len({t.device for t in parts}) == 1:
-            parts.append(torch.stack(bad).sum().to(torch.float64).reshape(1) if bad else parts[0].new_zeros(1))
-            return torch.cat(parts).cpu().numpy(), bases
-        out = [t.cpu().numpy() for t in parts]
-        return np.concatenate(out + [np.array([sum(float(b) for b in bad)])]), bases
+            values = torch.cat(parts).cpu().numpy()         # cat copies: the peak buffers are reused next step
+        else:
+            values = np.concatenate([t.cpu().numpy() for t in parts])
+        bad = not np.isfinite(values[:n]).all()
+        if self._fulls:
+            fulls = values[n:bases["x"]].reshape(-1, K.FULL_LEN)
+            bad = bad or bool(fulls[:, K.HEAD + K.KEY_INF:].any())
+        return values, bases, bad
 
     # -- metadata --------------------------------------------------------------------------------------------------
     def _run_meta(self) -> dict:
@@ -684,14 +712,39 @@ def _eager(fn):
     return hook
 
 
-_PEAK_MODES: dict = {}
+class _PeakBuffer:
+    """[min, max] pairs of the tensors of one dtype and device, written in place by ``aminmax(out=...)`` into one
+    buffer that lives as long as the Doctor: no allocation per tensor and no stack at the step end. ``n`` counts
+    the values written this step."""
 
+    def __init__(self, like: torch.Tensor, mode: str, capacity: int = 256):
+        self.mode = mode
+        self.device = like.device
+        self.buf = torch.empty(capacity, dtype=like.dtype, device=like.device)
+        self.slots = self.buf.unbind()           # 0-d views, made once: indexing per call would cost more
+        self.n = 0
 
-def _peak_mode(dtype) -> str:
-    mode = _PEAK_MODES.get(dtype)
-    if mode is None:
-        mode = _PEAK_MODES[dtype] = "p" + _dtype_name(dtype)
-    return mode
+    def _reserve(self, k: int) -> int:
+        n = self.n
+        if n + k > len(self.slots):
+            grown = torch.empty(max(2 * len(self.slots), n + k), dtype=self.buf.dtype, device=self.device)
+            grown[:n].copy_(self.buf[:n])
+            self.buf, self.slots = grown, grown.unbind()
+        self.n = n + k
+        return n
+
+    def add(self, t: torch.Tensor) -> int:
+        """[min, max] of a detached, non-empty tensor; returns its offset."""
+        n = self._reserve(2)
+        torch.aminmax(t, out=(self.slots[n], self.slots[n + 1]))
+        return n
+
+    def add_rows(self, rows: torch.Tensor) -> int:
+        """[min, max] of every row of a 2-D tensor (tensors of one size stacked: one call for all of them)."""
+        m = rows.shape[0]
+        n = self._reserve(2 * m)
+        torch.aminmax(rows, dim=1, out=(self.buf[n:n + 2 * m:2], self.buf[n + 1:n + 2 * m:2]))
+        return n
 
 
 def _count_nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -700,14 +753,83 @@ def _count_nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
     return (~torch.isfinite(norms)).sum()
 
 
-def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """L2 norm over all gradients, accumulated in float32, one fused call per device."""
-    by_dev: dict = {}
-    for g in grads:
-        by_dev.setdefault(g.device, []).append(g.detach())
-    first = next(iter(by_dev))
-    parts = [torch.stack(torch._foreach_norm(gs, 2, dtype=torch.float32)).to(first) for gs in by_dev.values()]
-    return torch.linalg.vector_norm(torch.cat(parts))
+class _GradPlan:
+    """How the parameter gradients of a peaks step are reduced, built again only when the set of parameters with
+    a gradient changes (a gradient has its parameter's dtype, device and shape). Each gradient gets fixed [min, max]
+    slots in buffers of its own, so the step's entries for them are the same list every step. Small gradients of
+    one size (biases, norm weights) are stacked and reduced together: on the CPU a reduction over 512 values costs
+    its call overhead, not its arithmetic."""
+
+    def __init__(self, doctor: Doctor, present: tuple[bool, ...]):
+        self.key = present
+        params = [(name, p) for (name, p), has in zip(doctor._params, present) if has]
+        by_size: dict[tuple, list] = {}
+        for name, p in params:
+            if 0 < p.numel() <= SMALL_GRAD:
+                by_size.setdefault((p.dtype, p.device, p.numel()), []).append(p)
+        grouped = {id(p) for g in by_size.values() if len(g) > 1 for p in g}
+        slots: dict[tuple, int] = {}
+        for name, p in params:
+            slots[(p.dtype, p.device)] = slots.get((p.dtype, p.device), 0) + 2
+        bufs = {}
+        for dtype, device in slots:
+            buf = bufs[(dtype, device)] = _PeakBuffer(torch.empty(0, dtype=dtype, device=device),
+                                                       f"g{_dtype_name(dtype)}@{device}", slots[(dtype, device)])
+            buf.buf.zero_()                          # empty gradients keep [0, 0]
+            buf.n = 0
+        where: dict[int, int] = {}
+        self.groups = []
+        for (dtype, device, n), group in by_size.items():
+            if len(group) < 2:
+                continue
+            buf = bufs[(dtype, device)]
+            base = buf._reserve(2 * len(group))
+            self.groups.append(([p for p in group], buf.buf[base:base + 2 * len(group):2],
+                                buf.buf[base + 1:base + 2 * len(group):2]))
+            for k, p in enumerate(group):
+                where[id(p)] = base + 2 * k
+        self.big = []
+        for name, p in params:
+            if id(p) in grouped:
+                continue
+            buf = bufs[(p.dtype, p.device)]
+            off = where[id(p)] = buf._reserve(2)
+            if p.numel():
+                self.big.append((p, buf.slots[off], buf.slots[off + 1]))
+        self.buffers = list(bufs.values())
+        self.entries = []
+        for name, p in params:
+            sid = doctor._site(name, "param_grad", doctor._owner.get(name), p.grad)
+            self.entries.append(Entry(sid, "param", [(where[id(p)], bufs[(p.dtype, p.device)].mode, p.numel())]))
+
+    def run(self) -> list[torch.Tensor]:
+        """Write this step's [min, max] of every gradient into the slots; returns the sums of squares."""
+        squares = []
+        with torch.no_grad():                        # out= refuses inputs that require grad (create_graph=True)
+            for p, lo, hi in self.big:
+                g = p.grad
+                torch.aminmax(g, out=(lo, hi))
+                squares.append(_sum_squares(g))
+            for group, lo, hi in self.groups:
+                rows = torch.stack([p.grad.reshape(-1) for p in group])
+                torch.amin(rows, dim=1, out=lo)      # two single-purpose reductions beat aminmax(dim=1) 3x
+                torch.amax(rows, dim=1, out=hi)
+                squares.append(_sum_squares(rows))
+        return squares
+
+
+def _sum_squares(g: torch.Tensor) -> torch.Tensor:
+    """Sum of squares of a gradient, accumulated in at least float32 (a dot product: half the time of a norm)."""
+    if g.dtype in (torch.float32, torch.float64):
+        v = g.reshape(-1)
+        return torch.dot(v, v)
+    return torch.linalg.vector_norm(g, dtype=torch.float32).square()
+
+
+def _global_norm(squares: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm over all gradients from their sums of squares."""
+    dev = squares[0].device
+    return torch.stack([q.to(dev, torch.float64) for q in squares]).sum().sqrt()
 
 
 def _sum_losses(losses: list) -> torch.Tensor:

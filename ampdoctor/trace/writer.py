@@ -9,7 +9,7 @@ import json
 import logging
 import math
 import os
-import queue
+from collections import deque
 import sqlite3
 import threading
 import time
@@ -25,6 +25,7 @@ from ..collect import stats as kernels
 log = logging.getLogger("ampdoctor")
 
 COMMIT_EVERY_S = 0.5        # the trace promises a commit at least once a second; half that leaves slack
+WAKE_S = 0.2                # the writer drains its queue this often: no thread switch per training step
 QUEUE_MAX = 256             # packets; a writer this far behind slows training down instead of eating memory
 
 
@@ -107,7 +108,8 @@ class Writer(threading.Thread):
     def __init__(self, path: str):
         super().__init__(name="ampdoctor-writer", daemon=True)
         self.path = path
-        self.queue: queue.Queue = queue.Queue(maxsize=QUEUE_MAX)
+        self._items: deque = deque()
+        self._wake = threading.Event()
         self.error: BaseException | None = None
         self.n_sites = 0
         self.steps_written = 0
@@ -138,14 +140,22 @@ class Writer(threading.Thread):
 
     # -- training-thread side ----------------------------------------------------------------------------------
     def put(self, item) -> None:
-        self.queue.put(item, timeout=30)
+        """Enqueue (a deque append: no lock, no wake-up). Waits only while the writer is QUEUE_MAX items behind,
+        and drops items once the writer has failed (the Doctor then stops collecting)."""
+        items = self._items
+        if self.error is not None:
+            return
+        items.append(item)
+        if len(items) > QUEUE_MAX and self.is_alive():
+            self._wake.set()
+            deadline = time.monotonic() + 30
+            while len(items) > QUEUE_MAX and self.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.002)
 
     def close(self, timeout: float = 30.0) -> None:
         if self.is_alive():
-            try:
-                self.queue.put(("close",), timeout=timeout)
-            except queue.Full:
-                pass
+            self._items.append(("close",))
+            self._wake.set()
             self.join(timeout)
         elif self._conn is not None and not self._started.is_set():
             self._conn.close()
@@ -154,21 +164,22 @@ class Writer(threading.Thread):
     # -- writer thread -------------------------------------------------------------------------------------------
     def run(self) -> None:
         conn = self._conn
-        last_commit = time.monotonic()
-        dirty = False
+        items = self._items
+        last_commit = -math.inf                      # the first drain commits at once: a new trace is readable soon
+        dirty = closing = False
         try:
             conn.execute("BEGIN")
-            while True:
-                try:
-                    item = self.queue.get(timeout=COMMIT_EVERY_S / 2)
-                except queue.Empty:
-                    item = None
-                if item is not None:
+            while not closing:
+                self._wake.wait(WAKE_S)
+                self._wake.clear()
+                while items:
+                    item = items.popleft()
                     if item[0] == "close":
+                        closing = True
                         break
                     self._handle(conn, item)
                     dirty = True
-                if dirty and (item is None or time.monotonic() - last_commit >= COMMIT_EVERY_S):
+                if dirty and (closing or time.monotonic() - last_commit >= COMMIT_EVERY_S):
                     conn.execute("COMMIT")
                     conn.execute("BEGIN")
                     last_commit = time.monotonic()
@@ -176,11 +187,11 @@ class Writer(threading.Thread):
             conn.execute("COMMIT")
         except BaseException as exc:  # a full disk, a removed directory: report, never raise into training
             self.error = exc
+            items.clear()
             try:
                 conn.execute("ROLLBACK")
             except sqlite3.Error:
                 pass
-            self._drain()
         finally:
             try:
                 conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
@@ -188,16 +199,6 @@ class Writer(threading.Thread):
                 pass
             conn.close()
             self._conn = None
-
-    def _drain(self) -> None:
-        """Keep taking packets so that a producer never blocks on a dead writer."""
-        while True:
-            try:
-                item = self.queue.get(timeout=1.0)
-            except queue.Empty:
-                continue
-            if item[0] == "close":
-                return
 
     def _handle(self, conn: sqlite3.Connection, item: tuple) -> None:
         tag = item[0]
@@ -217,8 +218,6 @@ class Writer(threading.Thread):
             step, kind, site, phase, message, data = item[1:]
             conn.execute("INSERT INTO events (step, kind, site, phase, message, data) VALUES (?, ?, ?, ?, ?, ?)",
                          (step, kind, site, phase, message, json.dumps(data) if data is not None else None))
-        elif tag == "call":          # run a callable on the writer thread (used by live diagnosis)
-            item[1](conn)
         else:
             raise ValueError(f"unknown packet {tag!r}")
 
