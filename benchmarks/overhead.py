@@ -99,6 +99,32 @@ def setup_naive_item(r):
     return None
 
 
+def setup_floor(r):
+    """The least that "abs max of every activation and output gradient, every parameter gradient and the gradient
+    norm, every step" costs with Python hooks on this machine: a forward hook and a tensor hook per module doing one
+    aminmax each, one aminmax per parameter gradient and a fused norm at the step. Nothing kept, no trace: the work
+    the every-step figures need, without any bookkeeping."""
+    def on_grad(g):
+        torch.aminmax(g)
+
+    def fwd(mod, args, out):
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            torch.aminmax(out.detach())
+            out.register_hook(on_grad)
+    for name, m in r.model.named_modules():
+        if name:                # the root's output is its last child's: ampdoctor reduces it once too
+            m.register_forward_hook(fwd)
+    params = list(r.model.parameters())
+
+    def at_step(loss):
+        grads = [p.grad for p in params]
+        for g in grads:
+            torch.aminmax(g)
+        torch._foreach_norm(grads)
+    r.step_hook = at_step
+    return None
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rounds", type=int, default=30)
@@ -110,6 +136,7 @@ def main():
     variants = [("bare", None),
                 ("ampdoctor defaults", setup_ampdoctor()),
                 ("ampdoctor full stats + histograms every step", setup_ampdoctor(every=1, hist_every=1)),
+                ("floor: hooks + one aminmax per tensor + grad norm", setup_floor),
                 ("naive per-layer .item() hooks", setup_naive_item)]
     if args.peers:
         variants += [("transformers DebugUnderflowOverflow", setup_debug_underflow),

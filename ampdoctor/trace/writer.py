@@ -52,6 +52,7 @@ class Layout:
         tensor_site = np.array([e.site for e in entries], dtype=np.int64)[self.owner] if n else np.zeros(0, np.int64)
         self.order = np.argsort(tensor_site, kind="stable")
         self.sites, self.starts = np.unique(tensor_site[self.order], return_index=True)
+        self.full_plan = _FullPlan(entries, bases) if self.any_full else None
 
     def peaks(self, values: np.ndarray) -> np.ndarray:
         """max |x| per tensor: NaN if it held a NaN, else Inf if an Inf."""
@@ -69,6 +70,32 @@ class Layout:
     def site_peaks(self, peaks: np.ndarray) -> np.ndarray:
         """Worst peak per site (over calls and tensors); NaN wins through np.maximum."""
         return np.maximum.reduceat(peaks[self.order], self.starts) if len(peaks) else np.zeros(0)
+
+
+class _FullPlan:
+    """Where the full statistics of a step's sites are: the sites every observation of which had them (a site
+    with one peaks-only call would get partial numbers), their full vectors' offsets grouped by site, and what
+    each site's row needs besides (total numel, calls, whether it is a backward site, stored with the scale)."""
+
+    def __init__(self, entries: list[Entry], bases: dict):
+        per_site: dict[int, list] = {}
+        for e in entries:
+            d = per_site.setdefault(e.site, [[], [], 0, e.phase, True])    # offsets, numels, calls, phase, all full
+            d[2] += 1
+            d[3] = e.phase
+            for o, m, n in e.values:
+                if m == "f":
+                    d[0].append(o + bases["f"])
+                    d[1].append(n)
+                else:
+                    d[4] = False
+        keep = [(site, d) for site, d in per_site.items() if d[4] and d[0]]
+        self.sites = np.array([site for site, _ in keep], dtype=np.int64)
+        self.offs = np.array([o for _, d in keep for o in d[0]], dtype=np.int64)
+        self.starts = np.cumsum([0] + [len(d[0]) for _, d in keep[:-1]]).astype(np.int64)
+        self.numel = np.array([sum(d[1]) for _, d in keep], dtype=np.float64)
+        self.calls = [d[2] for _, d in keep]
+        self.bwd = np.array([d[3] == "bwd" for _, d in keep], dtype=bool)
 
 
 @dataclass
@@ -242,8 +269,8 @@ class Writer(threading.Thread):
         conn.execute("INSERT INTO peaks (step, data) VALUES (?, ?)", (p.step, blob.tobytes()))
 
         # 2. full statistics, where every call of a site had them
-        if layout.any_full:
-            self._write_full(conn, p, values, p.bases)
+        if layout.full_plan is not None:
+            self._write_full(conn, p, values, layout.full_plan)
 
         # 3. skipped steps and non-finite values
         skipped = p.skipped
@@ -290,40 +317,29 @@ class Writer(threading.Thread):
             parts.append(f"worst FP16 headroom {worst[0]} ({worst[1]}): {room}")
         return " | ".join(parts)
 
-    def _write_full(self, conn: sqlite3.Connection, p: StepPacket, values: np.ndarray, bases: dict) -> None:
-        fulls: dict[int, list | None] = {}
-        calls: dict[int, int] = {}
-        phase_of: dict[int, str] = {}
-        for e in p.entries:
-            calls[e.site] = calls.get(e.site, 0) + 1
-            phase_of[e.site] = e.phase
-            if all(m == "f" for _, m, _ in e.values) and fulls.get(e.site, []) is not None:
-                fulls.setdefault(e.site, []).extend(
-                    (values[o + bases["f"]:o + bases["f"] + kernels.FULL_LEN], n) for o, _, n in e.values)
-            else:
-                fulls[e.site] = None        # a peak-only call: the site's full statistics would be partial
+    def _write_full(self, conn: sqlite3.Connection, p: StepPacket, values: np.ndarray, plan: _FullPlan) -> None:
+        """One stats row (and a histogram when due) per site with full statistics, derived for all sites at once."""
+        if not len(plan.sites):
+            return
+        mat = kernels.merge_rows(values[plan.offs[:, None] + np.arange(kernels.FULL_LEN)], plan.starts)
+        st, bins = kernels.derive_many(mat, plan.numel)
         scale = p.scale if p.scale is not None else 1.0
-        stat_rows, hist_rows = [], []
-        for s, parts in fulls.items():
-            if not parts:
-                continue
-            vec = kernels.merge([v for v, _ in parts])
-            st, bins = kernels.derive(vec, sum(k for _, k in parts))
-            site_scale = scale if phase_of[s] == "bwd" else 1.0
-            # NaN marks a count the histogram cannot resolve (bf16 edge cases): stored as NULL, "unknown"
-            stat_rows.append((p.step, s, site_scale, calls[s],
-                              *[None if f.startswith("bf16") and math.isnan(st[f]) else st[f]
-                                for f in schema.STATS_FIELDS]))
-            if p.store_hist:
-                nz = np.flatnonzero(bins)
-                if nz.size:
-                    lo, hi = int(nz[0]), int(nz[-1])
-                    hist_rows.append((p.step, s, lo + kernels.MIN_EXP, bins[lo:hi + 1].astype("<i8").tobytes()))
-        if stat_rows:
-            conn.executemany(f"INSERT INTO stats VALUES ({','.join('?' * (4 + len(schema.STATS_FIELDS)))})",
-                             stat_rows)
-        if hist_rows:
-            conn.executemany("INSERT INTO hists VALUES (?, ?, ?, ?)", hist_rows)
+        cols = [st[f].tolist() for f in schema.STATS_FIELDS]
+        for i, f in enumerate(schema.STATS_FIELDS):
+            if f.startswith("bf16"):      # NaN: a count the histogram cannot resolve, stored as NULL ("unknown")
+                cols[i] = [None if v != v else v for v in cols[i]]
+        scales = np.where(plan.bwd, scale, 1.0).tolist()
+        conn.executemany(f"INSERT INTO stats VALUES ({','.join('?' * (4 + len(schema.STATS_FIELDS)))})",
+                         zip([p.step] * len(plan.sites), plan.sites.tolist(), scales, plan.calls, *cols))
+        if p.store_hist:
+            occupied = bins > 0
+            any_ = occupied.any(axis=1)
+            lo = occupied.argmax(axis=1)
+            hi = bins.shape[1] - 1 - occupied[:, ::-1].argmax(axis=1)
+            counts = bins.astype("<i8")
+            conn.executemany("INSERT INTO hists VALUES (?, ?, ?, ?)", [
+                (p.step, site, int(lo[i]) + kernels.MIN_EXP, counts[i, lo[i]:hi[i] + 1].tobytes())
+                for i, site in enumerate(plan.sites.tolist()) if any_[i]])
 
     def _locate(self, conn: sqlite3.Connection, p: StepPacket, values: np.ndarray, peaks: np.ndarray,
                 owner: np.ndarray) -> None:
