@@ -133,7 +133,9 @@ def loss_scale_collapse(run, *, collapse_scale=COLLAPSE_SCALE, halvings=COLLAPSE
     peak_scale = float(np.nanmax(cur[after:])) if len(post) else float("nan")
     end = float(nxt[-1])
     collapsed = lowest <= collapse_scale
-    sliding = share > max_skip_share and end <= peak_scale / 2.0 ** halvings
+    # Until one step has gone through, the scaler is still calibrating (a high init_scale halves for a dozen
+    # steps): a trace read live during those steps is init-scale-too-high's case, not a collapse.
+    sliding = len(clean) > 0 and share > max_skip_share and end <= peak_scale / 2.0 ** halvings
     if not (collapsed or sliding):
         return None
     bad = st.loc[skipped, "step"].astype(int).tolist()

@@ -241,3 +241,12 @@ def test_loss_scale_collapse_silent_for_a_low_start_that_backs_off_later(tmp_pat
     assert st["skipped"].any() and st["loss_scale"].iloc[0] == 1.0
     assert st.loc[st["skipped"], "loss_scale_next"].min() > 1.0
     assert "loss-scale-collapse" not in [f.rule for f in ampdoctor.diagnose(path)]
+
+
+def test_calibrating_scaler_read_live_is_not_a_collapse(trace_path):
+    """A trace read while a 2^30 init_scale is still backing off (every step so far skipped, as a live check or
+    `serve` sees it in the first seconds) is not a loss-scale collapse."""
+    F.fit(F.mlp(), F.regression(6), 6, trace_path, init_scale=2.0 ** 30)
+    st = ampdoctor.load(trace_path).steps()
+    assert st["skipped"].all() and st["loss_scale_next"].min() > 1.0
+    assert "loss-scale-collapse" not in F.diagnose(trace_path)[0]
