@@ -5,6 +5,8 @@ Every variant trains its own copy of the model; rounds interleave the variants (
 of every variant in turn), so machine noise hits all of them alike. Printed per variant: the mean step time over
 all rounds (periodic costs such as ampdoctor's full-statistics steps included) and its ratio to the bare model,
 plus the median of the per-round ratios as a noise check.
+Two floors frame the figures: the work the every-step figures need with no bookkeeping at all (hooks, one aminmax
+per tensor, the gradient norm) and the histogram alone that full statistics derive their counts from.
 Run: .venv/bin/python benchmarks/overhead.py [--rounds N] [--steps N] [--peers]
 """
 from __future__ import annotations
@@ -125,6 +127,30 @@ def setup_floor(r):
     return None
 
 
+def setup_hist_floor(r):
+    """The least that full statistics every step cost here: the floor's hooks with, per tensor, only the exponent
+    histogram that every count is derived from (two integer ops and torch.bincount, a serial loop) - no extremes, no
+    sums, nothing kept."""
+    def hist(t):
+        key = (t.detach().float().reshape(-1).view(torch.int32) & 0x7FFFFFFF) >> 22
+        torch.bincount(key, minlength=512)
+
+    def fwd(mod, args, out):
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            hist(out)
+            out.register_hook(hist)
+    for name, m in r.model.named_modules():
+        if name:
+            m.register_forward_hook(fwd)
+    params = list(r.model.parameters())
+
+    def at_step(loss):
+        for p in params:
+            hist(p.grad)
+    r.step_hook = at_step
+    return None
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rounds", type=int, default=30)
@@ -137,6 +163,7 @@ def main():
                 ("ampdoctor defaults", setup_ampdoctor()),
                 ("ampdoctor full stats + histograms every step", setup_ampdoctor(every=1, hist_every=1)),
                 ("floor: hooks + one aminmax per tensor + grad norm", setup_floor),
+                ("histogram floor: hooks + one bincount per tensor", setup_hist_floor),
                 ("naive per-layer .item() hooks", setup_naive_item)]
     if args.peers:
         variants += [("transformers DebugUnderflowOverflow", setup_debug_underflow),

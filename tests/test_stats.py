@@ -36,11 +36,13 @@ def planted(dtype, n=4096, seed=0):
     return x.to(dtype)
 
 
+# _full_device is what runs on an accelerator (no host reads); its ops run on the CPU as well, so both are checked.
+@pytest.mark.parametrize("kernel", [K._full_cpu, K._full_device])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_full_statistics_match_reference(dtype):
+def test_full_statistics_match_reference(dtype, kernel):
     x = planted(dtype)
     ref = reference(x.float().numpy())
-    vec = K.full(x).numpy()
+    vec = kernel(x).numpy()
     st, bins = K.derive(vec, x.numel())
     for f in ("numel", "nan", "inf", "zeros", "fp16_over", "fp16_sub", "fp16_flush", "bf16_sub"):
         assert st[f] == ref[f], f
@@ -92,3 +94,12 @@ def test_format_table():
     assert torch.finfo(torch.bfloat16).max == formats.BF16.max
     with pytest.raises(ValueError, match="Unknown numeric format"):
         formats.get("fp12")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_of_huge_values_is_finite(dtype):
+    """BF16 and FP32 hold values whose squares overflow a float32 sum: the rms must still be right."""
+    x = torch.full((1000,), 3e30).to(dtype)
+    x[::2] *= -1
+    st, _ = K.derive(K.full(x).numpy(), x.numel())
+    assert st["rms"] == pytest.approx(abs(x[0].item()), rel=1e-6) and st["mean"] == 0.0
