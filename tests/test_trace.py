@@ -204,3 +204,26 @@ def test_is_trace_tells_traces_from_other_files(tmp_path, good_trace):
     assert is_trace(good_trace)
     assert not is_trace(tmp_path / "other.db") and not is_trace(tmp_path / "notes.db")
     assert not is_trace(tmp_path / "missing.db")
+
+
+def test_flush_makes_finished_steps_readable_while_training_goes_on(tmp_path):
+    """flush(): every step before the current one is committed and readable from another connection (here before
+    the writer's own once-a-second commit would come); the last finished step follows at the next step."""
+    import torch
+    from runs import batches, mlp
+    path = str(tmp_path / "flushed.db")
+    model = mlp(width=32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ampdoctor.attach(model, optimizer=opt, trace=path, live=False) as doc:
+        for i, (x, y) in enumerate(batches(12)):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            doc.log_loss(loss)            # after opt.step(): the reason the last step waits for the next one
+            if i in (3, 9):
+                assert doc.flush(timeout=10)
+                steps = ampdoctor.load(path).steps()
+                assert steps["step"].tolist() == list(range(i)) and steps["loss"].notna().all()
+    assert len(ampdoctor.load(path).steps()) == 12
+    assert not doc.flush()                # closed: nothing to wait for

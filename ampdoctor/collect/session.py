@@ -655,6 +655,14 @@ class Doctor:
                           "training continues", RuntimeWarning, stacklevel=3)
         self._handles.remove()
 
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until the trace holds every step before the current one (the last finished step is written when the
+        next one starts or at close(), so that a loss logged after ``optimizer.step()`` still joins it), committed
+        and readable by other processes. False if that did not happen within ``timeout`` seconds."""
+        if self._writer is None or self._closed:
+            return False
+        return self._writer.sync(timeout)
+
     def close(self) -> None:
         """Remove every hook, restore every wrapped method, flush and close the trace. Idempotent."""
         if self._closed:

@@ -179,6 +179,19 @@ class Writer(threading.Thread):
             while len(items) > QUEUE_MAX and self.is_alive() and time.monotonic() < deadline:
                 time.sleep(0.002)
 
+    def sync(self, timeout: float = 30.0) -> bool:
+        """Wait until everything enqueued so far is written and committed; False on timeout or a failed writer."""
+        if not self.is_alive():
+            return False
+        done = threading.Event()
+        self._items.append(("sync", done))
+        self._wake.set()
+        while not done.wait(0.05):
+            timeout -= 0.05
+            if timeout <= 0 or not self.is_alive():
+                return False
+        return self.error is None
+
     def close(self, timeout: float = 30.0) -> None:
         if self.is_alive():
             self._items.append(("close",))
@@ -199,18 +212,24 @@ class Writer(threading.Thread):
             while not closing:
                 self._wake.wait(WAKE_S)
                 self._wake.clear()
+                synced = []
                 while items:
                     item = items.popleft()
                     if item[0] == "close":
                         closing = True
                         break
+                    if item[0] == "sync":
+                        synced.append(item[1])
+                        continue
                     self._handle(conn, item)
                     dirty = True
-                if dirty and (closing or time.monotonic() - last_commit >= COMMIT_EVERY_S):
+                if dirty and (closing or synced or time.monotonic() - last_commit >= COMMIT_EVERY_S):
                     conn.execute("COMMIT")
                     conn.execute("BEGIN")
                     last_commit = time.monotonic()
                     dirty = False
+                for done in synced:
+                    done.set()
             conn.execute("COMMIT")
         except BaseException as exc:  # a full disk, a removed directory: report, never raise into training
             self.error = exc
