@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -175,8 +176,8 @@ def setup_hist_floor(r):
 
 
 def measure(variants, rounds, steps):
-    """Interleaved rounds (every variant sees the same machine noise); returns rows (name, mean step, ratio, median
-    of per-round ratios), the first variant being the baseline."""
+    """Interleaved rounds in shuffled order (every variant sees the same machine noise); returns rows (name, mean
+    step, ratio, median of per-round ratios), the first variant being the baseline."""
     runners = []
     for name, setup in variants:
         try:
@@ -191,9 +192,11 @@ def measure(variants, rounds, steps):
             r.block(3)
         cpu0 = {r.name: r.background_cpu() for r in runners}
         samples = {r.name: [] for r in runners}
+        order = random.Random(0)
         for _ in range(rounds):
-            for r in runners:
-                samples[r.name].append(r.block(steps))
+            for r in order.sample(runners, len(runners)):     # a new order each round: no variant always
+                samples[r.name].append(r.block(steps))          # follows the same one
+
         charged = {r.name: (r.background_cpu() - cpu0[r.name]) / (rounds * steps) for r in runners}
         for r in runners:
             if r.closer:

@@ -284,9 +284,9 @@ def test_hook_error_warns_once_and_training_finishes(trace_path, monkeypatch):
 def test_writer_error_warns_and_training_finishes(trace_path, monkeypatch):
     from ampdoctor.trace import writer
 
-    def broken(self, conn, packet):
+    def broken(self, conn, packets):
         raise OSError("No space left on device")
-    monkeypatch.setattr(writer.Writer, "_write_step", broken)
+    monkeypatch.setattr(writer.Writer, "_write_steps", broken)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         _, _, _, losses = train(mlp(), 10, precision="bf16", trace=trace_path)

@@ -117,7 +117,9 @@ def test_diagnose_while_another_process_writes(tmp_path):
         assert proc.stdout.readline().strip() == b"started"
         rules_seen, checks = set(), 0
         deadline = time.time() + 90
-        while checks < 12 and time.time() < deadline:
+        # at least 12 checks, and on until the run has gone past its calibration (the first commits can hold only
+        # skipped steps, and a dozen checks of a small trace fit between two commits)
+        while (checks < 12 or "init-scale-too-high" not in rules_seen) and time.time() < deadline:
             try:
                 found = ampdoctor.diagnose(path)
             except ampdoctor.TraceError as exc:          # before the first step is committed
@@ -125,7 +127,7 @@ def test_diagnose_while_another_process_writes(tmp_path):
                 continue
             rules_seen.update(f.rule for f in found)
             checks += 1
-        assert checks == 12, f"only {checks} diagnoses in 90 s"
+        assert checks >= 12, f"only {checks} diagnoses in 90 s"
         assert "init-scale-too-high" in rules_seen, rules_seen
     finally:
         proc.send_signal(signal.SIGKILL)

@@ -169,13 +169,13 @@ class Doctor:
     # -- per-step buffer ---------------------------------------------------------------------------------------
     def _reset_step(self) -> None:
         # Blocks concatenated at the step end into the step's one host transfer (see _to_host):
-        #   peaks: [min, max] pairs written in place into one reused buffer per (dtype, device) (_PeakBuffer);
+        #   peaks: [min, max] pairs per (dtype, device) (_PeakList; the parameter gradients' in _GradPlan);
         #   fulls: FULL_LEN float64 vectors; extras: float64 step figures.
         for buf in self._bufs.values():
-            buf.n = 0
+            buf.clear()
         self._fulls: list[torch.Tensor] = []
         self._full_len = 0
-        self._extras: list[torch.Tensor] = []
+        self._extras: list = []          # floats, or 0-d tensors on an accelerator (read with the step's transfer)
         self._entries: list[Entry] = []
         self._seen: dict[int, tuple] = {}
         self._act_seen: set[int] = set()
@@ -198,17 +198,20 @@ class Doctor:
         self._full_len += K.FULL_LEN
         return off
 
-    def _add_extra(self, t: torch.Tensor) -> int:
-        self._extras.append(t.reshape(()).to(torch.float64))
+    def _add_extra(self, v) -> int:
+        """A step figure: a float, or a 0-d tensor (read now if it is on the CPU, where that costs no sync)."""
+        if isinstance(v, torch.Tensor) and v.device.type == "cpu":
+            v = v.item()
+        self._extras.append(v)
         return len(self._extras) - 1
 
-    def _buffer(self, t: torch.Tensor) -> _PeakBuffer:
+    def _buffer(self, t: torch.Tensor) -> _PeakList:
         buf = self._bufs.get(t.dtype)
         if buf is None or buf.device != t.device:
             key = t.dtype if buf is None else (t.dtype, t.device)      # a second device: its own buffer
             buf = self._bufs.get(key)
             if buf is None:
-                buf = self._bufs[key] = _PeakBuffer(t, "p" + _dtype_name(t.dtype) +
+                buf = self._bufs[key] = _PeakList(t, "p" + _dtype_name(t.dtype) +
                                                     ("" if key is t.dtype else f"@{t.device}"))
         return buf
 
@@ -375,7 +378,9 @@ class Doctor:
         """The scale in force, as a device tensor when the scaler keeps one (no host sync)."""
         s = getattr(self.scaler, "_scale", None)
         if isinstance(s, torch.Tensor):
-            return s.detach().clone().reshape(())
+            if s.device.type == "cpu":
+                return s.item()
+            return s.detach().clone().reshape(())     # update() changes it in place
         return float(self.scaler.get_scale())
 
     # -- public API ----------------------------------------------------------------------------------------------
@@ -392,7 +397,10 @@ class Doctor:
         if isinstance(loss, torch.Tensor):
             if self._loss_dtype is None:
                 self._loss_dtype = _dtype_name(loss.dtype)
-            loss = loss.detach().reshape(-1)[0] if loss.numel() else None
+            if not loss.numel():
+                return
+            # a CPU value is read now (no sync to wait for); an accelerator's joins the step's one transfer
+            loss = loss.item() if loss.numel() == 1 and loss.device.type == "cpu" else loss.detach().reshape(-1)[0]
         if loss is None:
             return
         if self._t_first is None and self._pending is not None and self._pending.loss is None:
@@ -573,25 +581,29 @@ class Doctor:
     def _to_host(self) -> tuple[np.ndarray, dict, bool]:
         """Everything the step computed, in one transfer: [peaks per buffer | full vectors | extras] as float64.
         Also says whether any observed value was NaN/Inf (a NaN min/max, or a full vector's NaN/Inf count)."""
-        parts, bases, n = [], {}, 0
+        blocks, bases, n = [], {}, 0
         plan = self._grad_plan
         for buf in [*self._bufs.values(), *(plan.buffers if plan is not None and self._cur_mode != "f" else ())]:
             if buf.n:
                 bases[buf.mode] = n
-                parts.append(buf.buf[:buf.n].to(torch.float64))
+                blocks.append(buf.block())
                 n += buf.n
         bases["f"] = n
-        if self._fulls:
-            parts.append(torch.cat(self._fulls))
         bases["x"] = n + self._full_len
-        if self._extras:
-            parts.append(torch.stack(self._extras))
-        if not parts:
-            return np.zeros(0), bases, False
-        if len({t.device for t in parts}) == 1:
-            values = torch.cat(parts).cpu().numpy()         # cat copies: the peak buffers are reused next step
+        extras = self._extras
+        on_cpu = (all(b.device.type == "cpu" for b in blocks) and all(f.device.type == "cpu" for f in self._fulls)
+                  and not any(isinstance(e, torch.Tensor) for e in extras))
+        if on_cpu:                 # already on the host: numpy copies, no torch op per block
+            values = np.concatenate([_host_float64(b) for b in blocks] + [f.numpy() for f in self._fulls]
+                                    + [np.array(extras, dtype=np.float64)])
         else:
-            values = np.concatenate([t.cpu().numpy() for t in parts])
+            dev = next(t.device for t in [*blocks, *self._fulls, *extras] if isinstance(t, torch.Tensor))
+            parts = [b.to(dev, torch.float64) for b in blocks] + [f.to(dev) for f in self._fulls]
+            if extras:
+                parts.append(torch.stack([e.to(dev, torch.float64).reshape(()) if isinstance(e, torch.Tensor)
+                                          else torch.tensor(float(e), dtype=torch.float64, device=dev)
+                                          for e in extras]))
+            values = torch.cat(parts).cpu().numpy()     # cat copies: the peak buffers are reused next step
         bad = not np.isfinite(values[:n]).all()
         if self._fulls:
             fulls = values[n:bases["x"]].reshape(-1, K.FULL_LEN)
@@ -720,39 +732,50 @@ def _eager(fn):
     return hook
 
 
-class _PeakBuffer:
-    """[min, max] pairs of the tensors of one dtype and device, written in place by ``aminmax(out=...)`` into one
-    buffer that lives as long as the Doctor: no allocation per tensor and no stack at the step end. ``n`` counts
-    the values written this step."""
+class _PeakList:
+    """[min, max] pairs of the tensors of one dtype and device observed this step, as the 0-d tensors aminmax
+    returns; stacked once at the step end (``aminmax(out=...)`` into a preallocated buffer measured ~5 µs slower
+    per call inside a training loop than one stack of them all). ``n`` counts the values."""
 
-    def __init__(self, like: torch.Tensor, mode: str, capacity: int = 256):
+    def __init__(self, like: torch.Tensor, mode: str):
         self.mode = mode
         self.device = like.device
-        self.buf = torch.empty(capacity, dtype=like.dtype, device=like.device)
-        self.slots = self.buf.unbind()           # 0-d views, made once: indexing per call would cost more
+        self.vals: list[torch.Tensor] = []
         self.n = 0
-
-    def _reserve(self, k: int) -> int:
-        n = self.n
-        if n + k > len(self.slots):
-            grown = torch.empty(max(2 * len(self.slots), n + k), dtype=self.buf.dtype, device=self.device)
-            grown[:n].copy_(self.buf[:n])
-            self.buf, self.slots = grown, grown.unbind()
-        self.n = n + k
-        return n
 
     def add(self, t: torch.Tensor) -> int:
         """[min, max] of a detached, non-empty tensor; returns its offset."""
-        n = self._reserve(2)
-        torch.aminmax(t, out=(self.slots[n], self.slots[n + 1]))
+        n = self.n
+        self.vals.extend(torch.aminmax(t))
+        self.n = n + 2
         return n
 
-    def add_rows(self, rows: torch.Tensor) -> int:
-        """[min, max] of every row of a 2-D tensor (tensors of one size stacked: one call for all of them)."""
-        m = rows.shape[0]
-        n = self._reserve(2 * m)
-        torch.aminmax(rows, dim=1, out=(self.buf[n:n + 2 * m:2], self.buf[n + 1:n + 2 * m:2]))
+    def block(self) -> torch.Tensor:
+        return torch.stack(self.vals)
+
+    def clear(self) -> None:
+        self.vals = []
+        self.n = 0
+
+
+class _SlotBuffer:
+    """Fixed [min, max] slots (one buffer per dtype and device) for tensors observed every step in the same order:
+    the parameter gradients. Written in place by ``aminmax(out=...)``; lives as long as its plan."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, mode: str, size: int):
+        self.mode = mode
+        self.device = device
+        self.buf = torch.zeros(size, dtype=dtype, device=device)      # empty gradients keep [0, 0]
+        self.slots = self.buf.unbind()           # 0-d views, made once: indexing per call would cost more
+        self.n = 0
+
+    def reserve(self, k: int) -> int:
+        n = self.n
+        self.n = n + k
         return n
+
+    def block(self) -> torch.Tensor:
+        return self.buf[:self.n]
 
 
 def _count_nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -779,19 +802,15 @@ class _GradPlan:
         slots: dict[tuple, int] = {}
         for name, p in params:
             slots[(p.dtype, p.device)] = slots.get((p.dtype, p.device), 0) + 2
-        bufs = {}
-        for dtype, device in slots:
-            buf = bufs[(dtype, device)] = _PeakBuffer(torch.empty(0, dtype=dtype, device=device),
-                                                       f"g{_dtype_name(dtype)}@{device}", slots[(dtype, device)])
-            buf.buf.zero_()                          # empty gradients keep [0, 0]
-            buf.n = 0
+        bufs = {(dtype, device): _SlotBuffer(dtype, device, f"g{_dtype_name(dtype)}@{device}", size)
+                for (dtype, device), size in slots.items()}
         where: dict[int, int] = {}
         self.groups = []
         for (dtype, device, n), group in by_size.items():
             if len(group) < 2:
                 continue
             buf = bufs[(dtype, device)]
-            base = buf._reserve(2 * len(group))
+            base = buf.reserve(2 * len(group))
             self.groups.append(([p for p in group], buf.buf[base:base + 2 * len(group):2],
                                 buf.buf[base + 1:base + 2 * len(group):2]))
             for k, p in enumerate(group):
@@ -801,7 +820,7 @@ class _GradPlan:
             if id(p) in grouped:
                 continue
             buf = bufs[(p.dtype, p.device)]
-            off = where[id(p)] = buf._reserve(2)
+            off = where[id(p)] = buf.reserve(2)
             if p.numel():
                 self.big.append((p, buf.slots[off], buf.slots[off + 1]))
         self.buffers = list(bufs.values())
@@ -834,17 +853,30 @@ def _sum_squares(g: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(g, dtype=torch.float32).square()
 
 
-def _global_norm(squares: list[torch.Tensor]) -> torch.Tensor:
-    """L2 norm over all gradients from their sums of squares."""
+def _global_norm(squares: list[torch.Tensor]):
+    """L2 norm over all gradients from their sums of squares: a float on the CPU, else a device tensor."""
     dev = squares[0].device
+    if dev.type == "cpu" and all(q.device.type == "cpu" for q in squares):
+        return math.sqrt(sum(q.item() for q in squares))
     return torch.stack([q.to(dev, torch.float64) for q in squares]).sum().sqrt()
 
 
-def _sum_losses(losses: list) -> torch.Tensor:
-    dev = next((v.device for v in losses if isinstance(v, torch.Tensor)), torch.device("cpu"))
-    parts = [v.to(torch.float64) if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=torch.float64,
-                                                                                 device=dev) for v in losses]
-    return torch.stack(parts).sum().reshape(1)
+def _sum_losses(losses: list):
+    """The step's loss, summed over micro-batches: a float when every part is on the CPU, else a device tensor."""
+    if not any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in losses):
+        return sum(float(v) for v in losses)
+    dev = next(v.device for v in losses if isinstance(v, torch.Tensor) and v.device.type != "cpu")
+    parts = [v.to(dev, torch.float64) if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=torch.float64,
+                                                                                     device=dev) for v in losses]
+    return torch.stack(parts).sum()
+
+
+def _host_float64(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values as a new float64 array (bf16, which numpy lacks, through its bits)."""
+    if t.dtype == torch.bfloat16:
+        bits = t.view(torch.int16).numpy().view(np.uint16).astype(np.uint32) << 16
+        return bits.view(np.float32).astype(np.float64)
+    return t.numpy().astype(np.float64)
 
 
 def _device_type(model) -> str | None:

@@ -55,21 +55,24 @@ class Layout:
         self.full_plan = _FullPlan(entries, bases) if self.any_full else None
 
     def peaks(self, values: np.ndarray) -> np.ndarray:
-        """max |x| per tensor: NaN if it held a NaN, else Inf if an Inf."""
-        out = np.empty(len(self.offs))
+        """max |x| per tensor (last axis; values may stack several steps as rows): NaN if it held a NaN, else Inf
+        if an Inf."""
+        out = np.empty(values.shape[:-1] + (len(self.offs),))
         p, f = ~self.full, self.full
         if p.any():
             o = self.offs[p]
-            out[p] = np.maximum(np.abs(values[o]), np.abs(values[o + 1]))     # NaN propagates
+            out[..., p] = np.maximum(np.abs(values[..., o]), np.abs(values[..., o + 1]))     # NaN propagates
         if self.any_full:
             o = self.offs[f] + kernels.HEAD
-            nan, inf, absmax = values[o + kernels.KEY_NAN], values[o + kernels.KEY_INF], values[o - 1]
-            out[f] = np.where(nan > 0, np.nan, np.where(inf > 0, np.inf, absmax))
+            nan, inf, absmax = values[..., o + kernels.KEY_NAN], values[..., o + kernels.KEY_INF], values[..., o - 1]
+            out[..., f] = np.where(nan > 0, np.nan, np.where(inf > 0, np.inf, absmax))
         return out
 
     def site_peaks(self, peaks: np.ndarray) -> np.ndarray:
-        """Worst peak per site (over calls and tensors); NaN wins through np.maximum."""
-        return np.maximum.reduceat(peaks[self.order], self.starts) if len(peaks) else np.zeros(0)
+        """Worst peak per site (over calls and tensors; last axis); NaN wins through np.maximum."""
+        if not peaks.shape[-1]:
+            return np.zeros(peaks.shape[:-1] + (0,))
+        return np.maximum.reduceat(peaks[..., self.order], self.starts, axis=-1)
 
 
 class _FullPlan:
@@ -212,9 +215,15 @@ class Writer(threading.Thread):
             while not closing:
                 self._wake.wait(WAKE_S)
                 self._wake.clear()
-                synced = []
+                synced, steps = [], []
                 while items:
                     item = items.popleft()
+                    if item[0] == "step":            # gathered, written together (in order with the rest)
+                        steps.append(item[1])
+                        continue
+                    if steps:
+                        self._handle(conn, ("steps", steps))
+                        steps, dirty = [], True
                     if item[0] == "close":
                         closing = True
                         break
@@ -222,6 +231,9 @@ class Writer(threading.Thread):
                         synced.append(item[1])
                         continue
                     self._handle(conn, item)
+                    dirty = True
+                if steps:
+                    self._handle(conn, ("steps", steps))
                     dirty = True
                 if dirty and (closing or synced or time.monotonic() - last_commit >= COMMIT_EVERY_S):
                     conn.execute("COMMIT")
@@ -248,9 +260,9 @@ class Writer(threading.Thread):
 
     def _handle(self, conn: sqlite3.Connection, item: tuple) -> None:
         tag = item[0]
-        if tag == "step":
+        if tag == "steps":
             with np.errstate(all="ignore"):      # NaN/Inf are data here, not errors (and -W error must not stop us)
-                self._write_step(conn, item[1])
+                self._write_steps(conn, item[1])
         elif tag == "site":
             conn.execute("INSERT INTO sites (id, path, module, kind, module_type, dtype, shape, first_step) "
                          "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", item[1:])
@@ -275,45 +287,62 @@ class Writer(threading.Thread):
         self._cached_layout = (p.entries, dict(p.bases), layout)
         return layout
 
-    def _write_step(self, conn: sqlite3.Connection, p: StepPacket) -> None:
-        values = p.values
-        layout = self._layout(p)
+    def _write_steps(self, conn: sqlite3.Connection, packets: list[StepPacket]) -> None:
+        """Write consecutive step packets; runs of steps with one layout are reduced together (one numpy pass and
+        one executemany per run instead of a few dozen small calls per step: the writer shares the GIL with the
+        training thread)."""
+        i = 0
+        while i < len(packets):
+            layout = self._layout(packets[i])
+            j = i + 1
+            while (j < len(packets) and packets[j].entries is packets[i].entries
+                   and packets[j].bases == packets[i].bases and len(packets[j].values) == len(packets[i].values)):
+                j += 1
+            self._write_run(conn, packets[i:j], layout)
+            i = j
+
+    def _write_run(self, conn: sqlite3.Connection, run: list[StepPacket], layout: Layout) -> None:
+        values = np.stack([p.values for p in run])
         peaks = layout.peaks(values)
 
         # 1. per-site peak (worst over calls and tensors)
         uniq, site_peak = layout.sites, layout.site_peaks(peaks)
         n = max(self.n_sites, int(uniq[-1]) + 1 if len(uniq) else 0)
-        blob = np.full(n, -1.0, dtype="<f4")
-        blob[uniq] = site_peak
-        conn.execute("INSERT INTO peaks (step, data) VALUES (?, ?)", (p.step, blob.tobytes()))
+        blobs = np.full((len(run), n), -1.0, dtype="<f4")
+        blobs[:, uniq] = site_peak
+        conn.executemany("INSERT INTO peaks (step, data) VALUES (?, ?)",
+                         [(p.step, blobs[k].tobytes()) for k, p in enumerate(run)])
+        bad_peak = (~np.isfinite(site_peak)).any(axis=1).tolist()
 
-        # 2. full statistics, where every call of a site had them
-        if layout.full_plan is not None:
-            self._write_full(conn, p, values, layout.full_plan)
+        rows = []
+        for k, p in enumerate(run):
+            # 2. full statistics, where every call of a site had them
+            if layout.full_plan is not None:
+                self._write_full(conn, p, values[k], layout.full_plan)
 
-        # 3. skipped steps and non-finite values
-        skipped = p.skipped
-        if skipped is None:
-            skipped = (p.scale is not None and p.scale_next is not None and p.scale_next < p.scale)
-        nonfinite = bool((~np.isfinite(site_peak)).any()) or (p.loss is not None and not _finite(p.loss))
-        if nonfinite:
-            self._locate(conn, p, values, peaks, layout.owner)
+            # 3. skipped steps and non-finite values
+            skipped = p.skipped
+            if skipped is None:
+                skipped = (p.scale is not None and p.scale_next is not None and p.scale_next < p.scale)
+            nonfinite = bad_peak[k] or (p.loss is not None and not _finite(p.loss))
+            if nonfinite:
+                self._locate(conn, p, values[k], peaks[k], layout.owner)
 
-        row = dict(p.row)
-        step_time = row.get("step_time")
-        samples = row.get("samples")
-        row.update(
-            step=p.step, loss=p.loss, loss_scale=p.scale, loss_scale_next=p.scale_next, skipped=int(bool(skipped)),
-            grad_norm=p.grad_norm, nonfinite=int(nonfinite),
-            samples_per_s=(samples / step_time) if samples and step_time else None,
-            lr=json.dumps(row.get("lr")) if row.get("lr") is not None else None,
-        )
-        conn.execute(f"INSERT INTO steps ({','.join(schema.STEP_FIELDS)}) VALUES "
-                     f"({','.join('?' * len(schema.STEP_FIELDS))})", [_sql(row.get(f)) for f in schema.STEP_FIELDS])
-        self.steps_written += 1
-        self._skipped_total += int(bool(skipped))
-        if self.log_every and (p.step + 1) % self.log_every == 0:
-            log.info(self._health(p, uniq, site_peak))
+            row = p.row
+            step_time, samples, lr = row.get("step_time"), row.get("samples"), row.get("lr")
+            row.update(
+                step=p.step, loss=p.loss, loss_scale=p.scale, loss_scale_next=p.scale_next,
+                skipped=int(bool(skipped)), grad_norm=p.grad_norm, nonfinite=int(nonfinite),
+                samples_per_s=(samples / step_time) if samples and step_time else None,
+                lr=json.dumps(lr) if lr is not None else None,
+            )
+            rows.append([_sql(row.get(f)) for f in schema.STEP_FIELDS])
+            self.steps_written += 1
+            self._skipped_total += int(bool(skipped))
+            if self.log_every and (p.step + 1) % self.log_every == 0:
+                log.info(self._health(p, uniq, site_peak[k]))
+        conn.executemany(f"INSERT INTO steps ({','.join(schema.STEP_FIELDS)}) VALUES "
+                         f"({','.join('?' * len(schema.STEP_FIELDS))})", rows)
 
     def _health(self, p: StepPacket, sites: np.ndarray, peaks: np.ndarray) -> str:
         """One line: loss, loss scale, skipped steps so far, the layer closest to the FP16 max (or non-finite)."""
