@@ -426,3 +426,36 @@ def test_torch_compile_runs_hooks_eagerly_without_recompiling(trace_path, caplog
     assert tr.n_steps == 6 and tr.steps()["loss"].notna().all()
     assert "_orig_mod.0" in tr.sites("act")["path"].tolist()
     assert np.isfinite(tr.records("peak", "grad_out")).all()
+
+
+def test_accelerator_path_writes_the_trace_the_host_path_writes(tmp_path, monkeypatch):
+    """On an accelerator nothing is read before the step's one transfer (stats._full_device, device-side loss,
+    scale and norm). Those paths run here on the CPU with host reads switched off and must record the same run:
+    same steps, skips, peaks, statistics, histograms and non-finite events, and the same zero observer effect."""
+    import sqlite3
+
+    from ampdoctor.collect import stats as K
+    paths, models = {}, {}
+    for host in (True, False):
+        monkeypatch.setattr(K, "HOST_READS", host)
+        paths[host] = str(tmp_path / f"host_{host}.db")
+        models[host], _, _, _ = train(mlp(seed=5), 14, precision="fp16", init_scale=2.0**20, growth_interval=3,
+                                      trace=paths[host], attach_options={"every": 2, "hist_every": 4,
+                                                                         "weight_every": 5})
+    assert all(torch.equal(a, b) for a, b in zip(models[True].parameters(), models[False].parameters()))
+    a, b = ampdoctor.load(paths[True]), ampdoctor.load(paths[False])
+    sa, sb = a.steps(), b.steps()
+    assert sa["skipped"].any() and (sa["skipped"] == sb["skipped"]).all()
+    for col in ("loss", "loss_scale", "loss_scale_next", "grad_norm", "microbatches"):
+        assert np.allclose(sa[col].astype(float), sb[col].astype(float), rtol=1e-6, equal_nan=True), col
+    for field, kind in [("peak", k) for k in ("act", "grad_out", "param_grad")] + [
+            ("absmax", "grad_out"), ("fp16_flush", "grad_out"), ("fp16_sub", "param_grad"), ("zeros", "act"),
+            ("nan", "grad_out"), ("mean", "act"), ("rms", "grad_out"), ("minabs", "weight"), ("rms", "update")]:
+        ra, rb = a.records(field, kind), b.records(field, kind)
+        assert ra.shape == rb.shape and np.isfinite(ra).any(), (field, kind)
+        assert np.allclose(ra, rb, rtol=1e-5, equal_nan=True), (field, kind)
+    query = {"hists": "SELECT step, site, lo, counts FROM hists ORDER BY step, site",
+             "events": "SELECT step, kind, site, phase FROM events ORDER BY id"}
+    for table, sql in query.items():
+        rows = [sqlite3.connect(paths[h]).execute(sql).fetchall() for h in (True, False)]
+        assert rows[0] and rows[0] == rows[1], table

@@ -202,7 +202,7 @@ class Doctor:
 
     def _add_extra(self, v) -> int:
         """A step figure: a float, or a 0-d tensor (read now if it is on the CPU, where that costs no sync)."""
-        if isinstance(v, torch.Tensor) and v.device.type == "cpu":
+        if isinstance(v, torch.Tensor) and K.on_host(v):
             v = v.item()
         self._extras.append(v)
         return len(self._extras) - 1
@@ -393,7 +393,7 @@ class Doctor:
         """The scale in force, as a device tensor when the scaler keeps one (no host sync)."""
         s = getattr(self.scaler, "_scale", None)
         if isinstance(s, torch.Tensor):
-            if s.device.type == "cpu":
+            if K.on_host(s):
                 return s.item()
             return s.detach().clone().reshape(())     # update() changes it in place
         return float(self.scaler.get_scale())
@@ -415,7 +415,7 @@ class Doctor:
             if not loss.numel():
                 return
             # a CPU value is read now (no sync to wait for); an accelerator's joins the step's one transfer
-            loss = loss.item() if loss.numel() == 1 and loss.device.type == "cpu" else loss.detach().reshape(-1)[0]
+            loss = loss.item() if loss.numel() == 1 and K.on_host(loss) else loss.detach().reshape(-1)[0]
         if loss is None:
             return
         if self._t_first is None and self._pending is not None and self._pending.loss is None:
@@ -606,7 +606,7 @@ class Doctor:
         bases["f"] = n
         bases["x"] = n + self._full_len
         extras = self._extras
-        on_cpu = (all(b.device.type == "cpu" for b in blocks) and all(f.device.type == "cpu" for f in self._fulls)
+        on_cpu = (all(K.on_host(b) for b in blocks) and all(K.on_host(f) for f in self._fulls)
                   and not any(isinstance(e, torch.Tensor) for e in extras))
         if on_cpu:                 # already on the host: numpy copies, no torch op per block
             values = np.concatenate([_host_float64(b) for b in blocks] + [f.numpy() for f in self._fulls]
@@ -871,16 +871,16 @@ def _sum_squares(g: torch.Tensor) -> torch.Tensor:
 def _global_norm(squares: list[torch.Tensor]):
     """L2 norm over all gradients from their sums of squares: a float on the CPU, else a device tensor."""
     dev = squares[0].device
-    if dev.type == "cpu" and all(q.device.type == "cpu" for q in squares):
+    if all(K.on_host(q) for q in squares):
         return math.sqrt(sum(q.item() for q in squares))
     return torch.stack([q.to(dev, torch.float64) for q in squares]).sum().sqrt()
 
 
 def _sum_losses(losses: list):
     """The step's loss, summed over micro-batches: a float when every part is on the CPU, else a device tensor."""
-    if not any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in losses):
+    if not any(isinstance(v, torch.Tensor) and not K.on_host(v) for v in losses):
         return sum(float(v) for v in losses)
-    dev = next(v.device for v in losses if isinstance(v, torch.Tensor) and v.device.type != "cpu")
+    dev = next(v.device for v in losses if isinstance(v, torch.Tensor) and not K.on_host(v))
     parts = [v.to(dev, torch.float64) if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=torch.float64,
                                                                                      device=dev) for v in losses]
     return torch.stack(parts).sum()
