@@ -459,3 +459,38 @@ def test_accelerator_path_writes_the_trace_the_host_path_writes(tmp_path, monkey
     for table, sql in query.items():
         rows = [sqlite3.connect(paths[h]).execute(sql).fetchall() for h in (True, False)]
         assert rows[0] and rows[0] == rows[1], table
+
+
+@pytest.mark.parametrize("every", [1, 100])
+def test_sparse_embedding_gradients_are_observed(tmp_path, every):
+    """nn.Embedding(sparse=True) gives sparse .grad tensors: their peak and their share of the gradient norm come
+    from the stored values, and collection goes on (it used to stop at the first step)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(100, 16, sparse=True), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = str(tmp_path / "sparse.db")
+    g = torch.Generator().manual_seed(1)
+    expected = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                 # no "collection stopped" warning
+        with ampdoctor.attach(model, optimizer=opt, trace=path, live=False, every=every) as doc:
+            for _ in range(6):
+                x = torch.randint(0, 100, (8, 4), generator=g)
+                loss = model(x).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                emb = model[0].weight.grad.coalesce().values()
+                dense = [emb] + [p.grad for p in model[1].parameters()]
+                expected.append((emb.abs().max().item(),
+                                 math.sqrt(sum(float(t.double().pow(2).sum()) for t in dense))))
+                opt.step()
+                doc.log_loss(loss)
+        assert doc.active or doc._closed
+    tr = ampdoctor.load(path)
+    steps = tr.steps()
+    assert len(steps) == 6
+    assert np.allclose(steps["grad_norm"], [n for _, n in expected], rtol=1e-5)
+    sites = tr.sites()
+    col = sites.index[(sites["path"] == "0.weight") & (sites["kind"] == "param_grad")][0]
+    peaks = tr.records("peak", "param_grad")[:, list(sites.index[sites["kind"] == "param_grad"]).index(col)]
+    assert np.allclose(peaks, [m for m, _ in expected], rtol=1e-6)

@@ -572,8 +572,13 @@ class Doctor:
             if g is None:
                 continue
             g = g.detach()
-            vec = K.full(g)
             sid = self._site(name, "param_grad", self._owner.get(name), g)
+            if g.layout != torch.strided:                  # a sparse gradient: peaks of its stored values only
+                v = _dense_values(g)
+                entries.append(Entry(sid, "param", [self._observe(v, "p")]))
+                squares.append(_sum_squares(v))
+                continue
+            vec = K.full(g)
             entries.append(Entry(sid, "param", [(self._add_full(vec), "f", g.numel())]))
             squares.append(vec[3].square())                # the l2 norm is part of the full vector
         return squares
@@ -811,7 +816,7 @@ class _GradPlan:
         params = [(name, p) for (name, p), has in zip(doctor._params, present) if has]
         by_size: dict[tuple, list] = {}
         for name, p in params:
-            if 0 < p.numel() <= SMALL_GRAD:
+            if 0 < p.numel() <= SMALL_GRAD and p.grad.layout == torch.strided:
                 by_size.setdefault((p.dtype, p.device, p.numel()), []).append(p)
         grouped = {id(p) for g in by_size.values() if len(g) > 1 for p in g}
         slots: dict[tuple, int] = {}
@@ -849,7 +854,11 @@ class _GradPlan:
         squares = []
         with torch.no_grad():                        # out= refuses inputs that require grad (create_graph=True)
             for p, lo, hi in self.big:
-                g = p.grad
+                g = _dense_values(p.grad)
+                if not g.numel():                    # a sparse gradient that stores nothing this step
+                    lo.zero_()
+                    hi.zero_()
+                    continue
                 torch.aminmax(g, out=(lo, hi))
                 squares.append(_sum_squares(g))
             for group, lo, hi in self.groups:
@@ -858,6 +867,16 @@ class _GradPlan:
                 torch.amax(rows, dim=1, out=hi)
                 squares.append(_sum_squares(rows))
         return squares
+
+
+def _dense_values(g: torch.Tensor) -> torch.Tensor:
+    """A strided gradient as it is; a sparse one (``nn.Embedding(sparse=True)``) as its coalesced stored values,
+    which hold its abs max and its sum of squares (the implicit zeros change neither)."""
+    if g.layout == torch.strided:
+        return g
+    if g.layout == torch.sparse_coo:
+        return g.coalesce().values()
+    return g.values()                                # compressed layouts store each element once
 
 
 def _sum_squares(g: torch.Tensor) -> torch.Tensor:
