@@ -15,11 +15,12 @@ import weakref
 import numpy as np
 import torch
 
+from ..live import LiveDiagnosis, TrainingHalted, check_severity
+from ..trace import schema
+from ..trace.writer import Entry, StepPacket, Writer
+from . import buffers as B
 from . import hooks as H
 from . import stats as K
-from ..trace import schema
-from ..live import LiveDiagnosis, TrainingHalted, check_severity
-from ..trace.writer import Entry, StepPacket, Writer
 
 log = logging.getLogger("ampdoctor")
 
@@ -28,7 +29,6 @@ log = logging.getLogger("ampdoctor")
 DEFAULT_EVERY = 100
 DEFAULT_HIST_EVERY = 200    # histograms stored every 200th step: 500 sites x 10k steps stay well under 100 MB
 DEFAULT_WEIGHT_EVERY = 200  # weights and updates change slowly, and an update needs a copy of the weights
-SMALL_GRAD = 4096           # parameter gradients up to this size are stacked by size and reduced together
 
 
 def _rank() -> int:
@@ -51,10 +51,6 @@ def _free_path(path: str) -> str:
 def _check_positive(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"Argument {name} should be a positive int, but given {value!r}")
-
-
-def _dtype_name(dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 class Doctor:
@@ -101,7 +97,7 @@ class Doctor:
         self._step = 0
         self._force_full = False
         self._bufs: dict = {}
-        self._grad_plan: _GradPlan | None = None
+        self._grad_plan: B.GradPlan | None = None
         self._reset_step()
         self._pending: StepPacket | None = None
         self._prev_entries: list = []
@@ -171,7 +167,7 @@ class Doctor:
     # -- per-step buffer ---------------------------------------------------------------------------------------
     def _reset_step(self) -> None:
         # Blocks concatenated at the step end into the step's one host transfer (see _to_host):
-        #   peaks: [min, max] pairs per (dtype, device) (_PeakList; the parameter gradients' in _GradPlan);
+        #   peaks: [min, max] pairs per (dtype, device) (buffers.PeakList; the parameter gradients' in a GradPlan);
         #   fulls: FULL_LEN float64 vectors; extras: float64 step figures.
         for buf in self._bufs.values():
             buf.clear()
@@ -207,13 +203,13 @@ class Doctor:
         self._extras.append(v)
         return len(self._extras) - 1
 
-    def _buffer(self, t: torch.Tensor) -> _PeakList:
+    def _buffer(self, t: torch.Tensor) -> B.PeakList:
         buf = self._bufs.get(t.dtype)
         if buf is None or buf.device != t.device:
             key = t.dtype if buf is None else (t.dtype, t.device)      # a second device: its own buffer
             buf = self._bufs.get(key)
             if buf is None:
-                buf = self._bufs[key] = _PeakList(t, "p" + _dtype_name(t.dtype) +
+                buf = self._bufs[key] = B.PeakList(t, "p" + B.dtype_name(t.dtype) +
                                                     ("" if key is t.dtype else f"@{t.device}"))
         return buf
 
@@ -265,7 +261,7 @@ class Doctor:
                 mod_path, mtype = path, type(module).__name__
             else:
                 mod_path, mtype = path.rpartition(".")[0] or H.ROOT, type(module).__name__ if module else None
-            dtype = _dtype_name(t.dtype) if t is not None else None
+            dtype = B.dtype_name(t.dtype) if t is not None else None
             shape = "x".join(map(str, t.shape)) if t is not None else None
             self._put(("site", sid, path, mod_path, kind, mtype, dtype, shape, self._step))
         return sid
@@ -283,7 +279,7 @@ class Doctor:
                 if dev is not None:
                     enabled = torch.is_autocast_enabled(dev)
                     self._autocast = {"device_type": dev, "enabled": enabled,
-                                      "dtype": _dtype_name(torch.get_autocast_dtype(dev)) if enabled else None}
+                                      "dtype": B.dtype_name(torch.get_autocast_dtype(dev)) if enabled else None}
             self._micro += 1
             t = H.first_tensor(args, kwargs)
             if t is not None and t.dim() > 0:
@@ -411,7 +407,7 @@ class Doctor:
     def _log_loss(self, loss) -> None:
         if isinstance(loss, torch.Tensor):
             if self._loss_dtype is None:
-                self._loss_dtype = _dtype_name(loss.dtype)
+                self._loss_dtype = B.dtype_name(loss.dtype)
             if not loss.numel():
                 return
             # a CPU value is read now (no sync to wait for); an accelerator's joins the step's one transfer
@@ -499,15 +495,15 @@ class Doctor:
         entries = self._entries
 
         squares = self._observe_param_grads(mode, entries)
-        norm_off = self._add_extra(_global_norm(squares)) if squares else None
+        norm_off = self._add_extra(B.global_norm(squares)) if squares else None
         if step % self.weight_every == 0:
             for name, p in self._params:
                 sid = self._site(name, "weight", self._owner.get(name), p)
                 entries.append(Entry(sid, "weight", [self._observe(p.detach(), "f")]))
-        loss_off = self._add_extra(_sum_losses(self._losses)) if self._losses else None
+        loss_off = self._add_extra(B.sum_losses(self._losses)) if self._losses else None
         # Half-precision weights can turn NaN/Inf in an optimizer step from finite gradients (Adam's eps is 0 in
         # FP16): watched every step for them (one fused norm), on anomalous steps only for FP32 weights.
-        bad_w_off = self._add_extra(_count_nonfinite([p for _, p in self._params])) if self._half_params else None
+        bad_w_off = self._add_extra(B.count_nonfinite([p for _, p in self._params])) if self._half_params else None
         scaler_on = self.scaler is not None and self._scaler_enabled()
         scales = [self._scale_before, self._read_scale()] if scaler_on else [None, None]
         scale_offs = [self._add_extra(v) if isinstance(v, torch.Tensor) else v for v in scales]
@@ -551,6 +547,9 @@ class Doctor:
         self._reset_step()
         self._t_prev_end = time.perf_counter()
 
+    def _grad_site(self, name: str, grad: torch.Tensor) -> int:
+        return self._site(name, "param_grad", self._owner.get(name), grad)
+
     def _observe_param_grads(self, mode: str, entries: list) -> list[torch.Tensor]:
         """Peaks (or full statistics) of every parameter gradient, in parameter order; returns their sums of
         squares for the global norm."""
@@ -558,11 +557,11 @@ class Doctor:
             present = tuple(p.grad is not None for _, p in self._params)
             plan = self._grad_plan
             if plan is None or plan.key != present:
-                plan = self._grad_plan = _GradPlan(self, present)
+                plan = self._grad_plan = B.GradPlan(self._params, present, self._grad_site)
             try:
                 squares = plan.run()
             except RuntimeError:         # parameters moved to another device or dtype since the plan was made
-                plan = self._grad_plan = _GradPlan(self, present)
+                plan = self._grad_plan = B.GradPlan(self._params, present, self._grad_site)
                 squares = plan.run()
             entries.extend(plan.entries)
             return squares
@@ -572,11 +571,11 @@ class Doctor:
             if g is None:
                 continue
             g = g.detach()
-            sid = self._site(name, "param_grad", self._owner.get(name), g)
+            sid = self._grad_site(name, g)
             if g.layout != torch.strided:                  # a sparse gradient: peaks of its stored values only
-                v = _dense_values(g)
+                v = B.dense_values(g)
                 entries.append(Entry(sid, "param", [self._observe(v, "p")]))
-                squares.append(_sum_squares(v))
+                squares.append(B.sum_squares(v))
                 continue
             vec = K.full(g)
             entries.append(Entry(sid, "param", [(self._add_full(vec), "f", g.numel())]))
@@ -614,7 +613,7 @@ class Doctor:
         on_cpu = (all(K.on_host(b) for b in blocks) and all(K.on_host(f) for f in self._fulls)
                   and not any(isinstance(e, torch.Tensor) for e in extras))
         if on_cpu:                 # already on the host: numpy copies, no torch op per block
-            values = np.concatenate([_host_float64(b) for b in blocks] + [f.numpy() for f in self._fulls]
+            values = np.concatenate([B.host_float64(b) for b in blocks] + [f.numpy() for f in self._fulls]
                                     + [np.array(extras, dtype=np.float64)])
         else:
             dev = next(t.device for t in [*blocks, *self._fulls, *extras] if isinstance(t, torch.Tensor))
@@ -654,7 +653,7 @@ class Doctor:
         params: dict[str, int] = {}
         module_dtypes: dict[str, str] = {}
         for name, p in self.model.named_parameters():
-            d = _dtype_name(p.dtype)
+            d = B.dtype_name(p.dtype)
             params[d] = params.get(d, 0) + p.numel()
             module_dtypes.setdefault(name.rpartition(".")[0] or H.ROOT, d)
         cfg = {"autocast": self._autocast or {"enabled": False}, "param_dtypes": params,
@@ -750,167 +749,6 @@ def _eager(fn):
             return disabled(*args, **kwargs)
         return fn(*args, **kwargs)
     return hook
-
-
-class _PeakList:
-    """[min, max] pairs of the tensors of one dtype and device observed this step, as the 0-d tensors aminmax
-    returns; stacked once at the step end (``aminmax(out=...)`` into a preallocated buffer measured ~5 µs slower
-    per call inside a training loop than one stack of them all). ``n`` counts the values."""
-
-    def __init__(self, like: torch.Tensor, mode: str):
-        self.mode = mode
-        self.device = like.device
-        self.vals: list[torch.Tensor] = []
-        self.n = 0
-
-    def add(self, t: torch.Tensor) -> int:
-        """[min, max] of a detached, non-empty tensor; returns its offset."""
-        n = self.n
-        self.vals.extend(torch.aminmax(t))
-        self.n = n + 2
-        return n
-
-    def block(self) -> torch.Tensor:
-        return torch.stack(self.vals)
-
-    def clear(self) -> None:
-        self.vals = []
-        self.n = 0
-
-
-class _SlotBuffer:
-    """Fixed [min, max] slots (one buffer per dtype and device) for tensors observed every step in the same order:
-    the parameter gradients. Written in place by ``aminmax(out=...)``; lives as long as its plan."""
-
-    def __init__(self, dtype: torch.dtype, device: torch.device, mode: str, size: int):
-        self.mode = mode
-        self.device = device
-        self.buf = torch.zeros(size, dtype=dtype, device=device)      # empty gradients keep [0, 0]
-        self.slots = self.buf.unbind()           # 0-d views, made once: indexing per call would cost more
-        self.n = 0
-
-    def reserve(self, k: int) -> int:
-        n = self.n
-        self.n = n + k
-        return n
-
-    def block(self) -> torch.Tensor:
-        return self.buf[:self.n]
-
-
-def _count_nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """How many of the tensors hold a NaN/Inf (their norm is then non-finite), without a host sync."""
-    norms = torch.stack([n.to(torch.float32) for n in torch._foreach_norm([t.detach() for t in tensors])])
-    return (~torch.isfinite(norms)).sum()
-
-
-class _GradPlan:
-    """How the parameter gradients of a peaks step are reduced, built again only when the set of parameters with
-    a gradient changes (a gradient has its parameter's dtype, device and shape). Each gradient gets fixed [min, max]
-    slots in buffers of its own, so the step's entries for them are the same list every step. Small gradients of
-    one size (biases, norm weights) are stacked and reduced together: on the CPU a reduction over 512 values costs
-    its call overhead, not its arithmetic."""
-
-    def __init__(self, doctor: Doctor, present: tuple[bool, ...]):
-        self.key = present
-        params = [(name, p) for (name, p), has in zip(doctor._params, present) if has]
-        by_size: dict[tuple, list] = {}
-        for name, p in params:
-            if 0 < p.numel() <= SMALL_GRAD and p.grad.layout == torch.strided:
-                by_size.setdefault((p.dtype, p.device, p.numel()), []).append(p)
-        grouped = {id(p) for g in by_size.values() if len(g) > 1 for p in g}
-        slots: dict[tuple, int] = {}
-        for name, p in params:
-            slots[(p.dtype, p.device)] = slots.get((p.dtype, p.device), 0) + 2
-        bufs = {(dtype, device): _SlotBuffer(dtype, device, f"g{_dtype_name(dtype)}@{device}", size)
-                for (dtype, device), size in slots.items()}
-        where: dict[int, int] = {}
-        self.groups = []
-        for (dtype, device, n), group in by_size.items():
-            if len(group) < 2:
-                continue
-            buf = bufs[(dtype, device)]
-            base = buf.reserve(2 * len(group))
-            self.groups.append(([p for p in group], buf.buf[base:base + 2 * len(group):2],
-                                buf.buf[base + 1:base + 2 * len(group):2]))
-            for k, p in enumerate(group):
-                where[id(p)] = base + 2 * k
-        self.big = []
-        for name, p in params:
-            if id(p) in grouped:
-                continue
-            buf = bufs[(p.dtype, p.device)]
-            off = where[id(p)] = buf.reserve(2)
-            if p.numel():
-                self.big.append((p, buf.slots[off], buf.slots[off + 1]))
-        self.buffers = list(bufs.values())
-        self.entries = []
-        for name, p in params:
-            sid = doctor._site(name, "param_grad", doctor._owner.get(name), p.grad)
-            self.entries.append(Entry(sid, "param", [(where[id(p)], bufs[(p.dtype, p.device)].mode, p.numel())]))
-
-    def run(self) -> list[torch.Tensor]:
-        """Write this step's [min, max] of every gradient into the slots; returns the sums of squares."""
-        squares = []
-        with torch.no_grad():                        # out= refuses inputs that require grad (create_graph=True)
-            for p, lo, hi in self.big:
-                g = _dense_values(p.grad)
-                if not g.numel():                    # a sparse gradient that stores nothing this step
-                    lo.zero_()
-                    hi.zero_()
-                    continue
-                torch.aminmax(g, out=(lo, hi))
-                squares.append(_sum_squares(g))
-            for group, lo, hi in self.groups:
-                rows = torch.stack([p.grad.reshape(-1) for p in group])
-                torch.amin(rows, dim=1, out=lo)      # two single-purpose reductions beat aminmax(dim=1) 3x
-                torch.amax(rows, dim=1, out=hi)
-                squares.append(_sum_squares(rows))
-        return squares
-
-
-def _dense_values(g: torch.Tensor) -> torch.Tensor:
-    """A strided gradient as it is; a sparse one (``nn.Embedding(sparse=True)``) as its coalesced stored values,
-    which hold its abs max and its sum of squares (the implicit zeros change neither)."""
-    if g.layout == torch.strided:
-        return g
-    if g.layout == torch.sparse_coo:
-        return g.coalesce().values()
-    return g.values()                                # compressed layouts store each element once
-
-
-def _sum_squares(g: torch.Tensor) -> torch.Tensor:
-    """Sum of squares of a gradient, accumulated in at least float32 (a dot product: half the time of a norm)."""
-    if g.dtype in (torch.float32, torch.float64):
-        v = g.reshape(-1)
-        return torch.dot(v, v)
-    return torch.linalg.vector_norm(g, dtype=torch.float32).square()
-
-
-def _global_norm(squares: list[torch.Tensor]):
-    """L2 norm over all gradients from their sums of squares: a float on the CPU, else a device tensor."""
-    dev = squares[0].device
-    if all(K.on_host(q) for q in squares):
-        return math.sqrt(sum(q.item() for q in squares))
-    return torch.stack([q.to(dev, torch.float64) for q in squares]).sum().sqrt()
-
-
-def _sum_losses(losses: list):
-    """The step's loss, summed over micro-batches: a float when every part is on the CPU, else a device tensor."""
-    if not any(isinstance(v, torch.Tensor) and not K.on_host(v) for v in losses):
-        return sum(float(v) for v in losses)
-    dev = next(v.device for v in losses if isinstance(v, torch.Tensor) and not K.on_host(v))
-    parts = [v.to(dev, torch.float64) if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=torch.float64,
-                                                                                     device=dev) for v in losses]
-    return torch.stack(parts).sum()
-
-
-def _host_float64(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's values as a new float64 array (bf16, which numpy lacks, through its bits)."""
-    if t.dtype == torch.bfloat16:
-        bits = t.view(torch.int16).numpy().view(np.uint16).astype(np.uint32) << 16
-        return bits.view(np.float32).astype(np.float64)
-    return t.numpy().astype(np.float64)
 
 
 def _device_type(model) -> str | None:
