@@ -213,12 +213,6 @@ class Doctor:
                                                     ("" if key is t.dtype else f"@{t.device}"))
         return buf
 
-    def _peak(self, t: torch.Tensor) -> tuple[int, str]:
-        """Queue [min, max] of t; its position is (offset, mode) where the mode names the peak buffer."""
-        t = t.detach()
-        buf = self._buffer(t)
-        return buf.add(t if t.numel() else t.new_zeros(1)), buf.mode
-
     def _observe(self, t: torch.Tensor, want: str) -> tuple[int, str, int]:
         """Statistics of one tensor for this step ("p": peak, "f": full), computed once per tensor (a module's
         output is often the next module's input, and a container's output is its last child's). The hot path of
