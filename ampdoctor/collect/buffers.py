@@ -30,7 +30,7 @@ class PeakList:
         self.n = 0
 
     def add(self, t: torch.Tensor) -> int:
-        """[min, max] of a detached, non-empty tensor; returns its offset."""
+        """[min, max] of a detached, non-empty tensor; returns its offset (one call per observed tensor)."""
         n = self.n
         self.vals.extend(torch.aminmax(t))
         self.n = n + 2

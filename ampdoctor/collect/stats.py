@@ -138,12 +138,7 @@ def _count_from(bins: np.ndarray, lo_exp: int, hi_exp: int) -> np.ndarray:
 
 def merge(vectors: list[np.ndarray]) -> np.ndarray:
     """Combine full vectors of several tensors (module reuse, micro-batches) into one: sums add, maxima max."""
-    if len(vectors) == 1:
-        return vectors[0]
-    out = np.sum(vectors, axis=0)
-    out[3] = float(np.sqrt(sum(v[3] ** 2 for v in vectors)))   # l2 norms combine in quadrature
-    out[4] = max(v[4] for v in vectors)
-    return out
+    return merge_rows(np.stack(vectors), np.zeros(1, dtype=np.int64))[0]
 
 
 def merge_rows(mat: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -203,8 +198,3 @@ def derive(vec: np.ndarray, numel: int) -> tuple[dict, np.ndarray]:
     with np.errstate(all="ignore"):
         stats, bins = derive_many(np.asarray(vec, dtype=np.float64)[None, :], [numel])
     return {k: float(v[0]) for k, v in stats.items()}, bins[0]
-
-
-def finite_flags(vec: np.ndarray) -> tuple[float, float]:
-    """(nan count, inf count) of a full vector, for quick checks on the training thread."""
-    return float(vec[HEAD + KEY_NAN]), float(vec[HEAD + KEY_INF])
