@@ -6,8 +6,8 @@ of every variant in turn), so machine noise hits all of them alike. Printed per 
 all rounds (periodic costs such as ampdoctor's full-statistics steps included) and its ratio to the bare model,
 plus the median of the per-round ratios as a noise check.
 Each block ends by letting ampdoctor's writer catch up (timed, part of the block); the live-rules thread's share of
-the wall time is charged to its variant's steps. DebugUnderflowOverflow and wandb.watch run in groups of their own with their own
-baseline (wandb's service process would slow whatever runs next to it).
+the wall time is charged to its variant's steps. DebugUnderflowOverflow and wandb.watch run in groups of their own
+with their own baseline (wandb's service process would slow whatever runs next to it).
 Two floors frame the figures: the work the every-step figures need with no bookkeeping at all (hooks, one aminmax
 per tensor, the gradient norm) and the histogram alone that full statistics derive their counts from.
 Run: .venv/bin/python benchmarks/overhead.py [--rounds N] [--steps N] [--peers]
@@ -123,32 +123,35 @@ def setup_naive_item(r):
     return None
 
 
+def _every_tensor(r, on_tensor, at_step):
+    """Minimal hooks for the floors: ``on_tensor`` on every module output and its gradient (the root's output is
+    its last child's, so the root is left out: ampdoctor reduces it once too), ``at_step(params)`` after each step."""
+    def fwd(mod, args, out):
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            on_tensor(out.detach())
+            out.register_hook(on_tensor)
+    for name, m in r.model.named_modules():
+        if name:
+            m.register_forward_hook(fwd)
+    params = list(r.model.parameters())
+    r.step_hook = lambda loss: at_step(params)
+
+
 def setup_floor(r):
     """The least that "abs max of every activation and output gradient, every parameter gradient and the gradient
     norm, every step" costs with Python hooks on this machine: a forward hook and a tensor hook per module doing one
     aminmax each, one aminmax and one dot product per parameter gradient at the step. Nothing kept, no trace: the work
     the every-step figures need, without any bookkeeping."""
-    def on_grad(g):
-        torch.aminmax(g)
-
-    def fwd(mod, args, out):
-        if isinstance(out, torch.Tensor) and out.requires_grad:
-            torch.aminmax(out.detach())
-            out.register_hook(on_grad)
-    for name, m in r.model.named_modules():
-        if name:                # the root's output is its last child's: ampdoctor reduces it once too
-            m.register_forward_hook(fwd)
-    params = list(r.model.parameters())
-
-    def at_step(loss):
+    def at_step(params):
         squares = []
         for p in params:
             g = p.grad.reshape(-1)
             torch.aminmax(g)
             squares.append(torch.dot(g, g))        # half the time of a norm; ampdoctor does the same
         torch.stack(squares).sum().sqrt()
-    r.step_hook = at_step
-    return None
+    def peak(t):                    # a tensor hook must return None (or a replacement gradient)
+        torch.aminmax(t)
+    _every_tensor(r, peak, at_step)
 
 
 def setup_hist_floor(r):
@@ -159,20 +162,10 @@ def setup_hist_floor(r):
         key = (t.detach().float().reshape(-1).view(torch.int32) & 0x7FFFFFFF) >> 22
         torch.bincount(key, minlength=512)
 
-    def fwd(mod, args, out):
-        if isinstance(out, torch.Tensor) and out.requires_grad:
-            hist(out)
-            out.register_hook(hist)
-    for name, m in r.model.named_modules():
-        if name:
-            m.register_forward_hook(fwd)
-    params = list(r.model.parameters())
-
-    def at_step(loss):
+    def at_step(params):
         for p in params:
             hist(p.grad)
-    r.step_hook = at_step
-    return None
+    _every_tensor(r, hist, at_step)
 
 
 def measure(variants, rounds, steps):
