@@ -31,21 +31,38 @@ DEFAULT_HIST_EVERY = 200    # histograms stored every 200th step: 500 sites x 10
 DEFAULT_WEIGHT_EVERY = 200  # weights and updates change slowly, and an update needs a copy of the weights
 
 
-def _rank() -> int:
+def _dist() -> dict:
+    """rank, world size and local rank: torch.distributed's once initialised, else what torchrun put in the
+    environment (a doctor attached before ``init_process_group`` still gets its own rank)."""
+    env = os.environ
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
-    return 0
+        out = {"rank": torch.distributed.get_rank(), "world_size": torch.distributed.get_world_size(),
+               "backend": str(torch.distributed.get_backend())}
+    else:
+        try:
+            out = {"rank": int(env.get("RANK", 0)), "world_size": int(env.get("WORLD_SIZE", 1))}
+        except ValueError:
+            out = {"rank": 0, "world_size": 1}
+    if out["world_size"] > 1:
+        out["local_rank"] = int(env["LOCAL_RANK"]) if env.get("LOCAL_RANK", "").isdigit() else None
+        out["run_id"] = env.get("TORCHELASTIC_RUN_ID")        # torchrun's id, shared by the ranks of one job
+    return out
 
 
-def _free_path(path: str) -> str:
-    """``path``, or ``path`` with -1, -2, ... before the extension when it exists: never overwrite a trace."""
-    if not os.path.exists(path):
+def _trace_path(trace) -> str:
+    """The path this rank asks for: ``{rank}`` replaced; with several ranks and no ``{rank}``, ``.rank<N>`` added
+    before the extension, so that ranks never share a file (``runs/exp.db`` -> ``runs/exp.rank1.db``)."""
+    path = os.fspath(trace)
+    d = _dist()
+    if "{rank}" in path:
+        return path.replace("{rank}", str(d["rank"]))
+    if d["world_size"] <= 1:
         return path
     stem, ext = os.path.splitext(path)
-    i = 1
-    while os.path.exists(f"{stem}-{i}{ext}"):
-        i += 1
-    return f"{stem}-{i}{ext}"
+    if d["rank"] == 0:
+        warnings.warn(f"ampdoctor: {d['world_size']} ranks and no {{rank}} in trace={path!r}: each rank writes "
+                      f"its own file, {stem}.rank<N>{ext}", RuntimeWarning, stacklevel=5)
+    return f"{stem}.rank{d['rank']}{ext}"
 
 
 def _check_positive(name: str, value) -> None:
@@ -81,8 +98,7 @@ class Doctor:
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.every, self.hist_every, self.weight_every = every, hist_every, weight_every
         self._include, self._exclude = include, exclude
-        requested = os.fspath(trace).replace("{rank}", str(_rank()))
-        self.path = _free_path(requested)
+        requested = self.path = _trace_path(trace)
         self._handles = H.Handles()
         self._off = False
         self._warned = False
@@ -113,7 +129,8 @@ class Doctor:
         self._halted = False
 
         try:
-            self._writer = Writer(self.path)
+            self._writer = Writer(requested, free_name=True)    # never overwrites: an existing name gets -1, -2..
+            self.path = self._writer.path
         except Exception as exc:  # a read-only or full directory: warn, observe nothing, let training run
             self._writer = None
             self._off = True
@@ -619,7 +636,7 @@ class Doctor:
         import ampdoctor
         dev = _device_type(self.model) or "cpu"
         info = {"ampdoctor": ampdoctor.__version__, "torch": torch.__version__, "python": platform.python_version(),
-                "host": platform.node(), "pid": os.getpid(), "rank": _rank(), "started": time.time(),
+                "host": platform.node(), "pid": os.getpid(), **_dist(), "started": time.time(),
                 "model": type(self.model).__name__, "device": dev,
                 "params": int(sum(p.numel() for p in self.model.parameters())),
                 "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),

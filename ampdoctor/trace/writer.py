@@ -134,10 +134,38 @@ def _finite(p: float) -> bool:
     return not (math.isnan(p) or math.isinf(p))
 
 
+def free_names(path: str):
+    """``path``, then ``path`` with -1, -2, ... before the extension: the names a new trace may take."""
+    yield path
+    stem, ext = os.path.splitext(path)
+    i = 1
+    while True:
+        yield f"{stem}-{i}{ext}"
+        i += 1
+
+
+def _taken(path: str) -> bool:
+    """A trace, or what a killed one left next to its name (its -wal holds committed steps), is there."""
+    return any(os.path.lexists(path + suffix) for suffix in ("", "-wal", "-shm"))
+
+
+def _create(path: str) -> bool:
+    """Create ``path`` empty, exclusively: O_EXCL makes the existence check and the creation one step, so of two
+    processes asking for one name exactly one gets it. False when the name is taken."""
+    if _taken(path):
+        return False
+    try:
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644))
+    except FileExistsError:
+        return False
+    return True
+
+
 class Writer(threading.Thread):
-    def __init__(self, path: str):
+    def __init__(self, path: str, *, free_name: bool = False):
+        """``path``: the trace to create; FileExistsError when it exists, unless ``free_name``: then the first
+        free name of ``free_names(path)`` is taken (``self.path`` says which)."""
         super().__init__(name="ampdoctor-writer", daemon=True)
-        self.path = path
         self._items: deque = deque()
         self._wake = threading.Event()
         self.error: BaseException | None = None
@@ -147,20 +175,30 @@ class Writer(threading.Thread):
         self._site_names: dict[int, tuple[str, str]] = {}
         self._cached_layout = None
         self._skipped_total = 0
-        self._conn = self._open(path)
+        self.path = self._claim(path, free_name)
+        self._conn = self._open(self.path)
+
+    @staticmethod
+    def _claim(path: str, free_name: bool) -> str:
+        """Create the trace file of this process (exclusively) and return its name."""
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        for name in free_names(path) if free_name else (path,):
+            if _create(name):
+                return name
+        raise FileExistsError(f"{path} exists; ampdoctor never overwrites a trace")
 
     @staticmethod
     def _open(path: str) -> sqlite3.Connection:
-        d = os.path.dirname(os.path.abspath(path))
-        os.makedirs(d, exist_ok=True)
-        if os.path.exists(path):
-            raise FileExistsError(f"{path} exists; ampdoctor never overwrites a trace")
-        conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        """Lay out the trace in the empty file this process created; on failure remove that file and the -wal/-shm
+        SQLite made next to it (they cannot be another process's: the name was free and is ours), nothing else."""
+        conn = None
         try:
+            conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
             schema.create(conn)
         except BaseException:
-            conn.close()
-            for suffix in ("", "-wal", "-shm"):      # only what this call created: the path did not exist
+            if conn is not None:
+                conn.close()
+            for suffix in ("", "-wal", "-shm"):
                 try:
                     os.remove(path + suffix)
                 except OSError:
