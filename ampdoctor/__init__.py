@@ -7,7 +7,8 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .live import TrainingHalted
-from .trace import Trace, TraceError, load
+from .trace import Trace, TraceError
+from .trace.run import RankRun, load, load_run   # load: a file gives a Trace, a directory or glob of ranks a RankRun
 
 
 def attach(model, optimizer=None, scaler=None, trace: str = "runs/ampdoctor.db", **options):
@@ -31,5 +32,5 @@ from .keep_fp32 import keep_fp32  # noqa: E402
 from .replay import replay  # noqa: E402
 
 
-__all__ = ["attach", "load", "diagnose", "replay", "keep_fp32", "Trace", "TraceError", "Diagnosis",
+__all__ = ["attach", "load", "load_run", "RankRun", "diagnose", "replay", "keep_fp32", "Trace", "TraceError", "Diagnosis",
            "TrainingHalted", "__version__"]

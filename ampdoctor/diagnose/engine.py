@@ -18,7 +18,9 @@ import numpy as np
 import pandas as pd
 
 from .. import formats
-from ..trace import Trace, TraceError, load
+from ..trace import Trace, TraceError
+from ..trace.run import RankRun
+from ..trace.run import load as load_any
 
 SEVERITIES = ("info", "warning", "critical")
 _RANK = {s: i for i, s in enumerate(SEVERITIES)}
@@ -36,6 +38,7 @@ class Diagnosis:
     steps: list = field(default_factory=list)       # [first, last] step concerned ([] when not step-bound)
     evidence: dict = field(default_factory=dict)
     recommendation: str = ""
+    ranks: list = field(default_factory=list)       # the ranks concerned, in a multi-rank run ([]: one trace)
 
     def to_dict(self) -> dict:
         return _plain(asdict(self))
@@ -68,6 +71,7 @@ class Rule:
     id: str
     check: Callable
     about: str
+    scope: str = "trace"        # "ranks": runs once over all the ranks of a run (Run.ranks), see multirank.py
 
     @property
     def thresholds(self) -> dict:
@@ -77,12 +81,13 @@ class Rule:
 
 
 def finding(severity: str, title: str, summary: str, *, layers=(), steps=(), evidence=None,
-            recommendation: str = "") -> Diagnosis:
+            recommendation: str = "", ranks=()) -> Diagnosis:
     """A Diagnosis whose rule id the engine fills in."""
     if severity not in SEVERITIES:
         raise ValueError(f"Argument severity should be one of {', '.join(SEVERITIES)}, but given {severity!r}")
     return Diagnosis(rule="", severity=severity, title=title, summary=summary, layers=list(layers),
-                     steps=[int(s) for s in steps], evidence=dict(evidence or {}), recommendation=recommendation)
+                     steps=[int(s) for s in steps], evidence=dict(evidence or {}), recommendation=recommendation,
+                     ranks=[int(r) for r in ranks])
 
 
 class Run:
@@ -93,6 +98,7 @@ class Run:
         self.reference = reference          # a second run to compare with (slow-convergence)
         self._records: dict = {}
         self._sites: dict = {}
+        self.ranks: dict[int, Run] = {}     # every rank of the run, self included, for the rank rules
 
     # -- tables --------------------------------------------------------------------------------------------------
     @cached_property
@@ -110,6 +116,11 @@ class Run:
     @property
     def info(self) -> dict:
         return self.meta.get("run", {}) or {}
+
+    @property
+    def rank(self) -> int:
+        r = self.info.get("rank")
+        return r if isinstance(r, int) else 0
 
     def sites(self, kind: str) -> pd.DataFrame:
         if kind not in self._sites:
@@ -206,11 +217,11 @@ class Run:
         return [min(steps), max(steps)] if steps else []
 
 
-def _as_trace(obj, what: str) -> Trace:
-    if isinstance(obj, Trace):
+def _as_trace(obj, what: str) -> Trace | RankRun:
+    if isinstance(obj, (Trace, RankRun)):
         return obj
     if isinstance(obj, (str, os.PathLike)):
-        return load(obj)
+        return load_any(obj)
     raise TypeError(f"Argument {what} should be of type ampdoctor.Trace or a path (str), but given {type(obj)}")
 
 
@@ -250,6 +261,9 @@ def diagnose(trace_or_path, reference=None, rules: dict | None = None) -> list[D
     selected = resolve_rules(rules)
     tr = _as_trace(trace_or_path, "trace_or_path")
     ref = _as_trace(reference, "reference") if reference is not None else None
+    if isinstance(tr, RankRun) or isinstance(ref, RankRun):     # a directory or glob of one run's ranks
+        from .multirank import diagnose_ranks
+        return diagnose_ranks(tr, ref, selected)
     # One consistent state of each file: a trace being written grows between the reads of different tables.
     with tr.snapshot(), (ref.snapshot() if ref is not None else contextlib.nullcontext()):
         return _diagnose(tr, ref, selected)

@@ -1,0 +1,132 @@
+"""The per-rank traces of one distributed run, read together. Offline side: no torch import.
+
+Under torch.distributed every rank writes its own trace (its rank and the world size in the ``run`` metadata).
+``load_run`` takes a directory or a glob of such files and checks that they are the ranks of one run.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+from .reader import Trace
+from .reader import load as load_trace
+from .schema import TraceError
+
+TRACE_EXT = (".db", ".sqlite", ".sqlite3", ".trace")
+_GLOB = re.compile(r"[*?\[]")
+_RANK_DIGITS = re.compile(r"(rank)?\d+$", re.IGNORECASE)
+
+
+class RankRun:
+    """The traces of one run's ranks, by rank: ``run[1]`` is rank 1's Trace; iterating yields them in rank order."""
+
+    def __init__(self, source: str, traces: dict[int, Trace], world_size: int):
+        self.source = source
+        self.traces = dict(sorted(traces.items()))
+        self.world_size = world_size
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(self.traces)
+
+    @property
+    def missing(self) -> list[int]:
+        """Ranks of the world that have no trace here (a rank that never attached, or a file left out)."""
+        return [r for r in range(self.world_size) if r not in self.traces]
+
+    @property
+    def paths(self) -> dict[int, str]:
+        return {r: tr.path for r, tr in self.traces.items()}
+
+    def __getitem__(self, rank: int) -> Trace:
+        return self.traces[rank]
+
+    def __iter__(self):
+        return iter(self.traces.values())
+
+    def __len__(self) -> int:
+        return len(self.traces)
+
+    def items(self):
+        return self.traces.items()
+
+    def close(self) -> None:
+        for tr in self.traces.values():
+            tr.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RankRun({self.source!r}, ranks={self.ranks}, world_size={self.world_size})"
+
+
+def is_multi(spec) -> bool:
+    """A directory or a glob pattern (what ``load_run`` takes), as opposed to one trace file."""
+    spec = os.fspath(spec)
+    return os.path.isdir(spec) or (not os.path.exists(spec) and bool(_GLOB.search(spec)))
+
+
+def _files(spec: str) -> list[str]:
+    if os.path.isdir(spec):
+        names = sorted(os.path.join(spec, n) for n in os.listdir(spec) if n.lower().endswith(TRACE_EXT))
+        where = f"{spec}: no trace files ({', '.join('*' + e for e in TRACE_EXT)}) in this directory"
+    else:
+        names = sorted(glob.glob(spec))
+        where = f"{spec}: no file matches this pattern"
+    names = [n for n in names if os.path.isfile(n)]     # regular files only: a FIFO would block the open
+    if not names:
+        raise TraceError(where)
+    return names
+
+
+def _pattern(path: str) -> str:
+    """``runs/exp-1.db`` -> ``runs/exp-*.db``: the glob of the run a file belongs to, for error messages."""
+    stem, ext = os.path.splitext(path)
+    return _RANK_DIGITS.sub(lambda m: (m.group(1) or "") + "*", stem) + ext
+
+
+def load_run(spec: str | os.PathLike) -> RankRun:
+    """Open the per-rank traces of one run: a directory (its trace files) or a glob (``runs/exp-*.db``).
+
+    Raises TraceError with one line on a bad file, on no file at all, and when the files are not the ranks of one
+    run (two traces of one rank, different world sizes or torchrun run ids)."""
+    spec = os.fspath(spec)
+    traces: dict[int, Trace] = {}
+    worlds, ids = set(), set()
+    opened: list[Trace] = []
+    try:
+        for path in _files(spec):
+            tr = load_trace(path)
+            opened.append(tr)
+            run = tr.meta.get("run", {}) or {}
+            rank, world = run.get("rank", 0), run.get("world_size", 1)
+            if not isinstance(rank, int) or not isinstance(world, int) or rank < 0 or world < 1:
+                raise TraceError(f"{path}: rank {rank!r} / world size {world!r} in its metadata are not valid")
+            if rank in traces:
+                groups = sorted({_pattern(t.path) for t in opened})
+                hint = (f"it holds several runs ({', '.join(groups[:4])}); pass one run's files as a glob"
+                        if len(groups) > 1 else "pass a glob that matches one run's files")
+                raise TraceError(f"{spec}: two traces of rank {rank} ({traces[rank].path}, {path}): not the ranks "
+                                 f"of one run; {hint}")
+            traces[rank] = tr
+            worlds.add(max(world, rank + 1))
+            ids.add(run.get("run_id"))
+        if len(worlds) > 1 or len(ids - {None}) > 1:
+            raise TraceError(f"{spec}: these traces come from different runs (world sizes {sorted(worlds)}, "
+                             f"run ids {len(ids - {None})}); pass one run's files")
+    except BaseException:
+        for tr in opened:
+            tr.close()
+        raise
+    return RankRun(spec, traces, max(worlds))
+
+
+def load(spec: str | os.PathLike) -> Trace | RankRun:
+    """A trace file gives its Trace (exactly ``ampdoctor.trace.load``); a directory or glob gives the RankRun of
+    its per-rank traces. Raises TraceError with one line on bad input."""
+    return load_run(spec) if is_multi(spec) else load_trace(spec)

@@ -1,0 +1,86 @@
+"""A small DDP training run for ``torchrun --nproc_per_node=2`` (gloo, CPU, FP16 autocast + GradScaler), with
+faults injected on one rank only. Used by tests/distributed/test_torchrun.py; runnable by hand:
+
+    torchrun --nproc_per_node=2 tests/distributed/ddp_train.py --out runs/ddp
+
+Phase ``ddp`` (trace ``OUT/ddp-{rank}.db``): DistributedDataParallel; on ``--fault-rank`` one input element is
+blown up to FP16 overflow at ``--nan-steps`` and every batch waits ``--slow-ms`` for its data (a straggling input
+pipeline). Phase ``manual`` (trace ``OUT/manual.db``, no ``{rank}``: ampdoctor adds it): no DDP; gradients are
+averaged by hand *after* ``scaler.unscale_`` (a real bug: each rank's scaler judged its own gradients before the
+average), with the same overflow on ``--fault-rank``, so the ranks' loss scales part.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import ampdoctor
+
+
+def model_and_data(steps: int, seed: int):
+    torch.manual_seed(0)                     # the same initial weights on every rank (DDP also broadcasts them)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 1))
+    g = torch.Generator().manual_seed(seed)  # each rank its own shard
+    w = torch.randn(16, 1, generator=g)
+    data = []
+    for _ in range(steps):
+        x = torch.randn(16, 16, generator=g)
+        data.append((x, x @ w))
+    return model, data
+
+
+def train(phase: str, out: str, args, rank: int) -> None:
+    model, data = model_and_data(args.steps, seed=100 + rank)
+    net = torch.nn.parallel.DistributedDataParallel(model) if phase == "ddp" else model
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    # the manual phase starts calibrated, so that its first divergence is the injected fault's
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16 if phase == "ddp" else 2.0**10)
+    trace = os.path.join(out, "ddp-{rank}.db" if phase == "ddp" else "manual.db")
+    faulty = rank == args.fault_rank
+    with ampdoctor.attach(net, optimizer=opt, scaler=scaler, trace=trace, live=False):
+        for step, (x, y) in enumerate(data):
+            if faulty and phase == "ddp" and args.slow_ms:
+                time.sleep(args.slow_ms / 1000)              # this rank's input pipeline is slow
+            if faulty and step in args.nan_steps:
+                x = x.clone()
+                x[0, 0] = 1e6                                # -> Inf in FP16 in the first Linear
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.float16):
+                out_ = net(x)
+            loss = torch.nn.functional.mse_loss(out_.float(), y)
+            scaler.scale(loss).backward()
+            if phase == "manual":
+                scaler.unscale_(opt)                         # the bug: found_inf is judged per rank ...
+                for p in model.parameters():                 # ... before the gradients are averaged
+                    dist.all_reduce(p.grad)
+                    p.grad /= dist.get_world_size()
+            scaler.step(opt)
+            scaler.update()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--fault-rank", type=int, default=1)
+    ap.add_argument("--nan-steps", type=int, nargs="*", default=[6, 14])
+    ap.add_argument("--slow-ms", type=float, default=40.0)
+    ap.add_argument("--phases", nargs="+", default=["ddp", "manual"])
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        for phase in args.phases:
+            train(phase, args.out, args, dist.get_rank())
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
