@@ -15,6 +15,7 @@ import numpy as np
 
 from . import __version__
 from .trace import TraceError, load
+from .trace.run import is_multi
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 
@@ -56,6 +57,9 @@ def _share(count, numel) -> str:
 
 # -- info ------------------------------------------------------------------------------------------------------
 def cmd_info(args) -> int:
+    if is_multi(args.trace):                     # a directory or glob of one run's ranks
+        from .ranks_command import info_ranks
+        return info_ranks(args.trace)
     tr = load(args.trace)
     meta, cfg = tr.meta, tr.config
     steps = tr.steps()
@@ -196,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"ampdoctor {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sp = sub.add_parser("info", help="summary of a trace: steps, sites, precision, loss scale, first non-finite")
-    sp.add_argument("trace", help="trace file (.db)")
+    sp.add_argument("trace", nargs="+", help="trace file (.db), or a directory, glob or files of one run's ranks")
     sp.set_defaults(func=cmd_info)
     sp = sub.add_parser("layers", help="per-layer statistics of one step, the way one prints gradients layer by layer")
     sp.add_argument("trace", help="trace file (.db)")
@@ -222,6 +226,8 @@ def main(argv=None) -> int:
         if not getattr(args, "func", None):
             parser.print_help()
             return EXIT_OK
+        if isinstance(getattr(args, "trace", None), list) and len(args.trace) == 1:
+            args.trace = args.trace[0]           # one file, directory or quoted glob; several: one run's ranks
         return int(args.func(args) or EXIT_OK)
     except (TraceError, UsageError) as exc:
         print(f"ampdoctor: {exc}" if isinstance(exc, TraceError) else str(exc), file=sys.stderr)

@@ -50,11 +50,17 @@ def finding_html(d) -> str:
     span = f"steps {steps[0]}–{steps[1]}" if steps and len(steps) == 2 else ""
     ev = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in data.evidence_items(d))
     return (f'<div class="finding {sev}"><div><span class="sev">{sev}</span><span class="rule">'
-            f'{html.escape(str(d.rule))}</span></div><h3>{html.escape(str(d.title))}</h3>'
+            f'{html.escape(str(d.rule))}</span>{_ranks(d)}</div><h3>{html.escape(str(d.title))}</h3>'
             f"<p>{html.escape(str(getattr(d, 'summary', '') or ''))}</p>"
             f"<p><b>Layers:</b> {html.escape(layers)} {html.escape(span)}</p>"
             + (f"<table>{ev}</table>" if ev else "")
             + f"<h4>Recommendation</h4>{_md(getattr(d, 'recommendation', '') or '')}</div>")
+
+
+def _ranks(d) -> str:
+    """" · rank 1" for a finding of a multi-rank run."""
+    ranks = list(getattr(d, "ranks", None) or [])
+    return f" · rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else ""
 
 
 def _table(rows: list[dict]) -> str:

@@ -5,10 +5,12 @@ import os
 
 from ampdoctor.cli import UsageError
 from ampdoctor.trace import load
+from ampdoctor.trace.run import is_multi, load_run
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("trace", metavar="TRACE", help="trace file (.db)")
+    parser.add_argument("trace", metavar="TRACE", nargs="+",
+                        help="trace file (.db), or a directory, glob or files of one run's ranks (one report)")
     parser.add_argument("-o", "--output", metavar="HTML", default=None,
                         help="HTML file to write (default: TRACE with .html)")
     parser.add_argument("--reference", metavar="TRACE", default=None,
@@ -18,6 +20,8 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from .report import write_report
 
+    if is_multi(args.trace):
+        return _run_ranks(args)
     if not os.path.exists(args.trace):
         raise UsageError(f"ampdoctor report: {args.trace}: no such file")
     out = args.output or os.path.splitext(args.trace)[0] + ".html"
@@ -27,5 +31,24 @@ def run(args) -> int:
     tr = load(args.trace)
     ref = load(args.reference) if args.reference else None
     write_report(tr, out, ref)
+    print(f"wrote {out}")
+    return 0
+
+
+def _check_output(out: str) -> None:
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise UsageError(f"ampdoctor report: {parent}: no such directory for the output")
+
+
+def _run_ranks(args) -> int:
+    """The report of a multi-rank run: its ranks side by side and the findings naming them."""
+    from .rank_views import default_output, write_rank_report
+
+    with load_run(args.trace) as rr:
+        out = args.output or default_output(rr)
+        _check_output(out)
+        ref = load(args.reference) if args.reference else None
+        write_rank_report(rr, out, ref)
     print(f"wrote {out}")
     return 0

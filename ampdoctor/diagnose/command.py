@@ -9,7 +9,7 @@ from .registry import RULES
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("trace", help="trace file (.db)")
+    parser.add_argument("trace", nargs="+", help="trace file (.db), or a directory, glob or files of one run's ranks")
     parser.add_argument("--reference", default=None, metavar="TRACE",
                         help="a second trace to compare with (e.g. the same model in FP32)")
     parser.add_argument("--json", action="store_true", help="print a JSON list of findings")
@@ -33,12 +33,14 @@ def run(args) -> int:
 
 def report(path: str, findings) -> str:
     """The human-readable report: one block per finding, worst first."""
+    path = path if isinstance(path, str) else " ".join(path)
     if not findings:
         return f"{path}: no findings (rules run: {len(RULES)})"
     counts = {s: sum(d.severity == s for d in findings) for s in reversed(SEVERITIES)}
     lines = [f"{path}: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n)]
     for d in findings:
-        lines += ["", f"[{d.severity.upper()}] {d.rule}: {d.title}"]
+        ranks = f" (rank{'s' if len(d.ranks) > 1 else ''} {', '.join(map(str, d.ranks))})" if d.ranks else ""
+        lines += ["", f"[{d.severity.upper()}] {d.rule}{ranks}: {d.title}"]
         lines += textwrap.wrap(d.summary, 110, initial_indent="  ", subsequent_indent="  ")
         if d.layers:
             lines.append("  layers:   " + ", ".join(d.layers[:8]) + (" ..." if len(d.layers) > 8 else ""))

@@ -220,7 +220,7 @@ class Run:
 def _as_trace(obj, what: str) -> Trace | RankRun:
     if isinstance(obj, (Trace, RankRun)):
         return obj
-    if isinstance(obj, (str, os.PathLike)):
+    if isinstance(obj, (str, os.PathLike, list, tuple)):
         return load_any(obj)
     raise TypeError(f"Argument {what} should be of type ampdoctor.Trace or a path (str), but given {type(obj)}")
 

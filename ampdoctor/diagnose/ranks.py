@@ -69,7 +69,8 @@ def rank_nonfinite(run, *, min_steps=MIN_STEPS, critical_share=CRITICAL_SHARE):
     first = culprits[0]
     spread = ("every rank skipped these steps: the all-reduce carried the Inf/NaN to the others' gradients"
               if skipped_all else "the other ranks went on")
-    fix = (f"The inputs of {who} at steps {A.fmt_num(steps[0])}..{A.fmt_num(steps[-1])} are the first suspects "
+    at = f"step {steps[0]}" if len(steps) == 1 else f"steps {', '.join(map(str, steps[:8]))}"
+    fix = (f"The inputs of {who} at {at} are the first suspects "
            "(a corrupt file in its shard). Find them: log the sample indices of a non-finite step on that rank,\n"
            "if not torch.isfinite(loss):\n"
            f"    print(f\"rank {{dist.get_rank()}} step {{step}}: non-finite loss, samples {{batch_indices}}\")\n"

@@ -15,6 +15,7 @@ from .schema import TraceError
 
 TRACE_EXT = (".db", ".sqlite", ".sqlite3", ".trace")
 _GLOB = re.compile(r"[*?\[]")
+_SIDE_FILES = ("-wal", "-shm", "-journal")
 _RANK_DIGITS = re.compile(r"(rank)?\d+$", re.IGNORECASE)
 
 
@@ -66,17 +67,27 @@ class RankRun:
 
 
 def is_multi(spec) -> bool:
-    """A directory or a glob pattern (what ``load_run`` takes), as opposed to one trace file."""
+    """A directory, a glob pattern or a list of files (what ``load_run`` takes), as opposed to one trace file."""
+    if isinstance(spec, (list, tuple)):
+        return True
     spec = os.fspath(spec)
     return os.path.isdir(spec) or (not os.path.exists(spec) and bool(_GLOB.search(spec)))
 
 
-def _files(spec: str) -> list[str]:
-    if os.path.isdir(spec):
+def _files(spec) -> list[str]:
+    if isinstance(spec, (list, tuple)):
+        names = [os.fspath(p) for p in spec]
+        for n in names:
+            if not os.path.isfile(n):
+                raise TraceError(f"{n}: no such file" if not os.path.exists(n) else f"{n}: not a trace file")
+        if len(set(names)) < len(names):
+            raise TraceError("the same trace is given twice")
+        where = "no trace file given"
+    elif os.path.isdir(spec):
         names = sorted(os.path.join(spec, n) for n in os.listdir(spec) if n.lower().endswith(TRACE_EXT))
         where = f"{spec}: no trace files ({', '.join('*' + e for e in TRACE_EXT)}) in this directory"
     else:
-        names = sorted(glob.glob(spec))
+        names = sorted(n for n in glob.glob(spec) if not n.endswith(_SIDE_FILES))    # SQLite's, not traces
         where = f"{spec}: no file matches this pattern"
     names = [n for n in names if os.path.isfile(n)]     # regular files only: a FIFO would block the open
     if not names:
@@ -90,17 +101,26 @@ def _pattern(path: str) -> str:
     return _RANK_DIGITS.sub(lambda m: (m.group(1) or "") + "*", stem) + ext
 
 
-def load_run(spec: str | os.PathLike) -> RankRun:
-    """Open the per-rank traces of one run: a directory (its trace files) or a glob (``runs/exp-*.db``).
+def _label(spec) -> str:
+    if not isinstance(spec, (list, tuple)):
+        return os.fspath(spec)
+    names = [os.fspath(p) for p in spec]
+    return " ".join(names) if len(names) <= 3 else f"{names[0]} ... ({len(names)} files)"
+
+
+def load_run(spec) -> RankRun:
+    """Open the per-rank traces of one run: a directory (its trace files), a glob (``runs/exp-*.db``) or a list
+    of trace files (what a shell makes of an unquoted glob).
 
     Raises TraceError with one line on a bad file, on no file at all, and when the files are not the ranks of one
     run (two traces of one rank, different world sizes or torchrun run ids)."""
-    spec = os.fspath(spec)
+    files = _files(spec)
+    spec = _label(spec)
     traces: dict[int, Trace] = {}
     worlds, ids = set(), set()
     opened: list[Trace] = []
     try:
-        for path in _files(spec):
+        for path in files:
             tr = load_trace(path)
             opened.append(tr)
             run = tr.meta.get("run", {}) or {}
@@ -126,7 +146,7 @@ def load_run(spec: str | os.PathLike) -> RankRun:
     return RankRun(spec, traces, max(worlds))
 
 
-def load(spec: str | os.PathLike) -> Trace | RankRun:
-    """A trace file gives its Trace (exactly ``ampdoctor.trace.load``); a directory or glob gives the RankRun of
-    its per-rank traces. Raises TraceError with one line on bad input."""
+def load(spec) -> Trace | RankRun:
+    """A trace file gives its Trace (exactly ``ampdoctor.trace.load``); a directory, glob or list of files gives
+    the RankRun of its per-rank traces. Raises TraceError with one line on bad input."""
     return load_run(spec) if is_multi(spec) else load_trace(spec)

@@ -1,0 +1,105 @@
+"""The ranks of one distributed run side by side: a table, per-rank line figures (pure plotly) and the HTML report
+of the whole run (its findings name the ranks). Used by ``ampdoctor report DIR_OR_GLOB`` and the dashboard."""
+from __future__ import annotations
+
+import html
+import os
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.offline import get_plotlyjs
+
+from ampdoctor import __version__
+from ampdoctor.diagnose import diagnose
+
+from . import data, figures
+from .report import _CSS, _fig, finding_html
+
+MAX_RANK_LINES = 16        # more lines than this are unreadable; the table still lists every rank
+_PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
+
+
+def rank_rows(rr) -> list[dict]:
+    """One row per rank: steps, skipped, non-finite steps, last loss scale, median step time and data wait."""
+    rows = []
+    for rank, tr in rr.items():
+        st = tr.steps()
+        scale = st["loss_scale_next"].dropna()
+        rows.append({"rank": rank, "steps": len(st), "skipped": int(st["skipped"].sum()),
+                     "non-finite": int(st["nonfinite"].sum()),
+                     "loss scale last": f"{scale.iloc[-1]:g}" if len(scale) else "-",
+                     "step time (median)": f"{st['step_time'].median():.3g} s" if len(st) else "-",
+                     "data wait (median)": f"{st['data_time'].median():.3g} s" if len(st) else "-",
+                     "host": str((tr.meta.get("run", {}) or {}).get("host", "?")),
+                     "trace": os.path.basename(tr.path)})
+    return rows
+
+
+def ranks_figure(series, title: str, y_title: str, log2: bool = False) -> go.Figure:
+    """``series``: list of (rank, steps, values); one line per rank (the first MAX_RANK_LINES)."""
+    fig = go.Figure(layout=dict(figures._LAYOUT, title=title, xaxis_title="step", yaxis_title=y_title))
+    for i, (rank, steps, values) in enumerate(series[:MAX_RANK_LINES]):
+        y = np.asarray(values, dtype=float)
+        if log2:
+            y = np.where(np.isfinite(y) & (y > 0), np.log2(np.where(y > 0, y, 1.0)), np.nan)
+        x, yy = figures.downsample(np.asarray(steps), figures._finite(y))
+        fig.add_scatter(x=x, y=yy, mode="lines", name=f"rank {rank}", line=dict(color=_PALETTE[i % len(_PALETTE)],
+                                                                                 shape="hv" if log2 else "linear"))
+    return fig
+
+
+def rank_figures(rr) -> list:
+    """Loss, loss scale (log2), step time and data wait of every rank, one figure each."""
+    per = [(rank, tr.steps()) for rank, tr in rr.items()]
+
+    def series(col):
+        return [(rank, st["step"], st[col]) for rank, st in per]
+
+    return [ranks_figure(series("loss"), "Loss per rank", "loss"),
+            ranks_figure(series("loss_scale"), "Loss scale per rank (log2)", "log2 loss scale", log2=True),
+            ranks_figure(series("step_time"), "Step time per rank", "seconds"),
+            ranks_figure(series("data_time"), "Data wait per rank", "seconds")]
+
+
+def _table(rows: list[dict]) -> str:
+    head = "".join(f"<th>{html.escape(k)}</th>" for k in rows[0])
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in r.values()) + "</tr>" for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def build_rank_report(rr, reference=None) -> str:
+    """The report of a multi-rank run as one HTML string: ranks, findings (naming their ranks), figures."""
+    found = diagnose(rr, reference=reference) if any(tr.n_steps for tr in rr) else []
+    fhtml = "\n".join(finding_html(d) for d in found) or "<p>No findings: nothing in these traces trips a rule.</p>"
+    missing = (f"<p class=bad>No trace for rank(s) {', '.join(map(str, rr.missing))}.</p>" if rr.missing else "")
+    figs = "\n".join(f"<div>{_fig(f)}</div>" for f in rank_figures(rr))
+    title = f"ampdoctor report — {len(rr)} ranks of {html.escape(os.path.basename(str(rr.source)) or rr.source)}"
+    n_crit = sum(1 for d in found if d.severity == "critical")
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{title}</title>
+<style>{_CSS}</style>
+<script type="text/javascript">{get_plotlyjs()}</script>
+</head><body>
+<h1>{title}</h1>
+<p>ampdoctor {__version__} · world size {rr.world_size} · {len(found)} finding(s){f", {n_crit} critical" if n_crit else ""}</p>
+<h2>Ranks</h2>{_table(rank_rows(rr))}{missing}
+<h2>Findings</h2>{fhtml}
+<h2>Figures</h2>{figs}
+<p>Each rank's own report: <code>ampdoctor report {html.escape(rr[rr.ranks[0]].path)}</code>.</p>
+</body></html>
+"""
+
+
+def default_output(rr) -> str:
+    """``runs/exp-0.db, runs/exp-1.db`` -> ``runs/exp-ranks.html``."""
+    stem = os.path.splitext(rr[rr.ranks[0]].path)[0]
+    base = data._RANK.sub("", stem)
+    base = base.rstrip("0123456789").rstrip("._-") if base == stem else base
+    return (base or stem) + "-ranks.html"
+
+
+def write_rank_report(rr, out: str, reference=None) -> str:
+    text = build_rank_report(rr, reference)
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(text)
+    return out
