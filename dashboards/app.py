@@ -19,7 +19,7 @@ from dash.exceptions import DependencyException
 
 from ampdoctor.trace import TraceError, load
 
-from . import data, ids
+from . import data, ids, ranks
 from .pages import compare, layer, layers, overview, precision, whatif
 from .pages.common import href, parse_search
 
@@ -44,7 +44,7 @@ _CSS = {
 class Context:
     """What one app serves: the runs under its root, opened traces, and results cached per trace length."""
 
-    def __init__(self, root: str, reference: str | None = None, poll_ms: int = 1500):
+    def __init__(self, root: str, reference: str | None = None, poll_ms: int = 1500, files: set | None = None):
         self.root = os.path.realpath(root)
         self.reference_path = reference
         self.poll_ms = poll_ms
@@ -53,13 +53,15 @@ class Context:
         self._cache: dict = {}
         self._runs: tuple[float, dict] = (0.0, {})
         self._findings: dict = {}       # run key -> (steps, time, (findings, error))
+        self.files = files              # a glob or list of one run's files: only these are served
+        self._rank_meta: dict = {}      # path -> (rank, world size) from the trace's metadata
 
     def runs(self) -> dict:
         """Traces under the root (rescanned at most every second, so new runs show up)."""
         with self._lock:
             stamp, runs = self._runs
             if time.monotonic() - stamp > 1.0:
-                runs = data.discover_runs(self.root)
+                runs = ranks.with_ranks(data.discover_runs(self.root), self._rank_meta, self.files)
                 self._runs = (time.monotonic(), runs)
             return runs
 
@@ -128,7 +130,8 @@ class Context:
             return last[2]
         ref = self.trace(REFERENCE_KEY) if self.reference_path and key != REFERENCE_KEY else None
         try:
-            result = (data.findings(tr, ref), None)
+            found = data.findings(tr, ref) + ranks.group_findings(self, key)     # + the run's rank rules
+            result = (sorted(found, key=lambda d: data.SEVERITY_ORDER.get(d.severity, 3)), None)
         except Exception as exc:        # noqa: BLE001 - someone else's rule must not take the dashboard down
             result = ([], f"{type(exc).__name__}: {exc}")
         with self._lock:
@@ -179,9 +182,10 @@ def render(ctx: Context, pathname: str | None, search: str | None):
     return head, PAGES[pathname][1].layout(ctx, run, query)
 
 
-def create_app(root: str, reference: str | None = None, poll_ms: int = 1500) -> dash.Dash:
-    """A Dash app serving the traces at or under ``root`` (nothing else on the file system)."""
-    ctx = Context(root, reference, poll_ms)
+def create_app(root: str, reference: str | None = None, poll_ms: int = 1500, files=None) -> dash.Dash:
+    """A Dash app serving the traces at or under ``root`` (nothing else on the file system), only ``files``
+    (real paths) when given."""
+    ctx = Context(root, reference, poll_ms, files)
     app = dash.Dash(__name__, title="ampdoctor", suppress_callback_exceptions=True,
                     assets_folder=os.path.join(os.path.dirname(__file__), "assets"), serve_locally=True,
                     update_title=None)

@@ -8,13 +8,15 @@ import sys
 
 from ampdoctor.cli import UsageError
 from ampdoctor.trace import load
+from ampdoctor.trace.run import is_multi, load_run
 
 LOOPBACK = ("localhost",)
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("path", metavar="TRACE_OR_DIR",
-                        help="a trace file, or a directory: every trace under it (a run picker)")
+    parser.add_argument("path", metavar="TRACE_OR_DIR", nargs="+",
+                        help="a trace file, or a directory: every trace under it (a run picker), or a glob or "
+                             "files of one run's ranks")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8050, help="port (default 8050)")
@@ -35,6 +37,12 @@ def is_loopback(host: str) -> bool:
 
 def check(args):
     """Validate the arguments: a missing path or a bad trace is a one-line error (exit 2)."""
+    if len(args.path) == 1:
+        args.path = args.path[0]
+    if is_multi(args.path) and (isinstance(args.path, list) or not os.path.isdir(args.path)):   # a glob, files
+        with load_run(args.path) as rr:
+            args.files = {os.path.realpath(p) for p in rr.paths.values()}
+        args.path = os.path.commonpath([os.path.dirname(p) for p in args.files])
     if not os.path.exists(args.path):
         raise UsageError(f"ampdoctor serve: {args.path}: no such file or directory")
     if os.path.isfile(args.path):
@@ -53,7 +61,8 @@ def run(args) -> int:
     check(args)
     from .app import create_app
 
-    app = create_app(args.path, reference=args.reference, poll_ms=int(args.poll * 1000))
+    app = create_app(args.path, reference=args.reference, poll_ms=int(args.poll * 1000),
+                     files=getattr(args, "files", None))
     if os.path.isdir(args.path) and not app.ampdoctor.runs():
         print(f"ampdoctor serve: no traces under {args.path} yet; they appear as training writes them",
               file=sys.stderr)

@@ -84,6 +84,12 @@ def _rank(stem: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def ranks_label(d) -> str:
+    """"rank 1" / "ranks 0, 1" for a finding of a multi-rank run, "" for one trace."""
+    ranks = list(getattr(d, "ranks", None) or [])
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else ""
+
+
 def run_label(run: Run) -> str:
     return run.group if run.rank is None else f"{run.group} (rank {run.rank})"
 

@@ -59,8 +59,8 @@ def finding_html(d) -> str:
 
 def _ranks(d) -> str:
     """" · rank 1" for a finding of a multi-rank run."""
-    ranks = list(getattr(d, "ranks", None) or [])
-    return f" · rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else ""
+    label = data.ranks_label(d)
+    return f" · {html.escape(label)}" if label else ""
 
 
 def _table(rows: list[dict]) -> str:

@@ -54,6 +54,24 @@ def diagnose_ranks(tr, ref, selected) -> list[Diagnosis]:
     return out
 
 
+def rank_findings(rr: RankRun, rules: dict | None = None) -> list[Diagnosis]:
+    """Only the rank rules over a RankRun (the dashboard adds them to each rank's own findings)."""
+    selected = [(rule, over) for rule, over in engine.resolve_rules(rules) if rule.scope == "ranks"]
+    with contextlib.ExitStack() as stack:
+        for t in rr:
+            stack.enter_context(t.snapshot())
+        runs = {rank: Run(t) for rank, t in rr.items()}
+        for run in runs.values():
+            run.ranks = runs
+        out = []
+        for rule, over in selected:
+            result = rule.check(runs[min(runs)], **over)
+            for d in ([] if result is None else result if isinstance(result, list) else [result]):
+                if d.evidence:
+                    out.append(replace(d, rule=rule.id, evidence=engine._py(d.evidence)))
+    return out
+
+
 def _merge(found: list[tuple[int, Diagnosis]]) -> list[Diagnosis]:
     """One finding per rule, title and culprit layers: the worst rank's (lowest rank on a tie), naming every
     rank it fired on; its evidence is that rank's, and says so."""

@@ -65,7 +65,8 @@ def finding_card(d, run: str, links: dict):
     return html.Div([
         html.Div([html.Span(sev.upper(), className="severity",
                             style={"color": color, "fontWeight": "bold", "marginRight": "0.8em"}),
-                  html.Code(str(d.rule), className="rule-id")]),
+                  html.Code(str(d.rule), className="rule-id"),
+                  html.Span(data.ranks_label(d), className="ranks", style={"marginLeft": "0.8em"})]),
         html.H4(str(d.title), style={"margin": "0.3em 0"}),
         html.P(str(getattr(d, "summary", "") or "")),
         html.P([html.B("Layers: "), *(layer_els or ["-"]),
