@@ -7,11 +7,15 @@ Phase ``ddp`` (trace ``OUT/ddp-{rank}.db``): DistributedDataParallel; on ``--fau
 blown up to FP16 overflow at ``--nan-steps`` and every batch waits ``--slow-ms`` for its data (a straggling input
 pipeline). Phase ``manual`` (trace ``OUT/manual.db``, no ``{rank}``: ampdoctor adds it): no DDP; gradients are
 averaged by hand *after* ``scaler.unscale_`` (a real bug: each rank's scaler judged its own gradients before the
-average), with the same overflow on ``--fault-rank``, so the ranks' loss scales part.
+average), with the same overflow on ``--fault-rank``, so the ranks' loss scales part. Phase ``fixed`` (trace
+``OUT/fixed-{rank}.db``): as ``manual``, but the backward-to-update lines are the code in ``--step-code`` (the fix a
+diagnosis printed), run as written. Each phase also writes the scale GradScaler really had after every update to
+``OUT/scales-PHASE-RANK.json``: the reference the traces are compared with.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -37,11 +41,13 @@ def model_and_data(steps: int, seed: int):
 def train(phase: str, out: str, args, rank: int) -> None:
     model, data = model_and_data(args.steps, seed=100 + rank)
     net = torch.nn.parallel.DistributedDataParallel(model) if phase == "ddp" else model
+    step_code = compile(open(args.step_code).read(), args.step_code, "exec") if phase == "fixed" else None
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     # the manual phase starts calibrated, so that its first divergence is the injected fault's
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16 if phase == "ddp" else 2.0**10)
-    trace = os.path.join(out, "ddp-{rank}.db" if phase == "ddp" else "manual.db")
     faulty = rank == args.fault_rank
+    trace = os.path.join(out, {"ddp": "ddp-{rank}.db", "manual": "manual.db", "fixed": "fixed-{rank}.db"}[phase])
+    scales = []
     with ampdoctor.attach(net, optimizer=opt, scaler=scaler, trace=trace, live=False):
         for step, (x, y) in enumerate(data):
             if faulty and phase == "ddp" and args.slow_ms:
@@ -53,6 +59,11 @@ def train(phase: str, out: str, args, rank: int) -> None:
             with torch.autocast("cpu", dtype=torch.float16):
                 out_ = net(x)
             loss = torch.nn.functional.mse_loss(out_.float(), y)
+            if step_code is not None:
+                exec(step_code, {"scaler": scaler, "loss": loss, "model": model, "opt": opt, "dist": dist,
+                                 "torch": torch})
+                scales.append(scaler.get_scale())
+                continue
             scaler.scale(loss).backward()
             if phase == "manual":
                 scaler.unscale_(opt)                         # the bug: found_inf is judged per rank ...
@@ -61,6 +72,9 @@ def train(phase: str, out: str, args, rank: int) -> None:
                     p.grad /= dist.get_world_size()
             scaler.step(opt)
             scaler.update()
+            scales.append(scaler.get_scale())
+    with open(os.path.join(out, f"scales-{phase}-{rank}.json"), "w") as f:
+        json.dump(scales, f)
 
 
 def main() -> None:
@@ -71,6 +85,7 @@ def main() -> None:
     ap.add_argument("--nan-steps", type=int, nargs="*", default=[6, 14])
     ap.add_argument("--slow-ms", type=float, default=40.0)
     ap.add_argument("--phases", nargs="+", default=["ddp", "manual"])
+    ap.add_argument("--step-code", default=None, help="phase fixed: the lines from backward() to update()")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
