@@ -93,7 +93,8 @@ def test_bad_files_raise_trace_error_with_one_line(tmp_path, good_trace):
     c.commit()
     c.close()
     cases["newer"] = (str(tmp_path / "newer.db"), "newer than this ampdoctor reads")
-    cases["directory"] = (str(tmp_path), "is a directory")
+    (tmp_path / "no-traces").mkdir()        # a directory is read as one run's ranks: here it holds none
+    cases["directory"] = (str(tmp_path / "no-traces"), "no trace files")
     for name, (path, message) in cases.items():
         before = open(path, "rb").read() if os.path.isfile(path) else None
         with pytest.raises(ampdoctor.TraceError) as info:

@@ -29,7 +29,8 @@ def test_json(traces, capsys):
     data = json.loads(capsys.readouterr().out)
     assert [d["rule"] for d in data] == ["amp-inactive"]
     assert set(data[0]) == {"rule", "severity", "title", "summary", "layers", "steps", "evidence",
-                            "recommendation"}
+                            "recommendation", "ranks"}
+    assert data[0]["ranks"] == []                   # one trace: no ranks to name
 
 
 def test_disable(traces, capsys):

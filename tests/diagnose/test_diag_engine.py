@@ -9,7 +9,7 @@ from ampdoctor.diagnose import RULES, Diagnosis
 from ampdoctor.diagnose import engine, registry
 from ampdoctor.diagnose.engine import Rule, finding
 
-FIELDS = ["rule", "severity", "title", "summary", "layers", "steps", "evidence", "recommendation"]
+FIELDS = ["rule", "severity", "title", "summary", "layers", "steps", "evidence", "recommendation", "ranks"]
 
 
 def test_diagnosis_fields_as_in_the_issue():
