@@ -117,11 +117,6 @@ class Run:
     def info(self) -> dict:
         return self.meta.get("run", {}) or {}
 
-    @property
-    def rank(self) -> int:
-        r = self.info.get("rank")
-        return r if isinstance(r, int) else 0
-
     def sites(self, kind: str) -> pd.DataFrame:
         if kind not in self._sites:
             self._sites[kind] = self.trace.sites(kind)

@@ -174,17 +174,18 @@ def rank_straggler(run, *, min_lag_share=MIN_LAG_SHARE, slow_ratio=SLOW_RATIO, w
     if len(med) < 2:
         return None
     step_all = float(np.median([m["step"] for m in med.values()]))
-    worst, kind, lag = None, None, 0.0
+    data_lag, step_ratio = {}, {}
     for r, m in med.items():
         others = [o for q, o in med.items() if q != r]
-        data_lag = m["data"] - float(np.median([o["data"] for o in others]))
-        step_ratio = m["step"] / max(float(np.median([o["step"] for o in others])), 1e-9)
-        if data_lag >= min_lag_share * step_all and data_lag > lag:
-            worst, kind, lag = r, "data", data_lag
-        elif step_ratio >= slow_ratio and kind != "data" and step_ratio - 1 > lag:
-            worst, kind, lag = r, "compute", step_ratio - 1
-    if worst is None:
-        return None
+        data_lag[r] = m["data"] - float(np.median([o["data"] for o in others]))
+        step_ratio[r] = m["step"] / max(float(np.median([o["step"] for o in others])), 1e-9)
+    worst = max(data_lag, key=data_lag.get)                 # a late input pipeline first: it explains the rest
+    kind, lag = "data", data_lag[worst]
+    if lag < min_lag_share * step_all:
+        worst = max(step_ratio, key=step_ratio.get)
+        kind, lag = "compute", step_ratio[worst] - 1
+        if step_ratio[worst] < slow_ratio:
+            return None
     m = med[worst]
     ev = {"rank": worst, "step_time_median_s": {f"rank {r}": v["step"] for r, v in med.items()},
           "data_time_median_s": {f"rank {r}": v["data"] for r, v in med.items()},

@@ -85,6 +85,12 @@ def test_rank_rules_name_rank_1(ddp_run, capsys):
     assert st.ranks == [1] and "input pipeline" in st.title
     assert st.evidence["data_time_median_s"]["rank 1"] >= 0.035 > st.evidence["data_time_median_s"]["rank 0"]
     assert "rank-scale-divergence" not in found       # DDP: every rank's scaler saw the all-reduced Inf
+    lag = st.evidence["data_time_median_s"]["rank 1"] - st.evidence["data_time_median_s"]["rank 0"]
+    share = lag / min(st.evidence["step_time_median_s"].values())
+    # rank rules are disabled and re-thresholded by id, like any rule
+    quieter = {d.rule for d in ampdoctor.diagnose(str(out / "ddp-*.db"), rules={
+        "rank-nonfinite": None, "rank-straggler": {"min_lag_share": min(share * 1.2, 0.999)}})}
+    assert not quieter & {"rank-nonfinite", "rank-straggler"} and "forward-overflow" in quieter
     assert found["forward-overflow"].ranks == [1]     # a per-rank finding says which rank it fired on
     assert not any(0 in d.ranks for d in found.values() if d.rule.startswith("rank-"))
     # the single traces know nothing of the other rank: the rank rules stay silent there
@@ -112,6 +118,7 @@ def test_scale_divergence_names_rank_1_and_its_printed_fix_works(ddp_run, tmp_pa
     torchrun(tmp_path, "--phases", "fixed", "--step-code", str(tmp_path / "step.py"), "--slow-ms", "0")
     fixed = {d.rule: d for d in ampdoctor.diagnose(str(tmp_path / "fixed-*.db"))}
     assert "rank-scale-divergence" not in fixed and "loss-scale-collapse" not in fixed
+    assert "rank-straggler" not in fixed                   # --slow-ms 0: two concurrent ranks at one pace
     assert fixed["rank-nonfinite"].ranks == [1]            # rank 1's data is still bad: that finding stays
     assert _real_scales(tmp_path, "fixed", 0) == _real_scales(tmp_path, "fixed", 1)
     for r in (0, 1):
