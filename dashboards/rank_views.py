@@ -11,6 +11,7 @@ from plotly.offline import get_plotlyjs
 
 from ampdoctor import __version__
 from ampdoctor.diagnose import diagnose
+from ampdoctor.trace.run import run_pattern
 
 from . import data, figures
 from .report import _CSS, _fig, finding_html
@@ -73,7 +74,8 @@ def build_rank_report(rr, reference=None) -> str:
     fhtml = "\n".join(finding_html(d) for d in found) or "<p>No findings: nothing in these traces trips a rule.</p>"
     missing = (f"<p class=bad>No trace for rank(s) {', '.join(map(str, rr.missing))}.</p>" if rr.missing else "")
     figs = "\n".join(f"<div>{_fig(f)}</div>" for f in rank_figures(rr))
-    title = f"ampdoctor report — {len(rr)} ranks of {html.escape(os.path.basename(str(rr.source)) or rr.source)}"
+    name = os.path.basename(run_pattern(rr[rr.ranks[0]].path))
+    title = f"ampdoctor report — {len(rr)} ranks of {html.escape(name)}"
     n_crit = sum(1 for d in found if d.severity == "critical")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{title}</title>

@@ -71,11 +71,10 @@ def rank_nonfinite(run, *, min_steps=MIN_STEPS, critical_share=CRITICAL_SHARE):
               if skipped_all else "the other ranks went on")
     at = f"step {steps[0]}" if len(steps) == 1 else f"steps {', '.join(map(str, steps[:8]))}"
     fix = (f"The inputs of {who} at {at} are the first suspects "
-           "(a corrupt file in its shard). Find them: log the sample indices of a non-finite step on that rank,\n"
-           "if not torch.isfinite(loss):\n"
-           f"    print(f\"rank {{dist.get_rank()}} step {{step}}: non-finite loss, samples {{batch_indices}}\")\n"
-           "and check the data before it reaches the model:\n"
-           "assert torch.isfinite(x).all(), batch_indices\n"
+           "(a corrupt file in its shard). Find them: on that rank, log the samples of a step whose input or loss "
+           "is not finite,\n"
+           "if not (torch.isfinite(x).all() and torch.isfinite(loss)):\n"
+           f"    print(f\"rank {{dist.get_rank()}} step {{step}}: non-finite, samples {{batch_indices}}\")\n"
            f"If the same rank goes bad again with the shards swapped (e.g. DistributedSampler(..., seed=1)), its "
            f"device is at fault: run the vendor's diagnostic on it (nvidia-smi -q -d ECC, dcgmi diag -r 3) and "
            f"train without it.")

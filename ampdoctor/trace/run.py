@@ -95,7 +95,7 @@ def _files(spec) -> list[str]:
     return names
 
 
-def _pattern(path: str) -> str:
+def run_pattern(path: str) -> str:
     """``runs/exp-1.db`` -> ``runs/exp-*.db``: the glob of the run a file belongs to, for error messages."""
     stem, ext = os.path.splitext(path)
     return _RANK_DIGITS.sub(lambda m: (m.group(1) or "") + "*", stem) + ext
@@ -128,7 +128,7 @@ def load_run(spec) -> RankRun:
             if not isinstance(rank, int) or not isinstance(world, int) or rank < 0 or world < 1:
                 raise TraceError(f"{path}: rank {rank!r} / world size {world!r} in its metadata are not valid")
             if rank in traces:
-                groups = sorted({_pattern(t.path) for t in opened})
+                groups = sorted({run_pattern(t.path) for t in opened})
                 hint = (f"it holds several runs ({', '.join(groups[:4])}); pass one run's files as a glob"
                         if len(groups) > 1 else "pass a glob that matches one run's files")
                 raise TraceError(f"{spec}: two traces of rank {rank} ({traces[rank].path}, {path}): not the ranks "
