@@ -138,3 +138,12 @@ def test_report_and_dashboard_read_the_run(ddp_run, tmp_path, capsys):
     assert (runs["ddp-1.db"].group, runs["ddp-1.db"].rank) == ("ddp", 1)
     found, error = ctx.findings_and_error("ddp-0.db")     # rank 0's page shows the run's rank findings too
     assert error is None and {"rank-nonfinite", "rank-straggler"} <= {d.rule for d in found}
+    # serve a glob of one run: only its files are served (the manual run next to them is not)
+    from ampdoctor.cli import build_parser
+    from ampdoctor.dashboards.command import check
+    args = build_parser().parse_args(["serve", str(out / "ddp-0.db"), str(out / "ddp-1.db")])
+    check(args)
+    assert set(create_app(args.path, files=args.files).ampdoctor.runs()) == {"ddp-0.db", "ddp-1.db"}
+    assert cli(["serve", str(out / "*.db")]) == 2          # two runs in one glob: one line, no server
+    err = capsys.readouterr().err
+    assert "two traces of rank 0" in err and err.count("\n") == 1
