@@ -42,9 +42,10 @@ def _local_nonfinite(run) -> dict[int, str | None]:
     for e in ev[ev["phase"] == "fwd"].itertuples():
         out.setdefault(int(e.step), e.path if isinstance(e.path, str) else None)
     st = run.steps
-    bad = st["step"][~np.isfinite(st["loss"].to_numpy(dtype=float)) & st["loss"].notna()]
-    for s in bad:
-        out.setdefault(int(s), None)
+    loss = st["loss"].to_numpy(dtype=float)
+    if np.isfinite(loss).any():        # a NaN loss reads as missing: count it only where the run logs losses
+        for s in st["step"][~np.isfinite(loss)]:
+            out.setdefault(int(s), None)
     return out
 
 
@@ -85,7 +86,7 @@ def rank_nonfinite(run, *, min_steps=MIN_STEPS, critical_share=CRITICAL_SHARE):
         f"(of {n_steps} compared) where the other ranks computed finite values on their own data; {spread}.",
         layers=layers, steps=[steps[0], steps[-1]], ranks=culprits,
         evidence={"ranks": culprits,
-                  "steps_nonfinite_by_rank": {f"rank {r}": len(v) for r, v in local.items()},
+                  "steps_nonfinite_by_rank": {f"rank {r}": sum(s < n_steps for s in v) for r, v in local.items()},
                   "one_rank_steps": steps[:20], "first_module": layers[0] if layers else "the loss",
                   "skipped_on_every_rank": skipped_all, "steps_compared": n_steps},
         recommendation=fix)
