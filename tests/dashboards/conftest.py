@@ -77,9 +77,10 @@ def tracker():
 
 @pytest.fixture(scope="session")
 def hostile(tmp_path_factory, tracker):
-    """(trace, name): a real FP16 run whose second layer overflows in every forward pass (so every gradient
-    statistic is NaN) and is named like an attack: a Markdown image and an HTML link to the tracker, and an
-    escape sequence that sets a terminal's title."""
+    """(trace, name): a real FP16 run with two faults: a LayerNorm kept in FP16 (a warning) and a layer that
+    overflows in every forward pass (critical; every gradient statistic is NaN from then on). That layer is
+    named like an attack: a Markdown image and an HTML link to the tracker, and an escape sequence that sets a
+    terminal's title."""
     import collections
 
     import torch
@@ -91,8 +92,9 @@ def hostile(tmp_path_factory, tracker):
     big = torch.nn.Linear(32, 32)
     with torch.no_grad():
         big.weight.mul_(3e5)                  # outputs ~1e5, beyond the FP16 max 65504
-    model = torch.nn.Sequential(collections.OrderedDict([("inp", torch.nn.Linear(32, 32)), (name, big),
-                                                         ("act", torch.nn.ReLU()), ("out", torch.nn.Linear(32, 1))]))
+    model = torch.nn.Sequential(collections.OrderedDict([
+        ("inp", torch.nn.Linear(32, 32)), ("norm", torch.nn.LayerNorm(32).half()), (name, big),
+        ("act", torch.nn.ReLU()), ("out", torch.nn.Linear(32, 1))]))
     path = tmp_path_factory.mktemp("hostile") / "hostile.db"
-    runs.train(model, 4, precision="fp16", trace=str(path))
+    runs.train(model, 4, precision="fp16", scaler=False, trace=str(path))      # GradScaler refuses FP16 weights
     return path, name
