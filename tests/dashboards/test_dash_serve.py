@@ -197,3 +197,17 @@ def test_a_fifo_in_the_served_directory_is_skipped_unopened(traces, tmp_path, mo
     capsys.readouterr()
     assert main(["serve", str(tmp_path / "late.db")]) == 2
     assert capsys.readouterr().err == f"ampdoctor serve: {tmp_path / 'late.db'}: not a regular file or a directory\n"
+
+
+def test_serve_answers_the_names_its_options_allow(traces, monkeypatch, capsys):
+    """--host and --allow-host reach the app: a wildcard bind answers addresses and the allowed name, not others."""
+    apps = []
+    monkeypatch.setattr(dash.Dash, "run", lambda self, **kw: apps.append(self))
+    assert main(["serve", str(traces), "--host", "0.0.0.0", "--allow-host", "dash.example"]) == 0
+    client = apps[0].server.test_client()
+    for host, status in (("dash.example:8050", 200), ("10.1.2.3:8050", 200), ("localhost:8050", 200),
+                         ("attacker.example:8050", 403)):
+        assert client.get("/", headers={"Host": host}).status_code == status, host
+    capsys.readouterr()
+    assert main(["serve", str(traces), "--allow-host", "not a name"]) == 2
+    assert capsys.readouterr().err == "ampdoctor serve: --allow-host not a name: not a host name\n"
