@@ -166,7 +166,8 @@ def test_split_code_without_and_with_fences():
             "loss.backward()  # no GradScaler")
     assert [k for k, _ in data.split_code(text)] == ["text", "code", "text", "code"]
     assert data.split_code(text)[3][1].count("\n") == 2
-    fenced = "Start from the PyTorch default scale:\n```python\nscaler = torch.amp.GradScaler('cuda', init_scale=2.0**16)\n```\n"
+    fenced = ("Start from the PyTorch default scale:\n```python\n"
+              "scaler = torch.amp.GradScaler('cuda', init_scale=2.0**16)\n```\n")
     assert data.split_code(fenced)[1] == (
         "code", "scaler = torch.amp.GradScaler('cuda', init_scale=2.0**16)")
 
