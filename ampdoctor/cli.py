@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+import re
 import sys
 
 import numpy as np
@@ -26,6 +27,29 @@ PLUGIN_COMMANDS = {
     "serve": ("ampdoctor.dashboards.command", "the dashboard (Dash), live while training or offline"),
     "report": ("ampdoctor.dashboards.report_command", "one self-contained HTML report"),
 }
+
+
+# C0 and C1 controls but tab and newline, DEL, and the bidirectional overrides that reorder what a line shows
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters written as escapes (``\\x1b``): names in a trace are user data, and an
+    ESC sequence printed raw drives the terminal (clears it, sets its title)."""
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
+class _Printable:
+    """The command's standard output, written through printable()."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return self._stream.write(printable(text))
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
 
 
 class UsageError(Exception):
@@ -221,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     parser = build_parser()
+    stdout, sys.stdout = sys.stdout, _Printable(sys.stdout)
     try:
         args = parser.parse_args(argv)
         if not getattr(args, "func", None):
@@ -230,12 +255,14 @@ def main(argv=None) -> int:
             args.trace = args.trace[0]           # one file, directory or quoted glob; several: one run's ranks
         return int(args.func(args) or EXIT_OK)
     except (TraceError, UsageError) as exc:
-        print(f"ampdoctor: {exc}" if isinstance(exc, TraceError) else str(exc), file=sys.stderr)
+        print(printable(f"ampdoctor: {exc}" if isinstance(exc, TraceError) else str(exc)), file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
         return EXIT_OK
+    finally:
+        sys.stdout = stdout
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ is ever joined to a file system path.
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -16,10 +17,11 @@ from urllib.parse import urlencode
 import dash
 from dash import Input, Output, State, dcc, html
 from dash.exceptions import DependencyException
+from flask import Response, request
 
 from ampdoctor.trace import TraceError, load
 
-from . import data, ids, ranks
+from . import data, hosts, ids, ranks
 from .pages import compare, layer, layers, overview, precision, whatif
 from .pages.common import href, parse_search
 
@@ -32,24 +34,32 @@ PAGES = {  # path -> (nav label, module)
     "/compare": ("Compare", compare),
 }
 REFERENCE_KEY = "reference"
+MAX_IDLE = 8                # open connections kept per trace file between requests
 FINDINGS_EVERY_S = 5.0      # a growing trace is diagnosed again at most this often (a big run takes seconds)
 _CSS = {
     "page": {"fontFamily": "system-ui, -apple-system, Segoe UI, Roboto, sans-serif", "margin": "0 auto",
              "maxWidth": "1300px", "padding": "0.5em 1.5em", "color": "#222"},
     "nav": {"display": "flex", "gap": "1.2em", "alignItems": "center", "borderBottom": "1px solid #ddd",
             "paddingBottom": "0.5em", "marginBottom": "0.8em", "flexWrap": "wrap"},
+    "error": {"color": "#d62728", "fontWeight": "bold"},
 }
+_log = logging.getLogger(__name__)
 
 
 class Context:
-    """What one app serves: the runs under its root, opened traces, and results cached per trace length."""
+    """What one app serves: the runs under its root, opened traces, and results cached per trace length.
+
+    Flask answers requests on several threads and a Trace (one SQLite connection, its snapshot a transaction) is
+    not for sharing: a request borrows one Trace per file from a pool and gives it back when it ends (release).
+    """
 
     def __init__(self, root: str, reference: str | None = None, poll_ms: int = 1500, files: set | None = None):
         self.root = os.path.realpath(root)
         self.reference_path = reference
         self.poll_ms = poll_ms
-        self._lock = threading.Lock()
-        self._traces: dict = {}
+        self._lock = threading.Lock()       # guards the dicts below; never held around file I/O
+        self._idle: dict = {}               # path -> [Trace] not borrowed by any thread
+        self._local = threading.local()     # .held: path -> Trace borrowed by this thread
         self._cache: dict = {}
         self._runs: tuple[float, dict] = (0.0, {})
         self._findings: dict = {}       # run key -> (steps, time, (findings, error))
@@ -60,10 +70,12 @@ class Context:
         """Traces under the root (rescanned at most every second, so new runs show up)."""
         with self._lock:
             stamp, runs = self._runs
-            if time.monotonic() - stamp > 1.0:
-                runs = ranks.with_ranks(data.discover_runs(self.root), self._rank_meta, self.files)
+        if time.monotonic() - stamp > 1.0:
+            # outside the lock: a slow disk delays one request
+            runs = ranks.with_ranks(data.discover_runs(self.root), self._rank_meta, self.files)
+            with self._lock:
                 self._runs = (time.monotonic(), runs)
-            return runs
+        return runs
 
     def resolve(self, key) -> data.Run | None:
         """The run a browser-supplied key names, or None: only keys of runs() (and the reference) exist."""
@@ -79,20 +91,39 @@ class Context:
         return next(iter(runs), None)
 
     def trace(self, key):
-        """The open Trace of a run key, or None (unknown key or unreadable file)."""
+        """This thread's open Trace of a run key, or None (unknown key or unreadable file)."""
         run = self.resolve(key)
         if run is None:
             return None
-        with self._lock:
-            tr = self._traces.get(run.path)
+        held = self._held()
+        tr = held.get(run.path)
         if tr is None:
-            try:
-                tr = load(run.path)
-            except TraceError:
-                return None
             with self._lock:
-                self._traces[run.path] = tr
+                idle = self._idle.get(run.path)
+                tr = idle.pop() if idle else None
+            if tr is None:
+                try:
+                    tr = load(run.path)
+                except TraceError:
+                    return None
+            held[run.path] = tr
         return tr
+
+    def _held(self) -> dict:
+        if not hasattr(self._local, "held"):
+            self._local.held = {}
+        return self._local.held
+
+    def release(self) -> None:
+        """Give the traces this thread borrowed back to the pool (at the end of each request)."""
+        held, self._local.held = self._held(), {}
+        surplus = []
+        with self._lock:
+            for path, tr in held.items():
+                idle = self._idle.setdefault(path, [])
+                (idle if len(idle) < MAX_IDLE else surplus).append(tr)
+        for tr in surplus:
+            tr.close()
 
     def cached(self, key: str, what, fn):
         """``fn()`` computed once per (run, trace length, what): a live trace invalidates itself as it grows."""
@@ -182,26 +213,50 @@ def render(ctx: Context, pathname: str | None, search: str | None):
     return head, PAGES[pathname][1].layout(ctx, run, query)
 
 
-def create_app(root: str, reference: str | None = None, poll_ms: int = 1500, files=None) -> dash.Dash:
-    """A Dash app serving the traces at or under ``root`` (nothing else on the file system), only ``files``
-    (real paths) when given."""
+def _failed(exc: Exception) -> None:
+    """A callback that raised: its outputs stay as they were and the page says what went wrong (not a 500)."""
+    _log.error("callback failed", exc_info=exc)
+    dash.set_props(ids.ERROR, {"children": f"This view could not be updated: {type(exc).__name__}: {exc}"})
+
+
+def create_app(root: str, reference: str | None = None, poll_ms: int = 1500, files=None,
+               host_policy: hosts.HostPolicy | None = None) -> dash.Dash:
+    """A Dash app serving the traces at or under ``root`` (nothing else on the file system; only ``files``, real
+    paths, when given), to requests for the host names of ``host_policy`` (default: loopback names only)."""
     ctx = Context(root, reference, poll_ms, files)
+    policy = host_policy or hosts.HostPolicy()
     app = dash.Dash(__name__, title="ampdoctor", suppress_callback_exceptions=True,
                     assets_folder=os.path.join(os.path.dirname(__file__), "assets"), serve_locally=True,
-                    update_title=None)
+                    update_title=None, on_error=_failed)
     app.ampdoctor = ctx
     app.layout = html.Div([
         dcc.Location(id=ids.URL, refresh="callback-nav"),
         dcc.Interval(id=ids.POLL, interval=poll_ms),
         dcc.Store(id=ids.VERSION),
         html.Div(id=ids.HEADER),
+        html.Div(id=ids.ERROR, style=_CSS["error"]),
         html.Div(id=ids.PAGE),
     ], style=_CSS["page"])
 
-    @app.callback(Output(ids.HEADER, "children"), Output(ids.PAGE, "children"),
+    @app.server.before_request
+    def _check_host():
+        ok = policy.allows(request.host)
+        if ok:
+            return None
+        if ok is None:
+            return Response("ampdoctor: malformed Host header\n", 400, mimetype="text/plain")
+        return Response(f"ampdoctor: this dashboard answers requests for {policy.shown()} only (a guard against "
+                        f"DNS rebinding); to open it under another name, start it with --allow-host NAME\n",
+                        403, mimetype="text/plain")
+
+    @app.server.teardown_request
+    def _release(_exc):
+        ctx.release()
+
+    @app.callback(Output(ids.HEADER, "children"), Output(ids.PAGE, "children"), Output(ids.ERROR, "children"),
                   Input(ids.URL, "pathname"), Input(ids.URL, "search"))
     def _route(pathname, search):
-        return render(ctx, pathname, search)
+        return (*render(ctx, pathname, search), None)
 
     @app.callback(Output(ids.URL, "pathname", allow_duplicate=True), Output(ids.URL, "search", allow_duplicate=True),
                   Input(ids.RUN_PICKER, "value"), State(ids.URL, "pathname"), State(ids.URL, "search"),

@@ -1,7 +1,7 @@
-"""`ampdoctor serve TRACE_OR_DIR [--host 127.0.0.1] [--port 8050] [--reference TRACE]`: the dashboard."""
+"""`ampdoctor serve TRACE_OR_DIR [--host 127.0.0.1] [--port 8050] [--allow-host NAME] [--reference TRACE]`: the
+dashboard."""
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import sys
@@ -10,8 +10,8 @@ from ampdoctor.cli import UsageError
 from ampdoctor.trace import load
 from ampdoctor.trace.run import is_multi, load_run
 
-LOOPBACK = ("localhost",)
-
+from . import hosts
+from .hosts import is_loopback
 
 def add_arguments(parser) -> None:
     parser.add_argument("path", metavar="TRACE_OR_DIR", nargs="+",
@@ -20,19 +20,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8050, help="port (default 8050)")
+    parser.add_argument("--allow-host", metavar="NAME", action="append", default=[],
+                        help="also answer requests for this host name (repeatable; '*': any). By default only "
+                             "loopback names are answered, and with a non-loopback --host also that address, "
+                             "this machine's names and IP addresses: a guard against DNS rebinding")
     parser.add_argument("--reference", metavar="TRACE", default=None,
                         help="a healthy trace to compare with (e.g. the FP32 run)")
     parser.add_argument("--poll", metavar="SECONDS", type=float, default=1.5,
                         help="seconds between checks for new steps (default 1.5)")
-
-
-def is_loopback(host: str) -> bool:
-    if host in LOOPBACK:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check(args):
@@ -45,6 +40,8 @@ def check(args):
         args.path = os.path.commonpath([os.path.dirname(p) for p in args.files])
     if not os.path.exists(args.path):
         raise UsageError(f"ampdoctor serve: {args.path}: no such file or directory")
+    if not (os.path.isfile(args.path) or os.path.isdir(args.path)):
+        raise UsageError(f"ampdoctor serve: {args.path}: not a regular file or a directory")
     if os.path.isfile(args.path):
         load(args.path).close()              # TraceError (one line, exit 2) on a bad file
     if args.reference:
@@ -55,6 +52,9 @@ def check(args):
         raise UsageError(f"ampdoctor serve: --port {args.port}: not a port number")
     if args.poll <= 0:
         raise UsageError(f"ampdoctor serve: --poll {args.poll}: must be positive")
+    for name in args.allow_host:
+        if name.strip() != hosts.ANY and hosts.hostname(name) is None:
+            raise UsageError(f"ampdoctor serve: --allow-host {name}: not a host name")
 
 
 def run(args) -> int:
@@ -62,7 +62,8 @@ def run(args) -> int:
     from .app import create_app
 
     app = create_app(args.path, reference=args.reference, poll_ms=int(args.poll * 1000),
-                     files=getattr(args, "files", None))
+                     files=getattr(args, "files", None),
+                     host_policy=hosts.for_bind(args.host, tuple(args.allow_host)))
     if os.path.isdir(args.path) and not app.ampdoctor.runs():
         print(f"ampdoctor serve: no traces under {args.path} yet; they appear as training writes them",
               file=sys.stderr)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,6 +58,7 @@ def discover_runs(root: str, max_files: int = 2000) -> dict[str, Run]:
     """Trace files at or under ``root`` (a file or a directory), keyed by their path relative to the root.
 
     Symbolic links that lead outside the root are skipped: the browser reaches nothing but what this returns.
+    Only regular files are opened: opening a FIFO named ``x.db`` would wait for a writer forever.
     """
     root = os.path.realpath(root)
     if os.path.isfile(root):
@@ -69,7 +71,7 @@ def discover_runs(root: str, max_files: int = 2000) -> dict[str, Run]:
             if not name.lower().endswith(_TRACE_EXT):
                 continue
             path = os.path.realpath(os.path.join(dirpath, name))
-            if os.path.commonpath([root, path]) != root or not is_trace(path):
+            if os.path.commonpath([root, path]) != root or not _regular(path) or not is_trace(path):
                 continue
             key = os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/")
             stem = os.path.splitext(key)[0]
@@ -77,6 +79,13 @@ def discover_runs(root: str, max_files: int = 2000) -> dict[str, Run]:
             if len(runs) >= max_files:
                 return runs
     return runs
+
+
+def _regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _rank(stem: str) -> int | None:
@@ -395,7 +404,8 @@ def compare_layers(tr_a, tr_b, stat: str = "absmax_log2", kind: str = "grad_out"
             v = np.where(np.isfinite(lm.values), lm.values, np.nan)
             means = [np.nanmean(r) if np.isfinite(r).any() else np.nan for r in v]
         out.append(pd.Series(means, index=lm.labels, dtype=float))
-    df = pd.DataFrame({"a": out[0], "b": out[1]}).dropna(how="all")
-    df = df.loc[[p for p in out[0].index if p in df.index] + [p for p in out[1].index if p not in out[0].index]]
+    df = pd.DataFrame({"a": out[0], "b": out[1]}).dropna(how="all")   # a layer with no value in either run goes
+    order = dict.fromkeys([*out[0].index, *out[1].index])              # this run's layer order, then the other's
+    df = df.loc[[p for p in order if p in df.index]]
     df["diff"] = df["b"] - df["a"]
     return df

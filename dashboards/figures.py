@@ -1,9 +1,13 @@
 """Pure plotly figure builders, shared by the dashboard and the HTML report: arrays in, figure out.
 
-No dash import here. Every line is downsampled (min/max per bucket, so spikes survive) to at most MAX_POINTS
+No dash import here. Names (layer paths, run labels) are user data: plotly.js reads its text as a small HTML
+dialect (``<a href>``, ``<b>``, ``<br>``, entities), so every name and title goes in through ``text()``.
+Every line is downsampled (min/max per bucket, so spikes survive) to at most MAX_POINTS
 points and every heat map is binned over steps, so a 10,000-step trace ships a few thousand points per line.
 """
 from __future__ import annotations
+
+import html
 
 import numpy as np
 import plotly.graph_objects as go
@@ -16,6 +20,16 @@ COLORS = {"loss": "#1f77b4", "skip": "#ff7f0e", "nonfinite": "#d62728", "scale":
           "compute": "#1f77b4", "data": "#ff7f0e", "a": "#1f77b4", "b": "#d62728"}
 _LAYOUT = dict(template="plotly_white", margin=dict(l=60, r=20, t=40, b=40), height=320,
                legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="right", x=1))
+
+
+def text(name) -> str:
+    """``name`` as plotly shows it literally: ``<``, ``>`` and ``&`` as entities (plotly.js turns them back into
+    characters), so a layer called ``<a href=...>`` is a label, not a link."""
+    return html.escape(str(name), quote=False)
+
+
+def _layout(title: str, **kw) -> dict:
+    return dict(_LAYOUT, title=text(title), **kw)
 
 
 # -- reduction -------------------------------------------------------------------------------------------------
@@ -75,7 +89,7 @@ def _finite(y):
 
 
 def _empty(title: str, note: str) -> go.Figure:
-    fig = go.Figure(layout=dict(_LAYOUT, title=title))
+    fig = go.Figure(layout=_layout(title))
     fig.add_annotation(text=note, showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5)
     fig.update_xaxes(visible=False)
     fig.update_yaxes(visible=False)
@@ -95,7 +109,7 @@ def loss_figure(steps, loss, skipped, nonfinite, title: str = "Loss") -> go.Figu
     steps, loss = np.asarray(steps), np.asarray(loss, dtype=float)
     if not len(steps):
         return _empty(title, "no steps recorded yet")
-    fig = go.Figure(layout=dict(_LAYOUT, title=title, xaxis_title="step", yaxis_title="loss"))
+    fig = go.Figure(layout=_layout(title, xaxis_title="step", yaxis_title="loss"))
     x, y = downsample(steps, _finite(loss))
     fig.add_scatter(x=x, y=y, mode="lines", name="loss", line=dict(color=COLORS["loss"]))
     fin = np.where(np.isfinite(loss), loss, np.nan)
@@ -119,7 +133,7 @@ def loss_scale_figure(steps, scale, skipped, title: str = "Loss scale (log2)") -
         return _empty(title, "no loss scaler in this run")
     y = np.full(len(scale), np.nan)
     y[ok] = np.log2(scale[ok])
-    fig = go.Figure(layout=dict(_LAYOUT, title=title, xaxis_title="step", yaxis_title="loss scale"))
+    fig = go.Figure(layout=_layout(title, xaxis_title="step", yaxis_title="loss scale"))
     x, yy = downsample(steps, y)
     fig.add_scatter(x=x, y=yy, mode="lines", name="loss scale", line=dict(color=COLORS["scale"], shape="hv"),
                     hovertemplate="step %{x}<br>scale 2^%{y}<extra></extra>")
@@ -139,7 +153,7 @@ def step_time_figure(steps, step_time, data_time, title: str = "Step time: compu
         return _empty(title, "no step times recorded")
     dt = np.where(np.isfinite(dt), dt, 0.0)
     compute = np.clip(st - dt, 0, None)
-    fig = go.Figure(layout=dict(_LAYOUT, title=title, xaxis_title="step", yaxis_title="seconds"))
+    fig = go.Figure(layout=_layout(title, xaxis_title="step", yaxis_title="seconds"))
     # mean per bucket (not min/max): the two series are stacked and must stay aligned
     n, nb = len(steps), MAX_POINTS
     if n > nb:
@@ -168,14 +182,14 @@ def layer_heatmap(lm, order=None, title: str | None = None, max_cells: int = MAX
     vals = lm.values[order]
     max_cols = max(20, min(600, max_cells // max(1, len(order))))
     x, binned = bin_columns(vals, lm.steps, max_cols, "max")
-    labels = [lm.labels[i] for i in order]
+    labels = [text(lm.labels[i]) for i in order]        # a click reads the label back: layers.open_clicked
     z = np.where(np.isfinite(binned), binned, np.nan).astype(np.float32)    # float32: ships as 4 bytes a cell
     colorscale = "Viridis" if lm.stat == "absmax_log2" else "Reds"
     zrange = {}
     if lm.stat != "absmax_log2":     # counts and shares start at 0; an all-zero map stays white, not mid-scale
         top = np.nanmax(z) if np.isfinite(z).any() else 0.0
         zrange = dict(zmin=0.0, zmax=float(top) if top > 0 else 1.0)
-    fig = go.Figure(layout=dict(_LAYOUT, title=title, xaxis_title="step",
+    fig = go.Figure(layout=_layout(title, xaxis_title="step",
                                 height=max(320, min(1400, 60 + 18 * len(labels)))))
     # rows are named by the layer path on a category axis (a click reports it); no per-cell text or ids
     fig.add_heatmap(x=x, y=labels, z=z, colorscale=colorscale, **zrange,
@@ -205,7 +219,7 @@ def exponent_hist_figure(steps, counts, scales=None, kind: str = "", title: str 
     x, z = bin_columns(counts[:, rows].T, steps, max_cols, "sum")
     with np.errstate(divide="ignore"):
         z = np.where(z > 0, np.log10(z), np.nan)
-    fig = go.Figure(layout=dict(_LAYOUT, title=title, xaxis_title="step", yaxis_title="binade (log2 |x|)",
+    fig = go.Figure(layout=_layout(title, xaxis_title="step", yaxis_title="binade (log2 |x|)",
                                 height=420))
     fig.add_heatmap(x=x, y=binades[rows], z=z.tolist(), colorscale="Blues", colorbar=dict(title="log10 count"),
                     hoverongaps=False, hovertemplate="step %{x}<br>2^%{y}<br>10^%{z:.2f} values<extra></extra>")
@@ -230,7 +244,7 @@ def exponent_hist_figure(steps, counts, scales=None, kind: str = "", title: str 
 
 def layer_series_figure(series: dict, title: str = "abs max / RMS / gradient norm") -> go.Figure:
     """Lines on a log2 axis: ``series`` maps name -> (steps, values)."""
-    fig = go.Figure(layout=dict(_LAYOUT, title=title, xaxis_title="step", yaxis_title="log2 value"))
+    fig = go.Figure(layout=_layout(title, xaxis_title="step", yaxis_title="log2 value"))
     any_data = False
     for name, (x, y) in series.items():
         y = _finite(y)
@@ -240,8 +254,8 @@ def layer_series_figure(series: dict, title: str = "abs max / RMS / gradient nor
             continue
         any_data = True
         xx, yy = downsample(np.asarray(x), ly)
-        fig.add_scatter(x=xx, y=yy, mode="lines+markers" if len(xx) < 60 else "lines", name=name,
-                        hovertemplate=name + " 2^%{y:.2f} at step %{x}<extra></extra>")
+        fig.add_scatter(x=xx, y=yy, mode="lines+markers" if len(xx) < 60 else "lines", name=text(name),
+                        hovertemplate="%{fullData.name} 2^%{y:.2f} at step %{x}<extra></extra>")
     return fig if any_data else _empty(title, "no values recorded for this site yet")
 
 
@@ -251,7 +265,7 @@ def whatif_figure(steps, recorded, simulated, recorded_skipped, simulated_skippe
     steps = np.asarray(steps)
     if not len(steps):
         return _empty(title, "no steps recorded yet")
-    fig = go.Figure(layout=dict(_LAYOUT, title=title, xaxis_title="step", yaxis_title="loss scale", height=380))
+    fig = go.Figure(layout=_layout(title, xaxis_title="step", yaxis_title="loss scale", height=380))
     ys = []
     for name, vals, skips, color, dash in (("recorded", recorded, recorded_skipped, COLORS["scale"], None),
                                            ("simulated", simulated, simulated_skipped, COLORS["sim"], "dash")):
@@ -277,10 +291,10 @@ def whatif_figure(steps, recorded, simulated, recorded_skipped, simulated_skippe
 
 def compare_loss_figure(runs, title: str = "Loss: run vs reference") -> go.Figure:
     """``runs``: list of (name, steps, loss)."""
-    fig = go.Figure(layout=dict(_LAYOUT, title=title, xaxis_title="step", yaxis_title="loss"))
+    fig = go.Figure(layout=_layout(title, xaxis_title="step", yaxis_title="loss"))
     for (name, steps, loss), color in zip(runs, (COLORS["a"], COLORS["b"], COLORS["sim"])):
         x, y = downsample(np.asarray(steps), _finite(loss))
-        fig.add_scatter(x=x, y=y, mode="lines", name=name, line=dict(color=color))
+        fig.add_scatter(x=x, y=y, mode="lines", name=text(name), line=dict(color=color))
     return fig
 
 
@@ -290,13 +304,14 @@ def compare_layers_figure(labels, a, b, names=("run", "reference"), stat_label: 
     title = title or f"Per-layer {stat_label}: mean over steps"
     if not len(labels):
         return _empty(title, "no layers in common")
-    fig = go.Figure(layout=dict(_LAYOUT, title=title, barmode="group",
+    fig = go.Figure(layout=_layout(title, barmode="group",
                                 height=max(320, min(1400, 80 + 22 * len(labels)))))
-    fig.add_bar(y=list(labels), x=_finite(a).tolist(), orientation="h", name=names[0],
+    labels = [text(p) for p in labels]
+    fig.add_bar(y=labels, x=_finite(a).tolist(), orientation="h", name=text(names[0]),
                 marker_color=COLORS["a"])
-    fig.add_bar(y=list(labels), x=_finite(b).tolist(), orientation="h", name=names[1],
+    fig.add_bar(y=labels, x=_finite(b).tolist(), orientation="h", name=text(names[1]),
                 marker_color=COLORS["b"])
-    fig.add_scatter(y=list(labels), x=(_finite(b) - _finite(a)).tolist(), mode="markers", name="difference",
+    fig.add_scatter(y=labels, x=(_finite(b) - _finite(a)).tolist(), mode="markers", name="difference",
                     marker=dict(color="black", symbol="diamond", size=8))
     fig.update_yaxes(autorange="reversed")
     return fig

@@ -1,6 +1,7 @@
 """Helpers shared by the pages: URLs, the run of a request, finding cards."""
 from __future__ import annotations
 
+import re
 from urllib.parse import parse_qs, urlencode
 
 from dash import dcc, html
@@ -42,6 +43,18 @@ def site_links(tr) -> dict:
     return out
 
 
+def prose(text: str) -> list:
+    """Recommendation prose as plain text, a paragraph a line, with `code` spans. Never Markdown: a layer name in
+    the text is user data, and Markdown would turn ``![x](http://host/track)`` into an image the browser fetches."""
+    paras = []
+    for line in text.splitlines():
+        parts = re.split(r"`([^`]+)`", line.strip())
+        kids = [html.Code(p) if i % 2 else p for i, p in enumerate(parts) if p]
+        if kids:
+            paras.append(html.P(kids, className="recommendation-text"))
+    return paras
+
+
 def finding_card(d, run: str, links: dict):
     sev = str(getattr(d, "severity", "info"))
     color = SEVERITY_COLORS.get(sev, "#888")
@@ -61,7 +74,7 @@ def finding_card(d, run: str, links: dict):
                                                style={"float": "right", "cursor": "pointer"}),
                                  html.Pre(html.Code(chunk), style={"background": "#f6f8fa", "padding": "0.5em"})]))
         else:
-            rec.append(dcc.Markdown(chunk))
+            rec.extend(prose(chunk))
     return html.Div([
         html.Div([html.Span(sev.upper(), className="severity",
                             style={"color": color, "fontWeight": "bold", "marginRight": "0.8em"}),

@@ -1,6 +1,8 @@
 """Layer detail: exponent histogram against the FP16/BF16 ranges, abs max / RMS / grad norm, its findings."""
 from __future__ import annotations
 
+import re
+
 from dash import Input, Output, State, dcc, html
 
 from .. import data, figures, ids
@@ -11,7 +13,7 @@ def _site(ctx, run, search):
     """(trace, site info) for the URL's site parameter, or (trace, None) when it names no site of the run."""
     tr = ctx.trace(run)
     raw = parse_search(search).get("site", "")
-    if tr is None or not raw.isdigit():
+    if tr is None or not re.fullmatch(r"[0-9]{1,15}", raw):     # not str.isdigit: that takes "²", int() does not
         return tr, None
     return tr, data.site_info(tr, int(raw))
 
@@ -29,7 +31,8 @@ def update(ctx, version, search):
     run = run_of(ctx, search)
     tr, site = _site(ctx, run, search)
     if site is None:
-        return (html.Div([html.H3("No such layer"), dcc.Link("Layers", href=href("/layers", run))]),
+        return (html.Div([html.H3("No such layer"), dcc.Link("Layers", href=href("/layers", run))],
+                         id="no-such-layer"),
                 {}, {}, None)
     sid, kind = int(site["id"]), site["kind"]
     same = tr.sites()

@@ -53,13 +53,14 @@ def update(ctx, kind, stat, sort, version, search):
 
 
 def open_clicked(ctx, click, kind, search):
-    """(pathname, search) of the layer a heat map click names (a row's label is its path), else no_update."""
+    """(pathname, search) of the layer a heat map click names (a row's label is its path, as figures.text shows
+    it), else no_update."""
     run = run_of(ctx, search)
     tr = ctx.trace(run)
     try:
-        path = str(click["points"][0]["y"])
+        label = str(click["points"][0]["y"])
         sites = tr.sites(kind)
-        site = int(sites.loc[sites["path"] == path, "id"].iloc[0])
+        site = int(sites.loc[[figures.text(p) == label for p in sites["path"]], "id"].iloc[0])
     except (TypeError, KeyError, IndexError, ValueError, AttributeError):
         return dash.no_update, dash.no_update
     return "/layer", href("", run, site=site)

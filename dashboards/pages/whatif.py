@@ -1,6 +1,9 @@
 """What-if: replay the dynamic loss scaler with other settings; simulated vs recorded scale and skipped steps."""
 from __future__ import annotations
 
+import math
+
+import dash
 from dash import Input, Output, State, dcc, html
 
 from .. import data, figures, ids
@@ -28,8 +31,27 @@ def layout(ctx, run: str, query: dict):
     ])
 
 
-def _positive(v):
-    return v if isinstance(v, (int, float)) and v > 0 else None
+# what GradScaler accepts, as (test, words); an emptied box keeps the run's own setting
+_VALID = {"init_scale": (lambda v: 0 < v < math.inf, "a positive number"),
+          "growth_interval": (lambda v: v >= 1 and float(v).is_integer(), "a whole number of steps, at least 1"),
+          "growth_factor": (lambda v: 1 < v < math.inf, "a number above 1 (the scale must grow)"),
+          "backoff_factor": (lambda v: 0 < v < 1, "a number between 0 and 1 (the scale must shrink)")}
+
+
+def settings(init, interval, growth, backoff) -> tuple[dict, str | None]:
+    """The boxes' values as replay arguments (None: the run's own), or an error message for the page."""
+    given = {"init_scale": init, "growth_interval": interval, "growth_factor": growth, "backoff_factor": backoff}
+    labels = {key: label for _, label, key, _ in _INPUTS}
+    out = {}
+    for key, v in given.items():
+        if v is None:
+            out[key] = None
+            continue
+        test, words = _VALID[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not test(v):
+            return {}, f"The {labels[key]} should be {words}, but given {v!r}."
+        out[key] = int(v) if key == "growth_interval" else float(v)
+    return out, None
 
 
 def update(ctx, init, interval, growth, backoff, version, search):
@@ -38,8 +60,10 @@ def update(ctx, init, interval, growth, backoff, version, search):
     tr = ctx.trace(run)
     if tr is None:
         return {}, "unknown run"
-    r = data.whatif(tr, init_scale=_positive(init), growth_interval=_positive(interval),
-                    growth_factor=_positive(growth), backoff_factor=_positive(backoff))
+    args, error = settings(init, interval, growth, backoff)
+    if error:
+        return dash.no_update, html.Span(error, id="whatif-error", style={"color": "#d62728"})
+    r = data.whatif(tr, **args)
     fig = figures.whatif_figure(r["steps"], r["recorded"], r["simulated"], r["recorded_skipped"],
                                 r["simulated_skipped"])
     s = r["settings"]

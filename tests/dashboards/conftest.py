@@ -49,3 +49,52 @@ def edge_traces(tmp_path_factory):
     runs.train(runs.mlp(), 0, precision="fp16", trace=str(d / "zero.db"))
     runs.train(runs.mlp(), 3, precision="fp32", trace=str(d / "fp32.db"))
     return d
+
+
+@pytest.fixture(scope="session")
+def tracker():
+    """A loopback HTTP server that records every request: (port, paths). A page that renders a hostile name
+    as markup would make the browser fetch from it."""
+    import http.server
+    import threading
+
+    paths = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            paths.append(self.path)
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_port, paths
+    server.shutdown()
+
+
+@pytest.fixture(scope="session")
+def hostile(tmp_path_factory, tracker):
+    """(trace, name): a real FP16 run with two faults: a LayerNorm kept in FP16 (a warning) and a layer that
+    overflows in every forward pass (critical; every gradient statistic is NaN from then on). That layer is
+    named like an attack: a Markdown image and an HTML link to the tracker, and an escape sequence that sets a
+    terminal's title."""
+    import collections
+
+    import torch
+
+    port = tracker[0]
+    name = (f"![t](http://localhost:{port}/md)<a href='http://localhost:{port}/a'>a</a><b>B</b>"
+            "\x1b]0;pwned\x07")
+    torch.manual_seed(0)
+    big = torch.nn.Linear(32, 32)
+    with torch.no_grad():
+        big.weight.mul_(3e5)                  # outputs ~1e5, beyond the FP16 max 65504
+    model = torch.nn.Sequential(collections.OrderedDict([
+        ("inp", torch.nn.Linear(32, 32)), ("norm", torch.nn.LayerNorm(32).half()), (name, big),
+        ("act", torch.nn.ReLU()), ("out", torch.nn.Linear(32, 1))]))
+    path = tmp_path_factory.mktemp("hostile") / "hostile.db"
+    runs.train(model, 4, precision="fp16", scaler=False, trace=str(path))      # GradScaler refuses FP16 weights
+    return path, name

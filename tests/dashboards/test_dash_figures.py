@@ -7,8 +7,6 @@ import ampdoctor
 from ampdoctor import formats
 from ampdoctor.dashboards import data, figures
 
-from dash_fakes import FakeDiagnosis
-
 
 def _n_points(fig) -> list[int]:
     return [len(t.x) if t.x is not None else 0 for t in fig.data]
@@ -168,7 +166,9 @@ def test_split_code_without_and_with_fences():
             "loss.backward()  # no GradScaler")
     assert [k for k, _ in data.split_code(text)] == ["text", "code", "text", "code"]
     assert data.split_code(text)[3][1].count("\n") == 2
-    assert data.split_code(FakeDiagnosis().recommendation)[1] == (
+    fenced = ("Start from the PyTorch default scale:\n```python\n"
+              "scaler = torch.amp.GradScaler('cuda', init_scale=2.0**16)\n```\n")
+    assert data.split_code(fenced)[1] == (
         "code", "scaler = torch.amp.GradScaler('cuda', init_scale=2.0**16)")
 
 

@@ -1,4 +1,5 @@
 """`ampdoctor report`: one self-contained HTML file that names the findings."""
+import html
 import re
 
 import pytest
@@ -6,8 +7,6 @@ import pytest
 import ampdoctor
 from ampdoctor.cli import main
 from ampdoctor.dashboards import data, report
-
-from dash_fakes import FakeDiagnosis, fake_diagnose
 
 
 def _external_refs(text: str) -> list[str]:
@@ -42,19 +41,23 @@ def test_report_with_reference_compares(traces, tmp_path):
     assert "Compared with the reference" in text and "Loss: run vs reference" in text
 
 
-def test_finding_html_escapes_and_renders_code():
-    d = FakeDiagnosis(title="<script>alert(1)</script>", evidence={"ratio": 0.123456, "steps": list(range(20))})
-    html = report.finding_html(d)
-    assert "<script>" not in html and "&lt;script&gt;" in html
-    assert "0.1235" in html and "... (20 in all)" in html
-    assert "<pre><code>scaler = torch.amp.GradScaler(&#x27;cuda&#x27;, init_scale=2.0**16)</code></pre>" in html
-
-
-def test_report_renders_findings_from_any_rules(traces, monkeypatch):
-    monkeypatch.setattr(data, "_diagnose", fake_diagnose)
-    text = report.build_report(ampdoctor.load(traces / "bf16.db"))
-    assert "scale.overflow_skips" in text and "info.example" in text
-    assert text.index("scale.overflow_skips") < text.index("info.example")     # worst first
+def test_report_shows_real_findings_worst_first_with_evidence_and_fix(hostile):
+    """A real run with two faults (a critical and a warning finding): every finding with its rule, title,
+    evidence rows and fix as code, the worst first."""
+    tr = ampdoctor.load(hostile[0])
+    found = data.findings(tr)
+    assert {"critical", "warning"} <= {d.severity for d in found}
+    body = report.build_report(tr).split("</head>", 1)[1]
+    shown = re.findall(r'<div class="finding (\w+)"><div><span class="sev">\w+</span><span class="rule">([^<]+)<', body)
+    assert sorted(rule for _, rule in shown) == sorted(d.rule for d in found)
+    ranks = [data.SEVERITY_ORDER[sev] for sev, _ in shown]
+    assert ranks == sorted(ranks)                                            # worst first
+    for d in found:
+        assert f"<h3>{html.escape(d.title)}</h3>" in body
+        for k, v in data.evidence_items(d):
+            assert f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" in body
+        code = [c for kind, c in data.split_code(d.recommendation) if kind == "code"]
+        assert code and all(f"<pre><code>{html.escape(c)}</code></pre>" in body for c in code)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -154,3 +154,60 @@ def test_serve_command_serves_the_app_on_loopback(traces):
         _, err = proc.communicate(timeout=10)
     assert f"ampdoctor dashboard on http://127.0.0.1:{port}/" in err
     assert "Traceback" not in err and "WARNING: binding" not in err
+
+
+def _finishes(fn, fifo, timeout=10.0):
+    """Run ``fn`` in a thread: its result, or an AssertionError when it hangs (then the FIFO gets a writer, so
+    a reader blocked in open() returns)."""
+    import os
+    import threading
+
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        os.close(fd)
+        t.join(timeout)
+        raise AssertionError(f"blocked on the FIFO {fifo}")
+    return out[0]
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_in_the_served_directory_is_skipped_unopened(traces, tmp_path, monkeypatch, capsys):
+    """A FIFO named like a trace blocks whoever opens it: serve starts, and a FIFO that appears later is never
+    opened by the rescan that every callback does."""
+    import os
+    import shutil
+    import time
+
+    import dash
+
+    apps = []
+    monkeypatch.setattr(dash.Dash, "run", lambda self, **kw: apps.append(self))
+    shutil.copy(traces / "bf16.db", tmp_path / "bf16.db")
+    os.mkfifo(tmp_path / "early.db")
+    assert _finishes(lambda: main(["serve", str(tmp_path)]), tmp_path / "early.db") == 0
+    ctx = apps[0].ampdoctor
+    assert set(ctx.runs()) == {"bf16.db"}
+    os.mkfifo(tmp_path / "late.db")
+    time.sleep(1.1)                                  # the run list is rescanned at most once a second
+    assert set(_finishes(ctx.runs, tmp_path / "late.db")) == {"bf16.db"}
+    capsys.readouterr()
+    assert main(["serve", str(tmp_path / "late.db")]) == 2
+    assert capsys.readouterr().err == f"ampdoctor serve: {tmp_path / 'late.db'}: not a regular file or a directory\n"
+
+
+def test_serve_answers_the_names_its_options_allow(traces, monkeypatch, capsys):
+    """--host and --allow-host reach the app: a wildcard bind answers addresses and the allowed name, not others."""
+    apps = []
+    monkeypatch.setattr(dash.Dash, "run", lambda self, **kw: apps.append(self))
+    assert main(["serve", str(traces), "--host", "0.0.0.0", "--allow-host", "dash.example"]) == 0
+    client = apps[0].server.test_client()
+    for host, status in (("dash.example:8050", 200), ("10.1.2.3:8050", 200), ("localhost:8050", 200),
+                         ("attacker.example:8050", 403)):
+        assert client.get("/", headers={"Host": host}).status_code == status, host
+    capsys.readouterr()
+    assert main(["serve", str(traces), "--allow-host", "not a name"]) == 2
+    assert capsys.readouterr().err == "ampdoctor serve: --allow-host not a name: not a host name\n"
