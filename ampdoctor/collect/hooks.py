@@ -132,7 +132,7 @@ def unwrap_optimizer(optimizer):
     """The torch optimizer inside framework wrappers (accelerate's AcceleratedOptimizer keeps it in ``.optimizer``,
     Lightning's LightningOptimizer in ``._optimizer``): its step hooks are the ones that run. Returns (optimizer,
     the wrapper's GradScaler or None); TypeError when no torch optimizer is found."""
-    scaler, seen = None, set()
+    scaler, seen, given = None, set(), optimizer
     while optimizer is not None and id(optimizer) not in seen:
         seen.add(id(optimizer))
         if scaler is None:
@@ -141,8 +141,8 @@ def unwrap_optimizer(optimizer):
             return optimizer, scaler
         inner = vars(optimizer).get("optimizer", None) if hasattr(optimizer, "__dict__") else None
         optimizer = inner if inner is not None else getattr(optimizer, "_optimizer", None)
-    raise TypeError(f"Argument optimizer should be of type torch.optim.Optimizer (or a wrapper of one), but given "
-                    f"{type(optimizer).__name__ if optimizer is not None else 'a wrapper without one'}")
+    raise TypeError(f"Argument optimizer should be of type torch.optim.Optimizer (or a framework's wrapper of one), "
+                    f"but given {type(given)}")
 
 
 class Registry:

@@ -226,6 +226,7 @@ class Doctor:
         self._opt_stepped = False
         self._grads_seen = False
         self._ac_probe = True
+        self._bwd_probe = False
         self._cur_mode = self._mode()
 
     def _drop_observations(self) -> None:
@@ -330,7 +331,7 @@ class Doctor:
         self._micro += 1
         if t is not None and t.dim() > 0:
             self._samples += int(t.shape[0])
-        self._check_missed_step()
+        self._bwd_probe = True
 
     def _probe_autocast(self) -> None:
         """Record the autocast state at the step's first forward. Frameworks enter autocast inside ``forward``
@@ -344,11 +345,11 @@ class Doctor:
                               "dtype": B.dtype_name(torch.get_autocast_dtype(dev)) if enabled else None}
 
     def _check_missed_step(self) -> None:
-        """Gradients that were there and are gone (``zero_grad()``) while no step boundary came: a step passed
-        unseen. Warn once after a few; the step's observations are bounded by MAX_STEP_ENTRIES meanwhile."""
+        """At a micro-batch's first backward hook: gradients of an earlier backward of this step that are gone
+        (``zero_grad()``) mean a step passed with no step boundary. Warn once after a few; the step's observations
+        are bounded by MAX_STEP_ENTRIES meanwhile."""
         if not self._grads_seen or any(p.grad is not None for _, p in self._params):
-            return          # (only asked between a backward and a step end: accumulated micro-batches)
-        self._grads_seen = False
+            return          # (only asked after an earlier backward of this step: accumulated micro-batches)
         self._missed += 1
         if self._missed == WARN_AFTER_STEPS:
             self._warn_once("no-boundary", self._no_boundary_message(f"{self._missed} optimizer steps"))
@@ -376,6 +377,7 @@ class Doctor:
                     return
             if self._ac_probe:
                 self._ac_probe = False
+                self._bwd_probe = True         # (also where no root forward marks the micro-batches)
                 if self._device is None:
                     self._device = _device_type(self.model)
                 self._probe_autocast()
@@ -404,6 +406,9 @@ class Doctor:
         if self._off or grad is None:
             return
         try:
+            if self._bwd_probe:
+                self._bwd_probe = False
+                self._check_missed_step()
             self._grads_seen = True
             if len(self._entries) >= MAX_STEP_ENTRIES:
                 self._drop_observations()
