@@ -137,10 +137,14 @@ def unwrap_optimizer(optimizer):
         seen.add(id(optimizer))
         if scaler is None:
             scaler = getattr(optimizer, "scaler", None)
-        if isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "_optimizer_step_pre_hooks"):
+        own = vars(optimizer) if hasattr(optimizer, "__dict__") else {}
+        inner = next((own[k] for k in ("optimizer", "_optimizer") if hasattr(own.get(k), "param_groups")), None)
+        if inner is not None:            # a wrapper, even one that subclasses the optimizer (LightningOptimizer)
+            optimizer = inner
+        elif isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "_optimizer_step_pre_hooks"):
             return optimizer, scaler
-        inner = vars(optimizer).get("optimizer", None) if hasattr(optimizer, "__dict__") else None
-        optimizer = inner if inner is not None else getattr(optimizer, "_optimizer", None)
+        else:
+            break
     raise TypeError(f"Argument optimizer should be of type torch.optim.Optimizer (or a framework's wrapper of one), "
                     f"but given {type(given)}")
 
