@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import fnmatch
-import weakref
 from typing import Callable, Iterable
 
 import torch
@@ -127,52 +126,3 @@ def first_tensor(args: Iterable, kwargs: dict | None = None) -> torch.Tensor | N
 # forward hook asks on every call.
 graph_task_id = torch._C._current_graph_task_id
 
-
-def unwrap_optimizer(optimizer):
-    """The torch optimizer inside framework wrappers (accelerate's AcceleratedOptimizer keeps it in ``.optimizer``,
-    Lightning's LightningOptimizer in ``._optimizer``): its step hooks are the ones that run. Returns (optimizer,
-    the wrapper's GradScaler or None); TypeError when no torch optimizer is found."""
-    scaler, seen, given = None, set(), optimizer
-    while optimizer is not None and id(optimizer) not in seen:
-        seen.add(id(optimizer))
-        if scaler is None:
-            scaler = getattr(optimizer, "scaler", None)
-        own = vars(optimizer) if hasattr(optimizer, "__dict__") else {}
-        inner = next((own[k] for k in ("optimizer", "_optimizer") if hasattr(own.get(k), "param_groups")), None)
-        if inner is not None:            # a wrapper, even one that subclasses the optimizer (LightningOptimizer)
-            optimizer = inner
-        elif isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "_optimizer_step_pre_hooks"):
-            return optimizer, scaler
-        else:
-            break
-    raise TypeError(f"Argument optimizer should be of type torch.optim.Optimizer (or a framework's wrapper of one), "
-                    f"but given {type(given)}")
-
-
-class Registry:
-    """Which live Doctor observes which model, module, optimizer and scaler: a second Doctor on the same objects
-    would record half the steps and, closed first, restore the other's wrappers. Weak keys: nothing kept alive."""
-
-    def __init__(self):
-        self._owner = weakref.WeakKeyDictionary()
-
-    def claim(self, doctor, objects: list) -> None:
-        """Refuse (RuntimeError) when one of ``objects`` belongs to another open Doctor; else claim them all."""
-        for obj in objects:
-            ref = self._owner.get(obj)
-            other = ref() if ref is not None else None
-            if other is not None and other is not doctor and other.active:
-                raise RuntimeError(
-                    f"ampdoctor: this {type(obj).__name__} is already observed by the Doctor writing {other.path}; "
-                    "close() that one first (one Doctor per model, optimizer and scaler)")
-        me = weakref.ref(doctor)
-        for obj in objects:
-            self._owner[obj] = me
-
-    def release(self, doctor) -> None:
-        for obj, ref in list(self._owner.items()):
-            if ref() is doctor or ref() is None:
-                self._owner.pop(obj, None)
-
-
-ATTACHED = Registry()

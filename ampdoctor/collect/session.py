@@ -19,6 +19,7 @@ from ..live import LiveDiagnosis, TrainingHalted, check_severity
 from ..trace import schema
 from ..trace.writer import Entry, StepPacket, Writer
 from . import buffers as B
+from . import guards as G
 from . import hooks as H
 from . import stats as K
 
@@ -70,10 +71,10 @@ class Doctor:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"Argument model should be of type torch.nn.Module, but given {type(model)}")
         if optimizer is not None:
-            optimizer, wrapped_scaler = H.unwrap_optimizer(optimizer)
-            if scaler is None and _is_scaler(wrapped_scaler):    # accelerate's optimizer carries its GradScaler
+            optimizer, wrapped_scaler = G.unwrap_optimizer(optimizer)
+            if scaler is None and G.is_scaler(wrapped_scaler):    # accelerate's optimizer carries its GradScaler
                 scaler = wrapped_scaler
-        if scaler is not None and not _is_scaler(scaler):
+        if scaler is not None and not G.is_scaler(scaler):
             raise TypeError(f"Argument scaler should be a torch.amp.GradScaler, but given {type(scaler)}")
         for name, value in (("every", every), ("hist_every", hist_every), ("weight_every", weight_every)):
             _check_positive(name, value)
@@ -128,14 +129,14 @@ class Doctor:
         self._missed = 0                 # gradients cleared by zero_grad() while no step boundary came
         self._warned_once: set = set()
         self._metric_warned: set = set()
-        H.ATTACHED.claim(self, [*model.modules(), *(o for o in (optimizer, scaler) if o is not None)])
+        G.ATTACHED.claim(self, [*model.modules(), *(o for o in (optimizer, scaler) if o is not None)])
 
         try:
             self._writer = Writer(self.path)
         except Exception as exc:  # a read-only or full directory: warn, observe nothing, let training run
             self._writer = None
             self._off = True
-            H.ATTACHED.release(self)
+            G.ATTACHED.release(self)
             warnings.warn(f"ampdoctor: cannot write the trace {self.path} ({exc}); collection disabled, "
                           "training continues", RuntimeWarning, stacklevel=4)
             return
@@ -175,7 +176,7 @@ class Doctor:
                 os.remove(self.path + suffix)
             except OSError:
                 pass
-        H.ATTACHED.release(self)
+        G.ATTACHED.release(self)
 
     # -- installation ------------------------------------------------------------------------------------------
     def _install(self) -> None:
@@ -236,7 +237,7 @@ class Doctor:
             buf.clear()
         self._fulls, self._full_len, self._entries = [], 0, []
         self._seen, self._act_seen = {}, set()
-        self._warn_once("bounded", self._no_boundary_message(f"{MAX_STEP_ENTRIES:,} observations") +
+        self._warn_once("bounded", G.no_boundary(self._boundary, f"{MAX_STEP_ENTRIES:,} observations") +
                         "; the observations of the unfinished step are dropped to bound memory")
 
     def _warn_once(self, key: str, message: str) -> None:
@@ -352,16 +353,7 @@ class Doctor:
             return          # (only asked after an earlier backward of this step: accumulated micro-batches)
         self._missed += 1
         if self._missed == WARN_AFTER_STEPS:
-            self._warn_once("no-boundary", self._no_boundary_message(f"{self._missed} optimizer steps"))
-
-    def _no_boundary_message(self, what: str) -> str:
-        if self._boundary == "manual":
-            fix = ("pass the optimizer that updates this model (attach(model, optimizer=opt)), or call doctor.step() "
-                   "after each optimizer step")
-        else:
-            fix = (f"the {self._boundary} given to attach() never ended a step: pass the one that updates this model, "
-                   "or call doctor.step() after each optimizer step")
-        return f"ampdoctor: {what} went by without a step boundary, so no step was recorded; {fix}"
+            self._warn_once("no-boundary", G.no_boundary(self._boundary, f"{self._missed} optimizer steps"))
 
     def _on_forward(self, path, module, args, output):
         if self._off or not torch.is_grad_enabled():
@@ -529,7 +521,7 @@ class Doctor:
             raise ValueError(f"Argument name should be a non-empty str, but given {name!r}")
         if self._off:
             return
-        number = _as_number(value)
+        number = G.as_number(value)
         if number is None or (step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0)):
             if name not in self._metric_warned:
                 self._metric_warned.add(name)
@@ -639,11 +631,7 @@ class Doctor:
         # the data wait is left empty (a wait of the whole step would make the time rules blame the input pipeline).
         started = self._t_first is not None
         if not started and self._step + 1 >= WARN_AFTER_STEPS and not self._step_starts:
-            self._warn_once("no-forward", (
-                f"ampdoctor: {self._step + 1} steps ended but {type(self.model).__name__}.forward was never called "
-                "(e.g. a LightningModule whose training_step calls an inner model): step timing, batch sizes and "
-                "the autocast state are not recorded. Attach the module whose forward runs (attach(lit.model, ...)), "
-                "or use ampdoctor.integrations.lightning.AmpDoctorCallback"))
+            self._warn_once("no-forward", G.no_forward(type(self.model).__name__, self._step + 1))
         row = {
             "time": time.time(),
             "step_time": now - self._t_prev_end,
@@ -827,11 +815,11 @@ class Doctor:
             return
         if (self._writer is not None and not self._off and self._step == 0
                 and (self._step_starts or self._entries)):
-            self._warn_once("no-boundary", self._no_boundary_message("the whole run"))
+            self._warn_once("no-boundary", G.no_boundary(self._boundary, "the whole run"))
         self._closed = True
         self._off = True
         self._handles.remove()
-        H.ATTACHED.release(self)
+        G.ATTACHED.release(self)
         if getattr(self, "_live", None) is not None:
             self._live.stop()
         if self._writer is not None:
@@ -880,24 +868,6 @@ def _eager(fn):
             return disabled(*args, **kwargs)
         return fn(*args, **kwargs)
     return hook
-
-
-def _is_scaler(obj) -> bool:
-    return callable(getattr(obj, "scale", None)) and callable(getattr(obj, "update", None))
-
-
-def _as_number(value) -> float | None:
-    """A metric value as a float (NaN and Inf included: they are data), or None when it is not one number."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.is_complex():
-            return None
-        value = value.item()
-    if isinstance(value, (bool, str, bytes)) or isinstance(value, complex):
-        return None
-    try:
-        return float(value)
-    except (TypeError, ValueError, OverflowError):
-        return None
 
 
 def _device_type(model) -> str | None:

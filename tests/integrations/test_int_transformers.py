@@ -1,6 +1,5 @@
 """The Hugging Face Trainer with AmpDoctorCallback, on tiny GPT-2, BERT and T5 models built from configs (no
 downloads), and accelerate's wrapped optimizer in a plain FP16 loop."""
-import warnings
 
 import pytest
 import torch
