@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import numbers
 import os
 import platform
 import threading
@@ -373,8 +374,7 @@ class Doctor:
                 if self._device is None:
                     self._device = _device_type(self.model)
                 self._probe_autocast()
-            entries = self._entries
-            if len(entries) >= MAX_STEP_ENTRIES:
+            if len(self._entries) >= MAX_STEP_ENTRIES:
                 self._drop_observations()
             sid = self._act_ids.get(path)
             if sid is None:
@@ -522,7 +522,8 @@ class Doctor:
         if self._off:
             return
         number = G.as_number(value)
-        if number is None or (step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0)):
+        if number is None or (step is not None and (not isinstance(step, numbers.Integral) or isinstance(step, bool)
+                                                    or step < 0)):
             if name not in self._metric_warned:
                 self._metric_warned.add(name)
                 what = f"value {value!r:.60}" if number is None else f"step {step!r}"
