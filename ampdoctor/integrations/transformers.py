@@ -44,14 +44,17 @@ class AmpDoctorCallback(TrainerCallback):
         """The Trainer backpropagates the model's loss times a factor (1 / accumulation steps, or 1 when the model
         normalises by the whole step's tokens); the gradient reaching that loss is the factor, so loss * grad is
         exactly what the Trainer trains on and what it logs as ``loss`` (summed over the step's micro-batches)."""
-        if not (module.training and torch.is_grad_enabled()):
+        doc = self.doctor
+        if doc is None or not doc.active or not (module.training and torch.is_grad_enabled()):
             return
-        loss = output.get("loss") if isinstance(output, dict) else (
-            output[0] if isinstance(output, (tuple, list)) and output else None)
-        if isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad:
-            doc = self.doctor
-            value = loss.detach()
-            loss.register_hook(lambda g: doc.log_loss(value.float() * g.float()))
+        try:
+            loss = output.get("loss") if isinstance(output, dict) else (
+                output[0] if isinstance(output, (tuple, list)) and output else None)
+            if isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad:
+                value = loss.detach()
+                loss.register_hook(lambda g: doc.log_loss(value.float() * g.float()))
+        except Exception as exc:           # never break training: the Doctor warns once and stops
+            doc._fail(exc)
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         if self.doctor is not None:
