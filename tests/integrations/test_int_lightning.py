@@ -115,3 +115,31 @@ def test_lightning_module_attached_by_hand_warns_and_time_rules_stay_silent(tmp_
     assert "input-pipeline-bound" not in rules
     assert tr.config["autocast"]["enabled"] is True           # found inside training_step's autocast
     assert tr.config["optimizer"]["class"] == "SGD"           # the torch optimizer inside Lightning's wrapper
+
+
+class TwoOptimizers(Regression):
+    """Manual optimization with two optimizers (a GAN's pattern): one recorded step per training batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, i):
+        x, y = batch
+        for opt in self.optimizers():
+            loss = torch.nn.functional.mse_loss(self.net(x).float(), y)
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+        self.losses.append(loss.item())
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.net[0].parameters(), lr=0.05), torch.optim.SGD(self.net[2].parameters(), lr=0.05)]
+
+
+def test_lightning_callback_with_two_optimizers_records_one_step_per_batch(tmp_path):
+    module = TwoOptimizers()
+    trainer = fit(tmp_path, module, [AmpDoctorCallback(live=False)], steps=6, accumulation=1, precision="bf16-mixed")
+    tr = ampdoctor.load(tmp_path / "ampdoctor.db")
+    assert trainer.global_step == 6 and tr.n_steps == 3              # Lightning counts each optimizer's step
+    assert tr.config["boundary"] == "manual" and tr.steps()["microbatches"].tolist() == [1, 1, 1]
