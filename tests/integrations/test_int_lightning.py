@@ -2,15 +2,13 @@
 since Lightning turns precision="16-mixed" on the CPU into bf16), and a LightningModule attached by hand."""
 import warnings
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
 
 import ampdoctor
-
-pl = pytest.importorskip("lightning.pytorch")
-from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
-
-from ampdoctor.integrations.lightning import AmpDoctorCallback  # noqa: E402
+from ampdoctor.integrations.lightning import AmpDoctorCallback
 
 BATCH = 4
 
