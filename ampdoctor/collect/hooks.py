@@ -125,4 +125,3 @@ def first_tensor(args: Iterable, kwargs: dict | None = None) -> torch.Tensor | N
 # -1 while no backward pass runs: a forward seen during one is a checkpoint recomputation. Bound once, because the
 # forward hook asks on every call.
 graph_task_id = torch._C._current_graph_task_id
-
