@@ -512,7 +512,7 @@ def test_failed_attach_leaves_nothing_behind(tmp_path):
     with pytest.raises(RuntimeError, match="not supported on ScriptModules"):
         ampdoctor.attach(model, trace=str(path))
     assert not any(m._forward_hooks for m in model.modules())
-    assert _ampdoctor_threads() == before
+    assert not set(_ampdoctor_threads()) - set(before)          # no writer or live thread started and left
     assert not list(tmp_path.iterdir())
     with pytest.raises(RuntimeError, match="not supported on ScriptModules"):   # not "already observed"
         ampdoctor.attach(model, trace=str(path))
