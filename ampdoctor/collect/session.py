@@ -153,17 +153,17 @@ class Doctor:
     def _start(self, live, on_finding, halt_on, log_every, rules) -> None:
         """Everything attach() starts once the trace file exists; _abort() undoes it when any part raises."""
         self._writer.log_every = log_every
-        if log_every is not None and not log.handlers and not logging.getLogger().handlers:
-            _handler = logging.StreamHandler()          # the summary is asked for: make sure it is seen
-            _handler.setFormatter(logging.Formatter("%(message)s"))
-            log.addHandler(_handler)
-            log.setLevel(logging.INFO)
         self._writer.start()
         self._put(("meta", "run", self._run_meta()))
         self._install()
         if live or on_finding is not None or halt_on is not None:
             self._live = LiveDiagnosis(self.path, on_finding=on_finding, halt_on=halt_on, rules=rules)
             self._live.start()
+        if log_every is not None and not log.handlers and not logging.getLogger().handlers:
+            _handler = logging.StreamHandler()          # the summary is asked for: make sure it is seen
+            _handler.setFormatter(logging.Formatter("%(message)s"))
+            log.addHandler(_handler)                    # last: an attach that raised added no handler
+            log.setLevel(logging.INFO)
 
     def _abort(self) -> None:
         """A failed attach leaves nothing behind: no hook, no wrapped method, no thread, no trace file."""
