@@ -3,6 +3,7 @@ import logging
 import math
 import os
 import pathlib
+import time
 import warnings
 
 import numpy as np
@@ -494,3 +495,161 @@ def test_sparse_embedding_gradients_are_observed(tmp_path, every):
     col = sites.index[(sites["path"] == "0.weight") & (sites["kind"] == "param_grad")][0]
     peaks = tr.records("peak", "param_grad")[:, list(sites.index[sites["kind"] == "param_grad"]).index(col)]
     assert np.allclose(peaks, [m for m, _ in expected], rtol=1e-6)
+
+
+# -- attach on the wrong objects: refused cleanly, or warned about once (issues 9 and 10) ---------------------------
+
+def _ampdoctor_threads():
+    import threading
+    return [t for t in threading.enumerate() if t.name.startswith("ampdoctor")]
+
+
+def test_failed_attach_leaves_nothing_behind(tmp_path):
+    """A ScriptModule refuses the root pre-hook after the children got theirs: nothing of the attempt remains."""
+    model = torch.jit.script(mlp(width=16))
+    before = _ampdoctor_threads()
+    path = tmp_path / "t.db"
+    with pytest.raises(RuntimeError, match="not supported on ScriptModules"):
+        ampdoctor.attach(model, trace=str(path))
+    assert not any(m._forward_hooks for m in model.modules())
+    assert not set(_ampdoctor_threads()) - set(before)          # no writer or live thread started and left
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(RuntimeError, match="not supported on ScriptModules"):   # not "already observed"
+        ampdoctor.attach(model, trace=str(path))
+
+
+def test_unknown_rules_are_refused_at_attach(tmp_path):
+    with pytest.raises(ValueError, match="Unknown rule id 'grad-undreflow'"):
+        ampdoctor.attach(mlp(), trace=str(tmp_path / "t.db"), rules={"grad-undreflow": None})
+    with pytest.raises(ValueError, match="has no threshold 'share'"):
+        ampdoctor.attach(mlp(), trace=str(tmp_path / "t.db"), rules={"grad-underflow": {"share": 0.1}})
+    assert not list(tmp_path.iterdir())
+
+
+def test_second_doctor_on_the_same_model_or_scaler_is_refused(tmp_path):
+    model, other = mlp(width=16), mlp(width=16, seed=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    first = ampdoctor.attach(model, optimizer=opt, scaler=scaler, trace=str(tmp_path / "a.db"))
+    with pytest.raises(RuntimeError, match=r"already observed by the Doctor writing .*a\.db; close\(\) that one"):
+        ampdoctor.attach(model, trace=str(tmp_path / "b.db"))
+    with pytest.raises(RuntimeError, match="GradScaler is already observed"):
+        ampdoctor.attach(other, scaler=scaler, trace=str(tmp_path / "c.db"))
+    with pytest.raises(RuntimeError, match="Linear is already observed"):    # a part of an observed model
+        ampdoctor.attach(model[0], trace=str(tmp_path / "d.db"))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".db") == ["a.db"]
+    first.close()
+    model2, _, _, _ = train(model, 3, trace=str(tmp_path / "e.db"))     # free again once the first is closed
+    assert ampdoctor.load(tmp_path / "e.db").n_steps == 3
+
+
+def test_log_metric_with_a_non_number_warns_once_and_collection_goes_on(trace_path):
+    model = mlp(width=16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        with ampdoctor.attach(model, optimizer=opt, trace=trace_path) as doc:
+            for i, (x, y) in enumerate(batches(6)):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                doc.log_loss(loss)
+                doc.log_metric("val/acc", "n/a" if i < 3 else 0.5 + i / 100)
+                doc.log_metric("val/vec", torch.ones(3))
+            assert doc.active
+    msgs = [str(x.message) for x in w if "ampdoctor" in str(x.message)]
+    assert len(msgs) == 2 and "log_metric('val/acc') skipped: the value 'n/a' is not a real number" in msgs[0]
+    tr = ampdoctor.load(trace_path)
+    assert tr.n_steps == 6 and tr.steps()["loss"].notna().all()
+    m = tr.metrics()
+    assert m["name"].tolist() == ["val/acc"] * 3 and m["step"].tolist() == [3, 4, 5]
+
+
+def test_optimizer_of_another_model_warns_and_buffers_stay_bounded(trace_path, monkeypatch):
+    """The optimizer given never steps this model: one clear warning, and a step's buffers stop growing."""
+    from ampdoctor.collect import session
+    monkeypatch.setattr(session, "MAX_STEP_ENTRIES", 200)      # the real bound is reached after ~12k micro-batches
+    model = mlp(width=16)
+    own = torch.optim.SGD(model.parameters(), lr=0.01)
+    unrelated = torch.optim.SGD(mlp(width=8).parameters(), lr=0.01)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        with ampdoctor.attach(model, optimizer=unrelated, trace=trace_path) as doc:
+            most = 0
+            for x, y in batches(80, batch=4):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                own.zero_grad()
+                loss.backward()
+                own.step()
+                doc.log_loss(loss)
+                most = max(most, len(doc._entries), len(doc._losses))
+    msgs = [str(x.message) for x in w if "ampdoctor" in str(x.message)]
+    assert "3 optimizer steps went by without a step boundary" in msgs[0]
+    assert "the optimizer given to attach() never ended a step: pass the one that updates this model" in msgs[0]
+    assert any("observations of the unfinished step are dropped" in m for m in msgs) and len(msgs) == 2
+    assert most <= 200 + 20 and 0 < len(doc._losses) <= session.MAX_STEP_LOSSES
+
+
+def test_no_step_boundary_warns_with_the_fix(trace_path):
+    """attach(model) with neither optimizer nor doctor.step(): the run said nothing and recorded 0 steps."""
+    model = mlp(width=16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.warns(RuntimeWarning, match=r"3 optimizer steps went by without a step boundary.*"
+                                            r"attach\(model, optimizer=opt\)\), or call doctor.step\(\)"):
+        with ampdoctor.attach(model, trace=trace_path):
+            for x, y in batches(5):
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+    with pytest.warns(RuntimeWarning, match="the whole run went by without a step boundary"):
+        with ampdoctor.attach(model, trace=trace_path.replace(".db", "2.db")):
+            model(torch.randn(2, 32)).sum().backward()
+
+
+class _Wrapper(torch.nn.Module):
+    """Holds the network but is never called itself, like a LightningModule whose training_step calls self.net."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = mlp(width=16)
+
+
+def test_module_whose_forward_never_runs_warns_and_time_rules_stay_silent(trace_path):
+    wrapper = _Wrapper()
+    opt = torch.optim.SGD(wrapper.parameters(), lr=0.01)
+    with pytest.warns(RuntimeWarning, match=r"3 steps ended but _Wrapper.forward was never called.*"
+                                            r"Attach the module whose forward runs"):
+        with ampdoctor.attach(wrapper, optimizer=opt, trace=trace_path, live=False) as doc:
+            for x, y in batches(12):
+                time.sleep(0.002)                 # "loading": a wait the observer could mistake for input time
+                loss = torch.nn.functional.mse_loss(wrapper.net(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                doc.log_loss(loss)
+    tr = ampdoctor.load(trace_path)
+    st = tr.steps()
+    assert len(st) == 12 and st["data_time"].isna().all() and st["samples"].isna().all()
+    assert (st["step_time"] > 0).all() and tr.config["step_start"] is None
+    assert tr.sites("act")["path"].tolist()[:1] == ["net.0"]            # the inner modules are still observed
+    assert "input-pipeline-bound" not in [f.rule for f in ampdoctor.diagnose(trace_path)]
+
+
+def test_autocast_entered_inside_forward_is_detected(trace_path):
+    """Frameworks (accelerate) enter autocast inside forward, after the root pre-hook ran."""
+    class AutocastInside(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp(width=16)
+
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.net(x)
+
+    model = AutocastInside()
+    train(model, 2, precision="fp32", trace=trace_path)
+    from ampdoctor.cli import describe_precision
+    cfg = ampdoctor.load(trace_path).config
+    assert cfg["autocast"] == {"device_type": "cpu", "enabled": True, "dtype": "bfloat16"}
+    assert describe_precision(cfg) == "O1-style: autocast bfloat16, FP32 master weights"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import numbers
 import os
 import platform
 import threading
@@ -19,6 +20,7 @@ from ..live import LiveDiagnosis, TrainingHalted, check_severity
 from ..trace import schema
 from ..trace.writer import Entry, StepPacket, Writer
 from . import buffers as B
+from . import guards as G
 from . import hooks as H
 from . import stats as K
 
@@ -29,6 +31,12 @@ log = logging.getLogger("ampdoctor")
 DEFAULT_EVERY = 100
 DEFAULT_HIST_EVERY = 200    # histograms stored every 200th step: 500 sites x 10k steps stay well under 100 MB
 DEFAULT_WEIGHT_EVERY = 200  # weights and updates change slowly, and an update needs a copy of the weights
+WARN_AFTER_STEPS = 3        # steps (or cleared gradients) before a run that is not observed as it should be warns
+# Observations held for one step: a step of 1,000 observed modules with 32 accumulated micro-batches holds ~64k
+# (forward + backward). Beyond this the step boundary is taken to be missing (an optimizer of another model) and
+# the step's observations so far are dropped, so that memory stays bounded.
+MAX_STEP_ENTRIES = 200_000
+MAX_STEP_LOSSES = 64        # micro-batch losses kept apart per step; beyond, they are summed into one
 
 
 def _dist() -> dict:
@@ -80,10 +88,11 @@ class Doctor:
                  rules: dict | None = None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"Argument model should be of type torch.nn.Module, but given {type(model)}")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"Argument optimizer should be of type torch.optim.Optimizer, but given {type(optimizer)}")
-        if scaler is not None and not (callable(getattr(scaler, "scale", None))
-                                       and callable(getattr(scaler, "update", None))):
+        if optimizer is not None:
+            optimizer, wrapped_scaler = G.unwrap_optimizer(optimizer)
+            if scaler is None and G.is_scaler(wrapped_scaler):    # accelerate's optimizer carries its GradScaler
+                scaler = wrapped_scaler
+        if scaler is not None and not G.is_scaler(scaler):
             raise TypeError(f"Argument scaler should be a torch.amp.GradScaler, but given {type(scaler)}")
         for name, value in (("every", every), ("hist_every", hist_every), ("weight_every", weight_every)):
             _check_positive(name, value)
@@ -94,6 +103,9 @@ class Doctor:
         if on_finding is not None and not callable(on_finding):
             raise TypeError(f"Argument on_finding should be callable, but given {type(on_finding)}")
         check_severity("halt_on", halt_on)
+        if rules is not None:
+            from ..diagnose.engine import resolve_rules
+            resolve_rules(rules)               # unknown ids or thresholds fail here, not in the live thread later
 
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.every, self.hist_every, self.weight_every = every, hist_every, weight_every
@@ -127,6 +139,14 @@ class Doctor:
         self._live: LiveDiagnosis | None = None
         self._device = _device_type(model)
         self._halted = False
+        self._external_batches = False   # begin_batch() marks the micro-batches (frameworks' callbacks)
+        self._step_starts = 0            # micro-batch starts seen (root forwards or begin_batch calls)
+        self._ac_probe = True            # look at the autocast state in the step's first observed forward
+        self._grads_seen = False
+        self._missed = 0                 # gradients cleared by zero_grad() while no step boundary came
+        self._warned_once: set = set()
+        self._metric_warned: set = set()
+        G.ATTACHED.claim(self, [*model.modules(), *(o for o in (optimizer, scaler) if o is not None)])
 
         try:
             self._writer = Writer(requested, free_name=True)    # never overwrites: an existing name gets -1, -2..
@@ -134,24 +154,47 @@ class Doctor:
         except Exception as exc:  # a read-only or full directory: warn, observe nothing, let training run
             self._writer = None
             self._off = True
+            G.ATTACHED.release(self)
             warnings.warn(f"ampdoctor: cannot write the trace {self.path} ({exc}); collection disabled, "
                           "training continues", RuntimeWarning, stacklevel=4)
             return
+        try:
+            self._start(live, on_finding, halt_on, log_every, rules)
+        except BaseException:
+            self._abort()
+            raise
         if self.path != requested:
             warnings.warn(f"ampdoctor: {requested} exists; writing this run's trace to {self.path}",
                           RuntimeWarning, stacklevel=4)
+
+    def _start(self, live, on_finding, halt_on, log_every, rules) -> None:
+        """Everything attach() starts once the trace file exists; _abort() undoes it when any part raises."""
         self._writer.log_every = log_every
-        if log_every is not None and not log.handlers and not logging.getLogger().handlers:
-            _handler = logging.StreamHandler()          # the summary is asked for: make sure it is seen
-            _handler.setFormatter(logging.Formatter("%(message)s"))
-            log.addHandler(_handler)
-            log.setLevel(logging.INFO)
         self._writer.start()
         self._put(("meta", "run", self._run_meta()))
         self._install()
         if live or on_finding is not None or halt_on is not None:
             self._live = LiveDiagnosis(self.path, on_finding=on_finding, halt_on=halt_on, rules=rules)
             self._live.start()
+        if log_every is not None and not log.handlers and not logging.getLogger().handlers:
+            _handler = logging.StreamHandler()          # the summary is asked for: make sure it is seen
+            _handler.setFormatter(logging.Formatter("%(message)s"))
+            log.addHandler(_handler)                    # last: an attach that raised added no handler
+            log.setLevel(logging.INFO)
+
+    def _abort(self) -> None:
+        """A failed attach leaves nothing behind: no hook, no wrapped method, no thread, no trace file."""
+        self._closed = self._off = True
+        self._handles.remove()
+        if self._live is not None:
+            self._live.stop()
+        self._writer.close()
+        for suffix in ("", "-wal", "-shm"):      # this Doctor's Writer created the file (it refuses an existing one)
+            try:
+                os.remove(self.path + suffix)
+            except OSError:
+                pass
+        G.ATTACHED.release(self)
 
     # -- installation ------------------------------------------------------------------------------------------
     def _install(self) -> None:
@@ -200,7 +243,25 @@ class Doctor:
         self._losses: list = []
         self._scale_before = None
         self._opt_stepped = False
+        self._grads_seen = False
+        self._ac_probe = True
+        self._bwd_probe = False
         self._cur_mode = self._mode()
+
+    def _drop_observations(self) -> None:
+        """The step has grown past MAX_STEP_ENTRIES: its boundary is missing. Drop what it observed so far (its
+        timing, micro-batches and losses stay), warn once, keep collecting."""
+        for buf in self._bufs.values():
+            buf.clear()
+        self._fulls, self._full_len, self._entries = [], 0, []
+        self._seen, self._act_seen = {}, set()
+        self._warn_once("bounded", G.no_boundary(self._boundary, f"{MAX_STEP_ENTRIES:,} observations") +
+                        "; the observations of the unfinished step are dropped to bound memory")
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned_once:
+            self._warned_once.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     def _mode(self) -> str:
         """"f" (full statistics) or "p" (peaks) for the current step; cached in _cur_mode by _reset_step."""
@@ -270,25 +331,47 @@ class Doctor:
 
     # -- hooks -------------------------------------------------------------------------------------------------
     def _on_root_pre(self, module, args, kwargs):
-        if self._off or not torch.is_grad_enabled() or H.graph_task_id() != -1:
+        if self._off or self._external_batches or not torch.is_grad_enabled() or H.graph_task_id() != -1:
             return None
         try:
-            now = time.perf_counter()
-            if self._t_first is None:
-                self._t_first = now
-                self._flush_pending()
-                dev = self._device = _device_type(self.model)      # once a step: a model may be moved
-                if dev is not None:
-                    enabled = torch.is_autocast_enabled(dev)
-                    self._autocast = {"device_type": dev, "enabled": enabled,
-                                      "dtype": B.dtype_name(torch.get_autocast_dtype(dev)) if enabled else None}
-            self._micro += 1
-            t = H.first_tensor(args, kwargs)
-            if t is not None and t.dim() > 0:
-                self._samples += int(t.shape[0])
+            self._start_micro(H.first_tensor(args, kwargs))
         except Exception as exc:
             self._fail(exc)
         return None
+
+    def _start_micro(self, t: torch.Tensor | None) -> None:
+        """A micro-batch's forward begins: the step's first one ends the data wait; ``t`` gives the batch size."""
+        if self._t_first is None:
+            self._t_first = time.perf_counter()
+            self._flush_pending()
+            self._device = _device_type(self.model)      # once a step: a model may be moved
+            self._probe_autocast()
+        self._step_starts += 1
+        self._micro += 1
+        if t is not None and t.dim() > 0:
+            self._samples += int(t.shape[0])
+        self._bwd_probe = True
+
+    def _probe_autocast(self) -> None:
+        """Record the autocast state at the step's first forward. Frameworks enter autocast inside ``forward``
+        (accelerate wraps it), after the root pre-hook: the first observed forward inside looks again."""
+        dev = self._device
+        if dev is None or (self._autocast.get("enabled") and self._autocast.get("device_type") == dev):
+            return
+        enabled = torch.is_autocast_enabled(dev)
+        if enabled or not self._autocast:
+            self._autocast = {"device_type": dev, "enabled": enabled,
+                              "dtype": B.dtype_name(torch.get_autocast_dtype(dev)) if enabled else None}
+
+    def _check_missed_step(self) -> None:
+        """At a micro-batch's first backward hook: gradients of an earlier backward of this step that are gone
+        (``zero_grad()``) mean a step passed with no step boundary. Warn once after a few; the step's observations
+        are bounded by MAX_STEP_ENTRIES meanwhile."""
+        if not self._grads_seen or any(p.grad is not None for _, p in self._params):
+            return          # (only asked after an earlier backward of this step: accumulated micro-batches)
+        self._missed += 1
+        if self._missed == WARN_AFTER_STEPS:
+            self._warn_once("no-boundary", G.no_boundary(self._boundary, f"{self._missed} optimizer steps"))
 
     def _on_forward(self, path, module, args, output):
         if self._off or not torch.is_grad_enabled():
@@ -302,6 +385,14 @@ class Doctor:
                 tensors = H.float_tensors(output)
                 if not tensors:
                     return
+            if self._ac_probe:
+                self._ac_probe = False
+                self._bwd_probe = True         # (also where no root forward marks the micro-batches)
+                if self._device is None:
+                    self._device = _device_type(self.model)
+                self._probe_autocast()
+            if len(self._entries) >= MAX_STEP_ENTRIES:
+                self._drop_observations()
             sid = self._act_ids.get(path)
             if sid is None:
                 sid = self._act_ids[path] = self._site(path, "act", module, tensors[0])
@@ -324,6 +415,12 @@ class Doctor:
         if self._off or grad is None:
             return
         try:
+            if self._bwd_probe:
+                self._bwd_probe = False
+                self._check_missed_step()
+            self._grads_seen = True
+            if len(self._entries) >= MAX_STEP_ENTRIES:
+                self._drop_observations()
             sid = self._grad_ids.get(path)
             if sid is None:
                 sid = self._grad_ids[path] = self._site(path, "grad_out", module, grad)
@@ -416,6 +513,8 @@ class Doctor:
             loss = loss.item() if loss.numel() == 1 and K.on_host(loss) else loss.detach().reshape(-1)[0]
         if loss is None:
             return
+        if len(self._losses) >= MAX_STEP_LOSSES:      # a step without an end: keep one running sum
+            self._losses = [B.sum_losses(self._losses)]
         if self._t_first is None and self._pending is not None and self._pending.loss is None:
             self._pending.late_loss = loss        # logged after the optimizer step ended the step
         else:
@@ -433,16 +532,42 @@ class Doctor:
         self._put(("step", p))
 
     def log_metric(self, name: str, value, step: int | None = None) -> None:
-        """Any scalar, e.g. a validation metric; ``step`` defaults to the last completed step."""
+        """Any scalar, e.g. a validation metric; ``step`` defaults to the last completed step. A value that is not
+        a number (``"n/a"``, a tensor of several values) is skipped with one warning per metric name."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"Argument name should be a non-empty str, but given {name!r}")
         if self._off:
             return
+        number = G.as_number(value)
+        if number is None or (step is not None and (not isinstance(step, numbers.Integral) or isinstance(step, bool)
+                                                    or step < 0)):
+            if name not in self._metric_warned:
+                self._metric_warned.add(name)
+                what = f"value {value!r:.60}" if number is None else f"step {step!r}"
+                warnings.warn(f"ampdoctor: log_metric({name!r}) skipped: the {what} is not "
+                              f"{'a real number' if number is None else 'a non-negative int'}; collection continues",
+                              RuntimeWarning, stacklevel=2)
+            return
         try:
-            value = float(value.item() if isinstance(value, torch.Tensor) else value)
             if step is None:
                 step = max(self._step - 1, 0)
-            self._put(("metric", int(step), name, value, time.time()))
+            self._put(("metric", int(step), name, number, time.time()))
+        except Exception as exc:
+            self._fail(exc)
+
+    def begin_batch(self, batch=None) -> None:
+        """A training micro-batch starts, for loops where the attached module's own ``forward`` is not what runs
+        (a LightningModule whose ``training_step`` calls an inner model); frameworks' callbacks call it. From the
+        first call on, step timing and batch sizes come from these calls, not from the root forward."""
+        if self._off:
+            return
+        self._external_batches = True
+        try:
+            if isinstance(batch, dict):
+                t = H.first_tensor((), batch)
+            else:
+                t = H.first_tensor(batch if isinstance(batch, (list, tuple)) else (batch,))
+            self._start_micro(t)
         except Exception as exc:
             self._fail(exc)
 
@@ -520,12 +645,16 @@ class Doctor:
             return None if off is None else float(values[extra_base + off])
 
         scale_vals = [pick(o) if isinstance(v, torch.Tensor) else v for o, v in zip(scale_offs, scales)]
-        t_first = self._t_first if self._t_first is not None else now
+        # No forward of the attached module and no begin_batch() this step: when the data arrived is unknown, so
+        # the data wait is left empty (a wait of the whole step would make the time rules blame the input pipeline).
+        started = self._t_first is not None
+        if not started and self._step + 1 >= WARN_AFTER_STEPS and not self._step_starts:
+            self._warn_once("no-forward", G.no_forward(type(self.model).__name__, self._step + 1))
         row = {
             "time": time.time(),
             "step_time": now - self._t_prev_end,
-            "data_time": max(t_first - self._t_prev_end, 0.0),
-            "samples": self._samples or None,
+            "data_time": max(self._t_first - self._t_prev_end, 0.0) if started else None,
+            "samples": (self._samples or None) if started else None,
             "lr": [float(g["lr"]) for g in self.optimizer.param_groups] if self.optimizer is not None else None,
             "microbatches": self._micro,
             "peak_mem": int(torch.cuda.max_memory_allocated()) if self._device == "cuda" else None,
@@ -659,7 +788,9 @@ class Doctor:
             params[d] = params.get(d, 0) + p.numel()
             module_dtypes.setdefault(name.rpartition(".")[0] or H.ROOT, d)
         cfg = {"autocast": self._autocast or {"enabled": False}, "param_dtypes": params,
-               "module_param_dtypes": module_dtypes, "loss_dtype": self._loss_dtype, "boundary": self._boundary}
+               "module_param_dtypes": module_dtypes, "loss_dtype": self._loss_dtype, "boundary": self._boundary,
+               # where step timing comes from: the root forward, begin_batch() calls, or nowhere (no data wait)
+               "step_start": "begin_batch" if self._external_batches else ("forward" if self._step_starts else None)}
         if self.optimizer is not None:
             groups = [{k: _plain(v) for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
             cfg["optimizer"] = {"class": type(self.optimizer).__name__, "groups": groups}
@@ -700,9 +831,13 @@ class Doctor:
         """Remove every hook, restore every wrapped method, flush and close the trace. Idempotent."""
         if self._closed:
             return
+        if (self._writer is not None and not self._off and self._step == 0
+                and (self._step_starts or self._entries)):
+            self._warn_once("no-boundary", G.no_boundary(self._boundary, "the whole run"))
         self._closed = True
         self._off = True
         self._handles.remove()
+        G.ATTACHED.release(self)
         if getattr(self, "_live", None) is not None:
             self._live.stop()
         if self._writer is not None:

@@ -16,6 +16,8 @@ WARMUP_STEPS = 2           # the first steps pay for worker start-up and allocat
 
 
 def input_pipeline_bound(run, *, min_share=MIN_DATA_SHARE, warning_share=WARNING_SHARE, warmup=WARMUP_STEPS):
+    if (run.config or {}).get("step_start", "forward") is None:
+        return None        # no step start was seen (the attached module's forward never ran): no data wait known
     st = run.steps.iloc[warmup:]
     st = st[np.isfinite(st["data_time"]) & np.isfinite(st["step_time"]) & (st["step_time"] > 0)]
     if len(st) < 5:
