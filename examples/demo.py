@@ -209,7 +209,7 @@ def cycle(fault_name: str, path: str, steps: int, show=True) -> dict:
     for line in setup.applied:
         print(f"    {line}")
     print(flush=True)
-    fixed, acc1 = train(setup, fixed_path(path), steps, f"{fault_name} (fixed)")
+    fixed, acc1 = train(setup, fixed_path(faulty), steps, f"{fault_name} (fixed)")
     after = ampdoctor.diagnose(fixed)
     if show:
         run_cli("diagnose", fixed)
