@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import re
 import sys
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 import ampdoctor
 from ampdoctor import cli
@@ -131,35 +133,43 @@ def apply_fix(setup: Setup, recommendation: str) -> Setup:
 # -- training --------------------------------------------------------------------------------------------------------
 def train(setup: Setup, trace: str, steps: int, label: str, batch: int = 64, seed: int = 1) -> tuple[str, float]:
     """Train ``steps`` optimizer steps with ampdoctor attached; returns (trace path written, validation accuracy)."""
-    xt, yt, xv, yv = digits()
-    g = torch.Generator().manual_seed(seed)
+    data = digits()
+    with ampdoctor.attach(setup.model, optimizer=setup.optimizer, scaler=setup.scaler, trace=trace, every=10,
+                          hist_every=20, weight_every=10) as doctor:
+        # the findings ampdoctor logs while training are printed above the progress bar, not through it
+        with logging_redirect_tqdm(loggers=[logging.getLogger("ampdoctor")]):
+            acc = _loop(setup, doctor, data, steps, label, batch, torch.Generator().manual_seed(seed))
+    return doctor.path, acc
+
+
+def _loop(setup: Setup, doctor, data, steps: int, label: str, batch: int, g) -> float:
+    """The training loop: FP16 autocast (when set), the GradScaler (when set), validation every 50 steps."""
+    xt, yt, xv, yv = data
     model, opt, scaler = setup.model, setup.optimizer, setup.scaler
     acc = float("nan")
-    with ampdoctor.attach(model, optimizer=opt, scaler=scaler, trace=trace, every=10, hist_every=20,
-                          weight_every=10) as doctor:
-        bar = tqdm(range(steps), desc=label, unit="step", disable=None, leave=True)
-        for step in bar:
-            idx = torch.randint(0, len(xt), (batch,), generator=g)
-            x, y = xt[idx].to(setup.input_dtype), yt[idx]
-            ctx = torch.autocast("cpu", dtype=setup.autocast) if setup.autocast else contextlib.nullcontext()
-            with ctx:
-                out = model(x)
-            loss = torch.nn.functional.cross_entropy(out.float(), y, label_smoothing=0.1)
-            opt.zero_grad(set_to_none=True)
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-            else:
-                loss.backward()
-                doctor.log_loss(loss)
-                opt.step()
-            if step % 50 == 49 or step == steps - 1:
-                acc = accuracy(setup, xv, yv)
-                doctor.log_metric("val/acc", acc)
-                bar.set_postfix(loss=f"{loss.item():.3f}", val_acc=f"{acc:.3f}",
-                                **({"scale": f"{scaler.get_scale():g}"} if scaler is not None else {}))
-    return doctor.path, acc
+    bar = tqdm(range(steps), desc=label, unit="step", disable=None)     # disable=None: no bar outside a terminal
+    for step in bar:
+        idx = torch.randint(0, len(xt), (batch,), generator=g)
+        x, y = xt[idx].to(setup.input_dtype), yt[idx]
+        ctx = torch.autocast("cpu", dtype=setup.autocast) if setup.autocast else contextlib.nullcontext()
+        with ctx:
+            out = model(x)
+        loss = torch.nn.functional.cross_entropy(out.float(), y, label_smoothing=0.1)
+        opt.zero_grad(set_to_none=True)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            doctor.log_loss(loss)
+            opt.step()
+        if step % 50 == 49 or step == steps - 1:
+            acc = accuracy(setup, xv, yv)
+            doctor.log_metric("val/acc", acc)
+            bar.set_postfix(loss=f"{loss.item():.3f}", val_acc=f"{acc:.3f}",
+                            **({"scale": f"{scaler.get_scale():g}"} if scaler is not None else {}))
+    return acc
 
 
 def accuracy(setup: Setup, x, y) -> float:
