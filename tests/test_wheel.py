@@ -30,22 +30,21 @@ BUILD_FILES = ("setup.cfg", "pyproject.toml", "README.md")
 pytestmark = pytest.mark.slow
 
 
-def source_modules() -> set:
-    """Every .py file of the source tree as its path inside the wheel (a new subpackage is found by walking)."""
+def source_files() -> set:
+    """Every file of the source tree (modules, and any data file) as its path inside the wheel; walking the tree
+    finds a subpackage added later that setup.cfg does not list yet."""
     out = set()
     for src, dest in TREES.items():
         for dirpath, dirnames, files in os.walk(os.path.join(ROOT, src)):
             dirnames[:] = [d for d in dirnames if d != "__pycache__"]
             rel = os.path.relpath(dirpath, os.path.join(ROOT, src))
-            for f in files:
-                if f.endswith(".py"):
-                    out.add(os.path.normpath(os.path.join(dest, rel, f)).replace(os.sep, "/"))
+            out.update(os.path.normpath(os.path.join(dest, rel, f)).replace(os.sep, "/") for f in files)
     return out
 
 
 def missing_from(wheel: str) -> list:
     with zipfile.ZipFile(wheel) as z:
-        return sorted(source_modules() - set(z.namelist()))
+        return sorted(source_files() - set(z.namelist()))
 
 
 def build_wheel(tmp, setup_cfg=None) -> str:
@@ -90,9 +89,9 @@ def _env():
     return env
 
 
-def test_wheel_holds_every_module_of_the_tree(installed):
+def test_wheel_holds_every_file_of_the_tree(installed):
     wheel, _, _ = installed
-    assert "ampdoctor/dashboards/pages/overview.py" in source_modules()
+    assert "ampdoctor/dashboards/pages/overview.py" in source_files()
     assert missing_from(wheel) == []
 
 
