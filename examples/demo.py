@@ -233,6 +233,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default 300)")
     p.add_argument("--out", default="runs/demo.db", help="trace of the faulty run (the fixed one: NAME-fixed.db)")
     args = p.parse_args(argv)
+    torch.set_num_threads(1)       # 128-wide matrices gain nothing from intra-op threads; on 2 busy cores they cost
     r = cycle(args.fault, args.out, args.steps)
     report = os.path.splitext(r["faulty"])[0] + ".html"
     run_cli("report", r["faulty"], "--reference", r["fixed"], "-o", report)

@@ -11,6 +11,7 @@ import termios
 import threading
 
 import pytest
+import torch
 
 import ampdoctor
 from ampdoctor import cli
@@ -23,6 +24,15 @@ spec.loader.exec_module(demo)
 
 pytestmark = pytest.mark.slow
 STEPS = 60
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Matrices this small gain nothing from intra-op threads; on a loaded 2-core machine they cost ~10x."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def _serious(findings):
