@@ -101,9 +101,9 @@ _LOOP_LINES = ("    loss = loss_fn(model(x), y)", "scaler.scale(loss).backward()
 
 
 def first_option(recommendation: str) -> list[str]:
-    """The lines of the recommendation's first remedy (alternatives start with a line "Or ...")."""
+    """The lines of the recommendation's first remedy (an alternative starts with a line "Or ..." or "# or ...")."""
     lines = recommendation.splitlines()
-    cut = next((i for i, ln in enumerate(lines) if i and ln.startswith("Or ")), len(lines))
+    cut = next((i for i, ln in enumerate(lines) if i and ln.startswith(("Or ", "# or"))), len(lines))
     return lines[:cut]
 
 
