@@ -13,8 +13,9 @@ install: $(BIN)/python
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[test]"
 
-# A fault (FAULT=init-scale | no-scaler | half-weights), its diagnosis, the printed fix applied, a healthy rerun.
-FAULT   ?= init-scale
+# A fault (FAULT=overflow | init-scale | no-scaler | half-weights), its diagnosis, the printed fix applied, a healthy
+# rerun.
+FAULT   ?= overflow
 demo: install
 	$(BIN)/python examples/demo.py --fault $(FAULT) --out runs/demo.db
 

@@ -3,14 +3,15 @@
 The data set is scikit-learn's handwritten digits (1,797 8x8 images, shipped inside the package: nothing is
 downloaded); the model a 64-128-128-10 MLP in FP16 on the CPU (CPU FP16 matmuls are slow: widths stay <= 128).
 
-    python examples/demo.py [--fault init-scale|no-scaler|half-weights] [--steps N] [--out runs/demo.db]
+    python examples/demo.py [--fault overflow|init-scale|no-scaler|half-weights] [--steps N] [--out runs/demo.db]
 
 1. trains with the fault, ampdoctor attached (the trace goes to --out; an existing file is kept: ampdoctor writes
    name-1.db instead and says so);
 2. prints ``ampdoctor diagnose`` of that trace (and, for a loss-scaler fault, ``ampdoctor replay --suggest``);
 3. applies the fix of the finding that names the fault, as printed: its code lines are executed on a fresh copy of
-   the faulty set-up (a GradScaler line builds the scaler, ``model.float()`` and the optimizer line run on the
-   model, an autocast line sets the loop's autocast dtype), and trains again into name-fixed.db;
+   the faulty set-up (a GradScaler line builds the scaler; ``model.float()``, the optimizer line and
+   ``ampdoctor.keep_fp32`` run on the model; an autocast line sets the loop's autocast dtype), and trains again into
+   name-fixed.db;
 4. diagnoses the fixed run, writes the HTML report comparing both, and prints the command that opens the
    dashboard on both traces.
 """
@@ -42,9 +43,13 @@ class Fault:
     scaler: dict | None = None       # GradScaler arguments; None: no scaler
     optimizer: str = "adamw"
     lr: float = 3e-3
+    head: str = "linear"             # "cosine": CosineHead, a softmax written by hand
 
 
 FAULTS = {
+    "overflow": Fault("forward-overflow", "a cosine classifier (scale 64, as in ArcFace) with a softmax written by "
+                      "hand: exp(64 cos) passes the FP16 max (65504, about e^11.1) once a cosine exceeds 0.17",
+                      scaler={}, head="cosine"),
     "init-scale": Fault("init-scale-too-high", "FP16 autocast, GradScaler started at 2^30 (its default is 2^16)",
                         scaler={"init_scale": 2.0 ** 30}),
     "no-scaler": Fault("grad-underflow", "FP16 autocast without a GradScaler: nothing lifts small gradients",
@@ -77,11 +82,29 @@ def digits():
     return x[:1500], y[:1500], x[1500:], y[1500:]
 
 
+class CosineHead(torch.nn.Module):
+    """Classes scored by scaled cosine similarity, normalised by a hand-written softmax; returns log-probabilities.
+
+    Under CPU autocast exp runs in FP16 and overflows; CUDA autocast runs exp in FP32, a .half() model does not.
+    """
+
+    def __init__(self, d: int, classes: int, scale: float = 64.0):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(classes, d) / d ** 0.5)
+        self.scale = scale
+
+    def forward(self, x):
+        cos = torch.nn.functional.normalize(x, dim=-1) @ torch.nn.functional.normalize(self.weight, dim=-1).t()
+        e = torch.exp(self.scale * cos)
+        return torch.log(e / e.sum(-1, keepdim=True))
+
+
 def build(fault: Fault, seed: int = 0) -> Setup:
     """The faulty set-up, freshly initialised (the same weights for a given seed)."""
     torch.manual_seed(seed)
+    head = CosineHead(128, 10) if fault.head == "cosine" else torch.nn.Linear(128, 10)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128),
-                                torch.nn.ReLU(), torch.nn.Linear(128, 10))
+                                torch.nn.ReLU(), head)
     if fault.half_weights:
         model.half()
     opt = (torch.optim.SGD(model.parameters(), lr=fault.lr) if fault.optimizer == "sgd"
@@ -231,7 +254,7 @@ def cycle(fault_name: str, path: str, steps: int, show=True) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--fault", choices=sorted(FAULTS), default="init-scale", help="the fault to train with first")
+    p.add_argument("--fault", choices=list(FAULTS), default="overflow", help="the fault to train with first")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default 300)")
     p.add_argument("--out", default="runs/demo.db", help="trace of the faulty run (the fixed one: NAME-fixed.db)")
     args = p.parse_args(argv)

@@ -1,5 +1,5 @@
 """make demo's cycle: a fault on scikit-learn's digits is diagnosed, the printed fix is applied, the rerun is healthy;
-and the progress bars (tqdm) show on a terminal."""
+and the progress bars (tqdm) show on a terminal. The init-scale fault runs through main() (what make demo prints)."""
 import fcntl
 import importlib.util
 import os
@@ -63,17 +63,22 @@ def test_demo_end_to_end_init_scale(tmp_path, capsys):
     assert (args.path, args.reference) == (out, fixed)
 
 
-@pytest.mark.parametrize("fault", ["no-scaler", "half-weights"])
+@pytest.mark.parametrize("fault", ["overflow", "no-scaler", "half-weights"])
 def test_demo_fault_is_diagnosed_and_the_printed_fix_heals_it(fault, tmp_path, capsys):
     r = demo.cycle(fault, str(tmp_path / f"{fault}.db"), STEPS, show=False)
     assert r["finding"].rule == demo.FAULTS[fault].rule
     assert r["finding"].severity in ("warning", "critical")
     assert r["setup"].applied and all(ln in r["finding"].recommendation.splitlines() for ln in r["setup"].applied)
     assert _serious(r["after"]) == []
-    cfg = ampdoctor.load(r["fixed"]).config
-    assert cfg["scaler"]["enabled"]                    # both printed fixes bring a GradScaler
-    if fault == "half-weights":                        # ... and FP32 weights under FP16 autocast
-        assert set(cfg["param_dtypes"]) == {"float32"} and cfg["autocast"]["dtype"] == "float16"
+    fixed = ampdoctor.load(r["fixed"])
+    cfg = fixed.config
+    assert cfg["scaler"]["enabled"] and cfg["autocast"]["dtype"] == "float16"
+    if fault == "overflow":                            # the module named runs in FP32, the others in FP16
+        acts = fixed.sites("act").set_index("path")["dtype"]
+        assert r["finding"].layers[0] == "4" and acts["4"] == "float32" and acts["2"] == "float16"
+        assert r["acc"][1] > r["acc"][0] + 0.5          # the faulty run never trains (every step NaN)
+    if fault == "half-weights":                        # FP32 weights under FP16 autocast
+        assert set(cfg["param_dtypes"]) == {"float32"}
 
 
 def test_progress_bars_show_on_a_terminal(tmp_path, monkeypatch):
