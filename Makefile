@@ -13,10 +13,11 @@ install: $(BIN)/python
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[test]"
 
+# A fault (FAULT=overflow | init-scale | no-scaler | half-weights), its diagnosis, the printed fix applied, a healthy
+# rerun.
+FAULT   ?= overflow
 demo: install
-	mkdir -p runs
-	AMPDOCTOR_DEMO_OUT=runs/.demo-path $(BIN)/python examples/demo.py runs/demo.db
-	$(BIN)/ampdoctor info "$$(cat runs/.demo-path)"
+	$(BIN)/python examples/demo.py --fault $(FAULT) --out runs/demo.db
 
 # Debian's chromium + chromium-driver for the dashboard's browser tests (root; skipped when already there).
 browser:

@@ -422,13 +422,14 @@ def replay(trace_or_path, init_scale=None, growth_factor=None, backoff_factor=No
     return out
 
 
-def suggest(trace_or_path, search_factors: bool = False) -> Suggestion:
+def suggest(trace_or_path, search_factors: bool = False, progress=None) -> Suggestion:
     """Search init_scale (powers of two, 1 .. 2^24) and growth_interval for the settings that lose the least
     gradient information (``Replay.lost``: skipped steps count fully, applied steps by their FP16 underflow share).
 
     Ties go to the growth_interval nearest the run's own, then to the larger init_scale (more underflow headroom);
     when nothing beats the run's own settings, they are the suggestion.
     The factors stay at the run's own unless ``search_factors`` (then growth 2/4 and backoff 0.5/0.25 are tried).
+    ``progress`` wraps the list of settings to try (e.g. ``tqdm``) to show the search advancing.
     """
     tr = _open(trace_or_path)
     ev = _gather(tr)
@@ -441,17 +442,15 @@ def suggest(trace_or_path, search_factors: bool = False) -> Suggestion:
     if search_factors:
         factors = sorted({*factors, (2.0, 0.5), (4.0, 0.5), (2.0, 0.25), (4.0, 0.25)})
     best, best_key, tried = None, None, 0
-    for growth, backoff in factors:
-        for gi in intervals:
-            for e in SUGGEST_INIT_EXPONENTS:
-                s = {"init_scale": 2.0 ** e, "growth_factor": growth, "backoff_factor": backoff,
-                     "growth_interval": gi}
-                r = _simulate(ev, s)
-                tried += 1
-                key = (round(r.lost, 12), abs(math.log2(gi / own["growth_interval"])),
-                       (growth, backoff) != factors[0], -e)
-                if best_key is None or key < best_key:
-                    best, best_key = r, key
+    grid = [(growth, backoff, gi, e) for growth, backoff in factors for gi in intervals
+            for e in SUGGEST_INIT_EXPONENTS]
+    for growth, backoff, gi, e in (progress(grid) if progress else grid):
+        s = {"init_scale": 2.0 ** e, "growth_factor": growth, "backoff_factor": backoff, "growth_interval": gi}
+        r = _simulate(ev, s)
+        tried += 1
+        key = (round(r.lost, 12), abs(math.log2(gi / own["growth_interval"])), (growth, backoff) != factors[0], -e)
+        if best_key is None or key < best_key:
+            best, best_key = r, key
     if not best.lost < baseline.lost:          # nothing beats the run's own settings: keep them
         best = baseline
     notes = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from .cli import UsageError, _ranges
 from .replay import gradscaler_code, replay, suggest
@@ -95,7 +96,8 @@ def run(args) -> int:
     if sim.assumed_fp16:
         print("note: the run computed no gradient in FP16; replayed as if it had (what FP16 would do)")
     if args.suggest:
-        sg = suggest(tr)
+        sg = suggest(tr, progress=lambda grid: tqdm(grid, desc="replaying scaler settings", unit="setting",
+                                                    disable=None, leave=False))
         print()
         best = sg.replay
         print(f"suggested  {_settings_line(sg.settings)}  ({sg.searched} settings tried; objective: the share "

@@ -96,15 +96,25 @@ def key_figures(tr) -> list:
     return figs
 
 
-def build_report(tr, reference=None) -> str:
-    """The report as one HTML string."""
+# what build_report does, in order (a progress display learns each stage as it starts)
+STAGES = ("diagnosis", "figures", "precision map", "comparison")
+
+
+def build_report(tr, reference=None, progress=None) -> str:
+    """The report as one HTML string; ``progress(stage)``, when given, is called as each of STAGES starts."""
+    stage = progress or (lambda name: None)
+    stage("diagnosis")
     found = data.findings(tr, reference)
     summary = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in data.run_summary(tr))
     if not found:
         fhtml = "<p>No findings: nothing in this trace trips a rule.</p>"
     else:
         fhtml = "\n".join(finding_html(d) for d in found)
+    stage("figures")
     figs = "\n".join(f"<div>{_fig(f)}</div>" for f in key_figures(tr))
+    stage("precision map")
+    precision = _table(data.precision_rows(tr))
+    stage("comparison")
     compare = ""
     if reference is not None:
         a, b = tr.steps(), reference.steps()
@@ -127,14 +137,14 @@ def build_report(tr, reference=None) -> str:
 <h2>Findings</h2>{fhtml}
 <h2>Figures</h2>{figs}
 <h2>Precision map</h2><p>Recommended: matrix multiplies and convolutions forward and backward in FP16/BF16;
-normalisation, softmax, the loss and the weight update in FP32.</p>{_table(data.precision_rows(tr))}
+normalisation, softmax, the loss and the weight update in FP32.</p>{precision}
 {compare}
 </body></html>
 """
 
 
-def write_report(tr, out: str, reference=None) -> str:
-    text = build_report(tr, reference)
+def write_report(tr, out: str, reference=None, progress=None) -> str:
+    text = build_report(tr, reference, progress)
     with open(out, "w", encoding="utf-8") as f:
         f.write(text)
     return out

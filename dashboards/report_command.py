@@ -18,7 +18,9 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from .report import write_report
+    from tqdm.auto import tqdm
+
+    from .report import STAGES, write_report
 
     if is_multi(args.trace):
         return _run_ranks(args)
@@ -30,7 +32,11 @@ def run(args) -> int:
         raise UsageError(f"ampdoctor report: {parent}: no such directory for the output")
     tr = load(args.trace)
     ref = load(args.reference) if args.reference else None
-    write_report(tr, out, ref)
+    with tqdm(total=len(STAGES), desc="report", unit="stage", disable=None, leave=False) as bar:
+        def stage(name):                 # called as each stage starts; on stderr, and only on a terminal
+            bar.set_postfix_str(name)
+            bar.update()
+        write_report(tr, out, ref, progress=stage)
     print(f"wrote {out}")
     return 0
 
