@@ -11,6 +11,7 @@ RULES = {r.id: r for r in (
     Rule("forward-overflow", overflow.forward_overflow, "a module produced Inf/NaN in the forward pass"),
     Rule("loss-scale-collapse", scaling.loss_scale_collapse, "the loss scale falls without recovery"),
     Rule("grad-underflow", underflow.grad_underflow, "gradients lost to FP16 underflow"),
+    Rule("weights-nonfinite", weights.weights_nonfinite, "the optimizer step turned weights NaN/Inf"),
     Rule("weight-update-lost", weights.weight_update_lost, "half-precision weights swallow small updates"),
     Rule("grad-range-anomaly", weights.grad_range_anomaly, "a layer's gradients orders of magnitude off"),
     Rule("precision-policy", policy.precision_policy, "loss/normalisation/softmax computed in half precision"),

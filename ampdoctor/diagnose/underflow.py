@@ -194,6 +194,10 @@ def grad_underflow(run, *, min_share=MIN_SHARE):
     steps = _clean_full_steps(run)
     in_force = run.steps["loss_scale"].to_numpy(float)[steps] if run.scaler_on else np.ones(len(steps))
     scale_now = float(np.nanmedian(in_force)) if len(in_force) else 1.0
+    init_rec = float(run.steps["loss_scale"].dropna().iloc[0]) if run.scaler_on and \
+        run.steps["loss_scale"].notna().any() else 1.0
+    if run.scaler_on and scale_now < init_rec and run.findings_of("forward-overflow"):
+        return None                                    # the scale fell for a forward overflow: fix that first
     severity, why = _severity(run, bad, min_share, reachable)
     sug = run.suggestion                               # the replay's answer: `replay --suggest` says the same
     init, interval = float(sug.settings["init_scale"]), int(sug.settings["growth_interval"])
