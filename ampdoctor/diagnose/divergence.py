@@ -9,13 +9,14 @@ import numpy as np
 
 from . import advice as A
 from .engine import finding
+from .scaling import _origins
 
 # Non-finite (or skipped) steps needed before a run counts as blown up: one or two are a scaler calibrating.
 MIN_BAD_STEPS = 3
-# The loss went the wrong way: its largest finite value around the first non-finite step is 1.5x where it started.
+# The loss went the wrong way: its largest finite value around the first non-finite step is twice where it started.
 # Skipped steps do not change the weights, so a scale problem alone never raises the loss; an update that overshoots
-# does. Seed-matched healthy runs wobble by a few percent at the start.
-MIN_LOSS_RISE = 1.5
+# does. A noisy small-batch loss wobbles by up to ~1.6x between batches early on; doubling is beyond that.
+MIN_LOSS_RISE = 2.0
 # The gradient norm grew tenfold over its start on the steps that went through: the weights left the region the
 # learning rate suits (a too-high scale leaves the unscaled norm where it was).
 MIN_NORM_GROWTH = 10.0
@@ -86,6 +87,9 @@ def divergence(run, *, min_loss_rise=MIN_LOSS_RISE, min_norm_growth=MIN_NORM_GRO
     t = trend(run)
     if t is None or t["loss_rise"] < min_loss_rise:
         return None                                  # the loss did not go the wrong way: a scale problem, not this
+    bad = run.steps.loc[_bad(run), "step"].astype(int).tolist()
+    if _origins(run, bad)["input"] * 2 > len(bad):
+        return None                                  # non-finite input batches: a data problem (loss-scale-collapse)
     ref = _reference_diverged(run.reference)
     if ref is False:
         return None                                  # the reference trains fine: the precision is at fault

@@ -144,6 +144,13 @@ def loss_scale_collapse(run, *, collapse_scale=COLLAPSE_SCALE, halvings=COLLAPSE
         return None
     bad = st.loc[skipped, "step"].astype(int).tolist()
     org = _origins(run, bad)
+    # a module that only tipped another's near-limit values over: name the producer forward-overflow names
+    producer = {t: d.evidence["module"] for d in run.findings_of("forward-overflow")
+                for t in d.evidence.get("tipped_over_by", [])}
+    merged: dict = {}
+    for p, n in org["forward"].items():
+        merged[producer.get(p, p)] = merged.get(producer.get(p, p), 0) + n
+    org["forward"] = merged
     fwd = sorted(org["forward"].items(), key=lambda kv: -kv[1])
     grad = sorted(org["gradient"].items(), key=lambda kv: -kv[1])
     layers = [p for p, _ in fwd] + [p for p, _ in grad if p not in dict(fwd)]

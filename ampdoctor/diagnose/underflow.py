@@ -170,11 +170,13 @@ def _severity(run, bad: list[Site], min_share: float, reachable: float) -> tuple
         return "warning", "no loss scaler lifts them"
     if any(r.flushed >= min_share for r in bad):
         return "warning", "part of them is flushed to zero (lost), not only imprecise"
+    # only subnormal: fewer mantissa bits for the smallest elements, nothing lost; the scaler lifts them as it grows
+    # unless the largest gradients cap the scale (then only FP32 for that layer or BF16 would)
     stuck = [r for r in bad if (share_at(run, r.site["kind"], r.col, int(r.site["id"]), reachable) or 0.0)
              >= min_share]
     if stuck:
-        return "warning", (f"even the largest scale the gradients allow ({A.pow2(reachable)}) leaves "
-                           f"{stuck[0].layer} below the normal range")
+        return "info", (f"nothing is flushed, only imprecise; even the largest scale the gradients allow "
+                        f"({A.pow2(reachable)}) leaves {stuck[0].layer} partly subnormal")
     return "info", (f"nothing is flushed and the scaler's growth lifts them: the gradients allow a scale up to "
                     f"{A.pow2(reachable)}")
 
@@ -211,7 +213,7 @@ def grad_underflow(run, *, min_share=MIN_SHARE):
         fix = (f"Enable dynamic loss scaling; the replay of this run finds init_scale={A.pow2(init)}, "
                f"growth_interval={interval} loses the least (`ampdoctor replay TRACE --suggest`):\n"
                + suggestion_line(sug) + "\nscaler.scale(loss).backward()\nscaler.step(optimizer)\nscaler.update()")
-    if severity != "info" and "largest scale" in why:
+    if "largest scale" in why:
         fix = (f"Loss scaling cannot lift {worst.layer} (its gradients span more range than FP16 holds): compute "
                f"it in FP32, or train in BF16:\n" + A.keep_fp32_line([worst.layer]) + "\n" + fix)
     fix += A.bf16_note(run)
