@@ -7,9 +7,12 @@ import math
 
 import numpy as np
 
+from .. import formats
 from . import advice as A
 from .engine import finding
-from .scaling import _origins
+from .scaling import _origins, forward_nonfinite_steps
+
+FP16 = formats.FP16
 
 # Non-finite (or skipped) steps needed before a run counts as blown up: one or two are a scaler calibrating.
 MIN_BAD_STEPS = 3
@@ -67,9 +70,29 @@ def trend(run, window=WINDOW) -> dict | None:
         growth = float(norm[ok].max()) / n0 if n0 > 0 else math.nan
     scales = st["loss_scale"].to_numpy(float)
     low = float(np.nanmin(scales[bad])) if run.scaler_on and np.isfinite(scales[bad]).any() else 1.0
+    bound = _overflow_growth(run, bad, first, end)
     return {"first_nonfinite_step": int(st["step"].iloc[first]), "nonfinite_steps": int(bad.sum()),
-            "loss_start": base, "loss_peak": float(seen.max()), "loss_rise": rise, "grad_norm_growth": growth,
+            "loss_start": base, "loss_peak": float(seen.max()), "loss_rise": rise,
+            "grad_norm_growth": float(np.nanmax([growth, bound])) if np.isfinite([growth, bound]).any() else growth,
+            "grad_growth_from_overflow": bound,
             "lowest_scale_still_nonfinite": low, "nonfinite_at_every_scale": low <= EVERY_SCALE}
+
+
+def _overflow_growth(run, bad: np.ndarray, first: int, end: int) -> float:
+    """A lower bound on how much the largest gradient grew: a step whose gradients overflowed at scale S held a
+    gradient >= 65504 / S, against the largest gradient of the clean steps before the first non-finite one (the
+    replay's definition of the largest unscaled gradient). NaN without a scaler or a clean start."""
+    if not run.scaler_on:
+        return math.nan
+    g = run.gradient_peaks.fp16_equivalent
+    start = g[:first][np.isfinite(g[:first]) & ~bad[:first]]
+    if not len(start) or not start.max() > 0:
+        return math.nan
+    over = np.flatnonzero(bad[:end] & run.steps["skipped"].to_numpy(bool)[:end])
+    over = [t for t in over if t not in forward_nonfinite_steps(run)]
+    scales = run.steps["loss_scale"].to_numpy(float)
+    bounds = [FP16.max / scales[t] for t in over if np.isfinite(scales[t]) and scales[t] > 0]
+    return float(max(bounds) / start.max()) if bounds else math.nan
 
 
 def _reference_diverged(ref) -> bool | None:
@@ -104,7 +127,8 @@ def divergence(run, *, min_loss_rise=MIN_LOSS_RISE, min_norm_growth=MIN_NORM_GRO
     signs = [f"the loss rose {t['loss_rise']:.1f}x (from {A.fmt_num(t['loss_start'])} to "
              f"{A.fmt_num(t['loss_peak'])}) by the first non-finite step ({first})"]
     if grew:
-        signs.append(f"the gradient norm grew {t['grad_norm_growth']:.0f}x")
+        signs.append(f"the gradients grew at least {t['grad_norm_growth']:.0f}x (norm on the steps that went "
+                     "through, or the scale they overflowed at against the first steps' largest gradient)")
     if t["nonfinite_at_every_scale"]:
         signs.append(f"non-finite values persist at a loss scale of {A.fmt_num(t['lowest_scale_still_nonfinite'])} "
                      f"(no scaling at all)")

@@ -105,28 +105,37 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
 
 
 def _producer(acts, peaks, counts, limit: float) -> tuple[str, list]:
-    """(producer, modules that tipped its values over): walk back in execution order from the module where the
-    overflow showed, through the modules whose finite outputs came within a binade of the limit; the earliest of
-    that unbroken chain produced the values. A chain of one: the module itself overflowed."""
-    first = str(counts.index[0])
+    """(producer, modules that tipped its values over). From each module where an overflow showed, walk back in
+    execution order through the modules whose finite outputs came within a binade of the limit: the earliest of that
+    unbroken chain produced the values (a chain of one: the module itself). The producer behind the most overflowing
+    steps is the culprit; the others that lead back to it only tipped its values over."""
     paths = acts["path"].tolist()
-    if first not in paths or not peaks.shape[1]:
-        return first, []
-    top = np.where(np.isfinite(peaks), peaks, -1.0).max(axis=0)        # largest finite output per module
-    i = paths.index(first)
-    producer = i
-    for j in range(i - 1, -1, -1):
-        if paths[j] == "(model)" or paths[i].startswith(paths[j] + "."):
-            continue                         # an enclosing module: its output comes after its children's
-        if not top[j] >= limit / 2:
-            break
-        producer = j
-    if producer == i:
-        return first, []
-    # the containers between them pass the producer's output on unchanged: not culprits, not "tipping"
-    tipped = [first] + [p for p in counts.index[1:] if p != paths[producer]
-                        and not paths[producer].startswith(str(p) + ".")]
-    return paths[producer], [str(p) for p in dict.fromkeys(tipped)]
+    top = np.where(np.isfinite(peaks), peaks, -1.0).max(axis=0) if peaks.shape[1] else np.zeros(0)
+
+    def origin(path: str) -> str:
+        if path not in paths:
+            return path
+        i = paths.index(path)
+        producer = i
+        for j in range(i - 1, -1, -1):
+            if paths[j] == "(model)" or paths[i].startswith(paths[j] + "."):
+                continue                     # an enclosing module: its output comes after its children's
+            if not top[j] >= limit / 2:
+                break
+            producer = j
+        return paths[producer]
+
+    steps: dict = {}
+    first: dict = {}
+    for path, row in counts.iterrows():
+        o = origin(str(path))
+        steps[o] = steps.get(o, 0) + int(row["count"])
+        first.setdefault(o, int(row["min"]))
+    culprit = min(steps, key=lambda o: (-steps[o], first[o]))
+    # containers between the producer and the tipping module pass its output on unchanged: not "tipping"
+    tipped = [str(p) for p in counts.index if str(p) != culprit and origin(str(p)) == culprit
+              and not culprit.startswith(str(p) + ".")]
+    return culprit, tipped
 
 
 def _weight_fault(run, module: str) -> dict | None:

@@ -8,7 +8,7 @@ import torch
 
 import ampdoctor
 
-VOCAB, SEQ, BATCH = 128, 16, 8
+VOCAB, SEQ, BATCH = 128, 8, 4
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
 FAST = {"every": 2, "hist_every": 2, "weight_every": 2}     # dense cadence for short runs
 

@@ -51,7 +51,7 @@ def _scales_agree(path, found):
 @pytest.mark.parametrize("name", ["gpt2", "bert", "t5"])
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_healthy_models_pass_the_ci_gate(name, precision, tmp, capsys):
-    path, losses = run(tmp, f"healthy-{name}-{precision}", name, precision=precision, steps=16)
+    path, losses = run(tmp, f"healthy-{name}-{precision}", name, precision=precision, steps=8)
     assert all(math.isfinite(x) for x in losses)
     assert cli.main(["diagnose", path, "--fail-on", "warning"]) == 0, capsys.readouterr().out
     _scales_agree(path, ampdoctor.diagnose(path))
@@ -59,7 +59,7 @@ def test_healthy_models_pass_the_ci_gate(name, precision, tmp, capsys):
 
 # -- 1. a model that returns its own loss: its gradient w.r.t. itself is not a gradient -------------------------
 def test_returned_loss_seed_is_not_the_largest_gradient(tmp):
-    path, _ = run(tmp, "gpt2-init", "gpt2", init_scale=2.0 ** 24, steps=16)
+    path, _ = run(tmp, "gpt2-init", "gpt2", init_scale=2.0 ** 24, steps=12)
     found = ampdoctor.diagnose(path)
     d = {x.rule: x for x in found}["init-scale-too-high"]
     peaks = replay.gradient_peaks(ampdoctor.load(path))
@@ -73,7 +73,7 @@ def test_returned_loss_seed_is_not_the_largest_gradient(tmp):
     assert d.evidence["suggested_init_scale"] == best and f"init_scale={best!r}" in d.recommendation
     # the scale the rule suggests never overflowed in the run itself
     assert best < st.loc[st["skipped"], "loss_scale"].min()
-    fixed, _ = run(tmp, "gpt2-init-fixed", "gpt2", steps=16,
+    fixed, _ = run(tmp, "gpt2-init-fixed", "gpt2", steps=12,
                    setup=_apply(_code(d.recommendation, r"^scaler = torch\.amp\.GradScaler\(")))
     assert serious(fixed) == []
     assert not ampdoctor.load(fixed).steps()["skipped"].any()
@@ -92,7 +92,7 @@ def test_bf16_run_readiness_quotes_the_replays_scale(tmp):
 # -- 2. divergence (learning rate far too high) told from a scale problem ---------------------------------------
 @pytest.fixture(scope="module")
 def diverged(tmp):
-    return run(tmp, "gpt2-lr1", "gpt2", lr=1.0, steps=16)[0]
+    return run(tmp, "gpt2-lr1", "gpt2", lr=1.0, steps=12)[0]
 
 
 def test_divergence_is_not_read_as_a_scaling_problem(diverged, tmp):
@@ -107,7 +107,7 @@ def test_divergence_is_not_read_as_a_scaling_problem(diverged, tmp):
     assert d.evidence["loss_peak"] == pytest.approx(np.nanmax(losses[:d.evidence["first_nonfinite_step"] + 11]))
     assert "does not help AdamW" in d.recommendation and "clip_grad_norm_" not in d.recommendation
     # an FP32 reference that diverges as well confirms it
-    ref, _ = run(tmp, "gpt2-lr1-fp32", "gpt2", lr=1.0, steps=16, precision="fp32")
+    ref, _ = run(tmp, "gpt2-lr1-fp32", "gpt2", lr=1.0, steps=12, precision="fp32")
     with_ref = {x.rule: x for x in ampdoctor.diagnose(diverged, reference=ref)}
     assert with_ref["divergence"].evidence["reference_diverged"] is True
 
@@ -116,14 +116,14 @@ def test_divergence_fix_as_printed_trains(diverged, tmp):
     d = ampdoctor.diagnose(diverged)[0]
     code = _code(d.recommendation, r"^for group in optimizer", r"^scheduler = ")
     assert 'group["lr"] = 0.1' in code
-    fixed, losses = run(tmp, "gpt2-lr1-fixed", "gpt2", lr=1.0, steps=16, setup=_apply(code))
+    fixed, losses = run(tmp, "gpt2-lr1-fixed", "gpt2", lr=1.0, steps=12, setup=_apply(code))
     assert all(math.isfinite(x) for x in losses)
     assert serious(fixed) == []
 
 
 def test_a_healthy_reference_says_it_is_not_divergence(diverged, tmp):
     # the same trace against a reference that trains fine: the reference's evidence rules divergence out
-    ref, _ = run(tmp, "gpt2-ref-ok", "gpt2", steps=16, precision="fp32")
+    ref, _ = run(tmp, "gpt2-ref-ok", "gpt2", steps=12, precision="fp32")
     assert "divergence" not in {x.rule for x in ampdoctor.diagnose(diverged, reference=ref)}
 
 
@@ -175,9 +175,9 @@ DROPOUT = "decoder.block.1.layer.2.dropout"
 
 
 def _t5_near_limit():
-    """A T5 whose last decoder feed-forward `wo` outputs peak at ~52000 (FP16 max 65504): Dropout's 1/(1-p) =
-    1.11 rescale takes the largest batches over the limit."""
-    m = R.t5()
+    """A T5 whose last decoder feed-forward `wo` outputs peak at ~40000-60000 (FP16 max 65504, never reached by wo
+    itself): the following Dropout's 1/(1-p) = 1.43 rescale (p=0.3) takes the largest batches over the limit."""
+    m = R.t5(dropout_rate=0.3)
     peaks = []
     wo = m.get_submodule(WO)
     h = wo.register_forward_hook(lambda mod, i, o: peaks.append(float(o.abs().max())))
@@ -187,12 +187,12 @@ def _t5_near_limit():
             m(**R.batch("t5", g))
     h.remove()
     with torch.no_grad():
-        wo.weight.mul_(52000.0 / float(np.median(peaks)))
+        wo.weight.mul_(40000.0 / float(np.median(peaks)))
     return m
 
 
 def test_forward_overflow_names_the_producer(tmp):
-    path, _ = run(tmp, "t5-wo", "t5", model=_t5_near_limit(), steps=16)
+    path, _ = run(tmp, "t5-wo", "t5", model=_t5_near_limit(), steps=12)
     found = ampdoctor.diagnose(path)
     d = {x.rule: x for x in found}["forward-overflow"]
     assert d.layers[0] == WO and d.evidence["tipped_over_by"] == [DROPOUT]
@@ -209,7 +209,7 @@ def test_forward_overflow_names_the_producer(tmp):
     _scales_agree(path, found)
     line = _code(d.recommendation, r"^handle = ampdoctor\.keep_fp32\(")
     assert line == f'handle = ampdoctor.keep_fp32(model, "{WO}")  # these modules compute in FP32 inside autocast'
-    fixed, losses = run(tmp, "t5-wo-fixed", "t5", model=_t5_near_limit(), steps=16, setup=_apply(line))
+    fixed, losses = run(tmp, "t5-wo-fixed", "t5", model=_t5_near_limit(), steps=12, setup=_apply(line))
     assert all(math.isfinite(x) for x in losses)
     # what is left is the model fault the finding named: wo's weights, far off their fan-in scale
     assert [x.rule for x in serious(fixed)] == ["grad-range-anomaly"]
