@@ -118,8 +118,9 @@ def _floor_share(run, kind: str, col: int, site_id: int) -> float:
 
 
 def _dead_output(run, site) -> str:
-    """The forward output that is all zero next to this site's module (its own, the one before or after it in
-    execution order), e.g. a dead ReLU: then an all-zero gradient is masked, not flushed. "" when none is."""
+    """The forward output that is all zero on this gradient's path, e.g. a dead ReLU: its own module's, a module run
+    after it (the gradient flows back through that zero-masked output), or for a parameter gradient the module run
+    just before (its input). Then an all-zero gradient is masked, not flushed. "" when none is."""
     acts = run.sites("act")
     fs = _clean_full_steps(run)
     if not len(acts) or not len(fs):
@@ -131,12 +132,14 @@ def _dead_output(run, site) -> str:
     i = paths.index(module)
     with np.errstate(all="ignore"):
         zshare = run.records("zeros", "act")[fs] / run.records("numel", "act")[fs]
-    for j in (i, i + 1, i - 1):
-        if 0 <= j < len(paths) and not _is_container(paths[j], [module]):
-            col = zshare[:, j]
-            col = col[np.isfinite(col)]
-            if len(col) and float(np.median(col)) >= VANISHED_ZEROS:
-                return paths[j]
+    order = ([i - 1] if site["kind"] == "param_grad" else []) + list(range(i, len(paths)))
+    for j in order:
+        if j < 0 or paths[j] == "(model)" or _is_container(paths[j], [module]):
+            continue
+        col = zshare[:, j]
+        col = col[np.isfinite(col)]
+        if len(col) and float(np.median(col)) >= VANISHED_ZEROS:
+            return paths[j]
     return ""
 
 

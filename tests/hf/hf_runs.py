@@ -78,7 +78,7 @@ def train(model_name, trace=None, *, steps=20, precision="fp16", scaler=True, in
             ctx = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
             with ctx:
                 loss = model(**b).loss
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             if sc is not None:
                 sc.scale(loss).backward()
                 sc.step(opt)
@@ -91,3 +91,15 @@ def train(model_name, trace=None, *, steps=20, precision="fp16", scaler=True, in
             if ns.get("scheduler") is not None:
                 ns["scheduler"].step()
     return losses, model, opt, sc
+
+
+def run(tmp, tag, model_name, **kw):
+    """Train with ampdoctor attached into a new trace under ``tmp``; returns (trace path, losses)."""
+    path = str(tmp / f"{tag}.db")
+    losses, *_ = train(model_name, path, **kw)
+    return path, losses
+
+
+def serious(path, **kw):
+    """The findings a CI gate fails on (`diagnose --fail-on warning`)."""
+    return [d for d in ampdoctor.diagnose(path, **kw) if d.severity != "info"]

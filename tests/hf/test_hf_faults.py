@@ -12,7 +12,7 @@ import torch
 import ampdoctor
 from ampdoctor import cli, formats
 
-from conftest import run, serious
+from hf_runs import run, serious
 import hf_runs as R
 
 replay = importlib.import_module("ampdoctor.replay")
