@@ -101,3 +101,14 @@ def test_slow_convergence_sees_grad_underflow_as_the_user_configured_it(tmp_path
     for rules in ({"grad-underflow": None}, {"grad-underflow": {"min_share": 0.5}}):
         found = {d.rule for d in ampdoctor.diagnose(path, reference=ref, rules=rules)}
         assert "slow-convergence" in found and "grad-underflow" not in found, rules
+
+
+# -- evidence text that reads right ------------------------------------------------------------------------------------
+def test_forward_overflow_text_when_the_module_never_had_a_finite_output(trace_path):
+    m = F.mlp(width=32)
+    with torch.no_grad():
+        m[0].weight.mul_(1e6)                  # its FP16 output is Inf on every step
+    F.fit(m, F.regression(8), 8, trace_path)
+    d = {x.rule: x for x in ampdoctor.diagnose(trace_path)}["forward-overflow"]
+    assert d.layers[0] == "0" and d.evidence["max_finite_output"] is None
+    assert " - " not in d.summary and "never produced a finite output" in d.summary

@@ -9,6 +9,7 @@ import torch
 import ampdoctor
 
 VOCAB, SEQ, BATCH = 128, 8, 4
+MAX_POS = 16                # positions the models hold: a run may use sequences up to this long
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
 FAST = {"every": 2, "hist_every": 2, "weight_every": 2}     # dense cadence for short runs
 
@@ -16,7 +17,7 @@ FAST = {"every": 2, "hist_every": 2, "weight_every": 2}     # dense cadence for 
 def gpt2(seed=0, **over):
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(seed)
-    cfg = dict(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2)
+    cfg = dict(vocab_size=VOCAB, n_positions=MAX_POS, n_embd=32, n_layer=2, n_head=2)
     return GPT2LMHeadModel(GPT2Config(**{**cfg, **over}))
 
 
@@ -24,7 +25,7 @@ def bert(seed=0, **over):
     from transformers import BertConfig, BertForMaskedLM
     torch.manual_seed(seed)
     cfg = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-               intermediate_size=64, max_position_embeddings=SEQ)
+               intermediate_size=64, max_position_embeddings=MAX_POS)
     return BertForMaskedLM(BertConfig(**{**cfg, **over}))
 
 
@@ -39,9 +40,9 @@ def t5(seed=0, **over):
 MODELS = {"gpt2": gpt2, "bert": bert, "t5": t5}
 
 
-def batch(name, g):
+def batch(name, g, size=BATCH, seq=SEQ):
     """One batch of token ids with labels, as the model's forward takes them (a learnable pattern: a shifted copy)."""
-    ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
+    ids = torch.randint(1, VOCAB, (size, seq), generator=g)
     if name == "t5":
         return {"input_ids": ids, "labels": torch.roll(ids, 1, dims=1)}
     return {"input_ids": ids, "labels": ids.clone()}
@@ -49,7 +50,7 @@ def batch(name, g):
 
 def train(model_name, trace=None, *, steps=20, precision="fp16", scaler=True, init_scale=2.0 ** 16,
           growth_interval=2000, lr=1e-3, optimizer="adamw", eps=1e-8, half=False, model=None, setup=None,
-          attach=None, seed=1):
+          attach=None, seed=1, size=BATCH, seq=SEQ):
     """Train one of MODELS with loss = model(**batch).loss; returns (losses, model, optimizer, scaler).
 
     ``setup(ns)`` runs after model, optimizer and scaler exist (ns holds them by name: model, optimizer, scaler,
@@ -73,7 +74,7 @@ def train(model_name, trace=None, *, steps=20, precision="fp16", scaler=True, in
     losses = []
     with doc:
         for _ in range(steps):
-            b = batch(model_name, g)
+            b = batch(model_name, g, size, seq)
             opt.zero_grad(set_to_none=True)
             ctx = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
             with ctx:
