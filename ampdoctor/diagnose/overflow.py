@@ -30,6 +30,9 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
         fwd = fwd[~((fwd["step"] > first) & fwd["path"].isin(owners))]
     if len(fwd) < min_steps:
         return None
+    for d in run.findings_of("divergence"):
+        if int(fwd["step"].min()) >= d.evidence["first_nonfinite_step"]:
+            return None              # activations that blew up with a diverging run: divergence's finding
     counts = fwd.groupby("path")["step"].agg(["count", "min", "max"]).sort_values(
         ["count", "min"], ascending=[False, True])
     acts = run.sites("act")

@@ -6,7 +6,6 @@ import importlib
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 import ampdoctor
 
@@ -112,3 +111,35 @@ def test_forward_overflow_text_when_the_module_never_had_a_finite_output(trace_p
     d = {x.rule: x for x in ampdoctor.diagnose(trace_path)}["forward-overflow"]
     assert d.layers[0] == "0" and d.evidence["max_finite_output"] is None
     assert " - " not in d.summary and "never produced a finite output" in d.summary
+
+
+# -- divergence with an optimizer whose step follows the gradient's size ------------------------------------------------
+def test_sgd_divergence_fix_with_clipping_as_printed(trace_path, tmp_path):
+    F.fit(F.mlp(), F.regression(20), 20, trace_path, lr=2.0)           # SGD, a learning rate far too high
+    found = ampdoctor.diagnose(trace_path)
+    assert [d.rule for d in found] == ["divergence"], [(d.rule, d.summary) for d in found]
+    d = found[0]
+    assert d.evidence["optimizer"] == "SGD" and not d.evidence["adaptive_optimizer"]
+    lines = d.recommendation.splitlines()
+    setup = "\n".join(ln for i, ln in enumerate(lines) if ln.startswith(("for group", "scheduler = "))
+                      or (ln.startswith("    ") and lines[i - 1].startswith("for group")))
+    clip = "\n".join(ln for ln in lines if ln.startswith(("scaler.unscale_(", "torch.nn.utils.clip_grad_norm_(")))
+    assert "max_norm=1.0" in clip
+    # the fix exactly as printed: the lines before the loop once, the clipping lines before every optimizer step
+    model = F.mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=2.0)
+    scaler = torch.amp.GradScaler("cpu")
+    ns = {"torch": torch, "model": model, "optimizer": optimizer, "scaler": scaler}
+    exec(setup, ns)
+    fixed = str(tmp_path / "fixed.db")
+    with ampdoctor.attach(model, optimizer=optimizer, scaler=scaler, trace=fixed, **F.FAST):
+        for x, y in F.regression(20):
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            scaler.scale(F.mse(out, y)).backward()
+            exec(clip, ns)
+            scaler.step(optimizer)
+            scaler.update()
+            ns["scheduler"].step()
+    assert [x for x in ampdoctor.diagnose(fixed) if x.severity != "info"] == []
