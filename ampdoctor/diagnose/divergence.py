@@ -10,7 +10,7 @@ import numpy as np
 from .. import formats
 from . import advice as A
 from .engine import finding
-from .scaling import _origins, forward_nonfinite_steps
+from .scaling import nonfinite_origins, forward_nonfinite_steps
 
 FP16 = formats.FP16
 
@@ -111,7 +111,7 @@ def divergence(run, *, min_loss_rise=MIN_LOSS_RISE, min_norm_growth=MIN_NORM_GRO
     if t is None or t["loss_rise"] < min_loss_rise:
         return None                                  # the loss did not go the wrong way: a scale problem, not this
     bad = run.steps.loc[_bad(run), "step"].astype(int).tolist()
-    if _origins(run, bad)["input"] * 2 > len(bad):
+    if nonfinite_origins(run, bad)["input"] * 2 > len(bad):
         return None                                  # non-finite input batches: a data problem (loss-scale-collapse)
     ref = _reference_diverged(run.reference)
     if ref is False:

@@ -92,7 +92,7 @@ def suggestion_line(sug) -> str:
     return "scaler = " + sug.code
 
 
-def _origins(run, steps: list[int]) -> dict:
+def nonfinite_origins(run, steps: list[int]) -> dict:
     """Where the non-finite values of these steps came from: counts per origin class and culprit layer."""
     ev = run.events
     ev = ev[ev["step"].isin(steps)]
@@ -143,7 +143,7 @@ def loss_scale_collapse(run, *, collapse_scale=COLLAPSE_SCALE, halvings=COLLAPSE
     if not (collapsed or sliding):
         return None
     bad = st.loc[skipped, "step"].astype(int).tolist()
-    org = _origins(run, bad)
+    org = nonfinite_origins(run, bad)
     # a module that only tipped another's near-limit values over: name the producer forward-overflow names
     producer = {t: d.evidence["module"] for d in run.findings_of("forward-overflow")
                 for t in d.evidence.get("tipped_over_by", [])}

@@ -208,18 +208,7 @@ def grad_underflow(run, *, min_share=MIN_SHARE):
     init, interval = float(sug.settings["init_scale"]), int(sug.settings["growth_interval"])
     worst = bad[0]
     per_layer = {f"{r.layer} ({r.site['kind']})": round(r.share, 4) for r in bad[:10]}
-    if run.scaler_on:
-        fix = (f"The scale in force ({A.pow2(scale_now)}) is too small for these gradients; the replay of this run "
-               f"finds init_scale={A.pow2(init)}, growth_interval={interval} loses the least "
-               f"(`ampdoctor replay TRACE --suggest`):\n" + suggestion_line(sug))
-    else:
-        fix = (f"Enable dynamic loss scaling; the replay of this run finds init_scale={A.pow2(init)}, "
-               f"growth_interval={interval} loses the least (`ampdoctor replay TRACE --suggest`):\n"
-               + suggestion_line(sug) + "\nscaler.scale(loss).backward()\nscaler.step(optimizer)\nscaler.update()")
-    if "largest scale" in why:
-        fix = (f"Loss scaling cannot lift {worst.layer} (its gradients span more range than FP16 holds): compute "
-               f"it in FP32, or train in BF16:\n" + A.keep_fp32_line([worst.layer]) + "\n" + fix)
-    fix += A.bf16_note(run)
+    fix = _fix(run, sug, scale_now, worst.layer if "largest scale" in why else None)
     vanished = [r.layer for r in bad if r.vanished and not r.dead]
     dead = [f"{r.layer} (all zero because {r.dead} outputs only zeros)" for r in rows if r.vanished and r.dead]
     return finding(
@@ -227,7 +216,7 @@ def grad_underflow(run, *, min_share=MIN_SHARE):
         f"{len(bad)} gradient site(s) keep at least {A.pct(min_share)} of their elements below the FP16 normal "
         f"range (2^-14) at the loss scale in force ({A.pow2(scale_now)})"
         + (f", {len(vanished)} of them flushed to zero entirely ({', '.join(vanished[:3])})" if vanished else "")
-        + f"; worst: {worst.layer} with {A.pct(1.0 if worst in bad and worst.vanished else worst.share)} "
+        + f"; worst: {worst.layer} with {A.pct(1.0 if worst.vanished else worst.share)} "
         f"{'flushed' if worst.vanished else 'subnormal or flushed'}. Severity: {why}.",
         layers=layers, steps=run.step_range(steps),
         evidence={"scale_in_force": scale_now, "underflow_share": per_layer, "min_share": min_share,
@@ -237,6 +226,25 @@ def grad_underflow(run, *, min_share=MIN_SHARE):
                   "suggested_growth_interval": interval, "severity_because": why,
                   "fp16_min_normal": FP16.min_normal, "full_steps_used": len(steps)},
         recommendation=fix)
+
+
+def _fix(run, sug, scale_now: float, unliftable: str | None) -> str:
+    """The replay's scaler (the same line `replay --suggest` prints), FP32 for a layer no scale lifts, BF16."""
+    init, interval = float(sug.settings["init_scale"]), int(sug.settings["growth_interval"])
+    found = (f"the replay of this run finds init_scale={A.pow2(init)}, growth_interval={interval} loses the least "
+             f"(`ampdoctor replay TRACE --suggest`)")
+    if not run.scaler_on:
+        fix = (f"Enable dynamic loss scaling; {found}:\n" + suggestion_line(sug)
+               + "\nscaler.scale(loss).backward()\nscaler.step(optimizer)\nscaler.update()")
+    elif init > scale_now:
+        fix = f"The scale in force ({A.pow2(scale_now)}) is lower than these gradients allow; {found}:\n" \
+            + suggestion_line(sug)
+    else:
+        fix = f"No other scaler setting loses less: {found}:\n" + suggestion_line(sug)
+    if unliftable:
+        fix = (f"Loss scaling cannot lift {unliftable} (its gradients span more range than FP16 holds): compute it "
+               f"in FP32, or train in BF16:\n" + A.keep_fp32_line([unliftable]) + "\n" + fix)
+    return fix + A.bf16_note(run)
 
 
 def fp16_readiness(run, *, min_share=MIN_SHARE):
