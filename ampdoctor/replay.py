@@ -9,7 +9,9 @@ and the tracker resets. The scale is an FP32 tensor: products are taken in doubl
 
 Overflow model. At a scale S a step overflows when some gradient, scaled by S, exceeds the largest value of the
 format it is computed in (FP16: 65504). Per step the trace gives the unscaled magnitudes: every grad_out peak divided
-by the loss scale it carried, and every param_grad peak (already unscaled). What is *known* is used first:
+by the loss scale it carried, and every param_grad peak (already unscaled) - ``gradient_peaks``, the one definition
+the diagnosis rules share. The output gradient of a 0-d output (a loss the model returns: 1 x scale, the backward
+seed) is not a model gradient and counts only where it was FP16. What is *known* is used first:
 - the recorded scale of the step: its recorded skip (so the run's own settings reproduce its history exactly);
 - a non-finite forward activation or loss: the step overflows at every scale (scaling cannot fix it);
 - overflow is monotone in S: a step that overflowed at S_rec overflows at any S >= S_rec, one that did not
