@@ -154,6 +154,9 @@ def test_half_weights_adamw_nan_is_critical(half_adamw, capsys):
     assert d.evidence["eps"] == 1e-8 and d.evidence["eps_in_format"] == 0.0 and d.evidence["gradients_finite"]
     assert torch.tensor(1e-8, dtype=torch.float16).item() == 0.0        # what the evidence says, by a real cast
     assert "bert.embeddings.word_embeddings" in d.layers
+    # the LayerNorms in FP16 are true too, and said once (not once per module)
+    policy = {x.rule: x for x in found}["precision-policy"]
+    assert policy.severity == "warning" and policy.summary.count("LayerNorm keeps") == 1
     # info tells the same story: the loss is not finite after step 0
     assert cli.main(["info", path]) == 0
     out = capsys.readouterr().out
