@@ -23,6 +23,8 @@ MIN_LOSS_RISE = 2.0
 # The gradient norm grew tenfold over its start on the steps that went through: the weights left the region the
 # learning rate suits (a too-high scale leaves the unscaled norm where it was).
 MIN_NORM_GROWTH = 10.0
+# A reference (FP32) run can diverge without a single non-finite value (its range is wide): a loss that rose 4x.
+FINITE_RISE = 4.0
 # Steps after the first non-finite one in which the loss and norm trends are read (the blow-up takes a few steps).
 WINDOW = 10
 # A step that overflowed at a scale of 1 or below overflowed without any scaling: no scale can fix it.
@@ -71,10 +73,11 @@ def trend(run, window=WINDOW) -> dict | None:
     scales = st["loss_scale"].to_numpy(float)
     low = float(np.nanmin(scales[bad])) if run.scaler_on and np.isfinite(scales[bad]).any() else 1.0
     bound = _overflow_growth(run, bad, first, end)
+    both = [x for x in (growth, bound) if math.isfinite(x)]
     return {"first_nonfinite_step": int(st["step"].iloc[first]), "nonfinite_steps": int(bad.sum()),
             "loss_start": base, "loss_peak": float(seen.max()), "loss_rise": rise,
-            "grad_norm_growth": float(np.nanmax([growth, bound])) if np.isfinite([growth, bound]).any() else growth,
-            "grad_growth_from_overflow": bound,
+            "grad_norm_growth": growth, "grad_growth_from_overflow": bound,
+            "gradient_growth": max(both) if both else math.nan,
             "lowest_scale_still_nonfinite": low, "nonfinite_at_every_scale": low <= EVERY_SCALE}
 
 
@@ -88,22 +91,23 @@ def _overflow_growth(run, bad: np.ndarray, first: int, end: int) -> float:
     start = g[:first][np.isfinite(g[:first]) & ~bad[:first]]
     if not len(start) or not start.max() > 0:
         return math.nan
-    over = np.flatnonzero(bad[:end] & run.steps["skipped"].to_numpy(bool)[:end])
-    over = [t for t in over if t not in forward_nonfinite_steps(run)]
+    forward = forward_nonfinite_steps(run)            # those overflow at any scale: no bound on the gradients
+    over = [t for t in np.flatnonzero(bad[:end] & run.steps["skipped"].to_numpy(bool)[:end]) if t not in forward]
     scales = run.steps["loss_scale"].to_numpy(float)
     bounds = [FP16.max / scales[t] for t in over if np.isfinite(scales[t]) and scales[t] > 0]
     return float(max(bounds) / start.max()) if bounds else math.nan
 
 
-def _reference_diverged(ref) -> bool | None:
+def _reference_diverged(ref, min_loss_rise: float) -> bool | None:
+    """Did the reference run diverge too? None without one."""
     if ref is None:
         return None
     t = trend(ref)
     if t is not None:
-        return t["loss_rise"] >= MIN_LOSS_RISE or t["nonfinite_at_every_scale"]
+        return t["loss_rise"] >= min_loss_rise or t["nonfinite_at_every_scale"]
     loss = ref.steps["loss"].to_numpy(float)
     fin = loss[np.isfinite(loss)]
-    return bool(len(fin) and fin[0] > 0 and fin.max() / fin[0] >= MIN_LOSS_RISE * 2)
+    return bool(len(fin) and fin[0] > 0 and fin.max() / fin[0] >= FINITE_RISE)
 
 
 def divergence(run, *, min_loss_rise=MIN_LOSS_RISE, min_norm_growth=MIN_NORM_GROWTH):
@@ -113,10 +117,10 @@ def divergence(run, *, min_loss_rise=MIN_LOSS_RISE, min_norm_growth=MIN_NORM_GRO
     bad = run.steps.loc[_bad(run), "step"].astype(int).tolist()
     if nonfinite_origins(run, bad)["input"] * 2 > len(bad):
         return None                                  # non-finite input batches: a data problem (loss-scale-collapse)
-    ref = _reference_diverged(run.reference)
+    ref = _reference_diverged(run.reference, min_loss_rise)
     if ref is False:
         return None                                  # the reference trains fine: the precision is at fault
-    grew = math.isfinite(t["grad_norm_growth"]) and t["grad_norm_growth"] >= min_norm_growth
+    grew = math.isfinite(t["gradient_growth"]) and t["gradient_growth"] >= min_norm_growth
     if not (grew or t["nonfinite_at_every_scale"] or ref):
         return None
     opt = (run.config.get("optimizer") or {}).get("class") or "the optimizer"
@@ -127,7 +131,7 @@ def divergence(run, *, min_loss_rise=MIN_LOSS_RISE, min_norm_growth=MIN_NORM_GRO
     signs = [f"the loss rose {t['loss_rise']:.1f}x (from {A.fmt_num(t['loss_start'])} to "
              f"{A.fmt_num(t['loss_peak'])}) by the first non-finite step ({first})"]
     if grew:
-        signs.append(f"the gradients grew at least {t['grad_norm_growth']:.0f}x (norm on the steps that went "
+        signs.append(f"the gradients grew at least {t['gradient_growth']:.0f}x (norm on the steps that went "
                      "through, or the scale they overflowed at against the first steps' largest gradient)")
     if t["nonfinite_at_every_scale"]:
         signs.append(f"non-finite values persist at a loss scale of {A.fmt_num(t['lowest_scale_still_nonfinite'])} "
