@@ -17,7 +17,7 @@ FAST = {"every": 2, "hist_every": 2, "weight_every": 2}     # dense cadence for 
 def gpt2(seed=0, **over):
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(seed)
-    cfg = dict(vocab_size=VOCAB, n_positions=MAX_POS, n_embd=32, n_layer=2, n_head=2)
+    cfg = dict(vocab_size=VOCAB, n_positions=MAX_POS, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(GPT2Config(**{**cfg, **over}))
 
 
