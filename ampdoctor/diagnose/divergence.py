@@ -74,11 +74,34 @@ def trend(run, window=WINDOW) -> dict | None:
     low = float(np.nanmin(scales[bad])) if run.scaler_on and np.isfinite(scales[bad]).any() else 1.0
     bound = _overflow_growth(run, bad, first, end)
     both = [x for x in (growth, bound) if math.isfinite(x)]
-    return {"first_nonfinite_step": int(st["step"].iloc[first]), "nonfinite_steps": int(bad.sum()),
+    return {"first_nonfinite_step": int(st["step"].iloc[first]), "blowup_step": int(st["step"].iloc[first]),
+            "nonfinite_steps": int(bad.sum()),
             "loss_start": base, "loss_peak": float(seen.max()), "loss_rise": rise,
             "grad_norm_growth": growth, "grad_growth_from_overflow": bound,
             "gradient_growth": max(both) if both else math.nan,
             "lowest_scale_still_nonfinite": low, "nonfinite_at_every_scale": low <= EVERY_SCALE}
+
+
+def finite_blowup(run) -> dict | None:
+    """A run that diverged without a single non-finite value (FP32 and BF16 hold a blown-up loss): its loss over
+    the second half of the run stayed at FINITE_RISE x where it started. None otherwise."""
+    st = run.steps
+    loss = st["loss"].to_numpy(float)
+    fin = np.flatnonzero(np.isfinite(loss))
+    if len(fin) < 2 * MIN_BAD_STEPS or _bad(run).sum() >= MIN_BAD_STEPS or not loss[fin[0]] > 0:
+        return None
+    start = float(loss[fin[0]])
+    late = float(np.median(loss[fin[len(fin) // 2:]]))
+    if late < FINITE_RISE * start:
+        return None
+    at = int(fin[np.argmax(loss[fin] >= MIN_LOSS_RISE * start)])
+    norm = st["grad_norm"].to_numpy(float)
+    ok = np.flatnonzero(np.isfinite(norm) & (norm > 0))
+    growth = float(norm[ok].max() / norm[ok[0]]) if len(ok) >= 2 else math.nan
+    return {"first_nonfinite_step": None, "blowup_step": int(st["step"].iloc[at]), "nonfinite_steps": 0,
+            "loss_start": start, "loss_peak": float(np.nanmax(loss)), "loss_late_median": late,
+            "loss_rise": late / start, "grad_norm_growth": growth, "grad_growth_from_overflow": math.nan,
+            "gradient_growth": growth, "lowest_scale_still_nonfinite": None, "nonfinite_at_every_scale": False}
 
 
 def _overflow_growth(run, bad: np.ndarray, first: int, end: int) -> float:
@@ -102,7 +125,7 @@ def _reference_diverged(ref, min_loss_rise: float) -> bool | None:
     """Did the reference run diverge too? None without one."""
     if ref is None:
         return None
-    t = trend(ref)
+    t = trend(ref) or finite_blowup(ref)
     if t is not None:
         return t["loss_rise"] >= min_loss_rise or t["nonfinite_at_every_scale"]
     loss = ref.steps["loss"].to_numpy(float)
@@ -111,11 +134,11 @@ def _reference_diverged(ref, min_loss_rise: float) -> bool | None:
 
 
 def divergence(run, *, min_loss_rise=MIN_LOSS_RISE, min_norm_growth=MIN_NORM_GROWTH):
-    t = trend(run)
+    t = trend(run) or finite_blowup(run)
     if t is None or t["loss_rise"] < min_loss_rise:
         return None                                  # the loss did not go the wrong way: a scale problem, not this
     bad = run.steps.loc[_bad(run), "step"].astype(int).tolist()
-    if nonfinite_origins(run, bad)["input"] * 2 > len(bad):
+    if bad and nonfinite_origins(run, bad)["input"] * 2 > len(bad):
         return None                                  # non-finite input batches: a data problem (loss-scale-collapse)
     ref = _reference_diverged(run.reference, min_loss_rise)
     if ref is False:
@@ -125,21 +148,27 @@ def divergence(run, *, min_loss_rise=MIN_LOSS_RISE, min_norm_growth=MIN_NORM_GRO
         return None
     opt = (run.config.get("optimizer") or {}).get("class") or "the optimizer"
     lrs = run.steps["lr"].to_numpy(float)
-    first = t["first_nonfinite_step"]
+    first = t["blowup_step"]
     lr = float(lrs[first]) if len(lrs) > first and math.isfinite(lrs[first]) else None
     adaptive = opt in ADAPTIVE
-    signs = [f"the loss rose {t['loss_rise']:.1f}x (from {A.fmt_num(t['loss_start'])} to "
-             f"{A.fmt_num(t['loss_peak'])}) by the first non-finite step ({first})"]
+    if t["first_nonfinite_step"] is not None:
+        signs = [f"the loss rose {t['loss_rise']:.1f}x (from {A.fmt_num(t['loss_start'])} to "
+                 f"{A.fmt_num(t['loss_peak'])}) by the first non-finite step ({first})"]
+    else:
+        signs = [f"the loss rose from {A.fmt_num(t['loss_start'])} to {A.fmt_num(t['loss_peak'])} from step {first} "
+                 f"on and stayed {t['loss_rise']:.1f}x its start (no value was non-finite: the format held it)"]
     if grew:
-        signs.append(f"the gradients grew at least {t['gradient_growth']:.0f}x (norm on the steps that went "
-                     "through, or the scale they overflowed at against the first steps' largest gradient)")
+        how = ("norm on the steps that went through, or the scale they overflowed at against the first steps' "
+               "largest gradient" if t["nonfinite_steps"] else "gradient norm")
+        signs.append(f"the gradients grew at least {t['gradient_growth']:.0f}x ({how})")
     if t["nonfinite_at_every_scale"]:
         signs.append(f"non-finite values persist at a loss scale of {A.fmt_num(t['lowest_scale_still_nonfinite'])} "
                      f"(no scaling at all)")
     if ref:
         signs.append("the reference run diverges too")
     new_lr = f"{lr / LR_FACTOR:.3g}" if lr else None
-    fix = ["Lower the learning rate (one decade) and warm it up; a different loss scale cannot help:",
+    fix = ["Lower the learning rate (one decade) and warm it up" + ("; a different loss scale cannot help:"
+                                                                     if run.scaler_on else ":"),
            "for group in optimizer.param_groups:",
            f'    group["lr"] = {new_lr}  # was {lr:.3g}' if new_lr else f'    group["lr"] /= {LR_FACTOR:g}',
            f"# ramp the learning rate up over the first {WARMUP_STEPS} steps "
@@ -156,7 +185,8 @@ def divergence(run, *, min_loss_rise=MIN_LOSS_RISE, min_norm_growth=MIN_NORM_GRO
                 "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)"]
     return finding(
         "critical", "Training diverged",
-        "The run diverged rather than overflowing by its loss scale: " + "; ".join(signs) + ". "
+        ("The run diverged rather than overflowing by its loss scale: " if t["nonfinite_steps"] else
+         "The run diverged: ") + "; ".join(signs) + ". "
         + (f"The learning rate was {lr:.3g} ({opt})." if lr else f"Optimizer: {opt}."),
         steps=[first, int(run.steps["step"].iloc[-1])],
         evidence={**t, "lr": lr, "optimizer": opt, "adaptive_optimizer": adaptive, "reference_diverged": ref,

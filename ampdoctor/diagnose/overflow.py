@@ -31,7 +31,8 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
     if len(fwd) < min_steps:
         return None
     for d in run.findings_of("divergence"):
-        if int(fwd["step"].min()) >= d.evidence["first_nonfinite_step"]:
+        if d.evidence["first_nonfinite_step"] is not None and \
+                int(fwd["step"].min()) >= d.evidence["first_nonfinite_step"]:
             return None              # activations that blew up with a diverging run: divergence's finding
     counts = fwd.groupby("path")["step"].agg(["count", "min", "max"]).sort_values(
         ["count", "min"], ascending=[False, True])

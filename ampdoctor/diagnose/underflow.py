@@ -248,8 +248,9 @@ def _fix(run, sug, scale_now: float, unliftable: str | None) -> str:
 
 
 def fp16_readiness(run, *, min_share=MIN_SHARE):
-    if run.fp16 or run.scaler_on:
-        return None                                   # an FP16 run speaks for itself; a scaler means amp-inactive
+    if run.fp16 or run.scaler_on or run.findings_of("divergence"):
+        return None                                   # an FP16 run speaks for itself; a scaler means amp-inactive;
+                                                      # a diverged run would not train in any format
     acts = run.sites("act")
     peaks = run.records("peak", "act")
     over = []

@@ -217,6 +217,8 @@ def weights_nonfinite(run):
     eps = (opt.get("groups") or [{}])[0].get("eps")
     fmt = formats.get(dtype) if dtype else None
     eps_lost = bool(fmt and cls in EPS_OPTIMIZERS and isinstance(eps, (int, float)) and eps <= fmt.min_subnormal / 2)
+    if not eps_lost and run.findings_of("divergence"):
+        return None                      # weights that blew up with a diverging run: divergence's finding
     why = (f"{cls}'s eps={eps:g} rounds to 0 in {dtype} (its smallest subnormal is {A.fmt_num(fmt.min_subnormal)}), "
            "so where the squared gradient underflows too its update divides by zero"
            if eps_lost else
@@ -233,6 +235,11 @@ def weights_nonfinite(run):
         fix += ["# and in the loop:", A.autocast_block(run, ac)]
         if ac == "float16":
             fix += ["scaler.scale(loss).backward()", "scaler.step(optimizer)", "scaler.update()"]
+    else:
+        fix += ["The update itself overflowed the FP32 weights: lower the learning rate, and keep steps with "
+                "non-finite gradients out (a GradScaler skips them; without one, check before the step):",
+                "if all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None):",
+                "    optimizer.step()"]
     if eps_lost:
         fix += [f"Or, keeping {dtype} weights, an eps the format holds as a normal number "
                 f"(>= {A.fmt_num(fmt.min_normal)}):",

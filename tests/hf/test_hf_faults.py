@@ -122,6 +122,10 @@ def test_divergence_is_not_read_as_a_scaling_problem(diverged, tmp):
     ref, _ = run(tmp, "gpt2-lr1-fp32", "gpt2", lr=1.0, steps=12, precision="fp32")
     with_ref = {x.rule: x for x in ampdoctor.diagnose(diverged, reference=ref)}
     assert with_ref["divergence"].evidence["reference_diverged"] is True
+    # the FP32 run itself: diverged without a non-finite value (FP32 holds the blown-up loss), not "FP16-unready"
+    fp32 = ampdoctor.diagnose(ref)
+    assert [x.rule for x in fp32] == ["divergence"] and fp32[0].evidence["nonfinite_steps"] == 0
+    assert fp32[0].evidence["loss_rise"] >= 4 and "loss scale" not in fp32[0].recommendation
 
 
 def test_divergence_fix_as_printed_trains(diverged, tmp):
