@@ -111,16 +111,25 @@ def cmd_info(args) -> int:
         print(f"scaler     {sc.get('class')} ({'enabled' if sc.get('enabled') else 'disabled'}; {settings})")
         scales = steps["loss_scale"].dropna()
         if len(scales):
-            print(f"loss scale {scales.iloc[0]:g} at step 0, range {scales.min():g} .. {scales.max():g}, "
-                  f"last {steps['loss_scale_next'].dropna().iloc[-1]:g}")
+            # "last" is the scale in force at the last step, as the report says; the update after it is named apart
+            nxt = steps["loss_scale_next"].dropna()
+            print(f"loss scale {scales.iloc[0]:g} at step {int(steps['step'][scales.index[0]])}, last "
+                  f"{scales.iloc[-1]:g} at step {int(steps['step'][scales.index[-1]])}, range {scales.min():g} .. "
+                  f"{scales.max():g}" + (f"; {nxt.iloc[-1]:g} after the last update" if len(nxt) else ""))
     skipped = steps.index[steps["skipped"]].tolist() if len(steps) else []
     print(f"skipped    {len(skipped)} step(s)" + (f": {_ranges(steps['step'][steps['skipped']].tolist())}"
                                                   if skipped else ""))
     if len(steps):
-        loss = steps["loss"].dropna()
+        finite = steps["loss"].replace([np.inf, -np.inf], np.nan)
+        loss = finite.dropna()
         if len(loss):
-            print(f"loss       {loss.iloc[0]:.4g} at step {int(steps['step'][loss.index[0]])} -> {loss.iloc[-1]:.4g} "
-                  f"at step {int(steps['step'][loss.index[-1]])}")
+            bad = steps["step"][finite.isna()]          # the loss is logged in this run: a missing one is NaN/Inf
+            line = f"loss       {loss.iloc[0]:.4g} at step {int(steps['step'][loss.index[0]])}"
+            if len(loss) > 1:
+                line += f" -> {loss.iloc[-1]:.4g} at step {int(steps['step'][loss.index[-1]])}"
+            if len(bad):
+                line += f"; not finite at {len(bad)} step(s): {_ranges(bad.astype(int).tolist())}"
+            print(line)
     ev = tr.events("nonfinite")
     if len(ev):
         first = ev.iloc[0]

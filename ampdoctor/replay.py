@@ -9,7 +9,9 @@ and the tracker resets. The scale is an FP32 tensor: products are taken in doubl
 
 Overflow model. At a scale S a step overflows when some gradient, scaled by S, exceeds the largest value of the
 format it is computed in (FP16: 65504). Per step the trace gives the unscaled magnitudes: every grad_out peak divided
-by the loss scale it carried, and every param_grad peak (already unscaled). What is *known* is used first:
+by the loss scale it carried, and every param_grad peak (already unscaled) - ``gradient_peaks``, the one definition
+the diagnosis rules share. The output gradient of a 0-d output (a loss the model returns: 1 x scale, the backward
+seed) is not a model gradient and counts only where it was FP16. What is *known* is used first:
 - the recorded scale of the step: its recorded skip (so the run's own settings reproduce its history exactly);
 - a non-finite forward activation or loss: the step overflows at every scale (scaling cannot fix it);
 - overflow is monotone in S: a step that overflowed at S_rec overflows at any S >= S_rec, one that did not
@@ -161,6 +163,62 @@ def _compute_dtypes(grads, acts) -> list[str]:
     return out
 
 
+@dataclass(eq=False)
+class GradientPeaks:
+    """The one definition of "the largest unscaled gradient" (rules and replay alike).
+
+    Per step, over every observed gradient (grad_out divided by the loss scale it carried, param_grad as stored):
+    the largest magnitude relative to the max of the format it is computed in. The gradient of a loss with respect
+    to itself (a model that returns its loss: the output gradient of a 0-d output) is the backward seed, 1 x scale,
+    not a gradient the model computed; it counts only where it really was FP16 (an FP16 loss overflows when scaled).
+    """
+
+    ratio: np.ndarray              # per step: max |unscaled gradient| / format max (NaN: nothing observed)
+    nonfinite: np.ndarray          # per step: some observed gradient held Inf/NaN
+    assumed_fp16: bool             # no gradient was computed in FP16: every one is judged against the FP16 max
+    sites: pd.DataFrame            # grad_out then param_grad sites, with their compute dtype and whether a seed
+
+    @property
+    def fp16_equivalent(self) -> np.ndarray:
+        """Per step, the largest unscaled gradient in FP16 terms: the scale s overflows FP16 when s * this > 65504."""
+        return self.ratio * formats.FP16.max
+
+
+def _is_seed(kind: str, shape) -> bool:
+    """The output gradient of a 0-d output: the backward pass's seed (a returned loss), not a model gradient."""
+    return kind == "grad_out" and shape is not None and str(shape) == ""
+
+
+def gradient_peaks(tr: Trace) -> GradientPeaks:
+    st = tr.steps()
+    n = len(st)
+    sc = tr.config.get("scaler") or {}
+    has_scaler = bool(sc.get("enabled")) and bool(st["loss_scale"].notna().any())
+    rec_scale = st["loss_scale"].to_numpy(float) if has_scaler else np.full(n, np.nan)
+    carried = np.where(np.isnan(rec_scale), 1.0, rec_scale)          # the scale the grad_out values carry
+    go, pg = tr.sites("grad_out"), tr.sites("param_grad")
+    grads = pd.concat([go, pg], ignore_index=True)
+    dtypes = _compute_dtypes(grads, tr.sites("act"))
+    seed = np.array([_is_seed(k, sh) for k, sh in zip(grads["kind"], grads["shape"])], dtype=bool)
+    fp16 = np.array([d in ("float16", "half") for d in dtypes], dtype=bool)
+    assumed = bool((~seed).any()) and not fp16[~seed].any()    # an FP32/BF16 run: judged as if computed in FP16
+    if assumed:
+        fp16 |= ~seed
+    limits = np.array([formats.FP16.max if f else formats.DTYPE_FORMATS.get(d, formats.FP32).max
+                       for f, d in zip(fp16, dtypes)], dtype=float)
+    # peaks with fill=-1: -1 = site not seen that step, NaN = the tensor held a NaN, inf = an inf
+    raw = np.concatenate([tr.records("peak", "grad_out", fill=-1.0), tr.records("peak", "param_grad", fill=-1.0)],
+                         axis=1)
+    finite = np.isfinite(raw) & (raw >= 0)
+    unscaled = np.where(finite, raw, 0.0)
+    unscaled[:, :len(go)] /= carried[:, None]
+    ratio = (unscaled / limits[None, :]).max(axis=1, initial=0.0)     # max over sites of magnitude / format max
+    ratio[~finite.any(axis=1)] = np.nan                               # nothing observed: no information
+    grads = grads.assign(compute_dtype=dtypes, fp16=fp16, seed=seed)
+    return GradientPeaks(ratio=ratio, nonfinite=(~np.isfinite(raw)).any(axis=1), assumed_fp16=assumed,
+                         sites=grads)
+
+
 def _gather(tr: Trace) -> _Evidence:
     st = tr.steps()
     n = len(st)
@@ -178,27 +236,10 @@ def _gather(tr: Trace) -> _Evidence:
 
     rec_scale = st["loss_scale"].to_numpy(float) if has_scaler else np.full(n, np.nan)
     rec_next = st["loss_scale_next"].to_numpy(float) if has_scaler else np.full(n, np.nan)
-    carried = np.where(np.isnan(rec_scale), 1.0, rec_scale)          # the scale the grad_out values carry
-
-    go, pg = tr.sites("grad_out"), tr.sites("param_grad")
-    grads = pd.concat([go, pg], ignore_index=True)
-    dtypes = _compute_dtypes(grads, tr.sites("act"))
-    fp16 = np.array([d in ("float16", "half") for d in dtypes], dtype=bool)
-    assumed = bool(len(dtypes)) and not fp16.any()       # an FP32/BF16 run: replayed as if computed in FP16
-    if assumed:
-        fp16[:] = True
-    limits = np.array([formats.FP16.max if f else formats.DTYPE_FORMATS.get(d, formats.FP32).max
-                       for f, d in zip(fp16, dtypes)], dtype=float)
-
-    # peaks with fill=-1: -1 = site not seen that step, NaN = the tensor held a NaN, inf = an inf
-    raw = np.concatenate([tr.records("peak", "grad_out", fill=-1.0), tr.records("peak", "param_grad", fill=-1.0)],
-                         axis=1)
-    nonfinite = ~np.isfinite(raw)
-    finite = np.isfinite(raw) & (raw >= 0)
-    unscaled = np.where(finite, raw, 0.0)
-    unscaled[:, :len(go)] /= carried[:, None]
-    ratio = (unscaled / limits[None, :]).max(axis=1, initial=0.0)     # max over sites of magnitude / format max
-    ratio[~finite.any(axis=1)] = np.nan                               # nothing observed: no information
+    peaks = gradient_peaks(tr)
+    grads = peaks.sites
+    fp16 = grads["fp16"].to_numpy(bool) & ~grads["seed"].to_numpy(bool)
+    ratio = peaks.ratio.copy()
     loss = st["loss"].to_numpy(float)
     if str(cfg.get("loss_dtype") or "").replace("torch.", "") == "float16":   # an FP16 loss is scaled in FP16
         ratio = np.fmax(ratio, np.abs(loss) / formats.FP16.max)
@@ -213,13 +254,13 @@ def _gather(tr: Trace) -> _Evidence:
         always &= rec_over            # a non-finite value that did not make the recorded step overflow never mattered
         assumed_scale = rec_scale
     else:                                             # no scaler: a non-finite gradient at scale 1 is an overflow
-        rec_over = nonfinite.any(axis=1) | always
+        rec_over = peaks.nonfinite | always
         assumed_scale = np.ones(n)
     threshold, from_nb = _thresholds(assumed_scale, rec_over, always, ratio)
     return _Evidence(steps=st["step"].to_numpy(int), rec_scale=rec_scale, rec_next=rec_next, rec_over=rec_over,
                      always=always, threshold=threshold, from_neighbours=from_nb,
-                     hist=_histograms(tr, grads, fp16, len(go), n), run_settings=run, has_scaler=has_scaler,
-                     assumed_fp16=assumed, device=str(tr.meta.get("run", {}).get("device") or "cuda"))
+                     hist=_histograms(tr, grads, fp16, int((grads["kind"] == "grad_out").sum()), n),
+                     run_settings=run, has_scaler=has_scaler, assumed_fp16=peaks.assumed_fp16, device=str(tr.meta.get("run", {}).get("device") or "cuda"))
 
 
 def _thresholds(scale, over, always, ratio) -> tuple[np.ndarray, np.ndarray]:
@@ -426,7 +467,8 @@ def suggest(trace_or_path, search_factors: bool = False, progress=None) -> Sugge
     """Search init_scale (powers of two, 1 .. 2^24) and growth_interval for the settings that lose the least
     gradient information (``Replay.lost``: skipped steps count fully, applied steps by their FP16 underflow share).
 
-    Ties go to the growth_interval nearest the run's own, then to the larger init_scale (more underflow headroom);
+    Ties go to the growth_interval nearest the run's own, then to the run's own factors, then to the larger
+    init_scale (more underflow headroom);
     when nothing beats the run's own settings, they are the suggestion.
     The factors stay at the run's own unless ``search_factors`` (then growth 2/4 and backoff 0.5/0.25 are tried).
     ``progress`` wraps the list of settings to try (e.g. ``tqdm``) to show the search advancing.
@@ -438,9 +480,10 @@ def suggest(trace_or_path, search_factors: bool = False, progress=None) -> Sugge
     n = len(ev.steps)
     longer = [i for i in SUGGEST_INTERVALS if i > n][:1]      # one interval that never grows within the trace
     intervals = sorted({i for i in SUGGEST_INTERVALS if i <= n} | set(longer) | {own["growth_interval"]})
-    factors = [(own["growth_factor"], own["backoff_factor"])]
+    own_pair = (own["growth_factor"], own["backoff_factor"])
+    factors = [own_pair]
     if search_factors:
-        factors = sorted({*factors, (2.0, 0.5), (4.0, 0.5), (2.0, 0.25), (4.0, 0.25)})
+        factors += sorted({(2.0, 0.5), (4.0, 0.5), (2.0, 0.25), (4.0, 0.25)} - {own_pair})
     best, best_key, tried = None, None, 0
     grid = [(growth, backoff, gi, e) for growth, backoff in factors for gi in intervals
             for e in SUGGEST_INIT_EXPONENTS]
@@ -448,7 +491,7 @@ def suggest(trace_or_path, search_factors: bool = False, progress=None) -> Sugge
         s = {"init_scale": 2.0 ** e, "growth_factor": growth, "backoff_factor": backoff, "growth_interval": gi}
         r = _simulate(ev, s)
         tried += 1
-        key = (round(r.lost, 12), abs(math.log2(gi / own["growth_interval"])), (growth, backoff) != factors[0], -e)
+        key = (round(r.lost, 12), abs(math.log2(gi / own["growth_interval"])), (growth, backoff) != own_pair, -e)   # ties: the run's own factors first
         if best_key is None or key < best_key:
             best, best_key = r, key
     if not best.lost < baseline.lost:          # nothing beats the run's own settings: keep them

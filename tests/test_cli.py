@@ -33,7 +33,8 @@ def test_info(skipping_trace, capsys):
     assert lines["precision"] == "precision  O1-style: autocast float16, FP32 master weights"
     assert lines["scaler"] == ("scaler     GradScaler (enabled; growth_factor 2.0, backoff_factor 0.5, "
                                "growth_interval 2000)")
-    assert lines["loss scale"] == "loss scale 1.67772e+07 at step 0, range 16384 .. 1.67772e+07, last 16384"
+    assert lines["loss scale"] == ("loss scale 1.67772e+07 at step 0, last 16384 at step 19, range 16384 .. "
+                                   "1.67772e+07; 16384 after the last update")
     assert lines["skipped"] == "skipped    10 step(s): 0-9"
     assert lines["non-finite"].startswith("non-finite 10 step(s); first at step 0: 6 (grad_out), bwd phase, inf")
     assert lines["sites"] == "sites      act 8, grad_out 8, param_grad 8, weight 8"

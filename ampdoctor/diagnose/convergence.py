@@ -39,9 +39,9 @@ def slow_convergence(run, *, ratio=SLOW_RATIO, max_skip_share=MAX_SKIP_SHARE, al
         return None
     if run.steps["skipped"].mean() > max_skip_share or not np.isfinite(a).all():
         return None                           # skipped or non-finite steps explain it: other rules cover that
-    from .underflow import grad_underflow
-    if grad_underflow(run) is not None:
-        return None                           # underflow explains it: fix that first
+    # through the engine: the user's thresholds for grad-underflow (or its being disabled) apply here too
+    if any(d.severity != "info" for d in run.findings_of("grad-underflow")):
+        return None                           # material underflow explains it: fix that first
     sa, sb = smooth(a), smooth(b)
     n = min(len(sa), len(sb))
     start, best = sb[0], float(np.nanmin(sb))

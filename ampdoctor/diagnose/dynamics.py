@@ -122,12 +122,14 @@ def stuck_scale(run, cut_step: int, min_decline: float = MIN_DECLINE, min_headro
     interval = int(max(MIN_GROWTH_INTERVAL, math.floor(1.0 / (GROWTH_MARGIN * -rate[0]))))
     current = int(run.scaler.get("growth_interval") or 2000)
     interval = min(interval, max(current // 2, 1))
-    gmax = float(np.nanmax(g[ok]))
     return {"dynamic": "scale stuck while gradients shrink", "scale_in_force": scale,
             "growth_interval": current, "gradient_decline_binades": decline,
             "decline_per_step": -rate[0], "decline_measured_on": source,
             "late_peak_grad_unscaled": late_peak, "headroom_binades_above_fp16_normal": headroom,
-            "suggested_growth_interval": interval, "suggested_init_scale": max(A.suggest_scale(gmax), scale)}
+            "suggested_growth_interval": interval,
+            # the start is the replay's (`replay --suggest`), as every suggested scale is; the interval is this
+            # dynamic's own: the replay sees the recorded gradients, not how fast they keep shrinking
+            "suggested_init_scale": max(float(run.suggestion.settings["init_scale"]), scale)}
 
 
 def skip_cycles(run, cut_step: int, max_skip_share: float = MAX_SKIP_SHARE):
@@ -195,7 +197,7 @@ def late_degradation(run, *, late_share=LATE_SHARE, min_worsening=MIN_WORSENING,
                  f"{why['headroom_binades_above_fp16_normal']:+.1f} binades from FP16's normal range")
         fix = (f"Let the scale follow the shrinking gradients: they halve every "
                f"{1.0 / why['decline_per_step']:.0f} steps (measured on {why['decline_measured_on']}), so grow it "
-               f"at least every {n} steps, starting where the largest gradient allows ({A.pow2(init)}):\n"
+               f"at least every {n} steps, starting where the replay of this run starts ({A.pow2(init)}):\n"
                + A.scaler_line(run, init_scale=init, growth_interval=n) + A.bf16_note(run))
     return finding(
         "warning", "Performance degrades late in training",

@@ -93,12 +93,48 @@ def finding(severity: str, title: str, summary: str, *, layers=(), steps=(), evi
 class Run:
     """What rules read: a trace plus cached views of it (steps, sites, per-site arrays, configuration)."""
 
-    def __init__(self, trace: Trace, reference: "Run | None" = None):
+    def __init__(self, trace: Trace, reference: "Run | None" = None, rules: dict | None = None):
         self.trace = trace
         self.reference = reference          # a second run to compare with (slow-convergence)
         self._records: dict = {}
         self._sites: dict = {}
         self.ranks: dict[int, Run] = {}     # every rank of the run, self included, for the rank rules
+        # rules: {id: thresholds or None} as diagnose() takes it, or resolve_rules()'s list
+        selected = rules if isinstance(rules, list) else resolve_rules(rules)
+        self._selected = {rule.id: (rule, over) for rule, over in selected}
+        self._results: dict = {}
+        self._running: set = set()
+
+    # -- rules over this run: a rule that depends on another asks here, so the user's thresholds reach it ------------
+    def findings_of(self, rule_id: str) -> list:
+        """The findings of one rule over this run (with the user's thresholds); [] when the user disabled it."""
+        if rule_id in self._results:
+            return self._results[rule_id]
+        if rule_id not in self._selected or rule_id in self._running:
+            return []                         # disabled (or a dependency cycle: no evidence either way)
+        rule, over = self._selected[rule_id]
+        self._running.add(rule_id)
+        try:
+            result = rule.check(self, **over)
+        finally:
+            self._running.discard(rule_id)
+        found = [] if result is None else (result if isinstance(result, list) else [result])
+        out = [replace(d, rule=rule.id, evidence=_py(d.evidence)) for d in found if d.evidence]
+        self._results[rule_id] = out          # DESIGN principle 4: no evidence, no finding
+        return out
+
+    # -- the gradient evidence the rules share with the replay (one definition) --------------------------------------
+    @cached_property
+    def gradient_peaks(self):
+        """replay.GradientPeaks of this run: the largest unscaled gradients, as the replay reads them."""
+        from ..replay import gradient_peaks
+        return gradient_peaks(self.trace)
+
+    @cached_property
+    def suggestion(self):
+        """replay.suggest over this run: the scaler settings every rule that suggests a scale quotes."""
+        from ..replay import suggest
+        return suggest(self.trace)
 
     # -- tables --------------------------------------------------------------------------------------------------
     @cached_property
@@ -265,18 +301,12 @@ def diagnose(trace_or_path, reference=None, rules: dict | None = None) -> list[D
 
 
 def _diagnose(tr: Trace, ref: Trace | None, selected) -> list[Diagnosis]:
-    run = Run(tr, Run(ref) if ref is not None else None)
+    run = Run(tr, Run(ref, rules=selected) if ref is not None else None, rules=selected)
     if run.n_steps == 0:
         raise TraceError(f"{tr.path}: no steps recorded; nothing to diagnose")
-    out: list[Diagnosis] = []
-    for order, (rule, over) in enumerate(selected):
-        result = rule.check(run, **over)
-        if result is None:
-            continue
-        for d in (result if isinstance(result, list) else [result]):
-            if not d.evidence:        # DESIGN principle 4: no evidence, no finding
-                continue
-            out.append((order, replace(d, rule=rule.id, evidence=_py(d.evidence))))
+    out: list = []
+    for order, (rule, _) in enumerate(selected):
+        out += [(order, d) for d in run.findings_of(rule.id)]
     out.sort(key=lambda od: (-_RANK[od[1].severity], od[0]))
     return [d for _, d in out]
 

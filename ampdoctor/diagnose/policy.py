@@ -91,7 +91,13 @@ def precision_policy(run, *, min_softmax_underflow=MIN_SOFTMAX_UNDERFLOW):
     layers = [p for p, *_ in items if p != "(loss)"]
     return finding(
         "warning", "FP32-only work ran in half precision",
-        "; ".join(w for _, w, _, _ in items) + " (loss, normalisation and softmax belong in FP32).",
+        "; ".join(_grouped([w for _, w, _, _ in items])) + " (loss, normalisation and softmax belong in FP32).",
         layers=layers, steps=[0, run.n_steps - 1],
         evidence={p: ev for p, _, ev, _ in items},
         recommendation="\n".join(f for *_, f in items))
+
+
+def _grouped(whats: list) -> list:
+    """Each distinct statement once, with how many modules it is true of ("... (6 modules)")."""
+    counts = {w: whats.count(w) for w in dict.fromkeys(whats)}
+    return [w if n == 1 else f"{w} ({n} modules)" for w, n in counts.items()]

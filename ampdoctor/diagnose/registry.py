@@ -2,14 +2,17 @@
 ``ampdoctor.diagnose(path, rules={"grad-underflow": {"min_share": 0.05}, "amp-inactive": None})``."""
 from __future__ import annotations
 
-from . import convergence, dynamics, overflow, policy, ranks, scaling, throughput, underflow, validation, weights
+from . import (convergence, divergence, dynamics, overflow, policy, ranks, scaling, throughput, underflow, validation,
+               weights)
 from .engine import Rule
 
 RULES = {r.id: r for r in (
+    Rule("divergence", divergence.divergence, "the optimisation blew up (learning rate), not the loss scale"),
     Rule("init-scale-too-high", scaling.init_scale_too_high, "NaN/skipped steps early: the initial loss scale"),
     Rule("forward-overflow", overflow.forward_overflow, "a module produced Inf/NaN in the forward pass"),
     Rule("loss-scale-collapse", scaling.loss_scale_collapse, "the loss scale falls without recovery"),
     Rule("grad-underflow", underflow.grad_underflow, "gradients lost to FP16 underflow"),
+    Rule("weights-nonfinite", weights.weights_nonfinite, "the optimizer step turned weights NaN/Inf"),
     Rule("weight-update-lost", weights.weight_update_lost, "half-precision weights swallow small updates"),
     Rule("grad-range-anomaly", weights.grad_range_anomaly, "a layer's gradients orders of magnitude off"),
     Rule("precision-policy", policy.precision_policy, "loss/normalisation/softmax computed in half precision"),

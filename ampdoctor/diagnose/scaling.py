@@ -22,18 +22,12 @@ MAX_SKIP_SHARE = 0.05
 
 
 def grad_out_peaks(run):
-    """(unscaled max |grad_out| per step [n], clean-step mask): the gradient magnitudes backward carried in FP16."""
-    peaks = run.records("peak", "grad_out")
-    st = run.steps
-    scale = st["loss_scale"].to_numpy(float)
-    scale = np.where(np.isfinite(scale) & (scale > 0), scale, 1.0)
-    if peaks.shape[1] == 0:
-        return np.full(len(st), np.nan), np.zeros(len(st), bool)
-    with np.errstate(all="ignore"):
-        per_step = np.nanmax(np.where(np.isnan(peaks), -1.0, peaks), axis=1)
-    finite = np.isfinite(per_step) & (per_step >= 0)
-    clean = finite & ~st["skipped"].to_numpy(bool)
-    return np.where(finite, per_step, np.nan) / scale, clean
+    """(largest unscaled gradient per step in FP16 terms [n], clean-step mask), as the replay defines it (output and
+    parameter gradients; a returned loss's gradient w.r.t. itself is not one): replay.GradientPeaks."""
+    peaks = run.gradient_peaks
+    g = peaks.fp16_equivalent
+    clean = np.isfinite(g) & ~peaks.nonfinite & ~run.steps["skipped"].to_numpy(bool)
+    return g, clean
 
 
 def forward_nonfinite_steps(run) -> set:
@@ -63,17 +57,20 @@ def init_scale_too_high(run, *, min_skips=MIN_EARLY_SKIPS, early_steps=EARLY_STE
     if not clean.any():
         return None
     gmax = float(np.nanmax(g[clean]))
-    suggested = A.suggest_scale(gmax)
     if not (gmax > 0) or gmax * A.SCALE_MARGIN > formats.FP16.max:
         return None                      # unscaled gradients do not fit FP16: not a scaling problem
     scales = st.loc[st["step"].isin(skipped), "loss_scale"].to_numpy(float)
     over = [s for s in scales if s * gmax > formats.FP16.max / 2]   # the scale alone pushed the max out of range
     init = float(run.scaler.get("init_scale") or st["loss_scale"].iloc[0])
-    if not over or suggested >= init:
-        return None
-    if float(early["loss_scale_next"].iloc[-1]) >= init:
+    if not over or float(early["loss_scale_next"].iloc[-1]) >= init:
         return None                      # the scale ended the window no lower than it started: the skips are
                                          # growth/overflow cycles (late-degradation), not a too-high start
+    if run.findings_of("divergence"):
+        return None                      # the run diverged: the skips follow the blow-up, not the start value
+    sug = run.suggestion                 # the replay's answer, so that this finding and `replay --suggest` agree
+    suggested = float(sug.settings["init_scale"])
+    if suggested >= init:
+        return None
     return finding(
         "warning", "Initial loss scale too high",
         f"{len(skipped)} of the first {len(early)} steps were skipped while the loss scale fell from {A.pow2(init)} "
@@ -82,13 +79,20 @@ def init_scale_too_high(run, *, min_skips=MIN_EARLY_SKIPS, early_steps=EARLY_STE
         steps=run.step_range(skipped),
         evidence={"skipped_early": len(skipped), "window": len(early), "skipped_steps": skipped[:20],
                   "init_scale": init, "max_unscaled_grad": gmax, "fp16_max": formats.FP16.max,
-                  "scale_at_skips": [float(s) for s in scales[:20]], "suggested_init_scale": suggested},
-        recommendation=(f"Start the scaler at {A.pow2(suggested)} (the largest power of two that keeps the largest "
-                        f"observed gradient {A.fmt_num(gmax)} a factor {A.SCALE_MARGIN:g} under the FP16 max):\n"
-                        + A.scaler_line(run, init_scale=suggested)))
+                  "scale_at_skips": [float(s) for s in scales[:20]], "suggested_init_scale": suggested,
+                  "suggested_settings": sug.settings, "replay_skipped": sug.replay.n_skipped,
+                  "recorded_skipped": int(st["skipped"].sum())},
+        recommendation=(f"Start the scaler at {A.pow2(suggested)} (the replay of this run's gradients finds it loses "
+                        f"the least: {sug.replay.n_skipped} skipped step(s) instead of {int(st['skipped'].sum())}; "
+                        f"`ampdoctor replay TRACE --suggest` shows the same):\n" + suggestion_line(sug)))
 
 
-def _origins(run, steps: list[int]) -> dict:
+def suggestion_line(sug) -> str:
+    """The replay's suggested GradScaler as a line to paste (the same code `replay --suggest` prints)."""
+    return "scaler = " + sug.code
+
+
+def nonfinite_origins(run, steps: list[int]) -> dict:
     """Where the non-finite values of these steps came from: counts per origin class and culprit layer."""
     ev = run.events
     ev = ev[ev["step"].isin(steps)]
@@ -116,8 +120,8 @@ def _origins(run, steps: list[int]) -> dict:
 
 def loss_scale_collapse(run, *, collapse_scale=COLLAPSE_SCALE, halvings=COLLAPSE_HALVINGS,
                         max_skip_share=MAX_SKIP_SHARE):
-    if not run.scaler_on:
-        return None
+    if not run.scaler_on or run.findings_of("divergence"):
+        return None                      # a diverged run's scale falls because its values blew up: divergence
     st = run.steps
     nxt = st["loss_scale_next"].to_numpy(float)
     cur = st["loss_scale"].to_numpy(float)
@@ -139,7 +143,14 @@ def loss_scale_collapse(run, *, collapse_scale=COLLAPSE_SCALE, halvings=COLLAPSE
     if not (collapsed or sliding):
         return None
     bad = st.loc[skipped, "step"].astype(int).tolist()
-    org = _origins(run, bad)
+    org = nonfinite_origins(run, bad)
+    # a module that only tipped another's near-limit values over: name the producer forward-overflow names
+    producer = {t: d.evidence["module"] for d in run.findings_of("forward-overflow")
+                for t in d.evidence.get("tipped_over_by", [])}
+    merged: dict = {}
+    for p, n in org["forward"].items():
+        merged[producer.get(p, p)] = merged.get(producer.get(p, p), 0) + n
+    org["forward"] = merged
     fwd = sorted(org["forward"].items(), key=lambda kv: -kv[1])
     grad = sorted(org["gradient"].items(), key=lambda kv: -kv[1])
     layers = [p for p, _ in fwd] + [p for p, _ in grad if p not in dict(fwd)]

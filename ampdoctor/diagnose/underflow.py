@@ -5,16 +5,22 @@ import math
 
 import numpy as np
 
+from dataclasses import dataclass
+
 from .. import formats
 from . import advice as A
 from .engine import finding
+from .scaling import grad_out_peaks, suggestion_line
 
 FP16 = formats.FP16
 # A value in FP16's subnormal range [2^-24, 2^-14) keeps fewer than 10 mantissa bits (relative error up to 50% at
 # the bottom) and the tail below it is flushed to zero: 1% of a layer's gradient elements there is material.
 MIN_SHARE = 0.01
-# A layer whose FP16 gradient is this share of exact zeros has vanished (everything flushed), whatever ReLU masks.
+# A layer whose FP16 gradient is this share of exact zeros has vanished (everything flushed or masked).
 VANISHED_ZEROS = 0.999
+# The bottom three binades of the subnormal range, [2^-24, 2^-21): a gradient whose non-zero elements reach down
+# there has a tail below 2^-24 too (magnitudes spread smoothly over binades), so its zeros are flushed values.
+FLOOR_BINADES = 3
 
 
 def _clean_full_steps(run) -> np.ndarray:
@@ -28,17 +34,54 @@ def _layer(site) -> str:
     return site.module if site.kind in ("param_grad", "weight", "update") else site.path
 
 
-def underflow_shares(run, kinds=("grad_out", "param_grad"), vanished=False):
-    """Per FP16 gradient site: median share of elements in the FP16 subnormal range over clean full-statistics
-    steps; rows (site, share, zeros share, unscaled max). ``vanished``: an all-zero gradient counts as flushed."""
+def _is_container(path: str, paths) -> bool:
+    """A module whose output gradient is its last child's (the root included): counted once, at the child."""
+    return (path == "(model)" and len(paths) > 1) or any(p.startswith(path + ".") for p in paths)
+
+
+@dataclass
+class Site:
+    """One FP16 gradient site's underflow evidence over the clean full-statistics steps."""
+
+    site: object                   # the sites-table row
+    col: int                       # its column in run.records(..., kind)
+    share: float                   # median share of elements in the subnormal range
+    zeros: float                   # median share of exact zeros
+    unscaled_max: float
+    floor: float = 0.0             # median share of non-zero elements in the bottom binades [2^-24, 2^-21)
+    dead: str = ""                 # the all-zero forward output that explains an all-zero gradient (dead path)
+
+    @property
+    def layer(self) -> str:
+        return _layer(self.site)
+
+    @property
+    def vanished(self) -> bool:
+        return self.zeros >= VANISHED_ZEROS
+
+    @property
+    def flushed(self) -> float:
+        """Estimated share of elements flushed to zero: all of a vanished (not dead) gradient; else the tail below
+        2^-24, taken as no larger than the three binades above it hold (magnitudes thin out towards zero), and
+        never more than the zeros seen."""
+        if self.vanished and not self.dead:
+            return 1.0
+        return min(self.zeros, self.floor * (1.0 - self.zeros))
+
+
+def underflow_sites(run, kinds=("grad_out", "param_grad")) -> list[Site]:
+    """Per FP16 gradient site (containers left out): subnormal, zero and bottom-binade shares over clean
+    full-statistics steps, and for an all-zero one the dead forward output that explains it, if any."""
     steps = _clean_full_steps(run)
-    rows = []
+    rows: list[Site] = []
     if not len(steps):
         return rows
     for kind in kinds:
         sites = run.sites(kind)
-        half = np.flatnonzero(sites["dtype"].to_numpy() == "float16")
-        if not len(half):
+        paths = set(sites["path"]) if kind == "grad_out" else set()
+        half = [j for j in np.flatnonzero(sites["dtype"].to_numpy() == "float16")
+                if not _is_container(sites["path"].iloc[j], paths) and str(sites["shape"].iloc[j]) != ""]
+        if not half:
             continue
         n = run.records("numel", kind)[np.ix_(steps, half)]
         sub = run.records("fp16_sub", kind)[np.ix_(steps, half)]
@@ -46,82 +89,168 @@ def underflow_shares(run, kinds=("grad_out", "param_grad"), vanished=False):
         absmax = run.records("absmax", kind)[np.ix_(steps, half)]
         scale = run.records("scale", kind)[np.ix_(steps, half)]
         with np.errstate(all="ignore"):
-            share = sub / n
-            zshare = zeros / n
-            if vanished:
-                share = np.where(zshare >= VANISHED_ZEROS, 1.0, share)
+            share, zshare = sub / n, zeros / n
             unscaled = absmax / np.where(np.isfinite(scale) & (scale > 0), scale, 1.0)
         for j, col in enumerate(half):
             ok = np.isfinite(share[:, j])
             if not ok.any():
                 continue
-            rows.append((sites.iloc[col], float(np.median(share[ok, j])), float(np.median(zshare[ok, j])),
-                         float(np.nanmax(unscaled[:, j]))))
+            site = sites.iloc[col]
+            rows.append(Site(site, int(col), float(np.median(share[ok, j])), float(np.median(zshare[ok, j])),
+                             float(np.nanmax(unscaled[:, j])) if np.isfinite(unscaled[:, j]).any() else math.nan,
+                             floor=_floor_share(run, kind, int(col), int(site["id"]))))
+    for r in rows:
+        if r.vanished:
+            r.dead = _dead_output(run, r.site)
     return rows
 
 
-def grad_underflow(run, *, min_share=MIN_SHARE):
-    if not run.fp16:
-        return None
-    rows = underflow_shares(run)
-    if not any(r[1] >= min_share for r in rows):
-        return None
-    if not run.scaler_on:
-        # nothing lifts these gradients, and others sit at the FP16 floor: an all-zero one was flushed (with a
-        # scaler on, an all-zero gradient is more likely a dead ReLU than underflow)
-        rows = underflow_shares(run, vanished=True)
-    bad = sorted([r for r in rows if r[1] >= min_share], key=lambda r: -r[1])
-    layers = list(dict.fromkeys(_layer(r[0]) for r in bad))
-    gmax = max((r[3] for r in rows if math.isfinite(r[3])), default=float("nan"))
-    suggested = A.suggest_scale(gmax)
-    steps = _clean_full_steps(run)
-    in_force = run.steps["loss_scale"].to_numpy(float)[steps] if run.scaler_on else np.ones(len(steps))
-    scale_now = float(np.nanmedian(in_force)) if len(in_force) else 1.0
-    worst = bad[0]
-    per_layer = {_layer(r[0]) + f" ({r[0].kind})": round(r[1], 4) for r in bad[:10]}
-    if run.scaler_on:
-        fix = (f"The scale in force ({A.pow2(scale_now)}) is too small for these gradients; the largest unscaled "
-               f"gradient ({A.fmt_num(gmax)}) allows {A.pow2(suggested)}. Start there and let it grow sooner:\n"
-               + A.scaler_line(run, init_scale=suggested, growth_interval=200))
-    else:
-        fix = (f"Enable dynamic loss scaling; the largest unscaled gradient ({A.fmt_num(gmax)}) allows a scale of "
-               f"{A.pow2(suggested)}:\n" + A.scaler_line(run, init_scale=suggested) + "\n"
-               "scaler.scale(loss).backward()\nscaler.step(optimizer)\nscaler.update()")
-    fix += A.bf16_note(run)
-    return finding(
-        "warning", "Gradients lost to FP16 underflow",
-        f"{len(bad)} gradient site(s) keep at least {A.pct(min_share)} of their elements below the FP16 normal "
-        f"range (2^-14) at the loss scale in force ({A.pow2(scale_now)}); worst: {_layer(worst[0])} with "
-        f"{A.pct(worst[1])} subnormal or flushed.",
-        layers=layers, steps=run.step_range(steps),
-        evidence={"scale_in_force": scale_now, "underflow_share": per_layer, "min_share": min_share,
-                  "zeros_share_worst": worst[2], "max_unscaled_grad": gmax, "suggested_scale": suggested,
-                  "fp16_min_normal": FP16.min_normal, "full_steps_used": len(steps)},
-        recommendation=fix)
+def _floor_share(run, kind: str, col: int, site_id: int) -> float:
+    """Median share of a site's non-zero elements in the bottom binades of FP16's subnormal range, as recorded."""
+    steps, counts = run.trace.hist(site_id)
+    if not len(steps):
+        return 0.0
+    lo = FP16.subnormal_exp + 127                  # column of binade 2^-24
+    with np.errstate(all="ignore"):
+        share = counts[:, lo:lo + FLOOR_BINADES].sum(axis=1) / counts.sum(axis=1)
+    share = share[np.isfinite(share)]
+    return float(np.median(share)) if len(share) else 0.0
 
 
-def _hist_underflow(run, kind: str, j_site: int, site_id: int, scale: float) -> float | None:
-    """Share of a site's elements that would sit below the FP16 normal range at ``scale`` (its histograms)."""
+def _dead_output(run, site) -> str:
+    """The forward output that is all zero on this gradient's path, e.g. a dead ReLU: its own module's, a module run
+    after it (the gradient flows back through that zero-masked output), or for a parameter gradient the module run
+    just before (its input). Then an all-zero gradient is masked, not flushed. "" when none is."""
+    acts = run.sites("act")
+    fs = _clean_full_steps(run)
+    if not len(acts) or not len(fs):
+        return ""
+    paths = acts["path"].tolist()
+    module = _layer(site)
+    if module not in paths:
+        return ""
+    i = paths.index(module)
+    with np.errstate(all="ignore"):
+        zshare = run.records("zeros", "act")[fs] / run.records("numel", "act")[fs]
+    order = ([i - 1] if site["kind"] == "param_grad" else []) + list(range(i, len(paths)))
+    for j in order:
+        if j < 0 or paths[j] == "(model)" or _is_container(paths[j], [module]):
+            continue
+        col = zshare[:, j]
+        col = col[np.isfinite(col)]
+        if len(col) and float(np.median(col)) >= VANISHED_ZEROS:
+            return paths[j]
+    return ""
+
+
+def share_at(run, kind: str, col: int, site_id: int, target: float) -> float | None:
+    """Median share of a site's non-zero elements below the FP16 normal range had the loss scale been ``target``
+    (its histograms, shifted by target / the scale each row carried; exact for powers of two)."""
     steps, counts = run.trace.hist(site_id)
     if not len(steps):
         return None
     ok = ~run.steps["skipped"].to_numpy(bool)[steps] & ~run.steps["nonfinite"].to_numpy(bool)[steps]
     if not ok.any():
         return None
-    counts = counts[ok]
-    numel = run.records("numel", kind)[steps[ok], j_site]
-    shift = int(round(np.log2(scale)))
-    cut = FP16.normal_exp - shift + 127          # column of binade 2^(-14 - log2 scale)
-    below = counts[:, :max(cut, 0)].sum(axis=1)
-    with np.errstate(all="ignore"):
-        share = below / numel
-    share = share[np.isfinite(share)]
-    return float(np.median(share)) if len(share) else None
+    carried = run.records("scale", kind)[steps[ok], col]
+    carried = np.where(np.isfinite(carried) & (carried > 0), carried, 1.0)
+    shares = []
+    for row, c in zip(counts[ok], carried):
+        total = row.sum()
+        if total <= 0:
+            continue
+        cut = FP16.normal_exp - int(round(math.log2(target / c))) + 127       # column of 2^-14 at ``target``
+        shares.append(row[:max(cut, 0)].sum() / total)
+    return float(np.median(shares)) if shares else None
+
+
+def _severity(run, bad: list[Site], min_share: float, reachable: float) -> tuple[str, str]:
+    """(severity, why) from the evidence of material loss: gradients flushed (lost) rather than only imprecise, and
+    whether the scaler can still lift them (the scale's headroom) or only a change of precision can."""
+    if any(r.vanished and not r.dead for r in bad):
+        return "critical", "a layer's gradient is flushed to zero entirely: it receives no gradient at all"
+    if not run.scaler_on:
+        return "warning", "no loss scaler lifts them"
+    if any(r.flushed >= min_share for r in bad):
+        return "warning", "part of them is flushed to zero (lost), not only imprecise"
+    # only subnormal: fewer mantissa bits for the smallest elements, nothing lost; the scaler lifts them as it grows
+    # unless the largest gradients cap the scale (then only FP32 for that layer or BF16 would)
+    stuck = [r for r in bad if (share_at(run, r.site["kind"], r.col, int(r.site["id"]), reachable) or 0.0)
+             >= min_share]
+    if stuck:
+        return "info", (f"nothing is flushed, only imprecise; even the largest scale the gradients allow "
+                        f"({A.pow2(reachable)}) leaves {stuck[0].layer} partly subnormal")
+    return "info", (f"nothing is flushed and the scaler's growth lifts them: the gradients allow a scale up to "
+                    f"{A.pow2(reachable)}")
+
+
+def grad_underflow(run, *, min_share=MIN_SHARE):
+    if not run.fp16 or run.findings_of("divergence"):
+        return None                                    # a diverged run's gradients say nothing about its precision
+    rows = underflow_sites(run)
+    bad = sorted([r for r in rows if r.share >= min_share or (r.vanished and not r.dead)],
+                 key=lambda r: (-(r.vanished and not r.dead), -r.share))
+    if not bad:
+        return None
+    layers = list(dict.fromkeys(r.layer for r in bad))
+    g, clean = grad_out_peaks(run)
+    gmax = float(np.nanmax(g[clean])) if (clean & np.isfinite(g)).any() else float("nan")
+    reachable = A.suggest_scale(gmax, margin=1.0)      # the largest power of two that keeps gmax under the max
+    steps = _clean_full_steps(run)
+    in_force = run.steps["loss_scale"].to_numpy(float)[steps] if run.scaler_on else np.ones(len(steps))
+    scale_now = float(np.nanmedian(in_force)) if len(in_force) else 1.0
+    init_rec = float(run.steps["loss_scale"].dropna().iloc[0]) if run.scaler_on and \
+        run.steps["loss_scale"].notna().any() else 1.0
+    if run.scaler_on and scale_now < init_rec and run.findings_of("forward-overflow"):
+        return None                                    # the scale fell for a forward overflow: fix that first
+    severity, why = _severity(run, bad, min_share, reachable)
+    sug = run.suggestion                               # the replay's answer: `replay --suggest` says the same
+    init, interval = float(sug.settings["init_scale"]), int(sug.settings["growth_interval"])
+    worst = bad[0]
+    per_layer = {f"{r.layer} ({r.site['kind']})": round(r.share, 4) for r in bad[:10]}
+    fix = _fix(run, sug, scale_now, worst.layer if "largest scale" in why else None)
+    vanished = [r.layer for r in bad if r.vanished and not r.dead]
+    dead = [f"{r.layer} (all zero because {r.dead} outputs only zeros)" for r in rows if r.vanished and r.dead]
+    return finding(
+        severity, "Gradients lost to FP16 underflow",
+        f"{len(bad)} gradient site(s) keep at least {A.pct(min_share)} of their elements below the FP16 normal "
+        f"range (2^-14) at the loss scale in force ({A.pow2(scale_now)})"
+        + (f", {len(vanished)} of them flushed to zero entirely ({', '.join(vanished[:3])})" if vanished else "")
+        + f"; worst: {worst.layer} with {A.pct(1.0 if worst.vanished else worst.share)} "
+        f"{'flushed' if worst.vanished else 'subnormal or flushed'}. Severity: {why}.",
+        layers=layers, steps=run.step_range(steps),
+        evidence={"scale_in_force": scale_now, "underflow_share": per_layer, "min_share": min_share,
+                  "zeros_share_worst": worst.zeros, "flushed_share_worst": worst.flushed,
+                  "vanished": vanished, "dead_not_underflow": dead,
+                  "max_unscaled_grad": gmax, "reachable_scale": reachable, "suggested_scale": init,
+                  "suggested_growth_interval": interval, "severity_because": why,
+                  "fp16_min_normal": FP16.min_normal, "full_steps_used": len(steps)},
+        recommendation=fix)
+
+
+def _fix(run, sug, scale_now: float, unliftable: str | None) -> str:
+    """The replay's scaler (the same line `replay --suggest` prints), FP32 for a layer no scale lifts, BF16."""
+    init, interval = float(sug.settings["init_scale"]), int(sug.settings["growth_interval"])
+    found = (f"the replay of this run finds init_scale={A.pow2(init)}, growth_interval={interval} loses the least "
+             f"(`ampdoctor replay TRACE --suggest`)")
+    if not run.scaler_on:
+        fix = (f"Enable dynamic loss scaling; {found}:\n" + suggestion_line(sug)
+               + "\nscaler.scale(loss).backward()\nscaler.step(optimizer)\nscaler.update()")
+    elif init > scale_now:
+        fix = f"The scale in force ({A.pow2(scale_now)}) is lower than these gradients allow; {found}:\n" \
+            + suggestion_line(sug)
+    else:
+        fix = f"No other scaler setting loses less: {found}:\n" + suggestion_line(sug)
+    if unliftable:
+        fix = (f"Loss scaling cannot lift {unliftable} (its gradients span more range than FP16 holds): compute it "
+               f"in FP32, or train in BF16:\n" + A.keep_fp32_line([unliftable]) + "\n" + fix)
+    return fix + A.bf16_note(run)
 
 
 def fp16_readiness(run, *, min_share=MIN_SHARE):
-    if run.fp16 or run.scaler_on:
-        return None                                   # an FP16 run speaks for itself; a scaler means amp-inactive
+    if run.fp16 or run.scaler_on or run.findings_of("divergence"):
+        return None                                   # an FP16 run speaks for itself; a scaler means amp-inactive;
+                                                      # a diverged run would not train in any format
     acts = run.sites("act")
     peaks = run.records("peak", "act")
     over = []
@@ -137,13 +266,16 @@ def fp16_readiness(run, *, min_share=MIN_SHARE):
     inner = [o for o in over if not any(q != o[0] and (o[0] == "(model)" or q.startswith(o[0] + "."))
                                         for q in over_paths)]
     gsites = run.sites("grad_out")
-    g_peaks = run.records("peak", "grad_out")
-    clean = ~run.steps["skipped"].to_numpy(bool) & ~run.steps["nonfinite"].to_numpy(bool)
-    gmax = float(np.nanmax(g_peaks[clean])) if g_peaks.shape[1] and clean.any() else float("nan")
-    scale = A.suggest_scale(gmax)
+    g, clean = grad_out_peaks(run)       # as the replay reads them: a returned loss's own gradient is not one
+    gmax = float(np.nanmax(g[clean])) if (clean & np.isfinite(g)).any() else float("nan")
+    sug = run.suggestion                 # the replay of this run as if in FP16: `replay --suggest` says the same
+    scale = float(sug.settings["init_scale"])
     under = []
+    paths = set(gsites["path"])
     for j, site in enumerate(gsites.itertuples()):
-        share = _hist_underflow(run, "grad_out", j, int(site.id), scale)
+        if _is_container(site.path, paths) or str(site.shape) == "":
+            continue
+        share = share_at(run, "grad_out", j, int(site.id), scale)
         if share is not None and share >= min_share:
             under.append((site.path, share))
     under.sort(key=lambda u: -u[1])
@@ -159,8 +291,8 @@ def fp16_readiness(run, *, min_share=MIN_SHARE):
         parts.append(f"at a loss scale of {A.pow2(scale)} {len(under)} gradient site(s) would keep at least "
                      f"{A.pct(min_share)} of their elements below the FP16 normal range (worst {under[0][0]}: "
                      f"{A.pct(under[0][1])})")
-    fix += [f"Start FP16 training with this scale (largest observed gradient {A.fmt_num(gmax)}, a factor "
-            f"{A.SCALE_MARGIN:g} under the FP16 max):", A.scaler_line(run, init_scale=scale)]
+    fix += [f"Start FP16 training with the scaler the replay of this run finds best (largest observed gradient "
+            f"{A.fmt_num(gmax)}; `ampdoctor replay TRACE --suggest` shows the same):", suggestion_line(sug)]
     if run.bf16_supported and run.compute_dtype != "bfloat16":
         fix.append("BF16 avoids both problems on this device:\n" + A.autocast_block(run, "bfloat16"))
     return finding(

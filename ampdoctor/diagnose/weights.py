@@ -175,3 +175,89 @@ def grad_range_anomaly(run, *, grad_decades=GRAD_DECADES, weight_decades=WEIGHT_
                   "weight_faults": {p: {"rms": wr, "fan_in_rms": exp, "ratio": ratio}
                                     for p, ratio, wr, exp, _ in faults}},
         recommendation=fix)
+
+
+# Optimizers whose update divides by sqrt(v) + eps: with eps rounded to 0 in the weights' format and v underflowed
+# (a gradient below ~2^-12 squares below FP16's 2^-24), the update is m / 0 = Inf, or 0 / 0 = NaN.
+EPS_OPTIMIZERS = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "SparseAdam")
+
+
+def _optimizer_line(run) -> str:
+    """The user's optimizer re-created over the (now FP32) parameters, with its recorded hyper-parameters."""
+    opt = run.config.get("optimizer") or {}
+    cls = opt.get("class") or "AdamW"
+    g = (opt.get("groups") or [{}])[0]
+    args = []
+    for key in ("lr", "betas", "eps", "weight_decay", "momentum"):
+        if key in g and g[key] is not None:
+            v = tuple(g[key]) if isinstance(g[key], list) else g[key]
+            args.append(f"{key}={v!r}")
+    return f"optimizer = torch.optim.{cls}(model.parameters(), {', '.join(args)})  # re-created over FP32 params"
+
+
+def weights_nonfinite(run):
+    ev = run.weight_events
+    if not len(ev):
+        return None
+    first = int(ev["step"].min())
+    params = list(dict.fromkeys(p for d in ev["data"] for p in d.get("params", [])))
+    count = max(int(d.get("count", 0)) for d in ev["data"])
+    st = run.steps
+    # the step's own gradients were finite and the step went through: the update itself made the NaN/Inf
+    idx = np.flatnonzero(st["step"].to_numpy(int) == first)
+    grads_finite = bool(len(idx)) and not bool(run.gradient_peaks.nonfinite[idx[0]]) \
+        and not bool(st["skipped"].iloc[idx[0]])
+    w = run.sites("weight")
+    dtypes = dict(zip(w["path"], w["dtype"]))
+    pdt = run.config.get("param_dtypes", {}) or {}
+    dtype = next((dtypes[p] for p in params if dtypes.get(p) in formats.REDUCED), None) \
+        or next((d for d in pdt if d in formats.REDUCED), None)
+    opt = run.config.get("optimizer") or {}
+    cls = opt.get("class") or "the optimizer"
+    eps = (opt.get("groups") or [{}])[0].get("eps")
+    fmt = formats.get(dtype) if dtype else None
+    eps_lost = bool(fmt and cls in EPS_OPTIMIZERS and isinstance(eps, (int, float)) and eps <= fmt.min_subnormal / 2)
+    if not eps_lost and run.findings_of("divergence"):
+        return None                      # weights that blew up with a diverging run: divergence's finding
+    why = (f"{cls}'s eps={eps:g} rounds to 0 in {dtype} (its smallest subnormal is {A.fmt_num(fmt.min_subnormal)}), "
+           "so where the squared gradient underflows too its update divides by zero"
+           if eps_lost else
+           f"the {cls} update produced values the {dtype or 'parameter'} weights cannot hold")
+    fix = []
+    if dtype:
+        ac = dtype if dtype in formats.REDUCED else "float16"
+        fix += ["Keep FP32 master weights: the optimizer updates FP32 parameters, autocast computes in "
+                f"{dtype} (tested fix):",
+                "model.float()",
+                _optimizer_line(run)]
+        if ac == "float16":
+            fix.append(A.scaler_line(run))
+        fix += ["# and in the loop:", A.autocast_block(run, ac)]
+        if ac == "float16":
+            fix += ["scaler.scale(loss).backward()", "scaler.step(optimizer)", "scaler.update()"]
+    else:
+        fix += ["The update itself overflowed the FP32 weights: lower the learning rate, and keep steps with "
+                "non-finite gradients out (a GradScaler skips them; without one, check before the step):",
+                "if all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None):",
+                "    optimizer.step()"]
+    if eps_lost:
+        fix += [f"Or, keeping {dtype} weights, an eps the format holds as a normal number "
+                f"(>= {A.fmt_num(fmt.min_normal)}):",
+                "for group in optimizer.param_groups:",
+                f'    group["eps"] = {_normal_eps(fmt):g}']
+    return finding(
+        "critical", "The optimizer step made weights NaN/Inf",
+        f"After the optimizer step of step {first} {count} parameter tensor(s) held NaN/Inf"
+        + (" although that step's gradients were finite" if grads_finite else "")
+        + f": {why}. Every later forward pass computes with them.",
+        layers=list(dict.fromkeys(p.rpartition(".")[0] or "(model)" for p in params)),
+        steps=[first, int(st["step"].iloc[-1])],
+        evidence={"first_step": first, "tensors": count, "params": params[:20], "param_dtype": dtype,
+                  "optimizer": cls, "eps": eps, "eps_in_format": 0.0 if eps_lost else eps,
+                  "gradients_finite": grads_finite},
+        recommendation="\n".join(fix))
+
+
+def _normal_eps(fmt: formats.Format) -> float:
+    """The smallest power of ten at or above the format's smallest normal (FP16: 1e-4)."""
+    return 10.0 ** math.ceil(math.log10(fmt.min_normal))
