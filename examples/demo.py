@@ -177,8 +177,9 @@ def _loop(setup: Setup, doctor, data, steps: int, label: str, batch: int, g) -> 
         ctx = torch.autocast("cpu", dtype=setup.autocast) if setup.autocast else contextlib.nullcontext()
         with ctx:
             out = model(x)
-        # Label smoothing, common practice, also keeps the logit gradients of confidently wrong classes (p / batch,
-        # ~1e-9 without it) out of FP16's subnormal range; without it grad-underflow reports them on a healthy run.
+        # Label smoothing, common practice, also keeps the logit gradients of the unlikely classes (p / batch, ~1e-9
+        # without it) out of FP16's subnormal range (without it grad-underflow notes them, as info: they are too
+        # small to matter).
         loss = torch.nn.functional.cross_entropy(out.float(), y, label_smoothing=0.1)
         opt.zero_grad(set_to_none=True)
         if scaler is not None:

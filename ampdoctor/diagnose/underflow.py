@@ -21,6 +21,11 @@ VANISHED_ZEROS = 0.999
 # The bottom three binades of the subnormal range, [2^-24, 2^-21): a gradient whose non-zero elements reach down
 # there has a tail below 2^-24 too (magnitudes spread smoothly over binades), so its zeros are flushed values.
 FLOOR_BINADES = 3
+# Flushing is material when it can cost the gradient more of its norm than FP16 already loses by rounding its
+# largest elements (unit roundoff u = 2^-11): a flushed element is below half the smallest subnormal (round to
+# nearest), so the lost share of the norm is at most 2^-25 * sqrt(flushed share) / rms (scaled rms, as recorded).
+# The logits of a healthy classifier hit this: classes with p ~ 1e-9 flush, costing ~1e-10 of the gradient's norm.
+MATERIAL_NORM_LOSS = 2.0 ** -(FP16.mantissa_bits + 1)
 
 
 def _clean_full_steps(run) -> np.ndarray:
@@ -50,6 +55,7 @@ class Site:
     unscaled_max: float
     floor: float = 0.0             # median share of non-zero elements in the bottom binades [2^-24, 2^-21)
     dead: str = ""                 # the all-zero forward output that explains an all-zero gradient (dead path)
+    rms: float = math.nan          # median RMS of the gradient as computed (scaled), over the same steps
 
     @property
     def layer(self) -> str:
@@ -67,6 +73,15 @@ class Site:
         if self.vanished and not self.dead:
             return 1.0
         return min(self.zeros, self.floor * (1.0 - self.zeros))
+
+    @property
+    def lost_norm(self) -> float:
+        """Upper bound on the share of the gradient's norm that flushing removes (1.0 when nothing bounds it)."""
+        if self.vanished and not self.dead:
+            return 1.0
+        if not (self.rms > 0):
+            return 1.0
+        return min(1.0, FP16.min_subnormal / 2 * math.sqrt(self.flushed) / self.rms)
 
 
 def underflow_sites(run, kinds=("grad_out", "param_grad")) -> list[Site]:
@@ -88,6 +103,7 @@ def underflow_sites(run, kinds=("grad_out", "param_grad")) -> list[Site]:
         zeros = run.records("zeros", kind)[np.ix_(steps, half)]
         absmax = run.records("absmax", kind)[np.ix_(steps, half)]
         scale = run.records("scale", kind)[np.ix_(steps, half)]
+        rms = run.records("rms", kind)[np.ix_(steps, half)]
         with np.errstate(all="ignore"):
             share, zshare = sub / n, zeros / n
             unscaled = absmax / np.where(np.isfinite(scale) & (scale > 0), scale, 1.0)
@@ -98,7 +114,8 @@ def underflow_sites(run, kinds=("grad_out", "param_grad")) -> list[Site]:
             site = sites.iloc[col]
             rows.append(Site(site, int(col), float(np.median(share[ok, j])), float(np.median(zshare[ok, j])),
                              float(np.nanmax(unscaled[:, j])) if np.isfinite(unscaled[:, j]).any() else math.nan,
-                             floor=_floor_share(run, kind, int(col), int(site["id"]))))
+                             floor=_floor_share(run, kind, int(col), int(site["id"])),
+                             rms=float(np.nanmedian(rms[ok, j])) if np.isfinite(rms[ok, j]).any() else math.nan))
     for r in rows:
         if r.vanished:
             r.dead = _dead_output(run, r.site)
@@ -171,8 +188,14 @@ def _severity(run, bad: list[Site], min_share: float, reachable: float) -> tuple
         return "critical", "a layer's gradient is flushed to zero entirely: it receives no gradient at all"
     if not run.scaler_on:
         return "warning", "no loss scaler lifts them"
-    if any(r.flushed >= min_share for r in bad):
+    lost = [r for r in bad if r.flushed >= min_share]
+    if any(r.lost_norm >= MATERIAL_NORM_LOSS for r in lost):
         return "warning", "part of them is flushed to zero (lost), not only imprecise"
+    if lost:
+        worst = max(lost, key=lambda r: r.lost_norm)
+        return "info", (f"the flushed elements are too small to matter: at most {worst.lost_norm:.1e} of "
+                        f"{worst.layer}'s gradient norm, less than FP16's rounding of its largest elements "
+                        f"({MATERIAL_NORM_LOSS:.1e})")
     # only subnormal: fewer mantissa bits for the smallest elements, nothing lost; the scaler lifts them as it grows
     # unless the largest gradients cap the scale (then only FP32 for that layer or BF16 would)
     stuck = [r for r in bad if (share_at(run, r.site["kind"], r.col, int(r.site["id"]), reachable) or 0.0)
@@ -221,6 +244,7 @@ def grad_underflow(run, *, min_share=MIN_SHARE):
         layers=layers, steps=run.step_range(steps),
         evidence={"scale_in_force": scale_now, "underflow_share": per_layer, "min_share": min_share,
                   "zeros_share_worst": worst.zeros, "flushed_share_worst": worst.flushed,
+                  "lost_norm_bound_worst": worst.lost_norm,
                   "vanished": vanished, "dead_not_underflow": dead,
                   "max_unscaled_grad": gmax, "reachable_scale": reachable, "suggested_scale": init,
                   "suggested_growth_interval": interval, "severity_because": why,
@@ -239,12 +263,23 @@ def _fix(run, sug, scale_now: float, unliftable: str | None) -> str:
     elif init > scale_now:
         fix = f"The scale in force ({A.pow2(scale_now)}) is lower than these gradients allow; {found}:\n" \
             + suggestion_line(sug)
+    elif _own_settings(run, sug):
+        fix = (f"This run's scaler (init_scale={A.pow2(init)}, growth_interval={interval}) is already the one the "
+               f"replay of this run finds to lose the least (`ampdoctor replay TRACE --suggest`); no scaler change "
+               f"helps:\n" + suggestion_line(sug))
     else:
         fix = f"No other scaler setting loses less: {found}:\n" + suggestion_line(sug)
     if unliftable:
         fix = (f"Loss scaling cannot lift {unliftable} (its gradients span more range than FP16 holds): compute it "
                f"in FP32, or train in BF16:\n" + A.keep_fp32_line([unliftable]) + "\n" + fix)
     return fix + A.bf16_note(run)
+
+
+def _own_settings(run, sug) -> bool:
+    """Whether the replay's suggestion is the scaler this run already has."""
+    own = (run.config.get("scaler") or {})
+    keys = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+    return all(k in own and own[k] is not None and float(own[k]) == float(sug.settings[k]) for k in keys)
 
 
 def fp16_readiness(run, *, min_share=MIN_SHARE):
