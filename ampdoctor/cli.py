@@ -130,6 +130,8 @@ def cmd_info(args) -> int:
             if len(bad):
                 line += f"; not finite at {len(bad)} step(s): {_ranges(bad.astype(int).tolist())}"
             print(line)
+        elif tr.config.get("loss_dtype"):               # a loss was seen (its dtype is recorded), never finite
+            print(f"loss       not finite at any of the {len(steps)} step(s)")
     ev = tr.events("nonfinite")
     if len(ev):
         first = ev.iloc[0]

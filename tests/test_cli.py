@@ -83,3 +83,14 @@ def test_every_command_is_documented_in_the_readme():
     assert commands, "no commands"
     for name in commands:
         assert re.search(rf"`ampdoctor {name}\b", readme), f"ampdoctor {name} is not in README.md"
+
+
+def test_info_says_when_the_loss_was_never_finite(tmp_path, capsys):
+    """Every step's loss NaN (inputs that overflow FP16 in the first layer): info says so instead of no loss line."""
+    from runs import batches, mlp, train
+    path = str(tmp_path / "nan.db")
+    data = ((x * 1e5, y) for x, y in batches(6))
+    train(mlp(width=32), 6, trace=path, data=data)
+    assert cli.main(["info", path]) == 0
+    lines = {line[:10].strip(): line for line in capsys.readouterr().out.splitlines()}
+    assert lines["loss"] == "loss       not finite at any of the 6 step(s)"
