@@ -1,0 +1,202 @@
+"""The precision-loss probe and rule on real CPU training runs: fragile layers (catastrophic cancellation in FP16)
+are named and nothing else, the printed fix removes the error and the symptom, healthy models stay quiet, and
+training with the probe on is bit-identical to training without ampdoctor."""
+import math
+import re
+import sqlite3
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import ampdoctor
+import probe_models as M
+from ampdoctor.diagnose import precision as P
+from ampdoctor.diagnose import validation as V
+from ampdoctor.diagnose.engine import Run
+
+torch.set_num_threads(1)
+STEPS = 120
+PROBE = {"probe_every": 10, "every": 10, "hist_every": 10}
+CASES = {"standardize": (M.standardize_model, M.OFFSET), "rbf": (M.rbf_model, M.RBF_OFFSET)}
+
+
+def _by_rule(path, **kw):
+    return {d.rule: d for d in ampdoctor.diagnose(path, **kw)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Per case: the fragile FP16 run (probed) and the FP32 reference (same model, same data)."""
+    d = tmp_path_factory.mktemp("probe")
+    out = {}
+    for name, (make, offset) in CASES.items():
+        frag, ref = str(d / f"{name}.db"), str(d / f"{name}-fp32.db")
+        out[name] = {"frag": frag, "ref": ref,
+                     "frag_loss": M.train(make(), M.tabular(STEPS, offset=offset), STEPS, frag, attach_options=PROBE),
+                     "ref_loss": M.train(make(), M.tabular(STEPS, offset=offset), STEPS, ref, precision="fp32",
+                                         attach_options=PROBE)}
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_probe_names_the_fragile_layer_and_no_other(runs, case):
+    r = runs[case]
+    found = _by_rule(r["frag"])
+    d = found["precision-loss"]
+    assert d.severity == "warning" and d.layers == ["0"]
+    ev = d.evidence["layers"]["0"]
+    assert ev["ratio"] >= 5 * P.MIN_RATIO and ev["share_over"] == 1.0 and ev["probed_steps"] == STEPS // 10
+    assert ev["k"] == M.D_IN and math.isclose(ev["bound"], math.sqrt(M.D_IN) * 2.0 ** -11)
+    # every other probed layer, the parents of "0" included, measured within sqrt(k)*u
+    tr = ampdoctor.load(r["frag"])
+    verdicts = P.layer_verdicts(Run(tr))
+    assert {v["path"] for v in verdicts} == {"(model)", "0", "1", "2", "3"} | ({"4"} if case == "standardize" else set())
+    assert all(v["ratio"] < 1 for v in verdicts if v["path"] not in ("0", "(model)"))
+    # the FP32 reference of the same model: nothing to name (FP32 against FP32 is exact)
+    assert "precision-loss" not in _by_rule(r["ref"])
+    assert (ampdoctor.load(r["ref"]).probes()["rel_err"] == 0).all()
+
+
+def _loss_gap(model, offset):
+    """The symptom at the model's output: |loss in FP16 - loss in FP32| / loss in FP32 on a held-out batch."""
+    rep = ampdoctor.probe(model, next(M.tabular(1, batch=256, offset=offset, seed=5)), M.mse)
+    return abs(rep.loss_half / rep.loss_fp32 - 1)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_printed_fix_removes_the_error_and_the_symptom(runs, case, tmp_path):
+    r = runs[case]
+    make, offset = CASES[case]
+    code = _by_rule(r["frag"])["precision-loss"].recommendation.split(":\n", 1)[1]
+    assert code.startswith('handle = ampdoctor.keep_fp32(model, "0")')
+    before = _loss_gap(make(), offset)
+    model = make()
+    exec(code, {"model": model, "ampdoctor": ampdoctor, "torch": torch})
+    after = _loss_gap(model, offset)
+    assert before > 1e-3 and after < before / 20      # the loss the model computes in FP16 is the FP32 one again
+    fixed = str(tmp_path / "fixed.db")
+    losses = M.train(model, M.tabular(STEPS, offset=offset), STEPS, fixed, attach_options=PROBE)
+    assert "precision-loss" not in _by_rule(fixed)
+    pr = ampdoctor.load(fixed).probes()
+    assert (pr[pr["path"] == "0"]["rel_err"] == 0).all()          # FP32 inside autocast: nothing left to lose
+    frag, ref = np.median(r["frag_loss"][-30:]), np.median(r["ref_loss"][-30:])
+    if case == "standardize":     # its features are noise in FP16: it trains to ~2.7x the FP32 run's loss
+        assert frag > 2 * ref
+    assert abs(np.median(losses[-30:]) - ref) < 0.05 * ref          # the fixed run trains like the FP32 run
+
+
+def test_one_off_probe_names_the_layer_and_compares_the_loss():
+    model = M.standardize_model(dropout=0.2)
+    x, y = next(M.tabular(1, batch=64))
+    rep = ampdoctor.probe(model, (x, y), M.mse)
+    assert [r["path"] for r in rep.flagged] == ["0"] and rep.dtype == "float16"
+    assert rep.fix == 'handle = ampdoctor.keep_fp32(model, "0")  # these modules compute in FP32 inside autocast'
+    model.eval()
+    rep_eval = ampdoctor.probe(model, (x, y), M.mse)
+    with torch.no_grad():
+        assert rep_eval.loss_fp32 == pytest.approx(M.mse(model(x.float()), y).item(), rel=1e-6)
+    assert rep_eval.loss_half > 1.5 * rep_eval.loss_fp32
+    text = str(rep)
+    assert "<- precision loss" in text and 'keep_fp32(model, "0")' in text and "loss:" in text
+
+
+def test_healthy_models_get_no_precision_loss(tmp_path):
+    """Dropout, LayerNorm, BatchNorm, GELU, convolutions, pooling: every layer within sqrt(k)*u."""
+    path = str(tmp_path / "cnn.db")
+    M.train(M.cnn(), M.images(20), 20, path, loss_fn=M.ce, attach_options={"probe_every": 5})
+    path2 = str(tmp_path / "mlp.db")
+    M.train(M.standardize_model(fragile=False, dropout=0.1), M.tabular(20), 20, path2,
+            attach_options={"probe_every": 5})
+    for p in (path, path2):
+        assert "precision-loss" not in _by_rule(p)
+        verdicts = P.layer_verdicts(Run(ampdoctor.load(p)))
+        assert len(verdicts) >= 6 and max(v["ratio"] for v in verdicts) < 1
+
+
+class _Twice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+class Custom(nn.Module):
+    def forward(self, x):
+        return _Twice.apply(x)
+
+
+def _bn_dropout_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 1))
+
+
+def test_training_with_the_probe_is_bit_identical(tmp_path):
+    """FP16 + GradScaler, dropout (RNG) and BatchNorm (running statistics), the probe on every step."""
+    data = list(M.tabular(15, offset=0.0))
+    states = []
+    for trace in (None, str(tmp_path / "p.db")):
+        model = _bn_dropout_model()
+        M.train(model, iter(data), 15, trace, attach_options={"probe_every": 1, "every": 1})
+        states.append(({k: v.clone() for k, v in model.state_dict().items()}, torch.get_rng_state()))
+    (a, rng_a), (b, rng_b) = states
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(rng_a, rng_b)
+    pr = ampdoctor.load(str(tmp_path / "p.db")).probes()
+    assert sorted(pr["step"].unique()) == list(range(15))
+    assert set(pr["path"]) == {"(model)", "0", "1", "2", "3", "4"}
+    drop = pr[pr["path"] == "3"]["rel_err"]
+    assert (drop < 2.0 ** -10).all()          # the FP32 pass drew the same dropout mask
+
+
+def test_one_off_probe_changes_nothing():
+    model = _bn_dropout_model()
+    x = torch.randn(8, 16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    rep = ampdoctor.probe(model, x)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(rng, torch.get_rng_state())
+    assert all(p.grad is None for p in model.parameters())
+    assert rep.loss_half is None and len(rep.layers) == 6 and not rep.flagged
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_modules_that_cannot_be_recomputed_are_skipped_and_listed(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(inplace=True), Custom(), nn.Linear(32, 1))
+    path = str(tmp_path / "skip.db")
+    M.train(model, M.tabular(4, offset=0.0), 4, path, attach_options={"probe_every": 2})
+    tr = ampdoctor.load(path)
+    ev = tr.events("probe")
+    assert ev["step"].tolist() == [0, 2]
+    skipped = ev["data"].iloc[0]["skipped"]
+    assert set(skipped) == {"1", "2"}
+    assert "in place" in skipped["1"] and "custom autograd" in skipped["2"]
+    assert set(tr.probes()["path"]) == {"(model)", "0", "3"}
+    assert not any(m._forward_pre_hooks for m in model.modules())     # nothing left armed after the run
+
+
+def test_val_oscillation_blames_the_measured_layer(runs):
+    culprits = V.culprits(Run(ampdoctor.load(runs["standardize"]["frag"])))
+    assert culprits[0][0] == "0" and "measured" in culprits[0][1]
+
+
+def test_probe_table_is_optional_in_old_traces(runs, tmp_path):
+    import shutil
+    old = str(tmp_path / "old.db")
+    shutil.copy(runs["rbf"]["ref"], old)
+    with sqlite3.connect(old) as conn:
+        conn.execute("DROP TABLE probes")
+    tr = ampdoctor.load(old)
+    assert tr.probes().empty and list(tr.probes().columns)[:3] == ["step", "site", "path"]
+    assert "precision-loss" not in _by_rule(old)
+
+
+def test_probe_every_is_validated():
+    with pytest.raises(ValueError, match=re.escape("probe_every should be a positive int")):
+        ampdoctor.attach(nn.Linear(2, 2), probe_every=0, trace="unused.db")
