@@ -2,7 +2,7 @@
 ``ampdoctor.diagnose(path, rules={"grad-underflow": {"min_share": 0.05}, "amp-inactive": None})``."""
 from __future__ import annotations
 
-from . import convergence, dynamics, overflow, policy, precision, scaling, throughput, underflow, validation, weights
+from . import convergence, dynamics, fp8, overflow, policy, precision, scaling, throughput, underflow, validation, weights
 from .engine import Rule
 
 RULES = {r.id: r for r in (
@@ -20,4 +20,5 @@ RULES = {r.id: r for r in (
     Rule("slow-convergence", convergence.slow_convergence, "slower than a reference run with nothing numeric to blame"),
     Rule("precision-loss", precision.precision_loss, "a layer loses more precision than its size explains"),
     Rule("fp16-readiness", underflow.fp16_readiness, "an FP32/BF16 run: would it survive FP16?"),
+    Rule("fp8-readiness", fp8.fp8_readiness, "which layers FP8 with delayed scaling would lose, which recipe keeps them"),
 )}

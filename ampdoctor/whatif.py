@@ -1,0 +1,169 @@
+"""Format what-if from a trace: the share of each site's values that FP8 (E4M3, E5M2, with the delayed-scaling
+recipe) and FP16/BF16 (at the recorded loss scale) would saturate or flush to zero, from the recorded exponent
+histograms and per-step peaks, without the model. Offline side: numpy/pandas only.
+
+Boundaries are those of a round-to-nearest-even cast (checked against real torch casts in tests/test_whatif.py):
+a value flushes to zero iff |x| <= min_subnormal / 2 (the tie goes to the even 0); it overflows (Inf in FP16, BF16
+and E5M2; E4M3 has no Inf and torch saturates it to 448) iff |x| > max + ulp(max)/2, or >= when max's last mantissa
+bit is odd and the tie rounds away (E5M2 61440, FP16 65520, BF16 (2-2^-8)*2^127; E4M3 448's bit is even: > 464).
+A histogram holds binades [2^e, 2^(e+1)), so a share is known exactly except for the one binade a boundary cuts:
+every share is an interval (lo: values certainly lost, hi: possibly lost), a single number when that binade is empty
+or the recorded abs max settles it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from . import formats
+
+FP8 = {"e4m3": formats.FP8_E4M3, "e5m2": formats.FP8_E5M2}
+HALF = {"fp16": formats.FP16, "bf16": formats.BF16}
+FORMATS = {**HALF, **FP8}
+# Transformer Engine's DelayedScaling defaults: amax over the last 1024 steps, margin 0, the "max" algorithm.
+HISTORY, MARGIN = 1024, 0
+_E = np.arange(-127, 128, dtype=np.float64)           # binade of column j is j - 127; column 0 is (0, 2^-126)
+_LOWER = np.where(_E == -127, 0.0, np.exp2(_E))
+_UPPER = np.exp2(_E + 1)
+
+
+@dataclass(frozen=True)
+class Edges:
+    """Where a round-to-nearest-even cast to a format stops representing a value."""
+
+    overflow: float          # |x| above this saturates (E4M3) or becomes Inf
+    overflow_tie: bool       # True: |x| == overflow itself overflows (the tie rounds away from max)
+    flush: float             # 0 < |x| <= flush rounds to zero
+
+
+def edges(fmt: formats.Format) -> Edges:
+    ulp_max = 2.0 ** (fmt.max_exp - fmt.mantissa_bits)
+    odd = int(round(fmt.max / ulp_max)) % 2 == 1     # ties go to the even neighbour: away from an odd max
+    return Edges(fmt.max + ulp_max / 2, odd, fmt.min_subnormal / 2)
+
+
+def lost(values, fmt: formats.Format) -> tuple[np.ndarray, np.ndarray]:
+    """Value by value (exact): (would overflow/saturate, would flush to zero) masks of a cast to ``fmt``."""
+    a = np.abs(np.asarray(values, dtype=np.float64))
+    e = edges(fmt)
+    over = a >= e.overflow if e.overflow_tie else a > e.overflow
+    return over, (a > 0) & (a <= e.flush)
+
+
+def above(counts: np.ndarray, edge, tie: bool, absmax=None) -> tuple[np.ndarray, np.ndarray]:
+    """(lo, hi) counts of histogram rows (last axis: 255 binades) with |x| > edge (>= when ``tie``); ``edge`` and
+    ``absmax`` broadcast per row."""
+    edge = np.asarray(edge, dtype=np.float64)[..., None]
+    certain = (_LOWER > edge) | ((_LOWER == edge) & tie)
+    possible = _UPPER > edge
+    lo, hi = (counts * certain).sum(-1), (counts * possible).sum(-1)
+    if absmax is not None:
+        am = np.asarray(absmax, dtype=np.float64)
+        clear = (am < edge[..., 0]) | ((am == edge[..., 0]) & (not tie))
+        lo, hi = np.where(clear, 0, lo), np.where(clear, 0, hi)
+        lo = np.where(~clear & np.isfinite(am) & (hi > 0), np.maximum(lo, 1), lo)
+    return lo, hi
+
+
+def below(counts: np.ndarray, edge) -> tuple[np.ndarray, np.ndarray]:
+    """(lo, hi) counts of histogram rows with 0 < |x| <= edge."""
+    edge = np.asarray(edge, dtype=np.float64)[..., None]
+    return (counts * (_UPPER <= edge)).sum(-1), (counts * (_LOWER <= edge)).sum(-1)
+
+
+def delayed_scales(amax: np.ndarray, fmt: formats.Format, history: int = HISTORY, margin: int = MARGIN) -> np.ndarray:
+    """The per-step scale of the delayed-scaling recipe: fmt.max / (max of the amax of the previous ``history``
+    steps) / 2^margin. Steps with no finite, positive amax yet keep the previous scale (1.0 at first, as Transformer
+    Engine starts)."""
+    a = pd.Series(np.where(np.isfinite(amax) & (amax > 0), amax, np.nan), dtype=float)
+    hist_max = a.shift(1).rolling(history, min_periods=1).max().to_numpy()
+    scale = pd.Series(fmt.max / hist_max / 2.0 ** margin).ffill().fillna(1.0).to_numpy()
+    return scale
+
+
+def shares(counts: np.ndarray, absmax: np.ndarray, fmt: formats.Format, scale) -> dict:
+    """Per row: saturated and flushed shares (lo, hi) of the non-zero values when x * scale is cast to ``fmt``."""
+    e = edges(fmt)
+    scale = np.asarray(scale, dtype=np.float64)
+    total = counts.sum(-1).astype(np.float64)
+    n = np.where(total > 0, total, 1.0)
+    s_lo, s_hi = above(counts, e.overflow / scale, e.overflow_tie, absmax)
+    f_lo, f_hi = below(counts, e.flush / scale)
+    return {"sat": (s_lo / n, s_hi / n), "flush": (f_lo / n, f_hi / n), "nonzero": total}
+
+
+# -- over a trace -------------------------------------------------------------------------------------------------
+def _site_inputs(tr, kind: str):
+    """Per site of ``kind``: histogram steps and counts, abs max per histogram step, and the per-step amax
+    (peaks), all in the stored units; plus the per-step factor that turns stored values into real ones."""
+    sites = tr.sites(kind)
+    steps = tr.steps()
+    peaks = tr.records("peak", kind)
+    absmax = tr.records("absmax", kind)
+    stored_scale = np.ones(len(steps))
+    if kind == "grad_out":              # output gradients are stored as backward carries them: scaled
+        ls = steps["loss_scale"].to_numpy(float)
+        stored_scale = np.where(np.isfinite(ls) & (ls > 0), ls, 1.0)
+    return sites, peaks, absmax, stored_scale
+
+
+def site_whatif(tr, site, kind: str, *, history: int = HISTORY, margin: int = MARGIN, _cache=None) -> pd.DataFrame:
+    """One row per histogram step of one site: for FP16/BF16 (values as recorded, i.e. output gradients at the
+    recorded loss scale) and E4M3/E5M2 (real values times the delayed-scaling scale) the saturated and flushed
+    shares, as lo/hi columns (``e4m3_sat_lo``, ``e4m3_sat_hi``, ...), the scales, and the non-zero count."""
+    sites, peaks, absmax, stored = _cache or _site_inputs(tr, kind)
+    sid = tr.site_id(site, kind)
+    j = int(np.flatnonzero(sites["id"].to_numpy() == sid)[0])
+    hsteps, counts = tr.hist(sid)
+    out = {"step": hsteps}
+    if not len(hsteps):
+        return pd.DataFrame(out)
+    counts = counts.astype(np.float64)
+    am = absmax[hsteps, j]
+    for name, fmt in HALF.items():
+        sh = shares(counts, am, fmt, 1.0)
+        _put(out, name, sh)
+    real_amax = peaks[:, j] / stored
+    for name, fmt in FP8.items():
+        sc = delayed_scales(real_amax, fmt, history, margin)
+        s = sc[hsteps] / stored[hsteps]                  # stored value v = real x * stored; cast x * sc
+        _put(out, name, shares(counts, am, fmt, s))
+        out[f"{name}_scale"] = sc[hsteps]
+    out["nonzero"] = counts.sum(-1)
+    out["history"] = np.minimum(hsteps, history)         # steps of amax history the scale had (0: none yet)
+    return pd.DataFrame(out)
+
+
+def _put(out: dict, name: str, sh: dict) -> None:
+    for what in ("sat", "flush"):
+        out[f"{name}_{what}_lo"], out[f"{name}_{what}_hi"] = sh[what]
+
+
+def formats_table(tr, kinds=("act", "grad_out"), *, history: int = HISTORY, margin: int = MARGIN) -> pd.DataFrame:
+    """Per site: the median over histogram steps of the certainly lost share (saturated + flushed, lo) in each
+    format (FP8 only over steps that had an amax history), and the FP16 headroom in binades (log2 of the overflow
+    edge over the largest recorded |x|)."""
+    rows = []
+    for kind in kinds:
+        cache = _site_inputs(tr, kind)
+        sites = cache[0]
+        for s in sites.itertuples():
+            df = site_whatif(tr, int(s.id), kind, history=history, margin=margin, _cache=cache)
+            if not len(df):
+                continue
+            row = {"path": s.path, "kind": kind, "dtype": s.dtype, "hist_steps": len(df)}
+            for name in FORMATS:
+                d = df[df["history"] > 0] if name in FP8 else df
+                lost_lo = d[f"{name}_sat_lo"] + d[f"{name}_flush_lo"]
+                lost_hi = d[f"{name}_sat_hi"] + d[f"{name}_flush_hi"]
+                row[f"{name}_lost"] = float(np.median(lost_lo)) if len(d) else math.nan
+                row[f"{name}_lost_hi"] = float(np.median(lost_hi)) if len(d) else math.nan
+            j = int(np.flatnonzero(sites["id"].to_numpy() == s.id)[0])
+            am = np.nanmax(np.where(np.isfinite(cache[2][:, j]), cache[2][:, j], np.nan)) \
+                if np.isfinite(cache[2][:, j]).any() else math.nan
+            row["fp16_headroom"] = math.log2(edges(formats.FP16).overflow / am) if am and am > 0 else math.nan
+            rows.append(row)
+    return pd.DataFrame(rows)
