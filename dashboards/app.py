@@ -20,7 +20,7 @@ from dash.exceptions import DependencyException
 from ampdoctor.trace import TraceError, load
 
 from . import data, ids
-from .pages import compare, layer, layers, overview, precision, whatif
+from .pages import compare, formats, layer, layers, overview, precision, whatif
 from .pages.common import href, parse_search
 
 PAGES = {  # path -> (nav label, module)
@@ -29,6 +29,7 @@ PAGES = {  # path -> (nav label, module)
     "/layer": (None, layer),
     "/precision": ("Precision map", precision),
     "/whatif": ("What-if", whatif),
+    "/formats": ("Formats", formats),
     "/compare": ("Compare", compare),
 }
 REFERENCE_KEY = "reference"

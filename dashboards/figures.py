@@ -300,3 +300,39 @@ def compare_layers_figure(labels, a, b, names=("run", "reference"), stat_label: 
                     marker=dict(color="black", symbol="diamond", size=8))
     fig.update_yaxes(autorange="reversed")
     return fig
+
+
+# -- formats ------------------------------------------------------------------------------------------------------
+def probe_error_figure(series: dict, bounds: dict, title: str = "Probe: relative error against FP32 (log10)"):
+    """Per layer, its norm-wise relative error at each probed step (markers) and its sqrt(k)*u bound (dotted)."""
+    fig = go.Figure(layout=dict(_LAYOUT, title=title, xaxis_title="step", yaxis_title="log10 relative error"))
+    any_data = False
+    for i, (name, (x, y)) in enumerate(series.items()):
+        y = np.asarray(y, dtype=float)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ly = np.where(y > 0, np.log10(y), np.nan)
+        if not np.isfinite(ly).any():
+            continue
+        any_data = True
+        color = f"hsl({(i * 47) % 360},65%,45%)"
+        xx, yy = downsample(np.asarray(x), ly)
+        fig.add_scatter(x=xx, y=yy, mode="lines+markers", name=name, line=dict(color=color),
+                        hovertemplate=name + " 10^%{y:.2f} at step %{x}<extra></extra>")
+        if name in bounds and len(xx):
+            fig.add_scatter(x=[xx[0], xx[-1]], y=[np.log10(bounds[name])] * 2, mode="lines", showlegend=False,
+                            line=dict(color=color, dash="dot"), hovertemplate=name + " sqrt(k)*u<extra></extra>")
+    return fig if any_data else _empty(title, "no probe results: attach(..., probe_every=N) records them")
+
+
+def formats_figure(labels, lost: dict, title: str = "Share of non-zero values lost per format"):
+    """Grouped bars: per site, the share each format would saturate or flush (FP8 with delayed scaling)."""
+    if not len(labels):
+        return _empty(title, "no exponent histograms recorded yet")
+    fig = go.Figure(layout=dict(_LAYOUT, title=title, barmode="group", yaxis_title="share lost (%)",
+                                height=max(320, 28 * len(labels) + 120)))
+    for name, shares in lost.items():
+        fig.add_bar(x=100 * np.nan_to_num(np.asarray(shares, dtype=float)), y=list(labels), name=name,
+                    orientation="h", hovertemplate="%{y}: %{x:.2f}% lost in " + name + "<extra></extra>")
+    fig.update_yaxes(autorange="reversed")
+    fig.update_layout(xaxis_title="share lost (%)", yaxis_title=None)
+    return fig

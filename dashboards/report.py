@@ -90,6 +90,20 @@ def key_figures(tr) -> list:
     return figs
 
 
+def formats_section(tr) -> str:
+    """Formats: the probe's error against FP32 over the steps, and what each format would lose per site."""
+    series, bounds, verdicts = data.probe_series(tr)
+    named = [v["path"] for v in verdicts if v["named"]]
+    probe = (f"<p>Measured precision loss (against FP32): {html.escape(', '.join(named))}</p>" if named else
+             "<p>No layer measured above sqrt(k)*u.</p>" if verdicts else
+             "<p>No probe results (attach(..., probe_every=N) records them).</p>")
+    labels, lost = data.formats_shares(tr)
+    return ("<h2>Formats</h2>" + probe + (_fig(figures.probe_error_figure(series, bounds)) if verdicts else "")
+            + "<p>Share of non-zero values lost (saturated or flushed) per format; FP8 with per-tensor delayed "
+              "scaling (amax over 1024 steps, margin 0).</p>"
+            + _fig(figures.formats_figure(labels, lost)) + _table(data.formats_rows(tr)))
+
+
 def build_report(tr, reference=None) -> str:
     """The report as one HTML string."""
     found = data.findings(tr, reference)
@@ -122,6 +136,7 @@ def build_report(tr, reference=None) -> str:
 <h2>Figures</h2>{figs}
 <h2>Precision map</h2><p>Recommended: matrix multiplies and convolutions forward and backward in FP16/BF16;
 normalisation, softmax, the loss and the weight update in FP32.</p>{_table(data.precision_rows(tr))}
+{formats_section(tr)}
 {compare}
 </body></html>
 """
