@@ -200,3 +200,21 @@ def test_probe_table_is_optional_in_old_traces(runs, tmp_path):
 def test_probe_every_is_validated():
     with pytest.raises(ValueError, match=re.escape("probe_every should be a positive int")):
         ampdoctor.attach(nn.Linear(2, 2), probe_every=0, trace="unused.db")
+
+
+def test_layers_probe_command(runs, capsys):
+    from ampdoctor.cli import main
+    path = runs["standardize"]["frag"]
+    assert main(["layers", path, "--probe"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == (f"probe at step {STEPS - 10} ({STEPS // 10} probed steps): float16 output against FP32 from "
+                      "the same inputs; bound sqrt(k)*u, u = 0.000488")
+    assert out[1].split() == ["layer", "type", "dtype", "k", "rel", "err", "max", "err", "sqrt(k)u", "ratio"]
+    assert out[2].startswith("0 ") and out[2].endswith("<- precision loss") and "FastStandardiz" in out[2]
+    assert sum("<- precision loss" in line for line in out) == 1
+    assert out[-2:] == ["precision loss over the probed steps: 0; fix:",
+                        'handle = ampdoctor.keep_fp32(model, "0")  # these modules compute in FP32 inside autocast']
+    assert main(["layers", path, "--probe", "--step", "15"]) == 2
+    assert capsys.readouterr().err.strip() == "step 15 was not probed; nearest probed step: 10"
+    assert main(["layers", runs["rbf"]["ref"], "--probe", "--step", "0"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "no layer loses more precision than its size explains"
