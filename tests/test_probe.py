@@ -218,3 +218,27 @@ def test_layers_probe_command(runs, capsys):
     assert capsys.readouterr().err.strip() == "step 15 was not probed; nearest probed step: 10"
     assert main(["layers", runs["rbf"]["ref"], "--probe", "--step", "0"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "no layer loses more precision than its size explains"
+
+
+class _Unsized(nn.Module):
+    """A module whose input the probe cannot size (a failure inside the probe, not in the user's code)."""
+
+    def forward(self, x):
+        return x * 1.0
+
+
+def test_a_failure_inside_the_probe_stops_collection_not_training(tmp_path, monkeypatch):
+    from ampdoctor.collect import probe as probe_module
+
+    def broken(module, args):
+        if isinstance(module, _Unsized):
+            raise RuntimeError("probe bug")
+        return 1
+    monkeypatch.setattr(probe_module, "accumulation_length", broken)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), _Unsized(), nn.Linear(8, 1))
+    with pytest.warns(RuntimeWarning, match="collection stopped after an internal error .RuntimeError: probe bug"):
+        losses = M.train(model, M.tabular(6, offset=0.0), 6, str(tmp_path / "b.db"),
+                         attach_options={"probe_every": 1})
+    assert len(losses) == 6 and all(math.isfinite(v) for v in losses)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())

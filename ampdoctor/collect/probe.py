@@ -25,6 +25,10 @@ _ELEMENTWISE = ("ReLU", "ReLU6", "LeakyReLU", "PReLU", "ELU", "SELU", "CELU", "G
                 "Embedding", "Upsample")
 
 
+# Wrappers whose forward talks to other processes (buffer broadcasts, parameter gathers): never run twice.
+_COMMUNICATING = ("DistributedDataParallel", "FullyShardedDataParallel", "DataParallel")
+
+
 # -- the accumulation length k of a module's output ------------------------------------------------------------
 def accumulation_length(module, args) -> int:
     """How many terms one output element sums (Linear: in_features; Conv: in_channels/groups x kernel; norms: the
@@ -118,8 +122,9 @@ class Call:
 class Recorder:
     """Arms probe hooks on ``modules`` for one step, compares each call, and disarms (removing every hook)."""
 
-    def __init__(self, modules: list, *, need_grad: bool = True, keep_root: bool = False):
+    def __init__(self, modules: list, *, need_grad: bool = True, keep_root: bool = False, on_error=None):
         self.modules = modules
+        self.on_error = on_error             # training: a failure here must stop the probe, never the forward
         self.need_grad = need_grad           # training: only forwards that build a graph (not evaluation)
         self.keep_root = keep_root           # the one-off probe keeps the root's FP32 output for the loss
         self.root_ref = None
@@ -152,11 +157,22 @@ class Recorder:
         x = H.first_tensor(args, kwargs)
         self._stack.append(_Frame(path, _rng_get(x.device if x is not None else None), _versions(args, kwargs)))
 
+    def _guarded(self, fn):
+        def hook(*args):
+            try:
+                fn(*args)
+            except Exception as exc:
+                if self.on_error is None:
+                    raise
+                self.on_error(exc)
+            return None                     # a forward hook that returned something would replace the output
+        return hook
+
     def _pre(self, path):
         def hook(module, args, kwargs):
             if self._active():
                 self._open(path, args, kwargs)
-        return hook
+        return self._guarded(hook)
 
     def _post(self, path, module):
         def hook(_module, args, kwargs, output):
@@ -167,7 +183,7 @@ class Recorder:
             if self._stack:
                 self._stack[-1].child_k += k
             self.calls.append(self._compare(path, module, args, kwargs, output, frame, k))
-        return hook
+        return self._guarded(hook)
 
     # -- one comparison --------------------------------------------------------------------------------------------
     def _compare(self, path, module, args, kwargs, output, frame, k) -> Call:
@@ -180,6 +196,8 @@ class Recorder:
             call.skipped = "no floating-point output"
         elif any(t._version != v for t, v in frame.versions):
             call.skipped = "modifies its input in place (the inputs it started from are gone)"
+        elif mtype in _COMMUNICATING:
+            call.skipped = "distributed wrapper (its forward communicates with the other ranks)"
         elif any(isinstance(t.grad_fn, torch.autograd.function.BackwardCFunction) for t in outs):
             call.skipped = "custom autograd Function (its forward may assume the half-precision dtype)"
         if call.skipped:
@@ -194,7 +212,7 @@ class Recorder:
             return call
         call.figures = _errors(outs, refs)
         if self.keep_root and path == self.modules[0][0]:
-            self.root_ref = refs[0] if not isinstance(output, torch.Tensor) else refs[0]
+            self.root_ref = refs[0]             # the model output the one-off probe computes the FP32 loss from
         return call
 
     def _recompute(self, module, args, kwargs, start_rng):
@@ -270,7 +288,7 @@ class StepProbe:
 
     def begin(self, step: int, args, kwargs) -> None:
         if step % self.every == 0 and self._rec is None:
-            self._rec = Recorder(self.doctor._modules)
+            self._rec = Recorder(self.doctor._modules, on_error=self.doctor._fail)
             self._rec.arm(args, kwargs)
 
     def end(self, step: int) -> None:
