@@ -113,6 +113,14 @@ def test_healthy_models_get_no_precision_loss(tmp_path):
         assert "precision-loss" not in _by_rule(p)
         verdicts = P.layer_verdicts(Run(ampdoctor.load(p)))
         assert len(verdicts) >= 6 and max(v["ratio"] for v in verdicts) < 1
+    # attention (softmax, MultiheadAttention, LayerNorm, dropout), one-off, in FP16 and BF16
+    torch.manual_seed(0)
+    enc = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, dropout=0.1, batch_first=True)
+    x = torch.randn(8, 12, 32)
+    for dtype in (torch.float16, torch.bfloat16):
+        rep = ampdoctor.probe(enc, x, dtype=dtype)
+        assert not rep.flagged and len(rep.layers) >= 8
+        assert max(r["rel_err"] / P.bound(r["k"], rep.dtype) for r in rep.layers) < 1
 
 
 class _Twice(torch.autograd.Function):
