@@ -161,9 +161,8 @@ def formats_table(tr, kinds=("act", "grad_out"), *, history: int = HISTORY, marg
                 lost_hi = d[f"{name}_sat_hi"] + d[f"{name}_flush_hi"]
                 row[f"{name}_lost"] = float(np.median(lost_lo)) if len(d) else math.nan
                 row[f"{name}_lost_hi"] = float(np.median(lost_hi)) if len(d) else math.nan
-            j = int(np.flatnonzero(sites["id"].to_numpy() == s.id)[0])
-            am = np.nanmax(np.where(np.isfinite(cache[2][:, j]), cache[2][:, j], np.nan)) \
-                if np.isfinite(cache[2][:, j]).any() else math.nan
-            row["fp16_headroom"] = math.log2(edges(formats.FP16).overflow / am) if am and am > 0 else math.nan
+            col = cache[2][:, int(np.flatnonzero(sites["id"].to_numpy() == s.id)[0])]     # abs max per step
+            am = float(np.max(col[np.isfinite(col)])) if np.isfinite(col).any() else math.nan
+            row["fp16_headroom"] = math.log2(edges(formats.FP16).overflow / am) if am > 0 else math.nan
             rows.append(row)
     return pd.DataFrame(rows)

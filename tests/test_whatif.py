@@ -7,7 +7,7 @@ from torch import nn
 
 import ampdoctor
 import probe_models as M
-from ampdoctor import formats, whatif as W
+from ampdoctor import whatif as W
 from ampdoctor.diagnose import fp8 as R
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
