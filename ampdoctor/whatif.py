@@ -74,14 +74,15 @@ def below(counts: np.ndarray, edge) -> tuple[np.ndarray, np.ndarray]:
     return (counts * (_UPPER <= edge)).sum(-1), (counts * (_LOWER <= edge)).sum(-1)
 
 
-def delayed_scales(amax: np.ndarray, fmt: formats.Format, history: int = HISTORY, margin: int = MARGIN) -> np.ndarray:
-    """The per-step scale of the delayed-scaling recipe: fmt.max / (max of the amax of the previous ``history``
-    steps) / 2^margin. Steps with no finite, positive amax yet keep the previous scale (1.0 at first, as Transformer
-    Engine starts)."""
-    a = pd.Series(np.where(np.isfinite(amax) & (amax > 0), amax, np.nan), dtype=float)
-    hist_max = a.shift(1).rolling(history, min_periods=1).max().to_numpy()
-    scale = pd.Series(fmt.max / hist_max / 2.0 ** margin).ffill().fillna(1.0).to_numpy()
-    return scale
+def delayed_scales(amax: np.ndarray, fmt: formats.Format, history: int = HISTORY,
+                   margin: int = MARGIN) -> tuple[np.ndarray, np.ndarray]:
+    """The per-step scale of the delayed-scaling recipe, fmt.max / (max of the amax of the previous ``history``
+    steps) / 2^margin, and how many finite amax values that window held. A step whose window holds none keeps the
+    previous scale (1.0 at first, as Transformer Engine starts); a non-finite amax (an overflowed step) is left out."""
+    a = pd.Series(np.where(np.isfinite(amax) & (amax > 0), amax, np.nan), dtype=float).shift(1)
+    window = a.rolling(history, min_periods=1)
+    scale = pd.Series(fmt.max / window.max().to_numpy() / 2.0 ** margin).ffill().fillna(1.0).to_numpy()
+    return scale, window.count().fillna(0).to_numpy()
 
 
 def shares(counts: np.ndarray, absmax: np.ndarray, fmt: formats.Format, scale) -> dict:
@@ -101,20 +102,23 @@ def _site_inputs(tr, kind: str):
     (peaks), all in the stored units; plus the per-step factor that turns stored values into real ones."""
     sites = tr.sites(kind)
     steps = tr.steps()
+    skipped = steps["skipped"].to_numpy(bool) | steps["nonfinite"].to_numpy(bool)
     peaks = tr.records("peak", kind)
     absmax = tr.records("absmax", kind)
     stored_scale = np.ones(len(steps))
     if kind == "grad_out":              # output gradients are stored as backward carries them: scaled
         ls = steps["loss_scale"].to_numpy(float)
         stored_scale = np.where(np.isfinite(ls) & (ls > 0), ls, 1.0)
-    return sites, peaks, absmax, stored_scale
+    return sites, peaks, absmax, stored_scale, skipped
 
 
 def site_whatif(tr, site, kind: str, *, history: int = HISTORY, margin: int = MARGIN, _cache=None) -> pd.DataFrame:
     """One row per histogram step of one site: for FP16/BF16 (values as recorded, i.e. output gradients at the
     recorded loss scale) and E4M3/E5M2 (real values times the delayed-scaling scale) the saturated and flushed
-    shares, as lo/hi columns (``e4m3_sat_lo``, ``e4m3_sat_hi``, ...), the scales, and the non-zero count."""
-    sites, peaks, absmax, stored = _cache or _site_inputs(tr, kind)
+    shares, as lo/hi columns (``e4m3_sat_lo``, ``e4m3_sat_hi``, ...), the scales, the non-zero count, ``history``
+    (finite amax values the recipe's window held) and ``clean`` (a finished step without NaN/Inf: the ones to judge
+    by; an overflowed step's histogram is partial)."""
+    sites, peaks, absmax, stored, anomalous = _cache or _site_inputs(tr, kind)
     sid = tr.site_id(site, kind)
     j = int(np.flatnonzero(sites["id"].to_numpy() == sid)[0])
     hsteps, counts = tr.hist(sid)
@@ -128,13 +132,20 @@ def site_whatif(tr, site, kind: str, *, history: int = HISTORY, margin: int = MA
         _put(out, name, sh)
     real_amax = peaks[:, j] / stored
     for name, fmt in FP8.items():
-        sc = delayed_scales(real_amax, fmt, history, margin)
+        sc, held = delayed_scales(real_amax, fmt, history, margin)
         s = sc[hsteps] / stored[hsteps]                  # stored value v = real x * stored; cast x * sc
         _put(out, name, shares(counts, am, fmt, s))
         out[f"{name}_scale"] = sc[hsteps]
     out["nonzero"] = counts.sum(-1)
-    out["history"] = np.minimum(hsteps, history)         # steps of amax history the scale had (0: none yet)
+    out["history"] = held[hsteps]
+    out["clean"] = ~anomalous[hsteps] & np.isfinite(peaks[hsteps, j])
     return pd.DataFrame(out)
+
+
+def judged(df: pd.DataFrame, fp8: bool = True) -> pd.DataFrame:
+    """The histogram steps a verdict rests on: clean ones, and for FP8 those whose scale had an amax history."""
+    keep = df["clean"] & (df["history"] > 0) if fp8 else df["clean"]
+    return df[keep]
 
 
 def _put(out: dict, name: str, sh: dict) -> None:
@@ -156,7 +167,7 @@ def formats_table(tr, kinds=("act", "grad_out"), *, history: int = HISTORY, marg
                 continue
             row = {"path": s.path, "kind": kind, "dtype": s.dtype, "hist_steps": len(df)}
             for name in FORMATS:
-                d = df[df["history"] > 0] if name in FP8 else df
+                d = judged(df, name in FP8)
                 lost_lo = d[f"{name}_sat_lo"] + d[f"{name}_flush_lo"]
                 lost_hi = d[f"{name}_sat_hi"] + d[f"{name}_flush_hi"]
                 row[f"{name}_lost"] = float(np.median(lost_lo)) if len(d) else math.nan

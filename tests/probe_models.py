@@ -88,12 +88,12 @@ def ce(out, y):
 
 
 def train(model, data, steps, trace=None, *, precision="fp16", lr=0.02, attach_options=None, on_step=None,
-          loss_fn=mse):
+          loss_fn=mse, scaler_options=None):
     """SGD on ``data`` for ``steps`` steps: FP16 autocast + GradScaler (or FP32 on float32 inputs), ampdoctor
     attached when ``trace`` is given. Returns the losses."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     fp16 = precision == "fp16"
-    scaler = torch.amp.GradScaler("cpu") if fp16 else None
+    scaler = torch.amp.GradScaler("cpu", **(scaler_options or {})) if fp16 else None
     doc = ampdoctor.attach(model, opt, scaler, trace, **(attach_options or {})) if trace else contextlib.nullcontext()
     losses = []
     with doc:

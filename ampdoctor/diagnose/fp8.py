@@ -24,14 +24,14 @@ MARGINS = (0, 1, 2, 3, 4)
 
 
 def _lost(df, name: str) -> float:
-    d = df[df["history"] > 0]
+    d = W.judged(df)
     if not len(d):
         return float("nan")
     return float(np.median(d[f"{name}_sat_lo"] + d[f"{name}_flush_lo"]))
 
 
 def _parts(df, name: str) -> tuple[float, float]:
-    d = df[df["history"] > 0]
+    d = W.judged(df)
     return float(np.median(d[f"{name}_sat_lo"])), float(np.median(d[f"{name}_flush_lo"]))
 
 
@@ -44,7 +44,7 @@ def assess(tr, kinds=("act", "grad_out"), min_lost: float = MIN_LOST) -> list[di
         for s in cache[0].itertuples():
             name = KIND_FORMAT[kind]
             base = W.site_whatif(tr, int(s.id), kind, _cache=cache)
-            if not len(base) or not (base["history"] > 0).any():
+            if not len(W.judged(base)):
                 continue
             lost = _lost(base, name)
             if not lost >= min_lost:
