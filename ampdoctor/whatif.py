@@ -144,6 +144,8 @@ def site_whatif(tr, site, kind: str, *, history: int = HISTORY, margin: int = MA
 
 def judged(df: pd.DataFrame, fp8: bool = True) -> pd.DataFrame:
     """The histogram steps a verdict rests on: clean ones, and for FP8 those whose scale had an amax history."""
+    if not len(df):
+        return df
     keep = df["clean"] & (df["history"] > 0) if fp8 else df["clean"]
     return df[keep]
 

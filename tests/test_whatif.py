@@ -141,3 +141,26 @@ def test_healthy_run_is_fp8_ready(tmp_path):
     table = W.formats_table(ampdoctor.load(path))
     assert len(table) >= 8 and (table["e4m3_lost"].fillna(0) < R.MIN_LOST).all()
     assert (table[table["kind"] == "act"]["fp16_headroom"] > 5).all()
+
+
+class _Late(nn.Module):
+    """A branch that only runs from step 2 on: its sites have no histogram at the default cadence."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.late, self.on = nn.Linear(16, 1), nn.Linear(16, 1), False
+
+    def forward(self, x):
+        return self.body(x) + (self.late(x) if self.on else 0)
+
+
+def test_sites_without_histograms_are_left_out(tmp_path):
+    torch.manual_seed(0)
+    model = _Late()
+    path = str(tmp_path / "late.db")
+    M.train(model, M.tabular(4, offset=0.0), 4, path, on_step=lambda step, m, doc: setattr(m, "on", step >= 1),
+            attach_options={"every": 1, "hist_every": 1000, "live": False})
+    tr = ampdoctor.load(path)
+    assert len(W.site_whatif(tr, "late", "act")) == 0 and W.judged(W.site_whatif(tr, "late", "act")).empty
+    assert "late" not in set(W.formats_table(tr)["path"])
+    assert "fp8-readiness" not in {d.rule for d in ampdoctor.diagnose(path)}
