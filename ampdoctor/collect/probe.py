@@ -367,8 +367,8 @@ def _call(model, inputs):
 def probe(model, batch, loss_fn=None, *, dtype=None, include=None, exclude=None) -> ProbeReport:
     """Measure once, without training: run ``model`` on ``batch`` in half precision and every observed module again
     in FP32 from the same inputs. ``batch``: the model input (tensor, tuple of arguments or dict of keyword
-    arguments) or an ``(inputs, targets)`` pair; ``loss_fn(output, targets)`` (or ``loss_fn(output)``) adds the loss
-    both ways. ``dtype``: the autocast dtype (default float16) when the caller has not entered autocast and the model
+    arguments) or, with loss_fn, an ``(inputs, targets)`` pair; ``loss_fn(output, targets)`` (or ``loss_fn(output)``)
+    adds the loss both ways. ``dtype``: the autocast dtype (default float16) when the caller has not entered autocast and the model
     holds FP32 weights. Weights, buffers (BatchNorm running statistics), gradients and the RNG are left as they were.
     """
     if not isinstance(model, torch.nn.Module):
