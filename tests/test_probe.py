@@ -250,3 +250,38 @@ def test_a_failure_inside_the_probe_stops_collection_not_training(tmp_path, monk
                          attach_options={"probe_every": 1})
     assert len(losses) == 6 and all(math.isfinite(v) for v in losses)
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def _train_half(model, path):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ampdoctor.attach(model, opt, trace=path, probe_every=2, live=False) as doc:
+        for x, y in M.tabular(6):
+            opt.zero_grad()
+            loss = M.mse(model(x), y)
+            loss.backward()
+            doc.log_loss(loss)
+            opt.step()
+
+
+def test_half_model_without_autocast_gets_a_conversion_fix(tmp_path):
+    """O3-style (model.half(), half inputs, no autocast): keep_fp32 would change nothing, so the printed fix runs
+    the layer in FP32 by hand; applied as printed, the error and the loss gap are gone."""
+    path = str(tmp_path / "o3.db")
+    _train_half(M.standardize_model().half(), path)
+    d = _by_rule(path)["precision-loss"]
+    assert d.layers == ["0"] and "keep_fp32(" not in d.recommendation
+    code = d.recommendation.split(":\n", 1)[1]
+    assert code.startswith("model[0].float()\n")
+    model = M.standardize_model().half()
+    x, y = next(M.tabular(1, batch=256, seed=5))
+    with torch.no_grad():
+        ref = M.mse(M.standardize_model()(x.float()), y).item()       # the same weights in FP32
+        before = M.mse(model(x), y).item()
+        exec(code, {"model": model, "torch": torch})
+        after = M.mse(model(x), y).item()
+    assert abs(before / ref - 1) > 0.1 and abs(after / ref - 1) < 0.01
+    rep = ampdoctor.probe(model, x)
+    assert not rep.flagged and rep.skipped == {"(model)": rep.skipped["(model)"]}   # its hooks cast back to half
+    fixed = str(tmp_path / "fixed.db")
+    _train_half(model, fixed)
+    assert "precision-loss" not in _by_rule(fixed)

@@ -135,6 +135,14 @@ def measured_culprits(run) -> list[tuple[str, str]]:
                         f"{v['ratio']:.0f}x sqrt(k)*u") for v in layer_verdicts(run) if v["named"]]
 
 
+def _convert(path: str, dtype: str) -> str:
+    m = A.attr(path)
+    return (f"{m}.float()\n"
+            f"{m}.register_forward_pre_hook(lambda m, args: tuple(a.float() if torch.is_tensor(a) and "
+            f"a.is_floating_point() else a for a in args))\n"
+            f"{m}.register_forward_hook(lambda m, args, out: out.to(torch.{dtype}))\n")
+
+
 def precision_loss(run, *, min_ratio=MIN_RATIO, min_share=MIN_SHARE):
     verdicts = layer_verdicts(run, min_ratio, min_share)
     named = [v for v in verdicts if v["named"]]
@@ -159,5 +167,11 @@ def precision_loss(run, *, min_ratio=MIN_RATIO, min_share=MIN_SHARE):
     fix = ("Compute these layers in FP32 (inputs cast to float32 inside autocast); or rewrite the computation "
            "without the cancellation (e.g. var = mean((x - mean)^2) instead of mean(x^2) - mean^2):\n"
            + fix_line(paths))
+    if not run.autocast.get("enabled"):
+        # keep_fp32 acts inside autocast only: a run with half-precision weights and no autocast needs the modules
+        # converted and their inputs cast by hand
+        fix = ("This run computes without autocast (half-precision weights), where keep_fp32 changes nothing. "
+               "Run these layers in FP32 (weights, inputs cast up, outputs cast back for the next layer), or "
+               "rewrite the computation without the cancellation:\n" + "".join(_convert(p, dtype) for p in paths))
     return finding("warning", "Precision lost in a layer (measured against FP32)", summary, layers=paths,
                    steps=steps, evidence=ev, recommendation=fix)
