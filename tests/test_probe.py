@@ -285,3 +285,16 @@ def test_half_model_without_autocast_gets_a_conversion_fix(tmp_path):
     fixed = str(tmp_path / "fixed.db")
     _train_half(model, fixed)
     assert "precision-loss" not in _by_rule(fixed)
+
+
+def test_measured_precision_loss_explains_slow_convergence(tmp_path, monkeypatch):
+    """Against the FP32 reference the fragile run converges slower; the measured layer explains it, so
+    slow-convergence ("nothing numeric explains the gap") stays silent while precision-loss names the layer."""
+    cadence = {"probe_every": 50, "every": 50, "hist_every": 50, "live": False}
+    frag, ref = str(tmp_path / "frag.db"), str(tmp_path / "ref.db")
+    M.train(M.standardize_model(), M.tabular(300), 300, frag, lr=0.05, attach_options=cadence)
+    M.train(M.standardize_model(), M.tabular(300), 300, ref, precision="fp32", lr=0.05, attach_options=cadence)
+    found = _by_rule(frag, reference=ref)
+    assert "precision-loss" in found and "slow-convergence" not in found
+    monkeypatch.setattr(P, "measured_culprits", lambda run: [])       # without the measurement ...
+    assert "slow-convergence" in _by_rule(frag, reference=ref)        # ... it would blame the learning rate
