@@ -137,6 +137,8 @@ def site_whatif(tr, site, kind: str, *, history: int = HISTORY, margin: int = MA
         _put(out, name, shares(counts, am, fmt, s))
         out[f"{name}_scale"] = sc[hsteps]
     out["nonzero"] = counts.sum(-1)
+    occupied = counts > 0            # binades between the smallest and the largest non-zero |x|, both included
+    out["span"] = np.where(occupied.any(-1), counts.shape[-1] - occupied[:, ::-1].argmax(-1) - occupied.argmax(-1), 0)
     out["history"] = held[hsteps]
     out["clean"] = ~anomalous[hsteps] & np.isfinite(peaks[hsteps, j])
     return pd.DataFrame(out)
@@ -157,8 +159,9 @@ def _put(out: dict, name: str, sh: dict) -> None:
 
 def formats_table(tr, kinds=("act", "grad_out"), *, history: int = HISTORY, margin: int = MARGIN) -> pd.DataFrame:
     """Per site: the median over histogram steps of the certainly lost share (saturated + flushed, lo) in each
-    format (FP8 only over steps that had an amax history), and the FP16 headroom in binades (log2 of the overflow
-    edge over the largest recorded |x|)."""
+    format (FP8 only over steps that had an amax history), the FP16 and BF16 headroom in binades (log2 of the
+    overflow edge over the largest recorded |x|) and the median span of the values in binades (FP8 per-tensor
+    scaling can hold log2(448 / 2^-9) = 17.8 binades in E4M3, 31.8 in E5M2)."""
     rows = []
     for kind in kinds:
         cache = _site_inputs(tr, kind)
@@ -176,6 +179,8 @@ def formats_table(tr, kinds=("act", "grad_out"), *, history: int = HISTORY, marg
                 row[f"{name}_lost_hi"] = float(np.median(lost_hi)) if len(d) else math.nan
             col = cache[2][:, int(np.flatnonzero(sites["id"].to_numpy() == s.id)[0])]     # abs max per step
             am = float(np.max(col[np.isfinite(col)])) if np.isfinite(col).any() else math.nan
-            row["fp16_headroom"] = math.log2(edges(formats.FP16).overflow / am) if am > 0 else math.nan
+            for name in HALF:
+                row[f"{name}_headroom"] = math.log2(edges(HALF[name]).overflow / am) if am > 0 else math.nan
+            row["span"] = float(np.median(judged(df, False)["span"])) if len(judged(df, False)) else math.nan
             rows.append(row)
     return pd.DataFrame(rows)

@@ -407,8 +407,11 @@ def formats_rows(tr, max_rows: int = 200) -> list[dict]:
 
     def pct(v):
         return "-" if v != v else f"{100 * v:.2f}%"
+    def binades(v):
+        return "-" if v != v else f"{v:.1f}"
     return [{"layer": r.path, "kind": r.kind, "dtype": r.dtype,
-             "FP16 headroom (binades)": "-" if r.fp16_headroom != r.fp16_headroom else f"{r.fp16_headroom:.1f}",
+             "FP16 headroom (binades)": binades(r.fp16_headroom), "BF16 headroom": binades(r.bf16_headroom),
+             "span (binades)": binades(r.span),
              "FP16 lost": pct(r.fp16_lost), "BF16 lost": pct(r.bf16_lost), "E4M3 lost": pct(r.e4m3_lost),
              "E5M2 lost": pct(r.e5m2_lost)} for r in table.itertuples()]
 

@@ -107,6 +107,11 @@ def test_fp8_shares_from_histograms_match_real_casts(wide_run):
     # the delayed-scaling recipe, from the captured tensors: 448 / max(amax of earlier steps), 1.0 at first
     amax = [float(a.abs().max()) for a in acts]
     assert df["e4m3_scale"].tolist() == pytest.approx([1.0] + [448 / max(amax[:t]) for t in range(1, 12)])
+    # the span in binades, from the tensors: floor(log2 |x|) by frexp (exact), largest minus smallest, plus one
+    for row in df.itertuples():
+        a = acts[row.step].abs()
+        e = np.frexp(a[a > 0].numpy())[1] - 1
+        assert row.span == e.max() - e.min() + 1
     exact = sum(_check(df, acts, ones, n) for n in ("e4m3", "e5m2", "fp16", "bf16"))
     assert exact >= 60                     # most intervals are single numbers (empty boundary binade or abs max)
     assert df["e4m3_flush_lo"].iloc[1:].median() > R.MIN_LOST    # E4M3 is too short for these activations
@@ -140,7 +145,7 @@ def test_healthy_run_is_fp8_ready(tmp_path):
     assert "fp8-readiness" not in {d.rule for d in ampdoctor.diagnose(path)}
     table = W.formats_table(ampdoctor.load(path))
     assert len(table) >= 8 and (table["e4m3_lost"].fillna(0) < R.MIN_LOST).all()
-    assert (table[table["kind"] == "act"]["fp16_headroom"] > 5).all()
+    assert (table[table["kind"] == "act"]["fp16_headroom"] > 5).all() and (table["bf16_headroom"] > 100).all()
 
 
 class _Late(nn.Module):

@@ -25,7 +25,8 @@ def layout(ctx, run: str, query: dict):
         html.P("From the exponent histograms: the share of each site's non-zero values that would saturate or "
                "flush to zero in FP16 / BF16 (as recorded: output gradients at the recorded loss scale) and in FP8 "
                "with per-tensor delayed scaling (amax over the last 1024 steps, margin 0; E4M3 448 .. 2^-9, E5M2 "
-               "57344 .. 2^-16)."),
+               "57344 .. 2^-16). Headroom: binades between the largest value and the format's overflow; span: "
+               "binades from the smallest to the largest non-zero value (E4M3 holds 17.8, E5M2 31.8)."),
         graph(ids.FORMATS_SHARES, figure=figures.formats_figure(labels, lost)),
         table(rows, ids.FORMATS_TABLE),
     ])
