@@ -78,11 +78,14 @@ def delayed_scales(amax: np.ndarray, fmt: formats.Format, history: int = HISTORY
                    margin: int = MARGIN) -> tuple[np.ndarray, np.ndarray]:
     """The per-step scale of the delayed-scaling recipe, fmt.max / (max of the amax of the previous ``history``
     steps) / 2^margin, and how many finite amax values that window held. A step whose window holds none keeps the
-    previous scale (1.0 at first, as Transformer Engine starts); a non-finite amax (an overflowed step) is left out."""
-    a = pd.Series(np.where(np.isfinite(amax) & (amax > 0), amax, np.nan), dtype=float).shift(1)
+    previous scale (1.0 at first, as Transformer Engine starts); a non-finite amax (an overflowed step) is left out.
+    ``amax``: one value per step, or [steps x sites] (every column at once)."""
+    amax = np.asarray(amax, dtype=np.float64)
+    a = pd.DataFrame(np.where(np.isfinite(amax) & (amax > 0), amax, np.nan).reshape(len(amax), -1)).shift(1)
     window = a.rolling(history, min_periods=1)
-    scale = pd.Series(fmt.max / window.max().to_numpy() / 2.0 ** margin).ffill().fillna(1.0).to_numpy()
-    return scale, window.count().fillna(0).to_numpy()
+    scale = pd.DataFrame(fmt.max / window.max().to_numpy() / 2.0 ** margin).ffill().fillna(1.0).to_numpy()
+    held = window.count().fillna(0).to_numpy()
+    return (scale, held) if amax.ndim > 1 else (scale[:, 0], held[:, 0])
 
 
 def shares(counts: np.ndarray, absmax: np.ndarray, fmt: formats.Format, scale) -> dict:
@@ -97,42 +100,61 @@ def shares(counts: np.ndarray, absmax: np.ndarray, fmt: formats.Format, scale) -
 
 
 # -- over a trace -------------------------------------------------------------------------------------------------
-def _site_inputs(tr, kind: str):
-    """Per site of ``kind``: histogram steps and counts, abs max per histogram step, and the per-step amax
-    (peaks), all in the stored units; plus the per-step factor that turns stored values into real ones."""
-    sites = tr.sites(kind)
-    steps = tr.steps()
-    skipped = steps["skipped"].to_numpy(bool) | steps["nonfinite"].to_numpy(bool)
-    peaks = tr.records("peak", kind)
-    absmax = tr.records("absmax", kind)
-    stored_scale = np.ones(len(steps))
-    if kind == "grad_out":              # output gradients are stored as backward carries them: scaled
-        ls = steps["loss_scale"].to_numpy(float)
-        stored_scale = np.where(np.isfinite(ls) & (ls > 0), ls, 1.0)
-    return sites, peaks, absmax, stored_scale, skipped
+class Inputs:
+    """What the what-if reads for the sites of one kind, read once: abs max per step, the per-step amax (peaks),
+    the factor that turns stored values into real ones (output gradients carry the loss scale), the anomalous
+    steps; the histograms and the delayed-scaling scales of every site are computed on first use and kept."""
+
+    def __init__(self, tr, kind: str):
+        self.tr, self.kind = tr, kind
+        self.sites = tr.sites(kind)
+        self.column = {int(s): j for j, s in enumerate(self.sites["id"])}
+        steps = tr.steps()
+        self.anomalous = steps["skipped"].to_numpy(bool) | steps["nonfinite"].to_numpy(bool)
+        self.peaks = tr.records("peak", kind)
+        self.absmax = tr.records("absmax", kind)
+        self.stored = np.ones(len(steps))
+        if kind == "grad_out":          # output gradients are stored as backward carries them: scaled
+            ls = steps["loss_scale"].to_numpy(float)
+            self.stored = np.where(np.isfinite(ls) & (ls > 0), ls, 1.0)
+        self._scales: dict = {}
+        self._hists: dict = {}
+
+    def scales(self, name: str, history: int, margin: int) -> tuple[np.ndarray, np.ndarray]:
+        """[steps x sites] delayed-scaling scales and amax counts (``delayed_scales``), all sites at once."""
+        key = (name, history, margin)
+        if key not in self._scales:
+            self._scales[key] = delayed_scales(self.peaks / self.stored[:, None], FP8[name], history, margin)
+        return self._scales[key]
+
+    def hist(self, sid: int):
+        if sid not in self._hists:
+            self._hists[sid] = self.tr.hist(sid)
+        return self._hists[sid]
 
 
-def site_whatif(tr, site, kind: str, *, history: int = HISTORY, margin: int = MARGIN, _cache=None) -> pd.DataFrame:
+def site_whatif(tr, site, kind: str, *, history: int = HISTORY, margin: int = MARGIN,
+                inputs: Inputs | None = None) -> pd.DataFrame:
     """One row per histogram step of one site: for FP16/BF16 (values as recorded, i.e. output gradients at the
     recorded loss scale) and E4M3/E5M2 (real values times the delayed-scaling scale) the saturated and flushed
     shares, as lo/hi columns (``e4m3_sat_lo``, ``e4m3_sat_hi``, ...), the scales, the non-zero count, ``history``
     (finite amax values the recipe's window held) and ``clean`` (a finished step without NaN/Inf: the ones to judge
-    by; an overflowed step's histogram is partial)."""
-    sites, peaks, absmax, stored, anomalous = _cache or _site_inputs(tr, kind)
+    by; an overflowed step's histogram is partial). ``inputs``: an ``Inputs(tr, kind)`` shared by many calls."""
+    inp = inputs if inputs is not None else Inputs(tr, kind)
+    peaks, stored = inp.peaks, inp.stored
     sid = tr.site_id(site, kind)
-    j = int(np.flatnonzero(sites["id"].to_numpy() == sid)[0])
-    hsteps, counts = tr.hist(sid)
+    j = inp.column[sid]
+    hsteps, counts = inp.hist(sid)
     out = {"step": hsteps}
     if not len(hsteps):
         return pd.DataFrame(out)
     counts = counts.astype(np.float64)
-    am = absmax[hsteps, j]
+    am = inp.absmax[hsteps, j]
     for name, fmt in HALF.items():
         sh = shares(counts, am, fmt, 1.0)
         _put(out, name, sh)
-    real_amax = peaks[:, j] / stored
     for name, fmt in FP8.items():
-        sc, held = delayed_scales(real_amax, fmt, history, margin)
+        sc, held = (m[:, j] for m in inp.scales(name, history, margin))
         s = sc[hsteps] / stored[hsteps]                  # stored value v = real x * stored; cast x * sc
         _put(out, name, shares(counts, am, fmt, s))
         out[f"{name}_scale"] = sc[hsteps]
@@ -140,7 +162,7 @@ def site_whatif(tr, site, kind: str, *, history: int = HISTORY, margin: int = MA
     occupied = counts > 0            # binades between the smallest and the largest non-zero |x|, both included
     out["span"] = np.where(occupied.any(-1), counts.shape[-1] - occupied[:, ::-1].argmax(-1) - occupied.argmax(-1), 0)
     out["history"] = held[hsteps]
-    out["clean"] = ~anomalous[hsteps] & np.isfinite(peaks[hsteps, j])
+    out["clean"] = ~inp.anomalous[hsteps] & np.isfinite(peaks[hsteps, j])
     return pd.DataFrame(out)
 
 
@@ -164,10 +186,9 @@ def formats_table(tr, kinds=("act", "grad_out"), *, history: int = HISTORY, marg
     scaling can hold log2(448 / 2^-9) = 17.8 binades in E4M3, 31.8 in E5M2)."""
     rows = []
     for kind in kinds:
-        cache = _site_inputs(tr, kind)
-        sites = cache[0]
-        for s in sites.itertuples():
-            df = site_whatif(tr, int(s.id), kind, history=history, margin=margin, _cache=cache)
+        inp = Inputs(tr, kind)
+        for s in inp.sites.itertuples():
+            df = site_whatif(tr, int(s.id), kind, history=history, margin=margin, inputs=inp)
             if not len(df):
                 continue
             row = {"path": s.path, "kind": kind, "dtype": s.dtype, "hist_steps": len(df)}
@@ -177,7 +198,7 @@ def formats_table(tr, kinds=("act", "grad_out"), *, history: int = HISTORY, marg
                 lost_hi = d[f"{name}_sat_hi"] + d[f"{name}_flush_hi"]
                 row[f"{name}_lost"] = float(np.median(lost_lo)) if len(d) else math.nan
                 row[f"{name}_lost_hi"] = float(np.median(lost_hi)) if len(d) else math.nan
-            col = cache[2][:, int(np.flatnonzero(sites["id"].to_numpy() == s.id)[0])]     # abs max per step
+            col = inp.absmax[:, inp.column[int(s.id)]]                          # abs max per step
             am = float(np.max(col[np.isfinite(col)])) if np.isfinite(col).any() else math.nan
             for name in HALF:
                 row[f"{name}_headroom"] = math.log2(edges(HALF[name]).overflow / am) if am > 0 else math.nan

@@ -40,10 +40,10 @@ def assess(tr, kinds=("act", "grad_out"), min_lost: float = MIN_LOST) -> list[di
     margin) and the share lost there."""
     out = []
     for kind in kinds:
-        cache = W._site_inputs(tr, kind)
-        for s in cache[0].itertuples():
+        inp = W.Inputs(tr, kind)
+        for s in inp.sites.itertuples():
             name = KIND_FORMAT[kind]
-            base = W.site_whatif(tr, int(s.id), kind, _cache=cache)
+            base = W.site_whatif(tr, int(s.id), kind, inputs=inp)
             if not len(W.judged(base)):
                 continue
             lost = _lost(base, name)
@@ -52,7 +52,7 @@ def assess(tr, kinds=("act", "grad_out"), min_lost: float = MIN_LOST) -> list[di
             sat, flush = _parts(base, name)
             best = None
             for h, m in itertools.product(HISTORIES, MARGINS):
-                df = W.site_whatif(tr, int(s.id), kind, history=h, margin=m, _cache=cache)
+                df = W.site_whatif(tr, int(s.id), kind, history=h, margin=m, inputs=inp)
                 for fmt in ("e4m3", "e5m2"):
                     v = _lost(df, fmt)
                     key = (v, fmt != name, m, -h)       # least lost; then the recipe's own format, small margin
