@@ -298,3 +298,36 @@ def test_measured_precision_loss_explains_slow_convergence(tmp_path, monkeypatch
     assert "precision-loss" in found and "slow-convergence" not in found
     monkeypatch.setattr(P, "measured_culprits", lambda run: [])       # without the measurement ...
     assert "slow-convergence" in _by_rule(frag, reference=ref)        # ... it would blame the learning rate
+
+
+def _live_tensors() -> int:
+    import gc
+    import warnings
+    gc.collect()
+    with warnings.catch_warnings():       # isinstance() on torch.distributed's deprecated aliases warns
+        warnings.simplefilter("ignore")
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+def test_a_probed_step_keeps_no_tensor(tmp_path):
+    """Between steps, training with a probe on every step holds exactly the tensors training without one holds."""
+    counts = []
+    for probe_every in (None, 1):
+        model = _bn_dropout_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("cpu")
+        doc = ampdoctor.attach(model, opt, scaler, str(tmp_path / f"m{probe_every}.db"), probe_every=probe_every,
+                               live=False)
+        for i, (x, y) in enumerate(M.tabular(4, offset=0.0)):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = M.mse(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            del loss
+            if i == 2:
+                counts.append(_live_tensors())
+        doc.close()
+        del model, opt, scaler, doc
+    assert counts[0] == counts[1]
