@@ -138,6 +138,18 @@ class Custom(nn.Module):
         return _Twice.apply(x)
 
 
+class Counter(nn.Module):
+    """Keeps a forward count in a plain tensor attribute (not a buffer), updated in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = torch.zeros(())
+
+    def forward(self, x):
+        self.calls += 1
+        return x
+
+
 def _bn_dropout_model(seed=0):
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 1))
@@ -176,16 +188,17 @@ def test_one_off_probe_changes_nothing():
 
 def test_modules_that_cannot_be_recomputed_are_skipped_and_listed(tmp_path):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(inplace=True), Custom(), nn.Linear(32, 1))
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(inplace=True), Custom(), Counter(), nn.Linear(32, 1))
     path = str(tmp_path / "skip.db")
     M.train(model, M.tabular(4, offset=0.0), 4, path, attach_options={"probe_every": 2})
     tr = ampdoctor.load(path)
     ev = tr.events("probe")
     assert ev["step"].tolist() == [0, 2]
     skipped = ev["data"].iloc[0]["skipped"]
-    assert set(skipped) == {"1", "2"}
-    assert "in place" in skipped["1"] and "custom autograd" in skipped["2"]
-    assert set(tr.probes()["path"]) == {"(model)", "0", "3"}
+    assert set(skipped) == {"1", "2", "3", "(model)"}     # the root holds the counter too: not run twice either
+    assert "in place" in skipped["1"] and "custom autograd" in skipped["2"] and "'calls'" in skipped["3"]
+    assert model[3].calls.item() == 4                     # one count per real forward: never run twice
+    assert set(tr.probes()["path"]) == {"0", "4"}
     assert not any(m._forward_pre_hooks for m in model.modules())     # nothing left armed after the run
 
 

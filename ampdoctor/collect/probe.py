@@ -95,6 +95,23 @@ def _versions(args, kwargs) -> list:
     return [(t, t._version) for t in H.float_tensors((args, kwargs))]
 
 
+def _state_versions(module) -> dict:
+    """Tensors a module (or a child) holds as plain attributes, not parameters or buffers (a counter, a cache):
+    functional_call cannot swap them for copies, so a module whose forward updates or replaces one must not run a
+    second time. (path of the attribute) -> (tensor, version)."""
+    return {(id(m), name): (t, t._version) for m in module.modules() for name, t in vars(m).items()
+            if isinstance(t, torch.Tensor)}
+
+
+def _changed_state(before: dict, module) -> str | None:
+    """The first plain tensor attribute the forward updated in place, replaced or added since ``before``."""
+    for key, (t, v) in _state_versions(module).items():
+        old = before.get(key)
+        if old is None or old[0] is not t or old[1] != v:
+            return key[1]
+    return None
+
+
 @dataclass
 class _Frame:
     """One module call in progress: where its forward started."""
@@ -102,6 +119,7 @@ class _Frame:
     path: str
     rng: tuple
     versions: list
+    state: dict
     child_k: int = 0
 
 
@@ -141,7 +159,7 @@ class Recorder:
             self._handles.add(mod.register_forward_pre_hook(self._pre(path), with_kwargs=True))
             self._handles.add(mod.register_forward_hook(self._post(path, mod), with_kwargs=True))
         if root_args is not None:
-            self._open(self.modules[0][0], root_args, root_kwargs or {})
+            self._open(self.modules[0][0], self.modules[0][1], root_args, root_kwargs or {})
 
     def disarm(self) -> list[Call]:
         self._handles.remove()
@@ -153,9 +171,10 @@ class Recorder:
         return (not self._inside and (torch.is_grad_enabled() or not self.need_grad)
                 and H.graph_task_id() == -1)       # a checkpoint recomputation is not a new call
 
-    def _open(self, path, args, kwargs) -> None:
+    def _open(self, path, module, args, kwargs) -> None:
         x = H.first_tensor(args, kwargs)
-        self._stack.append(_Frame(path, _rng_get(x.device if x is not None else None), _versions(args, kwargs)))
+        self._stack.append(_Frame(path, _rng_get(x.device if x is not None else None), _versions(args, kwargs),
+                                  _state_versions(module)))
 
     def _guarded(self, fn):
         def hook(*args):
@@ -171,7 +190,7 @@ class Recorder:
     def _pre(self, path):
         def hook(module, args, kwargs):
             if self._active():
-                self._open(path, args, kwargs)
+                self._open(path, module, args, kwargs)
         return self._guarded(hook)
 
     def _post(self, path, module):
@@ -196,6 +215,8 @@ class Recorder:
             call.skipped = "no floating-point output"
         elif any(t._version != v for t, v in frame.versions):
             call.skipped = "modifies its input in place (the inputs it started from are gone)"
+        elif (changed := _changed_state(frame.state, module)) is not None:
+            call.skipped = f"keeps state in its tensor attribute {changed!r} (a second run would change it)"
         elif mtype in _COMMUNICATING:
             call.skipped = "distributed wrapper (its forward communicates with the other ranks)"
         elif any(isinstance(t.grad_fn, torch.autograd.function.BackwardCFunction) for t in outs):
