@@ -100,6 +100,10 @@ def test_one_off_probe_names_the_layer_and_compares_the_loss():
     assert rep_eval.loss_half > 1.5 * rep_eval.loss_fp32
     text = str(rep)
     assert "<- precision loss" in text and 'keep_fp32(model, "0")' in text and "loss:" in text
+    # the same in BF16 (u = 2^-8; features fed in BF16): named, and the bound is BF16's
+    bf = ampdoctor.probe(model, (x.bfloat16(), y), M.mse, dtype=torch.bfloat16)
+    assert bf.dtype == "bfloat16" and [r["path"] for r in bf.flagged] == ["0"]
+    assert bf.flagged[0]["bound"] == pytest.approx(math.sqrt(M.D_IN) * 2.0 ** -8)
 
 
 def test_healthy_models_get_no_precision_loss(tmp_path):
