@@ -30,6 +30,7 @@ bench: install
 	$(BIN)/pip install -q -e ".[bench]"
 	$(BIN)/python benchmarks/overhead.py --peers
 	$(BIN)/python benchmarks/trace_io.py
+	$(BIN)/python benchmarks/probe_overhead.py
 
 clean:
 	rm -rf runs build *.egg-info

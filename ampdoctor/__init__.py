@@ -18,7 +18,8 @@ def attach(model, optimizer=None, scaler=None, trace: str = "runs/ampdoctor.db",
     updates, 200), include / exclude (module name prefixes, globs or a ``(path, module) -> bool`` predicate),
     live (run the rules while training, default True), on_finding (callback per new finding), halt_on
     ("info" | "warning" | "critical": raise TrainingHalted at the next step boundary), log_every (one-line health
-    summary every N steps), rules (rule overrides for the live diagnosis, as for ``diagnose``).
+    summary every N steps), rules (rule overrides for the live diagnosis, as for ``diagnose``), probe_every
+    (recompute every observed module in FP32 every N steps and record its half-precision error; off by default).
     """
     from .collect.session import attach as _attach
     return _attach(model, optimizer=optimizer, scaler=scaler, trace=trace, **options)
@@ -32,5 +33,12 @@ from .keep_fp32 import keep_fp32  # noqa: E402
 from .replay import replay  # noqa: E402
 
 
-__all__ = ["attach", "load", "load_run", "RankRun", "diagnose", "replay", "keep_fp32", "Trace", "TraceError", "Diagnosis",
-           "TrainingHalted", "__version__"]
+def probe(model, batch, loss_fn=None, **options):
+    """One-off precision-loss check: every module's half-precision output against its FP32 recomputation, and the
+    loss both ways; nothing in the model changes. Returns a ProbeReport (print it). See collect/probe.py."""
+    from .collect.probe import probe as _probe
+    return _probe(model, batch, loss_fn, **options)
+
+
+__all__ = ["attach", "load", "load_run", "RankRun", "diagnose", "replay", "keep_fp32", "probe", "Trace", "TraceError",
+           "Diagnosis", "TrainingHalted", "__version__"]

@@ -188,6 +188,8 @@ SORT_KEYS = ("order", "absmax", "minabs", "mean", "rms", "fp16_under", "fp16_ove
 
 def cmd_layers(args) -> int:
     tr = load(args.trace)
+    if args.probe:
+        return cmd_layers_probe(tr, args)
     sites = tr.sites(args.kind)
     full = tr.full_steps()
     if not len(full):
@@ -229,6 +231,37 @@ def cmd_layers(args) -> int:
     return EXIT_OK
 
 
+def cmd_layers_probe(tr, args) -> int:
+    """``layers --probe``: each module's half-precision error against FP32 at one probed step, worst ratio first."""
+    from .diagnose import precision
+    from .diagnose.engine import Run
+    pr = tr.probes()
+    if not len(pr):
+        raise UsageError(f"{args.trace}: no probe results; attach(..., probe_every=N) records them")
+    probed = sorted(pr["step"].unique().tolist())
+    step = probed[-1] if args.step is None else args.step
+    if step not in probed:
+        near = min(probed, key=lambda s: abs(s - step))
+        raise UsageError(f"step {step} was not probed; nearest probed step: {near}")
+    run = Run(tr)
+    dtype = precision.compute_dtype(run)
+    rows = pr[pr["step"] == step].to_dict("records")
+    print(f"probe at step {step} ({len(probed)} probed steps): {dtype} output against FP32 from the same inputs; "
+          f"bound sqrt(k)*u, u = {precision.unit_roundoff(dtype):.3g}")
+    print(precision.format_table(rows, dtype))
+    ev = tr.events("probe")
+    skipped = ev[ev["step"] == step]["data"].iloc[0].get("skipped", {}) if len(ev[ev["step"] == step]) else {}
+    for path, why in skipped.items():
+        print(f"skipped {path}: {why}")
+    named = [v for v in precision.layer_verdicts(run) if v["named"]]
+    if named:
+        print(f"precision loss over the probed steps: {', '.join(v['path'] for v in named)}; fix:")
+        print(precision.fix_line([v["path"] for v in named]))
+    else:
+        print("no layer loses more precision than its size explains")
+    return EXIT_OK
+
+
 # -- entry point -------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="ampdoctor", description="Diagnose mixed-precision (FP16/BF16) training from a trace file.")
@@ -242,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--step", type=int, default=None, help="step (default: the last with full statistics)")
     sp.add_argument("--kind", default="grad_out", choices=["act", "grad_out", "param_grad", "weight", "update"])
     sp.add_argument("--sort", default="order", choices=SORT_KEYS, help="column to sort by (worst first)")
+    sp.add_argument("--probe", action="store_true",
+                    help="the precision-loss probe instead: each module's error against FP32 (needs probe_every)")
     sp.set_defaults(func=cmd_layers)
     for name, (module, help_) in PLUGIN_COMMANDS.items():
         try:

@@ -22,7 +22,7 @@ from flask import Response, request
 from ampdoctor.trace import TraceError, load
 
 from . import data, hosts, ids, ranks
-from .pages import compare, layer, layers, overview, precision, whatif
+from .pages import compare, formats, layer, layers, overview, precision, whatif
 from .pages.common import href, parse_search
 
 PAGES = {  # path -> (nav label, module)
@@ -31,6 +31,7 @@ PAGES = {  # path -> (nav label, module)
     "/layer": (None, layer),
     "/precision": ("Precision map", precision),
     "/whatif": ("What-if", whatif),
+    "/formats": ("Formats", formats),
     "/compare": ("Compare", compare),
 }
 REFERENCE_KEY = "reference"

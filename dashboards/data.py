@@ -409,3 +409,50 @@ def compare_layers(tr_a, tr_b, stat: str = "absmax_log2", kind: str = "grad_out"
     df = df.loc[[p for p in order if p in df.index]]
     df["diff"] = df["b"] - df["a"]
     return df
+
+
+# -- formats: the FP8/FP16/BF16 what-if and the precision-loss probe --------------------------------------------
+def formats_rows(tr, max_rows: int = 200) -> list[dict]:
+    """Per site (activations, output gradients): the share of non-zero values each format would lose (saturated or
+    flushed; FP8 with Transformer Engine's default delayed scaling) and the FP16 headroom, worst E4M3 first."""
+    from ampdoctor import whatif
+    table = whatif.formats_table(tr)
+    if not len(table):
+        return []
+    table = table.sort_values("e4m3_lost", ascending=False, na_position="last").head(max_rows)
+
+    def pct(v):
+        return "-" if v != v else f"{100 * v:.2f}%"
+    def binades(v):
+        return "-" if v != v else f"{v:.1f}"
+    return [{"layer": r.path, "kind": r.kind, "dtype": r.dtype,
+             "FP16 headroom (binades)": binades(r.fp16_headroom), "BF16 headroom": binades(r.bf16_headroom),
+             "span (binades)": binades(r.span),
+             "FP16 lost": pct(r.fp16_lost), "BF16 lost": pct(r.bf16_lost), "E4M3 lost": pct(r.e4m3_lost),
+             "E5M2 lost": pct(r.e5m2_lost)} for r in table.itertuples()]
+
+
+def formats_shares(tr, max_rows: int = 40) -> tuple[list, dict]:
+    """(labels, {format: lost shares}) of the sites worst in E4M3, for the formats bar chart."""
+    from ampdoctor import whatif
+    table = whatif.formats_table(tr)
+    if not len(table):
+        return [], {}
+    table = table.sort_values("e4m3_lost", ascending=False, na_position="last").head(max_rows)
+    labels = [f"{p} ({k})" for p, k in zip(table["path"], table["kind"])]
+    return labels, {n.upper(): table[f"{n}_lost"].to_numpy(float) for n in whatif.FORMATS}
+
+
+def probe_series(tr, max_layers: int = 12) -> tuple[dict, dict, list[dict]]:
+    """Probe error over steps: ({layer: (steps, rel_err)}, {layer: sqrt(k)*u bound}, per-layer verdicts), the
+    named layers and the largest ratios first."""
+    from ampdoctor.diagnose import precision
+    from ampdoctor.diagnose.engine import Run as _DiagRun
+    verdicts = precision.layer_verdicts(_DiagRun(tr))
+    pr = tr.probes()
+    series, bounds = {}, {}
+    for v in verdicts[:max_layers]:
+        g = pr[pr["path"] == v["path"]]
+        series[v["path"]] = (g["step"].to_numpy(), g["rel_err"].to_numpy(float))
+        bounds[v["path"]] = v["bound"]
+    return series, bounds, verdicts

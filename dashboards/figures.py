@@ -276,8 +276,9 @@ def whatif_figure(steps, recorded, simulated, recorded_skipped, simulated_skippe
             continue
         ys.append(y)
         x, yy = downsample(steps, y)
-        fig.add_scatter(x=x, y=yy, mode="lines", name=f"{name} scale", line=dict(color=color, dash=dash, shape="hv"),
-                        hovertemplate=name + " 2^%{y} at step %{x}<extra></extra>")
+        fig.add_scatter(x=x, y=yy, mode="lines", name=text(f"{name} scale"),
+                        line=dict(color=color, dash=dash, shape="hv"),
+                        hovertemplate="%{fullData.name} 2^%{y} at step %{x}<extra></extra>")
         idx = np.flatnonzero(np.asarray(skips, bool))
         if len(idx):
             idx = idx[thin(idx)]
@@ -314,4 +315,42 @@ def compare_layers_figure(labels, a, b, names=("run", "reference"), stat_label: 
     fig.add_scatter(y=labels, x=(_finite(b) - _finite(a)).tolist(), mode="markers", name="difference",
                     marker=dict(color="black", symbol="diamond", size=8))
     fig.update_yaxes(autorange="reversed")
+    return fig
+
+
+# -- formats ------------------------------------------------------------------------------------------------------
+def probe_error_figure(series: dict, bounds: dict, title: str = "Probe: relative error against FP32 (log10)"):
+    """Per layer, its norm-wise relative error at each probed step (markers) and its sqrt(k)*u bound (dotted)."""
+    fig = go.Figure(layout=_layout(title, xaxis_title="step", yaxis_title="log10 relative error"))
+    any_data = False
+    for i, (name, (x, y)) in enumerate(series.items()):
+        y = np.asarray(y, dtype=float)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ly = np.where(y > 0, np.log10(y), np.nan)
+        if not np.isfinite(ly).any():
+            continue
+        any_data = True
+        color = f"hsl({(i * 47) % 360},65%,45%)"
+        xx, yy = downsample(np.asarray(x), ly)
+        fig.add_scatter(x=xx, y=yy, mode="lines+markers", name=text(name), line=dict(color=color),
+                        hovertemplate="%{fullData.name} 10^%{y:.2f} at step %{x}<extra></extra>")
+        if name in bounds and len(xx):
+            fig.add_scatter(x=[xx[0], xx[-1]], y=[np.log10(bounds[name])] * 2, mode="lines", showlegend=False,
+                            name=text(name), line=dict(color=color, dash="dot"),
+                            hovertemplate="%{fullData.name} sqrt(k)*u<extra></extra>")
+    return fig if any_data else _empty(title, "no probe results: attach(..., probe_every=N) records them")
+
+
+def formats_figure(labels, lost: dict, title: str = "Share of non-zero values lost per format"):
+    """Grouped bars: per site, the share each format would saturate or flush (FP8 with delayed scaling)."""
+    if not len(labels):
+        return _empty(title, "no exponent histograms recorded yet")
+    fig = go.Figure(layout=_layout(title, barmode="group", yaxis_title="share lost (%)",
+                                   height=max(320, 28 * len(labels) + 120)))
+    labels = [text(p) for p in labels]
+    for name, shares in lost.items():
+        fig.add_bar(x=100 * np.nan_to_num(np.asarray(shares, dtype=float)), y=labels, name=text(name),
+                    orientation="h", hovertemplate="%{y}: %{x:.2f}% lost in %{fullData.name}<extra></extra>")
+    fig.update_yaxes(autorange="reversed")
+    fig.update_layout(xaxis_title="share lost (%)", yaxis_title=None)
     return fig

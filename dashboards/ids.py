@@ -46,3 +46,9 @@ COMPARE_OTHER = "compare-other"
 COMPARE_STAT = "compare-stat"
 COMPARE_LOSS = "compare-loss"
 COMPARE_LAYERS = "compare-layers"
+
+# formats
+FORMATS_VERDICT = "formats-verdict"
+FORMATS_PROBE = "formats-probe"
+FORMATS_SHARES = "formats-shares"
+FORMATS_TABLE = "formats-table"

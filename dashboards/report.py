@@ -96,8 +96,22 @@ def key_figures(tr) -> list:
     return figs
 
 
+def formats_section(tr) -> str:
+    """Formats: the probe's error against FP32 over the steps, and what each format would lose per site."""
+    series, bounds, verdicts = data.probe_series(tr)
+    named = [v["path"] for v in verdicts if v["named"]]
+    probe = (f"<p>Measured precision loss (against FP32): {html.escape(', '.join(named))}</p>" if named else
+             "<p>No layer measured above sqrt(k)*u.</p>" if verdicts else
+             "<p>No probe results (attach(..., probe_every=N) records them).</p>")
+    labels, lost = data.formats_shares(tr)
+    return ("<h2>Formats</h2>" + probe + (_fig(figures.probe_error_figure(series, bounds)) if verdicts else "")
+            + "<p>Share of non-zero values lost (saturated or flushed) per format; FP8 with per-tensor delayed "
+              "scaling (amax over 1024 steps, margin 0).</p>"
+            + _fig(figures.formats_figure(labels, lost)) + _table(data.formats_rows(tr)))
+
+
 # what build_report does, in order (a progress display learns each stage as it starts)
-STAGES = ("diagnosis", "figures", "precision map", "comparison")
+STAGES = ("diagnosis", "figures", "precision map", "formats", "comparison")
 
 
 def build_report(tr, reference=None, progress=None) -> str:
@@ -114,6 +128,8 @@ def build_report(tr, reference=None, progress=None) -> str:
     figs = "\n".join(f"<div>{_fig(f)}</div>" for f in key_figures(tr))
     stage("precision map")
     precision = _table(data.precision_rows(tr))
+    stage("formats")
+    formats = formats_section(tr)
     stage("comparison")
     compare = ""
     if reference is not None:
@@ -138,6 +154,7 @@ def build_report(tr, reference=None, progress=None) -> str:
 <h2>Figures</h2>{figs}
 <h2>Precision map</h2><p>Recommended: matrix multiplies and convolutions forward and backward in FP16/BF16;
 normalisation, softmax, the loss and the weight update in FP32.</p>{precision}
+{formats}
 {compare}
 </body></html>
 """

@@ -47,3 +47,18 @@ def test_fp16_readiness_notebook_runs(tmp_path, monkeypatch):
     assert "first module with NaN/Inf: 0 | named first by fp16-readiness: 0" in text
     assert any("application/vnd.plotly.v1+json" in o.get("data", {})
                for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+
+
+def test_precision_budget_notebook_runs(tmp_path, monkeypatch):
+    import probe_models as M
+    path = str(tmp_path / "fragile.db")
+    M.train(M.standardize_model(), M.tabular(20), 20, path,
+            attach_options={"probe_every": 5, "every": 5, "hist_every": 5, "live": False})
+    monkeypatch.setenv("AMPDOCTOR_TRACE", path)
+    nb, text = execute("precision_budget.ipynb")
+    assert "probed steps: [0, 5, 10, 15]" in text
+    assert "FastStandardize" in text and "<- precision loss" in text
+    assert "e4m3_lost" in text and "history  1024: margin 0" in text
+    assert "WARNING precision-loss ['0']" in text and 'keep_fp32(model, "0")' in text
+    assert sum("application/vnd.plotly.v1+json" in o.get("data", {})
+               for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])) == 2

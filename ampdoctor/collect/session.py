@@ -22,6 +22,7 @@ from ..trace.writer import Entry, StepPacket, Writer
 from . import buffers as B
 from . import guards as G
 from . import hooks as H
+from . import probe as P
 from . import stats as K
 
 log = logging.getLogger("ampdoctor")
@@ -85,7 +86,7 @@ class Doctor:
                  every: int = DEFAULT_EVERY, hist_every: int = DEFAULT_HIST_EVERY,
                  weight_every: int = DEFAULT_WEIGHT_EVERY, include=None, exclude=None,
                  live: bool = True, on_finding=None, halt_on: str | None = None, log_every: int | None = None,
-                 rules: dict | None = None):
+                 rules: dict | None = None, probe_every: int | None = None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"Argument model should be of type torch.nn.Module, but given {type(model)}")
         if optimizer is not None:
@@ -100,6 +101,8 @@ class Doctor:
             raise TypeError(f"Argument trace should be a path (str), but given {type(trace)}")
         if log_every is not None:
             _check_positive("log_every", log_every)
+        if probe_every is not None:
+            _check_positive("probe_every", probe_every)
         if on_finding is not None and not callable(on_finding):
             raise TypeError(f"Argument on_finding should be callable, but given {type(on_finding)}")
         check_severity("halt_on", halt_on)
@@ -109,6 +112,7 @@ class Doctor:
 
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.every, self.hist_every, self.weight_every = every, hist_every, weight_every
+        self.probe_every = probe_every
         self._include, self._exclude = include, exclude
         requested = self.path = _trace_path(trace)
         self._handles = H.Handles()
@@ -205,6 +209,9 @@ class Doctor:
             self._grad_hooks[path] = _eager(functools.partial(self._on_grad, path, mod))
             h.add(mod.register_forward_hook(_eager(functools.partial(self._on_forward, path))))
         h.add(self.model.register_forward_pre_hook(_eager(self._on_root_pre), with_kwargs=True))
+        self._probe = P.StepProbe(self, self.probe_every) if self.probe_every else None
+        if self._probe is not None:
+            h.on_remove(self._probe.disarm)
 
         scaler_on = self.scaler is not None and self._scaler_enabled()
         if self.optimizer is not None:
@@ -334,7 +341,10 @@ class Doctor:
         if self._off or self._external_batches or not torch.is_grad_enabled() or H.graph_task_id() != -1:
             return None
         try:
+            first = self._t_first is None
             self._start_micro(H.first_tensor(args, kwargs))
+            if first and self._probe is not None:
+                self._probe.begin(self._step, args, kwargs)       # the step's first forward: its RNG state, inputs
         except Exception as exc:
             self._fail(exc)
         return None
@@ -636,6 +646,8 @@ class Doctor:
         scale_offs = [self._add_extra(v) if isinstance(v, torch.Tensor) else v for v in scales]
 
         values, bases, bad = self._to_host()            # the step's one host transfer
+        if self._probe is not None:
+            self._probe.end(step)
         extra_base = bases["x"]
         if entries == self._prev_entries:               # same control flow as the last step: one shared Layout
             entries = self._prev_entries
@@ -769,7 +781,8 @@ class Doctor:
                 "model": type(self.model).__name__, "device": dev,
                 "params": int(sum(p.numel() for p in self.model.parameters())),
                 "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
-                "every": self.every, "hist_every": self.hist_every, "weight_every": self.weight_every}
+                "every": self.every, "hist_every": self.hist_every, "weight_every": self.weight_every,
+                "probe_every": self.probe_every}
         if dev == "cuda":
             idx = next(self.model.parameters()).device.index or 0
             cap = torch.cuda.get_device_capability(idx)

@@ -42,6 +42,9 @@ def slow_convergence(run, *, ratio=SLOW_RATIO, max_skip_share=MAX_SKIP_SHARE, al
     # through the engine: the user's thresholds for grad-underflow (or its being disabled) apply here too
     if any(d.severity != "info" for d in run.findings_of("grad-underflow")):
         return None                           # material underflow explains it: fix that first
+    from .precision import measured_culprits
+    if measured_culprits(run):
+        return None                           # a layer measured losing precision explains it (precision-loss)
     sa, sb = smooth(a), smooth(b)
     n = min(len(sa), len(sb))
     start, best = sb[0], float(np.nanmin(sb))

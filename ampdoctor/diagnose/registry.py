@@ -2,8 +2,8 @@
 ``ampdoctor.diagnose(path, rules={"grad-underflow": {"min_share": 0.05}, "amp-inactive": None})``."""
 from __future__ import annotations
 
-from . import (convergence, divergence, dynamics, overflow, policy, ranks, scaling, throughput, underflow, validation,
-               weights)
+from . import (convergence, divergence, dynamics, fp8, overflow, policy, precision, ranks, scaling, throughput,
+               underflow, validation, weights)
 from .engine import Rule
 
 RULES = {r.id: r for r in (
@@ -21,7 +21,9 @@ RULES = {r.id: r for r in (
     Rule("late-degradation", dynamics.late_degradation, "a late loss trend break a loss-scaler dynamic explains"),
     Rule("val-oscillation", validation.val_oscillation, "a validation metric oscillates beyond its trend"),
     Rule("slow-convergence", convergence.slow_convergence, "slower than a reference run with nothing numeric to blame"),
+    Rule("precision-loss", precision.precision_loss, "a layer loses more precision than its size explains"),
     Rule("fp16-readiness", underflow.fp16_readiness, "an FP32/BF16 run: would it survive FP16?"),
+    Rule("fp8-readiness", fp8.fp8_readiness, "which layers FP8 with delayed scaling would lose, which recipe keeps them"),
     Rule("rank-nonfinite", ranks.rank_nonfinite, "NaN/Inf produced on some ranks only", scope="ranks"),
     Rule("rank-scale-divergence", ranks.rank_scale_divergence, "the ranks' loss scales part ways", scope="ranks"),
     Rule("rank-straggler", ranks.rank_straggler, "one rank's steps or data wait hold the others back",

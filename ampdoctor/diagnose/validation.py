@@ -82,7 +82,10 @@ def residuals(steps: np.ndarray, values: np.ndarray, late_share: float = LATE_SH
 def culprits(run) -> list[tuple[str, str]]:
     """(layer, why) for the layers whose precision is worst: normalisation layers whose parameters and running
     statistics are in half precision, then normalisation layers computing in half precision, then the other
-    half-precision layers by their headroom under the format's max. Empty for an FP32 run."""
+    half-precision layers by their headroom under the format's max. Empty for an FP32 run. Layers the precision
+    probe measured losing precision (precision-loss) come first: a measurement, not a guess."""
+    from .precision import measured_culprits
+    measured = measured_culprits(run)
     acts = run.sites("act")
     pdt = run.config.get("module_param_dtypes", {}) or {}
     types = run.module_types
@@ -96,6 +99,7 @@ def culprits(run) -> list[tuple[str, str]]:
         if path not in seen and mtype in NORM_TYPES and half_act.get(path) in formats.REDUCED:
             out.append((path, f"{mtype} computes in {half_act[path]}"))
             seen.add(path)
+    out = measured + [(p, why) for p, why in out if p not in {m for m, _ in measured}]
     if out:
         return out
     half = acts[acts["dtype"].isin(formats.REDUCED) & (acts["path"] != "(model)")]

@@ -156,6 +156,22 @@ class Trace:
         return pd.DataFrame(self._query(sql + " ORDER BY step, rowid", args),
                             columns=["step", "name", "value", "time"])
 
+    def probes(self) -> pd.DataFrame:
+        """Precision-loss probe results (``attach(probe_every=N)``): one row per probed step and module: step, site,
+        path, module_type, calls, k (terms per output element), numel, dtype (of the half-precision output),
+        rel_err (norm-wise relative error against the FP32 recomputation), max_err (max |error| / max |FP32 output|),
+        ref_norm, ref_absmax. Empty for a run without probes (and for traces written before the table existed)."""
+        cols = ["step", "site", "path", "module_type", "calls", "k", "numel", "dtype", *schema.PROBE_FIELDS]
+        if not self._query("SELECT name FROM sqlite_master WHERE type = 'table' AND name = 'probes'"):
+            return pd.DataFrame(columns=cols)
+        rows = self._query(f"SELECT p.step, p.site, s.path, s.module_type, p.calls, p.k, p.numel, p.dtype, "
+                           f"{', '.join('p.' + f for f in schema.PROBE_FIELDS)} FROM probes p "
+                           f"LEFT JOIN sites s ON s.id = p.site ORDER BY p.step, p.site")
+        df = pd.DataFrame(rows, columns=cols)
+        for f in schema.PROBE_FIELDS:
+            df[f] = pd.to_numeric(df[f], errors="coerce").astype(float)
+        return df
+
     def events(self, kind: str | None = None) -> pd.DataFrame:
         """Events (e.g. kind "nonfinite": where the first NaN/Inf of a step came from), with the site path."""
         sql = ("SELECT e.step, e.kind, e.site, s.path, s.kind, e.phase, e.message, e.data FROM events e "

@@ -14,6 +14,7 @@ STATS_FIELDS = ("numel", "nan", "inf", "zeros", "absmax", "minabs", "mean", "rms
 STEP_FIELDS = ("step", "time", "step_time", "data_time", "samples", "samples_per_s", "loss", "lr",
                "loss_scale", "loss_scale_next", "skipped", "grad_norm", "microbatches", "peak_mem",
                "level", "nonfinite")
+PROBE_FIELDS = ("rel_err", "max_err", "ref_norm", "ref_absmax")   # probes table (added in 0.1; absent before)
 KINDS = ("act", "grad_out", "param_grad", "weight", "update")
 ROOT = "(model)"                  # how the root module is named in site paths
 
@@ -39,6 +40,9 @@ CREATE TABLE hists (step INTEGER NOT NULL, site INTEGER NOT NULL, lo INTEGER NOT
 CREATE TABLE events (
     id INTEGER PRIMARY KEY, step INTEGER, kind TEXT NOT NULL, site INTEGER, phase TEXT, message TEXT, data TEXT);
 CREATE TABLE metrics (step INTEGER, name TEXT NOT NULL, value REAL, time REAL);
+CREATE TABLE probes (
+    step INTEGER NOT NULL, site INTEGER NOT NULL, calls INTEGER, k INTEGER, numel INTEGER, dtype TEXT,
+    {", ".join(f + " REAL" for f in PROBE_FIELDS)}, PRIMARY KEY (step, site)) WITHOUT ROWID;
 CREATE INDEX metrics_name ON metrics (name, step);
 CREATE INDEX events_step ON events (step);
 """

@@ -310,6 +310,13 @@ class Writer(threading.Thread):
             conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (item[1], json.dumps(item[2])))
         elif tag == "metric":
             conn.execute("INSERT INTO metrics (step, name, value, time) VALUES (?, ?, ?, ?)", item[1:])
+        elif tag == "probe":                 # a probed step: per-module errors against FP32, and what was skipped
+            step, rows, info = item[1:]
+            conn.executemany(f"INSERT OR REPLACE INTO probes VALUES ({','.join('?' * (6 + len(schema.PROBE_FIELDS)))})",
+                             [tuple(_sql(v) if isinstance(v, float) else v for v in r) for r in rows])
+            conn.execute("INSERT INTO events (step, kind, site, phase, message, data) VALUES (?, 'probe', NULL, "
+                         "'fwd', ?, ?)", (step, f"{len(rows)} module(s) compared with FP32, "
+                                                f"{len(info.get('skipped', {}))} skipped", json.dumps(info)))
         elif tag == "event":
             step, kind, site, phase, message, data = item[1:]
             conn.execute("INSERT INTO events (step, kind, site, phase, message, data) VALUES (?, ?, ?, ?, ?, ?)",

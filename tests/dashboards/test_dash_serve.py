@@ -91,7 +91,7 @@ def test_every_page_and_callback_works_on_every_kind_of_trace(request, which, ru
     ctx = create_app(str(root), reference=str(request.getfixturevalue("traces") / "bf16.db")).ampdoctor
     tr = ctx.trace(run)
     search = f"?run={run}&site={int(tr.sites()['id'].iloc[-1]) if len(tr.sites()) else 0}"
-    for path in ("/", "/layers", "/layer", "/precision", "/whatif", "/compare", "/nope"):
+    for path in ("/", "/layers", "/layer", "/precision", "/whatif", "/formats", "/compare", "/nope"):
         head, page = render(ctx, path, search)
         assert head is not None and page is not None
     version = {"run": run, "n": tr.n_steps}

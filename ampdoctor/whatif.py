@@ -1,0 +1,207 @@
+"""Format what-if from a trace: the share of each site's values that FP8 (E4M3, E5M2, with the delayed-scaling
+recipe) and FP16/BF16 (at the recorded loss scale) would saturate or flush to zero, from the recorded exponent
+histograms and per-step peaks, without the model. Offline side: numpy/pandas only.
+
+Boundaries are those of a round-to-nearest-even cast (checked against real torch casts in tests/test_whatif.py):
+a value flushes to zero iff |x| <= min_subnormal / 2 (the tie goes to the even 0); it overflows (Inf in FP16, BF16
+and E5M2; E4M3 has no Inf and torch saturates it to 448) iff |x| > max + ulp(max)/2, or >= when max's last mantissa
+bit is odd and the tie rounds away (E5M2 61440, FP16 65520, BF16 (2-2^-8)*2^127; E4M3 448's bit is even: > 464).
+A histogram holds binades [2^e, 2^(e+1)), so a share is known exactly except for the one binade a boundary cuts:
+every share is an interval (lo: values certainly lost, hi: possibly lost), a single number when that binade is empty
+or the recorded abs max settles it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from . import formats
+
+FP8 = {"e4m3": formats.FP8_E4M3, "e5m2": formats.FP8_E5M2}
+HALF = {"fp16": formats.FP16, "bf16": formats.BF16}
+FORMATS = {**HALF, **FP8}
+# Transformer Engine's DelayedScaling defaults: amax over the last 1024 steps, margin 0, the "max" algorithm.
+HISTORY, MARGIN = 1024, 0
+_E = np.arange(-127, 128, dtype=np.float64)           # binade of column j is j - 127; column 0 is (0, 2^-126)
+_LOWER = np.where(_E == -127, 0.0, np.exp2(_E))
+_UPPER = np.exp2(_E + 1)
+
+
+@dataclass(frozen=True)
+class Edges:
+    """Where a round-to-nearest-even cast to a format stops representing a value."""
+
+    overflow: float          # |x| above this saturates (E4M3) or becomes Inf
+    overflow_tie: bool       # True: |x| == overflow itself overflows (the tie rounds away from max)
+    flush: float             # 0 < |x| <= flush rounds to zero
+
+
+def edges(fmt: formats.Format) -> Edges:
+    ulp_max = 2.0 ** (fmt.max_exp - fmt.mantissa_bits)
+    odd = int(round(fmt.max / ulp_max)) % 2 == 1     # ties go to the even neighbour: away from an odd max
+    return Edges(fmt.max + ulp_max / 2, odd, fmt.min_subnormal / 2)
+
+
+def lost(values, fmt: formats.Format) -> tuple[np.ndarray, np.ndarray]:
+    """Value by value (exact): (would overflow/saturate, would flush to zero) masks of a cast to ``fmt``."""
+    a = np.abs(np.asarray(values, dtype=np.float64))
+    e = edges(fmt)
+    over = a >= e.overflow if e.overflow_tie else a > e.overflow
+    return over, (a > 0) & (a <= e.flush)
+
+
+def above(counts: np.ndarray, edge, tie: bool, absmax=None) -> tuple[np.ndarray, np.ndarray]:
+    """(lo, hi) counts of histogram rows (last axis: 255 binades) with |x| > edge (>= when ``tie``); ``edge`` and
+    ``absmax`` broadcast per row."""
+    edge = np.asarray(edge, dtype=np.float64)[..., None]
+    certain = (_LOWER > edge) | ((_LOWER == edge) & tie)
+    possible = _UPPER > edge
+    lo, hi = (counts * certain).sum(-1), (counts * possible).sum(-1)
+    if absmax is not None:
+        am = np.asarray(absmax, dtype=np.float64)
+        clear = (am < edge[..., 0]) | ((am == edge[..., 0]) & (not tie))
+        lo, hi = np.where(clear, 0, lo), np.where(clear, 0, hi)
+        lo = np.where(~clear & np.isfinite(am) & (hi > 0), np.maximum(lo, 1), lo)
+    return lo, hi
+
+
+def below(counts: np.ndarray, edge) -> tuple[np.ndarray, np.ndarray]:
+    """(lo, hi) counts of histogram rows with 0 < |x| <= edge."""
+    edge = np.asarray(edge, dtype=np.float64)[..., None]
+    return (counts * (_UPPER <= edge)).sum(-1), (counts * (_LOWER <= edge)).sum(-1)
+
+
+def delayed_scales(amax: np.ndarray, fmt: formats.Format, history: int = HISTORY,
+                   margin: int = MARGIN) -> tuple[np.ndarray, np.ndarray]:
+    """The per-step scale of the delayed-scaling recipe, fmt.max / (max of the amax of the previous ``history``
+    steps) / 2^margin, and how many finite amax values that window held. A step whose window holds none keeps the
+    previous scale (1.0 at first, as Transformer Engine starts); a non-finite amax (an overflowed step) is left out.
+    ``amax``: one value per step, or [steps x sites] (every column at once)."""
+    amax = np.asarray(amax, dtype=np.float64)
+    a = pd.DataFrame(np.where(np.isfinite(amax) & (amax > 0), amax, np.nan).reshape(len(amax), -1)).shift(1)
+    window = a.rolling(history, min_periods=1)
+    scale = pd.DataFrame(fmt.max / window.max().to_numpy() / 2.0 ** margin).ffill().fillna(1.0).to_numpy()
+    held = window.count().fillna(0).to_numpy()
+    return (scale, held) if amax.ndim > 1 else (scale[:, 0], held[:, 0])
+
+
+def shares(counts: np.ndarray, absmax: np.ndarray, fmt: formats.Format, scale) -> dict:
+    """Per row: saturated and flushed shares (lo, hi) of the non-zero values when x * scale is cast to ``fmt``."""
+    e = edges(fmt)
+    scale = np.asarray(scale, dtype=np.float64)
+    total = counts.sum(-1).astype(np.float64)
+    n = np.where(total > 0, total, 1.0)
+    s_lo, s_hi = above(counts, e.overflow / scale, e.overflow_tie, absmax)
+    f_lo, f_hi = below(counts, e.flush / scale)
+    return {"sat": (s_lo / n, s_hi / n), "flush": (f_lo / n, f_hi / n), "nonzero": total}
+
+
+# -- over a trace -------------------------------------------------------------------------------------------------
+class Inputs:
+    """What the what-if reads for the sites of one kind, read once: abs max per step, the per-step amax (peaks),
+    the factor that turns stored values into real ones (output gradients carry the loss scale), the anomalous
+    steps; the histograms and the delayed-scaling scales of every site are computed on first use and kept."""
+
+    def __init__(self, tr, kind: str):
+        self.tr, self.kind = tr, kind
+        self.sites = tr.sites(kind)
+        self.column = {int(s): j for j, s in enumerate(self.sites["id"])}
+        steps = tr.steps()
+        self.anomalous = steps["skipped"].to_numpy(bool) | steps["nonfinite"].to_numpy(bool)
+        self.peaks = tr.records("peak", kind)
+        self.absmax = tr.records("absmax", kind)
+        self.stored = np.ones(len(steps))
+        if kind == "grad_out":          # output gradients are stored as backward carries them: scaled
+            ls = steps["loss_scale"].to_numpy(float)
+            self.stored = np.where(np.isfinite(ls) & (ls > 0), ls, 1.0)
+        self._scales: dict = {}
+        self._hists: dict = {}
+
+    def scales(self, name: str, history: int, margin: int) -> tuple[np.ndarray, np.ndarray]:
+        """[steps x sites] delayed-scaling scales and amax counts (``delayed_scales``), all sites at once."""
+        key = (name, history, margin)
+        if key not in self._scales:
+            self._scales[key] = delayed_scales(self.peaks / self.stored[:, None], FP8[name], history, margin)
+        return self._scales[key]
+
+    def hist(self, sid: int):
+        if sid not in self._hists:
+            self._hists[sid] = self.tr.hist(sid)
+        return self._hists[sid]
+
+
+def site_whatif(tr, site, kind: str, *, history: int = HISTORY, margin: int = MARGIN,
+                inputs: Inputs | None = None) -> pd.DataFrame:
+    """One row per histogram step of one site: for FP16/BF16 (values as recorded, i.e. output gradients at the
+    recorded loss scale) and E4M3/E5M2 (real values times the delayed-scaling scale) the saturated and flushed
+    shares, as lo/hi columns (``e4m3_sat_lo``, ``e4m3_sat_hi``, ...), the scales, the non-zero count, ``history``
+    (finite amax values the recipe's window held) and ``clean`` (a finished step without NaN/Inf: the ones to judge
+    by; an overflowed step's histogram is partial). ``inputs``: an ``Inputs(tr, kind)`` shared by many calls."""
+    inp = inputs if inputs is not None else Inputs(tr, kind)
+    peaks, stored = inp.peaks, inp.stored
+    sid = tr.site_id(site, kind)
+    j = inp.column[sid]
+    hsteps, counts = inp.hist(sid)
+    out = {"step": hsteps}
+    if not len(hsteps):
+        return pd.DataFrame(out)
+    counts = counts.astype(np.float64)
+    am = inp.absmax[hsteps, j]
+    for name, fmt in HALF.items():
+        sh = shares(counts, am, fmt, 1.0)
+        _put(out, name, sh)
+    for name, fmt in FP8.items():
+        sc, held = (m[:, j] for m in inp.scales(name, history, margin))
+        s = sc[hsteps] / stored[hsteps]                  # stored value v = real x * stored; cast x * sc
+        _put(out, name, shares(counts, am, fmt, s))
+        out[f"{name}_scale"] = sc[hsteps]
+    out["nonzero"] = counts.sum(-1)
+    occupied = counts > 0            # binades between the smallest and the largest non-zero |x|, both included
+    out["span"] = np.where(occupied.any(-1), counts.shape[-1] - occupied[:, ::-1].argmax(-1) - occupied.argmax(-1), 0)
+    out["history"] = held[hsteps]
+    out["clean"] = ~inp.anomalous[hsteps] & np.isfinite(peaks[hsteps, j])
+    return pd.DataFrame(out)
+
+
+def judged(df: pd.DataFrame, fp8: bool = True) -> pd.DataFrame:
+    """The histogram steps a verdict rests on: clean ones, and for FP8 those whose scale had an amax history."""
+    if not len(df):
+        return df
+    keep = df["clean"] & (df["history"] > 0) if fp8 else df["clean"]
+    return df[keep]
+
+
+def _put(out: dict, name: str, sh: dict) -> None:
+    for what in ("sat", "flush"):
+        out[f"{name}_{what}_lo"], out[f"{name}_{what}_hi"] = sh[what]
+
+
+def formats_table(tr, kinds=("act", "grad_out"), *, history: int = HISTORY, margin: int = MARGIN) -> pd.DataFrame:
+    """Per site: the median over histogram steps of the certainly lost share (saturated + flushed, lo) in each
+    format (FP8 only over steps that had an amax history), the FP16 and BF16 headroom in binades (log2 of the
+    overflow edge over the largest recorded |x|) and the median span of the values in binades (FP8 per-tensor
+    scaling can hold log2(448 / 2^-9) = 17.8 binades in E4M3, 31.8 in E5M2)."""
+    rows = []
+    for kind in kinds:
+        inp = Inputs(tr, kind)
+        for s in inp.sites.itertuples():
+            df = site_whatif(tr, int(s.id), kind, history=history, margin=margin, inputs=inp)
+            if not len(df):
+                continue
+            row = {"path": s.path, "kind": kind, "dtype": s.dtype, "hist_steps": len(df)}
+            for name in FORMATS:
+                d = judged(df, name in FP8)
+                lost_lo = d[f"{name}_sat_lo"] + d[f"{name}_flush_lo"]
+                lost_hi = d[f"{name}_sat_hi"] + d[f"{name}_flush_hi"]
+                row[f"{name}_lost"] = float(np.median(lost_lo)) if len(d) else math.nan
+                row[f"{name}_lost_hi"] = float(np.median(lost_hi)) if len(d) else math.nan
+            col = inp.absmax[:, inp.column[int(s.id)]]                          # abs max per step
+            am = float(np.max(col[np.isfinite(col)])) if np.isfinite(col).any() else math.nan
+            for name in HALF:
+                row[f"{name}_headroom"] = math.log2(edges(HALF[name]).overflow / am) if am > 0 else math.nan
+            row["span"] = float(np.median(judged(df, False)["span"])) if len(judged(df, False)) else math.nan
+            rows.append(row)
+    return pd.DataFrame(rows)

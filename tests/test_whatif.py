@@ -1,0 +1,171 @@
+"""The format what-if against real torch casts: exact round-to-nearest boundaries value by value, and the shares
+derived from a real run's histograms (delayed scaling, loss scale) against casting the tensors that run produced."""
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import ampdoctor
+import probe_models as M
+from ampdoctor import whatif as W
+from ampdoctor.diagnose import fp8 as R
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def real_loss(y: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(saturated/overflowed, flushed) masks of a real cast of float32 ``y`` to the format: torch's E4M3 cast
+    saturates, so there a value is saturated when its cast differs from the cast at a 16x lower exponent (scaling
+    by 16 is exact, and rounds the same where no range limit applies)."""
+    dt = DTYPES[name]
+    c = y.to(dt).float()
+    flushed = (c == 0) & (y != 0)
+    if name == "e4m3":
+        lower = (y / 16).to(dt).float() * 16
+        over = (c.abs() == torch.finfo(dt).max) & (c != lower)
+    else:
+        over = torch.isinf(c)
+    return over, flushed
+
+
+def boundary_values(name: str) -> torch.Tensor:
+    """float32 values around every boundary a cast to the format has (and a log-uniform spread)."""
+    fmt = W.FORMATS[name]
+    e = W.edges(fmt)
+    pts = np.array([e.overflow, e.flush, fmt.max, fmt.min_subnormal, fmt.min_normal], dtype=np.float32)
+    with np.errstate(over="ignore"):
+        near = [pts, np.nextafter(pts, np.float32(np.inf)), np.nextafter(pts, np.float32(0)), pts * 1.5, pts * 0.75]
+    g = np.random.default_rng(0)
+    lo, hi = np.log2(fmt.min_subnormal) - 3, min(np.log2(fmt.max) + 3, 127.9)
+    spread = np.exp2(g.uniform(lo, hi, 20000)).astype(np.float32)
+    v = np.concatenate(near + [spread])
+    v = v[np.isfinite(v)]
+    return torch.from_numpy(np.concatenate([v, -v]))
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_value_boundaries_match_real_casts(name):
+    y = boundary_values(name)
+    over, flushed = real_loss(y, name)
+    w_over, w_flush = W.lost(y.numpy(), W.FORMATS[name])
+    assert np.array_equal(w_over, over.numpy()) and np.array_equal(w_flush, flushed.numpy())
+    assert over.any() and flushed.any() and (~over & ~flushed).any()
+
+
+class Exp(nn.Module):
+    """Log-normal activations: exp(2.5 x) spans ~25 binades, more than E4M3's ~18."""
+
+    def forward(self, x):
+        return torch.exp(2.5 * x)
+
+
+@pytest.fixture(scope="module")
+def wide_run(tmp_path_factory):
+    """FP16 autocast + GradScaler growing its scale every 2 steps (lr 0: the tensors keep their distribution);
+    every step's histogram, and the tensors themselves captured by our own hooks."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Exp(), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    with torch.no_grad():
+        model[1].weight.mul_(1e-3)           # outputs (and so gradients) of order 1: no step overflows
+    acts, grads = [], []
+    model[0].register_forward_hook(lambda m, a, o: acts.append(o.detach().clone()))
+    def on_output(m, a, o):
+        o.register_hook(lambda g: grads.append(g.detach().clone()))
+    model[1].register_forward_hook(on_output)
+    path = str(tmp_path_factory.mktemp("whatif") / "wide.db")
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g)) for _ in range(12)]
+    M.train(model, iter(data), 12, path, lr=0.0, attach_options={"every": 1, "hist_every": 1, "live": False},
+            scaler_options={"init_scale": 1024.0, "growth_interval": 2})      # a scale that changes
+    return path, acts, grads
+
+
+def _check(df, tensors, stored_scale, name):
+    exact = 0
+    for row in df.itertuples():
+        x = tensors[row.step].float()
+        x = x[torch.isfinite(x)]           # an Inf/NaN is not in the histogram: lost before any cast
+        s = getattr(row, f"{name}_scale") if name in W.FP8 else 1.0
+        y = (x / stored_scale[row.step]) * s if name in W.FP8 else x
+        over, flushed = real_loss(y.float(), name)
+        nz = float((x != 0).sum())
+        for what, real in (("sat", over), ("flush", flushed)):
+            lo, hi = getattr(row, f"{name}_{what}_lo") * nz, getattr(row, f"{name}_{what}_hi") * nz
+            got = float(real.sum())
+            assert lo - 1e-6 <= got <= hi + 1e-6, (name, what, row.step, lo, got, hi)
+            exact += lo == hi
+    return exact
+
+
+def test_fp8_shares_from_histograms_match_real_casts(wide_run):
+    path, acts, grads = wide_run
+    tr = ampdoctor.load(path)
+    steps = tr.steps()
+    ones = np.ones(len(steps))
+    df = W.site_whatif(tr, "0", "act")
+    assert len(df) == 12 and (df["history"].iloc[1:] > 0).all()
+    # the delayed-scaling recipe, from the captured tensors: 448 / max(amax of earlier steps), 1.0 at first
+    amax = [float(a.abs().max()) for a in acts]
+    assert df["e4m3_scale"].tolist() == pytest.approx([1.0] + [448 / max(amax[:t]) for t in range(1, 12)])
+    # the span in binades, from the tensors: floor(log2 |x|) by frexp (exact), largest minus smallest, plus one
+    for row in df.itertuples():
+        a = acts[row.step].abs()
+        e = np.frexp(a[a > 0].numpy())[1] - 1
+        assert row.span == e.max() - e.min() + 1
+    exact = sum(_check(df, acts, ones, n) for n in ("e4m3", "e5m2", "fp16", "bf16"))
+    assert exact >= 60                     # most intervals are single numbers (empty boundary binade or abs max)
+    assert df["e4m3_flush_lo"].iloc[1:].median() > R.MIN_LOST    # E4M3 is too short for these activations
+    # output gradients: stored scaled by the loss scale, cast unscaled times the recipe's scale
+    gdf = W.site_whatif(tr, "1", "grad_out")
+    ls = steps["loss_scale"].to_numpy(float)
+    assert set(ls) == {1024.0, 2048.0}     # it grows every 2 steps, and backs off when a weight gradient overflows
+    _check(gdf, grads, ls, "e5m2")
+    _check(gdf, grads, ones, "fp16")
+
+
+def test_fp8_readiness_names_the_wide_layer_and_the_settings_that_keep_it(wide_run):
+    path, _, _ = wide_run
+    found = {d.rule: d for d in ampdoctor.diagnose(path)}
+    d = found["fp8-readiness"]
+    assert d.severity == "info" and d.layers[0] == "0"
+    ev = d.evidence["layers"]["0 (act)"]
+    assert ev["format"] == "e4m3" and ev["flushed"] > R.MIN_LOST
+    best = ev["best"]
+    assert best["lost"] < R.MIN_LOST
+    # the settings it prints, applied in the what-if, keep the layer
+    df = W.site_whatif(ampdoctor.load(path), "0", "act", history=best["history"], margin=best["margin"])
+    d2 = W.judged(df)
+    assert np.median(d2[f"{best['format']}_sat_lo"] + d2[f"{best['format']}_flush_lo"]) < R.MIN_LOST
+    assert "E5M2" in d.recommendation and "0 (act)" in d.recommendation
+
+
+def test_healthy_run_is_fp8_ready(tmp_path):
+    path = str(tmp_path / "h.db")
+    M.train(M.cnn(), M.images(12), 12, path, loss_fn=M.ce, attach_options={"every": 2, "hist_every": 2})
+    assert "fp8-readiness" not in {d.rule for d in ampdoctor.diagnose(path)}
+    table = W.formats_table(ampdoctor.load(path))
+    assert len(table) >= 8 and (table["e4m3_lost"].fillna(0) < R.MIN_LOST).all()
+    assert (table[table["kind"] == "act"]["fp16_headroom"] > 5).all() and (table["bf16_headroom"] > 100).all()
+
+
+class _Late(nn.Module):
+    """A branch that only runs from step 2 on: its sites have no histogram at the default cadence."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.late, self.on = nn.Linear(16, 1), nn.Linear(16, 1), False
+
+    def forward(self, x):
+        return self.body(x) + (self.late(x) if self.on else 0)
+
+
+def test_sites_without_histograms_are_left_out(tmp_path):
+    torch.manual_seed(0)
+    model = _Late()
+    path = str(tmp_path / "late.db")
+    M.train(model, M.tabular(4, offset=0.0), 4, path, on_step=lambda step, m, doc: setattr(m, "on", step >= 1),
+            attach_options={"every": 1, "hist_every": 1000, "live": False})
+    tr = ampdoctor.load(path)
+    assert len(W.site_whatif(tr, "late", "act")) == 0 and W.judged(W.site_whatif(tr, "late", "act")).empty
+    assert "late" not in set(W.formats_table(tr)["path"])
+    assert "fp8-readiness" not in {d.rule for d in ampdoctor.diagnose(path)}
