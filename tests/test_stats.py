@@ -213,7 +213,7 @@ def test_format_rounding_matches_real_casts(fmt, dtype):
 
 @pytest.mark.parametrize("host", [True, False], ids=["cpu-kernel", "device-kernel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("magnitude", [3e30, 2e19, 1.0, 1e-25])
+@pytest.mark.parametrize("magnitude", [1e38, 3e30, 2e19, 1.0, 1e-25, 1e-40])
 def test_mean_and_rms_agree_between_the_kernels(monkeypatch, dtype, magnitude, host):
     """BF16 and FP32 hold values whose squares overflow (or vanish in) a float32 sum: the rms must still be right,
     on the accelerator kernel (run on the CPU with HOST_READS off) as on the CPU one."""

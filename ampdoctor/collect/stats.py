@@ -112,10 +112,10 @@ def _full_device(x: torch.Tensor) -> torch.Tensor:
     hist = torch.bincount(bits >> _SHIFT, minlength=HIST_KEYS)
     finite = torch.where(bits < _INF_BITS, bits, 0)
     absmax = finite.amax().view(torch.float32) if bits.numel() else xf.new_zeros(())
-    # The norm of x * 2^-e, e the binade of absmax, times 2^e: a float32 sum of squares of x itself overflows
-    # above |x| ~ 1.8e19 (and loses values below ~1e-23); the power-of-two scaling is exact.
-    _, e = torch.frexp(absmax)
-    norm = torch.linalg.vector_norm(xf * torch.ldexp(torch.ones_like(absmax), -e)) * torch.ldexp(torch.ones_like(absmax), e)
+    # The norm of x * 2^-e (absmax ~ 2^e) times 2^e: a float32 sum of squares of x itself overflows above |x| ~ 1.8e19
+    # and loses values below ~1e-23; a power-of-two scaling is exact (2^126 at most: 2^-e must stay finite).
+    e = torch.frexp(absmax)[1].clamp(min=-126)
+    norm = torch.linalg.vector_norm(xf * torch.ldexp(torch.ones_like(absmax), -e)).double() * torch.exp2(e.double())
     head = torch.cat((torch.stack((xf.sum(), norm)).to(torch.float64), _edge_counts(bits).to(torch.float64),
                       absmax.to(torch.float64).reshape(1)))
     return torch.cat((head, hist.to(torch.float64)))
