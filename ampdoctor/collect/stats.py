@@ -112,12 +112,13 @@ def _full_device(x: torch.Tensor) -> torch.Tensor:
     hist = torch.bincount(bits >> _SHIFT, minlength=HIST_KEYS)
     finite = torch.where(bits < _INF_BITS, bits, 0)
     absmax = finite.amax().view(torch.float32) if bits.numel() else xf.new_zeros(())
-    # The norm of x * 2^-e (absmax ~ 2^e) times 2^e: a float32 sum of squares of x itself overflows above |x| ~ 1.8e19
-    # and loses values below ~1e-23; a power-of-two scaling is exact (2^126 at most: 2^-e must stay finite).
+    # Sum and norm of x * 2^-e (absmax ~ 2^e), times 2^e: in float32, the squares of x itself overflow above |x| ~
+    # 1.8e19 and vanish below ~1e-23, a sum overflows near 3.4e38; a power-of-two scaling is exact (and 2^126 at
+    # most, so that 2^-e stays finite). NaN/Inf still propagate, as in torch.sum.
     e = torch.frexp(absmax)[1].clamp(min=-126)
-    norm = torch.linalg.vector_norm(xf * torch.ldexp(torch.ones_like(absmax), -e)).double() * torch.exp2(e.double())
-    head = torch.cat((torch.stack((xf.sum(), norm)).to(torch.float64), _edge_counts(bits).to(torch.float64),
-                      absmax.to(torch.float64).reshape(1)))
+    xs = xf * torch.ldexp(torch.ones_like(absmax), -e)
+    sum_norm = torch.stack((xs.sum(), torch.linalg.vector_norm(xs))).double() * torch.exp2(e.double())
+    head = torch.cat((sum_norm, _edge_counts(bits).to(torch.float64), absmax.to(torch.float64).reshape(1)))
     return torch.cat((head, hist.to(torch.float64)))
 
 
@@ -177,10 +178,17 @@ def _full_cpu(x: torch.Tensor) -> torch.Tensor:
             bits = xf.view(torch.int32) & 0x7FFFFFFF if bits is None else bits
             edges[i] = int(torch.count_nonzero(bits <= EDGE_BITS[i]))
     out = np.empty(FULL_LEN)
-    out[I_SUM], out[I_NORM], out[I_ABSMAX] = xf.sum().item(), _norm_cpu(xf, absmax), absmax
+    out[I_SUM], out[I_NORM], out[I_ABSMAX] = _sum_cpu(xf, absmax), _norm_cpu(xf, absmax), absmax
     out[I_EDGES:I_ABSMAX] = edges
     out[HEAD:] = hist
     return torch.from_numpy(out)
+
+
+def _sum_cpu(xf: torch.Tensor, absmax: float) -> float:
+    """Sum in float32 where it cannot overflow, else in float64 (NaN/Inf propagate as in torch.sum)."""
+    if absmax * xf.numel() < 2.0 ** 127:
+        return xf.sum().item()
+    return xf.sum(dtype=torch.float64).item()
 
 
 def _norm_cpu(xf: torch.Tensor, absmax: float) -> float:
