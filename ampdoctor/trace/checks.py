@@ -35,7 +35,13 @@ TEXT = "typeof({c}) = 'text'"
 TEXT_OR_NULL = "typeof({c}) IN ('text', 'null')"
 JSON_NUMBERS = ("({c} IS NULL OR (typeof({c}) = 'text' AND json_valid({c}) AND json_type({c}) = 'array' AND NOT EXISTS "
                 "(SELECT 1 FROM json_each({c}) WHERE type NOT IN ('integer', 'real', 'null'))))")
-JSON_OBJECT = "({c} IS NULL OR (typeof({c}) = 'text' AND json_valid({c}) AND json_type({c}) = 'object'))"
+_TYPE = "json_type({{c}}, '$.{key}')"
+JSON_EVENT = ("({c} IS NULL OR (typeof({c}) = 'text' AND json_valid({c}) AND json_type({c}) = 'object'"   # EVENT_DATA
+              " AND coalesce(" + _TYPE.format(key="value") + ", 'text') = 'text'"
+              " AND coalesce(" + _TYPE.format(key="after") + ", 'null') IN ('integer', 'null')"
+              " AND coalesce(" + _TYPE.format(key="count") + ", 'integer') = 'integer'"
+              " AND coalesce(" + _TYPE.format(key="params") + ", 'array') = 'array'"
+              " AND NOT EXISTS (SELECT 1 FROM json_each({c}, '$.params') WHERE type != 'text')))")
 
 
 def _rules(n_sites: int) -> dict:
@@ -61,7 +67,7 @@ def _rules(n_sites: int) -> dict:
                    "AND lo + length(counts) / 8 <= 128", "not int64 counts within binades -127..127")],
         "events": [("step", step_or_null, "not a step"), ("kind", TEXT, "not text"), ("site", site_or_null,
                    "not a site id"), ("phase", TEXT_OR_NULL, "not text"), ("message", TEXT_OR_NULL, "not text"),
-                   ("data", JSON_OBJECT, "not a JSON object")],
+                   ("data", JSON_EVENT, "not a JSON object of the event fields")],
         "metrics": [("step", step_or_null, "not a step"), ("name", TEXT, "not text"),
                     ("value", NUMBER_OR_NAN, "not a number"), ("time", NUMBER, "not a number")],
     }
@@ -82,6 +88,9 @@ def check_tables(conn: sqlite3.Connection) -> None:
             raise Invalid(f"table {table}: column {missing[0][0]} missing or not declared {missing[0][1]}")
     n_sites = _dense(conn, "sites", "id")
     _dense(conn, "steps", "step")
+    deep = f"length(data) - length(replace(replace(data, '[', ''), '{{', '')) > {MAX_DEPTH}"
+    for (text,) in conn.execute(f"SELECT data FROM events WHERE typeof(data) = 'text' AND {deep}"):
+        parse_json(text, "events.data")                  # SQLite accepts JSON up to 1000 deep; we do not
     for table, rules in _rules(n_sites).items():
         where = " OR ".join(f"NOT ({cond.format(c=col)})" for col, cond, _ in rules)
         if conn.execute(f"SELECT EXISTS (SELECT 1 FROM {table} WHERE {where})").fetchone()[0]:

@@ -162,7 +162,7 @@ class Trace:
         several tables of a trace that is still being written. Re-entrant."""
         if self._snapshot_depth == 0:
             self._query("BEGIN")
-            self._query("SELECT count(*) FROM steps")     # a deferred transaction starts at its first read
+            self._query("SELECT count(*) FROM sqlite_master")   # a deferred transaction starts at its first read
         self._snapshot_depth += 1
         try:
             yield self
