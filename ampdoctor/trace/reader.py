@@ -80,6 +80,17 @@ def _ids(conn) -> tuple[int, int]:
     return conn.execute("PRAGMA application_id").fetchone()[0], conn.execute("PRAGMA user_version").fetchone()[0]
 
 
+class _CopyConnection(sqlite3.Connection):
+    """A connection to a private copy of a trace; closing it (or dropping it) removes the copy."""
+
+    removes = None
+
+    def close(self):
+        super().close()
+        if self.removes is not None:
+            self.removes()
+
+
 def _connect(path: str):
     """Read-only connection: (conn, application id, format version).
 
@@ -100,8 +111,8 @@ def _connect(path: str):
         copy = os.path.join(tmp, "trace.db")
         shutil.copyfile(path, copy)
         shutil.copyfile(wal, copy + "-wal")
-        conn = sqlite3.connect(f"{_uri(copy)}?mode=ro", uri=True, check_same_thread=False)
-        weakref.finalize(conn, shutil.rmtree, tmp, True)
+        conn = sqlite3.connect(f"{_uri(copy)}?mode=ro", uri=True, check_same_thread=False, factory=_CopyConnection)
+        conn.removes = weakref.finalize(conn, shutil.rmtree, tmp, True)
     else:
         conn = sqlite3.connect(f"{_uri(path)}?immutable=1", uri=True, check_same_thread=False)
     return (conn, *_ids(conn))
