@@ -233,7 +233,7 @@ class Trace:
         if name is not None:
             sql, args = sql + " WHERE name = ?", (name,)
         df = pd.DataFrame(self._query(sql + " ORDER BY step, rowid", args), columns=["step", "name", "value", "time"])
-        self._checked(lambda: df.__setitem__("value", pd.to_numeric(df["value"], errors="raise").astype(float)))
+        self._checked(lambda: df.__setitem__("value", _numbers(df["value"]).astype(float)))
         return df
 
     def events(self, kind: str | None = None) -> pd.DataFrame:
@@ -315,13 +315,23 @@ def _steps_frame(rows: list) -> pd.DataFrame:
     df["lr_groups"] = lrs
     df["lr"] = [float(v[0]) if v and v[0] is not None else np.nan for v in lrs]
     for col in ("skipped", "nonfinite"):
-        df[col] = pd.to_numeric(df[col], errors="raise").fillna(0).astype(bool)
+        df[col] = _numbers(df[col]).fillna(0).astype(bool)
     for col in ("time", "step_time", "data_time", "samples_per_s", "loss", "loss_scale", "loss_scale_next",
                 "grad_norm"):
-        df[col] = pd.to_numeric(df[col], errors="raise").astype(float)
+        df[col] = _numbers(df[col]).astype(float)
     for col in ("samples", "microbatches", "peak_mem", "level"):
-        df[col] = pd.to_numeric(df[col], errors="raise")
+        df[col] = _numbers(df[col])
     return df
+
+
+_NAN_TEXT = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}     # how the writer stores a NaN loss (REAL NaN is NULL)
+
+
+def _numbers(col: pd.Series) -> pd.Series:
+    """A column of numbers (NULL: NaN, the writer's 'nan' text: NaN); anything else is a malformed trace."""
+    if not pd.api.types.is_numeric_dtype(col):          # object, or pandas' string dtype when all are text
+        col = col.astype(object).map(lambda v: _NAN_TEXT.get(v, v) if isinstance(v, str) else v)
+    return pd.to_numeric(col, errors="raise")
 
 
 def _columns_of(ids: np.ndarray, sites: np.ndarray) -> np.ndarray:
