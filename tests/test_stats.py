@@ -226,3 +226,18 @@ def test_mean_and_rms_agree_between_the_kernels(monkeypatch, dtype, magnitude, h
     d = x.double()
     assert st["rms"] == pytest.approx(d.pow(2).mean().sqrt().item(), rel=1e-5)
     assert st["mean"] == pytest.approx(d.mean().item(), rel=1e-4, abs=1e-6 * magnitude)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cpu_kernel_skips_only_the_passes_the_dtype_settles(dtype):
+    """The CPU kernel looks at the values near a rounding edge only when the input dtype can hold values on both
+    sides of it inside the edge's histogram key: checked against every value of the dtype."""
+    vals = _all_values(dtype)[1:].float()                   # every positive finite value
+    bits = vals.view(torch.int32)
+    for (key, settled), edge in zip(K._settled(dtype), K.EDGE_BITS):
+        inside = bits[(bits >> 22) == key]
+        if edge == 0 or not len(inside) or (inside <= edge).all():
+            expected = True
+        else:
+            expected = False if (inside > edge).all() else None
+        assert settled is expected, (key, edge)

@@ -54,7 +54,6 @@ def _edges() -> tuple[tuple, tuple]:
 
 
 EDGE_NAMES, EDGE_BITS = _edges()
-EDGE = {name: i for i, name in enumerate(EDGE_NAMES)}
 # Layout of the head: sum, norm, one count per edge, absmax (last: the writer reads it at HEAD - 1).
 I_SUM, I_NORM, I_EDGES = 0, 1, 2
 HEAD = I_EDGES + len(EDGE_BITS) + 1
@@ -112,9 +111,9 @@ def _full_device(x: torch.Tensor) -> torch.Tensor:
     hist = torch.bincount(bits >> _SHIFT, minlength=HIST_KEYS)
     finite = torch.where(bits < _INF_BITS, bits, 0)
     absmax = finite.amax().view(torch.float32) if bits.numel() else xf.new_zeros(())
-    # Sum and norm of x * 2^-e (absmax ~ 2^e), times 2^e: in float32, the squares of x itself overflow above |x| ~
-    # 1.8e19 and vanish below ~1e-23, a sum overflows near 3.4e38; a power-of-two scaling is exact (and 2^126 at
-    # most, so that 2^-e stays finite). NaN/Inf still propagate, as in torch.sum.
+    # Sum and norm of x * 2^-e (absmax ~ 2^e), times 2^e: in float32 the squares of x itself overflow above
+    # |x| ~ 1.8e19 and vanish below ~1e-23, and a sum overflows near 3.4e38. Scaling by a power of two is exact
+    # (2^126 at most, so that 2^-e stays finite); NaN/Inf still propagate, as in torch.sum.
     e = torch.frexp(absmax)[1].clamp(min=-126)
     xs = xf * torch.ldexp(torch.ones_like(absmax), -e)
     sum_norm = torch.stack((xs.sum(), torch.linalg.vector_norm(xs))).double() * torch.exp2(e.double())
@@ -130,15 +129,23 @@ def _settled(dtype: torch.dtype) -> tuple:
     out = []
     for b in EDGE_BITS:
         key = b >> _SHIFT
-        lo = np.array([max(key << _SHIFT, 1), ((key + 1) << _SHIFT) - 1], dtype=np.int32).view(np.float32)
         if dtype == torch.float32 or b == 0:
             out.append((key, None if b else True))
             continue
+        # the smallest non-zero and the largest value of the dtype inside the key (python floats: a torch
+        # comparison with a python float would round the float to the dtype first)
+        lo, hi = (float(v) for v in np.array([max(key << _SHIFT, 1), ((key + 1) << _SHIFT) - 1],
+                                             dtype=np.int32).view(np.float32))
+        first, last = torch.tensor([lo, hi]).to(dtype)
+        if first.item() < lo:
+            first = torch.nextafter(first, first.new_tensor(math.inf))
+        if last.item() > hi:
+            last = torch.nextafter(last, last.new_tensor(0.0))
         edge = float(np.array([b], dtype=np.int32).view(np.float32)[0])
-        vals = torch.tensor([float(lo[0]), float(lo[1]), edge]).to(dtype)
-        first = vals[0] if vals[0] >= float(lo[0]) else torch.nextafter(vals[0], vals.new_tensor(math.inf))
-        last = vals[1] if vals[1] <= float(lo[1]) else torch.nextafter(vals[1], vals.new_tensor(0.0))
-        out.append((key, True if last.item() <= edge else False if first.item() > edge else None))
+        if first.item() > hi or last.item() < lo or last.item() <= edge:     # none in the key, or all below
+            out.append((key, True))
+        else:
+            out.append((key, False if first.item() > edge else None))
     return tuple(out)
 
 
@@ -169,11 +176,13 @@ def _full_cpu(x: torch.Tensor) -> torch.Tensor:
     below = np.concatenate(([0], np.cumsum(hist)))           # below[k]: values in keys < k
     edges = np.empty(len(EDGE_BITS))
     for i, (k, settled) in enumerate(_settled(x.dtype)):
-        inside = hist[k] - (zeros if k == 0 else 0)          # non-zero values in the edge's key
+        key_zeros = zeros if k == 0 else 0
         if EDGE_BITS[i] == 0:
             edges[i] = zeros
-        elif inside == 0 or settled is not None:
-            edges[i] = below[k] + (hist[k] if settled or inside == 0 else zeros if k == 0 else 0)
+        elif settled or hist[k] == key_zeros:                # every value of the edge's key is at or below it
+            edges[i] = below[k] + hist[k]
+        elif settled is False:                               # every non-zero value of the key is above it
+            edges[i] = below[k] + key_zeros
         else:                                                # values on both sides of the edge may be there
             bits = xf.view(torch.int32) & 0x7FFFFFFF if bits is None else bits
             edges[i] = int(torch.count_nonzero(bits <= EDGE_BITS[i]))
