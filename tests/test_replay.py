@@ -1,6 +1,5 @@
 """Loss-scale replay: exact reproduction of recorded GradScaler histories, the scaler dynamics against torch's own
 kernel, predictions checked against real runs with the other settings, underflow, --suggest and the CLI."""
-import math
 import os
 
 import numpy as np

@@ -139,7 +139,7 @@ class Trace:
         try:
             with self.snapshot():                # one state of the file for all checks (a live trace grows)
                 self._checked(checks.check_tables, self._conn)
-                self.meta
+                self.meta                        # parsed and type-checked; raises on a malformed entry
         except TraceError:
             self._conn.close()
             raise
