@@ -68,9 +68,10 @@ BAD_META = {"run": [{"params": "many"}, {"model": 5}, {"every": None}, 7, [1]],
                        {"module_param_dtypes": [1]}, {"loss_dtype": 16}, {"scaler": {"enabled": "yes"}}],
            "closed": [{"steps": []}, "done"]}
 BAD_EVENT_DATA = ["'5'", "'[1]'", "'{\"value\": 3}'", "'{\"params\": \"a\"}'", "'{\"count\": \"x\"}'"]
-BAD_IDS = [("stats", "site", ["1000000000", "-1", "2.5", "'a'"]), ("stats", "step", ["-3", "'x'", "1.5"]),
+BAD_IDS = [("stats", "site", ["1000000000", "-1", "2.5", "'a'"]), ("stats", "step", ["-3", "'x'", "1.5", "1000000"]),
            ("hists", "site", ["99999", "-2"]), ("hists", "lo", ["500", "-1000", "120", "'lo'", "1.5"]),
-           ("hists", "step", ["-1", "'s'"]), ("events", "site", ["99999", "-5", "'x'"]),
+           ("hists", "step", ["-1", "'s'", "6"]), ("peaks", "step", ["1000000", "-1"]),
+           ("events", "site", ["99999", "-5", "'x'"]),
            ("events", "step", ["-1", "'s'"]), ("metrics", "step", ["-2", "'s'"])]
 BAD_BLOBS = [("peaks", "data", ["'text'", "x'010203'", "42", "2.5"]),
              ("hists", "counts", ["'text'", "x'01020304050607'", "x''", "7"])]

@@ -44,11 +44,13 @@ JSON_EVENT = ("({c} IS NULL OR (typeof({c}) = 'text' AND json_valid({c}) AND jso
               " AND NOT EXISTS (SELECT 1 FROM json_each({c}, '$.params') WHERE type != 'text')))")
 
 
-def _rules(n_sites: int) -> dict:
-    """table -> [(column, SQL condition every row must meet, what is wrong otherwise)]."""
+def _rules(n_sites: int, n_steps: int) -> dict:
+    """table -> [(column, SQL condition every row must meet, what is wrong otherwise)]. The writer commits a step's
+    peaks, statistics and histograms with its steps row, so those name steps that exist; events and metrics may
+    name the step still being written."""
     site = f"typeof({{c}}) = 'integer' AND {{c}} BETWEEN 0 AND {n_sites - 1}"
     site_or_null = f"({{c}} IS NULL OR ({site}))"
-    step = "typeof({c}) = 'integer' AND {c} >= 0"
+    recorded = f"typeof({{c}}) = 'integer' AND {{c}} BETWEEN 0 AND {n_steps - 1}"
     step_or_null = "({c} IS NULL OR (typeof({c}) = 'integer' AND {c} >= 0))"
     return {
         "meta": [("key", TEXT, "not text"), ("value", TEXT, "not text")],
@@ -58,10 +60,11 @@ def _rules(n_sites: int) -> dict:
                   ("shape", TEXT_OR_NULL, "not text"), ("first_step", INTEGER_OR_NULL, "not an integer")],
         "steps": [(c, NUMBER_OR_NAN, "not a number") for c in schema.STEP_FIELDS if c not in ("step", "lr")]
         + [("lr", JSON_NUMBERS, "not a JSON list of numbers")],
-        "peaks": [("data", "typeof(data) = 'blob' AND length(data) % 4 = 0", "not float32 values")],
-        "stats": [("step", step, "not a step"), ("site", site, "not a site id"),
+        "peaks": [("step", recorded, "not a recorded step"),
+                  ("data", "typeof(data) = 'blob' AND length(data) % 4 = 0", "not float32 values")],
+        "stats": [("step", recorded, "not a recorded step"), ("site", site, "not a site id"),
                   *[(c, NUMBER, "not a number") for c in ("scale", "calls") + schema.STATS_FIELDS]],
-        "hists": [("step", step, "not a step"), ("site", site, "not a site id"),
+        "hists": [("step", recorded, "not a recorded step"), ("site", site, "not a site id"),
                   ("lo", "typeof(lo) = 'integer' AND lo BETWEEN -127 AND 127", "not a binade"),
                   ("counts", "typeof(counts) = 'blob' AND length(counts) % 8 = 0 AND length(counts) > 0 "
                    "AND lo + length(counts) / 8 <= 128", "not int64 counts within binades -127..127")],
@@ -87,11 +90,11 @@ def check_tables(conn: sqlite3.Connection) -> None:
         if missing:
             raise Invalid(f"table {table}: column {missing[0][0]} missing or not declared {missing[0][1]}")
     n_sites = _dense(conn, "sites", "id")
-    _dense(conn, "steps", "step")
+    n_steps = _dense(conn, "steps", "step")
     deep = f"length(data) - length(replace(replace(data, '[', ''), '{{', '')) > {MAX_DEPTH}"
     for (text,) in conn.execute(f"SELECT data FROM events WHERE typeof(data) = 'text' AND {deep}"):
         parse_json(text, "events.data")                  # SQLite accepts JSON up to 1000 deep; we do not
-    for table, rules in _rules(n_sites).items():
+    for table, rules in _rules(n_sites, n_steps).items():
         where = " OR ".join(f"NOT ({cond.format(c=col)})" for col, cond, _ in rules)
         if conn.execute(f"SELECT EXISTS (SELECT 1 FROM {table} WHERE {where})").fetchone()[0]:
             for col, cond, what in rules:
