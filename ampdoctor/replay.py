@@ -7,11 +7,12 @@ The scaler (``torch._amp_update_scale_``): on a step with an inf/NaN gradient th
 ``growth_interval``, the scale is multiplied by ``growth_factor`` (unless that would make the FP32 scale infinite)
 and the tracker resets. The scale is an FP32 tensor: products are taken in double and rounded to FP32, as torch does.
 
-Overflow model. At a scale S a step overflows when some gradient, scaled by S, exceeds the largest value of the
-format it is computed in (FP16: 65504). Per step the trace gives the unscaled magnitudes: every grad_out peak divided
-by the loss scale it carried, and every param_grad peak (already unscaled) - ``gradient_peaks``, the one definition
-the diagnosis rules share. The output gradient of a 0-d output (a loss the model returns: 1 x scale, the backward
-seed) is not a model gradient and counts only where it was FP16. What is *known* is used first:
+Overflow model. At a scale S a step overflows when some gradient, scaled by S, rounds past the largest value of
+the format it is computed in (FP16: |x| >= 65520, formats.Format.finite_limit; 65519 rounds down to 65504). Per
+step the trace gives the unscaled magnitudes: every grad_out peak divided by the loss scale it carried, and every
+param_grad peak (already unscaled) - ``gradient_peaks``, the one definition the diagnosis rules share. The output
+gradient of a 0-d output (a loss the model returns: 1 x scale, the backward seed) is not a model gradient and counts
+only where it was FP16. What is *known* is used first:
 - the recorded scale of the step: its recorded skip (so the run's own settings reproduce its history exactly);
 - a non-finite forward activation or loss: the step overflows at every scale (scaling cannot fix it);
 - overflow is monotone in S: a step that overflowed at S_rec overflows at any S >= S_rec, one that did not
@@ -26,9 +27,11 @@ A loss computed in FP16 is itself scaled in FP16 and counts as one more gradient
 FP16 (FP32, BF16) is replayed as if it had (``Replay.assumed_fp16``): what a switch to FP16 + GradScaler would meet.
 
 Underflow. From the exponent histograms (recorded every ``hist_every`` steps) of the gradients computed in FP16:
-the share of the non-zero elements that would fall below the FP16 smallest normal (2^-14: subnormal, precision lost)
-and below the smallest subnormal (2^-24: flushed to zero) at the simulated scale. Elements already zero at the
-recorded scale are not counted (a flushed gradient cannot be told from an exact zero).
+the share of the non-zero elements that a cast to FP16 would round below the smallest normal (2^-14: subnormal,
+precision lost) and to zero (|x| <= 2^-25, half the smallest subnormal 2^-24: values between 2^-25 and 2^-24 round
+up to 2^-24 and are not lost) at the simulated scale. One bin per binade resolves the flush threshold (a binade
+edge) up to exact ties and counts the binade below 2^-14 wholly as subnormal (docs/trace-format.md, hists).
+Elements already zero at the recorded scale are not counted (a flushed gradient cannot be told from an exact zero).
 """
 from __future__ import annotations
 
@@ -46,8 +49,8 @@ from .trace.schema import ROOT
 
 # torch.amp.GradScaler defaults: what a run without a recorded scaler is replayed with
 TORCH_DEFAULTS = {"init_scale": 2.0 ** 16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
-_LOG2_NORMAL = formats.FP16.normal_exp          # -14: below this an FP16 value is subnormal
-_LOG2_SUBNORMAL = formats.FP16.subnormal_exp    # -24: below this it rounds to zero
+_LOG2_NORMAL = formats.FP16.normal_exp          # -14: below this an FP16 value is subnormal (but a 2^-11 sliver)
+_LOG2_FLUSH = math.log2(formats.FP16.flush_at)  # -25: at or below this it rounds to zero (binade -25 rounds up)
 
 # --suggest search space. Powers of two only: a power-of-two scale multiplies and divides gradients exactly, which is
 # also why the factors stay at the run's (2 / 0.5 by default) rather than being searched.
@@ -64,7 +67,7 @@ class Replay:
     scales: np.ndarray             # scale in force at each step (as trace.steps()["loss_scale"])
     skipped: np.ndarray            # bool: the step overflowed and the optimizer step was skipped
     underflow: np.ndarray          # share of non-zero FP16 gradient elements below 2^-14; NaN without a histogram
-    flushed: np.ndarray            # share below 2^-24 (lost to zero); NaN without a histogram
+    flushed: np.ndarray            # share rounded to zero (<= 2^-25); NaN without a histogram
     estimated: np.ndarray          # bool: the skip decision rests on neighbouring steps (see the module docstring)
     final_scale: float             # scale after the last step's update
     assumed_fp16: bool = False     # the run computed no gradient in FP16: every gradient was treated as FP16
@@ -180,8 +183,9 @@ class GradientPeaks:
 
     @property
     def fp16_equivalent(self) -> np.ndarray:
-        """Per step, the largest unscaled gradient in FP16 terms: the scale s overflows FP16 when s * this > 65504."""
-        return self.ratio * formats.FP16.max
+        """Per step, the largest unscaled gradient in FP16 terms: the scale s overflows FP16 when s * this rounds
+        past 65504 (> finite_limit, i.e. >= 65520)."""
+        return self.ratio * formats.FP16.finite_limit
 
 
 def _is_seed(kind: str, shape) -> bool:
@@ -204,7 +208,7 @@ def gradient_peaks(tr: Trace) -> GradientPeaks:
     assumed = bool((~seed).any()) and not fp16[~seed].any()    # an FP32/BF16 run: judged as if computed in FP16
     if assumed:
         fp16 |= ~seed
-    limits = np.array([formats.FP16.max if f else formats.DTYPE_FORMATS.get(d, formats.FP32).max
+    limits = np.array([formats.FP16.finite_limit if f else formats.DTYPE_FORMATS.get(d, formats.FP32).finite_limit
                        for f, d in zip(fp16, dtypes)], dtype=float)
     # peaks with fill=-1: -1 = site not seen that step, NaN = the tensor held a NaN, inf = an inf
     raw = np.concatenate([tr.records("peak", "grad_out", fill=-1.0), tr.records("peak", "param_grad", fill=-1.0)],
@@ -242,7 +246,7 @@ def _gather(tr: Trace) -> _Evidence:
     ratio = peaks.ratio.copy()
     loss = st["loss"].to_numpy(float)
     if str(cfg.get("loss_dtype") or "").replace("torch.", "") == "float16":   # an FP16 loss is scaled in FP16
-        ratio = np.fmax(ratio, np.abs(loss) / formats.FP16.max)
+        ratio = np.fmax(ratio, np.abs(loss) / formats.FP16.finite_limit)
 
     # a non-finite forward (or loss) makes the step overflow whatever the scale
     act = tr.records("peak", "act", fill=-1.0)
@@ -344,15 +348,16 @@ def _is_container(path: str, paths: set) -> bool:
 
 
 def _shares(hist: tuple, scale: float) -> tuple[float, float]:
-    """(share below 2^-14, share below 2^-24) of the elements at ``scale``; a binade straddling a limit counts the
-    fraction below it, values taken as log-uniform inside a binade (exact for power-of-two scales)."""
+    """(share below 2^-14, share rounded to zero) of the elements at ``scale``: whole binades below 2^-14 and at or
+    below 2^-25 (edges of binades at power-of-two scales); at other scales a binade straddling a limit counts the
+    fraction below it, values taken as log-uniform inside it."""
     lo, c = hist
     total = c.sum()
     if total <= 0 or scale <= 0:
         return (math.nan, math.nan) if total <= 0 else (1.0, 1.0)
     lo = lo + math.log2(scale)
     return (float((c * np.clip(_LOG2_NORMAL - lo, 0.0, 1.0)).sum() / total),
-            float((c * np.clip(_LOG2_SUBNORMAL - lo, 0.0, 1.0)).sum() / total))
+            float((c * np.clip(_LOG2_FLUSH - lo, 0.0, 1.0)).sum() / total))
 
 
 # -- the simulation ------------------------------------------------------------------------------------------------

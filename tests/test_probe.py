@@ -222,6 +222,17 @@ def test_probe_table_is_optional_in_old_traces(runs, tmp_path):
     assert "precision-loss" not in _by_rule(old)
 
 
+def test_a_corrupt_probes_table_is_one_trace_error(runs, tmp_path):
+    """The probes table is checked at open like every other table: a bad value is a TraceError naming it."""
+    import shutil
+    bad = str(tmp_path / "bad.db")
+    shutil.copy(runs["rbf"]["ref"], bad)
+    with sqlite3.connect(bad) as conn:
+        assert conn.execute("UPDATE probes SET rel_err = 'abc'").rowcount > 0
+    with pytest.raises(ampdoctor.TraceError, match="table probes: column rel_err holds 'abc'"):
+        ampdoctor.load(bad)
+
+
 def test_probe_every_is_validated():
     with pytest.raises(ValueError, match=re.escape("probe_every should be a positive int")):
         ampdoctor.attach(nn.Linear(2, 2), probe_every=0, trace="unused.db")

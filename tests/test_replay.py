@@ -1,16 +1,20 @@
 """Loss-scale replay: exact reproduction of recorded GradScaler histories, the scaler dynamics against torch's own
 kernel, predictions checked against real runs with the other settings, underflow, --suggest and the CLI."""
-import math
 import os
 
 import numpy as np
 import pytest
 import torch
 
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
 import ampdoctor
 from ampdoctor.cli import main
 from ampdoctor.replay import Replay, _Evidence, _simulate, suggest
 from runs import batches, mlp, train
+
+# the reference captures gradients with full backward hooks, which warn when a model's input needs no gradient
+pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 
 
 def _run(path, steps=40, init_scale=2.0 ** 16, growth_interval=2000, **kw):
@@ -124,50 +128,87 @@ def test_a_forward_overflow_skips_at_every_scale(trace_path):
         assert r.scales[-1] == init * 0.5 ** 7
 
 
-# -- underflow ----------------------------------------------------------------------------------------------------------
-def _expected_underflow(tr, step, scale):
-    """Plain re-implementation for power-of-two scales: share of the non-zero elements of the FP16 gradients (leaf
-    modules' grad_out at their carried scale, FP16 modules' parameter gradients unscaled) below 2^-14 and 2^-24."""
-    acts = tr.sites("act").set_index("path")["dtype"].to_dict()
-    below = {-14: 0.0, -24: 0.0}
-    total = 0.0
-    for kind in ("grad_out", "param_grad"):
-        sites = tr.sites(kind)
-        carried = tr.records("scale", kind)
-        for j, site in enumerate(sites.itertuples()):
-            if kind == "grad_out" and any(p.startswith(site.path + ".") or site.path == "(model)"
-                                          for p in sites["path"] if p != site.path):
-                continue
-            if (site.dtype if kind == "grad_out" else acts.get(site.module)) != "float16":
-                continue
-            steps, counts = tr.hist(int(site.id))
-            if step not in steps:
-                continue
-            row = counts[list(steps).index(step)]
-            shift = round(math.log2(scale / carried[step, j]))
-            e = np.arange(255) - 127 + shift
-            total += row.sum()
-            for lim in below:
-                below[lim] += row[e < lim].sum()
-    return below[-14] / total, below[-24] / total
+# -- underflow and the overflow threshold, against real casts of the run's real gradients ---------------------------
+def _capture(model):
+    """The gradients of a run as torch produced them, per step, independent of ampdoctor: every leaf module's output
+    gradient (backward hooks) and, at each optimizer step, every parameter's .grad."""
+    steps = [[]]
+
+    def grad_out(module, grad_input, grad_output):
+        steps[-1].append(grad_output[0].detach().clone())
+
+    def at_step(opt, args, kwargs):
+        steps[-1].extend(p.grad.detach().clone() for g in opt.param_groups for p in g["params"] if p.grad is not None)
+        steps.append([])
+
+    handles = [m.register_full_backward_hook(grad_out) for m in model.modules() if not list(m.children())]
+    handles.append(register_optimizer_step_pre_hook(at_step))
+    return steps, handles
+
+
+def _real_shares(grads, scale):
+    """(share below the smallest normal, share flushed to zero) of the non-zero FP16-computed gradient elements
+    when multiplied by ``scale`` (a power of two: exact) and cast with ``.half()``; plus the shares the one-bin-per-
+    binade histogram cannot place (documented in docs/trace-format.md): exact ties at half the smallest subnormal
+    (they flush), and values in the sliver just below the smallest normal that round up to it."""
+    fi = torch.finfo(torch.float16)
+    tie = torch.nextafter(torch.zeros((), dtype=torch.float16), torch.ones((), dtype=torch.float16)).float() / 2
+    normal = torch.tensor(fi.smallest_normal, dtype=torch.float16)
+    top_sub = torch.nextafter(normal, torch.zeros((), dtype=torch.float16))
+    sliver = (top_sub.float() + fi.smallest_normal) / 2
+    vals = torch.cat([g.float().reshape(-1) for g in grads])
+    vals = vals[vals != 0].abs() * scale
+    h = vals.half().float()
+    n = len(vals)
+    return ((h < fi.smallest_normal).sum().item() / n, (h == 0).sum().item() / n,
+            (vals == tie).sum().item() / n, ((vals >= sliver) & (vals < fi.smallest_normal)).sum().item() / n)
+
+
+def _captured_run(trace_path, steps=6):
+    """No scaler and a small loss weight: FP16 gradients underflow (the grad-underflow fault). Every Linear runs in
+    FP16 under autocast, so every output gradient and every parameter gradient here was computed in FP16."""
+    model = mlp()
+    grads, handles = _capture(model)
+    train(model, steps, scaler=False, loss_weight=1e-3, trace=trace_path,
+          attach_options={"every": 1, "hist_every": 1})
+    for h in handles:
+        h.remove()
+    grads = [[g for g in step if g.dtype == torch.float16 or g.dtype == torch.float32] for step in grads[:steps]]
+    return ampdoctor.load(trace_path), grads
 
 
 def test_underflow_at_the_simulated_scale(trace_path):
-    # no scaler and a small loss weight: FP16 gradients underflow (the grad-underflow fault)
-    train(mlp(), 6, scaler=False, loss_weight=1e-3, trace=trace_path, attach_options={"every": 1, "hist_every": 1})
-    tr = ampdoctor.load(trace_path)
+    tr, grads = _captured_run(trace_path)
+    assert all(any(g.dtype == torch.float16 for g in step) for step in grads)
     what_happened = ampdoctor.replay(tr, init_scale=1.0, growth_interval=10 ** 6)
     with_scaler = ampdoctor.replay(tr)                   # torch's defaults: 65536
     assert np.all(with_scaler.scales == 2.0 ** 16) and not with_scaler.skipped.any()
+    low = ampdoctor.replay(tr, init_scale=2.0 ** -8, growth_interval=10 ** 6)
     for t in range(6):
-        assert what_happened.underflow[t] == pytest.approx(_expected_underflow(tr, t, 1.0)[0], abs=1e-12)
-        assert what_happened.flushed[t] == pytest.approx(_expected_underflow(tr, t, 1.0)[1], abs=1e-12)
-        assert with_scaler.underflow[t] == pytest.approx(_expected_underflow(tr, t, 2.0 ** 16)[0], abs=1e-12)
-    assert what_happened.mean_underflow > 0.5
-    assert ampdoctor.replay(tr, init_scale=2.0 ** -8).mean_flushed > 0.1      # below 1: whole binades flush to 0
+        # scaling FP16 values up by a power of two is exact: the histogram what-if equals the real cast
+        for r, scale in ((what_happened, 1.0), (with_scaler, 2.0 ** 16)):
+            under, flushed, _, _ = _real_shares(grads[t], scale)
+            assert r.underflow[t] == pytest.approx(under, abs=1e-12)
+            assert r.flushed[t] == pytest.approx(flushed, abs=1e-12)
+        # scaled down, values round: the what-if is exact up to the ties and the sliver below 2^-14 it cannot see
+        under, flushed, ties, sliver = _real_shares(grads[t], 2.0 ** -8)
+        assert low.flushed[t] <= flushed + 1e-12 and flushed <= low.flushed[t] + ties + 1e-12
+        assert under <= low.underflow[t] + 1e-12 and low.underflow[t] <= under + sliver + 1e-12
+    assert low.mean_flushed > 0.1 and what_happened.mean_underflow > 0.5      # the scenario has something to count
     assert with_scaler.mean_underflow < what_happened.mean_underflow / 10
     shares = [ampdoctor.replay(tr, init_scale=2.0 ** k).mean_underflow for k in range(0, 17, 4)]
     assert shares == sorted(shares, reverse=True)
+
+
+def test_overflow_threshold_is_where_the_cast_overflows(trace_path):
+    """A scaled gradient between 65504 and 65520 rounds down to 65504 (no overflow, no skip); from 65520 on it is
+    inf. The largest FP16-computed gradient of step 0, times the simulated scale, cast like GradScaler computes it."""
+    tr, grads = _captured_run(trace_path, steps=2)
+    peak = max(g.abs().max().item() for g in grads[0])
+    for target in (65503.0, 65505.0, 65519.9, 65520.1, 65530.0):
+        r = ampdoctor.replay(tr, init_scale=target / peak, growth_interval=10 ** 6)
+        scaled = (torch.tensor(peak, dtype=torch.float32) * torch.tensor(r.scales[0], dtype=torch.float32)).half()
+        assert bool(r.skipped[0]) == bool(torch.isinf(scaled)), target
 
 
 # -- --suggest --------------------------------------------------------------------------------------------------------

@@ -722,7 +722,7 @@ class Doctor:
                 continue
             vec = K.full(g)
             entries.append(Entry(sid, "param", [(self._add_full(vec), "f", g.numel())]))
-            squares.append(vec[3].square())                # the l2 norm is part of the full vector
+            squares.append(vec[K.I_NORM].square())         # the l2 norm is part of the full vector
         return squares
 
     def _check_weights(self, step: int) -> None:

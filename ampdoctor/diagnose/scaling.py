@@ -75,7 +75,7 @@ def init_scale_too_high(run, *, min_skips=MIN_EARLY_SKIPS, early_steps=EARLY_STE
         "warning", "Initial loss scale too high",
         f"{len(skipped)} of the first {len(early)} steps were skipped while the loss scale fell from {A.pow2(init)} "
         f"to {A.pow2(float(st['loss_scale_next'].iloc[len(early) - 1]))}; the unscaled gradients peak at "
-        f"{A.fmt_num(gmax)}, so any scale above {A.pow2(formats.FP16.max / gmax)} overflows FP16.",
+        f"{A.fmt_num(gmax)}, so any scale above {A.pow2(formats.FP16.finite_limit / gmax)} overflows FP16.",
         steps=run.step_range(skipped),
         evidence={"skipped_early": len(skipped), "window": len(early), "skipped_steps": skipped[:20],
                   "init_scale": init, "max_unscaled_grad": gmax, "fp16_max": formats.FP16.max,

@@ -292,9 +292,9 @@ def fp16_readiness(run, *, min_share=MIN_SHARE):
     if peaks.shape[1]:
         with np.errstate(all="ignore"):
             mx = np.nanmax(np.where(np.isfinite(peaks), peaks, np.nan), axis=0)
-        for j in np.flatnonzero(mx > FP16.max):
+        for j in np.flatnonzero(FP16.overflows(mx)):                 # rounds past 65504 in a cast (>= 65520)
             over.append((acts["path"].iloc[j], float(mx[j]),
-                         int((peaks[:, j] > FP16.max).sum())))
+                         int(FP16.overflows(peaks[:, j]).sum())))
     # execution order (site order): the first module that overflows is where it starts, later ones inherit it;
     # a container (the root included) that overflows only because a child does is left out
     over_paths = [p for p, *_ in over]

@@ -1,31 +1,64 @@
-"""Read-only view of a trace file. Offline side: no torch import."""
+"""Read-only view of a trace file. Offline side: no torch import.
+
+A trace may come from anyone, so it is checked when opened (checks.py: plain tables with their declared columns,
+value types, dense step and site ids, JSON well-formed and shallow), every allocation is sized by rows that exist,
+only regular files are opened (a FIFO would block), and whatever else is wrong becomes a one-line TraceError.
+"""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
+import shutil
 import sqlite3
+import stat
+import tempfile
+import urllib.parse
+import weakref
 
 import numpy as np
 import pandas as pd
 
-from . import schema
+from . import checks, schema
 from .schema import TraceError
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 HIST_LO, HIST_HI = -127, 127        # binades a histogram row can hold; column j of hist() is binade HIST_LO + j
+_SIDE_FILES = ("-wal", "-shm", "-journal")
+
+
+def _read_head(path: str, n: int = 100) -> bytes:
+    """The first bytes of a regular file. Opened non-blocking and checked with fstat: a FIFO (or device, socket)
+    is refused instead of blocking the reader forever."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise TraceError(f"{path}: not a regular file, not a trace")
+        return os.read(fd, n)
+    finally:
+        os.close(fd)
 
 
 def _check_file(path: str) -> None:
-    if not os.path.exists(path):
-        raise TraceError(f"{path}: no such file")
-    if os.path.isdir(path):
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise TraceError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read ({exc.strerror})") from None
+    if stat.S_ISDIR(st.st_mode):
         raise TraceError(f"{path}: is a directory, not a trace file")
-    size = os.path.getsize(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise TraceError(f"{path}: not a regular file (a FIFO, socket or device), not a trace")
+    for side in _SIDE_FILES:                  # SQLite opens these too: a FIFO there would block it
+        if os.path.lexists(path + side) and not os.path.isfile(path + side):
+            raise TraceError(f"{path}: {os.path.basename(path + side)} next to it is not a regular file")
+    size = st.st_size
     if size == 0:
         raise TraceError(f"{path}: empty file (0 bytes), not an ampdoctor trace")
-    with open(path, "rb") as f:
-        head = f.read(100)
+    try:
+        head = _read_head(path)
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read ({exc.strerror})") from None
     if not head.startswith(_SQLITE_MAGIC):
         raise TraceError(f"{path}: not an ampdoctor trace (not a SQLite database)")
     if len(head) < 100:
@@ -37,19 +70,52 @@ def _check_file(path: str) -> None:
                          f"{page_size}-byte pages)")
 
 
+def _uri(path: str) -> str:
+    """The ``file:`` URI of a path: every byte that is not plain is %-escaped (SQLite decodes the path), so a file
+    named ``%2E%2E%2Foutside.db`` or ``lr 1e-3?.db`` opens that very file."""
+    return "file:" + urllib.parse.quote(os.path.abspath(path), safe="/")
+
+
+def _ids(conn) -> tuple[int, int]:
+    return conn.execute("PRAGMA application_id").fetchone()[0], conn.execute("PRAGMA user_version").fetchone()[0]
+
+
+class _CopyConnection(sqlite3.Connection):
+    """A connection to a private copy of a trace; closing it (or dropping it) removes the copy."""
+
+    removes = None
+
+    def close(self):
+        super().close()
+        if self.removes is not None:
+            self.removes()
+
+
 def _connect(path: str):
-    """Read-only connection. A WAL reader needs the -shm file; where it cannot create one (a read-only directory)
-    and no writer is active, the file is opened as immutable, which needs nothing next to it."""
-    uri = "file:" + os.path.abspath(path).replace("?", "%3f").replace("#", "%23")
+    """Read-only connection: (conn, application id, format version).
+
+    A WAL reader needs the -shm file next to the trace. In a read-only directory SQLite reads the WAL only through
+    an -shm that is already there (a killed run leaves one); when there is none and the WAL holds data (a killed run
+    whose -shm was not copied along), the trace and its WAL are copied to a private temporary directory and read
+    there (SQLite cannot read a WAL without an -shm it can create, and ``immutable=1`` would silently drop the steps
+    still in the WAL); without a WAL, ``immutable=1`` reads the file in place."""
     try:
-        conn = sqlite3.connect(f"{uri}?mode=ro", uri=True, check_same_thread=False)
-        ids = conn.execute("PRAGMA application_id").fetchone()[0], conn.execute("PRAGMA user_version").fetchone()[0]
+        conn = sqlite3.connect(f"{_uri(path)}?mode=ro", uri=True, check_same_thread=False)
+        return (conn, *_ids(conn))
     except sqlite3.OperationalError:
-        if os.path.exists(path + "-wal") or os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+        if os.access(os.path.dirname(os.path.abspath(path)), os.W_OK) and not os.path.exists(path + "-shm"):
             raise
-        conn = sqlite3.connect(f"{uri}?immutable=1", uri=True, check_same_thread=False)
-        ids = conn.execute("PRAGMA application_id").fetchone()[0], conn.execute("PRAGMA user_version").fetchone()[0]
-    return conn, ids[0], ids[1]
+    wal = path + "-wal"
+    if os.path.exists(wal) and os.path.getsize(wal) > 0:
+        tmp = tempfile.mkdtemp(prefix="ampdoctor-")
+        copy = os.path.join(tmp, "trace.db")
+        shutil.copyfile(path, copy)
+        shutil.copyfile(wal, copy + "-wal")
+        conn = sqlite3.connect(f"{_uri(copy)}?mode=ro", uri=True, check_same_thread=False, factory=_CopyConnection)
+        conn.removes = weakref.finalize(conn, shutil.rmtree, tmp, True)
+    else:
+        conn = sqlite3.connect(f"{_uri(path)}?immutable=1", uri=True, check_same_thread=False)
+    return (conn, *_ids(conn))
 
 
 class Trace:
@@ -61,7 +127,7 @@ class Trace:
         _check_file(self.path)
         try:
             self._conn, app_id, version = _connect(self.path)
-        except sqlite3.DatabaseError as exc:
+        except (sqlite3.DatabaseError, OSError) as exc:
             raise TraceError(f"{self.path}: corrupt or unreadable trace ({exc})") from None
         if app_id != schema.APPLICATION_ID:
             self._conn.close()
@@ -70,7 +136,13 @@ class Trace:
             self._conn.close()
             raise TraceError(f"{self.path}: trace format {version} is newer than this ampdoctor reads "
                              f"(up to {schema.VERSION}); upgrade ampdoctor")
-        self._query("SELECT count(*) FROM steps")     # touches the schema: a damaged file fails here
+        try:
+            with self.snapshot():                # one state of the file for all checks (a live trace grows)
+                self._checked(checks.check_tables, self._conn)
+                self.meta                        # parsed and type-checked; raises on a malformed entry
+        except TraceError:
+            self._conn.close()
+            raise
 
     # -- plumbing ----------------------------------------------------------------------------------------------
     def _query(self, sql: str, args=()) -> list:
@@ -78,6 +150,19 @@ class Trace:
             return self._conn.execute(sql, args).fetchall()
         except sqlite3.DatabaseError as exc:
             raise TraceError(f"{self.path}: corrupt or unreadable trace ({exc})") from None
+
+    def _checked(self, fn, *args):
+        """``fn(*args)``, its complaints about the file (checks.Invalid, or a value numpy or pandas cannot take)
+        turned into one TraceError line."""
+        try:
+            return fn(*args)
+        except checks.Invalid as exc:
+            raise TraceError(f"{self.path}: corrupt trace ({exc})") from None
+        except sqlite3.DatabaseError as exc:
+            raise TraceError(f"{self.path}: corrupt or unreadable trace ({exc})") from None
+        except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+            raise TraceError(f"{self.path}: corrupt trace ({type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0][:80] if str(exc) else ''})") from None
 
     def close(self) -> None:
         self._conn.close()
@@ -88,7 +173,7 @@ class Trace:
         several tables of a trace that is still being written. Re-entrant."""
         if self._snapshot_depth == 0:
             self._query("BEGIN")
-            self._query("SELECT count(*) FROM steps")     # a deferred transaction starts at its first read
+            self._query("SELECT count(*) FROM sqlite_master")   # a deferred transaction starts at its first read
         self._snapshot_depth += 1
         try:
             yield self
@@ -110,7 +195,8 @@ class Trace:
     @property
     def meta(self) -> dict:
         """Run metadata: versions, device, precision configuration (see docs/trace-format.md)."""
-        return {k: json.loads(v) for k, v in self._query("SELECT key, value FROM meta")}
+        rows = self._query("SELECT key, value FROM meta")
+        return self._checked(lambda: {k: checks.meta_value(k, v) for k, v in rows})
 
     @property
     def config(self) -> dict:
@@ -125,16 +211,7 @@ class Trace:
     def steps(self) -> pd.DataFrame:
         """One row per optimizer step (skipped steps included)."""
         rows = self._query(f"SELECT {','.join(schema.STEP_FIELDS)} FROM steps ORDER BY step")
-        df = pd.DataFrame(rows, columns=list(schema.STEP_FIELDS))
-        lrs = [json.loads(v) if v else None for v in df["lr"]]
-        df["lr_groups"] = lrs
-        df["lr"] = [v[0] if v else np.nan for v in lrs]
-        df["skipped"] = df["skipped"].fillna(0).astype(bool)
-        df["nonfinite"] = df["nonfinite"].fillna(0).astype(bool)
-        for col in ("time", "step_time", "data_time", "samples_per_s", "loss", "loss_scale", "loss_scale_next",
-                    "grad_norm"):
-            df[col] = pd.to_numeric(df[col], errors="coerce").astype(float)
-        return df
+        return self._checked(_steps_frame, rows)
 
     def sites(self, kind: str | None = None) -> pd.DataFrame:
         """Observed sites: id, path, module, kind, module_type, dtype, shape, first_step."""
@@ -145,6 +222,8 @@ class Trace:
             sql += " WHERE kind = ?"
             args = (kind,)
         rows = self._query(sql + " ORDER BY id", args)
+        if any(not isinstance(r[0], int) or not isinstance(r[1], str) or not isinstance(r[2], str) for r in rows):
+            raise TraceError(f"{self.path}: corrupt trace (a site without an integer id, a path or a module)")
         return pd.DataFrame(rows, columns=["id", "path", "module", "kind", "module_type", "dtype", "shape",
                                            "first_step"])
 
@@ -153,8 +232,9 @@ class Trace:
         sql, args = "SELECT step, name, value, time FROM metrics", ()
         if name is not None:
             sql, args = sql + " WHERE name = ?", (name,)
-        return pd.DataFrame(self._query(sql + " ORDER BY step, rowid", args),
-                            columns=["step", "name", "value", "time"])
+        df = pd.DataFrame(self._query(sql + " ORDER BY step, rowid", args), columns=["step", "name", "value", "time"])
+        self._checked(lambda: df.__setitem__("value", _numbers(df["value"]).astype(float)))
+        return df
 
     def probes(self) -> pd.DataFrame:
         """Precision-loss probe results (``attach(probe_every=N)``): one row per probed step and module: step, site,
@@ -181,12 +261,14 @@ class Trace:
             sql, args = sql + " WHERE e.kind = ?", (kind,)
         rows = self._query(sql + " ORDER BY e.id", args)
         df = pd.DataFrame(rows, columns=["step", "kind", "site", "path", "site_kind", "phase", "message", "data"])
-        df["data"] = [json.loads(d) if d else {} for d in df["data"]]
+        df["data"] = self._checked(lambda: [_event_data(d) for d in df["data"]])
         return df
 
     def full_steps(self) -> np.ndarray:
         """Steps that have full statistics."""
-        return np.array([r[0] for r in self._query("SELECT DISTINCT step FROM stats ORDER BY step")], dtype=int)
+        rows = self._query("SELECT DISTINCT step FROM stats WHERE typeof(step) = 'integer' AND step >= 0 "
+                           "ORDER BY step")
+        return np.array([r[0] for r in rows], dtype=np.int64)
 
     # -- per-site arrays ---------------------------------------------------------------------------------------
     def records(self, field: str, kind: str = "act", fill: float = np.nan) -> np.ndarray:
@@ -201,31 +283,17 @@ class Trace:
         out = np.full((n, len(ids)), fill, dtype=np.float64)
         if not len(ids) or not n:
             return out
-        col = {int(s): j for j, s in enumerate(ids)}
         if field == "peak":
-            rows = self._query("SELECT step, data FROM peaks WHERE step < ? ORDER BY step", (n,))
-            for step, blob in rows:
-                arr = np.frombuffer(blob, dtype="<f4")
-                take = ids[ids < len(arr)]
-                vals = arr[take].astype(np.float64)
-                vals[vals < 0] = fill
-                out[step, [col[int(s)] for s in take]] = vals
+            rows = self._query("SELECT step, data FROM peaks WHERE step >= 0 AND step < ? ORDER BY step", (n,))
+            self._checked(_fill_peaks, out, rows, ids, fill)
             return out
         if field not in schema.STATS_FIELDS and field not in ("scale", "calls"):
             raise ValueError(f"Argument field should be 'peak' or one of {', '.join(schema.STATS_FIELDS)}, "
                              f"but given {field!r}")
-        lo, hi = int(ids.min()), int(ids.max())
-        rows = self._query(f"SELECT step, site, {field} FROM stats WHERE site BETWEEN ? AND ? AND step < ?",
-                           (lo, hi, n))
+        rows = self._query(f"SELECT step, site, {field} FROM stats WHERE site BETWEEN ? AND ? AND step >= 0 "
+                           f"AND step < ?", (int(ids.min()), int(ids.max()), n))
         if rows:
-            arr = np.array(rows, dtype=np.float64)
-            lookup = np.full(hi - lo + 1, -1, dtype=np.int64)
-            lookup[ids - lo] = np.arange(len(ids))
-            j = lookup[arr[:, 1].astype(np.int64) - lo]
-            keep = j >= 0
-            vals = arr[keep, 2]
-            vals[np.isnan(vals)] = fill
-            out[arr[keep, 0].astype(np.int64), j[keep]] = vals
+            self._checked(_fill_stats, out, rows, ids, fill)
         return out
 
     def hist(self, site: int | str, kind: str | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -236,12 +304,7 @@ class Trace:
         """
         sid = self.site_id(site, kind)
         rows = self._query("SELECT step, lo, counts FROM hists WHERE site = ? ORDER BY step", (sid,))
-        steps = np.array([r[0] for r in rows], dtype=int)
-        counts = np.zeros((len(rows), HIST_HI - HIST_LO + 1), dtype=np.int64)
-        for i, (_, lo, blob) in enumerate(rows):
-            c = np.frombuffer(blob, dtype="<i8")
-            counts[i, lo - HIST_LO: lo - HIST_LO + len(c)] = c
-        return steps, counts
+        return self._checked(_hist_rows, rows)
 
     def site_id(self, site: int | str, kind: str | None = None) -> int:
         """Site id from an id or a path (with kind when the path has several)."""
@@ -258,6 +321,83 @@ class Trace:
         return int(rows[0][0])
 
 
+def _steps_frame(rows: list) -> pd.DataFrame:
+    """The steps table as a DataFrame: numbers as floats (the writer's 'nan' text is NaN), lr from its JSON list."""
+    df = pd.DataFrame(rows, columns=list(schema.STEP_FIELDS))
+    lrs = [checks.parse_json(v, "steps.lr") if v else None for v in df["lr"]]
+    for v in lrs:
+        if v is not None:
+            checks.check_value(v, [(checks.NUM, None)], "steps.lr")
+    df["lr_groups"] = lrs
+    df["lr"] = [float(v[0]) if v and v[0] is not None else np.nan for v in lrs]
+    for col in ("skipped", "nonfinite"):
+        df[col] = _numbers(df[col]).fillna(0).astype(bool)
+    for col in ("time", "step_time", "data_time", "samples_per_s", "loss", "loss_scale", "loss_scale_next",
+                "grad_norm"):
+        df[col] = _numbers(df[col]).astype(float)
+    for col in ("samples", "microbatches", "peak_mem", "level"):
+        df[col] = _numbers(df[col])
+    return df
+
+
+_NAN_TEXT = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}     # how the writer stores a NaN loss (REAL NaN is NULL)
+
+
+def _numbers(col: pd.Series) -> pd.Series:
+    """A column of numbers (NULL: NaN, the writer's 'nan' text: NaN); anything else is a malformed trace."""
+    if not pd.api.types.is_numeric_dtype(col):          # object, or pandas' string dtype when all are text
+        col = col.astype(object).map(lambda v: _NAN_TEXT.get(v, v) if isinstance(v, str) else v)
+    return pd.to_numeric(col, errors="raise")
+
+
+def _columns_of(ids: np.ndarray, sites: np.ndarray) -> np.ndarray:
+    """Column of each site id in ``ids`` (sorted), -1 where it is not one of them; no table sized by id values."""
+    pos = np.minimum(np.searchsorted(ids, sites), len(ids) - 1)
+    return np.where(ids[pos] == sites, pos, -1)
+
+
+def _fill_peaks(out: np.ndarray, rows: list, ids: np.ndarray, fill: float) -> None:
+    for step, blob in rows:
+        if not isinstance(blob, bytes) or len(blob) % 4:
+            raise checks.Invalid(f"peaks of step {step} are not float32 values")
+        arr = np.frombuffer(blob, dtype="<f4")
+        take = ids < len(arr)
+        vals = arr[ids[take]].astype(np.float64)
+        vals[vals < 0] = fill
+        out[step, np.flatnonzero(take)] = vals
+
+
+def _fill_stats(out: np.ndarray, rows: list, ids: np.ndarray, fill: float) -> None:
+    arr = np.array(rows, dtype=np.float64)
+    where = arr[:, :2]
+    if not np.isfinite(where).all() or (where != np.floor(where)).any():
+        raise checks.Invalid("a stats row without an integer step and site")
+    j = _columns_of(ids, where[:, 1].astype(np.int64))
+    keep = j >= 0
+    vals = arr[keep, 2]
+    vals[np.isnan(vals)] = fill
+    out[where[keep, 0].astype(np.int64), j[keep]] = vals
+
+
+def _hist_rows(rows: list) -> tuple[np.ndarray, np.ndarray]:
+    steps = np.array([r[0] for r in rows], dtype=np.int64)
+    counts = np.zeros((len(rows), HIST_HI - HIST_LO + 1), dtype=np.int64)
+    for i, (_, lo, blob) in enumerate(rows):
+        if not isinstance(lo, int) or not isinstance(blob, bytes) or len(blob) % 8:
+            raise checks.Invalid("a histogram row without an integer binade and int64 counts")
+        c = np.frombuffer(blob, dtype="<i8")
+        if lo < HIST_LO or lo + len(c) - 1 > HIST_HI or (c < 0).any():
+            raise checks.Invalid(f"a histogram spans binades {lo}..{lo + len(c) - 1}, outside -127..127")
+        counts[i, lo - HIST_LO: lo - HIST_LO + len(c)] = c
+    return steps, counts
+
+
+def _event_data(text) -> dict:
+    d = checks.parse_json(text, "events.data") if text else {}
+    checks.check_value(d, checks.EVENT_DATA, "events.data")
+    return d
+
+
 def _check_kind(kind: str) -> None:
     if kind not in schema.KINDS:
         raise ValueError(f"Argument kind should be one of {', '.join(schema.KINDS)}, but given {kind!r}")
@@ -268,9 +408,8 @@ def is_trace(path: str | os.PathLike) -> bool:
     written in WAL mode may carry the id only in its -wal file until the first checkpoint; then it is opened."""
     path = os.fspath(path)
     try:
-        with open(path, "rb") as f:
-            head = f.read(72)
-    except OSError:
+        head = _read_head(path, 72)           # never blocks on a FIFO
+    except (OSError, TraceError):
         return False
     if not head.startswith(_SQLITE_MAGIC):
         return False

@@ -15,6 +15,7 @@ STEP_FIELDS = ("step", "time", "step_time", "data_time", "samples", "samples_per
                "loss_scale", "loss_scale_next", "skipped", "grad_norm", "microbatches", "peak_mem",
                "level", "nonfinite")
 PROBE_FIELDS = ("rel_err", "max_err", "ref_norm", "ref_absmax")   # probes table (added in 0.1; absent before)
+OPTIONAL_TABLES = ("probes",)     # added after the first traces were written: a trace without them still reads
 KINDS = ("act", "grad_out", "param_grad", "weight", "update")
 ROOT = "(model)"                  # how the root module is named in site paths
 

@@ -1,0 +1,219 @@
+"""What a trace file may hold: the checks a reader runs before trusting it. A trace may come from anyone (a shared
+run directory, a download), so its tables, column types, ids and JSON are verified, and every problem becomes one
+``Invalid`` line that the reader turns into a TraceError. Offline side: no torch."""
+from __future__ import annotations
+
+import json
+import numbers
+import sqlite3
+
+from . import schema
+
+
+class Invalid(Exception):
+    """One line saying what in the file is malformed."""
+
+
+# -- tables --------------------------------------------------------------------------------------------------------
+def _expected_columns() -> dict:
+    """table -> [(name, declared type, pk)] as schema.DDL lays them out (read off an in-memory database)."""
+    mem = sqlite3.connect(":memory:")
+    try:
+        mem.executescript(schema.DDL)
+        tables = [r[0] for r in mem.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        return {t: [(r[1], r[2].upper(), r[5]) for r in mem.execute(f"PRAGMA table_info({t})")] for t in tables}
+    finally:
+        mem.close()
+
+
+EXPECTED = _expected_columns()
+NUMBER = "typeof({c}) IN ('integer', 'real', 'null')"
+NUMBER_OR_NAN = "(typeof({c}) IN ('integer', 'real', 'null') OR {c} IN ('nan', 'inf', '-inf'))"   # writer's NaN
+INTEGER = "typeof({c}) = 'integer'"
+INTEGER_OR_NULL = "typeof({c}) IN ('integer', 'null')"
+TEXT = "typeof({c}) = 'text'"
+TEXT_OR_NULL = "typeof({c}) IN ('text', 'null')"
+JSON_NUMBERS = ("({c} IS NULL OR (typeof({c}) = 'text' AND json_valid({c}) AND json_type({c}) = 'array' AND NOT EXISTS "
+                "(SELECT 1 FROM json_each({c}) WHERE type NOT IN ('integer', 'real', 'null'))))")
+_TYPE = "json_type({{c}}, '$.{key}')"
+JSON_EVENT = ("({c} IS NULL OR (typeof({c}) = 'text' AND json_valid({c}) AND json_type({c}) = 'object'"   # EVENT_DATA
+              " AND coalesce(" + _TYPE.format(key="value") + ", 'text') = 'text'"
+              " AND coalesce(" + _TYPE.format(key="after") + ", 'null') IN ('integer', 'null')"
+              " AND coalesce(" + _TYPE.format(key="count") + ", 'integer') = 'integer'"
+              " AND coalesce(" + _TYPE.format(key="params") + ", 'array') = 'array'"
+              " AND NOT EXISTS (SELECT 1 FROM json_each({c}, '$.params') WHERE type != 'text')))")
+
+
+def _rules(n_sites: int, n_steps: int) -> dict:
+    """table -> [(column, SQL condition every row must meet, what is wrong otherwise)]. The writer commits a step's
+    peaks, statistics and histograms with its steps row, so those name steps that exist; events and metrics may
+    name the step still being written."""
+    site = f"typeof({{c}}) = 'integer' AND {{c}} BETWEEN 0 AND {n_sites - 1}"
+    site_or_null = f"({{c}} IS NULL OR ({site}))"
+    recorded = f"typeof({{c}}) = 'integer' AND {{c}} BETWEEN 0 AND {n_steps - 1}"
+    step_or_null = "({c} IS NULL OR (typeof({c}) = 'integer' AND {c} >= 0))"
+    return {
+        "meta": [("key", TEXT, "not text"), ("value", TEXT, "not text")],
+        "sites": [("path", TEXT, "not text"), ("module", TEXT, "not text"),
+                  ("kind", f"kind IN ({', '.join(repr(k) for k in schema.KINDS)})", "not a site kind"),
+                  ("module_type", TEXT_OR_NULL, "not text"), ("dtype", TEXT_OR_NULL, "not text"),
+                  ("shape", TEXT_OR_NULL, "not text"), ("first_step", INTEGER_OR_NULL, "not an integer")],
+        "steps": [(c, NUMBER_OR_NAN, "not a number") for c in schema.STEP_FIELDS if c not in ("step", "lr")]
+        + [("lr", JSON_NUMBERS, "not a JSON list of numbers")],
+        "peaks": [("step", recorded, "not a recorded step"),
+                  ("data", "typeof(data) = 'blob' AND length(data) % 4 = 0", "not float32 values")],
+        "stats": [("step", recorded, "not a recorded step"), ("site", site, "not a site id"),
+                  *[(c, NUMBER, "not a number") for c in ("scale", "calls") + schema.STATS_FIELDS]],
+        "hists": [("step", recorded, "not a recorded step"), ("site", site, "not a site id"),
+                  ("lo", "typeof(lo) = 'integer' AND lo BETWEEN -127 AND 127", "not a binade"),
+                  ("counts", "typeof(counts) = 'blob' AND length(counts) % 8 = 0 AND length(counts) > 0 "
+                   "AND lo + length(counts) / 8 <= 128", "not int64 counts within binades -127..127")],
+        "events": [("step", step_or_null, "not a step"), ("kind", TEXT, "not text"), ("site", site_or_null,
+                   "not a site id"), ("phase", TEXT_OR_NULL, "not text"), ("message", TEXT_OR_NULL, "not text"),
+                   ("data", JSON_EVENT, "not a JSON object of the event fields")],
+        "metrics": [("step", step_or_null, "not a step"), ("name", TEXT, "not text"),
+                    ("value", NUMBER_OR_NAN, "not a number"), ("time", NUMBER, "not a number")],
+        "probes": [("step", recorded, "not a recorded step"), ("site", site, "not a site id"),
+                   *[(c, INTEGER_OR_NULL, "not an integer") for c in ("calls", "k", "numel")],
+                   ("dtype", TEXT_OR_NULL, "not text"),
+                   *[(c, NUMBER_OR_NAN, "not a number") for c in schema.PROBE_FIELDS]],
+    }
+
+
+def check_tables(conn: sqlite3.Connection) -> None:
+    """Every table of the format is a plain table (not a view: a recursive one would hang every query) with its
+    columns as declared; the step and site ids are dense; every value has its column's type and range."""
+    for table, columns in EXPECTED.items():
+        row = conn.execute("SELECT type, sql FROM sqlite_master WHERE name = ? COLLATE NOCASE", (table,)).fetchone()
+        if row is None:
+            if table in schema.OPTIONAL_TABLES:
+                continue
+            raise Invalid(f"no table {table}")
+        if row[0] != "table" or str(row[1] or "").lstrip().upper().startswith("CREATE VIRTUAL"):
+            raise Invalid(f"{table} is a {row[0]}, not a table")
+        have = [(r[1], str(r[2]).upper(), r[5]) for r in conn.execute(f"PRAGMA table_info({table})")]
+        missing = [c for c in columns if c not in have]
+        if missing:
+            raise Invalid(f"table {table}: column {missing[0][0]} missing or not declared {missing[0][1]}")
+    n_sites = _dense(conn, "sites", "id")
+    n_steps = _dense(conn, "steps", "step")
+    deep = f"length(data) - length(replace(replace(data, '[', ''), '{{', '')) > {MAX_DEPTH}"
+    for (text,) in conn.execute(f"SELECT data FROM events WHERE typeof(data) = 'text' AND {deep}"):
+        parse_json(text, "events.data")                  # SQLite accepts JSON up to 1000 deep; we do not
+    present = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    for table, rules in _rules(n_sites, n_steps).items():
+        if table in schema.OPTIONAL_TABLES and table not in present:
+            continue
+        where = " OR ".join(f"NOT ({cond.format(c=col)})" for col, cond, _ in rules)
+        if conn.execute(f"SELECT EXISTS (SELECT 1 FROM {table} WHERE {where})").fetchone()[0]:
+            for col, cond, what in rules:
+                bad = conn.execute(f"SELECT {col} FROM {table} WHERE NOT ({cond.format(c=col)}) LIMIT 1").fetchone()
+                if bad is not None:
+                    raise Invalid(f"table {table}: column {col} holds {_show(bad[0])}: {what}")
+
+
+def _dense(conn, table: str, col: str) -> int:
+    """Rows of a table whose integer key must run 0, 1, ... without gaps (its INTEGER PRIMARY KEY: unique)."""
+    n, lo, hi = conn.execute(f"SELECT count(*), min({col}), max({col}) FROM {table}").fetchone()
+    if n and (lo != 0 or hi != n - 1):
+        raise Invalid(f"table {table}: {col} runs {lo}..{hi} over {n} rows, not 0..{n - 1}")
+    return n
+
+
+def _show(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+# -- JSON ------------------------------------------------------------------------------------------------------------
+MAX_DEPTH = 32          # the writer nests 3 deep; a bound keeps every later walk over a value cheap and recursion-free
+
+
+def parse_json(text, what: str):
+    """A JSON value from the file, nesting bounded (a 200,000-deep array is refused, not parsed into a crash)."""
+    if text is None:
+        return None
+    if not isinstance(text, str):
+        raise Invalid(f"{what} is not JSON text")
+    depth = 0
+    brackets = text.count("[") + text.count("{")
+    for ch in (text if brackets > MAX_DEPTH else ""):    # brackets inside strings count too: an overestimate
+        if ch in "[{":
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise Invalid(f"{what}: JSON nested deeper than {MAX_DEPTH}")
+        elif ch in "]}":
+            depth -= 1
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise Invalid(f"{what}: invalid JSON ({str(exc).splitlines()[0][:60]})") from None
+
+
+# Types of the meta values the writer records; keys not listed are free (a later writer may add some).
+NUM, INT, STR, BOOL = "number", "integer", "text", "true/false"
+RUN = {"ampdoctor": STR, "torch": STR, "python": STR, "host": STR, "pid": INT, "rank": INT, "started": NUM,
+       "model": STR, "device": STR, "params": INT, "cpu_count": (INT, None), "threads": INT, "every": INT,
+       "hist_every": INT, "weight_every": INT, "device_name": STR, "capability": [INT], "bf16_supported": BOOL}
+CONFIG = {"autocast": {"enabled": BOOL, "dtype": (STR, None), "device_type": (STR, None)},
+          "param_dtypes": ({STR: INT},), "module_param_dtypes": ({STR: STR},), "loss_dtype": (STR, None),
+          "boundary": STR,
+          "optimizer": {"class": STR, "groups": [{"lr": (NUM, None)}]},
+          "scaler": {"class": STR, "enabled": BOOL, "init_scale": (NUM, None), "growth_factor": (NUM, None),
+                     "backoff_factor": (NUM, None), "growth_interval": (NUM, None)}}
+CLOSED = {"steps": INT, "time": NUM}
+META = {"run": RUN, "config": CONFIG, "closed": CLOSED}
+EVENT_DATA = {"value": STR, "after": (INT, None), "params": [STR], "count": INT}
+
+
+def check_value(v, spec, what: str) -> None:
+    """``v`` against ``spec``: a type name, a tuple of alternatives (None: null), [item spec], {key: spec} (an object;
+    keys not named are free) or ({key spec: value spec},) (a mapping)."""
+    if isinstance(spec, tuple) and not (len(spec) == 1 and isinstance(spec[0], dict)):
+        for alt in spec:
+            if alt is None and v is None:
+                return
+            if alt is not None:
+                try:
+                    check_value(v, alt, what)
+                    return
+                except Invalid:
+                    pass
+        raise Invalid(f"{what} is {_show(v)}, not {' or '.join('null' if a is None else _name(a) for a in spec)}")
+    if isinstance(spec, tuple):                       # ({key spec: value spec},): a mapping
+        if not isinstance(v, dict):
+            raise Invalid(f"{what} is {_show(v)}, not an object")
+        (kspec, vspec), = spec[0].items()
+        for k, item in v.items():
+            check_value(item, vspec, f"{what}[{k!r}]")
+        return
+    if isinstance(spec, list):
+        if not isinstance(v, list):
+            raise Invalid(f"{what} is {_show(v)}, not a list")
+        for i, item in enumerate(v):
+            check_value(item, spec[0], f"{what}[{i}]")
+        return
+    if isinstance(spec, dict):
+        if not isinstance(v, dict):
+            raise Invalid(f"{what} is {_show(v)}, not an object")
+        for k, sub in spec.items():
+            if k in v:
+                check_value(v[k], sub, f"{what}.{k}")
+        return
+    ok = {NUM: isinstance(v, numbers.Real) and not isinstance(v, bool),
+          INT: isinstance(v, int) and not isinstance(v, bool),
+          STR: isinstance(v, str), BOOL: isinstance(v, bool)}[spec]
+    if not ok:
+        raise Invalid(f"{what} is {_show(v)}, not {_name(spec)}")
+
+
+def _name(spec) -> str:
+    return spec if isinstance(spec, str) else "a list" if isinstance(spec, list) else "an object"
+
+
+def meta_value(key: str, text: str):
+    """One meta entry, parsed and checked."""
+    v = parse_json(text, f"meta {key!r}")
+    if key in META:
+        check_value(v, META[key], f"meta {key}")
+    return v

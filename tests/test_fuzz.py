@@ -1,0 +1,241 @@
+"""Hostile or broken trace files: a few hundred malformed traces made from a real one (random corruption of its
+tables and columns) must each give one line on stderr and exit 2 from every command, and a TraceError from
+``ampdoctor.load``, in bounded time and memory; never a traceback, a hang or a 22 GiB allocation."""
+import contextlib
+import io
+import json
+import os
+import random
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import ampdoctor
+from ampdoctor.cli import main
+
+HERE = os.path.dirname(__file__)
+ROOT = os.path.dirname(HERE)
+TABLES = ("meta", "sites", "steps", "peaks", "stats", "hists", "events", "metrics")
+COMMANDS = ("info", "layers", "diagnose", "replay", "report")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A real trace with a row in every table: FP16 + GradScaler starting too high (skipped steps, non-finite
+    events), full statistics and histograms every other step, a logged metric."""
+    import torch
+
+    from runs import batches, mlp
+    path = str(tmp_path_factory.mktemp("fuzz") / "base.db")
+    model = mlp(width=16, depth=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24)
+    with ampdoctor.attach(model, optimizer=opt, scaler=scaler, trace=path, every=2, hist_every=2,
+                          weight_every=2, live=False) as doc:
+        for i, (x, y) in enumerate(batches(6)):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            scaler.scale(torch.nn.functional.mse_loss(out.float(), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+            doc.log_metric("val/acc", 0.5 + i / 100)
+    c = sqlite3.connect(path)
+    assert all(c.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in TABLES)
+    c.close()
+    return path
+
+
+# -- corruptions: each one breaks the format; the reader must notice ----------------------------------------------
+NUMERIC = {"steps": ["time", "step_time", "data_time", "samples", "samples_per_s", "loss", "loss_scale",
+                     "loss_scale_next", "skipped", "grad_norm", "microbatches", "peak_mem", "level", "nonfinite"],
+           "stats": ["scale", "calls", "numel", "nan", "inf", "zeros", "absmax", "minabs", "mean", "rms",
+                     "fp16_over", "fp16_sub", "fp16_flush", "bf16_over", "bf16_sub", "bf16_flush"],
+           "metrics": ["value", "time"], "sites": ["first_step"]}
+TEXT = {"sites": ["path", "module", "kind", "module_type", "dtype", "shape"], "events": ["kind", "phase", "message"],
+        "metrics": ["name"], "meta": ["key", "value"]}
+NOT_NUMBERS = ["'garbage'", "x'0102'", "'1 2'"]
+NOT_TEXT = ["x'00ff'", "x'41'", "zeroblob(3)"]      # (a number would be stored as text: TEXT affinity)
+BAD_JSON = ['{"a": ', "[" * 200000, "{" * 5000, "nan", '"\\ud800', "[1, 2"]
+BAD_LR = ["'{}'", "'5'", "'[\"a\"]'", "'[[1]]'", "'[{\"lr\": 1}]'"]
+BAD_META = {"run": [{"params": "many"}, {"model": 5}, {"every": None}, 7, [1]],
+            "config": [{"autocast": 5}, {"scaler": {"init_scale": "big"}}, {"optimizer": {"groups": 7}},
+                       {"optimizer": {"groups": [{"lr": "fast"}]}}, {"param_dtypes": {"float16": "many"}},
+                       {"module_param_dtypes": [1]}, {"loss_dtype": 16}, {"scaler": {"enabled": "yes"}}],
+           "closed": [{"steps": []}, "done"]}
+BAD_EVENT_DATA = ["'5'", "'[1]'", "'{\"value\": 3}'", "'{\"params\": \"a\"}'", "'{\"count\": \"x\"}'"]
+BAD_IDS = [("stats", "site", ["1000000000", "-1", "2.5", "'a'"]), ("stats", "step", ["-3", "'x'", "1.5", "1000000"]),
+           ("hists", "site", ["99999", "-2"]), ("hists", "lo", ["500", "-1000", "120", "'lo'", "1.5"]),
+           ("hists", "step", ["-1", "'s'", "6"]), ("peaks", "step", ["1000000", "-1"]),
+           ("events", "site", ["99999", "-5", "'x'"]),
+           ("events", "step", ["-1", "'s'"]), ("metrics", "step", ["-2", "'s'"])]
+BAD_BLOBS = [("peaks", "data", ["'text'", "x'010203'", "42", "2.5"]),
+             ("hists", "counts", ["'text'", "x'01020304050607'", "x''", "7"])]
+
+
+def _where(c, table, rng) -> str:
+    """A WHERE clause naming one existing row (tables without a rowid by their primary key)."""
+    if table == "stats" or table == "hists":
+        step, site = rng.choice(c.execute(f"SELECT step, site FROM {table}").fetchall())
+        return f"step = {step} AND site = {site}"
+    if table == "meta":
+        return f"key = '{rng.choice([r[0] for r in c.execute('SELECT key FROM meta')])}'"
+    return f"rowid = {rng.choice([r[0] for r in c.execute(f'SELECT rowid FROM {table}')])}"
+
+
+def corrupt(c: sqlite3.Connection, rng: random.Random) -> str:
+    """Apply one random corruption; returns what it did."""
+    kind = rng.choice(["number", "text", "json", "lr", "meta", "event", "id", "blob", "dense", "drop", "view",
+                       "recursive", "column"])
+    if kind == "number":
+        table = rng.choice(list(NUMERIC))
+        col, value = rng.choice(NUMERIC[table]), rng.choice(NOT_NUMBERS)
+    elif kind == "text":
+        table = rng.choice(list(TEXT))
+        col, value = rng.choice(TEXT[table]), rng.choice(NOT_TEXT + (["'bogus'"] if table == "sites" else []))
+        if table == "sites" and col != "kind" and value == "'bogus'":
+            value = "x'00'"
+    elif kind == "json":
+        table, col = rng.choice([("steps", "lr"), ("events", "data"), ("meta", "value")])
+        value = "'" + rng.choice(BAD_JSON) + "'"
+    elif kind == "lr":
+        table, col, value = "steps", "lr", rng.choice(BAD_LR)
+    elif kind == "meta":
+        key = rng.choice(list(BAD_META))
+        current = json.loads(c.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()[0])
+        bad = rng.choice(BAD_META[key])
+        new = {**current, **bad} if isinstance(bad, dict) else bad
+        c.execute("UPDATE meta SET value = ? WHERE key = ?", (json.dumps(new), key))
+        return f"meta {key} = {json.dumps(bad)[:60]}"
+    elif kind == "event":
+        table, col, value = "events", "data", rng.choice(BAD_EVENT_DATA)
+    elif kind == "id":
+        table, col, values = rng.choice(BAD_IDS)
+        value = rng.choice(values)
+        if table == "hists" and value == "120":        # a span that runs past binade 127
+            c.execute(f"UPDATE hists SET lo = 120, counts = zeroblob(80) WHERE {_where(c, 'hists', rng)}")
+            return "hists span 120..129"
+    elif kind == "blob":
+        table, col, values = rng.choice(BAD_BLOBS)
+        value = rng.choice(values)
+    elif kind == "dense":
+        table, col = rng.choice([("sites", "id"), ("steps", "step")])
+        big = rng.choice([3_000_000_000, 10 ** 6, -1])
+        c.execute(f"UPDATE {table} SET {col} = {big} WHERE {col} = (SELECT max({col}) FROM {table})")
+        return f"{table}.{col} = {big}"
+    elif kind == "drop":
+        table = rng.choice(TABLES)
+        c.execute(f"DROP TABLE {table}")
+        return f"dropped {table}"
+    elif kind in ("view", "recursive"):
+        table = rng.choice(TABLES)
+        c.execute(f"ALTER TABLE {table} RENAME TO {table}_old")
+        if kind == "view":
+            c.execute(f"CREATE VIEW {table} AS SELECT * FROM {table}_old")
+        else:                 # endless rows: any query over it never returns
+            c.execute(f"CREATE VIEW {table} AS WITH RECURSIVE r(x) AS (SELECT 0 UNION ALL SELECT x + 1 FROM r) "
+                      f"SELECT {table}_old.* FROM r, {table}_old")
+        return f"{table} replaced by a {'recursive ' if kind == 'recursive' else ''}view"
+    else:                      # a column dropped (one that SQLite lets go: not a key, not indexed)
+        table, col = rng.choice([("steps", "loss"), ("steps", "lr"), ("stats", "rms"), ("sites", "dtype"),
+                                 ("events", "data"), ("metrics", "time"), ("hists", "counts"), ("peaks", "data")])
+        try:
+            c.execute(f"ALTER TABLE {table} DROP COLUMN {col}")
+        except sqlite3.OperationalError:          # NOT NULL / key columns cannot be dropped: drop the table
+            c.execute(f"DROP TABLE {table}")
+            return f"dropped {table}"
+        return f"dropped column {table}.{col}"
+    c.execute(f"UPDATE {table} SET {col} = {value} WHERE {_where(c, table, rng)}")
+    return f"{table}.{col} = {value[:40]}"
+
+
+def _make(base: str, path: str, rng: random.Random) -> str:
+    with open(base, "rb") as f, open(path, "wb") as g:
+        g.write(f.read())
+    c = sqlite3.connect(path, isolation_level=None)
+    try:
+        return corrupt(c, rng)
+    finally:
+        c.close()
+
+
+def _cli(args) -> tuple[int, str, float]:
+    err = io.StringIO()
+    t0 = time.perf_counter()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            rc = main(args)
+        except SystemExit as exc:                 # argparse --help and the like: not expected here
+            rc = exc.code
+    return rc, err.getvalue(), time.perf_counter() - t0
+
+
+def _args(cmd: str, path: str) -> list:
+    return [cmd, path] + (["-o", path + ".html"] if cmd == "report" else [])
+
+
+@pytest.mark.timeout(240)
+def test_a_few_hundred_malformed_traces_give_one_line_and_exit_2(tmp_path, base):
+    rng = random.Random(20260101)
+    seen_kinds, per_command = set(), dict.fromkeys(COMMANDS, 0)
+    for i in range(300):
+        path = str(tmp_path / f"bad{i}.db")
+        what = _make(base, path, rng)
+        seen_kinds.add(what.split(" ")[0])
+        t0 = time.perf_counter()
+        with pytest.raises(ampdoctor.TraceError) as info:
+            tr = ampdoctor.load(path)         # if it opened, its views must say what is wrong
+            tr.meta, tr.config, tr.steps(), tr.sites(), tr.events(), tr.metrics(), tr.full_steps()
+            for field in ("peak", "numel", "rms"):
+                tr.records(field, "grad_out")
+            tr.hist(0)
+        assert "\n" not in str(info.value) and path in str(info.value), what
+        assert time.perf_counter() - t0 < 10, what
+        for cmd in (COMMANDS[i % 5], COMMANDS[(i + 2) % 5]):      # every command meets 120 of them
+            rc, err, took = _cli(_args(cmd, path))
+            assert rc == 2 and err.count("\n") == 1 and err.startswith("ampdoctor"), (what, cmd, err[-500:])
+            assert took < 10, (what, cmd, took)
+            per_command[cmd] += 1
+        assert not os.path.exists(path + ".html"), what
+    assert min(per_command.values()) >= 100
+    assert len(seen_kinds) > 20                   # the corruptions were varied
+
+
+LIMITED = """
+import resource, sys, time
+resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30))     # a 22 GiB allocation fails at once
+from ampdoctor.cli import main
+codes = []
+for cmd in ("info", "layers", "diagnose", "replay", "report"):
+    t0 = time.time()
+    codes.append(main([cmd, sys.argv[1]] + (["-o", sys.argv[1] + ".html"] if cmd == "report" else [])))
+    assert time.time() - t0 < 20, cmd
+print(codes)
+"""
+
+
+@pytest.mark.parametrize("sql, message", [
+    ("UPDATE sites SET id = 3000000000 WHERE id = (SELECT max(id) FROM sites WHERE kind = 'grad_out')",
+     "sites: id runs"),
+    ("ALTER TABLE steps RENAME TO steps_old; CREATE VIEW steps AS WITH RECURSIVE r(x) AS (SELECT 0 UNION ALL "
+     "SELECT x + 1 FROM r) SELECT steps_old.* FROM r, steps_old", "steps is a view"),
+    ("UPDATE meta SET value = '" + "[" * 200000 + "' WHERE key = 'config'", "nested deeper"),
+])
+def test_in_a_real_process_with_memory_limited(tmp_path, base, sql, message):
+    """The three that crashed or hung before, run as the command line runs (a process with 3 GiB of address
+    space and a time limit): a site id of 3e9 (a 22 GiB array), a recursive view, 200,000-deep JSON."""
+    path = str(tmp_path / "bad.db")
+    with open(base, "rb") as f, open(path, "wb") as g:
+        g.write(f.read())
+    c = sqlite3.connect(path, isolation_level=None)
+    c.executescript(sql)
+    c.close()
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(LIMITED), path], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.split() == ["[2,", "2,", "2,", "2,", "2]"], out.stderr[-2000:]
+    lines = out.stderr.splitlines()
+    assert len(lines) == 5 and all(line.startswith("ampdoctor") and message in line for line in lines), lines
