@@ -328,19 +328,22 @@ def test_measured_precision_loss_explains_slow_convergence(tmp_path, monkeypatch
     assert "slow-convergence" in _by_rule(frag, reference=ref)        # ... it would blame the learning rate
 
 
-def _live_tensors() -> int:
+def _live_tensors(before=frozenset()) -> set:
+    """ids of the tensors alive now (after a collection), less those in ``before``: earlier tests' leftovers that
+    go away meanwhile (a background thread ending) change neither count."""
     import gc
     import warnings
     gc.collect()
     with warnings.catch_warnings():       # isinstance() on torch.distributed's deprecated aliases warns
         warnings.simplefilter("ignore")
-        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+        return {id(o) for o in gc.get_objects() if isinstance(o, torch.Tensor)} - before
 
 
 def test_a_probed_step_keeps_no_tensor(tmp_path):
     """Between steps, training with a probe on every step holds exactly the tensors training without one holds."""
     counts = []
     for probe_every in (None, 1):
+        before = frozenset(_live_tensors())
         model = _bn_dropout_model()
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         scaler = torch.amp.GradScaler("cpu")
@@ -355,7 +358,7 @@ def test_a_probed_step_keeps_no_tensor(tmp_path):
             opt.zero_grad(set_to_none=True)
             del loss
             if i == 2:
-                counts.append(_live_tensors())
+                counts.append(len(_live_tensors(before)))
         doc.close()
         del model, opt, scaler, doc
     assert counts[0] == counts[1]
