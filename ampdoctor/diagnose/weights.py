@@ -73,8 +73,7 @@ def weight_update_lost(run, *, min_lost_share=MIN_LOST_SHARE, stalled_share=STAL
     dtype = str(half["dtype"].mode().iloc[0])
     severity = "critical" if share >= stalled_share else "warning"
     fix = ("Keep the parameters in FP32 and let autocast compute in half precision (O1: FP32 master weights):\n"
-           "model.float()\noptimizer = torch.optim.SGD(model.parameters(), lr=lr)  # re-create over FP32 params\n"
-           + A.autocast_block(run, dtype))
+           "model.float()\n" + _optimizer_line(run) + "\n" + A.autocast_block(run, dtype))
     if dtype == "float16":
         fix += ("\n" + A.scaler_line(run) + "\nscaler.scale(loss).backward()\nscaler.step(optimizer)\n"
                 "scaler.update()")
@@ -156,10 +155,11 @@ def grad_range_anomaly(run, *, grad_decades=GRAD_DECADES, weight_decades=WEIGHT_
         path, ratio, wr, exp, mod = faults[0]
         cause = (f"the weights of {mod} are {A.fmt_num(ratio)}x the scale its fan-in gives "
                  f"(RMS {A.fmt_num(wr)} vs about {A.fmt_num(exp)})")
-        fix = (f"Re-initialise {mod} (PyTorch's default for Linear/Conv is kaiming_uniform_ with a=sqrt(5); "
-               f"use kaiming_normal_ before a ReLU):\n"
-               f"torch.nn.init.kaiming_uniform_({A.attr(path)}, a=math.sqrt(5))\n"
-               f"# or: torch.nn.init.kaiming_normal_({A.attr(path)}, nonlinearity=\"relu\")")
+        mods = list(dict.fromkeys(f[4] for f in faults))
+        fix = (f"Re-initialise {', '.join(mods)} (PyTorch's default for Linear/Conv is kaiming_uniform_ with "
+               f"a=sqrt(5); use kaiming_normal_ before a ReLU):\n"
+               + "".join(f"torch.nn.init.kaiming_uniform_({A.attr(f[0])}, a=math.sqrt(5))\n" for f in faults)
+               + f"# or: torch.nn.init.kaiming_normal_({A.attr(path)}, nonlinearity=\"relu\")")
     else:
         cause = "no weight is off its fan-in scale, so look at the inputs or a custom op in those layers"
         fix = ("Clip gradients while you find the cause, and check the inputs of these layers:\n"

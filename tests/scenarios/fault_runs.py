@@ -140,13 +140,21 @@ def fit(model, data, steps, trace, *, precision="fp16", scaler=None, init_scale=
         on_step=None, attach=True):
     """Train for ``steps`` optimizer steps with ampdoctor attached; returns (model, losses).
 
-    ``scaler``: None = a GradScaler exactly for FP16 autocast; True/False force it on/off.
+    ``scaler``: None = a GradScaler exactly for FP16 autocast; True/False force it on/off; or a GradScaler to use.
+    ``optimizer``: "sgd", "adam", or an optimizer over ``model``'s parameters (e.g. made by a printed fix).
     ``on_step(step, model, doctor)``: called after each step (e.g. to log validation metrics).
     """
-    opt = (torch.optim.SGD(model.parameters(), lr=lr) if optimizer == "sgd"
-           else torch.optim.Adam(model.parameters(), lr=lr))
-    use_scaler = precision == "fp16" if scaler is None else scaler
-    sc = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval) if use_scaler else None
+    if isinstance(optimizer, torch.optim.Optimizer):
+        opt = optimizer
+    else:
+        opt = (torch.optim.SGD(model.parameters(), lr=lr) if optimizer == "sgd"
+               else torch.optim.Adam(model.parameters(), lr=lr))
+    if isinstance(scaler, torch.amp.GradScaler):
+        sc = scaler
+    else:
+        use_scaler = precision == "fp16" if scaler is None else scaler
+        sc = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval) if use_scaler \
+            else None
     dtype = DTYPES[precision]
     opts = dict(FAST, **(attach_options or {}))
     doc = ampdoctor.attach(model, optimizer=opt, scaler=sc, trace=trace, **opts) if attach else None

@@ -49,14 +49,17 @@ def test_grad_underflow_fix(trace_path, tmp_path):
 def test_weight_update_lost_fix(trace_path, tmp_path):
     S.half_model_plain_sgd(trace_path)
     d = F.diagnose(trace_path)[0]["weight-update-lost"]
-    assert "model.float()" in d.recommendation
     assert 'torch.autocast(device_type="cpu", dtype=torch.float16)' in d.recommendation
-    init, growth = _printed_scaler(d.recommendation)
+    # the printed set-up, executed as printed: FP32 parameters, the run's own optimizer over them, the scaler
+    setup = _code_lines(d.recommendation, r"^(model\.float\(\)|optimizer = torch\.optim\.|scaler = torch\.amp\.)")
+    assert [ln.split(" ")[0] for ln in setup] == ["model.float()", "optimizer", "scaler"]
+    ns = {"torch": torch, "model": F.mlp(width=64).half()}
+    exec("\n".join(setup), ns)
+    model, opt = ns["model"], ns["optimizer"]
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert type(opt) is torch.optim.SGD and opt.param_groups[0]["lr"] == 0.001     # what the run used
     fixed = str(tmp_path / "fixed.db")
-    model = F.mlp(width=64).half()
-    exec("model.float()", {"model": model})
-    F.fit(model, F.regression(30, scale=10), 30, fixed, precision="fp16", scaler=True, init_scale=init,
-          growth_interval=growth, lr=0.001)
+    F.fit(model, F.regression(30, scale=10), 30, fixed, precision="fp16", scaler=ns["scaler"], optimizer=opt)
     assert F.diagnose(fixed)[1] == []
 
 
