@@ -127,24 +127,45 @@ def test_late_skip_cycles_fix(trace_path, tmp_path):
     assert F.diagnose(fixed)[1] == []
 
 
+def _qk_too_large():
+    """Attention without 1/sqrt(d) whose query and key weights start 100x too large: q @ k^T overflows FP16."""
+    model = F.Transformer(scaled=False, prenorm=True)
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.q.weight.mul_(100.0)
+            block.attn.k.weight.mul_(100.0)
+    return model
+
+
+def _fit_tokens(model, path):
+    return F.fit(model, F.tokens(30), 30, path, precision="fp16", loss_fn=F.ce, optimizer="adam", lr=1e-3)
+
+
 def test_forward_overflow_fix(trace_path, tmp_path):
-    """The printed keep_fp32 line, executed on a fresh copy of the model, and the same training run again."""
-    S.attention_without_sqrt_d(trace_path)
+    """The printed keep_fp32 line, executed on a fresh copy of the model, removes the overflow; what remains is the
+    fault's cause, named by its own rule (the q/k weights off their fan-in scale), and its printed fix, applied
+    too, leaves a run with no finding at all."""
+    _fit_tokens(_qk_too_large(), trace_path)
     d = F.diagnose(trace_path)[0]["forward-overflow"]
-    line = _code_lines(d.recommendation, r"^handle = ampdoctor\.keep_fp32\(model, ")[0]
-    assert all(f'"{layer}"' in line for layer in d.layers)
-    model = F.Transformer(scaled=False, emb_scale=100.0, prenorm=False)
-    ns = {"ampdoctor": ampdoctor, "model": model}
-    exec(line, ns)
-    fixed = str(tmp_path / "fixed.db")
-    _, losses = F.fit(model, F.tokens(30), 30, fixed, precision="fp16", loss_fn=F.ce, optimizer="adam", lr=1e-3)
-    by_rule, found = F.diagnose(fixed)
-    assert "forward-overflow" not in by_rule and "loss-scale-collapse" not in by_rule
-    # The overflow is gone and every loss is finite. This deliberately extreme model (embeddings x100, no
-    # pre-norm) still has oversized gradients, which other rules (init-scale-too-high, grad-range-anomaly) report:
-    # further, separate findings, not the forward overflow coming back.
-    assert {d.rule for d in F.serious(found)} <= {"init-scale-too-high", "grad-underflow", "grad-range-anomaly"}
+    keep = _code_lines(d.recommendation, r"^handle = ampdoctor\.keep_fp32\(model, ")
+    assert all(f'"{layer}"' in keep[0] for layer in d.layers)
+    ns = {"ampdoctor": ampdoctor, "torch": torch, "math": math, "model": _qk_too_large()}
+    exec(keep[0], ns)
+    _, losses = _fit_tokens(ns["model"], str(tmp_path / "kept.db"))
+    by_rule, found = F.diagnose(str(tmp_path / "kept.db"))
     assert all(math.isfinite(v) for v in losses)
+    assert [f.rule for f in F.serious(found)] == ["grad-range-anomaly"]
+    scaled = {f"blocks.{i}.attn.{n}" for i in range(2) for n in "qk"}
+    assert set(by_rule["grad-range-anomaly"].layers) == scaled
+    ns["handle"].remove()
+
+    init = _code_lines(by_rule["grad-range-anomaly"].recommendation, r"^torch\.nn\.init\.")
+    ns = {"ampdoctor": ampdoctor, "torch": torch, "math": math, "model": _qk_too_large()}
+    with torch.no_grad():
+        exec("\n".join(keep + init), ns)
+    fixed = str(tmp_path / "fixed.db")
+    _fit_tokens(ns["model"], fixed)
+    assert F.diagnose(fixed)[1] == []
     ns["handle"].remove()
 
 
