@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from ampdoctor import formats
-from ampdoctor.cli import describe_precision
+from ampdoctor.precision_label import describe_precision
 from ampdoctor.trace import is_trace
 
 from ampdoctor.diagnose import diagnose as _diagnose

@@ -140,7 +140,7 @@ def test_report_and_dashboard_read_the_run(ddp_run, tmp_path, capsys):
     assert error is None and {"rank-nonfinite", "rank-straggler"} <= {d.rule for d in found}
     # serve a glob of one run: only its files are served (the manual run next to them is not)
     from ampdoctor.cli import build_parser
-    from ampdoctor.dashboards.command import check
+    from ampdoctor.commands.serve import check
     args = build_parser().parse_args(["serve", str(out / "ddp-0.db"), str(out / "ddp-1.db")])
     check(args)
     assert set(create_app(args.path, files=args.files).ampdoctor.runs()) == {"ddp-0.db", "ddp-1.db"}
