@@ -32,9 +32,9 @@ class TrainingHalted(RuntimeError):
 
 
 def finding_line(f) -> str:
-    """One line: severity, rule id, layer, fix (the recommendation's first line)."""
+    """One line: severity, rule id, layer, fix (the first line of its fix's first part)."""
     layer = f" [{f.layers[0]}]" if f.layers else ""
-    fix = next((ln.strip() for ln in (f.recommendation or "").splitlines() if ln.strip()), "")
+    fix = next((ln.strip() for part in f.fix for ln in part.text.splitlines() if ln.strip()), "")
     return f"ampdoctor: {f.severity} {f.rule}{layer}: {f.summary}" + (f" Fix: {fix}" if fix else "")
 
 

@@ -19,6 +19,7 @@ from ampdoctor.precision_label import describe_precision
 from ampdoctor.trace import is_trace
 
 from ampdoctor.diagnose import diagnose as _diagnose
+from ampdoctor.diagnose import fix as F
 from ampdoctor.replay import replay as _replay
 
 KINDS = ("act", "grad_out", "param_grad")
@@ -166,33 +167,9 @@ def finding_mentions(d, path: str) -> bool:
     return False
 
 
-_CODE_LINE = re.compile(r"^(\s+\S|(with|for|if|import|from|return|def|class)\b|[\w.\[\]\"']+\s*[+*/-]?=[^=]|"
-                        r"[\w.]+\(.*\)\s*(#.*)?$|#)")
-
-
-def split_code(text: str) -> list[tuple[str, str]]:
-    """Split a recommendation into ("text", ...) and ("code", ...) parts.
-
-    Code is what ``` fences enclose; without fences, runs of lines that read as Python (an assignment, a call,
-    ``with``/``import``, an indented line) are code, the prose around them is text.
-    """
-    text = text or ""
-    parts: list[tuple[str, str]] = []
-    if "```" in text:
-        for i, chunk in enumerate(re.split(r"```[\w+-]*\n?", text)):
-            chunk = chunk.strip("\n")
-            if chunk.strip():
-                parts.append(("code" if i % 2 else "text", chunk))
-        return parts
-    for line in text.splitlines():
-        kind = "code" if _CODE_LINE.match(line) else "text"
-        if not line.strip():
-            continue
-        if parts and parts[-1][0] == kind:
-            parts[-1] = (kind, parts[-1][1] + "\n" + line)
-        else:
-            parts.append((kind, line))
-    return parts
+def fix_parts(d) -> list[tuple[str, str]]:
+    """A finding's fix as ("text" | "code", text) parts, as the rule wrote them (code runs as printed)."""
+    return [(p.kind, p.text) for p in F.of(getattr(d, "fix", None) or getattr(d, "recommendation", "") or "")]
 
 
 def _short(v) -> str:

@@ -49,5 +49,5 @@ def report(path: str, findings) -> str:
         ev = d.to_dict()["evidence"]
         lines.append("  evidence: " + ", ".join(f"{k}={evidence(v)}" for k, v in ev.items()))
         lines.append("  fix:")
-        lines += ["    " + ln for ln in d.recommendation.splitlines()]
+        lines += ["    " + ln for part in d.fix for ln in part.text.splitlines()]   # code as printed, 4 in
     return "\n".join(lines)

@@ -9,6 +9,7 @@ import numpy as np
 from .. import formats
 from . import advice as A
 from .engine import finding
+from .fix import code, text
 from .scaling import MAX_SKIP_SHARE, forward_nonfinite_steps, grad_out_peaks
 
 FP16 = formats.FP16
@@ -184,25 +185,25 @@ def late_degradation(run, *, late_share=LATE_SHARE, min_worsening=MIN_WORSENING,
                  f"scale regrew {why['late_growths']} times with growth_interval={why['growth_interval']} and "
                  f"overflowed again)")
         init = why["suggested_init_scale"]
-        fix = (f"Start at the scale the cycles settled at ({A.pow2(init)}) and let it grow less often, so that each "
-               f"failed growth costs one step in {n}:\n"
-               + A.scaler_line(run, init_scale=init, growth_interval=n)
-               + f"\n# DeepSpeed: \"fp16\": {{\"loss_scale_window\": {n}, \"hysteresis\": 2}}  "
-               "# hysteresis: back off only after 2 overflows in a row")
+        fix = [text(f"Start at the scale the cycles settled at ({A.pow2(init)}) and let it grow less often, so "
+                    f"that each failed growth costs one step in {n}:"),
+               code(A.scaler_line(run, init_scale=init, growth_interval=n),
+                    f'# DeepSpeed: "fp16": {{"loss_scale_window": {n}, "hysteresis": 2}}  '
+                    "# hysteresis: back off only after 2 overflows in a row")]
     else:
         n, init = why["suggested_growth_interval"], why["suggested_init_scale"]
         cause = (f"the loss scale stayed at {A.pow2(why['scale_in_force'])} (growth_interval="
                  f"{why['growth_interval']}) while the unscaled gradients fell "
                  f"{why['gradient_decline_binades']:.1f} binades, so the largest late gradient sits "
                  f"{why['headroom_binades_above_fp16_normal']:+.1f} binades from FP16's normal range")
-        fix = (f"Let the scale follow the shrinking gradients: they halve every "
-               f"{1.0 / why['decline_per_step']:.0f} steps (measured on {why['decline_measured_on']}), so grow it "
-               f"at least every {n} steps, starting where the replay of this run starts ({A.pow2(init)}):\n"
-               + A.scaler_line(run, init_scale=init, growth_interval=n) + A.bf16_note(run))
+        fix = [text(f"Let the scale follow the shrinking gradients: they halve every "
+                    f"{1.0 / why['decline_per_step']:.0f} steps (measured on {why['decline_measured_on']}), so grow "
+                    f"it at least every {n} steps, starting where the replay of this run starts ({A.pow2(init)}):"),
+               code(A.scaler_line(run, init_scale=init, growth_interval=n)), *A.bf16_note(run)]
     return finding(
         "warning", "Performance degrades late in training",
         f"From step {cut} the loss trend breaks (log-loss slope {brk['early_slope']:.2g} -> {brk['late_slope']:.2g} "
         f"per step); over the late segment the run {worse}. Cause: {cause}.",
         steps=[cut, int(run.steps["step"].iloc[-1])],
         evidence={**brk, **why},
-        recommendation=fix)
+        fix=fix)

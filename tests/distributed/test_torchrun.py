@@ -112,8 +112,7 @@ def test_scale_divergence_names_rank_1_and_its_printed_fix_works(ddp_run, tmp_pa
     assert dv.evidence["skipped"] == {"rank 0": False, "rank 1": True}
     assert dv.evidence["applied_with_nonfinite_gradients"] == [0]
     # the fix as printed (the code block a user copies), run in place of the run's own backward-to-update lines
-    from ampdoctor.dashboards.data import split_code
-    code = next(c for kind, c in split_code(dv.recommendation) if kind == "code")
+    code = next(p.text for p in dv.fix if p.kind == "code")
     (tmp_path / "step.py").write_text(code)
     torchrun(tmp_path, "--phases", "fixed", "--step-code", str(tmp_path / "step.py"), "--slow-ms", "0")
     fixed = {d.rule: d for d in ampdoctor.diagnose(str(tmp_path / "fixed-*.db"))}
