@@ -12,9 +12,10 @@ import threading
 import time
 import warnings
 
+from .severity import SEVERITIES, at_least
+
 log = logging.getLogger("ampdoctor")
 
-SEVERITIES = ("info", "warning", "critical")
 MIN_INTERVAL_S = 5.0        # how often to look at most: a broken run is stopped within seconds, not hours
 MAX_SHARE = 0.02            # checks use at most ~2% of the time (the interval grows with a check's cost): on a
                             # 2-core machine the rules compete with training for the cores (measured: ~1.2% over
@@ -112,5 +113,5 @@ class LiveDiagnosis(threading.Thread):
                     warnings.warn(f"ampdoctor: on_finding callback raised {type(exc).__name__}: {exc}",
                                   RuntimeWarning, stacklevel=2)
             if (self.halt_on is not None and self.halt is None
-                    and SEVERITIES.index(f.severity) >= SEVERITIES.index(self.halt_on)):
+                    and at_least(f.severity, self.halt_on)):
                 self.halt = f

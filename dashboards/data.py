@@ -16,10 +16,13 @@ import pandas as pd
 
 from ampdoctor import formats
 from ampdoctor.precision_label import describe_precision
+from ampdoctor.severity import WORST_FIRST
 from ampdoctor.trace import is_trace
+from ampdoctor.trace.schema import ROOT
 
 from ampdoctor.diagnose import diagnose as _diagnose
 from ampdoctor.diagnose import fix as F
+from ampdoctor.replay import TORCH_DEFAULTS
 from ampdoctor.replay import replay as _replay
 
 KINDS = ("act", "grad_out", "param_grad")
@@ -31,7 +34,7 @@ STATS = {
     "zeros": "zero share",
     "nonfinite": "NaN/Inf count",
 }
-SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
+SEVERITY_ORDER = WORST_FIRST
 # the layer types the recommended allocation keeps in FP32 (normalisation, softmax, losses) and the ones that
 # should compute in FP16/BF16 (the matrix multiplies and convolutions that make mixed precision fast)
 _FP32_TYPES = re.compile(r"Norm|Softmax|Loss|Softmin")
@@ -302,7 +305,7 @@ def precision_rows(tr) -> list[dict]:
     rows = []
     for s in act.itertuples():
         mtype = s.module_type if isinstance(s.module_type, str) else ""
-        if s.path == "(model)":
+        if s.path == ROOT:
             continue
         if _FP32_TYPES.search(mtype):
             rec = "float32"
@@ -338,7 +341,7 @@ def precision_rows(tr) -> list[dict]:
 def scaler_settings(tr) -> dict:
     """The scaler's recorded settings, PyTorch GradScaler defaults for what was not recorded."""
     sc = tr.config.get("scaler") or {}
-    out = {"init_scale": 2.0 ** 16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
+    out = dict(TORCH_DEFAULTS)
     for k in out:
         if isinstance(sc.get(k), (int, float)):
             out[k] = sc[k]

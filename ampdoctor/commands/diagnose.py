@@ -4,8 +4,9 @@ from __future__ import annotations
 import json
 import textwrap
 
-from ..diagnose.engine import SEVERITIES, at_least, diagnose
+from ..diagnose.engine import diagnose
 from ..diagnose.registry import RULES
+from ..severity import SEVERITIES, at_least
 from .common import EXIT_FINDINGS, EXIT_OK, UsageError, evidence
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 
 from .. import formats
+from ..replay import TORCH_DEFAULTS
+from ..trace.schema import ROOT
 from .fix import code, text
 
 # Headroom kept below the FP16 max when choosing a loss scale: gradients grow during training and one batch is
@@ -18,7 +20,7 @@ def dev(run) -> str:
 def suggest_scale(max_unscaled: float, fmt: formats.Format = formats.FP16, margin: float = SCALE_MARGIN) -> float:
     """Largest power of two s with max_unscaled * s * margin <= fmt.max (at least 1)."""
     if not (max_unscaled > 0 and math.isfinite(max_unscaled)):
-        return 2.0 ** 16
+        return TORCH_DEFAULTS["init_scale"]
     return 2.0 ** max(0, math.floor(math.log2(fmt.max / (margin * max_unscaled))))
 
 
@@ -58,7 +60,7 @@ def tf32_note(run) -> list:
 def attr(path: str) -> str:
     """Module path to Python attribute access: blocks.0.ln -> model.blocks[0].ln, 4.weight -> model[4].weight."""
     out = ["model"]
-    if path == "(model)":
+    if path == ROOT:
         return "model"
     for part in path.split("."):
         if part.isdigit():

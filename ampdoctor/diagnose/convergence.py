@@ -84,7 +84,8 @@ def slow_convergence(run, *, ratio=SLOW_RATIO, max_skip_share=MAX_SKIP_SHARE, al
     else:
         fix = [text(fix + "Raise the learning rate 10-30%, the usual AMP adjustment:")]
     if lr:
-        fix.append(code("for group in optimizer.param_groups:", f'    group["lr"] = {lr * 1.2:.3g}  # was {lr:.3g} (+20%)'))
+        fix.append(code("for group in optimizer.param_groups:",
+                        f'    group["lr"] = {lr * 1.2:.3g}  # was {lr:.3g} (+20%)'))
     else:
         fix.append(code("for group in optimizer.param_groups:", '    group["lr"] *= 1.2'))
     return finding(

@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from .. import formats
+from ..replay import TORCH_DEFAULTS
 from . import advice as A
 from .engine import finding
 from .fix import code, text
@@ -121,7 +122,7 @@ def stuck_scale(run, cut_step: int, min_decline: float = MIN_DECLINE, min_headro
     if headroom >= min_headroom:
         return None                           # still clear of the underflow range at the stuck scale
     interval = int(max(MIN_GROWTH_INTERVAL, math.floor(1.0 / (GROWTH_MARGIN * -rate[0]))))
-    current = int(run.scaler.get("growth_interval") or 2000)
+    current = int(run.scaler.get("growth_interval") or TORCH_DEFAULTS["growth_interval"])
     interval = min(interval, max(current // 2, 1))
     return {"dynamic": "scale stuck while gradients shrink", "scale_in_force": scale,
             "growth_interval": current, "gradient_decline_binades": decline,
@@ -147,7 +148,7 @@ def skip_cycles(run, cut_step: int, max_skip_share: float = MAX_SKIP_SHARE):
     bad = set(st.loc[late & skipped, "step"].astype(int))
     if len(forward_nonfinite_steps(run) & bad) > len(bad) / 2:
         return None                           # a forward overflow, not the scaler (forward-overflow covers it)
-    current = int(run.scaler.get("growth_interval") or 2000)
+    current = int(run.scaler.get("growth_interval") or TORCH_DEFAULTS["growth_interval"])
     interval = max(2 * current, math.ceil(1.0 / TARGET_SKIP_SHARE))
     through = cur[late & ~skipped]
     return {"dynamic": "repeated overflow/skip cycles", "late_skip_share": share, "early_skip_share": before,
@@ -157,11 +158,11 @@ def skip_cycles(run, cut_step: int, max_skip_share: float = MAX_SKIP_SHARE):
             "suggested_init_scale": float(np.nanmin(through)) if len(through) else float(np.nanmin(cur[late]))}
 
 
-def explain(run, cut_step: int) -> dict | None:
+def explain(run, cut_step: int, min_decline: float = MIN_DECLINE, min_headroom: float = MIN_HEADROOM) -> dict | None:
     """Which scaler dynamic of an FP16 + GradScaler run explains a late break, with the setting that fixes it."""
     if not (run.fp16 and run.scaler_on):
         return None
-    return skip_cycles(run, cut_step) or stuck_scale(run, cut_step)
+    return skip_cycles(run, cut_step) or stuck_scale(run, cut_step, min_decline, min_headroom)
 
 
 def late_degradation(run, *, late_share=LATE_SHARE, min_worsening=MIN_WORSENING, min_decline=MIN_DECLINE,
@@ -172,7 +173,7 @@ def late_degradation(run, *, late_share=LATE_SHARE, min_worsening=MIN_WORSENING,
     if brk is None:
         return None
     cut = brk["break_step"]
-    why = skip_cycles(run, cut) or stuck_scale(run, cut, min_decline, min_headroom)
+    why = explain(run, cut, min_decline, min_headroom)
     if why is None:
         return None                           # a break no scaler dynamic explains is not this rule's to report
     if brk["against"] == "reference":

@@ -18,13 +18,13 @@ import numpy as np
 import pandas as pd
 
 from .. import formats
+from ..severity import RANK as _RANK
+from ..severity import SEVERITIES
 from . import fix as F
 from ..trace import Trace, TraceError
 from ..trace.run import RankRun
 from ..trace.run import load as load_any
 
-SEVERITIES = ("info", "warning", "critical")
-_RANK = {s: i for i, s in enumerate(SEVERITIES)}
 
 
 @dataclass
@@ -314,10 +314,3 @@ def _diagnose(tr: Trace, ref: Trace | None, selected) -> list[Diagnosis]:
     out.sort(key=lambda od: (-_RANK[od[1].severity], od[0]))
     return [d for _, d in out]
 
-
-def worst(findings: list[Diagnosis]) -> str | None:
-    return max((d.severity for d in findings), key=_RANK.__getitem__, default=None)
-
-
-def at_least(severity: str, threshold: str) -> bool:
-    return _RANK[severity] >= _RANK[threshold]

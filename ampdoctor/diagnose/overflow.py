@@ -6,6 +6,7 @@ import math
 import numpy as np
 
 from .. import formats
+from ..trace.schema import ROOT
 from . import advice as A
 from .engine import finding
 from .fix import code, text
@@ -27,7 +28,7 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
         # Weights that went NaN/Inf in an optimizer step make the next forwards non-finite from finite inputs:
         # that is the update's fault (e.g. Adam's eps lost in FP16), not a forward overflow.
         first = int(wev["step"].min())
-        owners = {p.rpartition(".")[0] or "(model)" for d in wev["data"] for p in d.get("params", [])}
+        owners = {p.rpartition(".")[0] or ROOT for d in wev["data"] for p in d.get("params", [])}
         fwd = fwd[~((fwd["step"] > first) & fwd["path"].isin(owners))]
     if len(fwd) < min_steps:
         return None
@@ -123,7 +124,7 @@ def _producer(acts, peaks, counts, limit: float) -> tuple[str, list]:
         i = paths.index(path)
         producer = i
         for j in range(i - 1, -1, -1):
-            if paths[j] == "(model)" or paths[i].startswith(paths[j] + "."):
+            if paths[j] == ROOT or paths[i].startswith(paths[j] + "."):
                 continue                     # an enclosing module: its output comes after its children's
             if not top[j] >= limit / 2:
                 break

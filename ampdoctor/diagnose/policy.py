@@ -62,7 +62,8 @@ def precision_policy(run, *, min_softmax_underflow=MIN_SOFTMAX_UNDERFLOW):
         items.append(("(loss)", f"the loss was computed in {loss_dtype}",
                       {"loss_dtype": loss_dtype, "median_loss": level,
                        "loss_resolution": fmt.ulp(level) if level == level else None},
-                      [text("Compute the loss in FP32 from the model output:"), code("loss = loss_fn(out.float(), y)")]))
+                      [text("Compute the loss in FP32 from the model output:"),
+                       code("loss = loss_fn(out.float(), y)")]))
     types = run.module_types
     pdt = run.config.get("module_param_dtypes", {}) or {}
     acts = run.sites("act")

@@ -20,6 +20,7 @@ import math
 
 import numpy as np
 
+from ..trace.schema import ROOT
 from . import advice as A
 from .engine import finding
 from .fix import code, text
@@ -54,7 +55,7 @@ def bound(k: float, dtype: str | None) -> float:
 
 
 def _descendant(child: str, parent: str) -> bool:
-    return child != parent and (parent == "(model)" or child.startswith(parent + "."))
+    return child != parent and (parent == ROOT or child.startswith(parent + "."))
 
 
 def culprits_of(paths: list[str]) -> list[str]:

@@ -68,7 +68,6 @@ def rank_nonfinite(run, *, min_steps=MIN_STEPS, critical_share=CRITICAL_SHARE):
                       for s in steps)
     share = len(steps) / max(n_steps, 1)
     who = _rank_label(culprits)
-    first = culprits[0]
     spread = ("every rank skipped these steps: the all-reduce carried the Inf/NaN to the others' gradients"
               if skipped_all else "the other ranks went on")
     at = f"step {steps[0]}" if len(steps) == 1 else f"steps {', '.join(map(str, steps[:8]))}"
@@ -77,9 +76,9 @@ def rank_nonfinite(run, *, min_steps=MIN_STEPS, critical_share=CRITICAL_SHARE):
                 "loss is not finite,"),
            code("if not (torch.isfinite(x).all() and torch.isfinite(loss)):",
                 '    print(f"rank {dist.get_rank()} step {step}: non-finite, samples {batch_indices}")'),
-           text(f"If the same rank goes bad again with the shards swapped (e.g. DistributedSampler(..., seed=1)), its "
-           f"device is at fault: run the vendor's diagnostic on it (nvidia-smi -q -d ECC, dcgmi diag -r 3) and "
-                "train without it.")]
+           text("If the same rank goes bad again with the shards swapped (e.g. DistributedSampler(..., seed=1)), "
+                "its device is at fault: run the vendor's diagnostic on it (nvidia-smi -q -d ECC, dcgmi diag -r 3) "
+                "and train without it.")]
     return finding(
         "critical" if share >= critical_share else "warning",
         f"NaN/Inf produced on {who} only",

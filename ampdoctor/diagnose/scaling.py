@@ -162,7 +162,8 @@ def loss_scale_collapse(run, *, collapse_scale=COLLAPSE_SCALE, halvings=COLLAPSE
     elif org["input"] >= max(org["loss"], 1):
         cause = f"non-finite input batches ({org['input']} of the {len(bad)} skipped steps had no finite module output)"
         fix = [text("Find and drop the bad samples; guard the loop:"),
-               code("if not torch.isfinite(x).all():", "    continue  # skip a corrupt batch instead of training on it")]
+               code("if not torch.isfinite(x).all():",
+                    "    continue  # skip a corrupt batch instead of training on it")]
     elif org["loss"]:
         cause = f"a non-finite loss from finite model outputs ({org['loss']} skipped steps)"
         fix = [text("Compute the loss in FP32 and guard its inputs (log of 0, division by 0):"),

@@ -8,6 +8,7 @@ import numpy as np
 from dataclasses import dataclass
 
 from .. import formats
+from ..trace.schema import ROOT
 from . import advice as A
 from .engine import finding
 from .fix import code, text
@@ -42,7 +43,7 @@ def _layer(site) -> str:
 
 def _is_container(path: str, paths) -> bool:
     """A module whose output gradient is its last child's (the root included): counted once, at the child."""
-    return (path == "(model)" and len(paths) > 1) or any(p.startswith(path + ".") for p in paths)
+    return (path == ROOT and len(paths) > 1) or any(p.startswith(path + ".") for p in paths)
 
 
 @dataclass
@@ -152,7 +153,7 @@ def _dead_output(run, site) -> str:
         zshare = run.records("zeros", "act")[fs] / run.records("numel", "act")[fs]
     order = ([i - 1] if site["kind"] == "param_grad" else []) + list(range(i, len(paths)))
     for j in order:
-        if j < 0 or paths[j] == "(model)" or _is_container(paths[j], [module]):
+        if j < 0 or paths[j] == ROOT or _is_container(paths[j], [module]):
             continue
         col = zshare[:, j]
         col = col[np.isfinite(col)]
@@ -299,7 +300,7 @@ def fp16_readiness(run, *, min_share=MIN_SHARE):
     # execution order (site order): the first module that overflows is where it starts, later ones inherit it;
     # a container (the root included) that overflows only because a child does is left out
     over_paths = [p for p, *_ in over]
-    inner = [o for o in over if not any(q != o[0] and (o[0] == "(model)" or q.startswith(o[0] + "."))
+    inner = [o for o in over if not any(q != o[0] and (o[0] == ROOT or q.startswith(o[0] + "."))
                                         for q in over_paths)]
     gsites = run.sites("grad_out")
     g, clean = grad_out_peaks(run)       # as the replay reads them: a returned loss's own gradient is not one

@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from .. import formats
+from ..trace.schema import ROOT
 from . import advice as A
 from .engine import finding
 from .fix import code, text
@@ -103,7 +104,7 @@ def culprits(run) -> list[tuple[str, str]]:
     out = measured + [(p, why) for p, why in out if p not in {m for m, _ in measured}]
     if out:
         return out
-    half = acts[acts["dtype"].isin(formats.REDUCED) & (acts["path"] != "(model)")]
+    half = acts[acts["dtype"].isin(formats.REDUCED) & (acts["path"] != ROOT)]
     if not len(half):
         return []
     peaks = run.records("absmax", "act")

@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from .. import formats
+from ..trace.schema import ROOT
 from . import advice as A
 from .engine import finding
 from .fix import code, text
@@ -246,7 +247,7 @@ def weights_nonfinite(run):
         f"After the optimizer step of step {first} {count} parameter tensor(s) held NaN/Inf"
         + (" although that step's gradients were finite" if grads_finite else "")
         + f": {why}. Every later forward pass computes with them.",
-        layers=list(dict.fromkeys(p.rpartition(".")[0] or "(model)" for p in params)),
+        layers=list(dict.fromkeys(p.rpartition(".")[0] or ROOT for p in params)),
         steps=[first, int(st["step"].iloc[-1])],
         evidence={"first_step": first, "tensors": count, "params": params[:20], "param_dtype": dtype,
                   "optimizer": cls, "eps": eps, "eps_in_format": 0.0 if eps_lost else eps,
