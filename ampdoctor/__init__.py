@@ -4,11 +4,39 @@ The offline side (load, Trace, diagnose) never imports torch; ``attach`` imports
 """
 from __future__ import annotations
 
+import importlib
+import sys
+import types
+
 __version__ = "0.1.0"
 
-from .live import TrainingHalted
-from .trace import Trace, TraceError
-from .trace.run import RankRun, load, load_run   # load: a file gives a Trace, a directory or glob of ranks a RankRun
+# The public names, loaded on first use (``ampdoctor --version`` then imports neither pandas nor the rules).
+# load: a file gives a Trace, a directory or glob of ranks a RankRun.
+_LAZY = {"TrainingHalted": "ampdoctor.live", "Trace": "ampdoctor.trace", "TraceError": "ampdoctor.trace.schema",
+         "RankRun": "ampdoctor.trace.run", "load": "ampdoctor.trace.run", "load_run": "ampdoctor.trace.run",
+         "Diagnosis": "ampdoctor.diagnose", "diagnose": "ampdoctor.diagnose", "keep_fp32": "ampdoctor.keep_fp32",
+         "replay": "ampdoctor.replay"}
+# functions named like their own modules: importing ampdoctor.diagnose.* must not replace ampdoctor.diagnose (the
+# function) by the subpackage, as the import system does when it binds a loaded submodule to its parent
+_FUNCTIONS = ("diagnose", "keep_fp32", "replay")
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'ampdoctor' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    object.__setattr__(sys.modules[__name__], name, value)
+    return value
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name, value):
+        if name in _FUNCTIONS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def attach(model, optimizer=None, scaler=None, trace: str = "runs/ampdoctor.db", **options):
@@ -23,14 +51,6 @@ def attach(model, optimizer=None, scaler=None, trace: str = "runs/ampdoctor.db",
     """
     from .collect.session import attach as _attach
     return _attach(model, optimizer=optimizer, scaler=scaler, trace=trace, **options)
-
-
-# Imported eagerly (numpy/pandas only, as the trace reader): a lazy wrapper named like the subpackage would be
-# replaced by the module object as soon as anything imports ampdoctor.diagnose.*.
-from .diagnose import Diagnosis, diagnose  # noqa: E402
-# Same reason for replay and keep_fp32 (functions named like their modules); keep_fp32 imports torch when called.
-from .keep_fp32 import keep_fp32  # noqa: E402
-from .replay import replay  # noqa: E402
 
 
 def probe(model, batch, loss_fn=None, **options):

@@ -12,9 +12,10 @@ import threading
 import time
 import warnings
 
+from .severity import SEVERITIES, at_least
+
 log = logging.getLogger("ampdoctor")
 
-SEVERITIES = ("info", "warning", "critical")
 MIN_INTERVAL_S = 5.0        # how often to look at most: a broken run is stopped within seconds, not hours
 MAX_SHARE = 0.02            # checks use at most ~2% of the time (the interval grows with a check's cost): on a
                             # 2-core machine the rules compete with training for the cores (measured: ~1.2% over
@@ -32,9 +33,9 @@ class TrainingHalted(RuntimeError):
 
 
 def finding_line(f) -> str:
-    """One line: severity, rule id, layer, fix (the recommendation's first line)."""
+    """One line: severity, rule id, layer, fix (the first line of its fix's first part)."""
     layer = f" [{f.layers[0]}]" if f.layers else ""
-    fix = next((ln.strip() for ln in (f.recommendation or "").splitlines() if ln.strip()), "")
+    fix = next((ln.strip() for part in f.fix for ln in part.text.splitlines() if ln.strip()), "")
     return f"ampdoctor: {f.severity} {f.rule}{layer}: {f.summary}" + (f" Fix: {fix}" if fix else "")
 
 
@@ -112,5 +113,5 @@ class LiveDiagnosis(threading.Thread):
                     warnings.warn(f"ampdoctor: on_finding callback raised {type(exc).__name__}: {exc}",
                                   RuntimeWarning, stacklevel=2)
             if (self.halt_on is not None and self.halt is None
-                    and SEVERITIES.index(f.severity) >= SEVERITIES.index(self.halt_on)):
+                    and at_least(f.severity, self.halt_on)):
                 self.halt = f

@@ -15,10 +15,14 @@ import numpy as np
 import pandas as pd
 
 from ampdoctor import formats
-from ampdoctor.cli import describe_precision
+from ampdoctor.precision_label import describe_precision
+from ampdoctor.severity import WORST_FIRST
 from ampdoctor.trace import is_trace
+from ampdoctor.trace.schema import ROOT
 
 from ampdoctor.diagnose import diagnose as _diagnose
+from ampdoctor.diagnose import fix as F
+from ampdoctor.replay import TORCH_DEFAULTS
 from ampdoctor.replay import replay as _replay
 
 KINDS = ("act", "grad_out", "param_grad")
@@ -30,7 +34,7 @@ STATS = {
     "zeros": "zero share",
     "nonfinite": "NaN/Inf count",
 }
-SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
+SEVERITY_ORDER = WORST_FIRST
 # the layer types the recommended allocation keeps in FP32 (normalisation, softmax, losses) and the ones that
 # should compute in FP16/BF16 (the matrix multiplies and convolutions that make mixed precision fast)
 _FP32_TYPES = re.compile(r"Norm|Softmax|Loss|Softmin")
@@ -166,33 +170,9 @@ def finding_mentions(d, path: str) -> bool:
     return False
 
 
-_CODE_LINE = re.compile(r"^(\s+\S|(with|for|if|import|from|return|def|class)\b|[\w.\[\]\"']+\s*[+*/-]?=[^=]|"
-                        r"[\w.]+\(.*\)\s*(#.*)?$|#)")
-
-
-def split_code(text: str) -> list[tuple[str, str]]:
-    """Split a recommendation into ("text", ...) and ("code", ...) parts.
-
-    Code is what ``` fences enclose; without fences, runs of lines that read as Python (an assignment, a call,
-    ``with``/``import``, an indented line) are code, the prose around them is text.
-    """
-    text = text or ""
-    parts: list[tuple[str, str]] = []
-    if "```" in text:
-        for i, chunk in enumerate(re.split(r"```[\w+-]*\n?", text)):
-            chunk = chunk.strip("\n")
-            if chunk.strip():
-                parts.append(("code" if i % 2 else "text", chunk))
-        return parts
-    for line in text.splitlines():
-        kind = "code" if _CODE_LINE.match(line) else "text"
-        if not line.strip():
-            continue
-        if parts and parts[-1][0] == kind:
-            parts[-1] = (kind, parts[-1][1] + "\n" + line)
-        else:
-            parts.append((kind, line))
-    return parts
+def fix_parts(d) -> list[tuple[str, str]]:
+    """A finding's fix as ("text" | "code", text) parts, as the rule wrote them (code runs as printed)."""
+    return [(p.kind, p.text) for p in F.of(getattr(d, "fix", None) or getattr(d, "recommendation", "") or "")]
 
 
 def _short(v) -> str:
@@ -325,7 +305,7 @@ def precision_rows(tr) -> list[dict]:
     rows = []
     for s in act.itertuples():
         mtype = s.module_type if isinstance(s.module_type, str) else ""
-        if s.path == "(model)":
+        if s.path == ROOT:
             continue
         if _FP32_TYPES.search(mtype):
             rec = "float32"
@@ -361,7 +341,7 @@ def precision_rows(tr) -> list[dict]:
 def scaler_settings(tr) -> dict:
     """The scaler's recorded settings, PyTorch GradScaler defaults for what was not recorded."""
     sc = tr.config.get("scaler") or {}
-    out = {"init_scale": 2.0 ** 16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
+    out = dict(TORCH_DEFAULTS)
     for k in out:
         if isinstance(sc.get(k), (int, float)):
             out[k] = sc[k]

@@ -28,10 +28,10 @@ color:#555} pre{background:#f6f8fa;padding:.6em;overflow-x:auto} .bad{color:#d62
 """
 
 
-def _md(text: str) -> str:
-    """Minimal markdown: ``` fences to <pre>, `code`, paragraphs; everything escaped."""
+def fix_html(d) -> str:
+    """A finding's fix: code parts in <pre>, text parts as paragraphs with `code` spans; everything escaped."""
     out = []
-    for kind, chunk in data.split_code(text):
+    for kind, chunk in data.fix_parts(d):
         if kind == "code":
             out.append(f"<pre><code>{html.escape(chunk)}</code></pre>")
         else:
@@ -54,7 +54,7 @@ def finding_html(d) -> str:
             f"<p>{html.escape(str(getattr(d, 'summary', '') or ''))}</p>"
             f"<p><b>Layers:</b> {html.escape(layers)} {html.escape(span)}</p>"
             + (f"<table>{ev}</table>" if ev else "")
-            + f"<h4>Recommendation</h4>{_md(getattr(d, 'recommendation', '') or '')}</div>")
+            + f"<h4>Recommendation</h4>{fix_html(d)}</div>")
 
 
 def _ranks(d) -> str:

@@ -123,18 +123,24 @@ _LOOP_LINES = ("    loss = loss_fn(model(x), y)", "scaler.scale(loss).backward()
                "scaler.update()")
 
 
-def first_option(recommendation: str) -> list[str]:
-    """The lines of the recommendation's first remedy (an alternative starts with a line "Or ..." or "# or ...")."""
-    lines = recommendation.splitlines()
-    cut = next((i for i, ln in enumerate(lines) if i and ln.startswith(("Or ", "# or"))), len(lines))
-    return lines[:cut]
+def first_option(fix) -> list[str]:
+    """The code lines of the fix's first remedy (an alternative starts with a part or line "Or ..." / "# or ...")."""
+    lines, seen = [], 0
+    for part in fix:
+        for ln in part.text.splitlines():
+            if seen and ln.startswith(("Or ", "# or")):
+                return lines
+            seen += 1
+            if part.kind == "code":
+                lines.append(ln)
+    return lines
 
 
-def apply_fix(setup: Setup, recommendation: str) -> Setup:
+def apply_fix(setup: Setup, finding) -> Setup:
     """Execute the code lines of the printed fix on ``setup`` (setup lines run, loop lines switch the loop)."""
     ns = {"torch": torch, "ampdoctor": ampdoctor, "model": setup.model, "optimizer": setup.optimizer,
           "lr": setup.lr}
-    for line in first_option(recommendation):
+    for line in first_option(finding.fix):
         if _SETUP_LINE.match(line):
             exec(line, ns)          # noqa: S102 - the point of the demo: the printed code, run as printed
             setup.applied.append(line)
@@ -149,7 +155,7 @@ def apply_fix(setup: Setup, recommendation: str) -> Setup:
         setup.input_dtype = torch.float32
     if not setup.applied:
         raise SystemExit("demo: the recommendation holds no code line this demo knows how to apply:\n"
-                         + recommendation)
+                         + finding.recommendation)
     return setup
 
 
@@ -241,7 +247,7 @@ def cycle(fault_name: str, path: str, steps: int, show=True) -> dict:
     if show and fault.rule in ("init-scale-too-high", "grad-underflow"):
         run_cli("replay", faulty, "--suggest")
     print(f"\n== 2. applying the fix printed for {named.rule}:")
-    setup = apply_fix(build(fault), named.recommendation)
+    setup = apply_fix(build(fault), named)
     for line in setup.applied:
         print(f"    {line}")
     print(flush=True)

@@ -28,29 +28,42 @@ def batches(n, batch=32, d_in=32, d_out=1, seed=1):
         yield x, x @ w + 0.1 * torch.randn(batch, d_out, generator=g)
 
 
-def train(model, steps=20, *, precision="fp16", scaler=True, init_scale=2.0**16, growth_interval=2000, lr=0.01,
+def train(model, steps=20, *, precision="fp16", scaler=None, init_scale=2.0**16, growth_interval=2000, lr=0.01,
           optimizer="sgd", trace=None, attach_options=None, loss_weight=1.0, data=None, accumulation=1,
-          loss_fn=None):
+          loss_fn=None, input_dtype=None, on_step=None):
     """Train ``model`` for ``steps`` optimizer steps; with ``trace`` set, ampdoctor is attached.
 
     Returns (model, optimizer, scaler, losses). ``precision``: fp16 | bf16 | fp32 (autocast dtype or none).
+    ``scaler``: None = a GradScaler exactly for FP16 autocast; True/False force it on/off; or a GradScaler to use.
+    ``optimizer``: "sgd", "adam", or an optimizer over ``model``'s parameters (e.g. made by a printed fix).
+    ``input_dtype``: floating inputs cast to it. ``on_step(step, model, doctor)``: called after each step (e.g. to
+    log validation metrics).
     """
-    opt = (torch.optim.SGD(model.parameters(), lr=lr) if optimizer == "sgd"
-           else torch.optim.Adam(model.parameters(), lr=lr))
-    sc = (torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
-          if scaler and precision == "fp16" else None)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        opt = optimizer
+    else:
+        opt = (torch.optim.SGD(model.parameters(), lr=lr) if optimizer == "sgd"
+               else torch.optim.Adam(model.parameters(), lr=lr))
+    if isinstance(scaler, torch.amp.GradScaler):
+        sc = scaler
+    else:
+        use_scaler = precision == "fp16" if scaler is None else scaler
+        sc = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval) if use_scaler \
+            else None
     dtype = AUTOCAST[precision]
     data = data if data is not None else batches(steps * accumulation)
     loss_fn = loss_fn or (lambda out, y: torch.nn.functional.mse_loss(out.float(), y))
     doc = (ampdoctor.attach(model, optimizer=opt, scaler=sc, trace=trace, **(attach_options or {}))
-           if trace is not None else contextlib.nullcontext())
+           if trace is not None else None)
     losses = []
-    with doc:
+    with doc if doc is not None else contextlib.nullcontext():
         it = iter(data)
-        for _ in range(steps):
+        for step in range(steps):
             opt.zero_grad(set_to_none=True)
             for _ in range(accumulation):
                 x, y = next(it)
+                if input_dtype is not None and x.is_floating_point():
+                    x = x.to(input_dtype)
                 ctx = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
                 with ctx:
                     out = model(x)
@@ -60,11 +73,13 @@ def train(model, steps=20, *, precision="fp16", scaler=True, init_scale=2.0**16,
                     sc.scale(loss).backward()
                 else:
                     loss.backward()
-                    if trace is not None:
+                    if doc is not None:
                         doc.log_loss(loss)
             if sc is not None:
                 sc.step(opt)
                 sc.update()
             else:
                 opt.step()
+            if on_step is not None:
+                on_step(step, model, doc)
     return model, opt, sc, losses

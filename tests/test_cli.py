@@ -76,13 +76,36 @@ def test_help_and_module_entry_point():
         assert subprocess.run([script, "--version"], capture_output=True, text=True).stdout.startswith("ampdoctor ")
 
 
-def test_every_command_is_documented_in_the_readme():
+def test_every_command_is_listed_importable_and_documented():
+    """Each command of the table: in --help, its module imports (add_arguments, run), and the README shows it."""
     readme = open(os.path.join(ROOT, "README.md")).read()
-    parser = cli.build_parser()
-    commands = [a for a in parser._subparsers._group_actions[0].choices]
-    assert commands, "no commands"
-    for name in commands:
+    helped = run("--help")
+    assert helped.returncode == 0 and set(cli.COMMANDS) == {"info", "layers", "diagnose", "replay", "serve", "report"}
+    for name, help_ in cli.COMMANDS.items():
+        assert re.search(rf"^    {name} +\S", helped.stdout, re.M), f"{name} is not in --help"
+        mod = cli.command_module(name)
+        assert callable(mod.add_arguments) and callable(mod.run), name
         assert re.search(rf"`ampdoctor {name}\b", readme), f"ampdoctor {name} is not in README.md"
+
+
+def test_help_and_version_load_only_the_command_line():
+    """--help and --version import no command, no pandas, no rules: the table alone (they start in milliseconds)."""
+    code = ("import sys; from ampdoctor.cli import main\n"
+            "try: main(['--version'])\nexcept SystemExit: pass\n"
+            "try: main(['--help'])\nexcept SystemExit: pass\n"
+            "print(sorted(m for m in sys.modules if m.startswith('ampdoctor.') or m in ('pandas', 'numpy', 'torch')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "['ampdoctor.cli', 'ampdoctor.commands', 'ampdoctor.commands.common']"
+
+
+def test_a_command_that_fails_to_import_fails_loudly():
+    """A broken command module is a traceback naming it, never a command quietly missing from --help."""
+    code = ("import sys, ampdoctor.commands\n"
+            "sys.modules['ampdoctor.commands.layers'] = None   # what a failing import leaves behind\n"
+            "from ampdoctor.cli import main\nmain(['layers', 'x.db'])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 1 and "ampdoctor.commands.layers" in r.stderr and "Traceback" in r.stderr
 
 
 def test_info_says_when_the_loss_was_never_finite(tmp_path, capsys):

@@ -663,7 +663,7 @@ def test_autocast_entered_inside_forward_is_detected(trace_path):
 
     model = AutocastInside()
     train(model, 2, precision="fp32", trace=trace_path)
-    from ampdoctor.cli import describe_precision
+    from ampdoctor.precision_label import describe_precision
     cfg = ampdoctor.load(trace_path).config
     assert cfg["autocast"] == {"device_type": "cpu", "enabled": True, "dtype": "bfloat16"}
     assert describe_precision(cfg) == "O1-style: autocast bfloat16, FP32 master weights"

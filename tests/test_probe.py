@@ -328,24 +328,23 @@ def test_measured_precision_loss_explains_slow_convergence(tmp_path, monkeypatch
     assert "slow-convergence" in _by_rule(frag, reference=ref)        # ... it would blame the learning rate
 
 
-def _live_tensors(before=frozenset()) -> set:
-    """ids of the tensors alive now (after a collection), less those in ``before``: earlier tests' leftovers that
-    go away meanwhile (a background thread ending) change neither count."""
+def _live_tensors(before=()) -> list:
+    """The tensors alive now (after a collection), less those in ``before`` (tensors, held by the caller so that
+    their ids cannot be reused by new ones meanwhile)."""
     import gc
     import warnings
     gc.collect()
+    old = {id(t) for t in before}
     with warnings.catch_warnings():       # isinstance() on torch.distributed's deprecated aliases warns
         warnings.simplefilter("ignore")
-        return {id(o) for o in gc.get_objects() if isinstance(o, torch.Tensor)} - before
+        return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and id(o) not in old]
 
 
 def test_a_probed_step_keeps_no_tensor(tmp_path):
     """Between steps, training with a probe on every step holds exactly the tensors training without one holds."""
     counts = []
-    # a first, unmeasured run pays what is set up once per process: measured first, the run without a probe
-    # sometimes held 1-3 tensors more than the probed run after it (e.g. a (32, 16) float32), never fewer
-    for run, probe_every in enumerate((None, None, 1)):
-        before = frozenset(_live_tensors())
+    for run, probe_every in enumerate((None, 1)):
+        before = _live_tensors()              # held: a freed tensor's id reused by a new one would hide it
         model = _bn_dropout_model()
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         scaler = torch.amp.GradScaler("cpu")
@@ -364,4 +363,5 @@ def test_a_probed_step_keeps_no_tensor(tmp_path):
                 counts.append(len(_live_tensors(before)))
         doc.close()
         del model, opt, scaler, doc
-    assert counts[1] == counts[2]
+    del before
+    assert counts[0] == counts[1]

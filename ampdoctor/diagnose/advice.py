@@ -4,6 +4,9 @@ from __future__ import annotations
 import math
 
 from .. import formats
+from ..replay import TORCH_DEFAULTS
+from ..trace.schema import ROOT
+from .fix import code, text
 
 # Headroom kept below the FP16 max when choosing a loss scale: gradients grow during training and one batch is
 # not the worst batch; 2^3 leaves three binades before the next overflow.
@@ -17,7 +20,7 @@ def dev(run) -> str:
 def suggest_scale(max_unscaled: float, fmt: formats.Format = formats.FP16, margin: float = SCALE_MARGIN) -> float:
     """Largest power of two s with max_unscaled * s * margin <= fmt.max (at least 1)."""
     if not (max_unscaled > 0 and math.isfinite(max_unscaled)):
-        return 2.0 ** 16
+        return TORCH_DEFAULTS["init_scale"]
     return 2.0 ** max(0, math.floor(math.log2(fmt.max / (margin * max_unscaled))))
 
 
@@ -37,27 +40,27 @@ def autocast_block(run, dtype: str = "float16") -> str:
             f"    loss = loss_fn(model(x), y)")
 
 
-def bf16_note(run) -> str:
-    """The BF16 alternative, offered only where the recorded device supports it."""
+def bf16_note(run) -> list:
+    """The BF16 alternative (fix parts), offered only where the recorded device supports it."""
     if not run.bf16_supported:
-        return ""
-    return ("\nOr switch to BF16 (FP32's exponent range, no loss scaling needed; this device supports it):\n"
-            + autocast_block(run, "bfloat16") + "\nloss.backward()  # no GradScaler")
+        return []
+    return [text("Or switch to BF16 (FP32's exponent range, no loss scaling needed; this device supports it):"),
+            code(autocast_block(run, "bfloat16"), "loss.backward()  # no GradScaler")]
 
 
-def tf32_note(run) -> str:
-    """TF32 matmuls on Ampere and newer: FP32 speed-up without half-precision range issues."""
+def tf32_note(run) -> list:
+    """TF32 matmuls on Ampere and newer (fix parts): FP32 speed-up without half-precision range issues."""
     cap = run.capability
     if run.device == "cuda" and cap and cap[0] >= 8:
-        return ("\nThis GPU (compute capability {}.{}) also runs FP32 matmuls in TF32:\n"
-                "torch.backends.cuda.matmul.allow_tf32 = True\ntorch.backends.cudnn.allow_tf32 = True").format(*cap)
-    return ""
+        return [text("This GPU (compute capability {}.{}) also runs FP32 matmuls in TF32:".format(*cap)),
+                code("torch.backends.cuda.matmul.allow_tf32 = True", "torch.backends.cudnn.allow_tf32 = True")]
+    return []
 
 
 def attr(path: str) -> str:
     """Module path to Python attribute access: blocks.0.ln -> model.blocks[0].ln, 4.weight -> model[4].weight."""
     out = ["model"]
-    if path == "(model)":
+    if path == ROOT:
         return "model"
     for part in path.split("."):
         if part.isdigit():

@@ -5,6 +5,7 @@ import numpy as np
 import pandas as pd
 
 from .engine import finding
+from .fix import code, text
 from .scaling import MAX_SKIP_SHARE
 
 # Steps needed to reach the same loss: 1.5x the reference's is beyond run-to-run noise of a small seed-matched run
@@ -76,15 +77,17 @@ def slow_convergence(run, *, ratio=SLOW_RATIO, max_skip_share=MAX_SKIP_SHARE, al
     fix = "Nothing numeric (skips, non-finite values, underflow) explains it. "
     if lr and lr_ref and lr < lr_ref:
         # A lower learning rate than the reference's explains a gap larger than the usual AMP adjustment can close.
-        fix += (f"This run's learning rate {lr:.3g} is below the reference's {lr_ref:.3g}; start from the reference's:\n"
-                f"for group in optimizer.param_groups:\n    group[\"lr\"] = {lr_ref:.3g}  # was {lr:.3g}\n"
-                "With the same learning rate, raise it 10-30%, the usual AMP adjustment:\n")
+        fix = [text(fix + f"This run's learning rate {lr:.3g} is below the reference's {lr_ref:.3g}; start from "
+                    "the reference's:"),
+               code("for group in optimizer.param_groups:", f'    group["lr"] = {lr_ref:.3g}  # was {lr:.3g}'),
+               text("With the same learning rate, raise it 10-30%, the usual AMP adjustment:")]
     else:
-        fix += "Raise the learning rate 10-30%, the usual AMP adjustment:\n"
+        fix = [text(fix + "Raise the learning rate 10-30%, the usual AMP adjustment:")]
     if lr:
-        fix += f"for group in optimizer.param_groups:\n    group[\"lr\"] = {lr * 1.2:.3g}  # was {lr:.3g} (+20%)"
+        fix.append(code("for group in optimizer.param_groups:",
+                        f'    group["lr"] = {lr * 1.2:.3g}  # was {lr:.3g} (+20%)'))
     else:
-        fix += "for group in optimizer.param_groups:\n    group[\"lr\"] *= 1.2"
+        fix.append(code("for group in optimizer.param_groups:", '    group["lr"] *= 1.2'))
     return finding(
         "warning", "Convergence slower than the reference",
         f"The reference reached loss {level:.4g} at step {rb}, this run {reached} "
@@ -93,4 +96,4 @@ def slow_convergence(run, *, ratio=SLOW_RATIO, max_skip_share=MAX_SKIP_SHARE, al
         evidence={"level": level, "reference_steps": rb, "steps": ra, "ratio": ratios[k],
                   "ratios_by_level": {f"{int(100 * q)}%": r for q, r in ratios.items()},
                   "p_value": p_value, "lr": lr, "reference_lr": lr_ref, "skip_share": float(run.steps["skipped"].mean())},
-        recommendation=fix)
+        fix=fix)

@@ -10,6 +10,7 @@ import numpy as np
 from .. import formats
 from . import advice as A
 from .engine import finding
+from .fix import code, text
 from .scaling import nonfinite_origins, forward_nonfinite_steps
 
 FP16 = formats.FP16
@@ -167,22 +168,22 @@ def divergence(run, *, min_loss_rise=MIN_LOSS_RISE, min_norm_growth=MIN_NORM_GRO
     if ref:
         signs.append("the reference run diverges too")
     new_lr = f"{lr / LR_FACTOR:.3g}" if lr else None
-    fix = ["Lower the learning rate (one decade) and warm it up" + ("; a different loss scale cannot help:"
-                                                                     if run.scaler_on else ":"),
-           "for group in optimizer.param_groups:",
-           f'    group["lr"] = {new_lr}  # was {lr:.3g}' if new_lr else f'    group["lr"] /= {LR_FACTOR:g}',
-           f"# ramp the learning rate up over the first {WARMUP_STEPS} steps "
-           "(call scheduler.step() after every optimizer step):",
-           f"scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / "
-           f"{WARMUP_STEPS}))"]
+    fix = [text("Lower the learning rate (one decade) and warm it up" + ("; a different loss scale cannot help:"
+                                                                          if run.scaler_on else ":")),
+           code("for group in optimizer.param_groups:",
+                f'    group["lr"] = {new_lr}  # was {lr:.3g}' if new_lr else f'    group["lr"] /= {LR_FACTOR:g}',
+                f"# ramp the learning rate up over the first {WARMUP_STEPS} steps "
+                "(call scheduler.step() after every optimizer step):",
+                f"scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / "
+                f"{WARMUP_STEPS}))")]
     if adaptive:
-        fix.append(f"# Clipping the gradient norm does not help {opt}: it divides each update by the gradient's "
-                   "running RMS, so a smaller gradient does not make a smaller step.")
+        fix.append(code(f"# Clipping the gradient norm does not help {opt}: it divides each update by the gradient's "
+                        "running RMS, so a smaller gradient does not make a smaller step."))
     else:
-        fix += [f"Also clip the gradient norm ({opt}'s step is proportional to the gradient):",
-                "scaler.unscale_(optimizer)  # with a GradScaler: unscale before clipping" if run.scaler_on else
-                "# before optimizer.step():",
-                "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)"]
+        fix += [text(f"Also clip the gradient norm ({opt}'s step is proportional to the gradient):"),
+                code("scaler.unscale_(optimizer)  # with a GradScaler: unscale before clipping" if run.scaler_on else
+                     "# before optimizer.step():",
+                     "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)")]
     return finding(
         "critical", "Training diverged",
         ("The run diverged rather than overflowing by its loss scale: " if t["nonfinite_steps"] else
@@ -191,4 +192,4 @@ def divergence(run, *, min_loss_rise=MIN_LOSS_RISE, min_norm_growth=MIN_NORM_GRO
         steps=[first, int(run.steps["step"].iloc[-1])],
         evidence={**t, "lr": lr, "optimizer": opt, "adaptive_optimizer": adaptive, "reference_diverged": ref,
                   "suggested_lr": float(new_lr) if new_lr else None, "warmup_steps": WARMUP_STEPS},
-        recommendation="\n".join(fix))
+        fix=fix)

@@ -7,8 +7,10 @@ import math
 import numpy as np
 
 from .. import formats
+from ..replay import TORCH_DEFAULTS
 from . import advice as A
 from .engine import finding
+from .fix import code, text
 from .scaling import MAX_SKIP_SHARE, forward_nonfinite_steps, grad_out_peaks
 
 FP16 = formats.FP16
@@ -120,7 +122,7 @@ def stuck_scale(run, cut_step: int, min_decline: float = MIN_DECLINE, min_headro
     if headroom >= min_headroom:
         return None                           # still clear of the underflow range at the stuck scale
     interval = int(max(MIN_GROWTH_INTERVAL, math.floor(1.0 / (GROWTH_MARGIN * -rate[0]))))
-    current = int(run.scaler.get("growth_interval") or 2000)
+    current = int(run.scaler.get("growth_interval") or TORCH_DEFAULTS["growth_interval"])
     interval = min(interval, max(current // 2, 1))
     return {"dynamic": "scale stuck while gradients shrink", "scale_in_force": scale,
             "growth_interval": current, "gradient_decline_binades": decline,
@@ -146,7 +148,7 @@ def skip_cycles(run, cut_step: int, max_skip_share: float = MAX_SKIP_SHARE):
     bad = set(st.loc[late & skipped, "step"].astype(int))
     if len(forward_nonfinite_steps(run) & bad) > len(bad) / 2:
         return None                           # a forward overflow, not the scaler (forward-overflow covers it)
-    current = int(run.scaler.get("growth_interval") or 2000)
+    current = int(run.scaler.get("growth_interval") or TORCH_DEFAULTS["growth_interval"])
     interval = max(2 * current, math.ceil(1.0 / TARGET_SKIP_SHARE))
     through = cur[late & ~skipped]
     return {"dynamic": "repeated overflow/skip cycles", "late_skip_share": share, "early_skip_share": before,
@@ -156,11 +158,11 @@ def skip_cycles(run, cut_step: int, max_skip_share: float = MAX_SKIP_SHARE):
             "suggested_init_scale": float(np.nanmin(through)) if len(through) else float(np.nanmin(cur[late]))}
 
 
-def explain(run, cut_step: int) -> dict | None:
+def explain(run, cut_step: int, min_decline: float = MIN_DECLINE, min_headroom: float = MIN_HEADROOM) -> dict | None:
     """Which scaler dynamic of an FP16 + GradScaler run explains a late break, with the setting that fixes it."""
     if not (run.fp16 and run.scaler_on):
         return None
-    return skip_cycles(run, cut_step) or stuck_scale(run, cut_step)
+    return skip_cycles(run, cut_step) or stuck_scale(run, cut_step, min_decline, min_headroom)
 
 
 def late_degradation(run, *, late_share=LATE_SHARE, min_worsening=MIN_WORSENING, min_decline=MIN_DECLINE,
@@ -171,7 +173,7 @@ def late_degradation(run, *, late_share=LATE_SHARE, min_worsening=MIN_WORSENING,
     if brk is None:
         return None
     cut = brk["break_step"]
-    why = skip_cycles(run, cut) or stuck_scale(run, cut, min_decline, min_headroom)
+    why = explain(run, cut, min_decline, min_headroom)
     if why is None:
         return None                           # a break no scaler dynamic explains is not this rule's to report
     if brk["against"] == "reference":
@@ -184,25 +186,25 @@ def late_degradation(run, *, late_share=LATE_SHARE, min_worsening=MIN_WORSENING,
                  f"scale regrew {why['late_growths']} times with growth_interval={why['growth_interval']} and "
                  f"overflowed again)")
         init = why["suggested_init_scale"]
-        fix = (f"Start at the scale the cycles settled at ({A.pow2(init)}) and let it grow less often, so that each "
-               f"failed growth costs one step in {n}:\n"
-               + A.scaler_line(run, init_scale=init, growth_interval=n)
-               + f"\n# DeepSpeed: \"fp16\": {{\"loss_scale_window\": {n}, \"hysteresis\": 2}}  "
-               "# hysteresis: back off only after 2 overflows in a row")
+        fix = [text(f"Start at the scale the cycles settled at ({A.pow2(init)}) and let it grow less often, so "
+                    f"that each failed growth costs one step in {n}:"),
+               code(A.scaler_line(run, init_scale=init, growth_interval=n),
+                    f'# DeepSpeed: "fp16": {{"loss_scale_window": {n}, "hysteresis": 2}}  '
+                    "# hysteresis: back off only after 2 overflows in a row")]
     else:
         n, init = why["suggested_growth_interval"], why["suggested_init_scale"]
         cause = (f"the loss scale stayed at {A.pow2(why['scale_in_force'])} (growth_interval="
                  f"{why['growth_interval']}) while the unscaled gradients fell "
                  f"{why['gradient_decline_binades']:.1f} binades, so the largest late gradient sits "
                  f"{why['headroom_binades_above_fp16_normal']:+.1f} binades from FP16's normal range")
-        fix = (f"Let the scale follow the shrinking gradients: they halve every "
-               f"{1.0 / why['decline_per_step']:.0f} steps (measured on {why['decline_measured_on']}), so grow it "
-               f"at least every {n} steps, starting where the replay of this run starts ({A.pow2(init)}):\n"
-               + A.scaler_line(run, init_scale=init, growth_interval=n) + A.bf16_note(run))
+        fix = [text(f"Let the scale follow the shrinking gradients: they halve every "
+                    f"{1.0 / why['decline_per_step']:.0f} steps (measured on {why['decline_measured_on']}), so grow "
+                    f"it at least every {n} steps, starting where the replay of this run starts ({A.pow2(init)}):"),
+               code(A.scaler_line(run, init_scale=init, growth_interval=n)), *A.bf16_note(run)]
     return finding(
         "warning", "Performance degrades late in training",
         f"From step {cut} the loss trend breaks (log-loss slope {brk['early_slope']:.2g} -> {brk['late_slope']:.2g} "
         f"per step); over the late segment the run {worse}. Cause: {cause}.",
         steps=[cut, int(run.steps["step"].iloc[-1])],
         evidence={**brk, **why},
-        recommendation=fix)
+        fix=fix)

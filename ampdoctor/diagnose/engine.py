@@ -18,12 +18,13 @@ import numpy as np
 import pandas as pd
 
 from .. import formats
+from ..severity import RANK as _RANK
+from ..severity import SEVERITIES
+from . import fix as F
 from ..trace import Trace, TraceError
 from ..trace.run import RankRun
 from ..trace.run import load as load_any
 
-SEVERITIES = ("info", "warning", "critical")
-_RANK = {s: i for i, s in enumerate(SEVERITIES)}
 
 
 @dataclass
@@ -37,8 +38,9 @@ class Diagnosis:
     layers: list = field(default_factory=list)
     steps: list = field(default_factory=list)       # [first, last] step concerned ([] when not step-bound)
     evidence: dict = field(default_factory=dict)
-    recommendation: str = ""
+    recommendation: str = ""                        # the fix as plain text (fix's parts, one after the other)
     ranks: list = field(default_factory=list)       # the ranks concerned, in a multi-rank run ([]: one trace)
+    fix: list = field(default_factory=list)         # the fix as fix.Part items: text and code runnable as printed
 
     def to_dict(self) -> dict:
         return _plain(asdict(self))
@@ -81,13 +83,15 @@ class Rule:
 
 
 def finding(severity: str, title: str, summary: str, *, layers=(), steps=(), evidence=None,
-            recommendation: str = "", ranks=()) -> Diagnosis:
-    """A Diagnosis whose rule id the engine fills in."""
+            fix=(), recommendation: str = "", ranks=()) -> Diagnosis:
+    """A Diagnosis whose rule id the engine fills in; ``fix``: fix.Part items (a plain ``recommendation`` is one
+    text part)."""
+    parts = F.of(fix) or F.of(recommendation)
     if severity not in SEVERITIES:
         raise ValueError(f"Argument severity should be one of {', '.join(SEVERITIES)}, but given {severity!r}")
     return Diagnosis(rule="", severity=severity, title=title, summary=summary, layers=list(layers),
-                     steps=[int(s) for s in steps], evidence=dict(evidence or {}), recommendation=recommendation,
-                     ranks=[int(r) for r in ranks])
+                     steps=[int(s) for s in steps], evidence=dict(evidence or {}), recommendation=F.plain(parts),
+                     ranks=[int(r) for r in ranks], fix=parts)
 
 
 class Run:
@@ -310,10 +314,3 @@ def _diagnose(tr: Trace, ref: Trace | None, selected) -> list[Diagnosis]:
     out.sort(key=lambda od: (-_RANK[od[1].severity], od[0]))
     return [d for _, d in out]
 
-
-def worst(findings: list[Diagnosis]) -> str | None:
-    return max((d.severity for d in findings), key=_RANK.__getitem__, default=None)
-
-
-def at_least(severity: str, threshold: str) -> bool:
-    return _RANK[severity] >= _RANK[threshold]

@@ -14,6 +14,7 @@ import numpy as np
 from .. import whatif as W
 from . import advice as A
 from .engine import finding
+from .fix import code, text
 
 # 1% of a tensor's non-zero values clipped or zeroed: beyond the loss FP8's 3-bit (E4M3) rounding already brings
 # (relative error up to 6%), and well above the ~1e-5 a Gaussian tensor's tail below amax * 2^-18 holds.
@@ -92,18 +93,18 @@ def fp8_readiness(run, *, min_lost=MIN_LOST):
         choice = max({(r["best"]["history"], r["best"]["margin"]) for r in kept},
                       key=lambda hm: sum(1 for r in kept if (r["best"]["history"], r["best"]["margin"]) == hm))
         names = ", ".join(f"{r['path']} ({r['kind']})" for r in kept)
-        fix.append(f"These recipe settings keep {names} (lost share at most "
-                   f"{A.pct(max(r['best']['lost'] for r in kept))}):\n{_recipe(choice[0], choice[1], 'HYBRID')}")
+        fix += [text(f"These recipe settings keep {names} (lost share at most "
+                     f"{A.pct(max(r['best']['lost'] for r in kept))}):"), code(_recipe(choice[0], choice[1], "HYBRID"))]
     if swap:
-        fix.append("These need E5M2's range, not E4M3's precision: "
+        fix.append(text("These need E5M2's range, not E4M3's precision: "
                    + "; ".join(f"{r['path']} ({r['kind']}): {A.pct(r['best']['lost'])} lost in E5M2 with history "
                                f"{r['best']['history']}, margin {r['best']['margin']}" for r in swap)
                    + ". Transformer Engine casts forward tensors to E4M3 only: keep these layers out of "
-                     "te.fp8_autocast (plain torch.nn modules in BF16).")
+                     "te.fp8_autocast (plain torch.nn modules in BF16)."))
     if lost:
-        fix.append("No recipe keeps " + ", ".join(f"{r['path']} ({r['kind']}, best {A.pct(r['best']['lost'])})"
+        fix.append(text("No recipe keeps " + ", ".join(f"{r['path']} ({r['kind']}, best {A.pct(r['best']['lost'])})"
                                                   for r in lost)
-                   + ": keep these layers in BF16/FP16 (outside te.fp8_autocast).")
+                   + ": keep these layers in BF16/FP16 (outside te.fp8_autocast)."))
     layers = list(dict.fromkeys(r["path"] for r in rows))
     return finding("info", "FP8 readiness: layers that would lose information", summary, layers=layers,
-                   evidence=ev, recommendation="\n".join(fix))
+                   evidence=ev, fix=fix)

@@ -6,8 +6,10 @@ import math
 import numpy as np
 
 from .. import formats
+from ..trace.schema import ROOT
 from . import advice as A
 from .engine import finding
+from .fix import code, text
 
 # Critical when at least this share of steps had a non-finite forward: the run is then mostly skipped or NaN.
 CRITICAL_SHARE = 0.5
@@ -26,7 +28,7 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
         # Weights that went NaN/Inf in an optimizer step make the next forwards non-finite from finite inputs:
         # that is the update's fault (e.g. Adam's eps lost in FP16), not a forward overflow.
         first = int(wev["step"].min())
-        owners = {p.rpartition(".")[0] or "(model)" for d in wev["data"] for p in d.get("params", [])}
+        owners = {p.rpartition(".")[0] or ROOT for d in wev["data"] for p in d.get("params", [])}
         fwd = fwd[~((fwd["step"] > first) & fwd["path"].isin(owners))]
     if len(fwd) < min_steps:
         return None
@@ -66,25 +68,25 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
     value = fwd["data"].iloc[0].get("value", "inf")
     others = [str(p) for p in counts.index]
     where = culprit if not others else f"{culprit} (and {', '.join(others)}, which overflowed too)"
-    fixes = [f"Run {where} in FP32 inside autocast (loss scaling cannot fix a forward overflow; its FP32 output "
-             "also keeps the modules after it from overflowing):",
-             A.keep_fp32_line([culprit] + others),
-             "# or, by hand, inside its forward:",
-             f'with torch.autocast(device_type="{A.dev(run)}", enabled=False):',
-             "    out = self.block(x.float())"]
+    fixes = [text(f"Run {where} in FP32 inside autocast (loss scaling cannot fix a forward overflow; its FP32 "
+                  "output also keeps the modules after it from overflowing):"),
+             code(A.keep_fp32_line([culprit] + others),
+                  "# or, by hand, inside its forward:",
+                  f'with torch.autocast(device_type="{A.dev(run)}", enabled=False):',
+                  "    out = self.block(x.float())")]
     if _looks_like_attention(culprit, mtype):
-        fixes += ["Scale the attention scores by 1/sqrt(d) (its absence is the usual cause), on q before the "
-                  "product, since q @ k^T itself overflows:",
-                  "scores = (q / math.sqrt(q.shape[-1])) @ k.transpose(-2, -1)",
-                  "# or use torch.nn.functional.scaled_dot_product_attention(q, k, v)"]
+        fixes += [text("Scale the attention scores by 1/sqrt(d) (its absence is the usual cause), on q before the "
+                       "product, since q @ k^T itself overflows:"),
+                  code("scores = (q / math.sqrt(q.shape[-1])) @ k.transpose(-2, -1)",
+                       "# or use torch.nn.functional.scaled_dot_product_attention(q, k, v)")]
     weights = _weight_fault(run, culprit)
     if weights:
-        fixes = [f"The values come from {culprit}'s weights, {A.fmt_num(weights['ratio'])}x the scale their fan-in "
-                 "gives (see grad-range-anomaly): FP32 only makes room for them; only re-initialising the weights "
-                 "(a change of the model) removes the cause."] + fixes
+        fixes = [text(f"The values come from {culprit}'s weights, {A.fmt_num(weights['ratio'])}x the scale their "
+                      "fan-in gives (see grad-range-anomaly): FP32 only makes room for them; only re-initialising "
+                      "the weights (a change of the model) removes the cause.")] + fixes
     if dtype == "float16" and run.bf16_supported:
-        fixes += ["Or train in BF16 (same exponent range as FP32; this device supports it):",
-                  A.autocast_block(run, "bfloat16")]
+        fixes += [text("Or train in BF16 (same exponent range as FP32; this device supports it):"),
+                  code(A.autocast_block(run, "bfloat16"))]
     headroom = fmt.max / last_finite if last_finite else None
     if last_finite:
         peak_text = (f"its largest finite output was {A.fmt_num(last_finite)} (step {peak_step}), "
@@ -105,7 +107,7 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
                   "headroom_binades": math.log2(headroom) if headroom else None,
                   "format_max": fmt.max, "nonfinite_losses": loss_bad, "tipped_over_by": tipped,
                   "other_modules": {str(k): int(v) for k, v in counts["count"].items()}},
-        recommendation="\n".join(fixes))
+        fix=fixes)
 
 
 def _producer(acts, peaks, counts, limit: float) -> tuple[str, list]:
@@ -122,7 +124,7 @@ def _producer(acts, peaks, counts, limit: float) -> tuple[str, list]:
         i = paths.index(path)
         producer = i
         for j in range(i - 1, -1, -1):
-            if paths[j] == "(model)" or paths[i].startswith(paths[j] + "."):
+            if paths[j] == ROOT or paths[i].startswith(paths[j] + "."):
                 continue                     # an enclosing module: its output comes after its children's
             if not top[j] >= limit / 2:
                 break

@@ -7,6 +7,7 @@ import numpy as np
 from .. import formats
 from . import advice as A
 from .engine import finding
+from .fix import code, text
 
 NORM_TYPES = ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "LayerNorm", "GroupNorm",
               "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "RMSNorm", "LocalResponseNorm")
@@ -36,19 +37,19 @@ def amp_inactive(run):
         what = "a GradScaler is enabled but no autocast region covered the forward pass"
     else:
         what = f"autocast ({ac.get('dtype')}) was on, yet every module computed in FP32"
-    fix = ("Wrap the forward pass and the loss in autocast (the GradScaler alone only multiplies the loss):\n"
-           + A.autocast_block(run, "float16") + "\nscaler.scale(loss).backward()")
+    fix = [text("Wrap the forward pass and the loss in autocast (the GradScaler alone only multiplies the loss):"),
+           code(A.autocast_block(run, "float16"), "scaler.scale(loss).backward()")]
     if run.bf16_supported:
-        fix += ("\nOr use BF16 autocast and drop the scaler (this device supports BF16):\n"
-                + A.autocast_block(run, "bfloat16"))
-    fix += "\nIf FP32 training was intended, remove the GradScaler." + A.tf32_note(run)
+        fix += [text("Or use BF16 autocast and drop the scaler (this device supports BF16):"),
+                code(A.autocast_block(run, "bfloat16"))]
+    fix += [text("If FP32 training was intended, remove the GradScaler."), *A.tf32_note(run)]
     return finding(
         "warning", "Mixed precision intended but not active",
         f"AMP is not running: {what}; all {len(acts)} observed module outputs are FP32.",
         layers=[], steps=[0, run.n_steps - 1],
         evidence={"scaler_enabled": run.scaler_on, "autocast": ac, "activation_dtypes": dtypes,
                   "param_dtypes": params, "device": run.device},
-        recommendation=fix)
+        fix=fix)
 
 
 def precision_policy(run, *, min_softmax_underflow=MIN_SOFTMAX_UNDERFLOW):
@@ -61,7 +62,8 @@ def precision_policy(run, *, min_softmax_underflow=MIN_SOFTMAX_UNDERFLOW):
         items.append(("(loss)", f"the loss was computed in {loss_dtype}",
                       {"loss_dtype": loss_dtype, "median_loss": level,
                        "loss_resolution": fmt.ulp(level) if level == level else None},
-                      "Compute the loss in FP32 from the model output:\nloss = loss_fn(out.float(), y)"))
+                      [text("Compute the loss in FP32 from the model output:"),
+                       code("loss = loss_fn(out.float(), y)")]))
     types = run.module_types
     pdt = run.config.get("module_param_dtypes", {}) or {}
     acts = run.sites("act")
@@ -69,8 +71,8 @@ def precision_policy(run, *, min_softmax_underflow=MIN_SOFTMAX_UNDERFLOW):
         if mtype in NORM_TYPES and pdt.get(path) in formats.REDUCED:
             items.append((path, f"{mtype} keeps its parameters/statistics in {pdt[path]}",
                           {"module_type": mtype, "param_dtype": pdt[path]},
-                          f"Keep {path} in FP32 (its mean/variance need the range and bits):\n"
-                          f"{A.attr(path)}.float()\n" + A.keep_fp32_line([path])))
+                          [text(f"Keep {path} in FP32 (its mean/variance need the range and bits):"),
+                           code(f"{A.attr(path)}.float()", A.keep_fp32_line([path]))]))
     soft = acts[acts["module_type"].isin(SOFTMAX_TYPES) & acts["dtype"].isin(formats.REDUCED)]
     if len(soft):
         fs = run.full_steps
@@ -85,7 +87,7 @@ def precision_policy(run, *, min_softmax_underflow=MIN_SOFTMAX_UNDERFLOW):
                 items.append((site["path"], f"{site['module_type']} ran in {site['dtype']}",
                               {"module_type": site["module_type"], "dtype": site["dtype"],
                                "underflow_share": float(np.median(share))},
-                              A.keep_fp32_line([site["path"]])))
+                              [code(A.keep_fp32_line([site["path"]]))]))
     if not items:
         return None
     layers = [p for p, *_ in items if p != "(loss)"]
@@ -94,7 +96,7 @@ def precision_policy(run, *, min_softmax_underflow=MIN_SOFTMAX_UNDERFLOW):
         "; ".join(_grouped([w for _, w, _, _ in items])) + " (loss, normalisation and softmax belong in FP32).",
         layers=layers, steps=[0, run.n_steps - 1],
         evidence={p: ev for p, _, ev, _ in items},
-        recommendation="\n".join(f for *_, f in items))
+        fix=[part for *_, f in items for part in f])
 
 
 def _grouped(whats: list) -> list:

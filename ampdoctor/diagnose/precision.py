@@ -20,8 +20,10 @@ import math
 
 import numpy as np
 
+from ..trace.schema import ROOT
 from . import advice as A
 from .engine import finding
+from .fix import code, text
 
 UNIT_ROUNDOFF = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24}
 # An order of magnitude above sqrt(k)*u: healthy layers measure 0.05-1x it (tests/test_probe.py measures MLPs,
@@ -53,7 +55,7 @@ def bound(k: float, dtype: str | None) -> float:
 
 
 def _descendant(child: str, parent: str) -> bool:
-    return child != parent and (parent == "(model)" or child.startswith(parent + "."))
+    return child != parent and (parent == ROOT or child.startswith(parent + "."))
 
 
 def culprits_of(paths: list[str]) -> list[str]:
@@ -165,14 +167,15 @@ def precision_loss(run, *, min_ratio=MIN_RATIO, min_share=MIN_SHARE):
                + (f"; also {', '.join(paths[1:])}" if len(paths) > 1 else "")
                + ": a difference of large, nearly equal quantities (catastrophic cancellation) computed in half "
                  "precision.")
-    fix = ("Compute these layers in FP32 (inputs cast to float32 inside autocast); or rewrite the computation "
-           "without the cancellation (e.g. var = mean((x - mean)^2) instead of mean(x^2) - mean^2):\n"
-           + fix_line(paths))
+    fix = [text("Compute these layers in FP32 (inputs cast to float32 inside autocast); or rewrite the computation "
+                "without the cancellation (e.g. var = mean((x - mean)^2) instead of mean(x^2) - mean^2):"),
+           code(fix_line(paths))]
     if not run.autocast.get("enabled"):
         # keep_fp32 acts inside autocast only: a run with half-precision weights and no autocast needs the modules
         # converted and their inputs cast by hand
-        fix = ("This run computes without autocast (half-precision weights), where keep_fp32 changes nothing. "
-               "Run these layers in FP32 (weights, inputs cast up, outputs cast back for the next layer), or "
-               "rewrite the computation without the cancellation:\n" + "".join(_convert(p, dtype) for p in paths))
+        fix = [text("This run computes without autocast (half-precision weights), where keep_fp32 changes nothing. "
+                    "Run these layers in FP32 (weights, inputs cast up, outputs cast back for the next layer), or "
+                    "rewrite the computation without the cancellation:"),
+               code("".join(_convert(p, dtype) for p in paths))]
     return finding("warning", "Precision lost in a layer (measured against FP32)", summary, layers=paths,
-                   steps=steps, evidence=ev, recommendation=fix)
+                   steps=steps, evidence=ev, fix=fix)

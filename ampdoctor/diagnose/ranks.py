@@ -12,6 +12,7 @@ import pandas as pd
 
 from . import advice as A
 from .engine import finding
+from .fix import code, text
 
 # Steps with a non-finite forward or loss on some ranks only. One such step is already a fact worth reporting: a
 # healthy run (the same model and numerics on every rank) has none after calibration, and a NaN in the forward
@@ -67,18 +68,17 @@ def rank_nonfinite(run, *, min_steps=MIN_STEPS, critical_share=CRITICAL_SHARE):
                       for s in steps)
     share = len(steps) / max(n_steps, 1)
     who = _rank_label(culprits)
-    first = culprits[0]
     spread = ("every rank skipped these steps: the all-reduce carried the Inf/NaN to the others' gradients"
               if skipped_all else "the other ranks went on")
     at = f"step {steps[0]}" if len(steps) == 1 else f"steps {', '.join(map(str, steps[:8]))}"
-    fix = (f"The inputs of {who} at {at} are the first suspects "
-           "(a corrupt file in its shard). Find them: on that rank, log the samples of a step whose input or loss "
-           "is not finite,\n"
-           "if not (torch.isfinite(x).all() and torch.isfinite(loss)):\n"
-           f"    print(f\"rank {{dist.get_rank()}} step {{step}}: non-finite, samples {{batch_indices}}\")\n"
-           f"If the same rank goes bad again with the shards swapped (e.g. DistributedSampler(..., seed=1)), its "
-           f"device is at fault: run the vendor's diagnostic on it (nvidia-smi -q -d ECC, dcgmi diag -r 3) and "
-           f"train without it.")
+    fix = [text(f"The inputs of {who} at {at} are the first suspects "
+                "(a corrupt file in its shard). Find them: on that rank, log the samples of a step whose input or "
+                "loss is not finite,"),
+           code("if not (torch.isfinite(x).all() and torch.isfinite(loss)):",
+                '    print(f"rank {dist.get_rank()} step {step}: non-finite, samples {batch_indices}")'),
+           text("If the same rank goes bad again with the shards swapped (e.g. DistributedSampler(..., seed=1)), "
+                "its device is at fault: run the vendor's diagnostic on it (nvidia-smi -q -d ECC, dcgmi diag -r 3) "
+                "and train without it.")]
     return finding(
         "critical" if share >= critical_share else "warning",
         f"NaN/Inf produced on {who} only",
@@ -89,7 +89,7 @@ def rank_nonfinite(run, *, min_steps=MIN_STEPS, critical_share=CRITICAL_SHARE):
                   "steps_nonfinite_by_rank": {f"rank {r}": sum(s < n_steps for s in v) for r, v in local.items()},
                   "one_rank_steps": steps[:20], "first_module": layers[0] if layers else "the loss",
                   "skipped_on_every_rank": skipped_all, "steps_compared": n_steps},
-        recommendation=fix)
+        fix=fix)
 
 
 def _scale_table(run) -> pd.DataFrame | None:
@@ -130,18 +130,18 @@ def rank_scale_divergence(run):
             else f"{_rank_label(odd)} ended step {step} with another loss scale than {_rank_label(others)}")
     if applied_bad:
         what += f"; {_rank_label(applied_bad)} applied it with non-finite gradients"
-    fix = ("Every rank must make the same skip decision, so each scaler has to see the same gradients. Let DDP "
-           "average them during backward() and call unscale_/step after it; when averaging by hand, do it before "
-           "scaler.unscale_(opt):\n"
-           "scaler.scale(loss).backward()\n"
-           "for p in model.parameters():\n"
-           "    dist.all_reduce(p.grad)\n"
-           "    p.grad /= dist.get_world_size()\n"
-           "scaler.unscale_(opt)   # found_inf is now the same on every rank\n"
-           "scaler.step(opt)\n"
-           "scaler.update()\n"
-           "With FSDP or a sharded optimizer use torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler (it "
-           "all-reduces found_inf); give every rank the same GradScaler(init_scale=...).")
+    fix = [text("Every rank must make the same skip decision, so each scaler has to see the same gradients. Let "
+                "DDP average them during backward() and call unscale_/step after it; when averaging by hand, do it "
+                "before scaler.unscale_(opt):"),
+           code("scaler.scale(loss).backward()",
+                "for p in model.parameters():",
+                "    dist.all_reduce(p.grad)",
+                "    p.grad /= dist.get_world_size()",
+                "scaler.unscale_(opt)   # found_inf is now the same on every rank",
+                "scaler.step(opt)",
+                "scaler.update()"),
+           text("With FSDP or a sharded optimizer use torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler (it "
+                "all-reduces found_inf); give every rank the same GradScaler(init_scale=...).")]
     return finding(
         "critical", f"Loss scales diverge across ranks from step {step}",
         f"The ranks' loss scalers disagree: {what}. From there the replicas' weights are no longer the same "
@@ -153,7 +153,7 @@ def rank_scale_divergence(run):
                   "skipped": {f"rank {r}": skipped[r] for r in ranks},
                   "applied_with_nonfinite_gradients": applied_bad,
                   "steps_with_different_scales": int(differs.sum())},
-        recommendation=fix)
+        fix=fix)
 
 
 def _medians(x, warmup: int) -> dict | None:
@@ -198,20 +198,20 @@ def rank_straggler(run, *, min_lag_share=MIN_LAG_SHARE, slow_ratio=SLOW_RATIO, w
         summary = (f"Rank {worst} waits {A.fmt_num(m['data'])} s per step for its data, {A.fmt_num(lag)} s more than "
                    f"the others ({A.pct(lag / step_all)} of the {A.fmt_num(step_all)} s step); under DDP every "
                    f"rank waits for it in the gradient all-reduce, so the whole run goes at its pace.")
-        fix = (f"Speed up rank {worst}'s input pipeline: more DataLoader workers and prefetching on that rank's "
-               "host, its data on local or faster storage, and equal shards (a DistributedSampler gives every rank "
-               "the same number of samples):\n"
-               "sampler = torch.utils.data.distributed.DistributedSampler(dataset)\n"
-               "loader = torch.utils.data.DataLoader(dataset, batch_size=..., sampler=sampler,\n"
-               "    num_workers=4, persistent_workers=True, prefetch_factor=4)")
+        fix = [text(f"Speed up rank {worst}'s input pipeline: more DataLoader workers and prefetching on that "
+                    "rank's host, its data on local or faster storage, and equal shards (a DistributedSampler gives "
+                    "every rank the same number of samples):"),
+               code("sampler = torch.utils.data.distributed.DistributedSampler(dataset)",
+                    "loader = torch.utils.data.DataLoader(dataset, batch_size=..., sampler=sampler,",
+                    "    num_workers=4, persistent_workers=True, prefetch_factor=4)")]
         title = f"Rank {worst} is a straggler: its input pipeline holds every rank back"
     else:
         summary = (f"Rank {worst} takes {A.fmt_num(m['step'])} s per step, {A.pct(lag)} more than the median of "
                    f"the others; ranks that wait for each other all go at its pace.")
-        fix = (f"Check rank {worst}'s device and host: other processes on it, clocks and thermal throttling "
-               "(nvidia-smi -q -d PERFORMANCE), a slower device model, and that its batches are the same size as "
-               "the others' (samples per step in the evidence).")
+        fix = [text(f"Check rank {worst}'s device and host: other processes on it, clocks and thermal throttling "
+                    "(nvidia-smi -q -d PERFORMANCE), a slower device model, and that its batches are the same size "
+                    "as the others' (samples per step in the evidence).")]
         title = f"Rank {worst} is a straggler: its steps take longer than the other ranks'"
     st = run.ranks[worst].steps
     return finding("warning", title, summary, steps=[int(st["step"].iloc[warmup]), int(st["step"].iloc[-1])],
-                   ranks=[worst], evidence=ev, recommendation=fix)
+                   ranks=[worst], evidence=ev, fix=fix)

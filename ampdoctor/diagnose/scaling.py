@@ -6,6 +6,7 @@ import numpy as np
 from .. import formats
 from . import advice as A
 from .engine import finding
+from .fix import code, text
 
 # A GradScaler halves its scale once per overflowing step, so a run started at 2^16 whose gradients need 2^13
 # skips 3 steps while calibrating; PyTorch's own default skips "a handful". Five or more skips in the
@@ -82,9 +83,9 @@ def init_scale_too_high(run, *, min_skips=MIN_EARLY_SKIPS, early_steps=EARLY_STE
                   "scale_at_skips": [float(s) for s in scales[:20]], "suggested_init_scale": suggested,
                   "suggested_settings": sug.settings, "replay_skipped": sug.replay.n_skipped,
                   "recorded_skipped": int(st["skipped"].sum())},
-        recommendation=(f"Start the scaler at {A.pow2(suggested)} (the replay of this run's gradients finds it loses "
-                        f"the least: {sug.replay.n_skipped} skipped step(s) instead of {int(st['skipped'].sum())}; "
-                        f"`ampdoctor replay TRACE --suggest` shows the same):\n" + suggestion_line(sug)))
+        fix=[text(f"Start the scaler at {A.pow2(suggested)} (the replay of this run's gradients finds it loses "
+                  f"the least: {sug.replay.n_skipped} skipped step(s) instead of {int(st['skipped'].sum())}; "
+                  "`ampdoctor replay TRACE --suggest` shows the same):"), code(suggestion_line(sug))])
 
 
 def suggestion_line(sug) -> str:
@@ -156,22 +157,23 @@ def loss_scale_collapse(run, *, collapse_scale=COLLAPSE_SCALE, halvings=COLLAPSE
     layers = [p for p, _ in fwd] + [p for p, _ in grad if p not in dict(fwd)]
     if fwd and fwd[0][1] >= max(org["input"], org["loss"], 1):
         cause = f"a forward overflow in {fwd[0][0]} ({fwd[0][1]} of the {len(bad)} skipped steps)"
-        fix = ("Fix the forward overflow (see the forward-overflow finding): run that module in FP32 or rescale it, "
-               "e.g.\n" + A.keep_fp32_line([fwd[0][0]]))
+        fix = [text("Fix the forward overflow (see the forward-overflow finding): run that module in FP32 or "
+                    "rescale it, e.g."), code(A.keep_fp32_line([fwd[0][0]]))]
     elif org["input"] >= max(org["loss"], 1):
         cause = f"non-finite input batches ({org['input']} of the {len(bad)} skipped steps had no finite module output)"
-        fix = ("Find and drop the bad samples; guard the loop:\n"
-               "if not torch.isfinite(x).all():\n    continue  # skip a corrupt batch instead of training on it")
+        fix = [text("Find and drop the bad samples; guard the loop:"),
+               code("if not torch.isfinite(x).all():",
+                    "    continue  # skip a corrupt batch instead of training on it")]
     elif org["loss"]:
         cause = f"a non-finite loss from finite model outputs ({org['loss']} skipped steps)"
-        fix = ("Compute the loss in FP32 and guard its inputs (log of 0, division by 0):\n"
-               "loss = loss_fn(out.float(), y)")
+        fix = [text("Compute the loss in FP32 and guard its inputs (log of 0, division by 0):"),
+               code("loss = loss_fn(out.float(), y)")]
     elif grad:
         cause = (f"non-finite gradients first seen at {grad[0][0]} ({grad[0][1]} skipped steps) with finite "
                  "forward values")
-        fix = ("These gradients overflow even at a small scale: look for a layer with exploding gradients "
-               "(see grad-range-anomaly), clip them, or compute that module in FP32:\n"
-               "scaler.unscale_(optimizer)\ntorch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)")
+        fix = [text("These gradients overflow even at a small scale: look for a layer with exploding gradients "
+                    "(see grad-range-anomaly), clip them, or compute that module in FP32:"),
+               code("scaler.unscale_(optimizer)", "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)")]
     else:
         return None                      # no recorded origin: no evidence to point at
     severity = "critical" if collapsed or share > 0.5 else "warning"
@@ -184,4 +186,5 @@ def loss_scale_collapse(run, *, collapse_scale=COLLAPSE_SCALE, halvings=COLLAPSE
                   "skip_share_after_calibration": share, "origins": {
                       "forward": dict(fwd), "gradient": dict(grad), "input_batch": org["input"],
                       "loss": org["loss"]}},
-        recommendation="Lowering the scale does not help; remove the source of the non-finite values. " + fix)
+        fix=[text("Lowering the scale does not help; remove the source of the non-finite values. " + fix[0].text),
+             *fix[1:]])

@@ -8,8 +8,10 @@ import numpy as np
 from dataclasses import dataclass
 
 from .. import formats
+from ..trace.schema import ROOT
 from . import advice as A
 from .engine import finding
+from .fix import code, text
 from .scaling import grad_out_peaks, suggestion_line
 
 FP16 = formats.FP16
@@ -41,7 +43,7 @@ def _layer(site) -> str:
 
 def _is_container(path: str, paths) -> bool:
     """A module whose output gradient is its last child's (the root included): counted once, at the child."""
-    return (path == "(model)" and len(paths) > 1) or any(p.startswith(path + ".") for p in paths)
+    return (path == ROOT and len(paths) > 1) or any(p.startswith(path + ".") for p in paths)
 
 
 @dataclass
@@ -151,7 +153,7 @@ def _dead_output(run, site) -> str:
         zshare = run.records("zeros", "act")[fs] / run.records("numel", "act")[fs]
     order = ([i - 1] if site["kind"] == "param_grad" else []) + list(range(i, len(paths)))
     for j in order:
-        if j < 0 or paths[j] == "(model)" or _is_container(paths[j], [module]):
+        if j < 0 or paths[j] == ROOT or _is_container(paths[j], [module]):
             continue
         col = zshare[:, j]
         col = col[np.isfinite(col)]
@@ -249,29 +251,29 @@ def grad_underflow(run, *, min_share=MIN_SHARE):
                   "max_unscaled_grad": gmax, "reachable_scale": reachable, "suggested_scale": init,
                   "suggested_growth_interval": interval, "severity_because": why,
                   "fp16_min_normal": FP16.min_normal, "full_steps_used": len(steps)},
-        recommendation=fix)
+        fix=fix)
 
 
-def _fix(run, sug, scale_now: float, unliftable: str | None) -> str:
+def _fix(run, sug, scale_now: float, unliftable: str | None) -> list:
     """The replay's scaler (the same line `replay --suggest` prints), FP32 for a layer no scale lifts, BF16."""
     init, interval = float(sug.settings["init_scale"]), int(sug.settings["growth_interval"])
     found = (f"the replay of this run finds init_scale={A.pow2(init)}, growth_interval={interval} loses the least "
              f"(`ampdoctor replay TRACE --suggest`)")
     if not run.scaler_on:
-        fix = (f"Enable dynamic loss scaling; {found}:\n" + suggestion_line(sug)
-               + "\nscaler.scale(loss).backward()\nscaler.step(optimizer)\nscaler.update()")
+        fix = [text(f"Enable dynamic loss scaling; {found}:"),
+               code(suggestion_line(sug), "scaler.scale(loss).backward()", "scaler.step(optimizer)", "scaler.update()")]
     elif init > scale_now:
-        fix = f"The scale in force ({A.pow2(scale_now)}) is lower than these gradients allow; {found}:\n" \
-            + suggestion_line(sug)
+        fix = [text(f"The scale in force ({A.pow2(scale_now)}) is lower than these gradients allow; {found}:"),
+               code(suggestion_line(sug))]
     elif _own_settings(run, sug):
-        fix = (f"This run's scaler (init_scale={A.pow2(init)}, growth_interval={interval}) is already the one the "
-               f"replay of this run finds to lose the least (`ampdoctor replay TRACE --suggest`); no scaler change "
-               f"helps:\n" + suggestion_line(sug))
+        fix = [text(f"This run's scaler (init_scale={A.pow2(init)}, growth_interval={interval}) is already the one "
+                    "the replay of this run finds to lose the least (`ampdoctor replay TRACE --suggest`); no scaler "
+                    "change helps:"), code(suggestion_line(sug))]
     else:
-        fix = f"No other scaler setting loses less: {found}:\n" + suggestion_line(sug)
+        fix = [text(f"No other scaler setting loses less: {found}:"), code(suggestion_line(sug))]
     if unliftable:
-        fix = (f"Loss scaling cannot lift {unliftable} (its gradients span more range than FP16 holds): compute it "
-               f"in FP32, or train in BF16:\n" + A.keep_fp32_line([unliftable]) + "\n" + fix)
+        fix = [text(f"Loss scaling cannot lift {unliftable} (its gradients span more range than FP16 holds): "
+                    "compute it in FP32, or train in BF16:"), code(A.keep_fp32_line([unliftable]))] + fix
     return fix + A.bf16_note(run)
 
 
@@ -298,7 +300,7 @@ def fp16_readiness(run, *, min_share=MIN_SHARE):
     # execution order (site order): the first module that overflows is where it starts, later ones inherit it;
     # a container (the root included) that overflows only because a child does is left out
     over_paths = [p for p, *_ in over]
-    inner = [o for o in over if not any(q != o[0] and (o[0] == "(model)" or q.startswith(o[0] + "."))
+    inner = [o for o in over if not any(q != o[0] and (o[0] == ROOT or q.startswith(o[0] + "."))
                                         for q in over_paths)]
     gsites = run.sites("grad_out")
     g, clean = grad_out_peaks(run)       # as the replay reads them: a returned loss's own gradient is not one
@@ -320,16 +322,17 @@ def fp16_readiness(run, *, min_share=MIN_SHARE):
     if inner:
         parts.append(f"{len(inner)} module(s) output values above the FP16 max (worst {inner[0][0]}: "
                      f"{A.fmt_num(inner[0][1])} on {inner[0][2]} steps)")
-        fix += [f"Keep {', '.join(p for p, *_ in inner[:5])} in FP32 under FP16 autocast:",
-                A.keep_fp32_line([p for p, *_ in inner[:5]])]
+        fix += [text(f"Keep {', '.join(p for p, *_ in inner[:5])} in FP32 under FP16 autocast:"),
+                code(A.keep_fp32_line([p for p, *_ in inner[:5]]))]
     if under:
         parts.append(f"at a loss scale of {A.pow2(scale)} {len(under)} gradient site(s) would keep at least "
                      f"{A.pct(min_share)} of their elements below the FP16 normal range (worst {under[0][0]}: "
                      f"{A.pct(under[0][1])})")
-    fix += [f"Start FP16 training with the scaler the replay of this run finds best (largest observed gradient "
-            f"{A.fmt_num(gmax)}; `ampdoctor replay TRACE --suggest` shows the same):", suggestion_line(sug)]
+    fix += [text(f"Start FP16 training with the scaler the replay of this run finds best (largest observed "
+                 f"gradient {A.fmt_num(gmax)}; `ampdoctor replay TRACE --suggest` shows the same):"),
+            code(suggestion_line(sug))]
     if run.bf16_supported and run.compute_dtype != "bfloat16":
-        fix.append("BF16 avoids both problems on this device:\n" + A.autocast_block(run, "bfloat16"))
+        fix += [text("BF16 avoids both problems on this device:"), code(A.autocast_block(run, "bfloat16"))]
     return finding(
         "info", "FP16 readiness",
         "In FP16 this run would not train as is: " + "; ".join(parts) + ".",
@@ -338,4 +341,4 @@ def fp16_readiness(run, *, min_share=MIN_SHARE):
         evidence={"overflow_modules": {p: {"max": m, "steps": n} for p, m, n in inner},
                   "fp16_max": FP16.max, "suggested_scale": scale, "max_grad": gmax,
                   "underflow_at_scale": {p: round(s, 4) for p, s in under[:10]}},
-        recommendation="\n".join(fix))
+        fix=fix)

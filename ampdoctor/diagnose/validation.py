@@ -7,8 +7,10 @@ import math
 import numpy as np
 
 from .. import formats
+from ..trace.schema import ROOT
 from . import advice as A
 from .engine import finding
+from .fix import code, text
 from .policy import NORM_TYPES
 
 BATCHNORM_TYPES = ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm")
@@ -102,7 +104,7 @@ def culprits(run) -> list[tuple[str, str]]:
     out = measured + [(p, why) for p, why in out if p not in {m for m, _ in measured}]
     if out:
         return out
-    half = acts[acts["dtype"].isin(formats.REDUCED) & (acts["path"] != "(model)")]
+    half = acts[acts["dtype"].isin(formats.REDUCED) & (acts["path"] != ROOT)]
     if not len(half):
         return []
     peaks = run.records("absmax", "act")
@@ -175,17 +177,15 @@ def val_oscillation(run, *, late_share=LATE_SHARE, min_ratio=MIN_RATIO, alpha=AL
         how = f"a log dispersion of {ev['log_dispersion']:.2f} around its Theil-Sen trend"
     lo, hi = ev["late_range"]
     bn = [p for p in paths if run.module_types.get(p, "") in BATCHNORM_TYPES]
-    fix = ("Keep these layers in FP32: their parameters and (BatchNorm) the running mean/variance that eval mode "
-           "normalises with, whose every update (1-m)*r + m*batch rounds in half precision, and their inputs cast "
-           "to FP32 inside autocast:\n")
-    if bn:
-        fix += ("for m in model.modules():\n"
-                "    if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):\n"
-                "        m.float()\n")
-    fix += "".join(f"{A.attr(p)}.float()\n" for p in paths if p not in bn) + A.keep_fp32_line(paths)
+    lines = (["for m in model.modules():", "    if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):",
+              "        m.float()"] if bn else [])
+    lines += [f"{A.attr(p)}.float()" for p in paths if p not in bn] + [A.keep_fp32_line(paths)]
+    fix = [text("Keep these layers in FP32: their parameters and (BatchNorm) the running mean/variance that eval "
+                "mode normalises with, whose every update (1-m)*r + m*batch rounds in half precision, and their "
+                "inputs cast to FP32 inside autocast:"), code(*lines)]
     return finding(
         "warning", "Validation metric oscillates",
         f"{ev['metric']} swings between {A.fmt_num(lo)} and {A.fmt_num(hi)} over steps {ev['late_steps'][0]}-"
         f"{ev['late_steps'][1]}: {how}, {A.pct(ev['sign_change_share'])} of consecutive residuals change sign; "
         f"worst precision: {layers[0][1]} ({paths[0]}).",
-        layers=paths, steps=ev["late_steps"], evidence=ev, recommendation=fix)
+        layers=paths, steps=ev["late_steps"], evidence=ev, fix=fix)

@@ -7,8 +7,10 @@ import math
 import numpy as np
 
 from .. import formats
+from ..trace.schema import ROOT
 from . import advice as A
 from .engine import finding
+from .fix import code, text
 from .policy import NORM_TYPES
 
 # An update below half an ULP of its weight rounds back to the weight: the element did not move although its
@@ -72,13 +74,13 @@ def weight_update_lost(run, *, min_lost_share=MIN_LOST_SHARE, stalled_share=STAL
     worst = sorted(per.items(), key=lambda kv: -kv[1])
     dtype = str(half["dtype"].mode().iloc[0])
     severity = "critical" if share >= stalled_share else "warning"
-    fix = ("Keep the parameters in FP32 and let autocast compute in half precision (O1: FP32 master weights):\n"
-           "model.float()\n" + _optimizer_line(run) + "\n" + A.autocast_block(run, dtype))
+    lines = ["model.float()", _optimizer_line(run), A.autocast_block(run, dtype)]
     if dtype == "float16":
-        fix += ("\n" + A.scaler_line(run) + "\nscaler.scale(loss).backward()\nscaler.step(optimizer)\n"
-                "scaler.update()")
-    fix += ("\nOr keep an FP32 master copy (O2-style): step the optimizer on FP32 copies of the weights and copy "
-            "them back into the half-precision model after each step.")
+        lines += [A.scaler_line(run), "scaler.scale(loss).backward()", "scaler.step(optimizer)", "scaler.update()"]
+    fix = [text("Keep the parameters in FP32 and let autocast compute in half precision (O1: FP32 master weights):"),
+           code(*lines),
+           text("Or keep an FP32 master copy (O2-style): step the optimizer on FP32 copies of the weights and copy "
+                "them back into the half-precision model after each step.")]
     return finding(
         severity, "Weight updates lost to rounding",
         f"Parameters are stored in {dtype} and {A.pct(share)} of their elements did not change although their "
@@ -88,7 +90,7 @@ def weight_update_lost(run, *, min_lost_share=MIN_LOST_SHARE, stalled_share=STAL
         evidence={"param_dtype": dtype, "lost_share": share, "per_parameter": {p: round(s, 4) for p, s in worst[:10]},
                   "update_to_half_ulp": float(np.median(ratios)) if ratios else None,
                   "optimizer": (run.config.get("optimizer") or {}).get("class"), "steps_measured": len(steps_used)},
-        recommendation=fix)
+        fix=fix)
 
 
 def _fan_in(shape: str) -> int | None:
@@ -156,14 +158,14 @@ def grad_range_anomaly(run, *, grad_decades=GRAD_DECADES, weight_decades=WEIGHT_
         cause = (f"the weights of {mod} are {A.fmt_num(ratio)}x the scale its fan-in gives "
                  f"(RMS {A.fmt_num(wr)} vs about {A.fmt_num(exp)})")
         mods = list(dict.fromkeys(f[4] for f in faults))
-        fix = (f"Re-initialise {', '.join(mods)} (PyTorch's default for Linear/Conv is kaiming_uniform_ with "
-               f"a=sqrt(5); use kaiming_normal_ before a ReLU):\n"
-               + "".join(f"torch.nn.init.kaiming_uniform_({A.attr(f[0])}, a=math.sqrt(5))\n" for f in faults)
-               + f"# or: torch.nn.init.kaiming_normal_({A.attr(path)}, nonlinearity=\"relu\")")
+        fix = [text(f"Re-initialise {', '.join(mods)} (PyTorch's default for Linear/Conv is kaiming_uniform_ with "
+                    "a=sqrt(5); use kaiming_normal_ before a ReLU):"),
+               code(*[f"torch.nn.init.kaiming_uniform_({A.attr(f[0])}, a=math.sqrt(5))" for f in faults],
+                    f'# or: torch.nn.init.kaiming_normal_({A.attr(path)}, nonlinearity="relu")')]
     else:
         cause = "no weight is off its fan-in scale, so look at the inputs or a custom op in those layers"
-        fix = ("Clip gradients while you find the cause, and check the inputs of these layers:\n"
-               "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)")
+        fix = [text("Clip gradients while you find the cause, and check the inputs of these layers:"),
+               code("torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)")]
     return finding(
         "warning", "Gradient range anomaly",
         f"{len(outliers)} layer(s) have gradients at least {grad_decades:g} decades away from the other layers "
@@ -174,7 +176,7 @@ def grad_range_anomaly(run, *, grad_decades=GRAD_DECADES, weight_decades=WEIGHT_
                   "outliers": {p: round(d, 2) for p, d, _ in outliers},
                   "weight_faults": {p: {"rms": wr, "fan_in_rms": exp, "ratio": ratio}
                                     for p, ratio, wr, exp, _ in faults}},
-        recommendation=fix)
+        fix=fix)
 
 
 # Optimizers whose update divides by sqrt(v) + eps: with eps rounded to 0 in the weights' format and v underflowed
@@ -223,39 +225,34 @@ def weights_nonfinite(run):
            "so where the squared gradient underflows too its update divides by zero"
            if eps_lost else
            f"the {cls} update produced values the {dtype or 'parameter'} weights cannot hold")
-    fix = []
     if dtype:
         ac = dtype if dtype in formats.REDUCED else "float16"
-        fix += ["Keep FP32 master weights: the optimizer updates FP32 parameters, autocast computes in "
-                f"{dtype} (tested fix):",
-                "model.float()",
-                _optimizer_line(run)]
+        lines = ["model.float()", _optimizer_line(run)] + ([A.scaler_line(run)] if ac == "float16" else [])
+        lines += ["# and in the loop:", A.autocast_block(run, ac)]
         if ac == "float16":
-            fix.append(A.scaler_line(run))
-        fix += ["# and in the loop:", A.autocast_block(run, ac)]
-        if ac == "float16":
-            fix += ["scaler.scale(loss).backward()", "scaler.step(optimizer)", "scaler.update()"]
+            lines += ["scaler.scale(loss).backward()", "scaler.step(optimizer)", "scaler.update()"]
+        fix = [text("Keep FP32 master weights: the optimizer updates FP32 parameters, autocast computes in "
+                    f"{dtype} (tested fix):"), code(*lines)]
     else:
-        fix += ["The update itself overflowed the FP32 weights: lower the learning rate, and keep steps with "
-                "non-finite gradients out (a GradScaler skips them; without one, check before the step):",
-                "if all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None):",
-                "    optimizer.step()"]
+        fix = [text("The update itself overflowed the FP32 weights: lower the learning rate, and keep steps with "
+                    "non-finite gradients out (a GradScaler skips them; without one, check before the step):"),
+               code("if all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None):",
+                    "    optimizer.step()")]
     if eps_lost:
-        fix += [f"Or, keeping {dtype} weights, an eps the format holds as a normal number "
-                f"(>= {A.fmt_num(fmt.min_normal)}):",
-                "for group in optimizer.param_groups:",
-                f'    group["eps"] = {_normal_eps(fmt):g}']
+        fix += [text(f"Or, keeping {dtype} weights, an eps the format holds as a normal number "
+                     f"(>= {A.fmt_num(fmt.min_normal)}):"),
+                code("for group in optimizer.param_groups:", f'    group["eps"] = {_normal_eps(fmt):g}')]
     return finding(
         "critical", "The optimizer step made weights NaN/Inf",
         f"After the optimizer step of step {first} {count} parameter tensor(s) held NaN/Inf"
         + (" although that step's gradients were finite" if grads_finite else "")
         + f": {why}. Every later forward pass computes with them.",
-        layers=list(dict.fromkeys(p.rpartition(".")[0] or "(model)" for p in params)),
+        layers=list(dict.fromkeys(p.rpartition(".")[0] or ROOT for p in params)),
         steps=[first, int(st["step"].iloc[-1])],
         evidence={"first_step": first, "tensors": count, "params": params[:20], "param_dtype": dtype,
                   "optimizer": cls, "eps": eps, "eps_in_format": 0.0 if eps_lost else eps,
                   "gradients_finite": grads_finite},
-        recommendation="\n".join(fix))
+        fix=fix)
 
 
 def _normal_eps(fmt: formats.Format) -> float:

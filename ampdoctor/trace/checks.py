@@ -65,9 +65,11 @@ def _rules(n_sites: int, n_steps: int) -> dict:
         "stats": [("step", recorded, "not a recorded step"), ("site", site, "not a site id"),
                   *[(c, NUMBER, "not a number") for c in ("scale", "calls") + schema.STATS_FIELDS]],
         "hists": [("step", recorded, "not a recorded step"), ("site", site, "not a site id"),
-                  ("lo", "typeof(lo) = 'integer' AND lo BETWEEN -127 AND 127", "not a binade"),
+                  ("lo", f"typeof(lo) = 'integer' AND lo BETWEEN {schema.HIST_LO} AND {schema.HIST_HI}",
+                   "not a binade"),
                   ("counts", "typeof(counts) = 'blob' AND length(counts) % 8 = 0 AND length(counts) > 0 "
-                   "AND lo + length(counts) / 8 <= 128", "not int64 counts within binades -127..127")],
+                   f"AND lo + length(counts) / 8 <= {schema.HIST_HI + 1}",
+                   f"not int64 counts within binades {schema.HIST_LO}..{schema.HIST_HI}")],
         "events": [("step", step_or_null, "not a step"), ("kind", TEXT, "not text"), ("site", site_or_null,
                    "not a site id"), ("phase", TEXT_OR_NULL, "not text"), ("message", TEXT_OR_NULL, "not text"),
                    ("data", JSON_EVENT, "not a JSON object of the event fields")],

@@ -19,10 +19,9 @@ import numpy as np
 import pandas as pd
 
 from . import checks, schema
-from .schema import TraceError
+from .schema import HIST_HI, HIST_LO, TraceError
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
-HIST_LO, HIST_HI = -127, 127        # binades a histogram row can hold; column j of hist() is binade HIST_LO + j
 _SIDE_FILES = ("-wal", "-shm", "-journal")
 
 
@@ -387,7 +386,7 @@ def _hist_rows(rows: list) -> tuple[np.ndarray, np.ndarray]:
             raise checks.Invalid("a histogram row without an integer binade and int64 counts")
         c = np.frombuffer(blob, dtype="<i8")
         if lo < HIST_LO or lo + len(c) - 1 > HIST_HI or (c < 0).any():
-            raise checks.Invalid(f"a histogram spans binades {lo}..{lo + len(c) - 1}, outside -127..127")
+            raise checks.Invalid(f"a histogram spans binades {lo}..{lo + len(c) - 1}, outside {HIST_LO}..{HIST_HI}")
         counts[i, lo - HIST_LO: lo - HIST_LO + len(c)] = c
     return steps, counts
 

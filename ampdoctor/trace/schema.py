@@ -18,6 +18,9 @@ PROBE_FIELDS = ("rel_err", "max_err", "ref_norm", "ref_absmax")   # probes table
 OPTIONAL_TABLES = ("probes",)     # added after the first traces were written: a trace without them still reads
 KINDS = ("act", "grad_out", "param_grad", "weight", "update")
 ROOT = "(model)"                  # how the root module is named in site paths
+# the binades a histogram row can hold: e = -127 also takes every non-zero |x| < 2^-126 (FP32 subnormals), 127 is
+# FP32's largest binade; column j of a histogram is binade HIST_LO + j
+HIST_LO, HIST_HI = -127, 127
 
 # level of a step: what was recorded for it
 LEVEL_PEAK, LEVEL_FULL, LEVEL_HIST = 0, 1, 2

@@ -68,7 +68,7 @@ def finding_card(d, run: str, links: dict):
     steps = getattr(d, "steps", None)
     ev = data.evidence_items(d)
     rec = []
-    for kind, chunk in data.split_code(getattr(d, "recommendation", "") or ""):
+    for kind, chunk in data.fix_parts(d):
         if kind == "code":
             rec.append(html.Div([dcc.Clipboard(content=chunk, title="copy",
                                                style={"float": "right", "cursor": "pointer"}),

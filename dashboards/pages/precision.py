@@ -4,7 +4,7 @@ from __future__ import annotations
 from dash import html
 
 from .. import data, ids
-from ampdoctor.cli import describe_precision
+from ampdoctor.precision_label import describe_precision
 from .common import table
 
 

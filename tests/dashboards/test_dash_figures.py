@@ -160,16 +160,20 @@ def test_precision_rows_flag_half_precision_norms():
     assert rows["weight update"]["verdict"] == "ok"
 
 
-def test_split_code_without_and_with_fences():
-    text = ("Start lower:\nscaler = torch.amp.GradScaler(\"cuda\", init_scale=4096.0)\nOr switch to BF16:\n"
-            "with torch.autocast(device_type=\"cuda\", dtype=torch.bfloat16):\n    loss = loss_fn(model(x), y)\n"
-            "loss.backward()  # no GradScaler")
-    assert [k for k, _ in data.split_code(text)] == ["text", "code", "text", "code"]
-    assert data.split_code(text)[3][1].count("\n") == 2
-    fenced = ("Start from the PyTorch default scale:\n```python\n"
-              "scaler = torch.amp.GradScaler('cuda', init_scale=2.0**16)\n```\n")
-    assert data.split_code(fenced)[1] == (
-        "code", "scaler = torch.amp.GradScaler('cuda', init_scale=2.0**16)")
+def test_fix_parts_are_the_rules_own_text_and_code(traces):
+    """A fix is shown as the rule wrote it: text and code parts in order, joined they are the recommendation, and
+    every code part compiles as printed (the fix tests run them); a plain-text recommendation is one text part."""
+    found = [d for name in ("fp16_bad.db", "fp16_under.db", "bf16.db") for d in ampdoctor.diagnose(str(traces / name))]
+    parts = [data.fix_parts(d) for d in found]
+    assert found and all(p for p in parts) and any(k == "code" for p in parts for k, _ in p)
+    for d, p in zip(found, parts):
+        assert {k for k, _ in p} <= {"text", "code"}
+        assert "\n".join(t for _, t in p) == d.recommendation
+        for kind, text in p:
+            if kind == "code":
+                compile(text, d.rule, "exec")
+    assert data.fix_parts(type("D", (), {"recommendation": "Lower the rate.\nx = 1"})()) == [
+        ("text", "Lower the rate.\nx = 1")]
 
 
 def test_discover_runs_groups_ranks_and_stays_under_the_root(traces, tmp_path):
@@ -189,7 +193,7 @@ def test_layers_of_the_offline_side_import_neither_dash_nor_torch():
     import sys
 
     code = ("import sys; import ampdoctor.dashboards.figures, ampdoctor.dashboards.report; "
-            "assert 'dash' not in sys.modules, 'dash'; import ampdoctor.dashboards.app, ampdoctor.dashboards.command; "
+            "assert 'dash' not in sys.modules, 'dash'; import ampdoctor.dashboards.app, ampdoctor.commands.serve; "
             "assert 'torch' not in sys.modules, 'torch'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

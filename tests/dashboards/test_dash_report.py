@@ -56,7 +56,7 @@ def test_report_shows_real_findings_worst_first_with_evidence_and_fix(hostile):
         assert f"<h3>{html.escape(d.title)}</h3>" in body
         for k, v in data.evidence_items(d):
             assert f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" in body
-        code = [c for kind, c in data.split_code(d.recommendation) if kind == "code"]
+        code = [p.text for p in d.fix if p.kind == "code"]
         assert code and all(f"<pre><code>{html.escape(c)}</code></pre>" in body for c in code)
 
 

@@ -3,7 +3,7 @@ import dash
 import pytest
 
 from ampdoctor.cli import main
-from ampdoctor.dashboards import command
+from ampdoctor.commands import serve as command
 from ampdoctor.dashboards import data
 from ampdoctor.dashboards.app import create_app, render
 from ampdoctor.dashboards.pages import compare, layer, layers, overview, whatif

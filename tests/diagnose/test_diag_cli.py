@@ -29,8 +29,13 @@ def test_json(traces, capsys):
     data = json.loads(capsys.readouterr().out)
     assert [d["rule"] for d in data] == ["amp-inactive"]
     assert set(data[0]) == {"rule", "severity", "title", "summary", "layers", "steps", "evidence",
-                            "recommendation", "ranks"}
+                            "recommendation", "ranks", "fix"}
     assert data[0]["ranks"] == []                   # one trace: no ranks to name
+    fix = data[0]["fix"]                            # the fix as parts: prose, then code that runs as printed
+    assert [p["kind"] for p in fix][:2] == ["text", "code"] and "\n".join(p["text"] for p in fix) == \
+        data[0]["recommendation"]
+    assert fix[1]["text"].startswith("with torch.autocast(")
+    compile(fix[1]["text"], "fix", "exec")
 
 
 def test_disable(traces, capsys):

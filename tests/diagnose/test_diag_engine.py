@@ -9,7 +9,7 @@ from ampdoctor.diagnose import RULES, Diagnosis
 from ampdoctor.diagnose import engine, registry
 from ampdoctor.diagnose.engine import Rule, finding
 
-FIELDS = ["rule", "severity", "title", "summary", "layers", "steps", "evidence", "recommendation", "ranks"]
+FIELDS = ["rule", "severity", "title", "summary", "layers", "steps", "evidence", "recommendation", "ranks", "fix"]
 
 
 def test_diagnosis_fields_as_in_the_issue():

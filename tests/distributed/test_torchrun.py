@@ -112,8 +112,7 @@ def test_scale_divergence_names_rank_1_and_its_printed_fix_works(ddp_run, tmp_pa
     assert dv.evidence["skipped"] == {"rank 0": False, "rank 1": True}
     assert dv.evidence["applied_with_nonfinite_gradients"] == [0]
     # the fix as printed (the code block a user copies), run in place of the run's own backward-to-update lines
-    from ampdoctor.dashboards.data import split_code
-    code = next(c for kind, c in split_code(dv.recommendation) if kind == "code")
+    code = next(p.text for p in dv.fix if p.kind == "code")
     (tmp_path / "step.py").write_text(code)
     torchrun(tmp_path, "--phases", "fixed", "--step-code", str(tmp_path / "step.py"), "--slow-ms", "0")
     fixed = {d.rule: d for d in ampdoctor.diagnose(str(tmp_path / "fixed-*.db"))}
@@ -140,7 +139,7 @@ def test_report_and_dashboard_read_the_run(ddp_run, tmp_path, capsys):
     assert error is None and {"rank-nonfinite", "rank-straggler"} <= {d.rule for d in found}
     # serve a glob of one run: only its files are served (the manual run next to them is not)
     from ampdoctor.cli import build_parser
-    from ampdoctor.dashboards.command import check
+    from ampdoctor.commands.serve import check
     args = build_parser().parse_args(["serve", str(out / "ddp-0.db"), str(out / "ddp-1.db")])
     check(args)
     assert set(create_app(args.path, files=args.files).ampdoctor.runs()) == {"ddp-0.db", "ddp-1.db"}

@@ -6,8 +6,8 @@ import torch
 import transformers
 
 import ampdoctor
-from ampdoctor.cli import describe_precision
 from ampdoctor.integrations.transformers import AmpDoctorCallback
+from ampdoctor.precision_label import describe_precision
 from hf_models import Examples, tiny
 
 

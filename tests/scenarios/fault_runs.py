@@ -5,7 +5,6 @@ see evidence in a few dozen steps (the defaults are tuned for long runs).
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 
@@ -13,24 +12,14 @@ import torch
 from torch import nn
 
 import ampdoctor
+from runs import mlp, train  # noqa: F401  (mlp: the scenarios' model too)
 
 torch.set_num_threads(1)
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
 FAST = {"every": 5, "hist_every": 5, "weight_every": 5}     # dense cadence for short scenario runs
 
 
 # -- models ------------------------------------------------------------------------------------------------------
-def mlp(width=64, depth=3, d_in=32, d_out=1, seed=0, norm=False):
-    torch.manual_seed(seed)
-    layers, d = [], d_in
-    for _ in range(depth):
-        layers += [nn.Linear(d, width)] + ([nn.LayerNorm(width)] if norm else []) + [nn.ReLU()]
-        d = width
-    layers.append(nn.Linear(d, d_out))
-    return nn.Sequential(*layers)
-
-
 class CNN(nn.Module):
     def __init__(self, classes=10, seed=0):
         super().__init__()
@@ -135,56 +124,11 @@ def ce(out, y):
     return nn.functional.cross_entropy(out.float(), y)
 
 
-def fit(model, data, steps, trace, *, precision="fp16", scaler=None, init_scale=2.0 ** 16, growth_interval=2000,
-        lr=0.01, optimizer="sgd", loss_fn=mse, loss_weight=1.0, input_dtype=None, attach_options=None,
-        on_step=None, attach=True):
-    """Train for ``steps`` optimizer steps with ampdoctor attached; returns (model, losses).
-
-    ``scaler``: None = a GradScaler exactly for FP16 autocast; True/False force it on/off; or a GradScaler to use.
-    ``optimizer``: "sgd", "adam", or an optimizer over ``model``'s parameters (e.g. made by a printed fix).
-    ``on_step(step, model, doctor)``: called after each step (e.g. to log validation metrics).
-    """
-    if isinstance(optimizer, torch.optim.Optimizer):
-        opt = optimizer
-    else:
-        opt = (torch.optim.SGD(model.parameters(), lr=lr) if optimizer == "sgd"
-               else torch.optim.Adam(model.parameters(), lr=lr))
-    if isinstance(scaler, torch.amp.GradScaler):
-        sc = scaler
-    else:
-        use_scaler = precision == "fp16" if scaler is None else scaler
-        sc = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval) if use_scaler \
-            else None
-    dtype = DTYPES[precision]
-    opts = dict(FAST, **(attach_options or {}))
-    doc = ampdoctor.attach(model, optimizer=opt, scaler=sc, trace=trace, **opts) if attach else None
-    losses = []
-    try:
-        it = iter(data)
-        for step in range(steps):
-            x, y = next(it)
-            if input_dtype is not None and x.is_floating_point():
-                x = x.to(input_dtype)
-            opt.zero_grad(set_to_none=True)
-            ctx = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
-            with ctx:
-                out = model(x)
-            loss = loss_fn(out, y) * loss_weight
-            losses.append(float(loss.detach().float()))
-            if sc is not None:
-                sc.scale(loss).backward()
-                sc.step(opt)
-                sc.update()
-            else:
-                loss.backward()
-                if doc is not None:
-                    doc.log_loss(loss)
-                opt.step()
-            if on_step is not None:
-                on_step(step, model, doc)
-    finally:
-        if doc is not None:
-            doc.close()
+def fit(model, data, steps, trace, *, attach=True, attach_options=None, loss_fn=mse, **kw):
+    """runs.train with the scenarios' dense cadence (FAST); returns (model, losses). ``attach=False``: no ampdoctor
+    (the same run unobserved)."""
+    model, _, _, losses = train(model, steps, data=data, trace=trace if attach else None, loss_fn=loss_fn,
+                                attach_options=dict(FAST, **(attach_options or {})), **kw)
     return model, losses
 
 

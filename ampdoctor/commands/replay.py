@@ -1,14 +1,11 @@
 """``ampdoctor replay TRACE``: recorded vs simulated loss-scale history for other GradScaler settings."""
 from __future__ import annotations
 
-import math
-
 import numpy as np
-from tqdm.auto import tqdm
 
-from .cli import UsageError, _ranges
-from .replay import gradscaler_code, replay, suggest
-from .trace import load
+from ..replay import gradscaler_code, replay, suggest
+from ..trace import load
+from .common import EXIT_OK, UsageError, exact, pct, ranges
 
 
 def add_arguments(parser) -> None:
@@ -25,28 +22,18 @@ def add_arguments(parser) -> None:
                         help="search init_scale and growth_interval for the fewest skipped steps and least underflow")
 
 
-def _num(v: float) -> str:
-    if v is None or math.isnan(v):
-        return "-"
-    return str(int(v)) if float(v).is_integer() and abs(v) < 1e16 else f"{v:.6g}"   # scales: exact, pasteable
-
-
-def _pct(v: float) -> str:
-    return "-" if v is None or math.isnan(v) else f"{100.0 * v:.2f}%"
-
-
 def _column(r) -> dict:
     n = len(r.steps)
-    return {"skipped steps": f"{r.n_skipped} ({_pct(r.n_skipped / n)})",
-            "scale range": f"{_num(float(r.scales.min()))} .. {_num(float(r.scales.max()))}",
-            "final scale": _num(r.final_scale),
-            "underflow": _pct(r.mean_underflow),
-            "flushed to 0": _pct(r.mean_flushed),
-            "gradient lost": _pct(r.lost)}
+    return {"skipped steps": f"{r.n_skipped} ({pct(r.n_skipped / n)})",
+            "scale range": f"{exact(float(r.scales.min()))} .. {exact(float(r.scales.max()))}",
+            "final scale": exact(r.final_scale),
+            "underflow": pct(r.mean_underflow),
+            "flushed to 0": pct(r.mean_flushed),
+            "gradient lost": pct(r.lost)}
 
 
 def _settings_line(s: dict) -> str:
-    return (f"init_scale {_num(s['init_scale'])}, growth_factor {s['growth_factor']:g}, "
+    return (f"init_scale {exact(s['init_scale'])}, growth_factor {s['growth_factor']:g}, "
             f"backoff_factor {s['backoff_factor']:g}, growth_interval {s['growth_interval']}")
 
 
@@ -67,12 +54,12 @@ def run(args) -> int:
     if recorded_scaler:
         print(f"recorded   {_settings_line(base.settings)}")
         rec = _column(base)
-        rec["skipped steps"] = f"{int(st['skipped'].sum())} ({_pct(st['skipped'].sum() / n)})"
+        rec["skipped steps"] = f"{int(st['skipped'].sum())} ({pct(st['skipped'].sum() / n)})"
     else:
         print("recorded   no GradScaler (unscaled gradients); simulated with torch's defaults unless given")
         rec = {k: "-" for k in _column(base)}
         rec["skipped steps"] = "0 (no scaler)"
-        rec["underflow"] = _pct(_at_scale_one(tr))
+        rec["underflow"] = pct(_at_scale_one(tr))
     print(f"simulated  {_settings_line(sim.settings)}")
     print()
     width = max(len(k) for k in rec)
@@ -81,7 +68,7 @@ def run(args) -> int:
     for key in rec:
         print(f"{key:{width}s}  {rec[key]:>20s}  {cols[key]:>20s}")
     if sim.n_skipped:
-        print(f"simulated skips at step(s) {_ranges([int(s) for s in sim.steps[sim.skipped]])}")
+        print(f"simulated skips at step(s) {ranges([int(s) for s in sim.steps[sim.skipped]])}")
     if recorded_scaler:
         rec_scales = st["loss_scale"].to_numpy(float)
         off = np.flatnonzero(~np.isnan(rec_scales) & (base.scales != rec_scales))
@@ -96,20 +83,21 @@ def run(args) -> int:
     if sim.assumed_fp16:
         print("note: the run computed no gradient in FP16; replayed as if it had (what FP16 would do)")
     if args.suggest:
+        from tqdm.auto import tqdm
         sg = suggest(tr, progress=lambda grid: tqdm(grid, desc="replaying scaler settings", unit="setting",
                                                     disable=None, leave=False))
         print()
         best = sg.replay
         print(f"suggested  {_settings_line(sg.settings)}  ({sg.searched} settings tried; objective: the share "
               "of gradient lost = skipped steps + underflow of the applied ones)")
-        print(f"           skipped {best.n_skipped}, underflow {_pct(best.mean_underflow)}, gradient lost "
-              f"{_pct(best.lost)} (run's own settings: {_pct(sg.baseline.lost)})")
+        print(f"           skipped {best.n_skipped}, underflow {pct(best.mean_underflow)}, gradient lost "
+              f"{pct(best.lost)} (run's own settings: {pct(sg.baseline.lost)})")
         if not sg.improves:
             print("           the run's own settings are already as good as any tried")
         print(f"    scaler = {gradscaler_code(sg.settings, sg.device)}")
         for note in sg.notes:
             print(f"note: {note}")
-    return 0
+    return EXIT_OK
 
 
 def _at_scale_one(tr) -> float:

@@ -1,11 +1,11 @@
-"""`ampdoctor report TRACE -o report.html [--reference TRACE]`: one self-contained HTML file."""
+"""`ampdoctor report TRACE -o report.html [--reference TRACE]`: one self-contained HTML file (plotly loads inside run())."""
 from __future__ import annotations
 
 import os
 
-from ampdoctor.cli import UsageError
-from ampdoctor.trace import load
-from ampdoctor.trace.run import is_multi, load_run
+from ..trace import load
+from ..trace.run import is_multi, load_run
+from .common import EXIT_OK, UsageError
 
 
 def add_arguments(parser) -> None:
@@ -20,7 +20,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from tqdm.auto import tqdm
 
-    from .report import STAGES, write_report
+    from ..dashboards.report import STAGES, write_report
 
     if is_multi(args.trace):
         return _run_ranks(args)
@@ -38,7 +38,7 @@ def run(args) -> int:
             bar.update()
         write_report(tr, out, ref, progress=stage)
     print(f"wrote {out}")
-    return 0
+    return EXIT_OK
 
 
 def _check_output(out: str) -> None:
@@ -49,7 +49,7 @@ def _check_output(out: str) -> None:
 
 def _run_ranks(args) -> int:
     """The report of a multi-rank run: its ranks side by side and the findings naming them."""
-    from .rank_views import default_output, write_rank_report
+    from ..dashboards.rank_views import default_output, write_rank_report
 
     with load_run(args.trace) as rr:
         out = args.output or default_output(rr)
@@ -57,4 +57,4 @@ def _run_ranks(args) -> int:
         ref = load(args.reference) if args.reference else None
         write_rank_report(rr, out, ref)
     print(f"wrote {out}")
-    return 0
+    return EXIT_OK

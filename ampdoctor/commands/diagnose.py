@@ -4,8 +4,10 @@ from __future__ import annotations
 import json
 import textwrap
 
-from .engine import SEVERITIES, at_least, diagnose
-from .registry import RULES
+from ..diagnose.engine import diagnose
+from ..diagnose.registry import RULES
+from ..severity import SEVERITIES, at_least
+from .common import EXIT_FINDINGS, EXIT_OK, UsageError, evidence
 
 
 def add_arguments(parser) -> None:
@@ -19,7 +21,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from ..cli import EXIT_FINDINGS, EXIT_OK, UsageError
     unknown = [r for r in args.disable if r not in RULES]
     if unknown:
         raise UsageError(f"ampdoctor diagnose: unknown rule id {unknown[0]!r}; known: {', '.join(RULES)}")
@@ -47,14 +48,7 @@ def report(path: str, findings) -> str:
         if d.steps:
             lines.append(f"  steps:    {d.steps[0]}" + (f"-{d.steps[-1]}" if d.steps[-1] != d.steps[0] else ""))
         ev = d.to_dict()["evidence"]
-        lines.append("  evidence: " + ", ".join(f"{k}={_short(v)}" for k, v in ev.items()))
+        lines.append("  evidence: " + ", ".join(f"{k}={evidence(v)}" for k, v in ev.items()))
         lines.append("  fix:")
-        lines += ["    " + ln for ln in d.recommendation.splitlines()]
+        lines += ["    " + ln for part in d.fix for ln in part.text.splitlines()]   # code as printed, 4 in
     return "\n".join(lines)
-
-
-def _short(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    s = json.dumps(v)
-    return s if len(s) <= 80 else s[:77] + "..."

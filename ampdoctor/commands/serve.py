@@ -1,17 +1,19 @@
 """`ampdoctor serve TRACE_OR_DIR [--host 127.0.0.1] [--port 8050] [--allow-host NAME] [--reference TRACE]`: the
-dashboard."""
+dashboard.
+
+Dash and plotly load inside run(): `ampdoctor --help` and this module's import stay fast."""
 from __future__ import annotations
 
 import logging
 import os
 import sys
 
-from ampdoctor.cli import UsageError
-from ampdoctor.trace import load
-from ampdoctor.trace.run import is_multi, load_run
+from ..dashboards import hosts
+from ..dashboards.hosts import is_loopback
+from ..trace import load
+from ..trace.run import is_multi, load_run
+from .common import EXIT_OK, UsageError
 
-from . import hosts
-from .hosts import is_loopback
 
 def add_arguments(parser) -> None:
     parser.add_argument("path", metavar="TRACE_OR_DIR", nargs="+",
@@ -59,7 +61,7 @@ def check(args):
 
 def run(args) -> int:
     check(args)
-    from .app import create_app
+    from ..dashboards.app import create_app
 
     app = create_app(args.path, reference=args.reference, poll_ms=int(args.poll * 1000),
                      files=getattr(args, "files", None),
@@ -75,4 +77,4 @@ def run(args) -> int:
     print(f"ampdoctor dashboard on http://{shown}:{args.port}/  (Ctrl+C to stop)", file=sys.stderr)
     logging.getLogger("werkzeug").setLevel(logging.WARNING)    # no line per poll request
     app.run(host=args.host, port=args.port, debug=False, use_reloader=False)
-    return 0
+    return EXIT_OK
