@@ -64,6 +64,31 @@ class SlotBuffer:
         return self.buf[:self.n]
 
 
+def grad_figures(params: list[tuple[str, torch.nn.Parameter]]) -> tuple:
+    """(global L2 norm, largest |g|) over the parameter gradients, fused: two ``_foreach_norm`` calls whatever their
+    number (the sentinel's every-step figures, no per-gradient Python). Floats on the CPU, else 0-d device tensors
+    that join the step's one transfer; (None, None) when no parameter has a gradient."""
+    grads = [p.grad for _, p in params if p.grad is not None]
+    if not grads:
+        return None, None
+    if any(g.layout != torch.strided for g in grads):
+        grads = [dense_values(g) for g in grads]
+    grads = [g for g in grads if g.numel()]
+    if not grads:
+        return 0.0, 0.0
+    with torch.no_grad():          # float32 results: an FP16 gradient's norm may exceed 65504 while its values do not
+        figures = torch._foreach_norm(grads, 2, dtype=torch.float32) + torch._foreach_norm(
+            grads, math.inf, dtype=torch.float32)
+        dev = figures[0].device
+        both = torch.stack([f if f.device == dev else f.to(dev) for f in figures])
+    k = len(grads)
+    if K.on_host(both):
+        v = both.numpy().astype(np.float64)
+        return math.sqrt(float(np.dot(v[:k], v[:k]))), float(v[k:].max())
+    both = both.to(torch.float64)
+    return both[:k].square().sum().sqrt(), both[k:].max()
+
+
 def count_nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
     """How many of the tensors hold a NaN/Inf (their norm is then non-finite), without a host sync."""
     norms = torch.stack([n.to(torch.float32) for n in torch._foreach_norm([t.detach() for t in tensors])])

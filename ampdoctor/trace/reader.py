@@ -124,7 +124,9 @@ class Trace:
     # -- tables ------------------------------------------------------------------------------------------------
     def steps(self) -> pd.DataFrame:
         """One row per optimizer step (skipped steps included)."""
-        rows = self._query(f"SELECT {','.join(schema.STEP_FIELDS)} FROM steps ORDER BY step")
+        have = {r[1] for r in self._query("PRAGMA table_info(steps)")}
+        cols = [f if f in have else "NULL" for f in schema.STEP_FIELDS]    # a trace from before the later columns
+        rows = self._query(f"SELECT {','.join(cols)} FROM steps ORDER BY step")
         df = pd.DataFrame(rows, columns=list(schema.STEP_FIELDS))
         lrs = [json.loads(v) if v else None for v in df["lr"]]
         df["lr_groups"] = lrs
@@ -132,7 +134,7 @@ class Trace:
         df["skipped"] = df["skipped"].fillna(0).astype(bool)
         df["nonfinite"] = df["nonfinite"].fillna(0).astype(bool)
         for col in ("time", "step_time", "data_time", "samples_per_s", "loss", "loss_scale", "loss_scale_next",
-                    "grad_norm"):
+                    "grad_norm", "grad_max", "observer_time"):
             df[col] = pd.to_numeric(df[col], errors="coerce").astype(float)
         return df
 
