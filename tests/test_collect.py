@@ -20,10 +20,12 @@ def params_of(model):
 
 
 @pytest.mark.parametrize("precision,options", [
-    ("fp16", {}), ("fp16", {"every": 1, "hist_every": 1, "weight_every": 7}),
-    ("bf16", {}), ("bf16", {"every": 1}), ("fp32", {"every": 3, "weight_every": 5})])
+    ("fp16", {}), ("fp16", {"mode": "debug"}), ("fp16", {"every": 1, "hist_every": 1, "weight_every": 7}),
+    ("bf16", {}), ("bf16", {"mode": "debug"}), ("fp32", {"every": 3, "weight_every": 5}),
+    ("fp32", {"mode": "debug", "weight_every": 1})])
 def test_zero_observer_effect(tmp_path, precision, options):
-    """50 steps with and without attach end with bit-identical parameters and the same loss scale."""
+    """50 steps with and without attach end with bit-identical parameters and the same loss scale, with the
+    default tiers (sentinel steps, sampled steps, flight recorder after the skipped steps) and in debug mode."""
     init = 2.0**20 if precision == "fp16" else 2.0**16      # some skipped steps: the scaler path is exercised
     ref, _, ref_scaler, ref_losses = train(mlp(seed=3), 50, precision=precision, init_scale=init, growth_interval=7,
                                            optimizer="adam", lr=1e-3)
@@ -91,7 +93,8 @@ def test_activation_statistics_equal_direct_computation(trace_path):
     def keep(module, args, out):
         outs[len(outs)] = out.detach().clone()
     model[1].register_forward_hook(keep)
-    train(model, 4, precision="bf16", trace=trace_path, attach_options={"every": 3, "hist_every": 3})
+    train(model, 4, precision="bf16", trace=trace_path, attach_options={"every": 3, "hist_every": 3, "peak_every": 1,
+                                                                             "calibration": 0})
     tr = ampdoctor.load(trace_path)
     j = tr.sites("act")["path"].tolist().index("1")
     o = outs[3].double()

@@ -71,7 +71,7 @@ def grad_figures(params: list[tuple[str, torch.nn.Parameter]]) -> tuple:
     grads = [p.grad for _, p in params if p.grad is not None]
     if not grads:
         return None, None
-    if any(g.layout != torch.strided for g in grads):
+    if [g for g in grads if g.layout != torch.strided]:       # (list comprehensions: no Python call per gradient)
         grads = [dense_values(g) for g in grads]
     grads = [g for g in grads if g.numel()]
     if not grads:
