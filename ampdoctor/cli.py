@@ -16,6 +16,7 @@ import numpy as np
 
 from . import __version__
 from .trace import TraceError, load
+from .trace.observation import cost_line, observation_line
 from .trace.run import is_multi
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
@@ -95,6 +96,10 @@ def cmd_info(args) -> int:
     print(f"steps      {len(steps)} recorded"
           + (f", full statistics at {len(tr.full_steps())}" if len(steps) else "")
           + ("" if "closed" in meta else " (run still open or ended without close())"))
+    print("observed   " + observation_line(meta, steps))
+    cost = cost_line(steps)
+    if cost:
+        print(f"overhead   {cost}")
     kinds = sites.groupby("kind").size().to_dict() if len(sites) else {}
     print("sites      " + (", ".join(f"{k} {v}" for k, v in kinds.items()) or "none"))
     dtypes = sites.groupby("dtype").size().to_dict() if len(sites) else {}
@@ -127,7 +132,11 @@ def cmd_info(args) -> int:
         where = f"{first['path']} ({first['site_kind']})" if first["path"] else "the loss"
         print(f"non-finite {len(ev)} step(s); first at step {int(first['step'])}: {where}, {first['phase']} "
               f"phase, {first['data'].get('value', '?')} — {first['message']}")
-    else:
+    unknown = tr.events("nonfinite_unknown")
+    if len(unknown):
+        print(f"non-finite {len(unknown)} step(s) of unknown origin (observed by the sentinel only): "
+              f"{_ranges(unknown['step'].astype(int).tolist())}")
+    elif not len(ev):
         print("non-finite none")
     wev = tr.events("nonfinite_weights")
     if len(wev):

@@ -17,6 +17,7 @@ import pandas as pd
 from ampdoctor import formats
 from ampdoctor.cli import describe_precision
 from ampdoctor.trace import is_trace
+from ampdoctor.trace.observation import cost_line, observation_line
 
 from ampdoctor.diagnose import diagnose as _diagnose
 from ampdoctor.replay import replay as _replay
@@ -140,6 +141,10 @@ def run_summary(tr) -> list[tuple[str, str]]:
         loss = steps["loss"].replace([np.inf, -np.inf], np.nan).dropna()
         if len(loss):
             rows.append(("loss", f"{loss.iloc[0]:.4g} -> {loss.iloc[-1]:.4g}"))
+    rows.append(("observed", observation_line(meta, steps)))
+    cost = cost_line(steps)
+    if cost:
+        rows.append(("overhead", cost))
     ev = tr.events("nonfinite")
     if len(ev):
         e = ev.iloc[0]

@@ -17,7 +17,7 @@ import ampdoctor
 torch.set_num_threads(1)
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
-FAST = {"every": 5, "hist_every": 5, "weight_every": 5}     # dense cadence for short scenario runs
+FAST: dict = {}   # the scenarios record with the defaults (sentinel, sampled sites, calibration, flight recorder)
 
 
 # -- models ------------------------------------------------------------------------------------------------------
