@@ -9,7 +9,8 @@ and the tracker resets. The scale is an FP32 tensor: products are taken in doubl
 
 Overflow model. At a scale S a step overflows when some gradient, scaled by S, exceeds the largest value of the
 format it is computed in (FP16: 65504). Per step the trace gives the unscaled magnitudes: every grad_out peak divided
-by the loss scale it carried, and every param_grad peak (already unscaled). What is *known* is used first:
+by the loss scale it carried, every param_grad peak (already unscaled), and on every step, observed or not, the
+largest unscaled parameter gradient (the sentinel's `grad_max`). What is *known* is used first:
 - the recorded scale of the step: its recorded skip (so the run's own settings reproduce its history exactly);
 - a non-finite forward activation or loss: the step overflows at every scale (scaling cannot fix it);
 - overflow is monotone in S: a step that overflowed at S_rec overflows at any S >= S_rec, one that did not
@@ -199,6 +200,13 @@ def _gather(tr: Trace) -> _Evidence:
     unscaled[:, :len(go)] /= carried[:, None]
     ratio = (unscaled / limits[None, :]).max(axis=1, initial=0.0)     # max over sites of magnitude / format max
     ratio[~finite.any(axis=1)] = np.nan                               # nothing observed: no information
+    # The sentinel's largest unscaled parameter gradient, recorded on every step (steps that observe no site
+    # included): the weight gradients are computed in their module's dtype, so it counts against that format's max.
+    gmax = st["grad_max"].to_numpy(float)
+    pg = fp16[len(go):]
+    pg_limit = formats.FP16.max if (pg.any() if len(pg) else fp16.any()) else formats.FP32.max
+    with np.errstate(invalid="ignore"):
+        ratio = np.fmax(ratio, np.where(np.isfinite(gmax) & (gmax >= 0), gmax / pg_limit, np.nan))
     loss = st["loss"].to_numpy(float)
     if str(cfg.get("loss_dtype") or "").replace("torch.", "") == "float16":   # an FP16 loss is scaled in FP16
         ratio = np.fmax(ratio, np.abs(loss) / formats.FP16.max)
