@@ -182,6 +182,20 @@ def setup_hist_floor(w):
     _every_tensor(w, hist, at_step)
 
 
+def setup_sentinel_floor(w):
+    """The work of ampdoctor's sentinel alone, no hooks, nothing kept: the fused gradient norm and the largest
+    gradient (one aminmax per gradient), read on the host once per step."""
+    params = list(w.model.parameters())
+
+    def at_step(loss):
+        grads = [p.grad for p in params]
+        norms = torch._foreach_norm(grads, 2)
+        torch.stack([e for g in grads for e in torch.aminmax(g)]).numpy()
+        torch.stack(norms).numpy()
+        loss.item()
+    w.step_hook = at_step
+
+
 def setup_debug_underflow(w):
     from transformers.debug_utils import DebugUnderflowOverflow
     DebugUnderflowOverflow(w.model)
@@ -202,9 +216,10 @@ VARIANTS = {
     "ampdoctor debug": lambda w: setup_ampdoctor(w, mode="debug"),
     "floor: one aminmax per tensor": setup_floor,
     "histogram floor: one bincount per tensor": setup_hist_floor,
+    "sentinel floor: fused norm + aminmax per grad": setup_sentinel_floor,
     "naive per-layer .item() hooks": setup_naive_item,
     "transformers DebugUnderflowOverflow": setup_debug_underflow,
-    "wandb.watch(log='all', log_freq=1)": setup_wandb,
+    "wandb.watch log=all log_freq=1": setup_wandb,
 }
 # Tensors a step observes, per variant: module outputs and output gradients (m: modules other than the root),
 # parameter gradients (p), parameters (w). ampdoctor defaults: the debug count times the share of observed steps.
@@ -212,7 +227,8 @@ OBSERVED = {"ampdoctor debug": lambda m, p: 2 * m + 2 + p, "floor: one aminmax p
             "histogram floor: one bincount per tensor": lambda m, p: 2 * m + p,
             "naive per-layer .item() hooks": lambda m, p: 2 * m + 2,
             "transformers DebugUnderflowOverflow": lambda m, p: 2 * m + p,
-            "wandb.watch(log='all', log_freq=1)": lambda m, p: 2 * p}
+            "sentinel floor: fused norm + aminmax per grad": lambda m, p: p,
+            "wandb.watch log=all log_freq=1": lambda m, p: 2 * p}
 
 
 class Worker:
@@ -286,7 +302,8 @@ def worker_main(model_name, variant, dtype):
     warnings.simplefilter("ignore")
     w = Worker(model_name, variant, dtype)
     proto.write(json.dumps({"ready": True, "modules": len(list(w.model.modules())) - 1,
-                            "params": len(list(w.model.parameters()))}) + "\n")
+                            "params": len(list(w.model.parameters())),
+                            "children": len(w.proc.children(recursive=True))}) + "\n")
     bg0 = warm = 0
     for line in sys.stdin:
         cmd, _, arg = line.strip().partition(" ")
@@ -368,7 +385,8 @@ def show(model, dtype, rows):
     r0 = rows[0]
     print(f"\n{model} ({r0['modules']} modules), {dtype}: bare {r0['mean_ms']:.2f} ms/step, {r0['steps']} steps per "
           f"block")
-    print(f"  {'variant':42s} {'ratio':>6s} {'median':>7s} {'+us/step':>9s} {'us/tensor':>9s}  ampdoctor's own record")
+    print(f"  {'variant':46s} {'ratio':>6s} {'median':>7s} {'+us/step':>9s} {'us/tensor':>9s} {'close+bg':>9s}  "
+          "ampdoctor's own record")
     for r in rows:
         own = ""
         if "observer_us" in r:
@@ -377,8 +395,8 @@ def show(model, dtype, rows):
                 own += f", sentinel-only steps {r['sentinel_us']:.0f} us"
             own += f", calibration {r['calibration_ms']:.0f} ms once, {100 * r['observed_share']:.0f}% steps observed"
         per_t = f"{r['per_tensor_us']:9.1f}" if r["per_tensor_us"] is not None else f"{'-':>9s}"
-        print(f"  {r['variant']:42s} x{r['ratio']:5.2f} x{r['ratio_med']:5.2f} {r['added_us']:9.0f} {per_t}  {own}",
-              flush=True)
+        print(f"  {r['variant']:46s} x{r['ratio']:5.2f} x{r['ratio_med']:5.2f} {r['added_us']:9.0f} {per_t} "
+              f"{1e3 * (r['close_s'] + r['background_s']):7.0f}ms  {own}", flush=True)
 
 
 def main():

@@ -181,3 +181,46 @@ def test_sentinel_step_python_work_does_not_grow_with_the_model(tmp_path):
     for s in (2, 3, 5):
         assert big[s] == small[s] < 120
     assert big[4] - small[4] <= 40 * (n_big - n_small)           # a peaks step: bounded work per module
+
+
+def test_time_rules_judge_the_step_net_of_ampdoctor(trace_path):
+    """In debug mode ampdoctor's own time is a large part of a small model's step. The trace records it per step,
+    and input-pipeline-bound judges the data wait against the step without it: the share it reports is the share a
+    run without ampdoctor has (measured here by hand), not the lower one the recorded step times alone would give."""
+    import time
+    delay = 0.006
+
+    def slow(n):
+        for b in batches(n, batch=64, d_in=64):
+            time.sleep(delay)
+            yield b
+
+    def loop(doc, model, opt, n):
+        shares, it = [], iter(slow(n))
+        for _ in range(n):
+            t0 = time.perf_counter()
+            x, y = next(it)
+            t1 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            if doc is not None:
+                doc.log_loss(loss)
+            opt.step()
+            shares.append((t1 - t0) / (time.perf_counter() - t0))
+        return float(np.median(shares[2:]))
+
+    def fresh():
+        model = mlp(width=128, depth=6, d_in=64)
+        return model, torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    bare = loop(None, *fresh(), 24)
+    model, opt = fresh()
+    with ampdoctor.attach(model, optimizer=opt, trace=trace_path, live=False, mode="debug") as doc:
+        loop(doc, model, opt, 24)
+    st = ampdoctor.load(trace_path).steps().iloc[2:]
+    gross = float(np.median(st["data_time"] / st["step_time"]))
+    found = {d.rule: d for d in ampdoctor.diagnose(trace_path)}
+    net = found["input-pipeline-bound"].evidence["data_share_median"]
+    assert float(np.median(st["observer_time"] / st["step_time"])) > 0.2     # ampdoctor is a large part of a step
+    assert abs(net - bare) < 0.15 < net - gross
