@@ -231,3 +231,17 @@ def test_time_rules_judge_the_step_net_of_ampdoctor(trace_path):
     net = found["input-pipeline-bound"].evidence["data_share_median"]
     assert float(np.median(st["observer_time"] / st["step_time"])) > 0.2     # ampdoctor is a large part of a step
     assert abs(net - bare) < 0.15 < net - gross, (bare, net, gross)
+
+
+def test_report_and_overview_say_what_ampdoctor_cost(trace_path):
+    """The HTML report and the dashboard overview's summary carry the observation tiers and the cost line."""
+    from ampdoctor.dashboards import data
+    from ampdoctor.dashboards.report import build_report
+    run(12, trace_path, options={"calibration": 2})
+    tr = ampdoctor.load(trace_path)
+    rows = dict(data.run_summary(tr))
+    share = tr.steps()["observer_time"].sum() / tr.steps()["step_time"].sum()
+    assert rows["overhead"].startswith(f"ampdoctor cost {100 * share:.1f}% of this run")
+    assert rows["observed"].startswith("mode default (peaks every 10, full every 100, first 2 in full)")
+    html = build_report(tr)
+    assert rows["overhead"] in html and "sentinel only 9" in html
