@@ -296,7 +296,9 @@ class Worker:
         return out
 
 
-def worker_main(model_name, variant, dtype):
+def worker_main(model_name, variant, dtype, threads):
+    if int(threads):
+        torch.set_num_threads(int(threads))
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)                                   # whatever the variant prints goes to stderr, not the protocol
     warnings.simplefilter("ignore")
@@ -322,9 +324,9 @@ def worker_main(model_name, variant, dtype):
 
 # -- the parent: interleaved rounds over worker processes --------------------------------------------------------------
 class Proc:
-    def __init__(self, model, variant, dtype):
+    def __init__(self, model, variant, dtype, threads):
         self.variant = variant
-        self.p = subprocess.Popen([sys.executable, __file__, "--worker", model, variant, dtype],
+        self.p = subprocess.Popen([sys.executable, __file__, "--worker", model, variant, dtype, str(threads)],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
     def ask(self, cmd):
@@ -339,8 +341,8 @@ class Proc:
         return json.loads(line)
 
 
-def measure(model, dtype, rounds, block_s, variants):
-    procs = [Proc(model, v, dtype) for v in variants]
+def measure(model, dtype, rounds, block_s, variants, threads=0):
+    procs = [Proc(model, v, dtype, threads) for v in variants]
     live = []
     for p in procs:
         try:
@@ -352,7 +354,7 @@ def measure(model, dtype, rounds, block_s, variants):
     for p in procs:
         p.ask(f"warm {WARMUP_STEPS}")
     bare = procs[0]
-    n = max(3, round(block_s / (bare.ask("run 5")["t"] / 5)))
+    n = max(3, round(block_s / min(bare.ask("run 5")["t"] / 5 for _ in range(3))))
     times = {p.variant: [] for p in procs}
     order = random.Random(0)
     for _ in range(rounds):
@@ -401,23 +403,26 @@ def show(model, dtype, rows):
 
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        return worker_main(*sys.argv[2:5])
+        return worker_main(*sys.argv[2:6])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--block-s", type=float, default=0.4, help="seconds of bare training per block")
     ap.add_argument("--models", default="small,reference,transformer")
     ap.add_argument("--dtypes", default="auto", help="fp32, bf16, or auto: fp32, and bf16 where native")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated; bare is always first")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default); 1 keeps "
+                    "a loaded machine's scheduler from stalling every parallel op on its second thread")
     args = ap.parse_args()
     native = native_bf16()
     dtypes = (["fp32"] + (["bf16"] if native else [])) if args.dtypes == "auto" else args.dtypes.split(",")
-    print(f"CPU: {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads; BF16 "
+    threads = args.threads or torch.get_num_threads()
+    print(f"CPU: {os.cpu_count()} cores, torch {torch.__version__}, {threads} threads; BF16 "
           f"{'native (avx512_bf16/amx)' if native else 'emulated: BF16 not measured'}; dtypes {', '.join(dtypes)}; "
           f"{args.rounds} rounds; load average {os.getloadavg()[0]:.2f}")
     variants = ["bare"] + [v for v in args.variants.split(",") if v in VARIANTS and v != "bare"]
     for dtype in dtypes:
         for model in args.models.split(","):
-            show(model, dtype, measure(model, dtype, args.rounds, args.block_s, variants))
+            show(model, dtype, measure(model, dtype, args.rounds, args.block_s, variants, args.threads))
     print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
 
 
