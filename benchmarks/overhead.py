@@ -410,9 +410,13 @@ def main():
     ap.add_argument("--models", default="small,reference,transformer")
     ap.add_argument("--dtypes", default="auto", help="fp32, bf16, or auto: fp32, and bf16 where native")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated; bare is always first")
+    ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--table", nargs="+", metavar="JSON", help="print the README table of these runs' files, no run")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default); 1 keeps "
                     "a loaded machine's scheduler from stalling every parallel op on its second thread")
     args = ap.parse_args()
+    if args.table:
+        return table(args.table)
     native = native_bf16()
     dtypes = (["fp32"] + (["bf16"] if native else [])) if args.dtypes == "auto" else args.dtypes.split(",")
     threads = args.threads or torch.get_num_threads()
@@ -420,10 +424,45 @@ def main():
           f"{'native (avx512_bf16/amx)' if native else 'emulated: BF16 not measured'}; dtypes {', '.join(dtypes)}; "
           f"{args.rounds} rounds; load average {os.getloadavg()[0]:.2f}")
     variants = ["bare"] + [v for v in args.variants.split(",") if v in VARIANTS and v != "bare"]
+    out = {"load_start": os.getloadavg()[0], "threads": threads, "results": []}
     for dtype in dtypes:
         for model in args.models.split(","):
-            show(model, dtype, measure(model, dtype, args.rounds, args.block_s, variants, args.threads))
-    print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
+            rows = measure(model, dtype, args.rounds, args.block_s, variants, args.threads)
+            show(model, dtype, rows)
+            out["results"].append({"model": model, "dtype": dtype, "rows": rows})
+    out["load_end"] = os.getloadavg()[0]
+    print(f"\nload average at the end {out['load_end']:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f)
+
+
+def table(paths):
+    """Markdown: per model and dtype, each variant's median round ratio (and ratio of means) run by run, host us added
+    per step and per observed tensor (first run), and ampdoctor's own record."""
+    runs = [json.load(open(p)) for p in paths]
+    print("load average (start/end): " + "; ".join(f"run {i + 1} {r['load_start']:.1f}/{r['load_end']:.1f}"
+                                                    for i, r in enumerate(runs)))
+    for k, res in enumerate(runs[0]["results"]):
+        others = [r["results"][k] for r in runs]
+        bare_ms = " / ".join(f"{o['rows'][0]['mean_ms']:.2f}" for o in others)
+        print(f"\n**{res['model']}** ({res['rows'][0]['modules']} modules, {res['dtype']}; bare {bare_ms} ms/step)\n")
+        print("| variant | median round ratio | ratio of means | +µs/step | µs/observed tensor | ampdoctor's own "
+              "record (run 1) |")
+        print("|---|---|---|---|---|---|")
+        for j, row in enumerate(res["rows"][1:], 1):
+            rs = [o["rows"][j] for o in others]
+            own = ""
+            if "observer_us" in row:
+                own = f"{row['observer_us']:.0f} µs/step"
+                if row.get("sentinel_us") is not None:
+                    own += f"; sentinel-only steps {row['sentinel_us']:.0f} µs"
+                if row["calibration_ms"]:
+                    own += f"; calibration {row['calibration_ms']:.0f} ms once"
+            per_t = f"{row['per_tensor_us']:.1f}" if row["per_tensor_us"] is not None else "-"
+            med = " / ".join(f"{r['ratio_med']:.2f}x" for r in rs)
+            means = " / ".join(f"{r['ratio']:.2f}x" for r in rs)
+            print(f"| {row['variant']} | {med} | {means} | {row['added_us']:.0f} | {per_t} | {own} |")
 
 
 if __name__ == "__main__":
