@@ -12,6 +12,9 @@ from ..trace.writer import Entry
 from . import stats as K
 
 SMALL_GRAD = 4096           # parameter gradients up to this size are stacked by size and reduced together
+# The sentinel concatenates the gradients when they hold fewer values than this per gradient on average: copying a
+# value costs ~0.3 ns on a CPU, a reduction's dispatch ~2.5 us, so below ~8,000 values each the copy is cheaper.
+CAT_PER_GRAD = 8000
 
 
 def dtype_name(dtype) -> str:
@@ -78,8 +81,15 @@ def grad_figures(params: list[tuple[str, torch.nn.Parameter]]) -> tuple:
     if not grads:
         return 0.0, 0.0
     with torch.no_grad():          # float32 results: an FP16 gradient's norm may exceed 65504 while its values do not
+        host = K.on_host(grads[0]) and len({g.device for g in grads}) == 1
+        if host and sum([g.numel() for g in grads]) < CAT_PER_GRAD * len(grads):
+            # Many small gradients: one copy into one vector and three ops beat ~2.5 us of dispatch per gradient.
+            flat = torch.cat([g.reshape(-1) for g in grads]).float()
+            mn, mx = torch.aminmax(flat)
+            mn, mx, sq = torch.stack((mn, mx, torch.dot(flat, flat))).tolist()
+            return math.sqrt(sq), max(-mn, mx) if mn == mn and mx == mx else math.nan
         norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-        if K.on_host(grads[0]) and len({g.device for g in grads}) == 1:
+        if host:
             ends = torch.stack([e for g in grads for e in torch.aminmax(g)]).numpy().astype(np.float64)
             v = torch.stack(norms).numpy().astype(np.float64)
             return math.sqrt(float(np.dot(v, v))), float(max(-ends.min(), ends.max()))   # NaN propagates
