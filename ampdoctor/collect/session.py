@@ -144,6 +144,7 @@ class Doctor:
         self._step = 0
         self._bufs: dict = {}
         self._grad_plan: B.GradPlan | None = None
+        self._grad_figures = B.GradFigures()
         self._reset_step()
         self._pending: StepPacket | None = None
         self._prev_entries: list = []
@@ -681,7 +682,7 @@ class Doctor:
         if mode != C.NONE:
             self._observe_param_grads(mode, entries)
         # The sentinel: global norm and largest unscaled gradient, fused over all gradients, every step.
-        norm, gmax = B.grad_figures(self._params)
+        norm, gmax = self._grad_figures(self._params)
         norm_off = self._add_extra(norm) if norm is not None else None
         max_off = self._add_extra(gmax) if gmax is not None else None
         if step % self.weight_every == 0:
