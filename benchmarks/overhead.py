@@ -372,6 +372,7 @@ def measure(model, dtype, rounds, block_s, variants, threads=0):
     total = rounds * n
     rows = []
     base = statistics.fmean(times["bare"])
+    base_med = statistics.median(times["bare"])
     for p in procs:
         # background work runs by the wall clock (the live checks every few seconds, wandb's service): its CPU share
         # of the wall time is charged to every step; close() once, over the timed steps
@@ -384,8 +385,8 @@ def measure(model, dtype, rounds, block_s, variants, threads=0):
         if p.variant == "ampdoctor defaults":
             tensors = OBSERVED["ampdoctor debug"](p.info["modules"], p.info["params"]) * ends[p.variant][
                 "observed_share"]
-        added_us = 1e6 * (mean - base)
-        rows.append({"variant": p.variant, "mean_ms": 1e3 * mean, "ratio": mean / base, "ratio_med": ratio_med,
+        added_us = 1e6 * (ratio_med - 1) * base_med        # the median round ratio: steadier than the means
+        rows.append({"variant": p.variant, "mean_ms": 1e3 * mean, "median_ms": 1e3 * statistics.median(per), "ratio": mean / base, "ratio_med": ratio_med,
                      "added_us": added_us, "per_tensor_us": added_us / tensors if tensors else None, **ends[p.variant],
                      "modules": p.info["modules"], "steps": n})
     return rows
@@ -393,8 +394,8 @@ def measure(model, dtype, rounds, block_s, variants, threads=0):
 
 def show(model, dtype, rows):
     r0 = rows[0]
-    print(f"\n{model} ({r0['modules']} modules), {dtype}: bare {r0['mean_ms']:.2f} ms/step, {r0['steps']} steps per "
-          f"block")
+    print(f"\n{model} ({r0['modules']} modules), {dtype}: bare {r0.get('median_ms', r0['mean_ms']):.2f} ms/step "
+          f"(median block), {r0['steps']} steps per block")
     print(f"  {'variant':46s} {'ratio':>6s} {'median':>7s} {'+us/step':>9s} {'us/tensor':>9s} {'close':>7s} "
           f"{'bg':>5s}  ampdoctor's own record")
     for r in rows:
@@ -453,7 +454,8 @@ def table(paths):
                                                     for i, r in enumerate(runs)))
     for k, res in enumerate(runs[0]["results"]):
         others = [r["results"][k] for r in runs]
-        bare_ms = " / ".join(f"{o['rows'][0]['mean_ms']:.2f}" for o in others)
+        bare_ms = " / ".join(f"{o['rows'][0].get('median_ms', o['rows'][0]['mean_ms']):.2f}" for o in others)
+        base = res["rows"][0].get("median_ms", res["rows"][0]["mean_ms"])
         print(f"\n**{res['model']}** ({res['rows'][0]['modules']} modules, {res['dtype']}; bare {bare_ms} ms/step)\n")
         print("| variant | median round ratio | ratio of means | +µs/step | µs/observed tensor | close(), background "
               "| ampdoctor's own record |")
@@ -467,11 +469,13 @@ def table(paths):
                     own += f"; sentinel-only steps {row['sentinel_us']:.0f} µs"
                 if row["calibration_ms"]:
                     own += f"; calibration {row['calibration_ms']:.0f} ms once"
-            per_t = f"{row['per_tensor_us']:.1f}" if row["per_tensor_us"] is not None else "-"
+            added = 1e3 * (row["ratio_med"] - 1) * base            # us, from the median round ratio of run 1
+            tensors = row["added_us"] / row["per_tensor_us"] if row["per_tensor_us"] else None
+            per_t = f"{added / tensors:.1f}" if tensors else "-"
             med = " / ".join(f"{r['ratio_med']:.2f}x" for r in rs)
             means = " / ".join(f"{r['ratio']:.2f}x" for r in rs)
             bg = f"{1e3 * row['close_s']:.0f} ms, {100 * row['background_share']:.1f}%"
-            print(f"| {row['variant']} | {med} | {means} | {row['added_us']:.0f} | {per_t} | {bg} | {own} |")
+            print(f"| {row['variant']} | {med} | {means} | {added:.0f} | {per_t} | {bg} | {own} |")
 
 
 if __name__ == "__main__":
