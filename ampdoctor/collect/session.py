@@ -221,6 +221,9 @@ class Doctor:
         self._modules = H.select_modules(self.model, self._include, self._exclude)
         self._grad_hooks = {}
         self._fwd_hooks = []             # made once, registered only for steps that observe sites (_sync_hooks)
+        # A compiled model keeps them (its graphs would change with every registration); they return at once on
+        # steps that observe no site.
+        self._keep_hooks = type(self.model).__name__ == "OptimizedModule"
         for path, mod in self._modules:
             self._grad_hooks[path] = _eager(functools.partial(self._on_grad, path, mod))
             self._fwd_hooks.append((mod, _eager(functools.partial(self._on_forward, path))))
@@ -275,7 +278,7 @@ class Doctor:
     def _sync_hooks(self) -> None:
         """Per-module hooks exist only while a step observes sites: a sentinel step runs no Python per module call
         (registering ~25 hooks costs ~30 us, paid when the cadence switches, not every step)."""
-        want = self._cur_mode != C.NONE and not self._off
+        want = (self._cur_mode != C.NONE or self._keep_hooks) and not self._off
         if want == self._hooked or not hasattr(self, "_fwd_hooks"):
             return
         if want:
@@ -418,7 +421,7 @@ class Doctor:
             self._warn_once("no-boundary", G.no_boundary(self._boundary, f"{self._missed} optimizer steps"))
 
     def _on_forward(self, path, module, args, output):
-        if self._off or not torch.is_grad_enabled():
+        if self._off or self._cur_mode == C.NONE or not torch.is_grad_enabled():
             return
         t0 = _now()
         try:
