@@ -386,7 +386,8 @@ def measure(model, dtype, rounds, block_s, variants, threads=0):
             tensors = OBSERVED["ampdoctor debug"](p.info["modules"], p.info["params"]) * ends[p.variant][
                 "observed_share"]
         added_us = 1e6 * (ratio_med - 1) * base_med        # the median round ratio: steadier than the means
-        rows.append({"variant": p.variant, "mean_ms": 1e3 * mean, "median_ms": 1e3 * statistics.median(per), "ratio": mean / base, "ratio_med": ratio_med,
+        rows.append({"variant": p.variant, "mean_ms": 1e3 * mean, "median_ms": 1e3 * statistics.median(per),
+                     "ratio": mean / base, "ratio_med": ratio_med,
                      "added_us": added_us, "per_tensor_us": added_us / tensors if tensors else None, **ends[p.variant],
                      "modules": p.info["modules"], "steps": n})
     return rows
