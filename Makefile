@@ -28,7 +28,7 @@ test: install browser
 
 bench: install
 	$(BIN)/pip install -q -e ".[bench]"
-	$(BIN)/python benchmarks/overhead.py --peers
+	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/trace_io.py
 	$(BIN)/python benchmarks/probe_overhead.py
 

@@ -42,8 +42,10 @@ sys.modules[__name__].__class__ = _Package
 def attach(model, optimizer=None, scaler=None, trace: str = "runs/ampdoctor.db", **options):
     """Observe ``model`` during training and stream its mixed-precision numerics to the SQLite trace ``trace``.
 
-    Options: every (full statistics cadence, default 100), hist_every (histograms, 200), weight_every (weights and
-    updates, 200), include / exclude (module name prefixes, globs or a ``(path, module) -> bool`` predicate),
+    Options: mode ("default": a sentinel every step, sampled sites, the first steps and the steps after an anomaly
+    in full; "debug": every site in full every step), every (full statistics cadence, default 100), peak_every
+    (per-site peaks, 10), calibration (first steps in full, 10), hist_every (histograms, 200), weight_every (weights
+    and updates, 200), include / exclude (module name prefixes, globs or a ``(path, module) -> bool`` predicate),
     live (run the rules while training, default True), on_finding (callback per new finding), halt_on
     ("info" | "warning" | "critical": raise TrainingHalted at the next step boundary), log_every (one-line health
     summary every N steps), rules (rule overrides for the live diagnosis, as for ``diagnose``), probe_every

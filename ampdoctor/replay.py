@@ -9,10 +9,11 @@ and the tracker resets. The scale is an FP32 tensor: products are taken in doubl
 
 Overflow model. At a scale S a step overflows when some gradient, scaled by S, rounds past the largest value of
 the format it is computed in (FP16: |x| >= 65520, formats.Format.finite_limit; 65519 rounds down to 65504). Per
-step the trace gives the unscaled magnitudes: every grad_out peak divided by the loss scale it carried, and every
-param_grad peak (already unscaled) - ``gradient_peaks``, the one definition the diagnosis rules share. The output
-gradient of a 0-d output (a loss the model returns: 1 x scale, the backward seed) is not a model gradient and counts
-only where it was FP16. What is *known* is used first:
+step the trace gives the unscaled magnitudes: every grad_out peak divided by the loss scale it carried, every
+param_grad peak (already unscaled), and on every step, observed or not, the largest unscaled parameter gradient (the
+sentinel's `grad_max`) - ``gradient_peaks``, the one definition the diagnosis rules share. The output gradient of a
+0-d output (a loss the model returns: 1 x scale, the backward seed) is not a model gradient and counts only where it
+was FP16. What is *known* is used first:
 - the recorded scale of the step: its recorded skip (so the run's own settings reproduce its history exactly);
 - a non-finite forward activation or loss: the step overflows at every scale (scaling cannot fix it);
 - overflow is monotone in S: a step that overflowed at S_rec overflows at any S >= S_rec, one that did not
@@ -218,9 +219,19 @@ def gradient_peaks(tr: Trace) -> GradientPeaks:
     unscaled[:, :len(go)] /= carried[:, None]
     ratio = (unscaled / limits[None, :]).max(axis=1, initial=0.0)     # max over sites of magnitude / format max
     ratio[~finite.any(axis=1)] = np.nan                               # nothing observed: no information
+    nonfinite = (~np.isfinite(raw)).any(axis=1)
+    # The sentinel's largest unscaled parameter gradient, recorded on every step (steps that observe no site
+    # included): the weight gradients are computed in their module's dtype, so it counts against that format's max.
+    if "grad_max" in st:
+        gmax = st["grad_max"].to_numpy(float)
+        on_pg = fp16[len(go):]
+        pg_limit = formats.FP16.finite_limit if (on_pg.any() if len(on_pg) else fp16.any()) \
+            else formats.FP32.finite_limit
+        with np.errstate(invalid="ignore"):
+            ratio = np.fmax(ratio, np.where(np.isfinite(gmax) & (gmax >= 0), gmax / pg_limit, np.nan))
+        nonfinite |= np.isinf(gmax)                  # (NaN there is also what a trace without the column reads)
     grads = grads.assign(compute_dtype=dtypes, fp16=fp16, seed=seed)
-    return GradientPeaks(ratio=ratio, nonfinite=(~np.isfinite(raw)).any(axis=1), assumed_fp16=assumed,
-                         sites=grads)
+    return GradientPeaks(ratio=ratio, nonfinite=nonfinite, assumed_fp16=assumed, sites=grads)
 
 
 def _gather(tr: Trace) -> _Evidence:

@@ -1,24 +1,37 @@
-"""Step-time overhead of ampdoctor and its peers, measured side by side in one run.
+"""Step-time overhead of ampdoctor and its peers on a suite of models, every variant in its own process.
 
-Reference model: 8 x [Linear(512, 512), LayerNorm, GELU], batch 256, BF16 autocast on the CPU, SGD.
-Every variant trains its own copy of the model; rounds interleave the variants (each round runs a block of steps
-of every variant in turn), so machine noise hits all of them alike. Printed per variant: the mean step time over
-all rounds (periodic costs such as ampdoctor's full-statistics steps included) and its ratio to the bare model,
-plus the median of the per-round ratios as a noise check.
-Each block ends by letting ampdoctor's writer catch up (timed, part of the block); the live-rules thread's share of
-the wall time is charged to its variant's steps. DebugUnderflowOverflow and wandb.watch run in groups of their own
-with their own baseline (wandb's service process would slow whatever runs next to it).
-Two floors frame the figures: the work the every-step figures need with no bookkeeping at all (hooks, one aminmax
-per tensor, the gradient norm) and the histogram alone that full statistics derive their counts from.
-Run: .venv/bin/python benchmarks/overhead.py [--rounds N] [--steps N] [--peers]
+Models: small (10 modules: Linear 64 -> 4 x Linear 128 -> 10 with ReLU/LayerNorm, batch 64), reference (8 x
+[Linear(512, 512), LayerNorm, GELU], batch 256) and transformer (4 pre-norm blocks of attention q/k/v/o + MLP,
+d 128, 32 tokens, batch 16: 65 modules). SGD, MSE loss. FP32; BF16 autocast too where the CPU has native BF16
+(avx512_bf16 / amx: an AVX2-only CPU emulates BF16 matmuls ~20x slower, which drowns every ratio).
+
+Variants: bare, ampdoctor defaults (tiers: sentinel every step, sampled sites, calibration, flight recorder; live
+rules on), ampdoctor debug (every site, every step, full statistics and histograms), the two floors (the least that
+"peaks of every tensor every step" and "histograms of every tensor every step" cost with Python hooks: no bookkeeping,
+nothing kept), naive per-layer .item() hooks, transformers' DebugUnderflowOverflow, wandb.watch(log="all",
+log_freq=1) offline (when installed).
+
+Method. One worker process per variant, all alive at once and idle but the one being timed; rounds interleave the
+variants in a new shuffled order each round, so machine noise hits all alike. A block is N steps plus, for ampdoctor,
+``flush()`` (its writer catches up inside the block). Each worker first runs untimed warm-up steps (allocator,
+autocast caches, ampdoctor's calibration steps, whose one-off cost is printed apart). At the end each worker times
+its own ``close()`` (charged once, over its timed steps) and the CPU time of its background work (ampdoctor's
+live-rules thread, wandb's service process) as a share of the measurement's wall time, charged to every step (the
+work runs by the wall clock, whichever variant is being timed). Printed per model and variant: the mean step,
+the ratio of means (periodic costs such as full-statistics steps included), the median of the per-round ratios,
+the host microseconds added per step, and per observed tensor (module outputs, their gradients and the parameter
+gradients a step observes); for ampdoctor also its own recorded observer time per step and per sentinel-only step.
+Run: .venv/bin/python benchmarks/overhead.py [--rounds N] [--block-s S] [--models small,reference,transformer]
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
+import json
+import math
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -29,135 +42,137 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import ampdoctor  # noqa: E402
 
-WIDTH, DEPTH, BATCH = 512, 8, 256
+WARMUP_STEPS = 25           # covers ampdoctor's calibration (10 steps) and the first sampled steps
 
 
-def make_model(seed=0):
-    torch.manual_seed(seed)
+# -- models ----------------------------------------------------------------------------------------------------------
+class Attention(torch.nn.Module):
+    def __init__(self, d, heads=4):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(d, d) for _ in range(4))
+        self.drop = torch.nn.Dropout(0.0)
+        self.heads = heads
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.heads
+
+        def split(y):
+            return y.view(b, t, h, d // h).transpose(1, 2)
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        att = self.drop(((q @ k.transpose(-2, -1)) / math.sqrt(d // h)).softmax(-1))
+        return self.o((att @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln1, self.attn, self.ln2 = torch.nn.LayerNorm(d), Attention(d), torch.nn.LayerNorm(d)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d),
+                                       torch.nn.Dropout(0.0))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Transformer(torch.nn.Module):
+    def __init__(self, d_in=16, d=128, depth=4):
+        super().__init__()
+        self.inp = torch.nn.Linear(d_in, d)
+        self.blocks = torch.nn.ModuleList(Block(d) for _ in range(depth))
+        self.ln_f, self.head = torch.nn.LayerNorm(d), torch.nn.Linear(d, d_in)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln_f(x))
+
+
+def small():
+    layers = [torch.nn.Linear(64, 128), torch.nn.ReLU()]
+    for k in range(4):
+        layers += [torch.nn.Linear(128, 128)] + ([torch.nn.LayerNorm(128)] if k == 1 else []) + [torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1], torch.nn.Linear(128, 10)), (64, 64), (64, 10)
+
+
+def reference():
     layers = []
-    for _ in range(DEPTH):
-        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.LayerNorm(WIDTH), torch.nn.GELU()]
-    return torch.nn.Sequential(*layers)
+    for _ in range(8):
+        layers += [torch.nn.Linear(512, 512), torch.nn.LayerNorm(512), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers), (256, 512), (256, 512)
 
 
-class Runner:
-    """One model + optimizer + observer; ``block(n)`` trains n steps and returns the mean step time, including the
-    time to let the observer's background writer catch up (``settle``), so that no variant's background work is
-    timed in another variant's block."""
-
-    def __init__(self, name, setup):
-        self.name = name
-        self.model = make_model()
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
-        g = torch.Generator().manual_seed(1)
-        self.x = torch.randn(BATCH, WIDTH, generator=g)
-        self.y = torch.randn(BATCH, WIDTH, generator=g)
-        self.step_hook = None
-        self.settle = None              # called (and timed) after each block
-        self.background = []            # threads whose CPU time is charged to this variant
-        self.closer = setup(self) if setup else None
-
-    def run(self, n):
-        for _ in range(n):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                out = self.model(self.x)
-                loss = torch.nn.functional.mse_loss(out.float(), self.y)
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            self.opt.step()
-            if self.step_hook:
-                self.step_hook(loss)
-
-    def block(self, n):
-        t0 = time.perf_counter()
-        self.run(n)
-        if self.settle:
-            self.settle()
-        return (time.perf_counter() - t0) / n
-
-    def background_cpu(self):
-        total = 0.0
-        for t in self.background:
-            if t.is_alive():
-                total += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
-        return total
+def transformer():
+    return Transformer(), (16, 32, 16), (16, 32, 16)
 
 
-def setup_ampdoctor(**options):
-    def setup(r):
-        path = os.path.join(tempfile.mkdtemp(), "bench.db")
-        doc = ampdoctor.attach(r.model, optimizer=r.opt, trace=path, **options)
-        r.step_hook = doc.log_loss
-        r.settle = doc.flush
-        # live rules check every few seconds by the wall clock, so in whichever variant's block: their thread's
-        # CPU share of the wall time is charged to this variant instead (as if all of it were taken from training)
-        r.background = [doc._live] if doc._live is not None else []
-        return doc.close
-    return setup
+MODELS = {"small": small, "reference": reference, "transformer": transformer}
 
 
-def setup_debug_underflow(r):
-    from transformers.debug_utils import DebugUnderflowOverflow
-    DebugUnderflowOverflow(r.model)
-    return None
+def native_bf16() -> bool:
+    """Whether this CPU computes BF16 matmuls natively (else BF16 figures would measure an emulation)."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def setup_wandb(r):
-    import wandb
-    os.environ.setdefault("WANDB_SILENT", "true")
-    run = wandb.init(mode="offline", dir=tempfile.mkdtemp())      # wandb.watch logs through the global run
-    wandb.watch(r.model, log="all", log_freq=1)
-    r.step_hook = lambda loss: wandb.log({"loss": loss.item()})
-    return run.finish
+# -- variants (set up inside the worker) ----------------------------------------------------------------------------
+def setup_ampdoctor(w, **options):
+    w.trace = os.path.join(tempfile.mkdtemp(), "bench.db")
+    doc = ampdoctor.attach(w.model, optimizer=w.opt, trace=w.trace, **options)
+    w.step_hook = doc.log_loss
+    w.settle = doc.flush
+    w.threads = [doc._live] if doc._live is not None else []
+    return doc.close
 
 
-def setup_naive_item(r):
-    """What people write first: a forward and a backward hook per layer calling .item()."""
+def setup_naive_item(w):
+    """What people write first: a forward hook per module calling .item(), and one per output gradient."""
     def fwd(mod, args, out):
         if isinstance(out, torch.Tensor):
             out.abs().max().item()
             if out.requires_grad:
                 out.register_hook(lambda g: g.abs().max().item() and None)
-    for m in r.model.modules():
+    for m in w.model.modules():
         m.register_forward_hook(fwd)
-    return None
 
 
-def _every_tensor(r, on_tensor, at_step):
-    """Minimal hooks for the floors: ``on_tensor`` on every module output and its gradient (the root's output is
-    its last child's, so the root is left out: ampdoctor reduces it once too), ``at_step(params)`` after each step."""
+def _every_tensor(w, on_tensor, at_step):
+    """Minimal hooks for the floors: ``on_tensor`` on every module output and its gradient (not the root's, which is
+    its last child's), ``at_step(params)`` after each step."""
     def fwd(mod, args, out):
         if isinstance(out, torch.Tensor) and out.requires_grad:
             on_tensor(out.detach())
             out.register_hook(on_tensor)
-    for name, m in r.model.named_modules():
+    for name, m in w.model.named_modules():
         if name:
             m.register_forward_hook(fwd)
-    params = list(r.model.parameters())
-    r.step_hook = lambda loss: at_step(params)
+    params = list(w.model.parameters())
+    w.step_hook = lambda loss: at_step(params)
 
 
-def setup_floor(r):
-    """The least that "abs max of every activation and output gradient, every parameter gradient and the gradient
-    norm, every step" costs with Python hooks on this machine: a forward hook and a tensor hook per module doing one
-    aminmax each, one aminmax and one dot product per parameter gradient at the step. Nothing kept, no trace: the work
-    the every-step figures need, without any bookkeeping."""
+def setup_floor(w):
+    """One aminmax per module output and output gradient, one aminmax and one dot product per parameter gradient and
+    the global norm, every step: the work per-site peaks need, without any bookkeeping."""
     def at_step(params):
         squares = []
         for p in params:
             g = p.grad.reshape(-1)
             torch.aminmax(g)
-            squares.append(torch.dot(g, g))        # half the time of a norm; ampdoctor does the same
+            squares.append(torch.dot(g, g))
         torch.stack(squares).sum().sqrt()
+
     def peak(t):                    # a tensor hook must return None (or a replacement gradient)
         torch.aminmax(t)
-    _every_tensor(r, peak, at_step)
+    _every_tensor(w, peak, at_step)
 
 
-def setup_hist_floor(r):
-    """The least that full statistics every step cost here: the floor's hooks with, per tensor, only the exponent
-    histogram that every count is derived from (two integer ops and torch.bincount, a serial loop) - no extremes, no
-    sums, nothing kept."""
+def setup_hist_floor(w):
+    """The floor's hooks with, per tensor, only the exponent histogram every full-statistics count derives from."""
     def hist(t):
         key = (t.detach().float().reshape(-1).view(torch.int32) & 0x7FFFFFFF) >> 22
         torch.bincount(key, minlength=512)
@@ -165,74 +180,303 @@ def setup_hist_floor(r):
     def at_step(params):
         for p in params:
             hist(p.grad)
-    _every_tensor(r, hist, at_step)
+    _every_tensor(w, hist, at_step)
 
 
-def measure(variants, rounds, steps):
-    """Interleaved rounds in shuffled order (every variant sees the same machine noise); returns rows (name, mean
-    step, ratio, median of per-round ratios), the first variant being the baseline."""
-    runners = []
-    for name, setup in variants:
+def setup_sentinel_floor(w):
+    """The work of ampdoctor's sentinel alone, no hooks, nothing kept: the fused gradient norm and the largest
+    gradient (one aminmax per gradient), read on the host once per step."""
+    params = list(w.model.parameters())
+
+    def at_step(loss):
+        grads = [p.grad for p in params]
+        norms = torch._foreach_norm(grads, 2)
+        [e.item() for g in grads for e in torch.aminmax(g)]
+        [n.item() for n in norms]
+        loss.item()
+    w.step_hook = at_step
+
+
+def setup_debug_underflow(w):
+    from transformers.debug_utils import DebugUnderflowOverflow
+    DebugUnderflowOverflow(w.model)
+
+
+def setup_wandb(w):
+    import wandb
+    os.environ["WANDB_SILENT"] = "true"
+    run = wandb.init(mode="offline", dir=tempfile.mkdtemp())      # wandb.watch logs through the global run
+    wandb.watch(w.model, log="all", log_freq=1)
+    w.step_hook = lambda loss: wandb.log({"loss": loss.item()})
+    return run.finish
+
+
+VARIANTS = {
+    "bare": None,
+    "ampdoctor defaults": lambda w: setup_ampdoctor(w),
+    "ampdoctor debug": lambda w: setup_ampdoctor(w, mode="debug"),
+    "floor: one aminmax per tensor": setup_floor,
+    "histogram floor: one bincount per tensor": setup_hist_floor,
+    "sentinel floor: fused norm + aminmax per grad": setup_sentinel_floor,
+    "naive per-layer .item() hooks": setup_naive_item,
+    "transformers DebugUnderflowOverflow": setup_debug_underflow,
+    "wandb.watch log=all log_freq=1": setup_wandb,
+}
+# Tensors a step observes, per variant: module outputs and output gradients (m: modules other than the root),
+# parameter gradients (p), parameters (w). ampdoctor defaults: the debug count times the share of observed steps.
+OBSERVED = {"ampdoctor debug": lambda m, p: 2 * m + 2 + p, "floor: one aminmax per tensor": lambda m, p: 2 * m + p,
+            "histogram floor: one bincount per tensor": lambda m, p: 2 * m + p,
+            "naive per-layer .item() hooks": lambda m, p: 2 * m + 2,
+            "transformers DebugUnderflowOverflow": lambda m, p: 2 * m + p,
+            "sentinel floor: fused norm + aminmax per grad": lambda m, p: p,
+            "wandb.watch log=all log_freq=1": lambda m, p: 2 * p}
+
+
+class Worker:
+    """The worker side: one model, one variant; answers "run N" with the block's seconds and "close" with its close
+    time, background CPU and (ampdoctor) what its trace says about its own cost."""
+
+    def __init__(self, model_name, variant, dtype):
+        torch.manual_seed(0)
+        self.model, xs, ys = MODELS[model_name]()
+        g = torch.Generator().manual_seed(1)
+        self.x, self.y = torch.randn(*xs, generator=g), torch.randn(*ys, generator=g)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        self.dtype = torch.bfloat16 if dtype == "bf16" else None
+        self.step_hook = self.settle = self.trace = None
+        self.threads = []
+        setup = VARIANTS[variant]
+        self.closer = setup(self) if setup else None
+        import psutil
+        self.proc = psutil.Process()
+        self.steps = 0
+        self.hook_s = 0.0                   # time inside the step hook (the sentinel floor's own work)
+
+    def run(self, n):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            with torch.autocast("cpu", dtype=self.dtype or torch.bfloat16, enabled=self.dtype is not None):
+                out = self.model(self.x)
+            loss = torch.nn.functional.mse_loss(out.float(), self.y)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            self.opt.step()
+            if self.step_hook:
+                h0 = time.perf_counter()
+                self.step_hook(loss)
+                self.hook_s += time.perf_counter() - h0
+        if self.settle:
+            self.settle()
+        self.steps += n
+        return time.perf_counter() - t0
+
+    def background_cpu(self):
+        """CPU seconds of the variant's own background: named threads and child processes (wandb's service)."""
+        total = 0.0
+        for t in self.threads:
+            if t.is_alive():
+                total += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+        for c in self.proc.children(recursive=True):
+            try:
+                ct = c.cpu_times()
+                total += ct.user + ct.system
+            except Exception:
+                pass
+        return total
+
+    def close(self, warm):
+        t0 = time.perf_counter()
+        if self.closer:
+            self.closer()
+        out = {"close_s": time.perf_counter() - t0}
+        if self.trace:
+            st = ampdoctor.load(self.trace).steps()
+            timed = st[st["step"] >= warm]
+            sentinel = timed[timed["level"] == -1]
+            out.update(observer_us=1e6 * float(timed["observer_time"].mean()),
+                       sentinel_us=1e6 * float(sentinel["observer_time"].median()) if len(sentinel) else None,
+                       calibration_ms=1e3 * float(st.loc[st["reason"] == "calibration", "observer_time"].sum()),
+                       observed_share=float((timed["level"] >= 0).mean()))
+        return out
+
+
+def worker_main(model_name, variant, dtype, threads):
+    if int(threads):
+        torch.set_num_threads(int(threads))
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)                                   # whatever the variant prints goes to stderr, not the protocol
+    warnings.simplefilter("ignore")
+    w = Worker(model_name, variant, dtype)
+    proto.write(json.dumps({"ready": True, "modules": len(list(w.model.modules())) - 1,
+                            "params": len(list(w.model.parameters())),
+                            "children": len(w.proc.children(recursive=True))}) + "\n")
+    bg0 = warm = 0
+    for line in sys.stdin:
+        cmd, _, arg = line.strip().partition(" ")
+        if cmd == "warm":
+            w.run(int(arg))
+            warm = w.steps
+            bg0, wall0 = w.background_cpu(), time.perf_counter()
+            w.hook_s = 0.0
+            proto.write(json.dumps({"t": 0.0}) + "\n")
+        elif cmd == "run":
+            proto.write(json.dumps({"t": w.run(int(arg))}) + "\n")
+        elif cmd == "close":
+            bg = w.background_cpu() - bg0
+            proto.write(json.dumps({"background_s": bg, "background_share": bg / (time.perf_counter() - wall0),
+                                    "hook_us": 1e6 * w.hook_s / max(w.steps - warm, 1), **w.close(warm)}) + "\n")
+            return
+
+
+# -- the parent: interleaved rounds over worker processes --------------------------------------------------------------
+class Proc:
+    def __init__(self, model, variant, dtype, threads):
+        self.variant = variant
+        self.p = subprocess.Popen([sys.executable, __file__, "--worker", model, variant, dtype, str(threads)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+    def ask(self, cmd):
+        self.p.stdin.write(cmd + "\n")
+        self.p.stdin.flush()
+        return self.read()
+
+    def read(self):
+        line = self.p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker {self.variant} ended")
+        return json.loads(line)
+
+
+def measure(model, dtype, rounds, block_s, variants, threads=0):
+    procs = [Proc(model, v, dtype, threads) for v in variants]
+    live = []
+    for p in procs:
         try:
-            with warnings.catch_warnings(), contextlib.redirect_stdout(open(os.devnull, "w")):
-                warnings.simplefilter("ignore")
-                runners.append(Runner(name, setup))
-        except ImportError as exc:
-            print(f"skipping {name}: {exc}")
-    quiet = contextlib.redirect_stdout(open(os.devnull, "w"))
-    with quiet:
-        for r in runners:       # warm-up: allocator, autocast caches, first-step full statistics
-            r.block(3)
-        cpu0 = {r.name: r.background_cpu() for r in runners}
-        wall0 = time.perf_counter()
-        samples = {r.name: [] for r in runners}
-        order = random.Random(0)
-        for _ in range(rounds):
-            for r in order.sample(runners, len(runners)):     # a new order each round: no variant always
-                samples[r.name].append(r.block(steps))          # follows the same one
-
-        # the live checks run by the wall clock for the whole measurement, not only in their variant's blocks: their
-        # CPU share of the wall time is charged to every step of that variant
-        share = {r.name: (r.background_cpu() - cpu0[r.name]) / (time.perf_counter() - wall0) for r in runners}
-        for r in runners:
-            if r.closer:
-                r.closer()
-    base_name = runners[0].name
-    base = statistics.fmean(samples[base_name])
+            p.info = p.read()
+            live.append(p)
+        except RuntimeError:
+            print(f"  skipping {p.variant}: not available here")
+    procs = live
+    for p in procs:
+        p.ask(f"warm {WARMUP_STEPS}")
+    bare = procs[0]
+    n = max(3, round(block_s / min(bare.ask("run 5")["t"] / 5 for _ in range(3))))
+    times = {p.variant: [] for p in procs}
+    order = random.Random(0)
+    for _ in range(rounds):
+        for p in order.sample(procs, len(procs)):
+            times[p.variant].append(p.ask(f"run {n}")["t"] / n)
+    ends = {p.variant: p.ask("close") for p in procs}
+    for p in procs:
+        p.p.wait(60)
+    total = rounds * n
     rows = []
-    for r in runners:
-        mean = statistics.fmean(samples[r.name]) * (1.0 + share[r.name])
-        per_round = statistics.median(a / b for a, b in zip(samples[r.name], samples[base_name]))
-        rows.append((r.name, mean, mean / base, per_round))
+    base = statistics.fmean(times["bare"])
+    base_med = statistics.median(times["bare"])
+    for p in procs:
+        # background work runs by the wall clock (the live checks every few seconds, wandb's service): its CPU share
+        # of the wall time is charged to every step; close() once, over the timed steps
+        e = ends[p.variant]
+        per = [t * (1 + e["background_share"]) + e["close_s"] / total for t in times[p.variant]]
+        mean = statistics.fmean(per)
+        ratio_med = statistics.median(a / b for a, b in zip(per, times["bare"]))
+        observed = OBSERVED.get(p.variant)
+        tensors = observed(p.info["modules"], p.info["params"]) if observed else None
+        if p.variant == "ampdoctor defaults":
+            tensors = OBSERVED["ampdoctor debug"](p.info["modules"], p.info["params"]) * ends[p.variant][
+                "observed_share"]
+        added_us = 1e6 * (ratio_med - 1) * base_med        # the median round ratio: steadier than the means
+        rows.append({"variant": p.variant, "mean_ms": 1e3 * mean, "median_ms": 1e3 * statistics.median(per),
+                     "ratio": mean / base, "ratio_med": ratio_med,
+                     "added_us": added_us, "per_tensor_us": added_us / tensors if tensors else None, **ends[p.variant],
+                     "modules": p.info["modules"], "steps": n})
     return rows
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--steps", type=int, default=20, help="steps per variant per round")
-    ap.add_argument("--peers", action="store_true", help="also time DebugUnderflowOverflow and wandb.watch")
-    args = ap.parse_args()
+def show(model, dtype, rows):
+    r0 = rows[0]
+    print(f"\n{model} ({r0['modules']} modules), {dtype}: bare {r0.get('median_ms', r0['mean_ms']):.2f} ms/step "
+          f"(median block), {r0['steps']} steps per block")
+    print(f"  {'variant':46s} {'ratio':>6s} {'median':>7s} {'+us/step':>9s} {'us/tensor':>9s} {'close':>7s} "
+          f"{'bg':>5s}  ampdoctor's own record")
+    for r in rows:
+        own = f"its own work {r['hook_us']:.0f} us/step" if r["variant"].startswith("sentinel floor") else ""
+        if "observer_us" in r:
+            own = f"{r['observer_us']:.0f} us/step"
+            if r.get("sentinel_us") is not None:
+                own += f", sentinel-only steps {r['sentinel_us']:.0f} us"
+            own += f", calibration {r['calibration_ms']:.0f} ms once, {100 * r['observed_share']:.0f}% steps observed"
+        per_t = f"{r['per_tensor_us']:9.1f}" if r["per_tensor_us"] is not None else f"{'-':>9s}"
+        print(f"  {r['variant']:46s} x{r['ratio']:5.2f} x{r['ratio_med']:5.2f} {r['added_us']:9.0f} {per_t} "
+              f"{1e3 * r['close_s']:5.0f}ms {100 * r['background_share']:4.1f}%  {own}", flush=True)
 
-    groups = [[("bare", None),
-               ("ampdoctor defaults", setup_ampdoctor()),
-               ("ampdoctor defaults, live=False", setup_ampdoctor(live=False)),
-               ("ampdoctor full stats + histograms every step", setup_ampdoctor(every=1, hist_every=1)),
-               ("floor: hooks + one aminmax per tensor + grad norm", setup_floor),
-               ("histogram floor: hooks + one bincount per tensor", setup_hist_floor),
-               ("naive per-layer .item() hooks", setup_naive_item)]]
-    if args.peers:              # each peer with its own baseline: wandb's service process would slow the others
-        groups += [[("bare", None), ("transformers DebugUnderflowOverflow", setup_debug_underflow)],
-                   [("bare", None), ("wandb.watch(log='all', log_freq=1), offline", setup_wandb)]]
-    print(f"reference: {DEPTH} x [Linear({WIDTH},{WIDTH}), LayerNorm, GELU], batch {BATCH}, BF16 autocast, CPU, "
-          f"{torch.get_num_threads()} threads; {args.rounds} rounds x {args.steps} steps per variant")
-    print(f"{'variant':50s} {'mean step':>10s} {'ratio':>7s} {'median of round ratios':>24s}")
-    for i, group in enumerate(groups):
-        rounds = args.rounds if i == 0 else max(args.rounds // 3, 3)
-        for k, (name, mean, ratio, per_round) in enumerate(measure(group, rounds, args.steps)):
-            if k == 0 and i > 0:
-                name = f"  (bare, baseline of the next line, {rounds} rounds)"
-            print(f"{name:50s} {mean * 1e3:7.2f} ms  x{ratio:5.2f}  x{per_round:5.2f}", flush=True)
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        return worker_main(*sys.argv[2:6])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--block-s", type=float, default=0.4, help="seconds of bare training per block")
+    ap.add_argument("--models", default="small,reference,transformer")
+    ap.add_argument("--dtypes", default="auto", help="fp32, bf16, or auto: fp32, and bf16 where native")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated; bare is always first")
+    ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--table", nargs="+", metavar="JSON", help="print the README table of these runs' files, no run")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default); 1 keeps "
+                    "a loaded machine's scheduler from stalling every parallel op on its second thread")
+    args = ap.parse_args()
+    if args.table:
+        return table(args.table)
+    native = native_bf16()
+    dtypes = (["fp32"] + (["bf16"] if native else [])) if args.dtypes == "auto" else args.dtypes.split(",")
+    threads = args.threads or torch.get_num_threads()
+    print(f"CPU: {os.cpu_count()} cores, torch {torch.__version__}, {threads} threads; BF16 "
+          f"{'native (avx512_bf16/amx)' if native else 'emulated: BF16 not measured'}; dtypes {', '.join(dtypes)}; "
+          f"{args.rounds} rounds; load average {os.getloadavg()[0]:.2f}")
+    variants = ["bare"] + [v for v in args.variants.split(",") if v in VARIANTS and v != "bare"]
+    out = {"load_start": os.getloadavg()[0], "threads": threads, "results": []}
+    for dtype in dtypes:
+        for model in args.models.split(","):
+            rows = measure(model, dtype, args.rounds, args.block_s, variants, args.threads)
+            show(model, dtype, rows)
+            out["results"].append({"model": model, "dtype": dtype, "rows": rows})
+    out["load_end"] = os.getloadavg()[0]
+    print(f"\nload average at the end {out['load_end']:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f)
+
+
+def table(paths):
+    """Markdown: per model and dtype, each variant's median round ratio (and ratio of means) run by run, host us added
+    per step and per observed tensor (first run), and ampdoctor's own record."""
+    runs = [json.load(open(p)) for p in paths]
+    print("load average (start/end): " + "; ".join(f"run {i + 1} {r['load_start']:.1f}/{r['load_end']:.1f}"
+                                                    for i, r in enumerate(runs)))
+    for k, res in enumerate(runs[0]["results"]):
+        others = [r["results"][k] for r in runs]
+        bare_ms = " / ".join(f"{o['rows'][0].get('median_ms', o['rows'][0]['mean_ms']):.2f}" for o in others)
+        base = res["rows"][0].get("median_ms", res["rows"][0]["mean_ms"])
+        print(f"\n**{res['model']}** ({res['rows'][0]['modules']} modules, {res['dtype']}; bare {bare_ms} ms/step)\n")
+        print("| variant | median round ratio | ratio of means | +µs/step | µs/observed tensor | close(), background "
+              "| ampdoctor's own record |")
+        print("|---|---|---|---|---|---|---|")
+        for j, row in enumerate(res["rows"][1:], 1):
+            rs = [o["rows"][j] for o in others]
+            own = f"its own work {row['hook_us']:.0f} µs/step" if row["variant"].startswith("sentinel floor") else ""
+            if "observer_us" in row:
+                own = f"{row['observer_us']:.0f} µs/step"
+                if row.get("sentinel_us") is not None:
+                    own += f"; sentinel-only steps {row['sentinel_us']:.0f} µs"
+                if row["calibration_ms"]:
+                    own += f"; calibration {row['calibration_ms']:.0f} ms once"
+            added = 1e3 * (row["ratio_med"] - 1) * base            # us, from the median round ratio of run 1
+            tensors = row["added_us"] / row["per_tensor_us"] if row["per_tensor_us"] else None
+            per_t = f"{added / tensors:.1f}" if tensors else "-"
+            med = " / ".join(f"{r['ratio_med']:.2f}x" for r in rs)
+            means = " / ".join(f"{r['ratio']:.2f}x" for r in rs)
+            bg = f"{1e3 * row['close_s']:.0f} ms, {100 * row['background_share']:.1f}%"
+            print(f"| {row['variant']} | {med} | {means} | {added:.0f} | {per_t} | {bg} | {own} |")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from ampdoctor.precision_label import describe_precision
 from ampdoctor.severity import WORST_FIRST
 from ampdoctor.trace import is_trace
 from ampdoctor.trace.schema import ROOT
+from ampdoctor.trace.observation import cost_line, observation_line
 
 from ampdoctor.diagnose import diagnose as _diagnose
 from ampdoctor.diagnose import fix as F
@@ -144,6 +145,10 @@ def run_summary(tr) -> list[tuple[str, str]]:
         loss = steps["loss"].replace([np.inf, -np.inf], np.nan).dropna()
         if len(loss):
             rows.append(("loss", f"{loss.iloc[0]:.4g} -> {loss.iloc[-1]:.4g}"))
+    rows.append(("observed", observation_line(meta, steps)))
+    cost = cost_line(steps)
+    if cost:
+        rows.append(("overhead", cost))
     ev = tr.events("nonfinite")
     if len(ev):
         e = ev.iloc[0]

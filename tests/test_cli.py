@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+import ampdoctor
 from ampdoctor import cli
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
@@ -29,7 +30,8 @@ def test_info(skipping_trace, capsys):
     assert cli.main(["info", skipping_trace]) == 0
     out = capsys.readouterr().out.splitlines()
     lines = {line[:10].strip(): line for line in out}
-    assert lines["steps"] == "steps      20 recorded, full statistics at 12"
+    # full statistics: steps 0-9 (calibration, all skipped), 10-14 (the flight recorder after the skips), 15 (every 5)
+    assert lines["steps"] == "steps      20 recorded, full statistics at 16"
     assert lines["precision"] == "precision  O1-style: autocast float16, FP32 master weights"
     assert lines["scaler"] == ("scaler     GradScaler (enabled; growth_factor 2.0, backoff_factor 0.5, "
                                "growth_interval 2000)")
@@ -38,6 +40,13 @@ def test_info(skipping_trace, capsys):
     assert lines["skipped"] == "skipped    10 step(s): 0-9"
     assert lines["non-finite"].startswith("non-finite 10 step(s); first at step 0: 6 (grad_out), bwd phase, inf")
     assert lines["sites"] == "sites      act 8, grad_out 8, param_grad 8, weight 8"
+    assert lines["observed"] == ("observed   mode default (peaks every 10, full every 5, first 10 in full); "
+                                 "full statistics + histograms 16, sentinel only 4; why: calibration 10, anomaly 5, "
+                                 "sampled 1")
+    st = ampdoctor.load(skipping_trace).steps()
+    share = st["observer_time"].sum() / st["step_time"].sum()
+    assert 0 < share < 1
+    assert lines["overhead"].startswith(f"overhead   ampdoctor cost {100 * share:.1f}% of this run (")
 
 
 def test_layers_table(skipping_trace, capsys):
@@ -56,7 +65,7 @@ def test_layers_table(skipping_trace, capsys):
 
 @pytest.mark.parametrize("args,message", [
     (["info", "/no/such/trace.db"], "ampdoctor: /no/such/trace.db: no such file"),
-    (["layers", "{trace}", "--step", "12"], "step 12 has no full statistics; nearest full step: 10"),
+    (["layers", "{trace}", "--step", "17"], "step 17 has no full statistics; nearest full step: 15"),
     (["layers", "{trace}", "--kind", "gradient"], "argument --kind: invalid choice: 'gradient'"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     (["info"], "the following arguments are required: trace"),

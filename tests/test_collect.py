@@ -20,10 +20,12 @@ def params_of(model):
 
 
 @pytest.mark.parametrize("precision,options", [
-    ("fp16", {}), ("fp16", {"every": 1, "hist_every": 1, "weight_every": 7}),
-    ("bf16", {}), ("bf16", {"every": 1}), ("fp32", {"every": 3, "weight_every": 5})])
+    ("fp16", {}), ("fp16", {"mode": "debug"}), ("fp16", {"every": 1, "hist_every": 1, "weight_every": 7}),
+    ("bf16", {}), ("bf16", {"mode": "debug"}), ("fp32", {"every": 3, "weight_every": 5}),
+    ("fp32", {"mode": "debug", "weight_every": 1})])
 def test_zero_observer_effect(tmp_path, precision, options):
-    """50 steps with and without attach end with bit-identical parameters and the same loss scale."""
+    """50 steps with and without attach end with bit-identical parameters and the same loss scale, with the
+    default tiers (sentinel steps, sampled steps, flight recorder after the skipped steps) and in debug mode."""
     init = 2.0**20 if precision == "fp16" else 2.0**16      # some skipped steps: the scaler path is exercised
     ref, _, ref_scaler, ref_losses = train(mlp(seed=3), 50, precision=precision, init_scale=init, growth_interval=7,
                                            optimizer="adam", lr=1e-3)
@@ -91,7 +93,8 @@ def test_activation_statistics_equal_direct_computation(trace_path):
     def keep(module, args, out):
         outs[len(outs)] = out.detach().clone()
     model[1].register_forward_hook(keep)
-    train(model, 4, precision="bf16", trace=trace_path, attach_options={"every": 3, "hist_every": 3})
+    train(model, 4, precision="bf16", trace=trace_path, attach_options={"every": 3, "hist_every": 3, "peak_every": 1,
+                                                                             "calibration": 0})
     tr = ampdoctor.load(trace_path)
     j = tr.sites("act")["path"].tolist().index("1")
     o = outs[3].double()
@@ -412,7 +415,7 @@ def test_torch_compile_runs_hooks_eagerly_without_recompiling(trace_path, caplog
     """Under torch.compile the hooks run eagerly (torch.compiler.disable): traced, their identity bookkeeping
     would make dynamo recompile, per call or per step. A counting backend sees every graph dynamo compiles: none
     after the first step; and no frame reaches dynamo's recompile limit (its warning), which traced hooks reach
-    within the first step."""
+    within the first step. Steps that observe sites and steps that do not alternate."""
     compiles = []
 
     def counting_backend(gm, example_inputs):
@@ -425,7 +428,8 @@ def test_torch_compile_runs_hooks_eagerly_without_recompiling(trace_path, caplog
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     after_step = []
     with caplog.at_level(logging.WARNING, logger="torch._dynamo"):
-        with ampdoctor.attach(compiled, optimizer=opt, trace=trace_path, live=False) as doc:
+        with ampdoctor.attach(compiled, optimizer=opt, trace=trace_path, live=False, calibration=2,
+                              peak_every=3) as doc:
             for x, y in batches(6):
                 loss = torch.nn.functional.mse_loss(compiled(x), y)
                 opt.zero_grad()
@@ -440,7 +444,8 @@ def test_torch_compile_runs_hooks_eagerly_without_recompiling(trace_path, caplog
     tr = ampdoctor.load(trace_path)
     assert tr.n_steps == 6 and tr.steps()["loss"].notna().all()
     assert "_orig_mod.0" in tr.sites("act")["path"].tolist()
-    assert np.isfinite(tr.records("peak", "grad_out")).all()
+    assert tr.steps()["level"].tolist() == [2, 2, -1, 0, -1, -1]
+    assert np.isfinite(tr.records("peak", "grad_out")[[0, 1, 3]]).all()
 
 
 def test_accelerator_path_writes_the_trace_the_host_path_writes(tmp_path, monkeypatch):

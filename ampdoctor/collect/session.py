@@ -20,16 +20,19 @@ from ..live import LiveDiagnosis, TrainingHalted, check_severity
 from ..trace import schema
 from ..trace.writer import Entry, StepPacket, Writer
 from . import buffers as B
+from . import cadence as C
 from . import guards as G
 from . import hooks as H
 from . import probe as P
 from . import stats as K
 
 log = logging.getLogger("ampdoctor")
+_now = time.perf_counter
 
-# Full statistics cost ~2-3x a step on a 2-core CPU (benchmarks/overhead.py), so they are sampled: every 100th
-# step adds ~2% on average, and anomalies (non-finite values, skipped steps) always get them.
-DEFAULT_EVERY = 100
+# Full statistics cost ~2-3x a step on a 2-core CPU (benchmarks/overhead.py), so they are sampled (see cadence.py for
+# the tiers: sentinel every step, sampled sites, calibration, the flight recorder after anomalies, debug mode).
+DEFAULT_EVERY = C.DEFAULT_EVERY
+DEFAULT_PEAK_EVERY = C.DEFAULT_PEAK_EVERY
 DEFAULT_HIST_EVERY = 200    # histograms stored every 200th step: 500 sites x 10k steps stay well under 100 MB
 DEFAULT_WEIGHT_EVERY = 200  # weights and updates change slowly, and an update needs a copy of the weights
 WARN_AFTER_STEPS = 3        # steps (or cleared gradients) before a run that is not observed as it should be warns
@@ -83,8 +86,9 @@ class Doctor:
     """Observes one model during training; use as a context manager or call ``close()``."""
 
     def __init__(self, model, optimizer=None, scaler=None, trace: str = "runs/ampdoctor.db", *,
-                 every: int = DEFAULT_EVERY, hist_every: int = DEFAULT_HIST_EVERY,
-                 weight_every: int = DEFAULT_WEIGHT_EVERY, include=None, exclude=None,
+                 mode: str = "default", every: int | None = None, peak_every: int | None = None,
+                 hist_every: int | None = None, weight_every: int = DEFAULT_WEIGHT_EVERY,
+                 calibration: int = C.DEFAULT_CALIBRATION, include=None, exclude=None,
                  live: bool = True, on_finding=None, halt_on: str | None = None, log_every: int | None = None,
                  rules: dict | None = None, probe_every: int | None = None):
         if not isinstance(model, torch.nn.Module):
@@ -95,8 +99,17 @@ class Doctor:
                 scaler = wrapped_scaler
         if scaler is not None and not G.is_scaler(scaler):
             raise TypeError(f"Argument scaler should be a torch.amp.GradScaler, but given {type(scaler)}")
-        for name, value in (("every", every), ("hist_every", hist_every), ("weight_every", weight_every)):
+        if mode not in C.MODES:
+            raise ValueError(f"Argument mode should be one of {', '.join(map(repr, C.MODES))}, but given {mode!r}")
+        debug = mode == "debug"            # every site, every step, full statistics and histograms
+        every = (1 if debug else DEFAULT_EVERY) if every is None else every
+        peak_every = (1 if debug else DEFAULT_PEAK_EVERY) if peak_every is None else peak_every
+        hist_every = (1 if debug else DEFAULT_HIST_EVERY) if hist_every is None else hist_every
+        for name, value in (("every", every), ("peak_every", peak_every), ("hist_every", hist_every),
+                            ("weight_every", weight_every)):
             _check_positive(name, value)
+        if not isinstance(calibration, int) or isinstance(calibration, bool) or calibration < 0:
+            raise ValueError(f"Argument calibration should be a non-negative int, but given {calibration!r}")
         if not isinstance(trace, (str, os.PathLike)):
             raise TypeError(f"Argument trace should be a path (str), but given {type(trace)}")
         if log_every is not None:
@@ -111,7 +124,13 @@ class Doctor:
             resolve_rules(rules)               # unknown ids or thresholds fail here, not in the live thread later
 
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
-        self.every, self.hist_every, self.weight_every = every, hist_every, weight_every
+        self.mode = mode
+        self.every, self.peak_every, self.hist_every, self.weight_every = every, peak_every, hist_every, weight_every
+        self._cadence = C.Cadence(mode, every=every, peak_every=peak_every, hist_every=hist_every,
+                                  calibration=calibration)
+        self._obs = 0.0                  # host seconds spent inside ampdoctor on the training thread this step
+        self._hooked = False             # the per-module hooks are installed (only for steps that observe sites)
+        self._module_handles: list = []
         self.probe_every = probe_every
         self._include, self._exclude = include, exclude
         requested = self.path = _trace_path(trace)
@@ -127,9 +146,9 @@ class Doctor:
         self._owner = {(f"{m}." if m else "") + n: mod for m, mod in model.named_modules()
                        for n, _ in mod.named_parameters(recurse=False)}
         self._step = 0
-        self._force_full = False
         self._bufs: dict = {}
         self._grad_plan: B.GradPlan | None = None
+        self._grad_figures = B.GradFigures()
         self._reset_step()
         self._pending: StepPacket | None = None
         self._prev_entries: list = []
@@ -205,13 +224,19 @@ class Doctor:
         h = self._handles
         self._modules = H.select_modules(self.model, self._include, self._exclude)
         self._grad_hooks = {}
+        self._fwd_hooks = []             # made once, registered only for steps that observe sites (_sync_hooks)
+        # A compiled model keeps them (its graphs would change with every registration); they return at once on
+        # steps that observe no site.
+        self._keep_hooks = type(self.model).__name__ == "OptimizedModule"
         for path, mod in self._modules:
             self._grad_hooks[path] = _eager(functools.partial(self._on_grad, path, mod))
-            h.add(mod.register_forward_hook(_eager(functools.partial(self._on_forward, path))))
+            self._fwd_hooks.append((mod, _eager(functools.partial(self._on_forward, path))))
         h.add(self.model.register_forward_pre_hook(_eager(self._on_root_pre), with_kwargs=True))
         self._probe = P.StepProbe(self, self.probe_every) if self.probe_every else None
         if self._probe is not None:
             h.on_remove(self._probe.disarm)
+        h.on_remove(self._unhook)
+        self._sync_hooks()
 
         scaler_on = self.scaler is not None and self._scaler_enabled()
         if self.optimizer is not None:
@@ -253,7 +278,27 @@ class Doctor:
         self._grads_seen = False
         self._ac_probe = True
         self._bwd_probe = False
-        self._cur_mode = self._mode()
+        self._cur_mode, self._reason, self._store_hist = self._cadence.plan(self._step)
+        self._obs = 0.0
+        self._sync_hooks()
+
+    def _sync_hooks(self) -> None:
+        """Per-module hooks exist only while a step observes sites: a sentinel step runs no Python per module call
+        (registering ~25 hooks costs ~30 us, paid when the cadence switches, not every step)."""
+        want = (self._cur_mode != C.NONE or self._keep_hooks) and not self._off
+        if want == self._hooked or not hasattr(self, "_fwd_hooks"):
+            return
+        if want:
+            self._module_handles = [mod.register_forward_hook(fn) for mod, fn in self._fwd_hooks]
+        else:
+            self._unhook()
+        self._hooked = want
+
+    def _unhook(self) -> None:
+        for handle in self._module_handles:
+            handle.remove()
+        self._module_handles = []
+        self._hooked = False
 
     def _drop_observations(self) -> None:
         """The step has grown past MAX_STEP_ENTRIES: its boundary is missing. Drop what it observed so far (its
@@ -269,11 +314,6 @@ class Doctor:
         if key not in self._warned_once:
             self._warned_once.add(key)
             warnings.warn(message, RuntimeWarning, stacklevel=4)
-
-    def _mode(self) -> str:
-        """"f" (full statistics) or "p" (peaks) for the current step; cached in _cur_mode by _reset_step."""
-        s = self._step
-        return "f" if (self._force_full or s % self.every == 0 or s % self.hist_every == 0) else "p"
 
     def _add_full(self, vec: torch.Tensor) -> int:
         off = self._full_len
@@ -308,10 +348,15 @@ class Doctor:
         n = t.numel()
         if want == "f":
             ref = (self._add_full(K.full(t)), "f", n)
-        else:
+        else:                      # PeakList.add inlined: two calls fewer per observed tensor
             d = t.detach()
-            buf = self._buffer(d)
-            ref = (buf.add(d if n else d.new_zeros(1)), buf.mode, n)
+            buf = self._bufs.get(d.dtype)
+            if buf is None or buf.device != d.device:
+                buf = self._buffer(d)
+            off = buf.n
+            buf.vals.extend(torch.aminmax(d if n else d.new_zeros(1)))
+            buf.n = off + 2
+            ref = (off, buf.mode, n)
         self._seen[key] = (weakref.ref(t), t._version, ref)
         return ref
 
@@ -340,6 +385,7 @@ class Doctor:
     def _on_root_pre(self, module, args, kwargs):
         if self._off or self._external_batches or not torch.is_grad_enabled() or H.graph_task_id() != -1:
             return None
+        t0 = _now()
         try:
             first = self._t_first is None
             self._start_micro(H.first_tensor(args, kwargs))
@@ -347,6 +393,7 @@ class Doctor:
                 self._probe.begin(self._step, args, kwargs)       # the step's first forward: its RNG state, inputs
         except Exception as exc:
             self._fail(exc)
+        self._obs += _now() - t0
         return None
 
     def _start_micro(self, t: torch.Tensor | None) -> None:
@@ -384,8 +431,9 @@ class Doctor:
             self._warn_once("no-boundary", G.no_boundary(self._boundary, f"{self._missed} optimizer steps"))
 
     def _on_forward(self, path, module, args, output):
-        if self._off or not torch.is_grad_enabled():
+        if self._off or self._cur_mode == C.NONE or not torch.is_grad_enabled():
             return
+        t0 = _now()
         try:
             if type(output) is torch.Tensor:          # the common case: one tensor out, one in
                 if not output.is_floating_point():
@@ -420,10 +468,13 @@ class Doctor:
                     t.register_hook(self._grad_hooks[path])
         except Exception as exc:
             self._fail(exc)
+        finally:
+            self._obs += _now() - t0
 
     def _on_grad(self, path, module, grad):
         if self._off or grad is None:
             return
+        t0 = _now()
         try:
             if self._bwd_probe:
                 self._bwd_probe = False
@@ -437,20 +488,24 @@ class Doctor:
             self._entries.append(Entry(sid, "bwd", [self._observe(grad, self._cur_mode)]))
         except Exception as exc:
             self._fail(exc)
+        self._obs += _now() - t0      # (on an accelerator autograd's thread: the training thread waits for it)
 
     def _on_opt_pre(self, optimizer, args, kwargs):
         if self._off:
             return
+        t0 = _now()
         try:
             if self._step % self.weight_every == 0:
                 self._snapshot = [p.detach().clone() for _, p in self._params]
         except Exception as exc:
             self._fail(exc)
+        self._obs += _now() - t0
 
     def _on_opt_post(self, optimizer, args, kwargs):
         if self._off:
             return
         self._opt_stepped = True
+        t0 = _now()
         try:
             if self._snapshot is not None:
                 for (name, p), old in zip(self._params, self._snapshot):
@@ -460,6 +515,7 @@ class Doctor:
                 self._snapshot = None
         except Exception as exc:
             self._fail(exc)
+        self._obs += _now() - t0
         if self._boundary == "optimizer":
             self._end_step(skipped=False)
 
@@ -468,6 +524,7 @@ class Doctor:
         def scale(outputs):
             result = original(outputs)
             if not self._off:
+                t0 = _now()
                 try:
                     t = outputs if isinstance(outputs, torch.Tensor) else H.first_tensor(outputs)
                     if t is not None:
@@ -476,6 +533,7 @@ class Doctor:
                         self._scale_before = self._read_scale()
                 except Exception as exc:
                     self._fail(exc)
+                self._obs += _now() - t0
             return result
         return scale
 
@@ -483,10 +541,12 @@ class Doctor:
         @functools.wraps(original)
         def update(*args, **kwargs):
             if not self._off and self._scale_before is None:
+                t0 = _now()
                 try:
                     self._scale_before = self._read_scale()
                 except Exception as exc:
                     self._fail(exc)
+                self._obs += _now() - t0
             result = original(*args, **kwargs)
             if not self._off and self._boundary == "scaler":
                 skipped = (not self._opt_stepped) if self.optimizer is not None else None
@@ -508,10 +568,12 @@ class Doctor:
         """The training loss of this step (tensor or float); summed over the step's micro-batches."""
         if self._off:
             return
+        t0 = _now()
         try:
             self._log_loss(loss)
         except Exception as exc:
             self._fail(exc)
+        self._obs += _now() - t0
 
     def _log_loss(self, loss) -> None:
         if isinstance(loss, torch.Tensor):
@@ -626,13 +688,16 @@ class Doctor:
     def _record_step(self, skipped) -> None:
         if self._writer.error is not None:
             raise RuntimeError(f"trace writer failed: {self._writer.error}")
-        now = time.perf_counter()
-        step, mode = self._step, self._cur_mode
-        store_hist = mode == "f" and (step % self.hist_every == 0 or self._force_full)
+        t0 = _now()
+        step, mode, store_hist = self._step, self._cur_mode, self._store_hist
         entries = self._entries
 
-        squares = self._observe_param_grads(mode, entries)
-        norm_off = self._add_extra(B.global_norm(squares)) if squares else None
+        if mode != C.NONE:
+            self._observe_param_grads(mode, entries)
+        # The sentinel: global norm and largest unscaled gradient, fused over all gradients, every step.
+        norm, gmax = self._grad_figures(self._params)
+        norm_off = self._add_extra(norm) if norm is not None else None
+        max_off = self._add_extra(gmax) if gmax is not None else None
         if step % self.weight_every == 0:
             for name, p in self._params:
                 sid = self._site(name, "weight", self._owner.get(name), p)
@@ -664,31 +729,47 @@ class Doctor:
             self._warn_once("no-forward", G.no_forward(type(self.model).__name__, self._step + 1))
         row = {
             "time": time.time(),
-            "step_time": now - self._t_prev_end,
             "data_time": max(self._t_first - self._t_prev_end, 0.0) if started else None,
             "samples": (self._samples or None) if started else None,
             "lr": [float(g["lr"]) for g in self.optimizer.param_groups] if self.optimizer is not None else None,
             "microbatches": self._micro,
             "peak_mem": int(torch.cuda.max_memory_allocated()) if self._device == "cuda" else None,
-            "level": schema.LEVEL_HIST if store_hist else (schema.LEVEL_FULL if mode == "f" else schema.LEVEL_PEAK),
+            "level": _LEVELS[mode] if not store_hist else schema.LEVEL_HIST,
+            "reason": self._reason,
+            "grad_max": pick(max_off),
         }
         packet = StepPacket(step=step, row=row, values=values, bases=bases, entries=entries, loss=pick(loss_off),
                             scale=scale_vals[0], scale_next=scale_vals[1], grad_norm=pick(norm_off),
                             skipped=skipped, store_hist=store_hist)
-        anomalous = bool(skipped) or bad or (packet.loss is not None and not math.isfinite(packet.loss))
+        grads_bad = not all(v is None or math.isfinite(v) for v in (packet.grad_norm, row["grad_max"]))
+        backoff = skipped is None and None not in scale_vals and scale_vals[1] < scale_vals[0]
+        anomalous = (bool(skipped) or backoff or bad or grads_bad
+                     or (packet.loss is not None and not math.isfinite(packet.loss)))
         if anomalous or (bad_w_off is not None and pick(bad_w_off)):
             self._check_weights(step)
+        if not anomalous and self._cadence.spike(packet.grad_norm):
+            anomalous = True           # observed in full from the next step on; the spike itself is an event
+            self._put(("event", step, "grad_spike", None, None,
+                       f"gradient norm {packet.grad_norm:.4g} jumped above {C.SPIKE_FACTOR:g}x its running mean "
+                       f"{self._cadence.typical_norm:.4g}", {"grad_norm": packet.grad_norm,
+                                                             "running_mean": self._cadence.typical_norm}))
         if not self._config_written:
             self._put(("meta", "config", self._config()))
             self._config_written = True
         self._flush_pending()
         self._pending = packet      # sent when the next step starts: a loss logged after opt.step() joins it
-        # An anomaly seen now gets full statistics from the next step on, until a clean step (the tensors of
-        # this one are gone; its peaks and the non-finite origin are recorded).
-        self._force_full = anomalous
+        # The flight recorder: an anomaly seen now gets every site in full from the next step on, until a run of
+        # clean steps (the tensors of this one are gone; what it observed, or "origin unknown", is recorded).
+        self._cadence.after(anomalous)
+        obs = self._obs
         self._step += 1
         self._reset_step()
-        self._t_prev_end = time.perf_counter()
+        # The step spans from the end of the previous step's boundary work to the end of this one's, so the steps'
+        # times add up to the run's; observer_time is ampdoctor's share of it on the training thread.
+        end = _now()
+        row["step_time"] = end - self._t_prev_end
+        row["observer_time"] = obs + (end - t0)
+        self._t_prev_end = end
 
     def _grad_site(self, name: str, grad: torch.Tensor) -> int:
         return self._site(name, "param_grad", self._owner.get(name), grad)
@@ -697,7 +778,7 @@ class Doctor:
         """Peaks (or full statistics) of every parameter gradient, in parameter order; returns their sums of
         squares for the global norm."""
         if mode != "f":
-            present = tuple(p.grad is not None for _, p in self._params)
+            present = tuple([p.grad is not None for _, p in self._params])    # (no generator: one call)
             plan = self._grad_plan
             if plan is None or plan.key != present:
                 plan = self._grad_plan = B.GradPlan(self._params, present, self._grad_site)
@@ -745,7 +826,7 @@ class Doctor:
         Also says whether any observed value was NaN/Inf (a NaN min/max, or a full vector's NaN/Inf count)."""
         blocks, bases, n = [], {}, 0
         plan = self._grad_plan
-        for buf in [*self._bufs.values(), *(plan.buffers if plan is not None and self._cur_mode != "f" else ())]:
+        for buf in [*self._bufs.values(), *(plan.buffers if plan is not None and self._cur_mode == C.PEAK else ())]:
             if buf.n:
                 bases[buf.mode] = n
                 blocks.append(buf.block())
@@ -753,6 +834,8 @@ class Doctor:
         bases["f"] = n
         bases["x"] = n + self._full_len
         extras = self._extras
+        if not blocks and not self._fulls and {type(e) for e in extras} <= _NUMBERS:
+            return np.array(extras, dtype=np.float64), bases, False      # a sentinel step on the CPU: floats only
         on_cpu = (all(K.on_host(b) for b in blocks) and all(K.on_host(f) for f in self._fulls)
                   and not any(isinstance(e, torch.Tensor) for e in extras))
         if on_cpu:                 # already on the host: numpy copies, no torch op per block
@@ -781,8 +864,9 @@ class Doctor:
                 "model": type(self.model).__name__, "device": dev,
                 "params": int(sum(p.numel() for p in self.model.parameters())),
                 "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
-                "every": self.every, "hist_every": self.hist_every, "weight_every": self.weight_every,
-                "probe_every": self.probe_every}
+                "mode": self.mode, "every": self.every, "peak_every": self.peak_every, "hist_every": self.hist_every,
+                "weight_every": self.weight_every, "calibration": self._cadence.calibration,
+                "clean_run": self._cadence.clean_run, "probe_every": self.probe_every}
         if dev == "cuda":
             idx = next(self.model.parameters()).device.index or 0
             cap = torch.cuda.get_device_capability(idx)
@@ -881,6 +965,10 @@ class Doctor:
                 self.close()
         except Exception:
             pass
+
+
+_NUMBERS = {float, int}
+_LEVELS = {C.NONE: schema.LEVEL_SENTINEL, C.PEAK: schema.LEVEL_PEAK, C.FULL: schema.LEVEL_FULL}
 
 
 def _eager(fn):

@@ -6,6 +6,7 @@ import numpy as np
 
 from ..precision_label import describe_precision
 from ..trace import load
+from ..trace.observation import cost_line, observation_line
 from ..trace.run import is_multi, load_run
 from .common import EXIT_OK, approx, fmt, ranges
 
@@ -28,6 +29,10 @@ def run(args) -> int:
     print(f"steps      {len(steps)} recorded"
           + (f", full statistics at {len(tr.full_steps())}" if len(steps) else "")
           + ("" if "closed" in meta else " (run still open or ended without close())"))
+    print("observed   " + observation_line(meta, steps))
+    cost = cost_line(steps)
+    if cost:
+        print(f"overhead   {cost}")
     kinds = sites.groupby("kind").size().to_dict() if len(sites) else {}
     print("sites      " + (", ".join(f"{k} {v}" for k, v in kinds.items()) or "none"))
     dtypes = sites.groupby("dtype").size().to_dict() if len(sites) else {}
@@ -71,7 +76,11 @@ def run(args) -> int:
         where = f"{first['path']} ({first['site_kind']})" if first["path"] else "the loss"
         print(f"non-finite {len(ev)} step(s); first at step {int(first['step'])}: {where}, {first['phase']} "
               f"phase, {first['data'].get('value', '?')} — {first['message']}")
-    else:
+    unknown = tr.events("nonfinite_unknown")
+    if len(unknown):
+        print(f"non-finite {len(unknown)} step(s) of unknown origin (observed by the sentinel only): "
+              f"{ranges(unknown['step'].astype(int).tolist())}")
+    elif not len(ev):
         print("non-finite none")
     wev = tr.events("nonfinite_weights")
     if len(wev):

@@ -13,6 +13,7 @@ import pandas as pd
 from . import advice as A
 from .engine import finding
 from .fix import code, text
+from .throughput import net_step_time
 
 # Steps with a non-finite forward or loss on some ranks only. One such step is already a fact worth reporting: a
 # healthy run (the same model and numerics on every rank) has none after calibration, and a NaN in the forward
@@ -158,6 +159,7 @@ def rank_scale_divergence(run):
 
 def _medians(x, warmup: int) -> dict | None:
     st = x.steps.iloc[warmup:]
+    st = st.assign(step_time=net_step_time(st))        # ampdoctor's own time taken out
     st = st[np.isfinite(st["step_time"]) & (st["step_time"] > 0)]
     if len(st) < MIN_TIMED_STEPS:
         return None

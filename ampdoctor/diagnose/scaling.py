@@ -31,13 +31,20 @@ def grad_out_peaks(run):
     return g, clean
 
 
+def _observed_nonfinite(run) -> np.ndarray:
+    """Steps that observed their sites and held a NaN/Inf: the rows where a NaN peak is a value, not the NaN that
+    fills a step observed by the sentinel only."""
+    st = run.steps
+    return st["nonfinite"].to_numpy(bool) & (st["level"].fillna(0).to_numpy(float) >= 0)
+
+
 def forward_nonfinite_steps(run) -> set:
     """Steps in which a forward output or the loss was non-finite (loss scaling cannot cause or fix these)."""
     ev = run.events
     steps = set(ev.loc[ev["phase"].isin(["fwd", "loss"]), "step"].astype(int))
     acts = run.records("peak", "act")
     if acts.shape[1]:
-        steps |= set(np.flatnonzero((~np.isfinite(acts)).any(axis=1)).tolist())
+        steps |= set(np.flatnonzero((~np.isfinite(acts)).any(axis=1) & _observed_nonfinite(run)).tolist())
     loss = run.steps["loss"].to_numpy(float)
     steps |= set(np.flatnonzero(~np.isfinite(loss) & ~np.isnan(loss)).tolist())
     return steps
@@ -98,7 +105,8 @@ def nonfinite_origins(run, steps: list[int]) -> dict:
     ev = run.events
     ev = ev[ev["step"].isin(steps)]
     acts = run.records("peak", "act")
-    act_bad = set(np.flatnonzero((~np.isfinite(acts)).any(axis=1)).tolist()) if acts.shape[1] else set()
+    act_bad = set(np.flatnonzero((~np.isfinite(acts)).any(axis=1) & _observed_nonfinite(run)).tolist()
+                  ) if acts.shape[1] else set()
     out = {"forward": {}, "loss": 0, "input": 0, "gradient": {}, "unknown": 0}
     by_step = {int(s): g for s, g in ev.groupby("step")}
     for s in steps:

@@ -15,19 +15,27 @@ WARNING_SHARE = 0.50
 WARMUP_STEPS = 2           # the first steps pay for worker start-up and allocation, not for the pipeline
 
 
+def net_step_time(steps):
+    """Step times without ampdoctor's own host time (``observer_time``; traces without it: as recorded): what the
+    training would have taken unobserved, which every time-based judgement uses."""
+    own = steps["observer_time"].fillna(0.0) if "observer_time" in steps else 0.0
+    return (steps["step_time"] - own).clip(lower=0.0)
+
+
 def input_pipeline_bound(run, *, min_share=MIN_DATA_SHARE, warning_share=WARNING_SHARE, warmup=WARMUP_STEPS):
     if (run.config or {}).get("step_start", "forward") is None:
         return None        # no step start was seen (the attached module's forward never ran): no data wait known
-    st = run.steps.iloc[warmup:]
-    st = st[np.isfinite(st["data_time"]) & np.isfinite(st["step_time"]) & (st["step_time"] > 0)]
+    st = run.steps.iloc[warmup:].copy()
+    st["net_time"] = net_step_time(st)      # the data wait holds no observer time; the step time does
+    st = st[np.isfinite(st["data_time"]) & np.isfinite(st["net_time"]) & (st["net_time"] > 0)]
     if len(st) < 5:
         return None
-    share = st["data_time"] / st["step_time"]
+    share = (st["data_time"] / st["net_time"]).clip(upper=1.0)
     med = float(np.median(share))
     if med < min_share:
         return None
     cuda = run.device == "cuda"
-    data_s, step_s = float(st["data_time"].median()), float(st["step_time"].median())
+    data_s, step_s = float(st["data_time"].median()), float(st["net_time"].median())
     # Workers that each take data_s per batch keep up with a compute of (step_s - data_s) when there are
     # data_s / compute of them, plus one spare; more than the host's cores only helps I/O-bound loading.
     compute_s = max(step_s - data_s, 1e-6)
@@ -49,11 +57,14 @@ def input_pipeline_bound(run, *, min_share=MIN_DATA_SHARE, warning_share=WARNING
         fix += "\nMove decoding and augmentation out of __getitem__'s hot path (pre-process once, cache tensors)."
     return finding(
         "warning" if med >= warning_share else "info", "Training is input-pipeline bound",
-        f"The step waits for data {A.pct(med)} of its time (median {A.fmt_num(float(st['data_time'].median()))} s "
-        f"of {A.fmt_num(float(st['step_time'].median()))} s); a faster compute precision cannot shorten that part.",
+        f"The step waits for data {A.pct(med)} of its time (median {A.fmt_num(data_s)} s "
+        f"of {A.fmt_num(step_s)} s, ampdoctor's own time taken out); a faster compute precision cannot shorten "
+        "that part.",
         steps=[int(st["step"].iloc[0]), int(st["step"].iloc[-1])],
-        evidence={"data_share_median": med, "data_time_median_s": float(st["data_time"].median()),
-                  "step_time_median_s": float(st["step_time"].median()),
+        evidence={"data_share_median": med, "data_time_median_s": data_s,
+                  "step_time_median_s": step_s, "recorded_step_time_median_s": float(st["step_time"].median()),
+                  "observer_time_median_s": float(st["observer_time"].median())
+                  if "observer_time" in st and st["observer_time"].notna().any() else None,
                   "samples_per_s_median": float(np.nanmedian(st["samples_per_s"])) if st["samples_per_s"].notna().any()
                   else None, "steps_measured": len(st)},
         recommendation=fix)

@@ -58,8 +58,8 @@ def _rules(n_sites: int, n_steps: int) -> dict:
                   ("kind", f"kind IN ({', '.join(repr(k) for k in schema.KINDS)})", "not a site kind"),
                   ("module_type", TEXT_OR_NULL, "not text"), ("dtype", TEXT_OR_NULL, "not text"),
                   ("shape", TEXT_OR_NULL, "not text"), ("first_step", INTEGER_OR_NULL, "not an integer")],
-        "steps": [(c, NUMBER_OR_NAN, "not a number") for c in schema.STEP_FIELDS if c not in ("step", "lr")]
-        + [("lr", JSON_NUMBERS, "not a JSON list of numbers")],
+        "steps": [(c, NUMBER_OR_NAN, "not a number") for c in schema.STEP_FIELDS if c not in ("step", "lr", "reason")]
+        + [("lr", JSON_NUMBERS, "not a JSON list of numbers"), ("reason", TEXT_OR_NULL, "not text")],
         "peaks": [("step", recorded, "not a recorded step"),
                   ("data", "typeof(data) = 'blob' AND length(data) % 4 = 0", "not float32 values")],
         "stats": [("step", recorded, "not a recorded step"), ("site", site, "not a site id"),
@@ -94,7 +94,8 @@ def check_tables(conn: sqlite3.Connection) -> None:
         if row[0] != "table" or str(row[1] or "").lstrip().upper().startswith("CREATE VIRTUAL"):
             raise Invalid(f"{table} is a {row[0]}, not a table")
         have = [(r[1], str(r[2]).upper(), r[5]) for r in conn.execute(f"PRAGMA table_info({table})")]
-        missing = [c for c in columns if c not in have]
+        later = schema.LATER_STEP_FIELDS if table == "steps" else ()
+        missing = [c for c in columns if c not in have and c[0] not in later]   # later columns: older traces lack them
         if missing:
             raise Invalid(f"table {table}: column {missing[0][0]} missing or not declared {missing[0][1]}")
     n_sites = _dense(conn, "sites", "id")
@@ -103,9 +104,12 @@ def check_tables(conn: sqlite3.Connection) -> None:
     for (text,) in conn.execute(f"SELECT data FROM events WHERE typeof(data) = 'text' AND {deep}"):
         parse_json(text, "events.data")                  # SQLite accepts JSON up to 1000 deep; we do not
     present = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    steps_have = {r[1] for r in conn.execute("PRAGMA table_info(steps)")}
     for table, rules in _rules(n_sites, n_steps).items():
         if table in schema.OPTIONAL_TABLES and table not in present:
             continue
+        if table == "steps":
+            rules = [r for r in rules if r[0] in steps_have]
         where = " OR ".join(f"NOT ({cond.format(c=col)})" for col, cond, _ in rules)
         if conn.execute(f"SELECT EXISTS (SELECT 1 FROM {table} WHERE {where})").fetchone()[0]:
             for col, cond, what in rules:

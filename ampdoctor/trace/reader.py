@@ -209,7 +209,9 @@ class Trace:
     # -- tables ------------------------------------------------------------------------------------------------
     def steps(self) -> pd.DataFrame:
         """One row per optimizer step (skipped steps included)."""
-        rows = self._query(f"SELECT {','.join(schema.STEP_FIELDS)} FROM steps ORDER BY step")
+        have = {r[1] for r in self._query("PRAGMA table_info(steps)")}
+        cols = [f if f in have else "NULL" for f in schema.STEP_FIELDS]    # a trace from before the later columns
+        rows = self._query(f"SELECT {','.join(cols)} FROM steps ORDER BY step")
         return self._checked(_steps_frame, rows)
 
     def sites(self, kind: str | None = None) -> pd.DataFrame:
@@ -332,7 +334,7 @@ def _steps_frame(rows: list) -> pd.DataFrame:
     for col in ("skipped", "nonfinite"):
         df[col] = _numbers(df[col]).fillna(0).astype(bool)
     for col in ("time", "step_time", "data_time", "samples_per_s", "loss", "loss_scale", "loss_scale_next",
-                "grad_norm"):
+                "grad_norm", "grad_max", "observer_time"):
         df[col] = _numbers(df[col]).astype(float)
     for col in ("samples", "microbatches", "peak_mem", "level"):
         df[col] = _numbers(df[col])

@@ -13,7 +13,9 @@ STATS_FIELDS = ("numel", "nan", "inf", "zeros", "absmax", "minabs", "mean", "rms
                 "fp16_over", "fp16_sub", "fp16_flush", "bf16_over", "bf16_sub", "bf16_flush")
 STEP_FIELDS = ("step", "time", "step_time", "data_time", "samples", "samples_per_s", "loss", "lr",
                "loss_scale", "loss_scale_next", "skipped", "grad_norm", "microbatches", "peak_mem",
-               "level", "nonfinite")
+               "level", "nonfinite", "reason", "grad_max", "observer_time")
+# Columns added after the first traces were written (same format version: a reader gives them as missing there).
+LATER_STEP_FIELDS = ("reason", "grad_max", "observer_time")
 PROBE_FIELDS = ("rel_err", "max_err", "ref_norm", "ref_absmax")   # probes table (added in 0.1; absent before)
 OPTIONAL_TABLES = ("probes",)     # added after the first traces were written: a trace without them still reads
 KINDS = ("act", "grad_out", "param_grad", "weight", "update")
@@ -22,8 +24,8 @@ ROOT = "(model)"                  # how the root module is named in site paths
 # FP32's largest binade; column j of a histogram is binade HIST_LO + j
 HIST_LO, HIST_HI = -127, 127
 
-# level of a step: what was recorded for it
-LEVEL_PEAK, LEVEL_FULL, LEVEL_HIST = 0, 1, 2
+# level of a step: what was recorded of its sites (the sentinel's step figures are recorded at every level)
+LEVEL_SENTINEL, LEVEL_PEAK, LEVEL_FULL, LEVEL_HIST = -1, 0, 1, 2
 
 DDL = f"""
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -33,7 +35,8 @@ CREATE TABLE sites (
 CREATE TABLE steps (
     step INTEGER PRIMARY KEY, time REAL, step_time REAL, data_time REAL, samples INTEGER, samples_per_s REAL,
     loss REAL, lr TEXT, loss_scale REAL, loss_scale_next REAL, skipped INTEGER, grad_norm REAL,
-    microbatches INTEGER, peak_mem INTEGER, level INTEGER, nonfinite INTEGER);
+    microbatches INTEGER, peak_mem INTEGER, level INTEGER, nonfinite INTEGER, reason TEXT, grad_max REAL,
+    observer_time REAL);
 CREATE TABLE peaks (step INTEGER PRIMARY KEY, data BLOB NOT NULL);
 CREATE TABLE stats (
     step INTEGER NOT NULL, site INTEGER NOT NULL, scale REAL, calls INTEGER,

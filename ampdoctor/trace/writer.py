@@ -355,8 +355,9 @@ class Writer(threading.Thread):
         n = max(self.n_sites, int(uniq[-1]) + 1 if len(uniq) else 0)
         blobs = np.full((len(run), n), -1.0, dtype="<f4")
         blobs[:, uniq] = site_peak
-        conn.executemany("INSERT INTO peaks (step, data) VALUES (?, ?)",
-                         [(p.step, blobs[k].tobytes()) for k, p in enumerate(run)])
+        conn.executemany("INSERT INTO peaks (step, data) VALUES (?, ?)",      # none for a sentinel-only step
+                         [(p.step, blobs[k].tobytes()) for k, p in enumerate(run)
+                          if p.row.get("level") != schema.LEVEL_SENTINEL])
         bad_peak = (~np.isfinite(site_peak)).any(axis=1).tolist()
 
         rows = []
@@ -369,8 +370,11 @@ class Writer(threading.Thread):
             skipped = p.skipped
             if skipped is None:
                 skipped = (p.scale is not None and p.scale_next is not None and p.scale_next < p.scale)
-            nonfinite = bad_peak[k] or (p.loss is not None and not _finite(p.loss))
-            if nonfinite:
+            grads_bad = not all(v is None or _finite(v) for v in (p.grad_norm, p.row.get("grad_max")))
+            nonfinite = bad_peak[k] or grads_bad or (p.loss is not None and not _finite(p.loss))
+            if nonfinite and p.row.get("level") == schema.LEVEL_SENTINEL:
+                self._unknown_origin(conn, p)
+            elif nonfinite:
                 self._locate(conn, p, values[k], peaks[k], layout.owner)
 
             row = p.row
@@ -433,6 +437,16 @@ class Writer(threading.Thread):
             conn.executemany("INSERT INTO hists VALUES (?, ?, ?, ?)", [
                 (p.step, site, int(lo[i]) + kernels.MIN_EXP, counts[i, lo[i]:hi[i] + 1].tobytes())
                 for i, site in enumerate(plan.sites.tolist()) if any_[i]])
+
+    def _unknown_origin(self, conn: sqlite3.Connection, p: StepPacket) -> None:
+        """A NaN/Inf on a step that observed no site: its tensors are gone, so where it came from is not guessed.
+        The flight recorder observes the next steps in full; a fault that recurs is located there."""
+        what = "loss" if p.loss is not None and not _finite(p.loss) else "gradients"
+        conn.execute("INSERT INTO events (step, kind, site, phase, message, data) VALUES (?, ?, ?, ?, ?, ?)",
+                     (p.step, "nonfinite_unknown", None, None,
+                      f"non-finite {what} on a step observed by the sentinel only: origin unknown",
+                      json.dumps({"loss": _sql(p.loss), "grad_norm": _sql(p.grad_norm),
+                                  "grad_max": _sql(p.row.get("grad_max"))})))
 
     def _locate(self, conn: sqlite3.Connection, p: StepPacket, values: np.ndarray, peaks: np.ndarray,
                 owner: np.ndarray) -> None:

@@ -32,7 +32,8 @@ def long_run(tmp_path_factory):
                        "8x8", 0) for i in range(N_SITES)])
     skipped = rng.random(N_STEPS) < 0.01
     scale = 65536.0 * 0.5 ** np.cumsum(np.r_[0, skipped[:-1]])
-    conn.executemany(f"INSERT INTO steps VALUES ({', '.join('?' * 16)})",
+    first = [f for f in schema.STEP_FIELDS if f not in schema.LATER_STEP_FIELDS]    # (as traces before the tiers)
+    conn.executemany(f"INSERT INTO steps ({', '.join(first)}) VALUES ({', '.join('?' * 16)})",
                      [(s, float(s), 0.1, 0.01, 8, 80.0, float(rng.random()), "[0.01]", float(scale[s]),
                        float(scale[s] / 2 if skipped[s] else scale[s]), int(skipped[s]), 1.0, 1, None, 0,
                        int(skipped[s])) for s in range(N_STEPS)])

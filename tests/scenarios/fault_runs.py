@@ -16,7 +16,7 @@ from runs import mlp, train  # noqa: F401  (mlp: the scenarios' model too)
 
 torch.set_num_threads(1)
 
-FAST = {"every": 5, "hist_every": 5, "weight_every": 5}     # dense cadence for short scenario runs
+FAST: dict = {}   # the scenarios record with the defaults (sentinel, sampled sites, calibration, flight recorder)
 
 
 # -- models ------------------------------------------------------------------------------------------------------
