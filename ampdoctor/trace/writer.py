@@ -130,6 +130,20 @@ def _sql(v):
     return "nan" if isinstance(v, float) and math.isnan(v) else v
 
 
+def _event_json(data) -> str:
+    """Event data as strict JSON: a NaN/Inf number becomes the text 'nan', 'inf' or '-inf' (JSON has no such
+    numbers; Python would write NaN/Infinity, which SQLite's json functions, and the reader's checks, reject)."""
+    def plain(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return v
+    return json.dumps(plain(data), allow_nan=False)
+
+
 def _finite(p: float) -> bool:
     return not (math.isnan(p) or math.isinf(p))
 
@@ -320,7 +334,7 @@ class Writer(threading.Thread):
         elif tag == "event":
             step, kind, site, phase, message, data = item[1:]
             conn.execute("INSERT INTO events (step, kind, site, phase, message, data) VALUES (?, ?, ?, ?, ?, ?)",
-                         (step, kind, site, phase, message, json.dumps(data) if data is not None else None))
+                         (step, kind, site, phase, message, _event_json(data) if data is not None else None))
         else:
             raise ValueError(f"unknown packet {tag!r}")
 
@@ -445,8 +459,7 @@ class Writer(threading.Thread):
         conn.execute("INSERT INTO events (step, kind, site, phase, message, data) VALUES (?, ?, ?, ?, ?, ?)",
                      (p.step, "nonfinite_unknown", None, None,
                       f"non-finite {what} on a step observed by the sentinel only: origin unknown",
-                      json.dumps({"loss": _sql(p.loss), "grad_norm": _sql(p.grad_norm),
-                                  "grad_max": _sql(p.row.get("grad_max"))})))
+                      _event_json({"loss": p.loss, "grad_norm": p.grad_norm, "grad_max": p.row.get("grad_max")})))
 
     def _locate(self, conn: sqlite3.Connection, p: StepPacket, values: np.ndarray, peaks: np.ndarray,
                 owner: np.ndarray) -> None:
