@@ -96,10 +96,12 @@ model = mlp(width=32); opt = torch.optim.SGD(model.parameters(), lr=0.01)
 scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30, growth_interval=3)
 doc = ampdoctor.attach(model, optimizer=opt, scaler=scaler, trace=sys.argv[1], every=3, hist_every=3, live=False)
 print("started", flush=True)
-for x, y in batches(10**9, batch=8):
+for x, y in batches(3000, batch=8):
     with torch.autocast("cpu", dtype=torch.float16):
         loss = torch.nn.functional.mse_loss(model(x).float(), y)
     opt.zero_grad(); scaler.scale(loss).backward(); scaler.step(opt); scaler.update()
+    time.sleep(0.005)   # paced: with cheap sentinel steps an unpaced run grows the trace faster than it is read
+time.sleep(600)         # still writing as far as the reader knows (killed by the test)
 """
 
 
