@@ -7,14 +7,12 @@ import os
 
 import numpy as np
 import plotly.graph_objects as go
-from plotly.offline import get_plotlyjs
 
-from ampdoctor import __version__
 from ampdoctor.diagnose import diagnose
 from ampdoctor.trace.run import run_pattern
 
 from . import data, figures
-from .report import _CSS, _fig, finding_html
+from .report import _fig, finding_html, page
 
 MAX_RANK_LINES = 16        # more lines than this are unreadable; the table still lists every rank
 _PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
@@ -75,21 +73,12 @@ def build_rank_report(rr, reference=None) -> str:
     missing = (f"<p class=bad>No trace for rank(s) {', '.join(map(str, rr.missing))}.</p>" if rr.missing else "")
     figs = "\n".join(f"<div>{_fig(f)}</div>" for f in rank_figures(rr))
     name = os.path.basename(run_pattern(rr[rr.ranks[0]].path))
-    title = f"ampdoctor report — {len(rr)} ranks of {html.escape(name)}"
-    n_crit = sum(1 for d in found if d.severity == "critical")
-    return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>{title}</title>
-<style>{_CSS}</style>
-<script type="text/javascript">{get_plotlyjs()}</script>
-</head><body>
-<h1>{title}</h1>
-<p>ampdoctor {__version__} · world size {rr.world_size} · {len(found)} finding(s){f", {n_crit} critical" if n_crit else ""}</p>
-<h2>Ranks</h2>{_table(rank_rows(rr))}{missing}
+    body = f"""<h2>Ranks</h2>{_table(rank_rows(rr))}{missing}
 <h2>Findings</h2>{fhtml}
 <h2>Figures</h2>{figs}
-<p>Each rank's own report: <code>ampdoctor report {html.escape(rr[rr.ranks[0]].path)}</code>.</p>
-</body></html>
-"""
+<p>Each rank's own report: <code>ampdoctor report {html.escape(rr[rr.ranks[0]].path)}</code>.</p>"""
+    return page(f"ampdoctor report — {len(rr)} ranks of {html.escape(name)}", found, body,
+                facts=f"world size {rr.world_size} · ")
 
 
 def default_output(rr) -> str:

@@ -140,7 +140,18 @@ def build_report(tr, reference=None, progress=None) -> str:
                                                        (os.path.basename(reference.path), b["step"], b["loss"])]))
                    + _fig(figures.compare_layers_figure(cmp.index, cmp["a"], cmp["b"],
                                                         stat_label="log2 abs max (grad_out, unscaled)")))
-    title = f"ampdoctor report — {html.escape(os.path.basename(tr.path))}"
+    body = f"""<h2>Run</h2><table>{summary}</table>
+<h2>Findings</h2>{fhtml}
+<h2>Figures</h2>{figs}
+<h2>Precision map</h2><p>Recommended: matrix multiplies and convolutions forward and backward in FP16/BF16;
+normalisation, softmax, the loss and the weight update in FP32.</p>{precision}
+{formats}
+{compare}"""
+    return page(f"ampdoctor report — {html.escape(os.path.basename(tr.path))}", found, body)
+
+
+def page(title: str, found: list, body: str, facts: str = "") -> str:
+    """A self-contained report page: plotly.js inlined, the title, a line of counts (``facts`` first), ``body``."""
     n_crit = sum(1 for d in found if getattr(d, "severity", "") == "critical")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{title}</title>
@@ -148,14 +159,8 @@ def build_report(tr, reference=None, progress=None) -> str:
 <script type="text/javascript">{get_plotlyjs()}</script>
 </head><body>
 <h1>{title}</h1>
-<p>ampdoctor {__version__} · {len(found)} finding(s){f", {n_crit} critical" if n_crit else ""}</p>
-<h2>Run</h2><table>{summary}</table>
-<h2>Findings</h2>{fhtml}
-<h2>Figures</h2>{figs}
-<h2>Precision map</h2><p>Recommended: matrix multiplies and convolutions forward and backward in FP16/BF16;
-normalisation, softmax, the loss and the weight update in FP32.</p>{precision}
-{formats}
-{compare}
+<p>ampdoctor {__version__} · {facts}{len(found)} finding(s){f", {n_crit} critical" if n_crit else ""}</p>
+{body}
 </body></html>
 """
 
