@@ -83,3 +83,15 @@ def train(model, steps=20, *, precision="fp16", scaler=None, init_scale=2.0**16,
             if on_step is not None:
                 on_step(step, model, doc)
     return model, opt, sc, losses
+
+
+def live_tensors(before=()) -> list:
+    """The tensors alive now (after a collection), less those in ``before`` (tensors, held by the caller so that
+    their ids cannot be reused by new ones meanwhile)."""
+    import gc
+    import warnings
+    gc.collect()
+    old = {id(t) for t in before}
+    with warnings.catch_warnings():       # isinstance() on torch.distributed's deprecated aliases warns
+        warnings.simplefilter("ignore")
+        return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and id(o) not in old]

@@ -12,6 +12,7 @@ from torch import nn
 
 import ampdoctor
 import probe_models as M
+from runs import live_tensors
 from ampdoctor.diagnose import precision as P
 from ampdoctor.diagnose import validation as V
 from ampdoctor.diagnose.engine import Run
@@ -328,23 +329,11 @@ def test_measured_precision_loss_explains_slow_convergence(tmp_path, monkeypatch
     assert "slow-convergence" in _by_rule(frag, reference=ref)        # ... it would blame the learning rate
 
 
-def _live_tensors(before=()) -> list:
-    """The tensors alive now (after a collection), less those in ``before`` (tensors, held by the caller so that
-    their ids cannot be reused by new ones meanwhile)."""
-    import gc
-    import warnings
-    gc.collect()
-    old = {id(t) for t in before}
-    with warnings.catch_warnings():       # isinstance() on torch.distributed's deprecated aliases warns
-        warnings.simplefilter("ignore")
-        return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and id(o) not in old]
-
-
 def test_a_probed_step_keeps_no_tensor(tmp_path):
     """Between steps, training with a probe on every step holds exactly the tensors training without one holds."""
     counts = []
     for run, probe_every in enumerate((None, 1)):
-        before = _live_tensors()              # held: a freed tensor's id reused by a new one would hide it
+        before = live_tensors()              # held: a freed tensor's id reused by a new one would hide it
         model = _bn_dropout_model()
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         scaler = torch.amp.GradScaler("cpu")
@@ -360,7 +349,7 @@ def test_a_probed_step_keeps_no_tensor(tmp_path):
             del loss
             if i == 2:
                 doc.flush()                   # the writer thread holds the finished steps' packets until it drains
-                counts.append(len(_live_tensors(before)))
+                counts.append(len(live_tensors(before)))
         doc.close()
         del model, opt, scaler, doc
     del before

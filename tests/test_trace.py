@@ -158,15 +158,14 @@ def test_memory_stays_flat_over_many_steps(tmp_path):
     steps all recur in between. One retained activation set (~20 kB) or graph per step would add megabytes; the
     bound on traced memory is 640 bytes per step."""
     code = """
-    import sys, gc, tracemalloc, warnings, torch, ampdoctor
-    from runs import mlp, batches
-    warnings.simplefilter("ignore", FutureWarning)       # gc.get_objects() meets deprecated torch aliases
+    import sys, tracemalloc, torch, ampdoctor
+    from runs import mlp, batches, live_tensors
     def rss():
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * 4096 / 2**20
     def mark(doc):
-        doc.flush(); gc.collect()
-        tensors = sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+        doc.flush()
+        tensors = len(live_tensors())        # (after a collection, as the traced memory below)
         return tracemalloc.get_traced_memory()[0], tensors, rss()
     model = mlp(width=32); opt = torch.optim.SGD(model.parameters(), lr=0.01)
     marks = []
