@@ -19,7 +19,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import ampdoctor  # noqa: E402
 from ampdoctor.collect import session  # noqa: E402
 from ampdoctor.collect import stats as K  # noqa: E402
-from ampdoctor.trace.writer import Entry, StepPacket, Writer  # noqa: E402
+from ampdoctor.trace.vectors import Entry  # noqa: E402
+from ampdoctor.trace.writer import StepPacket, Writer  # noqa: E402
 
 SITES = {"act": 200, "grad_out": 200, "param_grad": 100}
 

@@ -7,6 +7,7 @@ import torch
 
 from ampdoctor import formats
 from ampdoctor.collect import stats as K
+from ampdoctor.trace import vectors as V
 
 
 def _cast_counts(x32: torch.Tensor, dtype) -> dict:
@@ -86,7 +87,7 @@ def test_full_statistics_match_reference(dtype, kernel):
     x = planted(dtype)
     ref = reference(x)
     vec = kernel(x).numpy()
-    st, bins = K.derive(vec, x.numel())
+    st, bins = V.derive(vec, x.numel())
     for f in ("numel", "nan", "inf", "zeros", "fp16_over", "fp16_sub", "fp16_flush", "bf16_over", "bf16_sub",
               "bf16_flush"):
         assert st[f] == ref[f], f
@@ -106,7 +107,7 @@ def test_issue_example_rounds_like_half(kernel):
     """x.half() of these gives 2 zeros and 1 inf: 1.01 * 2^-25 and 3e-8 round up to 2^-24, 65510 and 65519 down
     to 65504; exactly 2^-25 is a tie that goes to the even 0, 65520 one that goes to inf."""
     x = torch.tensor([3e-8, 1.01 * 2**-25, 2**-25, 0.99 * 2**-25, 65510, 65519, 65520])
-    st, _ = K.derive(kernel(x).numpy(), x.numel())
+    st, _ = V.derive(kernel(x).numpy(), x.numel())
     h = x.half()
     assert (st["fp16_flush"], st["fp16_over"]) == (int((h == 0).sum()), int(torch.isinf(h).sum())) == (2, 1)
 
@@ -121,14 +122,14 @@ def test_edge_counts_of_dense_random_values_near_the_midpoints(kernel):
     bits = mids.view(torch.int32)[:, None] + steps
     x = bits.reshape(-1).view(torch.float32)
     ref = reference(x)
-    st, _ = K.derive(kernel(x).numpy(), x.numel())
+    st, _ = V.derive(kernel(x).numpy(), x.numel())
     for f in ("fp16_over", "fp16_sub", "fp16_flush", "bf16_over", "bf16_sub", "bf16_flush"):
         assert st[f] == ref[f], f
 
 
 def test_mean_rms_and_bf16_counts_on_finite_tensor():
     x = torch.linspace(-3, 5, 1001)
-    st, _ = K.derive(K.full(x).numpy(), x.numel())
+    st, _ = V.derive(K.full(x).numpy(), x.numel())
     assert st["mean"] == pytest.approx(x.double().mean().item(), rel=1e-6)
     assert st["rms"] == pytest.approx(x.double().pow(2).mean().sqrt().item(), rel=1e-6)
     assert st["bf16_over"] == 0 and st["bf16_flush"] == 0 and st["bf16_sub"] == 0
@@ -139,20 +140,14 @@ def test_fp32_subnormals_counted_for_bf16_exactly():
     x = torch.tensor([1e-40, 3e-41, 1.0, 0.0])
     b = x.bfloat16().float()
     assert b[0] != 0 and b[1] == 0
-    st, bins = K.derive(K.full(x).numpy(), 4)
+    st, bins = V.derive(K.full(x).numpy(), 4)
     assert st["zeros"] == 1 and st["bf16_sub"] == 1 and st["bf16_flush"] == 1 and st["fp16_flush"] == 2
-
-
-def test_peak_propagates_nan_and_inf():
-    assert K.peak(torch.tensor([1.0, -7.0])).tolist() == [-7.0, 1.0]
-    assert math.isnan(K.peak(torch.tensor([1.0, float("nan")]))[1].item())
-    assert K.peak(torch.tensor([1.0, float("inf")]))[1].item() == math.inf
 
 
 def test_merge_combines_calls():
     a, b = torch.randn(100), torch.randn(50) * 3
-    merged = K.merge([K.full(a).numpy(), K.full(b).numpy()])
-    st, _ = K.derive(merged, 150)
+    merged = V.merge_rows(np.stack([K.full(a).numpy(), K.full(b).numpy()]), np.array([0]))
+    st, _ = V.derive(merged[0], 150)
     both = torch.cat([a, b]).double()
     assert st["absmax"] == both.abs().max().item()
     assert st["rms"] == pytest.approx(both.pow(2).mean().sqrt().item(), rel=1e-6)
@@ -222,7 +217,7 @@ def test_mean_and_rms_agree_between_the_kernels(monkeypatch, dtype, magnitude, h
     x = (torch.rand(1000, generator=g) + 0.5) * magnitude
     x[::2] *= -1
     x = x.to(dtype)
-    st, _ = K.derive(K.full(x).numpy(), x.numel())
+    st, _ = V.derive(K.full(x).numpy(), x.numel())
     d = x.double()
     assert st["rms"] == pytest.approx(d.pow(2).mean().sqrt().item(), rel=1e-5)
     assert st["mean"] == pytest.approx(d.mean().item(), rel=1e-4, abs=1e-6 * magnitude)

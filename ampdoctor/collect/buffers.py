@@ -8,7 +8,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ..trace.writer import Entry
+from ..trace.vectors import Entry
 from . import stats as K
 
 SMALL_GRAD = 4096           # parameter gradients up to this size are stacked by size and reduced together

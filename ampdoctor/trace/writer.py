@@ -8,97 +8,24 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from collections import deque
 import sqlite3
 import threading
 import time
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
-from . import schema
 from .. import formats
-from ..collect import stats as kernels
+from . import newfile, schema
+from . import vectors as V
+from .vectors import Entry, FullPlan, Layout, tensor_peaks
 
 log = logging.getLogger("ampdoctor")
 
 COMMIT_EVERY_S = 0.5        # the trace promises a commit at least once a second; half that leaves slack
 WAKE_S = 0.2                # the writer drains its queue this often: no thread switch per training step
 QUEUE_MAX = 256             # packets; a writer this far behind slows training down instead of eating memory
-
-
-class Entry(NamedTuple):
-    """One observation of a site during a step: which values of the step's vector belong to it. A tuple, so that
-    two steps with the same control flow compare equal cheaply and share one precomputed Layout."""
-
-    site: int
-    phase: str                                   # "fwd", "bwd", "param", "weight", "update"
-    values: list      # per tensor: (offset, mode, numel); mode "f": FULL_LEN values, else ("p<dtype>") [min, max]
-    inputs: list = []                            # forward only, same layout
-
-
-class Layout:
-    """Index arrays for the entries of a step (built once per distinct layout, reused while steps repeat it)."""
-
-    def __init__(self, entries: list[Entry], bases: dict):
-        refs = [r for e in entries for r in e.values]
-        n = len(refs)
-        self.offs = np.fromiter((o + bases[m] for o, m, _ in refs), dtype=np.int64, count=n)
-        self.full = np.fromiter((m == "f" for _, m, _ in refs), dtype=bool, count=n)
-        self.any_full = bool(self.full.any())
-        self.owner = np.fromiter((i for i, e in enumerate(entries) for _ in e.values), dtype=np.int64, count=n)
-        tensor_site = np.array([e.site for e in entries], dtype=np.int64)[self.owner] if n else np.zeros(0, np.int64)
-        self.order = np.argsort(tensor_site, kind="stable")
-        self.sites, self.starts = np.unique(tensor_site[self.order], return_index=True)
-        self.full_plan = _FullPlan(entries, bases) if self.any_full else None
-
-    def peaks(self, values: np.ndarray) -> np.ndarray:
-        """max |x| per tensor (last axis; values may stack several steps as rows): NaN if it held a NaN, else Inf
-        if an Inf."""
-        out = np.empty(values.shape[:-1] + (len(self.offs),))
-        p, f = ~self.full, self.full
-        if p.any():
-            o = self.offs[p]
-            out[..., p] = np.maximum(np.abs(values[..., o]), np.abs(values[..., o + 1]))     # NaN propagates
-        if self.any_full:
-            o = self.offs[f] + kernels.HEAD
-            nan, inf, absmax = values[..., o + kernels.KEY_NAN], values[..., o + kernels.KEY_INF], values[..., o - 1]
-            out[..., f] = np.where(nan > 0, np.nan, np.where(inf > 0, np.inf, absmax))
-        return out
-
-    def site_peaks(self, peaks: np.ndarray) -> np.ndarray:
-        """Worst peak per site (over calls and tensors; last axis); NaN wins through np.maximum."""
-        if not peaks.shape[-1]:
-            return np.zeros(peaks.shape[:-1] + (0,))
-        return np.maximum.reduceat(peaks[..., self.order], self.starts, axis=-1)
-
-
-class _FullPlan:
-    """Where the full statistics of a step's sites are: the sites every observation of which had them (a site
-    with one peaks-only call would get partial numbers), their full vectors' offsets grouped by site, and what
-    each site's row needs besides (total numel, calls, whether it is a backward site, stored with the scale)."""
-
-    def __init__(self, entries: list[Entry], bases: dict):
-        per_site: dict[int, list] = {}
-        for e in entries:
-            d = per_site.setdefault(e.site, [[], [], 0, e.phase, True])    # offsets, numels, calls, phase, all full
-            d[2] += 1
-            d[3] = e.phase
-            for o, m, n in e.values:
-                if m == "f":
-                    d[0].append(o + bases["f"])
-                    d[1].append(n)
-                else:
-                    d[4] = False
-        keep = [(site, d) for site, d in per_site.items() if d[4] and d[0]]
-        self.sites = np.array([site for site, _ in keep], dtype=np.int64)
-        self.offs = np.array([o for _, d in keep for o in d[0]], dtype=np.int64)
-        self.starts = np.cumsum([0] + [len(d[0]) for _, d in keep[:-1]]).astype(np.int64)
-        self.numel = np.array([sum(d[1]) for _, d in keep], dtype=np.float64)
-        self.calls = [d[2] for _, d in keep]
-        self.bwd = np.array([d[3] == "bwd" for _, d in keep], dtype=bool)
 
 
 @dataclass
@@ -115,14 +42,6 @@ class StepPacket:
     skipped: bool | None             # None: infer from the scale (no optimizer to tell)
     store_hist: bool
     late_loss: object = None         # a loss logged after the step boundary, resolved before writing
-
-
-def tensor_peaks(values: np.ndarray, refs: list[tuple[int, str, int]], bases: dict) -> np.ndarray:
-    """max |x| of each referenced tensor (see Layout.peaks)."""
-    if not refs:
-        return np.zeros(0)
-    with np.errstate(all="ignore"):
-        return Layout([Entry(-1, "", list(refs))], bases).peaks(values)
 
 
 def _sql(v):
@@ -148,33 +67,6 @@ def _finite(p: float) -> bool:
     return not (math.isnan(p) or math.isinf(p))
 
 
-def free_names(path: str):
-    """``path``, then ``path`` with -1, -2, ... before the extension: the names a new trace may take."""
-    yield path
-    stem, ext = os.path.splitext(path)
-    i = 1
-    while True:
-        yield f"{stem}-{i}{ext}"
-        i += 1
-
-
-def _taken(path: str) -> bool:
-    """A trace, or what a killed one left next to its name (its -wal holds committed steps), is there."""
-    return any(os.path.lexists(path + suffix) for suffix in ("", "-wal", "-shm"))
-
-
-def _create(path: str) -> bool:
-    """Create ``path`` empty, exclusively: O_EXCL makes the existence check and the creation one step, so of two
-    processes asking for one name exactly one gets it. False when the name is taken."""
-    if _taken(path):
-        return False
-    try:
-        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644))
-    except FileExistsError:
-        return False
-    return True
-
-
 class Writer(threading.Thread):
     def __init__(self, path: str, *, free_name: bool = False):
         """``path``: the trace to create; FileExistsError when it exists, unless ``free_name``: then the first
@@ -184,41 +76,12 @@ class Writer(threading.Thread):
         self._wake = threading.Event()
         self.error: BaseException | None = None
         self.n_sites = 0
-        self.steps_written = 0
         self.log_every: int | None = None
         self._site_names: dict[int, tuple[str, str]] = {}
         self._cached_layout = None
         self._skipped_total = 0
-        self.path = self._claim(path, free_name)
-        self._conn = self._open(self.path)
-
-    @staticmethod
-    def _claim(path: str, free_name: bool) -> str:
-        """Create the trace file of this process (exclusively) and return its name."""
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        for name in free_names(path) if free_name else (path,):
-            if _create(name):
-                return name
-        raise FileExistsError(f"{path} exists; ampdoctor never overwrites a trace")
-
-    @staticmethod
-    def _open(path: str) -> sqlite3.Connection:
-        """Lay out the trace in the empty file this process created; on failure remove that file and the -wal/-shm
-        SQLite made next to it (they cannot be another process's: the name was free and is ours), nothing else."""
-        conn = None
-        try:
-            conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-            schema.create(conn)
-        except BaseException:
-            if conn is not None:
-                conn.close()
-            for suffix in ("", "-wal", "-shm"):
-                try:
-                    os.remove(path + suffix)
-                except OSError:
-                    pass
-            raise
-        return conn
+        self.path = newfile.claim(path, free_name)
+        self._conn = newfile.open_new(self.path)
 
     # -- training-thread side ----------------------------------------------------------------------------------
     def put(self, item) -> None:
@@ -400,7 +263,6 @@ class Writer(threading.Thread):
                 lr=json.dumps(lr) if lr is not None else None,
             )
             rows.append([_sql(row.get(f)) for f in schema.STEP_FIELDS])
-            self.steps_written += 1
             self._skipped_total += int(bool(skipped))
             if self.log_every and (p.step + 1) % self.log_every == 0:
                 log.info(self._health(p, uniq, site_peak[k]))
@@ -428,12 +290,12 @@ class Writer(threading.Thread):
             parts.append(f"worst FP16 headroom {worst[0]} ({worst[1]}): {room}")
         return " | ".join(parts)
 
-    def _write_full(self, conn: sqlite3.Connection, p: StepPacket, values: np.ndarray, plan: _FullPlan) -> None:
+    def _write_full(self, conn: sqlite3.Connection, p: StepPacket, values: np.ndarray, plan: FullPlan) -> None:
         """One stats row (and a histogram when due) per site with full statistics, derived for all sites at once."""
         if not len(plan.sites):
             return
-        mat = kernels.merge_rows(values[plan.offs[:, None] + np.arange(kernels.FULL_LEN)], plan.starts)
-        st, bins = kernels.derive_many(mat, plan.numel)
+        mat = V.merge_rows(values[plan.offs[:, None] + np.arange(V.FULL_LEN)], plan.starts)
+        st, bins = V.derive_many(mat, plan.numel)
         scale = p.scale if p.scale is not None else 1.0
         cols = [st[f].tolist() for f in schema.STATS_FIELDS]
         for i, f in enumerate(schema.STATS_FIELDS):
@@ -449,7 +311,7 @@ class Writer(threading.Thread):
             hi = bins.shape[1] - 1 - occupied[:, ::-1].argmax(axis=1)
             counts = bins.astype("<i8")
             conn.executemany("INSERT INTO hists VALUES (?, ?, ?, ?)", [
-                (p.step, site, int(lo[i]) + kernels.MIN_EXP, counts[i, lo[i]:hi[i] + 1].tobytes())
+                (p.step, site, int(lo[i]) + schema.HIST_LO, counts[i, lo[i]:hi[i] + 1].tobytes())
                 for i, site in enumerate(plan.sites.tolist()) if any_[i]])
 
     def _unknown_origin(self, conn: sqlite3.Connection, p: StepPacket) -> None:
