@@ -18,7 +18,8 @@ import torch
 
 from ..live import LiveDiagnosis, TrainingHalted, check_severity
 from ..trace import schema
-from ..trace.writer import Entry, StepPacket, Writer
+from ..trace.vectors import Entry
+from ..trace.writer import StepPacket, Writer
 from . import buffers as B
 from . import cadence as C
 from . import guards as G

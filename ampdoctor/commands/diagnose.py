@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import textwrap
 
-from ..diagnose.engine import diagnose
+from ..diagnose import diagnose
 from ..diagnose.registry import RULES
 from ..severity import SEVERITIES, at_least
 from .common import EXIT_FINDINGS, EXIT_OK, UsageError, evidence

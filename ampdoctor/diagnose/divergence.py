@@ -9,7 +9,7 @@ import numpy as np
 
 from .. import formats
 from . import advice as A
-from .engine import finding
+from .result import finding
 from .fix import code, text
 from .scaling import nonfinite_origins, forward_nonfinite_steps
 

@@ -9,7 +9,7 @@ import numpy as np
 from .. import formats
 from ..replay import TORCH_DEFAULTS
 from . import advice as A
-from .engine import finding
+from .result import finding
 from .fix import code, text
 from .scaling import MAX_SKIP_SHARE, forward_nonfinite_steps, grad_out_peaks
 

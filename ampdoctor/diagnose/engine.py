@@ -1,98 +1,24 @@
-"""The diagnosis engine: the Diagnosis result, the cached view of a run that rules read, and ``diagnose``.
+"""The diagnosis engine: the cached view of a run that rules read (Run), the rule selection, and the table of
+rules run over one trace.
 
 A rule is a function ``check(run, **thresholds) -> Diagnosis | list[Diagnosis] | None``; its keyword-only
 arguments are its thresholds (defaults are named constants in the rule's module). The registry (registry.py)
-maps stable ids to these functions. Offline side: no torch import.
+maps stable ids to these functions; ``ampdoctor.diagnose.diagnose`` is the entry point (one trace, or the ranks of
+a run through multirank.py). Offline side: no torch import.
 """
 from __future__ import annotations
 
-import contextlib
-import inspect
-import math
-import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from functools import cached_property
-from typing import Callable
 
 import numpy as np
 import pandas as pd
 
 from .. import formats
 from ..severity import RANK as _RANK
-from ..severity import SEVERITIES
-from . import fix as F
 from ..trace import Trace, TraceError
-from ..trace.run import RankRun
-from ..trace.run import load as load_any
-
-
-
-@dataclass
-class Diagnosis:
-    """One finding: what is wrong, where (layers, culprit first), on which steps, the figures it rests on, the fix."""
-
-    rule: str
-    severity: str
-    title: str
-    summary: str
-    layers: list = field(default_factory=list)
-    steps: list = field(default_factory=list)       # [first, last] step concerned ([] when not step-bound)
-    evidence: dict = field(default_factory=dict)
-    recommendation: str = ""                        # the fix as plain text (fix's parts, one after the other)
-    ranks: list = field(default_factory=list)       # the ranks concerned, in a multi-rank run ([]: one trace)
-    fix: list = field(default_factory=list)         # the fix as fix.Part items: text and code runnable as printed
-
-    def to_dict(self) -> dict:
-        return _plain(asdict(self))
-
-
-def _py(v, json_safe: bool = False):
-    """Copy with numpy scalars as Python numbers; ``json_safe`` also writes non-finite floats as strings."""
-    if isinstance(v, dict):
-        return {str(k): _py(x, json_safe) for k, x in v.items()}
-    if isinstance(v, (list, tuple, np.ndarray)):
-        return [_py(x, json_safe) for x in v]
-    if isinstance(v, np.bool_):
-        return bool(v)
-    if isinstance(v, np.integer):
-        return int(v)
-    if isinstance(v, (np.floating, float)):
-        f = float(v)
-        return f if math.isfinite(f) or not json_safe else str(f)
-    return v
-
-
-def _plain(v):
-    return _py(v, json_safe=True)
-
-
-@dataclass(frozen=True)
-class Rule:
-    """A registry entry: stable id, the check function and what the rule is about (one line)."""
-
-    id: str
-    check: Callable
-    about: str
-    scope: str = "trace"        # "ranks": runs once over all the ranks of a run (Run.ranks), see multirank.py
-
-    @property
-    def thresholds(self) -> dict:
-        """The rule's thresholds and their defaults (the check's keyword-only arguments)."""
-        return {p.name: p.default for p in inspect.signature(self.check).parameters.values()
-                if p.kind is inspect.Parameter.KEYWORD_ONLY}
-
-
-def finding(severity: str, title: str, summary: str, *, layers=(), steps=(), evidence=None,
-            fix=(), recommendation: str = "", ranks=()) -> Diagnosis:
-    """A Diagnosis whose rule id the engine fills in; ``fix``: fix.Part items (a plain ``recommendation`` is one
-    text part)."""
-    parts = F.of(fix) or F.of(recommendation)
-    if severity not in SEVERITIES:
-        raise ValueError(f"Argument severity should be one of {', '.join(SEVERITIES)}, but given {severity!r}")
-    return Diagnosis(rule="", severity=severity, title=title, summary=summary, layers=list(layers),
-                     steps=[int(s) for s in steps], evidence=dict(evidence or {}), recommendation=F.plain(parts),
-                     ranks=[int(r) for r in ranks], fix=parts)
-
+from . import registry
+from .result import Diagnosis, Rule, _py
 
 class Run:
     """What rules read: a trace plus cached views of it (steps, sites, per-site arrays, configuration)."""
@@ -252,25 +178,16 @@ class Run:
         return [min(steps), max(steps)] if steps else []
 
 
-def _as_trace(obj, what: str) -> Trace | RankRun:
-    if isinstance(obj, (Trace, RankRun)):
-        return obj
-    if isinstance(obj, (str, os.PathLike, list, tuple)):
-        return load_any(obj)
-    raise TypeError(f"Argument {what} should be of type ampdoctor.Trace or a path (str), but given {type(obj)}")
-
-
 def resolve_rules(rules: dict | None) -> list[tuple[Rule, dict]]:
     """Registry entries to run with their threshold overrides; ``rules={id: None}`` disables a rule."""
-    from .registry import RULES
     if rules is not None and not isinstance(rules, dict):
         raise TypeError(f"Argument rules should be of type dict, but given {type(rules)}")
     rules = dict(rules or {})
-    unknown = [k for k in rules if k not in RULES]
+    unknown = [k for k in rules if k not in registry.RULES]
     if unknown:
-        raise ValueError(f"Unknown rule id {unknown[0]!r}; known: {', '.join(RULES)}")
+        raise ValueError(f"Unknown rule id {unknown[0]!r}; known: {', '.join(registry.RULES)}")
     out = []
-    for rid, rule in RULES.items():
+    for rid, rule in registry.RULES.items():
         over = rules.get(rid, {})
         if over is None or over is False:
             continue
@@ -287,24 +204,7 @@ def resolve_rules(rules: dict | None) -> list[tuple[Rule, dict]]:
     return out
 
 
-def diagnose(trace_or_path, reference=None, rules: dict | None = None) -> list[Diagnosis]:
-    """Run every registered rule over a trace; findings worst first.
-
-    ``reference``: an optional second trace (e.g. the same model in FP32) for the rules that compare.
-    ``rules``: ``{rule_id: {threshold: value}}`` to re-threshold a rule, ``{rule_id: None}`` to disable it.
-    """
-    selected = resolve_rules(rules)
-    tr = _as_trace(trace_or_path, "trace_or_path")
-    ref = _as_trace(reference, "reference") if reference is not None else None
-    if isinstance(tr, RankRun) or isinstance(ref, RankRun):     # a directory or glob of one run's ranks
-        from .multirank import diagnose_ranks
-        return diagnose_ranks(tr, ref, selected)
-    # One consistent state of each file: a trace being written grows between the reads of different tables.
-    with tr.snapshot(), (ref.snapshot() if ref is not None else contextlib.nullcontext()):
-        return _diagnose(tr, ref, selected)
-
-
-def _diagnose(tr: Trace, ref: Trace | None, selected) -> list[Diagnosis]:
+def diagnose_trace(tr: Trace, ref: Trace | None, selected) -> list[Diagnosis]:
     run = Run(tr, Run(ref, rules=selected) if ref is not None else None, rules=selected)
     if run.n_steps == 0:
         raise TraceError(f"{tr.path}: no steps recorded; nothing to diagnose")

@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import whatif as W
 from . import advice as A
-from .engine import finding
+from .result import finding
 from .fix import code, text
 
 # 1% of a tensor's non-zero values clipped or zeroed: beyond the loss FP8's 3-bit (E4M3) rounding already brings

@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 from dataclasses import replace
 
+from ..severity import RANK
 from ..trace import Trace, TraceError
 from ..trace.run import RankRun
 from . import engine
-from .engine import Diagnosis, Run
+from .engine import Run
+from .result import Diagnosis, _py
 
 
 def reference_for(ref, rank: int):
@@ -24,7 +26,7 @@ def diagnose_ranks(tr, ref, selected) -> list[Diagnosis]:
         rank = (tr.meta.get("run", {}) or {}).get("rank", 0)
         ref = reference_for(ref, rank)
         with tr.snapshot(), (ref.snapshot() if ref is not None else contextlib.nullcontext()):
-            return engine._diagnose(tr, ref, selected)
+            return engine.diagnose_trace(tr, ref, selected)
     per_trace = [(rule, over) for rule, over in selected if rule.scope == "trace"]
     across = [(rule, over) for rule, over in selected if rule.scope == "ranks"]
     with contextlib.ExitStack() as stack:
@@ -37,7 +39,7 @@ def diagnose_ranks(tr, ref, selected) -> list[Diagnosis]:
             run = runs[rank] = Run(t, Run(r_ref) if r_ref is not None else None)
             if run.n_steps == 0:
                 continue
-            found += [(rank, d) for d in engine._diagnose(t, r_ref, per_trace)]
+            found += [(rank, d) for d in engine.diagnose_trace(t, r_ref, per_trace)]
         if not any(run.n_steps for run in runs.values()):
             raise TraceError(f"{tr.source}: no steps recorded in any rank; nothing to diagnose")
         out = _merge(found)
@@ -48,9 +50,9 @@ def diagnose_ranks(tr, ref, selected) -> list[Diagnosis]:
             result = rule.check(first, **over)
             for d in ([] if result is None else result if isinstance(result, list) else [result]):
                 if d.evidence:                 # DESIGN principle 4: no evidence, no finding
-                    out.append(replace(d, rule=rule.id, evidence=engine._py(d.evidence)))
+                    out.append(replace(d, rule=rule.id, evidence=_py(d.evidence)))
     order = {rule.id: i for i, (rule, _) in enumerate(selected)}
-    out.sort(key=lambda d: (-engine._RANK[d.severity], order.get(d.rule, 0), d.ranks))
+    out.sort(key=lambda d: (-RANK[d.severity], order.get(d.rule, 0), d.ranks))
     return out
 
 
@@ -68,7 +70,7 @@ def rank_findings(rr: RankRun, rules: dict | None = None) -> list[Diagnosis]:
             result = rule.check(runs[min(runs)], **over)
             for d in ([] if result is None else result if isinstance(result, list) else [result]):
                 if d.evidence:
-                    out.append(replace(d, rule=rule.id, evidence=engine._py(d.evidence)))
+                    out.append(replace(d, rule=rule.id, evidence=_py(d.evidence)))
     return out
 
 
@@ -80,7 +82,7 @@ def _merge(found: list[tuple[int, Diagnosis]]) -> list[Diagnosis]:
         groups.setdefault((d.rule, d.title, tuple(map(str, d.layers))), []).append((rank, d))
     out = []
     for members in groups.values():
-        rank, d = max(members, key=lambda rd: (engine._RANK[rd[1].severity], -rd[0]))
+        rank, d = max(members, key=lambda rd: (RANK[rd[1].severity], -rd[0]))
         out.append(replace(d, ranks=sorted(r for r, _ in members), evidence={"evidence_from_rank": rank,
                                                                              **d.evidence}))
     return out

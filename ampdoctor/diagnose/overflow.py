@@ -8,7 +8,7 @@ import numpy as np
 from .. import formats
 from ..trace.schema import ROOT
 from . import advice as A
-from .engine import finding
+from .result import finding
 from .fix import code, text
 
 # Critical when at least this share of steps had a non-finite forward: the run is then mostly skipped or NaN.

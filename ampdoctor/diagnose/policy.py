@@ -6,7 +6,7 @@ import numpy as np
 
 from .. import formats
 from . import advice as A
-from .engine import finding
+from .result import finding
 from .fix import code, text
 
 NORM_TYPES = ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "LayerNorm", "GroupNorm",

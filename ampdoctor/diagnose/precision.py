@@ -22,7 +22,7 @@ import numpy as np
 
 from ..trace.schema import ROOT
 from . import advice as A
-from .engine import finding
+from .result import finding
 from .fix import code, text
 
 UNIT_ROUNDOFF = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24}

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from . import advice as A
-from .engine import finding
+from .result import finding
 from .fix import code, text
 from .throughput import net_step_time
 

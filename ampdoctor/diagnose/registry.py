@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from . import (convergence, divergence, dynamics, fp8, overflow, policy, precision, ranks, scaling, throughput,
                underflow, validation, weights)
-from .engine import Rule
+from .result import Rule
 
 RULES = {r.id: r for r in (
     Rule("divergence", divergence.divergence, "the optimisation blew up (learning rate), not the loss scale"),

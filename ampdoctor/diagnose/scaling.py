@@ -5,7 +5,7 @@ import numpy as np
 
 from .. import formats
 from . import advice as A
-from .engine import finding
+from .result import finding
 from .fix import code, text
 
 # A GradScaler halves its scale once per overflowing step, so a run started at 2^16 whose gradients need 2^13

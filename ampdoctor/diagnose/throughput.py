@@ -6,7 +6,7 @@ import math
 import numpy as np
 
 from . import advice as A
-from .engine import finding
+from .result import finding
 
 # A third of each step spent waiting for the next batch caps any compute speed-up (AMP's included) at 1.5x.
 MIN_DATA_SHARE = 0.30

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from .. import formats
 from ..trace.schema import ROOT
 from . import advice as A
-from .engine import finding
+from .result import finding
 from .fix import code, text
 from .scaling import grad_out_peaks, suggestion_line
 

@@ -9,7 +9,8 @@ import numpy as np
 from .. import formats
 from ..trace.schema import ROOT
 from . import advice as A
-from .engine import finding
+from .precision import measured_culprits
+from .result import finding
 from .fix import code, text
 from .policy import NORM_TYPES
 
@@ -86,7 +87,6 @@ def culprits(run) -> list[tuple[str, str]]:
     statistics are in half precision, then normalisation layers computing in half precision, then the other
     half-precision layers by their headroom under the format's max. Empty for an FP32 run. Layers the precision
     probe measured losing precision (precision-loss) come first: a measurement, not a guess."""
-    from .precision import measured_culprits
     measured = measured_culprits(run)
     acts = run.sites("act")
     pdt = run.config.get("module_param_dtypes", {}) or {}

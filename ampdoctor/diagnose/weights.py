@@ -9,7 +9,7 @@ import numpy as np
 from .. import formats
 from ..trace.schema import ROOT
 from . import advice as A
-from .engine import finding
+from .result import finding
 from .fix import code, text
 from .policy import NORM_TYPES
 

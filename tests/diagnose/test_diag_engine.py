@@ -6,8 +6,8 @@ import pytest
 
 import ampdoctor
 from ampdoctor.diagnose import RULES, Diagnosis
-from ampdoctor.diagnose import engine, registry
-from ampdoctor.diagnose.engine import Rule, finding
+from ampdoctor.diagnose import registry
+from ampdoctor.diagnose.result import Rule, finding
 
 FIELDS = ["rule", "severity", "title", "summary", "layers", "steps", "evidence", "recommendation", "ranks", "fix"]
 
@@ -72,7 +72,7 @@ def test_worst_first_and_no_evidence_no_finding(traces, monkeypatch):
 
     fake = {"a-info": Rule("a-info", info, ""), "b-crit": Rule("b-crit", crit, "")}
     monkeypatch.setattr(registry, "RULES", fake)
-    found = engine.diagnose(traces["healthy"])
+    found = ampdoctor.diagnose(traces["healthy"])
     assert [(d.rule, d.title) for d in found] == [("b-crit", "c"), ("a-info", "i")]
 
 
