@@ -171,9 +171,8 @@ class GradPlan:
             sid = site(name, p.grad)
             self.entries.append(Entry(sid, "param", [(where[id(p)], bufs[(p.dtype, p.device)].mode, p.numel())]))
 
-    def run(self) -> list[torch.Tensor]:
-        """Write this step's [min, max] of every gradient into the slots; returns the sums of squares."""
-        squares = []
+    def run(self) -> None:
+        """Write this step's [min, max] of every gradient into the slots."""
         with torch.no_grad():                        # out= refuses inputs that require grad (create_graph=True)
             for p, lo, hi in self.big:
                 g = dense_values(p.grad)
@@ -182,13 +181,10 @@ class GradPlan:
                     hi.zero_()
                     continue
                 torch.aminmax(g, out=(lo, hi))
-                squares.append(sum_squares(g))
             for group, lo, hi in self.groups:
                 rows = torch.stack([p.grad.reshape(-1) for p in group])
                 torch.amin(rows, dim=1, out=lo)      # two single-purpose reductions beat aminmax(dim=1) 3x
                 torch.amax(rows, dim=1, out=hi)
-                squares.append(sum_squares(rows))
-        return squares
 
 
 def dense_values(g: torch.Tensor) -> torch.Tensor:
@@ -199,22 +195,6 @@ def dense_values(g: torch.Tensor) -> torch.Tensor:
     if g.layout == torch.sparse_coo:
         return g.coalesce().values()
     return g.values()                                # compressed layouts store each element once
-
-
-def sum_squares(g: torch.Tensor) -> torch.Tensor:
-    """Sum of squares of a gradient, accumulated in at least float32 (a dot product: half the time of a norm)."""
-    if g.dtype in (torch.float32, torch.float64):
-        v = g.reshape(-1)
-        return torch.dot(v, v)
-    return torch.linalg.vector_norm(g, dtype=torch.float32).square()
-
-
-def global_norm(squares: list[torch.Tensor]):
-    """L2 norm over all gradients from their sums of squares: a float on the CPU, else a device tensor."""
-    dev = squares[0].device
-    if all(K.on_host(q) for q in squares):
-        return math.sqrt(sum(q.item() for q in squares))
-    return torch.stack([q.to(dev, torch.float64) for q in squares]).sum().sqrt()
 
 
 def sum_losses(losses: list):

@@ -1,10 +1,49 @@
-"""What attach() refuses or warns about: wrapped optimizers (unwrapped), a second Doctor on the same objects,
-values that are not numbers, and runs whose step boundary or root forward never comes (the messages name the fix)."""
+"""Never break training, and say what is wrong: the one guard around every entry from the training loop into
+ampdoctor; what attach() refuses or warns about (wrapped optimizers, unwrapped; a second Doctor on the same
+objects; values that are not numbers; runs whose step boundary or root forward never comes, with the fix)."""
 from __future__ import annotations
 
+import functools
+import time
 import weakref
 
 import torch
+
+
+def guarded(method=None, *, timed: bool = True):
+    """The guard of every entry from training into a Doctor (hooks, wrapped methods, the step end, public calls):
+    it does nothing once collection is off; an internal error stops collection (``Doctor._fail``: one warning, the
+    hooks removed) instead of reaching the training loop; and, ``timed``, the time spent counts as ampdoctor's own
+    (the step's observer_time). The method's result is passed on (a forward hook's None keeps the output)."""
+    if method is None:
+        return functools.partial(guarded, timed=timed)
+    now = time.perf_counter
+
+    if not timed:
+        @functools.wraps(method)
+        def guard(self, *args, **kwargs):
+            if self._off:
+                return None
+            try:
+                return method(self, *args, **kwargs)
+            except Exception as exc:
+                self._fail(exc)
+                return None
+        return guard
+
+    @functools.wraps(method)
+    def timed_guard(self, *args, **kwargs):
+        if self._off:
+            return None
+        t0 = now()
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as exc:
+            self._fail(exc)
+            return None
+        finally:
+            self._obs += now() - t0
+    return timed_guard
 
 
 def is_scaler(obj) -> bool:

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import fnmatch
+import functools
 from typing import Callable, Iterable
 
 import torch
 
-ROOT = "(model)"
+from ..trace.schema import ROOT
 
 
 class Handles:
@@ -125,3 +126,21 @@ def first_tensor(args: Iterable, kwargs: dict | None = None) -> torch.Tensor | N
 # -1 while no backward pass runs: a forward seen during one is a checkpoint recomputation. Bound once, because the
 # forward hook asks on every call.
 graph_task_id = torch._C._current_graph_task_id
+
+
+def eager(fn):
+    """Hooks run eagerly under torch.compile: traced, their id()/weakref bookkeeping would make dynamo guard on
+    tensor identities and recompile every step. The disabled copy is only entered while dynamo traces (its
+    wrapper costs microseconds per call, which eager training would pay on every hook)."""
+    compiler = getattr(torch, "compiler", None)
+    if compiler is None or not hasattr(compiler, "disable") or not hasattr(compiler, "is_compiling"):
+        return fn
+    disabled = compiler.disable(fn)
+    is_compiling = compiler.is_compiling
+
+    @functools.wraps(fn)
+    def hook(*args, **kwargs):
+        if is_compiling():
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return hook

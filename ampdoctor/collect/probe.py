@@ -321,11 +321,11 @@ class StepProbe:
             return
         rows, skipped = summarize(rec.disarm())
         mods = dict(self.doctor._modules)
-        out = []
+        sites, out = self.doctor._sites, []
         for r in rows:
-            sid = self.doctor._act_ids.get(r["path"])
+            sid = sites.act.get(r["path"])
             if sid is None:
-                sid = self.doctor._site(r["path"], "act", mods.get(r["path"]), None)
+                sid = sites.get(r["path"], "act", mods.get(r["path"]), None, step)
             out.append((step, sid, r["calls"], r["k"], r["numel"], r["dtype"], r["rel_err"], r["max_err"],
                         r["ref_norm"], r["ref_absmax"]))
         self.doctor._put(("probe", step, out, {"skipped": skipped}))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from .precision import measured_culprits
+from . import precision
 from .result import finding
 from .fix import code, text
 from .scaling import MAX_SKIP_SHARE
@@ -44,7 +44,7 @@ def slow_convergence(run, *, ratio=SLOW_RATIO, max_skip_share=MAX_SKIP_SHARE, al
     # through the engine: the user's thresholds for grad-underflow (or its being disabled) apply here too
     if any(d.severity != "info" for d in run.findings_of("grad-underflow")):
         return None                           # material underflow explains it: fix that first
-    if measured_culprits(run):
+    if precision.measured_culprits(run):
         return None                           # a layer measured losing precision explains it (precision-loss)
     sa, sb = smooth(a), smooth(b)
     n = min(len(sa), len(sb))

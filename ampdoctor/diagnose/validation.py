@@ -9,7 +9,7 @@ import numpy as np
 from .. import formats
 from ..trace.schema import ROOT
 from . import advice as A
-from .precision import measured_culprits
+from . import precision
 from .result import finding
 from .fix import code, text
 from .policy import NORM_TYPES
@@ -87,7 +87,7 @@ def culprits(run) -> list[tuple[str, str]]:
     statistics are in half precision, then normalisation layers computing in half precision, then the other
     half-precision layers by their headroom under the format's max. Empty for an FP32 run. Layers the precision
     probe measured losing precision (precision-loss) come first: a measurement, not a guess."""
-    measured = measured_culprits(run)
+    measured = precision.measured_culprits(run)
     acts = run.sites("act")
     pdt = run.config.get("module_param_dtypes", {}) or {}
     types = run.module_types
