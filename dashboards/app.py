@@ -21,7 +21,7 @@ from flask import Response, request
 
 from ampdoctor.trace import TraceError, load
 
-from . import data, hosts, ids, ranks
+from . import catalog, diagnosis, hosts, ids, ranks
 from .pages import compare, formats, layer, layers, overview, precision, whatif
 from .pages.common import href, parse_search
 
@@ -73,18 +73,18 @@ class Context:
             stamp, runs = self._runs
         if time.monotonic() - stamp > 1.0:
             # outside the lock: a slow disk delays one request
-            runs = ranks.with_ranks(data.discover_runs(self.root), self._rank_meta, self.files)
+            runs = ranks.with_ranks(catalog.discover_runs(self.root), self._rank_meta, self.files)
             with self._lock:
                 self._runs = (time.monotonic(), runs)
         return runs
 
-    def resolve(self, key) -> data.Run | None:
+    def resolve(self, key) -> catalog.Run | None:
         """The run a browser-supplied key names, or None: only keys of runs() (and the reference) exist."""
         if not isinstance(key, str):
             return None
         if key == REFERENCE_KEY and self.reference_path:
             path = os.path.realpath(self.reference_path)
-            return data.Run(REFERENCE_KEY, path, "reference: " + os.path.basename(path), None)
+            return catalog.Run(REFERENCE_KEY, path, "reference: " + os.path.basename(path), None)
         return self.runs().get(key)
 
     def default_key(self) -> str | None:
@@ -162,8 +162,8 @@ class Context:
             return last[2]
         ref = self.trace(REFERENCE_KEY) if self.reference_path and key != REFERENCE_KEY else None
         try:
-            found = data.findings(tr, ref) + ranks.group_findings(self, key)     # + the run's rank rules
-            result = (sorted(found, key=lambda d: data.SEVERITY_ORDER.get(d.severity, 3)), None)
+            found = diagnosis.findings(tr, ref) + ranks.group_findings(self, key)     # + the run's rank rules
+            result = (sorted(found, key=lambda d: diagnosis.SEVERITY_ORDER.get(d.severity, 3)), None)
         except Exception as exc:        # noqa: BLE001 - someone else's rule must not take the dashboard down
             result = ([], f"{type(exc).__name__}: {exc}")
         with self._lock:
@@ -174,7 +174,7 @@ class Context:
 def run_options(ctx: Context) -> list[dict]:
     """Run picker entries: per-rank traces of one run next to each other, then the reference."""
     runs = sorted(ctx.runs().items(), key=lambda kv: (kv[1].group, kv[1].rank or 0, kv[0]))
-    options = [{"label": data.run_label(r), "value": k} for k, r in runs]
+    options = [{"label": catalog.run_label(r), "value": k} for k, r in runs]
     if ctx.reference_path:
         options.append({"label": "reference: " + os.path.basename(ctx.reference_path), "value": REFERENCE_KEY})
     return options

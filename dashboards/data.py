@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import stat
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,13 +15,9 @@ import pandas as pd
 
 from ampdoctor import formats
 from ampdoctor.precision_label import describe_precision
-from ampdoctor.severity import WORST_FIRST
-from ampdoctor.trace import is_trace
 from ampdoctor.trace.schema import ROOT
 from ampdoctor.trace.observation import cost_line, observation_line
 
-from ampdoctor.diagnose import diagnose as _diagnose
-from ampdoctor.diagnose import fix as F
 from ampdoctor.replay import TORCH_DEFAULTS
 from ampdoctor.replay import replay as _replay
 
@@ -35,77 +30,11 @@ STATS = {
     "zeros": "zero share",
     "nonfinite": "NaN/Inf count",
 }
-SEVERITY_ORDER = WORST_FIRST
 # the layer types the recommended allocation keeps in FP32 (normalisation, softmax, losses) and the ones that
 # should compute in FP16/BF16 (the matrix multiplies and convolutions that make mixed precision fast)
 _FP32_TYPES = re.compile(r"Norm|Softmax|Loss|Softmin")
 _HALF_TYPES = re.compile(r"^(Linear|Bilinear|LazyLinear|Conv\w*|LazyConv\w*|MultiheadAttention|LSTM|GRU|RNN|"
                          r"TransformerEncoderLayer|TransformerDecoderLayer)$")
-
-
-# -- runs under a root ------------------------------------------------------------------------------------------
-_RANK = re.compile(r"[._-]?rank[._-]?(\d+)$", re.IGNORECASE)
-_TRACE_EXT = (".db", ".sqlite", ".sqlite3", ".trace")
-
-
-@dataclass(frozen=True)
-class Run:
-    """One trace file the dashboard may open: ``key`` is its path relative to the root (the only name the
-    browser ever sends back), ``group`` the run it belongs to (per-rank traces share one) and ``rank``."""
-
-    key: str
-    path: str
-    group: str
-    rank: int | None
-
-
-def discover_runs(root: str, max_files: int = 2000) -> dict[str, Run]:
-    """Trace files at or under ``root`` (a file or a directory), keyed by their path relative to the root.
-
-    Symbolic links that lead outside the root are skipped: the browser reaches nothing but what this returns.
-    Only regular files are opened: opening a FIFO named ``x.db`` would wait for a writer forever.
-    """
-    root = os.path.realpath(root)
-    if os.path.isfile(root):
-        stem = os.path.splitext(os.path.basename(root))[0]
-        return {os.path.basename(root): Run(os.path.basename(root), root, _RANK.sub("", stem), _rank(stem))}
-    runs: dict[str, Run] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for name in sorted(filenames):
-            if not name.lower().endswith(_TRACE_EXT):
-                continue
-            path = os.path.realpath(os.path.join(dirpath, name))
-            if os.path.commonpath([root, path]) != root or not _regular(path) or not is_trace(path):
-                continue
-            key = os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/")
-            stem = os.path.splitext(key)[0]
-            runs[key] = Run(key, path, _RANK.sub("", stem), _rank(stem))
-            if len(runs) >= max_files:
-                return runs
-    return runs
-
-
-def _regular(path: str) -> bool:
-    try:
-        return stat.S_ISREG(os.stat(path).st_mode)
-    except OSError:
-        return False
-
-
-def _rank(stem: str) -> int | None:
-    m = _RANK.search(stem)
-    return int(m.group(1)) if m else None
-
-
-def ranks_label(d) -> str:
-    """"rank 1" / "ranks 0, 1" for a finding of a multi-rank run, "" for one trace."""
-    ranks = list(getattr(d, "ranks", None) or [])
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else ""
-
-
-def run_label(run: Run) -> str:
-    return run.group if run.rank is None else f"{run.group} (rank {run.rank})"
 
 
 # -- summary ----------------------------------------------------------------------------------------------------
@@ -155,55 +84,6 @@ def run_summary(tr) -> list[tuple[str, str]]:
         where = f"{e['path']} ({e['site_kind']})" if isinstance(e["path"], str) else "the loss"
         rows.append(("first non-finite", f"step {int(e['step'])}: {where}, {e['phase']} phase"))
     return rows
-
-
-# -- findings ---------------------------------------------------------------------------------------------------
-def findings(tr, reference=None) -> list:
-    """The diagnosis of a trace, worst first; [] when the rules are not installed or no step is recorded yet."""
-    if tr.n_steps == 0:
-        return []
-    out = list(_diagnose(tr, reference=reference) if reference is not None else _diagnose(tr))
-    return sorted(out, key=lambda d: SEVERITY_ORDER.get(getattr(d, "severity", "info"), 3))
-
-
-def finding_mentions(d, path: str) -> bool:
-    """Does finding ``d`` name layer ``path`` (a module path, or a parameter of that module)?"""
-    for layer in getattr(d, "layers", None) or ():
-        layer = str(layer)
-        if layer == path or layer.startswith(path + ".") or path.startswith(layer + "."):
-            return True
-    return False
-
-
-def fix_parts(d) -> list[tuple[str, str]]:
-    """A finding's fix as ("text" | "code", text) parts, as the rule wrote them (code runs as printed)."""
-    return [(p.kind, p.text) for p in F.of(getattr(d, "fix", None) or getattr(d, "recommendation", "") or "")]
-
-
-def _short(v) -> str:
-    if isinstance(v, bool) or v is None:
-        return str(v)
-    if isinstance(v, (float, np.floating)):
-        return f"{float(v):.4g}"
-    if isinstance(v, (int, np.integer)):
-        return str(int(v))
-    return str(v)
-
-
-def evidence_items(d) -> list[tuple[str, str]]:
-    """A finding's evidence as (name, short text) rows: numbers to 4 digits, long lists cut at 8 items."""
-    out = []
-    for k, v in (getattr(d, "evidence", None) or {}).items():
-        if isinstance(v, dict):
-            items = list(v.items())
-            v = ", ".join(f"{a}: {_short(b)}" for a, b in items[:8]) + (f", ... ({len(items)} in all)"
-                                                                        if len(items) > 8 else "")
-        elif isinstance(v, (list, tuple, np.ndarray)):
-            v = ", ".join(_short(x) for x in list(v)[:8]) + (f", ... ({len(v)} in all)" if len(v) > 8 else "")
-        else:
-            v = _short(v)
-        out.append((str(k), v))
-    return out
 
 
 # -- layers ------------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 from ampdoctor.diagnose import diagnose
 from ampdoctor.trace.run import run_pattern
 
-from . import data, figures
+from . import catalog, figures
 from .report import _fig, finding_html, page
 
 MAX_RANK_LINES = 16        # more lines than this are unreadable; the table still lists every rank
@@ -84,7 +84,7 @@ def build_rank_report(rr, reference=None) -> str:
 def default_output(rr) -> str:
     """``runs/exp-0.db, runs/exp-1.db`` -> ``runs/exp-ranks.html``."""
     stem = os.path.splitext(rr[rr.ranks[0]].path)[0]
-    base = data._RANK.sub("", stem)
+    base = catalog.RANK_SUFFIX.sub("", stem)
     base = base.rstrip("0123456789").rstrip("._-") if base == stem else base
     return (base or stem) + "-ranks.html"
 

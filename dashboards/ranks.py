@@ -31,7 +31,7 @@ def _rank_meta(path: str, cache: dict) -> tuple[int, int] | None:
 
 
 def with_ranks(runs: dict, cache: dict, files: set | None = None) -> dict:
-    """``runs`` (data.discover_runs), restricted to ``files`` when given, with the rank and group of every
+    """``runs`` (catalog.discover_runs), restricted to ``files`` when given, with the rank and group of every
     per-rank trace whose name has a trailing number that its metadata confirms as its rank."""
     out = {}
     for key, run in runs.items():

@@ -11,7 +11,7 @@ from plotly.offline import get_plotlyjs
 
 from ampdoctor import __version__
 
-from . import data, figures
+from . import data, diagnosis, figures
 
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:0 auto;max-width:1200px;padding:1em 2em;
@@ -31,7 +31,7 @@ color:#555} pre{background:#f6f8fa;padding:.6em;overflow-x:auto} .bad{color:#d62
 def fix_html(d) -> str:
     """A finding's fix: code parts in <pre>, text parts as paragraphs with `code` spans; everything escaped."""
     out = []
-    for kind, chunk in data.fix_parts(d):
+    for kind, chunk in diagnosis.fix_parts(d):
         if kind == "code":
             out.append(f"<pre><code>{html.escape(chunk)}</code></pre>")
         else:
@@ -48,7 +48,7 @@ def finding_html(d) -> str:
     layers = ", ".join(map(str, getattr(d, "layers", None) or [])) or "-"
     steps = getattr(d, "steps", None)
     span = f"steps {steps[0]}–{steps[1]}" if steps and len(steps) == 2 else ""
-    ev = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in data.evidence_items(d))
+    ev = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in diagnosis.evidence_items(d))
     return (f'<div class="finding {sev}"><div><span class="sev">{sev}</span><span class="rule">'
             f'{html.escape(str(d.rule))}</span>{_ranks(d)}</div><h3>{html.escape(str(d.title))}</h3>'
             f"<p>{html.escape(str(getattr(d, 'summary', '') or ''))}</p>"
@@ -59,7 +59,7 @@ def finding_html(d) -> str:
 
 def _ranks(d) -> str:
     """" · rank 1" for a finding of a multi-rank run."""
-    label = data.ranks_label(d)
+    label = diagnosis.ranks_label(d)
     return f" · {html.escape(label)}" if label else ""
 
 
@@ -118,7 +118,7 @@ def build_report(tr, reference=None, progress=None) -> str:
     """The report as one HTML string; ``progress(stage)``, when given, is called as each of STAGES starts."""
     stage = progress or (lambda name: None)
     stage("diagnosis")
-    found = data.findings(tr, reference)
+    found = diagnosis.findings(tr, reference)
     summary = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in data.run_summary(tr))
     if not found:
         fhtml = "<p>No findings: nothing in this trace trips a rule.</p>"

@@ -284,7 +284,7 @@ def test_non_regular_files_are_refused_not_opened(tmp_path, good_trace):
     os.mkfifo(tmp_path / "t.db-wal")
     with pytest.raises(ampdoctor.TraceError, match="t.db-wal next to it is not a regular file"):
         ampdoctor.load(tmp_path / "t.db")
-    from ampdoctor.dashboards.data import discover_runs
+    from ampdoctor.dashboards.catalog import discover_runs
     shutil.copy(good_trace, tmp_path / "ok.db")
     runs = discover_runs(str(tmp_path))                  # a served directory with FIFOs in it: scanned, not blocked
     assert "ok.db" in runs and "pipe.db" not in runs

@@ -1,120 +1,20 @@
 """Read-only view of a trace file. Offline side: no torch import.
 
-A trace may come from anyone, so it is checked when opened (checks.py: plain tables with their declared columns,
-value types, dense step and site ids, JSON well-formed and shallow), every allocation is sized by rows that exist,
-only regular files are opened (a FIFO would block), and whatever else is wrong becomes a one-line TraceError.
+A trace may come from anyone, so it is checked when opened (files.py: a regular SQLite file, opened read-only;
+checks.py: plain tables with their declared columns, value types, dense step and site ids, JSON well-formed and
+shallow), every allocation is sized by rows that exist, and whatever else is wrong becomes a one-line TraceError.
 """
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import sqlite3
-import stat
-import tempfile
-import urllib.parse
-import weakref
 
 import numpy as np
 import pandas as pd
 
-from . import checks, schema
+from . import checks, files, schema
 from .schema import HIST_HI, HIST_LO, TraceError
-
-_SQLITE_MAGIC = b"SQLite format 3\x00"
-_SIDE_FILES = ("-wal", "-shm", "-journal")
-
-
-def _read_head(path: str, n: int = 100) -> bytes:
-    """The first bytes of a regular file. Opened non-blocking and checked with fstat: a FIFO (or device, socket)
-    is refused instead of blocking the reader forever."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise TraceError(f"{path}: not a regular file, not a trace")
-        return os.read(fd, n)
-    finally:
-        os.close(fd)
-
-
-def _check_file(path: str) -> None:
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise TraceError(f"{path}: no such file") from None
-    except OSError as exc:
-        raise TraceError(f"{path}: cannot read ({exc.strerror})") from None
-    if stat.S_ISDIR(st.st_mode):
-        raise TraceError(f"{path}: is a directory, not a trace file")
-    if not stat.S_ISREG(st.st_mode):
-        raise TraceError(f"{path}: not a regular file (a FIFO, socket or device), not a trace")
-    for side in _SIDE_FILES:                  # SQLite opens these too: a FIFO there would block it
-        if os.path.lexists(path + side) and not os.path.isfile(path + side):
-            raise TraceError(f"{path}: {os.path.basename(path + side)} next to it is not a regular file")
-    size = st.st_size
-    if size == 0:
-        raise TraceError(f"{path}: empty file (0 bytes), not an ampdoctor trace")
-    try:
-        head = _read_head(path)
-    except OSError as exc:
-        raise TraceError(f"{path}: cannot read ({exc.strerror})") from None
-    if not head.startswith(_SQLITE_MAGIC):
-        raise TraceError(f"{path}: not an ampdoctor trace (not a SQLite database)")
-    if len(head) < 100:
-        raise TraceError(f"{path}: truncated trace ({size} bytes, shorter than a SQLite header)")
-    page_size = int.from_bytes(head[16:18], "big")
-    page_size = 65536 if page_size == 1 else page_size
-    if page_size and size % page_size:
-        raise TraceError(f"{path}: truncated or corrupt trace ({size} bytes is not a whole number of "
-                         f"{page_size}-byte pages)")
-
-
-def _uri(path: str) -> str:
-    """The ``file:`` URI of a path: every byte that is not plain is %-escaped (SQLite decodes the path), so a file
-    named ``%2E%2E%2Foutside.db`` or ``lr 1e-3?.db`` opens that very file."""
-    return "file:" + urllib.parse.quote(os.path.abspath(path), safe="/")
-
-
-def _ids(conn) -> tuple[int, int]:
-    return conn.execute("PRAGMA application_id").fetchone()[0], conn.execute("PRAGMA user_version").fetchone()[0]
-
-
-class _CopyConnection(sqlite3.Connection):
-    """A connection to a private copy of a trace; closing it (or dropping it) removes the copy."""
-
-    removes = None
-
-    def close(self):
-        super().close()
-        if self.removes is not None:
-            self.removes()
-
-
-def _connect(path: str):
-    """Read-only connection: (conn, application id, format version).
-
-    A WAL reader needs the -shm file next to the trace. In a read-only directory SQLite reads the WAL only through
-    an -shm that is already there (a killed run leaves one); when there is none and the WAL holds data (a killed run
-    whose -shm was not copied along), the trace and its WAL are copied to a private temporary directory and read
-    there (SQLite cannot read a WAL without an -shm it can create, and ``immutable=1`` would silently drop the steps
-    still in the WAL); without a WAL, ``immutable=1`` reads the file in place."""
-    try:
-        conn = sqlite3.connect(f"{_uri(path)}?mode=ro", uri=True, check_same_thread=False)
-        return (conn, *_ids(conn))
-    except sqlite3.OperationalError:
-        if os.access(os.path.dirname(os.path.abspath(path)), os.W_OK) and not os.path.exists(path + "-shm"):
-            raise
-    wal = path + "-wal"
-    if os.path.exists(wal) and os.path.getsize(wal) > 0:
-        tmp = tempfile.mkdtemp(prefix="ampdoctor-")
-        copy = os.path.join(tmp, "trace.db")
-        shutil.copyfile(path, copy)
-        shutil.copyfile(wal, copy + "-wal")
-        conn = sqlite3.connect(f"{_uri(copy)}?mode=ro", uri=True, check_same_thread=False, factory=_CopyConnection)
-        conn.removes = weakref.finalize(conn, shutil.rmtree, tmp, True)
-    else:
-        conn = sqlite3.connect(f"{_uri(path)}?immutable=1", uri=True, check_same_thread=False)
-    return (conn, *_ids(conn))
 
 
 class Trace:
@@ -123,9 +23,9 @@ class Trace:
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
         self._snapshot_depth = 0
-        _check_file(self.path)
+        files.check_file(self.path)
         try:
-            self._conn, app_id, version = _connect(self.path)
+            self._conn, app_id, version = files.connect(self.path)
         except (sqlite3.DatabaseError, OSError) as exc:
             raise TraceError(f"{self.path}: corrupt or unreadable trace ({exc})") from None
         if app_id != schema.APPLICATION_ID:
@@ -409,10 +309,10 @@ def is_trace(path: str | os.PathLike) -> bool:
     written in WAL mode may carry the id only in its -wal file until the first checkpoint; then it is opened."""
     path = os.fspath(path)
     try:
-        head = _read_head(path, 72)           # never blocks on a FIFO
+        head = files.read_head(path, 72)           # never blocks on a FIFO
     except (OSError, TraceError):
         return False
-    if not head.startswith(_SQLITE_MAGIC):
+    if not head.startswith(files.SQLITE_MAGIC):
         return False
     app_id = int.from_bytes(head[68:72], "big")
     if app_id == schema.APPLICATION_ID:

@@ -9,13 +9,13 @@ import glob
 import os
 import re
 
+from .files import SIDE_FILES
 from .reader import Trace
 from .reader import load as load_trace
 from .schema import TraceError
 
 TRACE_EXT = (".db", ".sqlite", ".sqlite3", ".trace")
 _GLOB = re.compile(r"[*?\[]")
-_SIDE_FILES = ("-wal", "-shm", "-journal")
 _RANK_DIGITS = re.compile(r"(rank)?\d+$", re.IGNORECASE)
 
 
@@ -87,7 +87,7 @@ def _files(spec) -> list[str]:
         names = sorted(os.path.join(spec, n) for n in os.listdir(spec) if n.lower().endswith(TRACE_EXT))
         where = f"{spec}: no trace files ({', '.join('*' + e for e in TRACE_EXT)}) in this directory"
     else:
-        names = sorted(n for n in glob.glob(spec) if not n.endswith(_SIDE_FILES))    # SQLite's, not traces
+        names = sorted(n for n in glob.glob(spec) if not n.endswith(SIDE_FILES))    # SQLite's, not traces
         where = f"{spec}: no file matches this pattern"
     names = [n for n in names if os.path.isfile(n)]     # regular files only: a FIFO would block the open
     if not names:

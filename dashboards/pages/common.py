@@ -6,7 +6,7 @@ from urllib.parse import parse_qs, urlencode
 
 from dash import dcc, html
 
-from .. import data
+from .. import diagnosis
 
 SEVERITY_COLORS = {"critical": "#d62728", "warning": "#ff7f0e", "info": "#1f77b4"}
 GRAPH_CONFIG = {"displaylogo": False}
@@ -66,9 +66,9 @@ def finding_card(d, run: str, links: dict):
         if i < len(layers) - 1:
             layer_els.append(", ")
     steps = getattr(d, "steps", None)
-    ev = data.evidence_items(d)
+    ev = diagnosis.evidence_items(d)
     rec = []
-    for kind, chunk in data.fix_parts(d):
+    for kind, chunk in diagnosis.fix_parts(d):
         if kind == "code":
             rec.append(html.Div([dcc.Clipboard(content=chunk, title="copy",
                                                style={"float": "right", "cursor": "pointer"}),
@@ -79,7 +79,7 @@ def finding_card(d, run: str, links: dict):
         html.Div([html.Span(sev.upper(), className="severity",
                             style={"color": color, "fontWeight": "bold", "marginRight": "0.8em"}),
                   html.Code(str(d.rule), className="rule-id"),
-                  html.Span(data.ranks_label(d), className="ranks", style={"marginLeft": "0.8em"})]),
+                  html.Span(diagnosis.ranks_label(d), className="ranks", style={"marginLeft": "0.8em"})]),
         html.H4(str(d.title), style={"margin": "0.3em 0"}),
         html.P(str(getattr(d, "summary", "") or "")),
         html.P([html.B("Layers: "), *(layer_els or ["-"]),

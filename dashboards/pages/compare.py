@@ -5,12 +5,12 @@ import os
 
 from dash import Input, Output, State, dcc, html
 
-from .. import data, figures, ids
+from .. import catalog, data, figures, ids
 from .common import graph, run_of
 
 
 def _choices(ctx, run):
-    opts = [{"label": data.run_label(r), "value": k} for k, r in ctx.runs().items() if k != run]
+    opts = [{"label": catalog.run_label(r), "value": k} for k, r in ctx.runs().items() if k != run]
     if ctx.reference_path and run != "reference":
         opts.insert(0, {"label": "reference: " + os.path.basename(ctx.reference_path), "value": "reference"})
     return opts
@@ -43,7 +43,7 @@ def update(ctx, other, stat, version, search):
     if a is None or b is None or stat not in data.STATS:
         return {}, {}
     sa, sb = a.steps(), b.steps()
-    names = (data.run_label(ctx.resolve(run)), data.run_label(ctx.resolve(other)))
+    names = (catalog.run_label(ctx.resolve(run)), catalog.run_label(ctx.resolve(other)))
     cmp = data.compare_layers(a, b, stat, "grad_out")
     return (figures.compare_loss_figure([(names[0], sa["step"], sa["loss"]), (names[1], sb["step"], sb["loss"])]),
             figures.compare_layers_figure(cmp.index, cmp["a"], cmp["b"], names, data.STATS[stat]))

@@ -5,7 +5,7 @@ import re
 
 from dash import Input, Output, State, dcc, html
 
-from .. import data, figures, ids
+from .. import data, diagnosis, figures, ids
 from .common import finding_card, graph, href, parse_search, run_of, site_links
 
 
@@ -52,8 +52,8 @@ def update(ctx, version, search):
     series = data.layer_series(tr, sid, kind)
     names = {"absmax": "abs max", "rms": "RMS", "grad_norm": "gradient norm (whole model)"}
     fig = figures.layer_series_figure({names[k]: v for k, v in series.items()})
-    found = [d for d in ctx.findings(run) if data.finding_mentions(d, str(site["path"]))
-             or data.finding_mentions(d, str(site["module"]))]
+    found = [d for d in ctx.findings(run) if diagnosis.finding_mentions(d, str(site["path"]))
+             or diagnosis.finding_mentions(d, str(site["module"]))]
     links = ctx.cached(run, "links", site_links)
     cards = [finding_card(d, run, links) for d in found] or html.P("No finding names this layer.")
     return title, hist, fig, cards

@@ -3,16 +3,16 @@ from __future__ import annotations
 
 from dash import Input, Output, State, dcc, html
 
-from .. import data, figures, ids
+from .. import catalog, data, figures, ids
 from .common import finding_card, graph, href, run_of, site_links
 
 
 def layout(ctx, run: str, query: dict):
     others = _ranks(ctx, run)
     return html.Div([
-        html.Div([html.H2(data.run_label(ctx.resolve(run)), style={"margin": "0.2em 0"}),
+        html.Div([html.H2(catalog.run_label(ctx.resolve(run)), style={"margin": "0.2em 0"}),
                   html.Span(id=ids.STEP_COUNT, style={"color": "#555"})]),
-        html.P(["Other ranks of this run: ", *[html.Span([dcc.Link(data.run_label(r), href=href("/", r.key)), " "])
+        html.P(["Other ranks of this run: ", *[html.Span([dcc.Link(catalog.run_label(r), href=href("/", r.key)), " "])
                                                 for r in others]]) if others else None,
         html.Div(id=ids.SUMMARY),
         html.H3("Findings"),

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from selenium.webdriver.common.action_chains import ActionChains
 
-from ampdoctor.dashboards import data, ids
+from ampdoctor.dashboards import diagnosis, ids
 from ampdoctor.dashboards.app import create_app
 
 import runs
@@ -34,7 +34,7 @@ def test_overview_findings_layer_detail_and_whatif(dash_duo, traces):
     dash_duo.wait_for_element(".finding", timeout=20)
     cards = dash_duo.find_elements(".finding")
     text = " ".join(c.text for c in cards)
-    first = data.findings(app.ampdoctor.trace("fp16_under.db"))[0]
+    first = diagnosis.findings(app.ampdoctor.trace("fp16_under.db"))[0]
     assert first.rule in text and first.title in text
     assert first.layers and first.layers[0] in dash_duo.find_elements(".finding .culprit")[0].text
     dash_duo.wait_for_text_to_equal(f"#{ids.STEP_COUNT}", "30 steps", timeout=10)

@@ -5,7 +5,7 @@ import pytest
 
 import ampdoctor
 from ampdoctor import formats
-from ampdoctor.dashboards import data, figures
+from ampdoctor.dashboards import catalog, data, diagnosis, figures
 
 
 def _n_points(fig) -> list[int]:
@@ -164,7 +164,7 @@ def test_fix_parts_are_the_rules_own_text_and_code(traces):
     """A fix is shown as the rule wrote it: text and code parts in order, joined they are the recommendation, and
     every code part compiles as printed (the fix tests run them); a plain-text recommendation is one text part."""
     found = [d for name in ("fp16_bad.db", "fp16_under.db", "bf16.db") for d in ampdoctor.diagnose(str(traces / name))]
-    parts = [data.fix_parts(d) for d in found]
+    parts = [diagnosis.fix_parts(d) for d in found]
     assert found and all(p for p in parts) and any(k == "code" for p in parts for k, _ in p)
     for d, p in zip(found, parts):
         assert {k for k, _ in p} <= {"text", "code"}
@@ -172,19 +172,19 @@ def test_fix_parts_are_the_rules_own_text_and_code(traces):
         for kind, text in p:
             if kind == "code":
                 compile(text, d.rule, "exec")
-    assert data.fix_parts(type("D", (), {"recommendation": "Lower the rate.\nx = 1"})()) == [
+    assert diagnosis.fix_parts(type("D", (), {"recommendation": "Lower the rate.\nx = 1"})()) == [
         ("text", "Lower the rate.\nx = 1")]
 
 
 def test_discover_runs_groups_ranks_and_stays_under_the_root(traces, tmp_path):
-    runs = data.discover_runs(str(traces))
+    runs = catalog.discover_runs(str(traces))
     assert {"fp16_bad.db", "fp16_under.db", "bf16.db", "ddp/run.rank0.db", "ddp/run.rank1.db"} <= set(runs)
     assert runs["ddp/run.rank1.db"].group == "ddp/run" and runs["ddp/run.rank1.db"].rank == 1
     # a link out of the root and a non-trace file are not offered
     (tmp_path / "inside").mkdir()
     (tmp_path / "inside" / "notes.db").write_text("not a trace")
     (tmp_path / "inside" / "escape.db").symlink_to(traces / "bf16.db")
-    assert data.discover_runs(str(tmp_path / "inside")) == {}
+    assert catalog.discover_runs(str(tmp_path / "inside")) == {}
 
 
 def test_layers_of_the_offline_side_import_neither_dash_nor_torch():

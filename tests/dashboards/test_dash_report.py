@@ -6,7 +6,7 @@ import pytest
 
 import ampdoctor
 from ampdoctor.cli import main
-from ampdoctor.dashboards import data, report
+from ampdoctor.dashboards import diagnosis, report
 
 
 def _external_refs(text: str) -> list[str]:
@@ -26,7 +26,7 @@ def test_report_is_self_contained_and_names_the_findings(traces, tmp_path, capsy
     assert _external_refs(text) == []
     assert not re.search(r"<script[^>]+src=", text) and not re.search(r"<link[^>]+href=", text)
     assert "Plotly.newPlot" in text and len(text) > 1_000_000          # plotly.js embedded, ~4.5 MB
-    found = data.findings(ampdoctor.load(traces / "fp16_under.db"))
+    found = diagnosis.findings(ampdoctor.load(traces / "fp16_under.db"))
     assert found
     for d in found:
         assert d.rule in text and d.title in text
@@ -45,16 +45,16 @@ def test_report_shows_real_findings_worst_first_with_evidence_and_fix(hostile):
     """A real run with two faults (a critical and a warning finding): every finding with its rule, title,
     evidence rows and fix as code, the worst first."""
     tr = ampdoctor.load(hostile[0])
-    found = data.findings(tr)
+    found = diagnosis.findings(tr)
     assert {"critical", "warning"} <= {d.severity for d in found}
     body = report.build_report(tr).split("</head>", 1)[1]
     shown = re.findall(r'<div class="finding (\w+)"><div><span class="sev">\w+</span><span class="rule">([^<]+)<', body)
     assert sorted(rule for _, rule in shown) == sorted(d.rule for d in found)
-    ranks = [data.SEVERITY_ORDER[sev] for sev, _ in shown]
+    ranks = [diagnosis.SEVERITY_ORDER[sev] for sev, _ in shown]
     assert ranks == sorted(ranks)                                            # worst first
     for d in found:
         assert f"<h3>{html.escape(d.title)}</h3>" in body
-        for k, v in data.evidence_items(d):
+        for k, v in diagnosis.evidence_items(d):
             assert f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" in body
         code = [p.text for p in d.fix if p.kind == "code"]
         assert code and all(f"<pre><code>{html.escape(c)}</code></pre>" in body for c in code)

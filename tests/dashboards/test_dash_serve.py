@@ -4,7 +4,7 @@ import pytest
 
 from ampdoctor.cli import main
 from ampdoctor.commands import serve as command
-from ampdoctor.dashboards import data
+from ampdoctor.dashboards import data, diagnosis
 from ampdoctor.dashboards.app import create_app, render
 from ampdoctor.dashboards.pages import compare, layer, layers, overview, whatif
 
@@ -117,7 +117,7 @@ def test_findings_are_cached_and_a_failing_rule_does_not_break_the_overview(trac
         calls.append(tr.path)
         raise IndexError("boolean index did not match")
 
-    monkeypatch.setattr(data, "findings", failing)
+    monkeypatch.setattr(diagnosis, "findings", failing)
     ctx = create_app(str(traces)).ampdoctor
     assert ctx.findings_and_error("bf16.db") == ([], "IndexError: boolean index did not match")
     assert ctx.findings("bf16.db") == [] and len(calls) == 1          # same trace length: not run again
