@@ -265,13 +265,13 @@ class _Unsized(nn.Module):
 
 
 def test_a_failure_inside_the_probe_stops_collection_not_training(tmp_path, monkeypatch):
-    from ampdoctor.collect import probe as probe_module
+    from ampdoctor.collect import recompute
 
     def broken(module, args):
         if isinstance(module, _Unsized):
             raise RuntimeError("probe bug")
         return 1
-    monkeypatch.setattr(probe_module, "accumulation_length", broken)
+    monkeypatch.setattr(recompute, "accumulation_length", broken)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 8), _Unsized(), nn.Linear(8, 1))
     with pytest.warns(RuntimeWarning, match="collection stopped after an internal error .RuntimeError: probe bug"):

@@ -15,8 +15,8 @@ from . import buffers as B
 from . import cadence as C
 from . import guards as G
 from . import hooks as H
+from . import meta
 from . import stats as K
-from .meta import device_type
 
 WARN_AFTER_STEPS = 3        # steps (or cleared gradients) before a run that is not observed as it should be warns
 # Observations held for one step: a step of 1,000 observed modules with 32 accumulated micro-batches holds ~64k
@@ -42,13 +42,18 @@ class Callbacks:
         if self._t_first is None:
             self._t_first = time.perf_counter()
             self._flush_pending()
-            self._device = device_type(self.model)      # once a step: a model may be moved
+            self._device = self._device_now()       # once a step: a model may be moved
             self._probe_autocast()
         self._step_starts += 1
         self._micro += 1
         if t is not None and t.dim() > 0:
             self._samples += int(t.shape[0])
         self._bwd_probe = True
+
+    def _device_now(self) -> str | None:
+        """The model's device type, read from its first parameter (or buffer): walking the modules to find one
+        costs ~10 us, every step. A moved model keeps its Parameter objects (``.to()`` swaps their data)."""
+        return self._anchor.device.type if self._anchor is not None else meta.device_type(self.model)
 
     def _probe_autocast(self) -> None:
         """Record the autocast state at the step's first forward. Frameworks enter autocast inside ``forward``
@@ -77,7 +82,7 @@ class Callbacks:
             self._ac_probe = False
             self._bwd_probe = True         # (also where no root forward marks the micro-batches)
             if self._device is None:
-                self._device = device_type(self.model)
+                self._device = self._device_now()
             self._probe_autocast()
         rec = self._rec
         if len(rec.entries) >= MAX_STEP_ENTRIES:

@@ -6,6 +6,7 @@ failure and close. What it does when training calls it is in callbacks.py; every
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import numbers
 import os
@@ -115,6 +116,7 @@ class Doctor(Callbacks, StepBoundary):
         self._loss_dtype = None
         self._snapshot = None
         self._live: LiveDiagnosis | None = None
+        self._anchor = next(itertools.chain(model.parameters(), model.buffers()), None)
         self._device = meta.device_type(model)
         self._halted = False
         self._external_batches = False   # begin_batch() marks the micro-batches (frameworks' callbacks)

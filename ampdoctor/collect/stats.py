@@ -81,8 +81,8 @@ def _settled(dtype: torch.dtype) -> tuple:
     out = []
     for b in EDGE_BITS:
         key = b >> _SHIFT
-        if dtype == torch.float32 or b == 0:
-            out.append((key, None if b else True))
+        if b == 0:
+            out.append((key, True))
             continue
         # the smallest non-zero and the largest value of the dtype inside the key (python floats: a torch
         # comparison with a python float would round the float to the dtype first)
