@@ -83,6 +83,8 @@ class GradFigures:
         self.sparse = bool([g for g in grads if g.layout != torch.strided])
         self.host = K.on_host(grads[0]) and len({g.device for g in grads}) == 1
         self.cat = self.host and sum([dense_values(g).numel() for g in grads]) < CAT_PER_GRAD * len(grads)
+        # float32 on the host: numpy concatenates and reduces the views ~10 us faster than torch (no dispatch)
+        self.numpy = self.cat and not self.sparse and all(g.dtype == torch.float32 for g in grads)
 
     def __call__(self, params: list[tuple[str, torch.nn.Parameter]]) -> tuple:
         """Floats on the CPU, else 0-d device tensors that join the step's one transfer; (None, None) without
@@ -95,6 +97,12 @@ class GradFigures:
         if self.sparse:
             grads = [dense_values(g) for g in grads]
         with torch.no_grad():      # float32 results: an FP16 gradient's norm may exceed 65504 while its values do not
+            if self.numpy:
+                flat = np.concatenate([g.detach().numpy().reshape(-1) for g in grads])
+                if not flat.size:
+                    return 0.0, 0.0
+                mn, mx = float(flat.min()), float(flat.max())              # NaN propagates
+                return math.sqrt(float(np.dot(flat, flat))), max(-mn, mx) if mn == mn and mx == mx else math.nan
             if self.cat:           # one copy and three ops beat ~2.5 us of dispatch per small gradient
                 flat = torch.cat([g.reshape(-1) for g in grads]).float()
                 if not flat.numel():
