@@ -29,6 +29,9 @@ QUEUE_MAX = 256             # packets; a writer this far behind slows training d
 # items queued at which the training thread wakes the writer early: a loop of ~1 ms steps fills QUEUE_MAX within one
 # WAKE_S, and would then wait on the writer (measured on a 0.5 ms/step model: 8 us a step, asleep)
 WAKE_AT = 64
+# steps reduced together at most: their stacked values stay within this many bytes (the CPU's cache: a debug step of
+# 50 full vectors holds 200 kB, and 64 of them stacked at once ran ~2x slower than 5 at a time)
+RUN_BYTES = 1 << 20
 
 
 @dataclass
@@ -222,8 +225,8 @@ class Writer(threading.Thread):
         i = 0
         while i < len(packets):
             layout = self._layout(packets[i])
-            j = i + 1
-            while (j < len(packets) and packets[j].entries is packets[i].entries
+            j, end = i + 1, i + max(1, RUN_BYTES // (8 * len(packets[i].values) or 1))
+            while (j < min(len(packets), end) and packets[j].entries is packets[i].entries
                    and packets[j].bases == packets[i].bases and len(packets[j].values) == len(packets[i].values)):
                 j += 1
             self._write_run(conn, packets[i:j], layout)
@@ -243,12 +246,12 @@ class Writer(threading.Thread):
                           if p.row.get("level") != schema.LEVEL_SENTINEL])
         bad_peak = (~np.isfinite(site_peak)).any(axis=1).tolist()
 
+        # 2. full statistics, where every call of a site had them
+        if layout.full_plan is not None:
+            self._write_full(conn, run, values, layout.full_plan)
+
         rows = []
         for k, p in enumerate(run):
-            # 2. full statistics, where every call of a site had them
-            if layout.full_plan is not None:
-                self._write_full(conn, p, values[k], layout.full_plan)
-
             # 3. skipped steps and non-finite values
             skipped = p.skipped
             if skipped is None:
@@ -296,29 +299,39 @@ class Writer(threading.Thread):
             parts.append(f"worst FP16 headroom {worst[0]} ({worst[1]}): {room}")
         return " | ".join(parts)
 
-    def _write_full(self, conn: sqlite3.Connection, p: StepPacket, values: np.ndarray, plan: FullPlan) -> None:
-        """One stats row (and a histogram when due) per site with full statistics, derived for all sites at once."""
-        if not len(plan.sites):
+    def _write_full(self, conn: sqlite3.Connection, run: list[StepPacket], values: np.ndarray, plan: FullPlan) -> None:
+        """One stats row (and a histogram when due) per site with full statistics, derived for every site of every
+        step of the run at once (one numpy pass and one executemany per table, whatever the number of steps)."""
+        n_sites, n_tensors = len(plan.sites), len(plan.offs)
+        if not n_sites:
             return
-        mat = V.merge_rows(values[plan.offs[:, None] + np.arange(V.FULL_LEN)], plan.starts)
-        st, bins = V.derive_many(mat, plan.numel)
-        scale = p.scale if p.scale is not None else 1.0
+        k = len(run)
+        cols = (plan.offs[:, None] + np.arange(V.FULL_LEN)).reshape(-1)
+        mat = values.take(cols, axis=1).reshape(k * n_tensors, V.FULL_LEN)     # (take: contiguous, no second copy)
+        starts = (np.arange(k)[:, None] * n_tensors + plan.starts[None, :]).reshape(-1)
+        st, bins = V.derive_many(V.merge_rows(mat, starts), np.tile(plan.numel, k))
+        scale = np.repeat([p.scale if p.scale is not None else 1.0 for p in run], n_sites)
         cols = [st[f].tolist() for f in schema.STATS_FIELDS]
         for i, f in enumerate(schema.STATS_FIELDS):
             if f.startswith("bf16"):      # NaN: a count the histogram cannot resolve, stored as NULL ("unknown")
                 cols[i] = [None if v != v else v for v in cols[i]]
-        scales = np.where(plan.bwd, scale, 1.0).tolist()
+        steps = np.repeat([p.step for p in run], n_sites).tolist()
+        sites = np.tile(plan.sites, k).tolist()
+        scales = np.where(np.tile(plan.bwd, k), scale, 1.0).tolist()
         conn.executemany(f"INSERT INTO stats VALUES ({','.join('?' * (4 + len(schema.STATS_FIELDS)))})",
-                         zip([p.step] * len(plan.sites), plan.sites.tolist(), scales, plan.calls, *cols))
-        if p.store_hist:
-            occupied = bins > 0
-            any_ = occupied.any(axis=1)
-            lo = occupied.argmax(axis=1)
-            hi = bins.shape[1] - 1 - occupied[:, ::-1].argmax(axis=1)
-            counts = bins.astype("<i8")
-            conn.executemany("INSERT INTO hists VALUES (?, ?, ?, ?)", [
-                (p.step, site, int(lo[i]) + schema.HIST_LO, counts[i, lo[i]:hi[i] + 1].tobytes())
-                for i, site in enumerate(plan.sites.tolist()) if any_[i]])
+                         zip(steps, sites, scales, plan.calls * k, *cols))
+        due = np.repeat([p.store_hist for p in run], n_sites)
+        if not due.any():
+            return
+        rows = np.flatnonzero(due)
+        occupied = bins[rows] > 0
+        any_ = occupied.any(axis=1)
+        lo = occupied.argmax(axis=1)
+        hi = bins.shape[1] - 1 - occupied[:, ::-1].argmax(axis=1)
+        counts = bins[rows].astype("<i8")
+        conn.executemany("INSERT INTO hists VALUES (?, ?, ?, ?)", [
+            (steps[r], sites[r], int(lo[i]) + schema.HIST_LO, counts[i, lo[i]:hi[i] + 1].tobytes())
+            for i, r in enumerate(rows.tolist()) if any_[i]])
 
     def _unknown_origin(self, conn: sqlite3.Connection, p: StepPacket) -> None:
         """A NaN/Inf on a step that observed no site: its tensors are gone, so where it came from is not guessed.
