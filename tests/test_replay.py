@@ -10,7 +10,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import ampdoctor
 from ampdoctor.cli import main
-from ampdoctor.replay import Replay, _Evidence, _simulate, suggest
+from ampdoctor.replay import Replay, suggest
+from ampdoctor.replay.evidence import Evidence
+from ampdoctor.replay.scaler import simulate
 from runs import batches, mlp, train
 
 # the reference captures gradients with full backward hooks, which warn when a model's input needs no gradient
@@ -85,11 +87,11 @@ def test_simulated_dynamics_match_torch_amp_update_scale(init_scale, growth, bac
     rng = np.random.default_rng(0)
     over = rng.random(200) < 0.2
     n = len(over)
-    ev = _Evidence(steps=np.arange(n), rec_scale=np.full(n, np.nan), rec_next=np.full(n, np.nan), rec_over=over,
-                   always=over, threshold=np.full(n, np.inf), from_neighbours=np.zeros(n, bool), hist={},
-                   run_settings={}, has_scaler=False, assumed_fp16=False, device="cpu")
-    r = _simulate(ev, {"init_scale": init_scale, "growth_factor": growth, "backoff_factor": backoff,
-                       "growth_interval": interval})
+    ev = Evidence(steps=np.arange(n), rec_scale=np.full(n, np.nan), rec_next=np.full(n, np.nan), rec_over=over,
+                  always=over, threshold=np.full(n, np.inf), from_neighbours=np.zeros(n, bool), hist={},
+                  run_settings={}, has_scaler=False, assumed_fp16=False, device="cpu")
+    r = simulate(ev, {"init_scale": init_scale, "growth_factor": growth, "backoff_factor": backoff,
+                      "growth_interval": interval})
     scale, tracker = torch.tensor(init_scale), torch.tensor(0, dtype=torch.int32)
     expected = []
     for o in over:
