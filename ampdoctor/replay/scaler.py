@@ -27,6 +27,7 @@ from .. import formats
 TORCH_DEFAULTS = {"init_scale": 2.0 ** 16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
 _LOG2_NORMAL = formats.FP16.normal_exp          # -14: below this an FP16 value is subnormal (but a 2^-11 sliver)
 _LOG2_FLUSH = math.log2(formats.FP16.flush_at)  # -25: at or below this it rounds to zero (binade -25 rounds up)
+_SEARCH_CELLS = 2 ** 22                         # settings x histogram steps lost_many holds at once (32 MiB of shares)
 
 
 @dataclass(eq=False)
@@ -64,12 +65,7 @@ class Replay:
         The --suggest objective: (skipped + sum over applied steps of underflow) / steps, the mean underflow standing
         in for applied steps without a histogram.
         """
-        n = len(self.steps)
-        if not n:
-            return math.nan
-        u = self.mean_underflow
-        u = 0.0 if math.isnan(u) else u
-        return (self.n_skipped + (n - self.n_skipped) * u) / n
+        return lost_share(len(self.steps), self.n_skipped, self.mean_underflow)
 
     def summary(self) -> dict:
         return {"steps": len(self.steps), "skipped": self.n_skipped,
@@ -78,6 +74,14 @@ class Replay:
                 "max_scale": float(np.max(self.scales)) if len(self.scales) else math.nan,
                 "final_scale": self.final_scale, "mean_underflow": self.mean_underflow,
                 "mean_flushed": self.mean_flushed, "lost": self.lost, "estimated": int(self.estimated.sum())}
+
+
+def lost_share(n: int, n_skipped: int, mean_underflow: float) -> float:
+    """``Replay.lost`` from its three numbers (``lost_many`` has no Replay to ask)."""
+    if not n:
+        return math.nan
+    u = 0.0 if math.isnan(mean_underflow) else mean_underflow
+    return (n_skipped + (n - n_skipped) * u) / n
 
 
 def gradscaler_code(settings: dict, device: str = "cuda") -> str:
@@ -133,9 +137,11 @@ def initial_tracker(ev) -> int:
 
 
 # -- the simulation ------------------------------------------------------------------------------------------------
-def _f32(x: float) -> float:
-    """Round to FP32, as the scale tensor stores it (beyond the FP32 max: inf)."""
+def _f32(x):
+    """Round to FP32, as the scale tensor stores it (beyond the FP32 max: inf); a float or an array of them."""
     with np.errstate(over="ignore"):
+        if isinstance(x, np.ndarray):
+            return x.astype(np.float32).astype(float)
         return float(np.float32(x))
 
 
@@ -178,6 +184,71 @@ def simulate(ev, settings: dict, tracker: int = 0) -> Replay:
                 tracker = 0
     return Replay(settings=dict(settings), steps=ev.steps.copy(), scales=scales, skipped=skipped, underflow=under,
                   flushed=flushed, estimated=estimated, final_scale=scale, assumed_fp16=ev.assumed_fp16)
+
+
+def lost_many(ev, settings: list, advance=None) -> list:
+    """``simulate(ev, s).lost`` for each of ``settings`` (each from a fresh tracker), the settings stepped side by side
+    with their state in arrays: ``simulate``'s decisions, FP32 roundings and shares, so the very same numbers.
+
+    The search's inner loop: one pass over the steps for the whole grid instead of one per setting. ``advance(k)``
+    is told as k more settings are done (they all finish together, so in proportion to the steps stepped).
+    """
+    n = len(ev.steps)
+    hist_steps = [t for t in range(n) if t in ev.hist]
+    # the underflow shares of every setting at every histogram step are kept (Replay.lost means them in step order,
+    # as simulate does); settings go in groups that keep those arrays small
+    group = max(1, _SEARCH_CELLS // max(len(hist_steps), 1))
+    out: list = []
+    for i in range(0, len(settings), group):
+        out += _lost_group(ev, settings[i:i + group], hist_steps, advance)
+    return out
+
+
+def _lost_group(ev, settings: list, hist_steps: list, advance) -> list:
+    n, m = len(ev.steps), len(settings)
+    scale = _f32(np.array([s["init_scale"] for s in settings], dtype=float))
+    growth = np.array([s["growth_factor"] for s in settings], dtype=float)
+    backoff = np.array([s["backoff_factor"] for s in settings], dtype=float)
+    interval = np.array([s["growth_interval"] for s in settings], dtype=np.int64)
+    tracker = np.zeros(m, dtype=np.int64)
+    n_skipped = np.zeros(m, dtype=np.int64)
+    column = {t: j for j, t in enumerate(hist_steps)}
+    under = np.full((m, len(hist_steps)), np.nan)
+    skipped_at = np.zeros((m, len(hist_steps)), dtype=bool)
+    rec, over, always, thr = ev.rec_scale, ev.rec_over, ev.always, ev.threshold
+    done = 0
+    for t in range(n):
+        at_rec, over_t = scale == rec[t], bool(over[t])
+        # simulate's cascade, branch for branch (the first that applies decides)
+        if always[t]:
+            skip = ~at_rec | over_t
+        elif ev.has_scaler and over_t:
+            skip = at_rec | (scale > rec[t]) | (scale > thr[t])
+        elif ev.has_scaler:
+            skip = ~at_rec & ~(scale < rec[t]) & (scale > thr[t])
+        else:
+            skip = np.where(at_rec, over_t, scale > thr[t])
+        j = column.get(t)
+        if j is not None:
+            skipped_at[:, j] = skip
+            for value in np.unique(scale):
+                under[scale == value, j] = shares(ev.hist[t], float(value))[0]
+        n_skipped += skip
+        tracker += 1
+        any_skip = skip.any()
+        if any_skip:
+            tracker[skip] = 0
+        grow = tracker >= interval                       # never a skipped one: its tracker is 0 < interval
+        if grow.any():
+            grown = _f32(scale[grow] * growth[grow])
+            scale[grow] = np.where(np.isfinite(grown), grown, scale[grow])    # torch never grows the scale to inf
+            tracker[grow] = 0
+        if any_skip:
+            scale[skip] = _f32(scale[skip] * backoff[skip])
+        if advance is not None and m * (t + 1) // n > done:
+            advance(m * (t + 1) // n - done)
+            done = m * (t + 1) // n
+    return [lost_share(n, int(n_skipped[c]), nanmean(under[c][~skipped_at[c]])) for c in range(m)]
 
 
 def shares(hist: tuple, scale: float) -> tuple[float, float]:

@@ -6,10 +6,12 @@ scaler model (scaler.py) over it, and evidence.py takes torch's defaults from sc
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
 
 from .evidence import gather, open_trace
-from .scaler import Replay, gradscaler_code, initial_tracker, resolve, simulate
+from .scaler import Replay, gradscaler_code, initial_tracker, lost_many, resolve, simulate
 
 # --suggest search space. Powers of two only: a power-of-two scale multiplies and divides gradients exactly, which is
 # also why the factors stay at the run's (2 / 0.5 by default) rather than being searched.
@@ -71,16 +73,19 @@ def suggest(trace_or_path, search_factors: bool = False, progress=None) -> Sugge
     factors = [own_pair]
     if search_factors:
         factors += sorted({(2.0, 0.5), (4.0, 0.5), (2.0, 0.25), (4.0, 0.25)} - {own_pair})
-    best, best_key, tried = None, None, 0
     grid = [(growth, backoff, gi, e) for growth, backoff in factors for gi in intervals
             for e in SUGGEST_INIT_EXPONENTS]
-    for growth, backoff, gi, e in (progress(grid) if progress else grid):
-        s = {"init_scale": 2.0 ** e, "growth_factor": growth, "backoff_factor": backoff, "growth_interval": gi}
-        r = simulate(ev, s)
-        tried += 1
-        key = (round(r.lost, 12), abs(math.log2(gi / own["growth_interval"])), (growth, backoff) != own_pair, -e)   # ties: the run's own factors first
+    settings = [{"init_scale": 2.0 ** e, "growth_factor": growth, "backoff_factor": backoff, "growth_interval": gi}
+                for growth, backoff, gi, e in grid]
+    bar = iter(progress(grid) if progress else ())
+    lost = lost_many(ev, settings, advance=lambda k: deque(islice(bar, k), maxlen=0))    # the bar, k settings on
+    deque(bar, maxlen=0)                       # and to its end (a bar closes once its list is used up)
+    best_key, best_i = None, None
+    for i, ((growth, backoff, gi, e), r_lost) in enumerate(zip(grid, lost)):
+        key = (round(r_lost, 12), abs(math.log2(gi / own["growth_interval"])), (growth, backoff) != own_pair, -e)   # ties: the run's own factors first
         if best_key is None or key < best_key:
-            best, best_key = r, key
+            best_key, best_i = key, i
+    best = simulate(ev, settings[best_i])
     if not best.lost < baseline.lost:          # nothing beats the run's own settings: keep them
         best = baseline
     notes = []
@@ -90,5 +95,5 @@ def suggest(trace_or_path, search_factors: bool = False, progress=None) -> Sugge
         notes.append("the run computed no gradient in FP16: replayed as if it had")
     if not ev.has_scaler:
         notes.append("the run had no GradScaler: compared with torch's defaults")
-    return Suggestion(settings=best.settings, replay=best, baseline=baseline, device=ev.device, searched=tried,
+    return Suggestion(settings=best.settings, replay=best, baseline=baseline, device=ev.device, searched=len(grid),
                       notes=notes)
