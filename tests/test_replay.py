@@ -10,7 +10,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import ampdoctor
 from ampdoctor.cli import main
-from ampdoctor.replay import Replay, _Evidence, _simulate, suggest
+from ampdoctor.replay import Replay, suggest
+from ampdoctor.replay.evidence import Evidence
+from ampdoctor.replay import scaler
+from ampdoctor.replay.scaler import lost_many, simulate
 from runs import batches, mlp, train
 
 # the reference captures gradients with full backward hooks, which warn when a model's input needs no gradient
@@ -85,11 +88,11 @@ def test_simulated_dynamics_match_torch_amp_update_scale(init_scale, growth, bac
     rng = np.random.default_rng(0)
     over = rng.random(200) < 0.2
     n = len(over)
-    ev = _Evidence(steps=np.arange(n), rec_scale=np.full(n, np.nan), rec_next=np.full(n, np.nan), rec_over=over,
-                   always=over, threshold=np.full(n, np.inf), from_neighbours=np.zeros(n, bool), hist={},
-                   run_settings={}, has_scaler=False, assumed_fp16=False, device="cpu")
-    r = _simulate(ev, {"init_scale": init_scale, "growth_factor": growth, "backoff_factor": backoff,
-                       "growth_interval": interval})
+    ev = Evidence(steps=np.arange(n), rec_scale=np.full(n, np.nan), rec_next=np.full(n, np.nan), rec_over=over,
+                  always=over, threshold=np.full(n, np.inf), from_neighbours=np.zeros(n, bool), hist={},
+                  run_settings={}, has_scaler=False, assumed_fp16=False, device="cpu")
+    r = simulate(ev, {"init_scale": init_scale, "growth_factor": growth, "backoff_factor": backoff,
+                      "growth_interval": interval})
     scale, tracker = torch.tensor(init_scale), torch.tensor(0, dtype=torch.int32)
     expected = []
     for o in over:
@@ -97,6 +100,32 @@ def test_simulated_dynamics_match_torch_amp_update_scale(init_scale, growth, bac
         torch._amp_update_scale_(scale, tracker, torch.tensor(float(o)), growth, backoff, interval)
     assert r.scales.tolist() == expected and r.final_scale == scale.item()
     assert np.array_equal(r.skipped, over)
+
+
+@pytest.mark.parametrize("has_scaler", [True, False])
+def test_the_search_loses_exactly_what_each_replay_loses(has_scaler, monkeypatch):
+    """lost_many steps a whole grid side by side; each setting's lost is simulate's to the last bit, whatever the
+    evidence (recorded scales missing on some steps, thresholds at 0, inf or NaN, empty histograms, scales that
+    would grow past the FP32 max), also when the settings go in groups."""
+    rng = np.random.default_rng(1)
+    n = 300
+    rec = np.where(rng.random(n) < 0.1, np.nan, 2.0 ** rng.integers(4, 20, n).astype(float))
+    over = rng.random(n) < 0.15
+    threshold = np.choose(rng.integers(0, 4, n), [2.0 ** rng.uniform(2, 22, n), np.zeros(n), np.full(n, np.inf),
+                                                  np.full(n, np.nan)])
+    hist = {int(t): (rng.integers(-150, 0, 6).astype(float), rng.integers(0, 3, 6).astype(float))
+            for t in rng.choice(n, 40, replace=False)}
+    ev = Evidence(steps=np.arange(n), rec_scale=rec, rec_next=rec, rec_over=over, always=rng.random(n) < 0.05,
+                  threshold=threshold, from_neighbours=rng.random(n) < 0.5, hist=hist, run_settings={},
+                  has_scaler=has_scaler, assumed_fp16=False, device="cpu")
+    settings = [{"init_scale": init, "growth_factor": growth, "backoff_factor": backoff, "growth_interval": gi}
+                for init in (1.0, 2.0 ** 12, 3.0e4, 2.0 ** 126) for growth, backoff in ((2.0, 0.5), (1.7, 0.3))
+                for gi in (1, 3, 50)]
+    expected = [simulate(ev, s).lost for s in settings]
+    told = []
+    assert lost_many(ev, settings, advance=told.append) == expected and sum(told) == len(settings)
+    monkeypatch.setattr(scaler, "_SEARCH_CELLS", 100)                  # groups of 2 settings
+    assert lost_many(ev, settings) == expected
 
 
 # -- predictions: replay one run with other settings, compare with a real run that used them ---------------------------

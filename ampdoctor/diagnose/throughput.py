@@ -6,6 +6,7 @@ import math
 import numpy as np
 
 from . import advice as A
+from .fix import code, text
 from .result import finding
 
 # A third of each step spent waiting for the next batch caps any compute speed-up (AMP's included) at 1.5x.
@@ -41,20 +42,21 @@ def input_pipeline_bound(run, *, min_share=MIN_DATA_SHARE, warning_share=WARNING
     compute_s = max(step_s - data_s, 1e-6)
     workers = max(2, math.ceil(data_s / compute_s) + 1)
     cores = run.info.get("cpu_count")
-    note = ""
+    fix = [text("Load batches in parallel and ahead of the step (dataset and batch_size: yours):"),
+           code("loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True,",
+                f"    num_workers={workers}, persistent_workers=True, prefetch_factor=4"
+                f"{', pin_memory=True' if cuda else ''})")]
     if cores and workers > cores:
-        note = (f"  # more workers than the host's {cores} cores: right for I/O-bound loading; CPU-bound "
-                "decoding needs the steps below too")
-    fix = ("Load batches in parallel and ahead of the step:\n"
-           "loader = torch.utils.data.DataLoader(dataset, batch_size=..., shuffle=True,\n"
-           f"    num_workers={workers}, persistent_workers=True, prefetch_factor=4"
-           f"{', pin_memory=True' if cuda else ''}){note}")
+        fix.append(text(f"More workers than the host's {cores} cores: right for I/O-bound loading; CPU-bound "
+                        "decoding needs the steps below too."))
     if cuda:
-        fix += ("\nx = x.to('cuda', non_blocking=True)  # with pin_memory: the copy overlaps compute\n"
-                "Decode and augment images on the GPU (NVIDIA DALI, torchvision.io.decode_jpeg(device='cuda')) "
-                "when the CPU cannot keep up.")
+        fix += [text("With pin_memory the copy to the GPU overlaps compute:"),
+                code('x = x.to("cuda", non_blocking=True)'),
+                text("Decode and augment images on the GPU (NVIDIA DALI, torchvision.io.decode_jpeg(device='cuda')) "
+                     "when the CPU cannot keep up.")]
     else:
-        fix += "\nMove decoding and augmentation out of __getitem__'s hot path (pre-process once, cache tensors)."
+        fix.append(text("Move decoding and augmentation out of __getitem__'s hot path (pre-process once, cache "
+                        "tensors)."))
     return finding(
         "warning" if med >= warning_share else "info", "Training is input-pipeline bound",
         f"The step waits for data {A.pct(med)} of its time (median {A.fmt_num(data_s)} s "
@@ -67,4 +69,4 @@ def input_pipeline_bound(run, *, min_share=MIN_DATA_SHARE, warning_share=WARNING
                   if "observer_time" in st and st["observer_time"].notna().any() else None,
                   "samples_per_s_median": float(np.nanmedian(st["samples_per_s"])) if st["samples_per_s"].notna().any()
                   else None, "steps_measured": len(st)},
-        recommendation=fix)
+        fix=fix)

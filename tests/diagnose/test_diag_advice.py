@@ -47,14 +47,41 @@ def test_gpu_without_bf16_gets_no_bf16_advice(overflow_trace, monkeypatch):
     assert "bfloat16" not in d.recommendation
 
 
-def test_ampere_gets_tf32_and_pinned_memory(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def slow_trace(tmp_path_factory):
     import test_scen_faults as S
-    inactive, slow = str(tmp_path / "inactive.db"), str(tmp_path / "slow.db")
+    path = str(tmp_path_factory.mktemp("adv") / "slow.db")
+    S.slow_dataset(path)
+    return path
+
+
+def test_ampere_gets_tf32_and_pinned_memory(tmp_path, monkeypatch, slow_trace):
+    import test_scen_faults as S
+    inactive = str(tmp_path / "inactive.db")
     S.scaler_without_autocast(inactive)
-    S.slow_dataset(slow)
     _with_device(monkeypatch, A100)
     d = ampdoctor.diagnose(inactive)[0]
     assert "torch.backends.cuda.matmul.allow_tf32 = True" in d.recommendation
     assert 'torch.amp.GradScaler' not in d.recommendation or '"cuda"' in d.recommendation
-    d = ampdoctor.diagnose(slow)[0]
+    d = ampdoctor.diagnose(slow_trace)[0]
     assert "pin_memory=True" in d.recommendation and "non_blocking=True" in d.recommendation
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")        # more workers than this host's cores
+@pytest.mark.parametrize("info", [None, A100], ids=["cpu", "a100"])
+def test_input_pipeline_fix_runs_as_printed(slow_trace, monkeypatch, info):
+    """The input-pipeline fix's code parts compile, and its DataLoader runs as printed given the two names the text
+    says are the user's (dataset, batch_size): workers, prefetching and, on CUDA only, pinned memory."""
+    import torch
+    if info is not None:
+        _with_device(monkeypatch, info)
+    d = {x.rule: x for x in ampdoctor.diagnose(slow_trace)}["input-pipeline-bound"]
+    parts = [p.text for p in d.fix if p.kind == "code"]
+    assert len(parts) == (2 if info else 1) and "dataset and batch_size" in d.fix[0].text
+    for part in parts:
+        compile(part, d.rule, "exec")
+    ns = {"torch": torch, "dataset": torch.utils.data.TensorDataset(torch.zeros(8, 2)), "batch_size": 4}
+    exec(parts[0], ns)
+    loader = ns["loader"]
+    assert loader.batch_size == 4 and loader.num_workers >= 2 and loader.persistent_workers
+    assert loader.prefetch_factor == 4 and loader.pin_memory == (info is not None)
