@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 # The public names, loaded on first use (``ampdoctor --version`` then imports neither pandas nor the rules).
 # load: a file gives a Trace, a directory or glob of ranks a RankRun.
-_LAZY = {"TrainingHalted": "ampdoctor.live", "Trace": "ampdoctor.trace", "TraceError": "ampdoctor.trace.schema",
+_LAZY = {"TrainingHalted": "ampdoctor.collect.live", "Trace": "ampdoctor.trace", "TraceError": "ampdoctor.trace.schema",
          "RankRun": "ampdoctor.trace.run", "load": "ampdoctor.trace.run", "load_run": "ampdoctor.trace.run",
          "Diagnosis": "ampdoctor.diagnose", "diagnose": "ampdoctor.diagnose", "keep_fp32": "ampdoctor.keep_fp32",
          "replay": "ampdoctor.replay"}

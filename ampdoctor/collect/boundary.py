@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from ..live import TrainingHalted
+from .live import TrainingHalted
 from ..trace import schema
 from ..trace.vectors import Entry
 from ..trace.writer import StepPacket

@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from ..live import LiveDiagnosis, check_severity
+from .live import LiveDiagnosis, check_severity
 from ..trace.writer import StepPacket, Writer
 from . import buffers as B
 from . import cadence as C

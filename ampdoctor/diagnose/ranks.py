@@ -202,9 +202,9 @@ def rank_straggler(run, *, min_lag_share=MIN_LAG_SHARE, slow_ratio=SLOW_RATIO, w
                    f"rank waits for it in the gradient all-reduce, so the whole run goes at its pace.")
         fix = [text(f"Speed up rank {worst}'s input pipeline: more DataLoader workers and prefetching on that "
                     "rank's host, its data on local or faster storage, and equal shards (a DistributedSampler gives "
-                    "every rank the same number of samples):"),
+                    "every rank the same number of samples; dataset and batch_size: yours):"),
                code("sampler = torch.utils.data.distributed.DistributedSampler(dataset)",
-                    "loader = torch.utils.data.DataLoader(dataset, batch_size=..., sampler=sampler,",
+                    "loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler,",
                     "    num_workers=4, persistent_workers=True, prefetch_factor=4)")]
         title = f"Rank {worst} is a straggler: its input pipeline holds every rank back"
     else:

@@ -31,7 +31,14 @@ def warm(tmp_path_factory):
           attach_options={"live": False})
 
 
-def rank_run(monkeypatch, path, rank, world, *, slow=False, init_scale=2.0**10, run_id="job-a"):
+def late(data, seconds):
+    """A loader that takes ``seconds`` per batch: a rank whose input pipeline is slow."""
+    for batch in data:
+        time.sleep(seconds)
+        yield batch
+
+
+def rank_run(monkeypatch, path, rank, world, *, slow=False, slow_data=False, init_scale=2.0**10, run_id="job-a"):
     monkeypatch.setenv("RANK", str(rank))
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("LOCAL_RANK", str(rank))
@@ -40,7 +47,7 @@ def rank_run(monkeypatch, path, rank, world, *, slow=False, init_scale=2.0**10, 
     if slow:
         model[1] = Slow()
     train(model, STEPS, precision="fp16", init_scale=init_scale, trace=str(path),
-          attach_options={"live": False}, data=batches(STEPS, seed=1 + rank))
+          attach_options={"live": False}, data=late(batches(STEPS, seed=1 + rank), 0.1 if slow_data else 0.0))
 
 
 def test_healthy_ranks_get_no_rank_finding_and_a_missing_rank_is_reported(tmp_path, monkeypatch, capsys):
@@ -62,6 +69,25 @@ def test_slow_rank_is_named_a_compute_straggler(tmp_path, monkeypatch):
     assert len(found) == 1 and found[0].ranks == [2] and "steps take longer" in found[0].title
     times = found[0].evidence["step_time_median_s"]
     assert times["rank 2"] - max(times["rank 0"], times["rank 1"]) >= 0.05      # the 100 ms sleep, less noise
+
+
+def test_rank_waiting_for_data_is_a_data_straggler_and_its_fix_runs(tmp_path, monkeypatch):
+    """A rank whose loader takes 100 ms a batch: named, and the loader code of the fix runs as printed under a
+    process group (a one-process gloo group stands in for the job's)."""
+    for r in (0, 1, 2):
+        rank_run(monkeypatch, tmp_path / "d-{rank}.db", r, 3, slow_data=r == 1)
+    found = [d for d in ampdoctor.diagnose(str(tmp_path / "d-*.db")) if d.rule == "rank-straggler"]
+    assert len(found) == 1 and found[0].ranks == [1] and "input pipeline" in found[0].title
+    code = [p.text for p in found[0].fix if p.kind == "code"]
+    assert len(code) == 1
+    dataset = torch.utils.data.TensorDataset(torch.randn(64, 4))
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        names = {"torch": torch, "dataset": dataset, "batch_size": 16}
+        exec(code[0], names)
+        assert sum(len(b[0]) for b in names["loader"]) == 64
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 def test_the_odd_scale_out_is_named_by_majority(tmp_path, monkeypatch):

@@ -12,7 +12,9 @@ import threading
 import time
 import warnings
 
-from .severity import SEVERITIES, at_least
+from ..diagnose import diagnose
+from ..severity import SEVERITIES, at_least
+from ..trace import load
 
 log = logging.getLogger("ampdoctor")
 
@@ -79,8 +81,6 @@ class LiveDiagnosis(threading.Thread):
         if self._failed:
             return
         try:
-            from .diagnose import diagnose
-            from .trace import load
             tr = load(self.path)
             try:
                 n = tr.n_steps
