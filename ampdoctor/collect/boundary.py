@@ -66,9 +66,14 @@ class StepBoundary:
         if self._probe is not None:
             self._probe.end(step)
         extra_base = bases["x"]
-        if entries == self._prev_entries:               # same control flow as the last step: one shared Layout
-            entries = self._prev_entries
-        self._prev_entries = entries
+        # Same control flow as a recent step (the tiers alternate a few layouts): the writer reuses its Layout.
+        known = self._known_entries
+        same = next((e for e in known if e == entries), None)
+        if same is not None:
+            entries = same
+        else:
+            known.insert(0, entries)
+            del known[4:]
 
         def pick(off):
             return None if off is None else float(values[extra_base + off])

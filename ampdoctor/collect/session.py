@@ -107,7 +107,7 @@ class Doctor(Callbacks, StepBoundary):
         self._grad_figures = B.GradFigures()
         self._reset_step()
         self._pending: StepPacket | None = None
-        self._prev_entries: list = []
+        self._known_entries: list = []    # the entries of recent steps' distinct layouts, newest first
         self._bad_weights = 0
         self._half_params = any(p.dtype in (torch.float16, torch.bfloat16) for _, p in self._params)
         self._t_prev_end = time.perf_counter()

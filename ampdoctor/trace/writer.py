@@ -32,6 +32,7 @@ WAKE_AT = 64
 # steps reduced together at most: their stacked values stay within this many bytes (the CPU's cache: a debug step of
 # 50 full vectors holds 200 kB, and 64 of them stacked at once ran ~2x slower than 5 at a time)
 RUN_BYTES = 1 << 20
+LAYOUTS_KEPT = 8
 
 
 @dataclass
@@ -84,7 +85,8 @@ class Writer(threading.Thread):
         self.n_sites = 0
         self.log_every: int | None = None
         self._site_names: dict[int, tuple[str, str]] = {}
-        self._cached_layout = None
+        self._layouts: dict = {}        # id(entries) -> (entries, bases, Layout), the entries kept alive
+        self._lr_json = (None, None)
         self._skipped_total = 0
         self.path = newfile.claim(path, free_name)
         self._conn = newfile.open_new(self.path)
@@ -211,11 +213,15 @@ class Writer(threading.Thread):
             raise ValueError(f"unknown packet {tag!r}")
 
     def _layout(self, p: StepPacket) -> Layout:
-        cached = self._cached_layout
+        """The Layout of a step's entries, kept for the few layouts a run alternates between (sentinel, peaks and
+        full steps): building one costs ~60 us."""
+        cached = self._layouts.get(id(p.entries))
         if cached is not None and cached[0] is p.entries and cached[1] == p.bases:
             return cached[2]
         layout = Layout(p.entries, p.bases)
-        self._cached_layout = (p.entries, dict(p.bases), layout)
+        if len(self._layouts) >= LAYOUTS_KEPT:
+            del self._layouts[next(iter(self._layouts))]        # the oldest
+        self._layouts[id(p.entries)] = (p.entries, dict(p.bases), layout)
         return layout
 
     def _write_steps(self, conn: sqlite3.Connection, packets: list[StepPacket]) -> None:
@@ -269,14 +275,25 @@ class Writer(threading.Thread):
                 step=p.step, loss=p.loss, loss_scale=p.scale, loss_scale_next=p.scale_next,
                 skipped=int(bool(skipped)), grad_norm=p.grad_norm, nonfinite=int(nonfinite),
                 samples_per_s=(samples / step_time) if samples and step_time else None,
-                lr=json.dumps(lr) if lr is not None else None,
+                lr=self._lr_text(lr),
             )
-            rows.append([_sql(row.get(f)) for f in schema.STEP_FIELDS])
+            rows.append([v if not isinstance(v, float) or v == v else "nan"       # _sql, inlined
+                         for v in map(row.get, schema.STEP_FIELDS)])
             self._skipped_total += int(bool(skipped))
             if self.log_every and (p.step + 1) % self.log_every == 0:
                 log.info(self._health(p, uniq, site_peak[k]))
         conn.executemany(f"INSERT INTO steps ({','.join(schema.STEP_FIELDS)}) VALUES "
                          f"({','.join('?' * len(schema.STEP_FIELDS))})", rows)
+
+    def _lr_text(self, lr) -> str | None:
+        """The learning rates as JSON, encoded again only when they change (most steps repeat the last ones)."""
+        if lr is None:
+            return None
+        last, text = self._lr_json
+        if lr != last:
+            text = json.dumps(lr)
+            self._lr_json = (lr, text)
+        return text
 
     def _health(self, p: StepPacket, sites: np.ndarray, peaks: np.ndarray) -> str:
         """One line: loss, loss scale, skipped steps so far, the layer closest to the FP16 max (or non-finite)."""
