@@ -25,6 +25,10 @@ HALF = {"fp16": formats.FP16, "bf16": formats.BF16}
 FORMATS = {**HALF, **FP8}
 # Transformer Engine's DelayedScaling defaults: amax over the last 1024 steps, margin 0, the "max" algorithm.
 HISTORY, MARGIN = 1024, 0
+# Recorded amax values a delayed scale must rest on before a step is judged: a scale from the first few steps is the
+# recipe's start-up transient, not its steady state; and with the observation tiers the peaks are sampled (every
+# peak_every steps, the calibration steps), so a short run's window holds a handful of early values only.
+MIN_HELD = 16
 _E = np.arange(-127, 128, dtype=np.float64)           # binade of column j is j - 127; column 0 is (0, 2^-126)
 _LOWER = np.where(_E == -127, 0.0, np.exp2(_E))
 _UPPER = np.exp2(_E + 1)
@@ -162,15 +166,17 @@ def site_whatif(tr, site, kind: str, *, history: int = HISTORY, margin: int = MA
     occupied = counts > 0            # binades between the smallest and the largest non-zero |x|, both included
     out["span"] = np.where(occupied.any(-1), counts.shape[-1] - occupied[:, ::-1].argmax(-1) - occupied.argmax(-1), 0)
     out["history"] = held[hsteps]
+    out["window"] = history
     out["clean"] = ~inp.anomalous[hsteps] & np.isfinite(peaks[hsteps, j])
     return pd.DataFrame(out)
 
 
 def judged(df: pd.DataFrame, fp8: bool = True) -> pd.DataFrame:
-    """The histogram steps a verdict rests on: clean ones, and for FP8 those whose scale had an amax history."""
+    """The histogram steps a verdict rests on: clean ones, and for FP8 those whose scale rests on an amax history
+    of at least MIN_HELD values (or the whole window, when shorter)."""
     if not len(df):
         return df
-    keep = df["clean"] & (df["history"] > 0) if fp8 else df["clean"]
+    keep = df["clean"] & (df["history"] >= np.minimum(df["window"], MIN_HELD)) if fp8 else df["clean"]
     return df[keep]
 
 

@@ -59,6 +59,10 @@ class Exp(nn.Module):
         return torch.exp(2.5 * x)
 
 
+# steps of the wide run: the FP8 verdicts judge steps whose delayed scale rests on whatif.MIN_HELD amax values
+STEPS = W.MIN_HELD + 8
+
+
 @pytest.fixture(scope="module")
 def wide_run(tmp_path_factory):
     """FP16 autocast + GradScaler growing its scale every 2 steps (lr 0: the tensors keep their distribution);
@@ -74,8 +78,8 @@ def wide_run(tmp_path_factory):
     model[1].register_forward_hook(on_output)
     path = str(tmp_path_factory.mktemp("whatif") / "wide.db")
     g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g)) for _ in range(12)]
-    M.train(model, iter(data), 12, path, lr=0.0, attach_options={"every": 1, "hist_every": 1, "live": False},
+    data = [(torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g)) for _ in range(STEPS)]
+    M.train(model, iter(data), STEPS, path, lr=0.0, attach_options={"every": 1, "hist_every": 1, "live": False},
             scaler_options={"init_scale": 1024.0, "growth_interval": 2})      # a scale that changes
     return path, acts, grads
 
@@ -103,10 +107,10 @@ def test_fp8_shares_from_histograms_match_real_casts(wide_run):
     steps = tr.steps()
     ones = np.ones(len(steps))
     df = W.site_whatif(tr, "0", "act")
-    assert len(df) == 12 and (df["history"].iloc[1:] > 0).all()
+    assert len(df) == STEPS and (df["history"].iloc[1:] > 0).all()
     # the delayed-scaling recipe, from the captured tensors: 448 / max(amax of earlier steps), 1.0 at first
     amax = [float(a.abs().max()) for a in acts]
-    assert df["e4m3_scale"].tolist() == pytest.approx([1.0] + [448 / max(amax[:t]) for t in range(1, 12)])
+    assert df["e4m3_scale"].tolist() == pytest.approx([1.0] + [448 / max(amax[:t]) for t in range(1, STEPS)])
     # the span in binades, from the tensors: floor(log2 |x|) by frexp (exact), largest minus smallest, plus one
     for row in df.itertuples():
         a = acts[row.step].abs()
@@ -118,7 +122,7 @@ def test_fp8_shares_from_histograms_match_real_casts(wide_run):
     # output gradients: stored scaled by the loss scale, cast unscaled times the recipe's scale
     gdf = W.site_whatif(tr, "1", "grad_out")
     ls = steps["loss_scale"].to_numpy(float)
-    assert set(ls) == {1024.0, 2048.0}     # it grows every 2 steps, and backs off when a weight gradient overflows
+    assert {1024.0, 2048.0} <= set(ls)     # it grows every 2 steps, and backs off when a weight gradient overflows
     _check(gdf, grads, ls, "e5m2")
     _check(gdf, grads, ones, "fp16")
 

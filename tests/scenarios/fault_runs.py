@@ -138,11 +138,5 @@ def diagnose(trace, **kw):
     return {d.rule: d for d in reversed(found)}, found
 
 
-def about_this_run(found):
-    """The findings less fp8-readiness: an FP8 what-if (info) about a format an FP16/BF16 run does not use; on short
-    runs recorded with the tiers its amax history comes from sparse peaks and it reports a site or two."""
-    return [d for d in found if d.rule != "fp8-readiness"]
-
-
 def serious(found):
     return [d for d in found if d.severity in ("warning", "critical")]

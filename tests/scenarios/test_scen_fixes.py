@@ -181,4 +181,4 @@ def test_slow_convergence_fix(trace_path, tmp_path):
     assert group["lr"] == 0.01
     fixed = str(tmp_path / "fixed.db")
     F.fit(F.mlp(width=64), F.regression(80), 80, fixed, precision="fp16", optimizer="adam", lr=group["lr"])
-    assert F.about_this_run(F.diagnose(fixed, reference=ref)[1]) == []
+    assert F.diagnose(fixed, reference=ref)[1] == []
