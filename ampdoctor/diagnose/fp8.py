@@ -2,8 +2,9 @@
 Transformer Engine recipe), and which recipe settings would keep them; from the exponent histograms (ampdoctor.whatif).
 
 The HYBRID recipe casts forward tensors (activations, weights) to E4M3 and output gradients to E5M2. A site "loses
-information" when, at the median histogram step judged (whatif.judged: at least MIN_HELD amax values), at least MIN_LOST of its non-zero values
-certainly saturate or flush to zero (the lo end of whatif's interval: no guess about the binade a boundary cuts).
+information" when, at the median of its judged histogram steps (whatif.judged: clean, with a delayed scale resting on
+at least MIN_HELD amax values), at least MIN_LOST of its non-zero values certainly saturate or flush to zero (the lo
+end of whatif's interval: no guess about the binade a boundary cuts).
 """
 from __future__ import annotations
 
