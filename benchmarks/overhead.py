@@ -183,6 +183,21 @@ def setup_hist_floor(w):
     _every_tensor(w, hist, at_step)
 
 
+def setup_full_floor(w):
+    """The floor's hooks with, per tensor, ampdoctor's full-statistics kernel (stats.full: exponent histogram, exact
+    FP16/BF16 cast counts, sum, norm, abs max), nothing kept: what debug mode's statistics cost without its
+    bookkeeping, trace and live rules."""
+    from ampdoctor.collect import stats
+
+    def full(t):                    # a tensor hook must return None (or a replacement gradient)
+        stats.full(t)
+
+    def at_step(params):
+        for p in params:
+            full(p.grad)
+    _every_tensor(w, full, at_step)
+
+
 def setup_sentinel_floor(w):
     """The work of ampdoctor's sentinel alone, no hooks, nothing kept: the fused gradient norm and the largest
     gradient (one aminmax per gradient), read on the host once per step."""
@@ -217,6 +232,7 @@ VARIANTS = {
     "ampdoctor debug": lambda w: setup_ampdoctor(w, mode="debug"),
     "floor: one aminmax per tensor": setup_floor,
     "histogram floor: one bincount per tensor": setup_hist_floor,
+    "full-statistics floor: stats.full per tensor": setup_full_floor,
     "sentinel floor: fused norm + aminmax per grad": setup_sentinel_floor,
     "naive per-layer .item() hooks": setup_naive_item,
     "transformers DebugUnderflowOverflow": setup_debug_underflow,
@@ -226,6 +242,7 @@ VARIANTS = {
 # parameter gradients (p), parameters (w). ampdoctor defaults: the debug count times the share of observed steps.
 OBSERVED = {"ampdoctor debug": lambda m, p: 2 * m + 2 + p, "floor: one aminmax per tensor": lambda m, p: 2 * m + p,
             "histogram floor: one bincount per tensor": lambda m, p: 2 * m + p,
+            "full-statistics floor: stats.full per tensor": lambda m, p: 2 * m + p,
             "naive per-layer .item() hooks": lambda m, p: 2 * m + 2,
             "transformers DebugUnderflowOverflow": lambda m, p: 2 * m + p,
             "sentinel floor: fused norm + aminmax per grad": lambda m, p: p,
