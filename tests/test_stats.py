@@ -236,3 +236,18 @@ def test_cpu_kernel_skips_only_the_passes_the_dtype_settles(dtype):
         else:
             expected = False if (inside > edge).all() else None
         assert settled is expected, (key, edge)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_kernel_scratch_buffers_change_nothing(dtype, monkeypatch):
+    """The CPU kernel's reused temporaries: a smaller tensor after a larger one, a larger one after (the buffers
+    grow), and a tensor past SCRATCH_MAX (allocated as it goes) all give what a fresh call gives."""
+    x = planted(dtype)
+    first = K._full_cpu(x).numpy()
+    K._full_cpu(torch.randn(3 * x.numel()).to(dtype))
+    assert np.array_equal(K._full_cpu(x).numpy(), first, equal_nan=True)
+    monkeypatch.setattr(K, "SCRATCH_MAX", x.numel() // 2)
+    assert np.array_equal(K._full_cpu(x).numpy(), first, equal_nan=True)
+    ref = reference(x)
+    st, _ = V.derive(first, x.numel())
+    assert all(st[f] == ref[f] for f in ("zeros", "fp16_flush", "fp16_sub", "fp16_over", "bf16_flush", "bf16_sub"))

@@ -23,6 +23,7 @@ from . import guards as G
 from . import hooks as H
 from . import meta
 from . import probe as P
+from . import stats as K
 from .boundary import StepBoundary
 from .callbacks import Callbacks
 from .record import StepRecord
@@ -356,6 +357,7 @@ class Doctor(Callbacks, StepBoundary):
         self._closed = True
         self._off = True
         self._handles.remove()
+        K.release_scratch()
         G.ATTACHED.release(self)
         if getattr(self, "_live", None) is not None:
             self._live.stop()
