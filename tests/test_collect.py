@@ -672,3 +672,21 @@ def test_autocast_entered_inside_forward_is_detected(trace_path):
     cfg = ampdoctor.load(trace_path).config
     assert cfg["autocast"] == {"device_type": "cpu", "enabled": True, "dtype": "bfloat16"}
     assert describe_precision(cfg) == "O1-style: autocast bfloat16, FP32 master weights"
+
+
+def test_sentinel_figures_of_huge_and_non_finite_gradients():
+    """The sentinel's norm and peak against float64 references: finite gradients whose squares overflow float32
+    still give a finite norm, a NaN gives NaN; and nothing warns into the user's run."""
+    import warnings as W
+    from ampdoctor.collect.buffers import GradFigures
+    params = [(f"p{i}", torch.nn.Parameter(torch.zeros(50))) for i in range(3)]
+    for i, (_, p) in enumerate(params):
+        p.grad = torch.linspace(-1, 1, 50) * 10.0 ** (10 * i + 10)         # up to 1e30: squares overflow float32
+    ref = torch.cat([p.grad.double() for _, p in params])
+    with W.catch_warnings():
+        W.simplefilter("error")
+        norm, peak = GradFigures()(params)
+        assert norm == pytest.approx(float(ref.norm()), rel=1e-6) and peak == float(ref.abs().max())
+        params[1][1].grad[3] = float("nan")
+        norm, peak = GradFigures()(params)
+    assert math.isnan(norm) and math.isnan(peak)

@@ -102,7 +102,12 @@ class GradFigures:
                 if not flat.size:
                     return 0.0, 0.0
                 mn, mx = float(flat.min()), float(flat.max())              # NaN propagates
-                return math.sqrt(float(np.dot(flat, flat))), max(-mn, mx) if mn == mn and mx == mx else math.nan
+                peak = max(-mn, mx) if mn == mn and mx == mx else math.nan
+                with np.errstate(all="ignore"):     # (numpy would warn into the user's run)
+                    sq = float(np.dot(flat, flat))
+                    if sq == math.inf and math.isfinite(peak):     # finite values whose squares overflow float32
+                        sq = float(np.dot(flat.astype(np.float64), flat.astype(np.float64)))
+                return math.sqrt(sq), peak
             if self.cat:           # one copy and three ops beat ~2.5 us of dispatch per small gradient
                 flat = torch.cat([g.reshape(-1) for g in grads]).float()
                 if not flat.numel():

@@ -20,6 +20,8 @@ from .fix import code, text
 # 1% of a tensor's non-zero values clipped or zeroed: beyond the loss FP8's 3-bit (E4M3) rounding already brings
 # (relative error up to 6%), and well above the ~1e-5 a Gaussian tensor's tail below amax * 2^-18 holds.
 MIN_LOST = 0.01
+# Judged histogram steps a verdict needs: a median of one or two is a sample, not a site's behaviour.
+MIN_STEPS = 3
 KIND_FORMAT = {"act": "e4m3", "weight": "e4m3", "grad_out": "e5m2"}
 HISTORIES = (1, 16, 128, W.HISTORY)
 MARGINS = (0, 1, 2, 3, 4)
@@ -46,7 +48,7 @@ def assess(tr, kinds=("act", "grad_out"), min_lost: float = MIN_LOST) -> list[di
         for s in inp.sites.itertuples():
             name = KIND_FORMAT[kind]
             base = W.site_whatif(tr, int(s.id), kind, inputs=inp)
-            if not len(W.judged(base)):
+            if len(W.judged(base)) < MIN_STEPS:
                 continue
             lost = _lost(base, name)
             if not lost >= min_lost:
