@@ -175,18 +175,12 @@ def test_gradient_checkpointing_not_double_counted(trace_path, reentrant):
 
 
 def test_no_grad_evaluation_is_not_a_training_step(trace_path):
-    model = mlp(width=32)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with ampdoctor.attach(model, optimizer=opt, trace=trace_path, every=1) as doc:
-        for i, (x, y) in enumerate(batches(5)):
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            doc.log_loss(loss)
-            with torch.no_grad():
-                val = torch.nn.functional.mse_loss(model(torch.randn(64, 32)), torch.randn(64, 1))
-            doc.log_metric("val/loss", val)
+    def evaluate(step, model, doc):
+        with torch.no_grad():
+            val = torch.nn.functional.mse_loss(model(torch.randn(64, 32)), torch.randn(64, 1))
+        doc.log_metric("val/loss", val)
+
+    train(mlp(width=32), 5, precision="fp32", trace=trace_path, attach_options={"every": 1}, on_step=evaluate)
     tr = ampdoctor.load(trace_path)
     df = tr.steps()
     assert len(df) == 5 and (df["microbatches"] == 1).all() and (df["samples"] == 32).all()
@@ -563,20 +557,14 @@ def test_second_doctor_on_the_same_model_or_scaler_is_refused(tmp_path):
 
 
 def test_log_metric_with_a_non_number_warns_once_and_collection_goes_on(trace_path):
-    model = mlp(width=16)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    def metrics(i, model, doc):
+        doc.log_metric("val/acc", "n/a" if i < 3 else 0.5 + i / 100)
+        doc.log_metric("val/vec", torch.ones(3))
+        assert doc.active
+
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        with ampdoctor.attach(model, optimizer=opt, trace=trace_path) as doc:
-            for i, (x, y) in enumerate(batches(6)):
-                loss = torch.nn.functional.mse_loss(model(x), y)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                doc.log_loss(loss)
-                doc.log_metric("val/acc", "n/a" if i < 3 else 0.5 + i / 100)
-                doc.log_metric("val/vec", torch.ones(3))
-            assert doc.active
+        train(mlp(width=16), 6, precision="fp32", trace=trace_path, on_step=metrics)
     msgs = [str(x.message) for x in w if "ampdoctor" in str(x.message)]
     assert len(msgs) == 2 and "log_metric('val/acc') skipped: the value 'n/a' is not a real number" in msgs[0]
     tr = ampdoctor.load(trace_path)
