@@ -118,7 +118,7 @@ class Doctor(Callbacks, StepBoundary):
         self._snapshot = None
         self._live: LiveDiagnosis | None = None
         self._anchor = next(itertools.chain(model.parameters(), model.buffers()), None)
-        self._device = meta.device_type(model)
+        self._device = self._device_now()
         self._halted = False
         self._external_batches = False   # begin_batch() marks the micro-batches (frameworks' callbacks)
         self._step_starts = 0            # micro-batch starts seen (root forwards or begin_batch calls)

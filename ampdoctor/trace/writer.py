@@ -277,8 +277,7 @@ class Writer(threading.Thread):
                 samples_per_s=(samples / step_time) if samples and step_time else None,
                 lr=self._lr_text(lr),
             )
-            rows.append([v if not isinstance(v, float) or v == v else "nan"       # _sql, inlined
-                         for v in map(row.get, schema.STEP_FIELDS)])
+            rows.append([_sql(v) for v in map(row.get, schema.STEP_FIELDS)])
             self._skipped_total += int(bool(skipped))
             if self.log_every and (p.step + 1) % self.log_every == 0:
                 log.info(self._health(p, uniq, site_peak[k]))
