@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN      = $(VENV)/bin
 TORCH    = torch==2.13.0   # the CPU wheel on these machines; an unpinned torch pulls a multi-GB CUDA build
 
-.PHONY: demo test install browser bench clean
+.PHONY: demo test lint install browser bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,7 +23,12 @@ demo: install
 browser:
 	@command -v chromedriver >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null)
 
-test: install browser
+# Lint and format check (ruff), then the suite.
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: install browser lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 bench: install

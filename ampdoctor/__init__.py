@@ -2,41 +2,36 @@
 
 The offline side (load, Trace, diagnose) never imports torch; ``attach`` imports it on first use.
 """
+
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 
 __version__ = "0.1.0"
 
 # The public names, loaded on first use (``ampdoctor --version`` then imports neither pandas nor the rules).
-# load: a file gives a Trace, a directory or glob of ranks a RankRun.
-_LAZY = {"TrainingHalted": "ampdoctor.collect.live", "Trace": "ampdoctor.trace", "TraceError": "ampdoctor.trace.schema",
-         "RankRun": "ampdoctor.trace.run", "load": "ampdoctor.trace.run", "load_run": "ampdoctor.trace.run",
-         "Diagnosis": "ampdoctor.diagnose", "diagnose": "ampdoctor.diagnose", "keep_fp32": "ampdoctor.keep_fp32",
-         "replay": "ampdoctor.replay"}
-# functions named like their own modules: importing ampdoctor.diagnose.* must not replace ampdoctor.diagnose (the
-# function) by the subpackage, as the import system does when it binds a loaded submodule to its parent
-_FUNCTIONS = ("diagnose", "keep_fp32", "replay")
+# Each lives in a module of another name (rules/, lossscale/, islands.py), so that importing a subpackage never
+# replaces a function of the same name on this package. load: a file gives a Trace, a directory or glob a RankRun.
+_LAZY = {
+    "TrainingHalted": "ampdoctor.collect.live",
+    "Trace": "ampdoctor.trace",
+    "TraceError": "ampdoctor.trace.schema",
+    "RankRun": "ampdoctor.trace.run",
+    "load": "ampdoctor.trace.run",
+    "load_run": "ampdoctor.trace.run",
+    "Diagnosis": "ampdoctor.rules",
+    "diagnose": "ampdoctor.rules",
+    "keep_fp32": "ampdoctor.islands",
+    "replay": "ampdoctor.lossscale",
+}
 
 
 def __getattr__(name: str):
     if name not in _LAZY:
         raise AttributeError(f"module 'ampdoctor' has no attribute {name!r}")
     value = getattr(importlib.import_module(_LAZY[name]), name)
-    object.__setattr__(sys.modules[__name__], name, value)
+    globals()[name] = value
     return value
-
-
-class _Package(types.ModuleType):
-    def __setattr__(self, name, value):
-        if name in _FUNCTIONS and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 def attach(model, optimizer=None, scaler=None, trace: str = "runs/ampdoctor.db", **options):
@@ -52,6 +47,7 @@ def attach(model, optimizer=None, scaler=None, trace: str = "runs/ampdoctor.db",
     (recompute every observed module in FP32 every N steps and record its half-precision error; off by default).
     """
     from .collect.session import attach as _attach
+
     return _attach(model, optimizer=optimizer, scaler=scaler, trace=trace, **options)
 
 
@@ -59,8 +55,22 @@ def probe(model, batch, loss_fn=None, **options):
     """One-off precision-loss check: every module's half-precision output against its FP32 recomputation, and the
     loss both ways; nothing in the model changes. Returns a ProbeReport (print it). See collect/probe.py."""
     from .collect.probe import probe as _probe
+
     return _probe(model, batch, loss_fn, **options)
 
 
-__all__ = ["attach", "load", "load_run", "RankRun", "diagnose", "replay", "keep_fp32", "probe", "Trace", "TraceError",
-           "Diagnosis", "TrainingHalted", "__version__"]
+__all__ = [
+    "Diagnosis",
+    "RankRun",
+    "Trace",
+    "TraceError",
+    "TrainingHalted",
+    "__version__",
+    "attach",
+    "diagnose",
+    "keep_fp32",
+    "load",
+    "load_run",
+    "probe",
+    "replay",
+]

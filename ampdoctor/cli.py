@@ -5,6 +5,7 @@ a wrong argument) is one line on stderr and exit code 2, never a traceback. Only
 imported, so ``ampdoctor --help`` and ``--version`` load neither pandas nor the rules; a command module that
 fails to import fails loudly (a traceback), it never drops out of ``--help``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
             parser.print_help()
             return EXIT_OK
         if isinstance(getattr(args, "trace", None), list) and len(args.trace) == 1:
-            args.trace = args.trace[0]           # one file, directory or quoted glob; several: one run's ranks
+            args.trace = args.trace[0]  # one file, directory or quoted glob; several: one run's ranks
         return int(args.func(args) or EXIT_OK)
     except UsageError as exc:
         print(printable(str(exc)), file=sys.stderr)
@@ -71,7 +72,8 @@ def main(argv=None) -> int:
     except BrokenPipeError:
         return EXIT_OK
     except Exception as exc:
-        from .trace import TraceError                # a command ran: the trace reader is loaded already
+        from .trace import TraceError  # a command ran: the trace reader is loaded already
+
         if not isinstance(exc, TraceError):
             raise
         print(printable(f"ampdoctor: {exc}"), file=sys.stderr)

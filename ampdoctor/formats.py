@@ -1,4 +1,5 @@
 """Numeric formats ampdoctor measures against: one table, used everywhere (collector, rules, figures)."""
+
 from __future__ import annotations
 
 import math
@@ -10,11 +11,11 @@ class Format:
     """Limits of one floating-point format (IEEE-style, round to nearest even)."""
 
     name: str
-    max: float            # largest finite value
-    min_normal: float     # smallest positive normal value
+    max: float  # largest finite value
+    min_normal: float  # smallest positive normal value
     min_subnormal: float  # smallest positive subnormal value
-    mantissa_bits: int    # explicit fraction bits
-    saturates: bool = False   # torch's cast clamps to +-max instead of giving inf (float8_e4m3fn has no inf)
+    mantissa_bits: int  # explicit fraction bits
+    saturates: bool = False  # torch's cast clamps to +-max instead of giving inf (float8_e4m3fn has no inf)
 
     @property
     def max_exp(self) -> int:
@@ -52,7 +53,7 @@ class Format:
     def tie_overflows(self) -> bool:
         """Whether |x| == overflow_at overflows: ties go to the even mantissa, so yes when max's mantissa is odd
         (FP16, BF16, E5M2: all ones), no for E4M3 (max 448 = 1.110b x 2^8, the all-ones mantissa being NaN)."""
-        mantissa = round((self.max / 2.0 ** self.max_exp - 1.0) * 2 ** self.mantissa_bits)
+        mantissa = round((self.max / 2.0**self.max_exp - 1.0) * 2**self.mantissa_bits)
         return mantissa % 2 == 1
 
     @property
@@ -91,10 +92,13 @@ FORMATS = {f.name: f for f in (FP16, BF16, FP32, FP8_E4M3, FP8_E5M2)}
 
 # torch dtype names (str(dtype) without the "torch." prefix) -> format
 DTYPE_FORMATS = {
-    "float16": FP16, "half": FP16,
+    "float16": FP16,
+    "half": FP16,
     "bfloat16": BF16,
-    "float32": FP32, "float": FP32,
-    "float8_e4m3fn": FP8_E4M3, "float8_e5m2": FP8_E5M2,
+    "float32": FP32,
+    "float": FP32,
+    "float8_e4m3fn": FP8_E4M3,
+    "float8_e5m2": FP8_E5M2,
 }
 
 REDUCED = ("float16", "bfloat16")  # the dtypes autocast computes in

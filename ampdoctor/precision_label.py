@@ -1,4 +1,5 @@
 """The O0/O1/O2/O3-style label of a run, read from the configuration its trace recorded (CLI, dashboard, report)."""
+
 from __future__ import annotations
 
 

@@ -10,6 +10,7 @@ A histogram holds binades [2^e, 2^(e+1)), so a share is known exactly except for
 every share is an interval (lo: values certainly lost, hi: possibly lost), a single number when that binade is empty
 or the recorded abs max settles it.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,7 +30,7 @@ HISTORY, MARGIN = 1024, 0
 # recipe's start-up transient, not its steady state; and with the observation tiers the peaks are sampled (every
 # peak_every steps, the calibration steps), so a short run's window holds a handful of early values only.
 MIN_HELD = 16
-_E = np.arange(-127, 128, dtype=np.float64)           # binade of column j is j - 127; column 0 is (0, 2^-126)
+_E = np.arange(-127, 128, dtype=np.float64)  # binade of column j is j - 127; column 0 is (0, 2^-126)
 _LOWER = np.where(_E == -127, 0.0, np.exp2(_E))
 _UPPER = np.exp2(_E + 1)
 
@@ -38,14 +39,14 @@ _UPPER = np.exp2(_E + 1)
 class Edges:
     """Where a round-to-nearest-even cast to a format stops representing a value."""
 
-    overflow: float          # |x| above this saturates (E4M3) or becomes Inf
-    overflow_tie: bool       # True: |x| == overflow itself overflows (the tie rounds away from max)
-    flush: float             # 0 < |x| <= flush rounds to zero
+    overflow: float  # |x| above this saturates (E4M3) or becomes Inf
+    overflow_tie: bool  # True: |x| == overflow itself overflows (the tie rounds away from max)
+    flush: float  # 0 < |x| <= flush rounds to zero
 
 
 def edges(fmt: formats.Format) -> Edges:
     ulp_max = 2.0 ** (fmt.max_exp - fmt.mantissa_bits)
-    odd = int(round(fmt.max / ulp_max)) % 2 == 1     # ties go to the even neighbour: away from an odd max
+    odd = round(fmt.max / ulp_max) % 2 == 1  # ties go to the even neighbour: away from an odd max
     return Edges(fmt.max + ulp_max / 2, odd, fmt.min_subnormal / 2)
 
 
@@ -61,8 +62,8 @@ def above(counts: np.ndarray, edge, tie: bool, absmax=None) -> tuple[np.ndarray,
     """(lo, hi) counts of histogram rows (last axis: 255 binades) with |x| > edge (>= when ``tie``); ``edge`` and
     ``absmax`` broadcast per row."""
     edge = np.asarray(edge, dtype=np.float64)[..., None]
-    certain = (_LOWER > edge) | ((_LOWER == edge) & tie)
-    possible = _UPPER > edge
+    certain = (edge < _LOWER) | ((edge == _LOWER) & tie)
+    possible = edge < _UPPER
     lo, hi = (counts * certain).sum(-1), (counts * possible).sum(-1)
     if absmax is not None:
         am = np.asarray(absmax, dtype=np.float64)
@@ -75,11 +76,12 @@ def above(counts: np.ndarray, edge, tie: bool, absmax=None) -> tuple[np.ndarray,
 def below(counts: np.ndarray, edge) -> tuple[np.ndarray, np.ndarray]:
     """(lo, hi) counts of histogram rows with 0 < |x| <= edge."""
     edge = np.asarray(edge, dtype=np.float64)[..., None]
-    return (counts * (_UPPER <= edge)).sum(-1), (counts * (_LOWER <= edge)).sum(-1)
+    return (counts * (edge >= _UPPER)).sum(-1), (counts * (edge >= _LOWER)).sum(-1)
 
 
-def delayed_scales(amax: np.ndarray, fmt: formats.Format, history: int = HISTORY,
-                   margin: int = MARGIN) -> tuple[np.ndarray, np.ndarray]:
+def delayed_scales(
+    amax: np.ndarray, fmt: formats.Format, history: int = HISTORY, margin: int = MARGIN
+) -> tuple[np.ndarray, np.ndarray]:
     """The per-step scale of the delayed-scaling recipe, fmt.max / (max of the amax of the previous ``history``
     steps) / 2^margin, and how many finite amax values that window held. A step whose window holds none keeps the
     previous scale (1.0 at first, as Transformer Engine starts); a non-finite amax (an overflowed step) is left out.
@@ -87,7 +89,7 @@ def delayed_scales(amax: np.ndarray, fmt: formats.Format, history: int = HISTORY
     amax = np.asarray(amax, dtype=np.float64)
     a = pd.DataFrame(np.where(np.isfinite(amax) & (amax > 0), amax, np.nan).reshape(len(amax), -1)).shift(1)
     window = a.rolling(history, min_periods=1)
-    scale = pd.DataFrame(fmt.max / window.max().to_numpy() / 2.0 ** margin).ffill().fillna(1.0).to_numpy()
+    scale = pd.DataFrame(fmt.max / window.max().to_numpy() / 2.0**margin).ffill().fillna(1.0).to_numpy()
     held = window.count().fillna(0).to_numpy()
     return (scale, held) if amax.ndim > 1 else (scale[:, 0], held[:, 0])
 
@@ -118,7 +120,7 @@ class Inputs:
         self.peaks = tr.records("peak", kind)
         self.absmax = tr.records("absmax", kind)
         self.stored = np.ones(len(steps))
-        if kind == "grad_out":          # output gradients are stored as backward carries them: scaled
+        if kind == "grad_out":  # output gradients are stored as backward carries them: scaled
             ls = steps["loss_scale"].to_numpy(float)
             self.stored = np.where(np.isfinite(ls) & (ls > 0), ls, 1.0)
         self._scales: dict = {}
@@ -137,8 +139,9 @@ class Inputs:
         return self._hists[sid]
 
 
-def site_whatif(tr, site, kind: str, *, history: int = HISTORY, margin: int = MARGIN,
-                inputs: Inputs | None = None) -> pd.DataFrame:
+def site_whatif(
+    tr, site, kind: str, *, history: int = HISTORY, margin: int = MARGIN, inputs: Inputs | None = None
+) -> pd.DataFrame:
     """One row per histogram step of one site: for FP16/BF16 (values as recorded, i.e. output gradients at the
     recorded loss scale) and E4M3/E5M2 (real values times the delayed-scaling scale) the saturated and flushed
     shares, as lo/hi columns (``e4m3_sat_lo``, ``e4m3_sat_hi``, ...), the scales, the non-zero count, ``history``
@@ -159,11 +162,11 @@ def site_whatif(tr, site, kind: str, *, history: int = HISTORY, margin: int = MA
         _put(out, name, sh)
     for name, fmt in FP8.items():
         sc, held = (m[:, j] for m in inp.scales(name, history, margin))
-        s = sc[hsteps] / stored[hsteps]                  # stored value v = real x * stored; cast x * sc
+        s = sc[hsteps] / stored[hsteps]  # stored value v = real x * stored; cast x * sc
         _put(out, name, shares(counts, am, fmt, s))
         out[f"{name}_scale"] = sc[hsteps]
     out["nonzero"] = counts.sum(-1)
-    occupied = counts > 0            # binades between the smallest and the largest non-zero |x|, both included
+    occupied = counts > 0  # binades between the smallest and the largest non-zero |x|, both included
     out["span"] = np.where(occupied.any(-1), counts.shape[-1] - occupied[:, ::-1].argmax(-1) - occupied.argmax(-1), 0)
     out["history"] = held[hsteps]
     out["window"] = history
@@ -204,7 +207,7 @@ def formats_table(tr, kinds=("act", "grad_out"), *, history: int = HISTORY, marg
                 lost_hi = d[f"{name}_sat_hi"] + d[f"{name}_flush_hi"]
                 row[f"{name}_lost"] = float(np.median(lost_lo)) if len(d) else math.nan
                 row[f"{name}_lost_hi"] = float(np.median(lost_hi)) if len(d) else math.nan
-            col = inp.absmax[:, inp.column[int(s.id)]]                          # abs max per step
+            col = inp.absmax[:, inp.column[int(s.id)]]  # abs max per step
             am = float(np.max(col[np.isfinite(col)])) if np.isfinite(col).any() else math.nan
             for name in HALF:
                 row[f"{name}_headroom"] = math.log2(edges(HALF[name]).overflow / am) if am > 0 else math.nan

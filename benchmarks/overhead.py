@@ -23,6 +23,7 @@ the host microseconds added per step, and per observed tensor (module outputs, t
 gradients a step observes); for ampdoctor also its own recorded observer time per step and per sentinel-only step.
 Run: .venv/bin/python benchmarks/overhead.py [--rounds N] [--block-s S] [--models small,reference,transformer]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,9 +41,9 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import ampdoctor  # noqa: E402
+import ampdoctor
 
-WARMUP_STEPS = 25           # covers ampdoctor's calibration (10 steps) and the first sampled steps
+WARMUP_STEPS = 25  # covers ampdoctor's calibration (10 steps) and the first sampled steps
 
 
 # -- models ----------------------------------------------------------------------------------------------------------
@@ -59,6 +60,7 @@ class Attention(torch.nn.Module):
 
         def split(y):
             return y.view(b, t, h, d // h).transpose(1, 2)
+
         q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
         att = self.drop(((q @ k.transpose(-2, -1)) / math.sqrt(d // h)).softmax(-1))
         return self.o((att @ v).transpose(1, 2).reshape(b, t, d))
@@ -68,8 +70,9 @@ class Block(torch.nn.Module):
     def __init__(self, d):
         super().__init__()
         self.ln1, self.attn, self.ln2 = torch.nn.LayerNorm(d), Attention(d), torch.nn.LayerNorm(d)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d),
-                                       torch.nn.Dropout(0.0))
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d), torch.nn.Dropout(0.0)
+        )
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
@@ -132,11 +135,13 @@ def setup_ampdoctor(w, **options):
 
 def setup_naive_item(w):
     """What people write first: a forward hook per module calling .item(), and one per output gradient."""
+
     def fwd(mod, args, out):
         if isinstance(out, torch.Tensor):
             out.abs().max().item()
             if out.requires_grad:
                 out.register_hook(lambda g: g.abs().max().item() and None)
+
     for m in w.model.modules():
         m.register_forward_hook(fwd)
 
@@ -144,10 +149,12 @@ def setup_naive_item(w):
 def _every_tensor(w, on_tensor, at_step):
     """Minimal hooks for the floors: ``on_tensor`` on every module output and its gradient (not the root's, which is
     its last child's), ``at_step(params)`` after each step."""
+
     def fwd(mod, args, out):
         if isinstance(out, torch.Tensor) and out.requires_grad:
             on_tensor(out.detach())
             out.register_hook(on_tensor)
+
     for name, m in w.model.named_modules():
         if name:
             m.register_forward_hook(fwd)
@@ -158,6 +165,7 @@ def _every_tensor(w, on_tensor, at_step):
 def setup_floor(w):
     """One aminmax per module output and output gradient, one aminmax and one dot product per parameter gradient and
     the global norm, every step: the work per-site peaks need, without any bookkeeping."""
+
     def at_step(params):
         squares = []
         for p in params:
@@ -166,13 +174,15 @@ def setup_floor(w):
             squares.append(torch.dot(g, g))
         torch.stack(squares).sum().sqrt()
 
-    def peak(t):                    # a tensor hook must return None (or a replacement gradient)
+    def peak(t):  # a tensor hook must return None (or a replacement gradient)
         torch.aminmax(t)
+
     _every_tensor(w, peak, at_step)
 
 
 def setup_hist_floor(w):
     """The floor's hooks with, per tensor, only the exponent histogram every full-statistics count derives from."""
+
     def hist(t):
         key = (t.detach().float().reshape(-1).view(torch.int32) & 0x7FFFFFFF) >> 22
         torch.bincount(key, minlength=512)
@@ -180,6 +190,7 @@ def setup_hist_floor(w):
     def at_step(params):
         for p in params:
             hist(p.grad)
+
     _every_tensor(w, hist, at_step)
 
 
@@ -189,12 +200,13 @@ def setup_full_floor(w):
     bookkeeping, trace and live rules."""
     from ampdoctor.collect import stats
 
-    def full(t):                    # a tensor hook must return None (or a replacement gradient)
+    def full(t):  # a tensor hook must return None (or a replacement gradient)
         stats.full(t)
 
     def at_step(params):
         for p in params:
             full(p.grad)
+
     _every_tensor(w, full, at_step)
 
 
@@ -209,18 +221,21 @@ def setup_sentinel_floor(w):
         [e.item() for g in grads for e in torch.aminmax(g)]
         [n.item() for n in norms]
         loss.item()
+
     w.step_hook = at_step
 
 
 def setup_debug_underflow(w):
     from transformers.debug_utils import DebugUnderflowOverflow
+
     DebugUnderflowOverflow(w.model)
 
 
 def setup_wandb(w):
     import wandb
+
     os.environ["WANDB_SILENT"] = "true"
-    run = wandb.init(mode="offline", dir=tempfile.mkdtemp())      # wandb.watch logs through the global run
+    run = wandb.init(mode="offline", dir=tempfile.mkdtemp())  # wandb.watch logs through the global run
     wandb.watch(w.model, log="all", log_freq=1)
     w.step_hook = lambda loss: wandb.log({"loss": loss.item()})
     return run.finish
@@ -240,13 +255,16 @@ VARIANTS = {
 }
 # Tensors a step observes, per variant: module outputs and output gradients (m: modules other than the root),
 # parameter gradients (p), parameters (w). ampdoctor defaults: the debug count times the share of observed steps.
-OBSERVED = {"ampdoctor debug": lambda m, p: 2 * m + 2 + p, "floor: one aminmax per tensor": lambda m, p: 2 * m + p,
-            "histogram floor: one bincount per tensor": lambda m, p: 2 * m + p,
-            "full-statistics floor: stats.full per tensor": lambda m, p: 2 * m + p,
-            "naive per-layer .item() hooks": lambda m, p: 2 * m + 2,
-            "transformers DebugUnderflowOverflow": lambda m, p: 2 * m + p,
-            "sentinel floor: fused norm + aminmax per grad": lambda m, p: p,
-            "wandb.watch log=all log_freq=1": lambda m, p: 2 * p}
+OBSERVED = {
+    "ampdoctor debug": lambda m, p: 2 * m + 2 + p,
+    "floor: one aminmax per tensor": lambda m, p: 2 * m + p,
+    "histogram floor: one bincount per tensor": lambda m, p: 2 * m + p,
+    "full-statistics floor: stats.full per tensor": lambda m, p: 2 * m + p,
+    "naive per-layer .item() hooks": lambda m, p: 2 * m + 2,
+    "transformers DebugUnderflowOverflow": lambda m, p: 2 * m + p,
+    "sentinel floor: fused norm + aminmax per grad": lambda m, p: p,
+    "wandb.watch log=all log_freq=1": lambda m, p: 2 * p,
+}
 
 
 class Worker:
@@ -265,9 +283,10 @@ class Worker:
         setup = VARIANTS[variant]
         self.closer = setup(self) if setup else None
         import psutil
+
         self.proc = psutil.Process()
         self.steps = 0
-        self.hook_s = 0.0                   # time inside the step hook (the sentinel floor's own work)
+        self.hook_s = 0.0  # time inside the step hook (the sentinel floor's own work)
 
     def run(self, n):
         t0 = time.perf_counter()
@@ -310,10 +329,12 @@ class Worker:
             st = ampdoctor.load(self.trace).steps()
             timed = st[st["step"] >= warm]
             sentinel = timed[timed["level"] == -1]
-            out.update(observer_us=1e6 * float(timed["observer_time"].mean()),
-                       sentinel_us=1e6 * float(sentinel["observer_time"].median()) if len(sentinel) else None,
-                       calibration_ms=1e3 * float(st.loc[st["reason"] == "calibration", "observer_time"].sum()),
-                       observed_share=float((timed["level"] >= 0).mean()))
+            out.update(
+                observer_us=1e6 * float(timed["observer_time"].mean()),
+                sentinel_us=1e6 * float(sentinel["observer_time"].median()) if len(sentinel) else None,
+                calibration_ms=1e3 * float(st.loc[st["reason"] == "calibration", "observer_time"].sum()),
+                observed_share=float((timed["level"] >= 0).mean()),
+            )
         return out
 
 
@@ -321,12 +342,20 @@ def worker_main(model_name, variant, dtype, threads):
     if int(threads):
         torch.set_num_threads(int(threads))
     proto = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)                                   # whatever the variant prints goes to stderr, not the protocol
+    os.dup2(2, 1)  # whatever the variant prints goes to stderr, not the protocol
     warnings.simplefilter("ignore")
     w = Worker(model_name, variant, dtype)
-    proto.write(json.dumps({"ready": True, "modules": len(list(w.model.modules())) - 1,
-                            "params": len(list(w.model.parameters())),
-                            "children": len(w.proc.children(recursive=True))}) + "\n")
+    proto.write(
+        json.dumps(
+            {
+                "ready": True,
+                "modules": len(list(w.model.modules())) - 1,
+                "params": len(list(w.model.parameters())),
+                "children": len(w.proc.children(recursive=True)),
+            }
+        )
+        + "\n"
+    )
     bg0 = warm = 0
     for line in sys.stdin:
         cmd, _, arg = line.strip().partition(" ")
@@ -340,8 +369,17 @@ def worker_main(model_name, variant, dtype, threads):
             proto.write(json.dumps({"t": w.run(int(arg))}) + "\n")
         elif cmd == "close":
             bg = w.background_cpu() - bg0
-            proto.write(json.dumps({"background_s": bg, "background_share": bg / (time.perf_counter() - wall0),
-                                    "hook_us": 1e6 * w.hook_s / max(w.steps - warm, 1), **w.close(warm)}) + "\n")
+            proto.write(
+                json.dumps(
+                    {
+                        "background_s": bg,
+                        "background_share": bg / (time.perf_counter() - wall0),
+                        "hook_us": 1e6 * w.hook_s / max(w.steps - warm, 1),
+                        **w.close(warm),
+                    }
+                )
+                + "\n"
+            )
             return
 
 
@@ -349,8 +387,13 @@ def worker_main(model_name, variant, dtype, threads):
 class Proc:
     def __init__(self, model, variant, dtype, threads):
         self.variant = variant
-        self.p = subprocess.Popen([sys.executable, __file__, "--worker", model, variant, dtype, str(threads)],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.p = subprocess.Popen(
+            [sys.executable, __file__, "--worker", model, variant, dtype, str(threads)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
 
     def ask(self, cmd):
         self.p.stdin.write(cmd + "\n")
@@ -400,22 +443,37 @@ def measure(model, dtype, rounds, block_s, variants, threads=0):
         observed = OBSERVED.get(p.variant)
         tensors = observed(p.info["modules"], p.info["params"]) if observed else None
         if p.variant == "ampdoctor defaults":
-            tensors = OBSERVED["ampdoctor debug"](p.info["modules"], p.info["params"]) * ends[p.variant][
-                "observed_share"]
-        added_us = 1e6 * (ratio_med - 1) * base_med        # the median round ratio: steadier than the means
-        rows.append({"variant": p.variant, "mean_ms": 1e3 * mean, "median_ms": 1e3 * statistics.median(per),
-                     "ratio": mean / base, "ratio_med": ratio_med,
-                     "added_us": added_us, "per_tensor_us": added_us / tensors if tensors else None, **ends[p.variant],
-                     "modules": p.info["modules"], "steps": n})
+            tensors = (
+                OBSERVED["ampdoctor debug"](p.info["modules"], p.info["params"]) * ends[p.variant]["observed_share"]
+            )
+        added_us = 1e6 * (ratio_med - 1) * base_med  # the median round ratio: steadier than the means
+        rows.append(
+            {
+                "variant": p.variant,
+                "mean_ms": 1e3 * mean,
+                "median_ms": 1e3 * statistics.median(per),
+                "ratio": mean / base,
+                "ratio_med": ratio_med,
+                "added_us": added_us,
+                "per_tensor_us": added_us / tensors if tensors else None,
+                **ends[p.variant],
+                "modules": p.info["modules"],
+                "steps": n,
+            }
+        )
     return rows
 
 
 def show(model, dtype, rows):
     r0 = rows[0]
-    print(f"\n{model} ({r0['modules']} modules), {dtype}: bare {r0.get('median_ms', r0['mean_ms']):.2f} ms/step "
-          f"(median block), {r0['steps']} steps per block")
-    print(f"  {'variant':46s} {'ratio':>6s} {'median':>7s} {'+us/step':>9s} {'us/tensor':>9s} {'close':>7s} "
-          f"{'bg':>5s}  ampdoctor's own record")
+    print(
+        f"\n{model} ({r0['modules']} modules), {dtype}: bare {r0.get('median_ms', r0['mean_ms']):.2f} ms/step "
+        f"(median block), {r0['steps']} steps per block"
+    )
+    print(
+        f"  {'variant':46s} {'ratio':>6s} {'median':>7s} {'+us/step':>9s} {'us/tensor':>9s} {'close':>7s} "
+        f"{'bg':>5s}  ampdoctor's own record"
+    )
     for r in rows:
         own = f"its own work {r['hook_us']:.0f} us/step" if r["variant"].startswith("sentinel floor") else ""
         if "observer_us" in r:
@@ -424,8 +482,11 @@ def show(model, dtype, rows):
                 own += f", sentinel-only steps {r['sentinel_us']:.0f} us"
             own += f", calibration {r['calibration_ms']:.0f} ms once, {100 * r['observed_share']:.0f}% steps observed"
         per_t = f"{r['per_tensor_us']:9.1f}" if r["per_tensor_us"] is not None else f"{'-':>9s}"
-        print(f"  {r['variant']:46s} x{r['ratio']:5.2f} x{r['ratio_med']:5.2f} {r['added_us']:9.0f} {per_t} "
-              f"{1e3 * r['close_s']:5.0f}ms {100 * r['background_share']:4.1f}%  {own}", flush=True)
+        print(
+            f"  {r['variant']:46s} x{r['ratio']:5.2f} x{r['ratio_med']:5.2f} {r['added_us']:9.0f} {per_t} "
+            f"{1e3 * r['close_s']:5.0f}ms {100 * r['background_share']:4.1f}%  {own}",
+            flush=True,
+        )
 
 
 def main():
@@ -439,17 +500,24 @@ def main():
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated; bare is always first")
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--table", nargs="+", metavar="JSON", help="print the README table of these runs' files, no run")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default); 1 keeps "
-                    "a loaded machine's scheduler from stalling every parallel op on its second thread")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads per worker (0: torch's default); 1 keeps "
+        "a loaded machine's scheduler from stalling every parallel op on its second thread",
+    )
     args = ap.parse_args()
     if args.table:
         return table(args.table)
     native = native_bf16()
     dtypes = (["fp32"] + (["bf16"] if native else [])) if args.dtypes == "auto" else args.dtypes.split(",")
     threads = args.threads or torch.get_num_threads()
-    print(f"CPU: {os.cpu_count()} cores, torch {torch.__version__}, {threads} threads; BF16 "
-          f"{'native (avx512_bf16/amx)' if native else 'emulated: BF16 not measured'}; dtypes {', '.join(dtypes)}; "
-          f"{args.rounds} rounds; load average {os.getloadavg()[0]:.2f}")
+    print(
+        f"CPU: {os.cpu_count()} cores, torch {torch.__version__}, {threads} threads; BF16 "
+        f"{'native (avx512_bf16/amx)' if native else 'emulated: BF16 not measured'}; dtypes {', '.join(dtypes)}; "
+        f"{args.rounds} rounds; load average {os.getloadavg()[0]:.2f}"
+    )
     variants = ["bare"] + [v for v in args.variants.split(",") if v in VARIANTS and v != "bare"]
     out = {"load_start": os.getloadavg()[0], "threads": threads, "results": []}
     for dtype in dtypes:
@@ -468,15 +536,19 @@ def table(paths):
     """Markdown: per model and dtype, each variant's median round ratio (and ratio of means) run by run, host us added
     per step and per observed tensor (first run), and ampdoctor's own record."""
     runs = [json.load(open(p)) for p in paths]
-    print("load average (start/end): " + "; ".join(f"run {i + 1} {r['load_start']:.1f}/{r['load_end']:.1f}"
-                                                    for i, r in enumerate(runs)))
+    print(
+        "load average (start/end): "
+        + "; ".join(f"run {i + 1} {r['load_start']:.1f}/{r['load_end']:.1f}" for i, r in enumerate(runs))
+    )
     for k, res in enumerate(runs[0]["results"]):
         others = [r["results"][k] for r in runs]
         bare_ms = " / ".join(f"{o['rows'][0].get('median_ms', o['rows'][0]['mean_ms']):.2f}" for o in others)
         base = res["rows"][0].get("median_ms", res["rows"][0]["mean_ms"])
         print(f"\n**{res['model']}** ({res['rows'][0]['modules']} modules, {res['dtype']}; bare {bare_ms} ms/step)\n")
-        print("| variant | median round ratio | ratio of means | +µs/step | µs/observed tensor | close(), background "
-              "| ampdoctor's own record |")
+        print(
+            "| variant | median round ratio | ratio of means | +µs/step | µs/observed tensor | close(), background "
+            "| ampdoctor's own record |"
+        )
         print("|---|---|---|---|---|---|---|")
         for j, row in enumerate(res["rows"][1:], 1):
             rs = [o["rows"][j] for o in others]
@@ -487,7 +559,7 @@ def table(paths):
                     own += f"; sentinel-only steps {row['sentinel_us']:.0f} µs"
                 if row["calibration_ms"]:
                     own += f"; calibration {row['calibration_ms']:.0f} ms once"
-            added = 1e3 * (row["ratio_med"] - 1) * base            # us, from the median round ratio of run 1
+            added = 1e3 * (row["ratio_med"] - 1) * base  # us, from the median round ratio of run 1
             tensors = row["added_us"] / row["per_tensor_us"] if row["per_tensor_us"] else None
             per_t = f"{added / tensors:.1f}" if tensors else "-"
             med = " / ".join(f"{r['ratio_med']:.2f}x" for r in rs)

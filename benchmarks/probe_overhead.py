@@ -8,6 +8,7 @@ model's modules per nesting level) and with a probe every ``--cadence`` steps (t
 ``ampdoctor.probe`` against one plain forward pass.
 Run: .venv/bin/python benchmarks/probe_overhead.py [--rounds N] [--steps N] [--cadence N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import ampdoctor  # noqa: E402
-from overhead import BATCH, DEPTH, WIDTH, make_model, measure, setup_ampdoctor  # noqa: E402
+from overhead import BATCH, DEPTH, WIDTH, make_model, measure, setup_ampdoctor
+
+import ampdoctor
 
 
 def one_off(repeats: int = 10) -> tuple[float, float]:
@@ -46,22 +48,27 @@ def main():
     ap.add_argument("--steps", type=int, default=20, help="steps per variant per round")
     ap.add_argument("--cadence", type=int, default=100, help="probe_every of the amortised variant")
     args = ap.parse_args()
-    variants = [("bare", None),
-                ("ampdoctor defaults (live=False)", setup_ampdoctor(live=False)),
-                ("ampdoctor + probe every step", setup_ampdoctor(live=False, probe_every=1)),
-                (f"ampdoctor + probe every {args.cadence} steps", setup_ampdoctor(live=False,
-                                                                                  probe_every=args.cadence))]
-    print(f"reference: {DEPTH} x [Linear({WIDTH},{WIDTH}), LayerNorm, GELU], batch {BATCH}, BF16 autocast, CPU, "
-          f"{torch.get_num_threads()} threads; {args.rounds} rounds x {args.steps} steps per variant")
+    variants = [
+        ("bare", None),
+        ("ampdoctor defaults (live=False)", setup_ampdoctor(live=False)),
+        ("ampdoctor + probe every step", setup_ampdoctor(live=False, probe_every=1)),
+        (f"ampdoctor + probe every {args.cadence} steps", setup_ampdoctor(live=False, probe_every=args.cadence)),
+    ]
+    print(
+        f"reference: {DEPTH} x [Linear({WIDTH},{WIDTH}), LayerNorm, GELU], batch {BATCH}, BF16 autocast, CPU, "
+        f"{torch.get_num_threads()} threads; {args.rounds} rounds x {args.steps} steps per variant"
+    )
     print(f"{'variant':50s} {'mean step':>10s} {'ratio':>7s} {'median of round ratios':>24s}")
     rows = measure(variants, args.rounds, args.steps)
     for name, mean, ratio, per_round in rows:
         print(f"{name:50s} {mean * 1e3:7.2f} ms  x{ratio:5.2f}  x{per_round:5.2f}", flush=True)
     base, defaults, probed = rows[0][1], rows[1][1], rows[2][1]
-    extra = probed - defaults            # what one probed step adds to a step of the defaults
+    extra = probed - defaults  # what one probed step adds to a step of the defaults
     for every in (args.cadence, 1000):
-        print(f"amortised over probe_every={every}: x{(defaults + extra / every) / base:5.3f} "
-              f"(defaults x{defaults / base:5.3f}; a probed step adds {extra / base:4.2f} bare steps)")
+        print(
+            f"amortised over probe_every={every}: x{(defaults + extra / every) / base:5.3f} "
+            f"(defaults x{defaults / base:5.3f}; a probed step adds {extra / base:4.2f} bare steps)"
+        )
     f, p = one_off()
     print(f"one-off ampdoctor.probe: {p * 1e3:.1f} ms = {p / f:.1f} plain BF16 forward passes ({f * 1e3:.1f} ms)")
 

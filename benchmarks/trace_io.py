@@ -4,6 +4,7 @@ Packets go through the real background writer (the same code path as training), 
 by the real kernels on random tensors of varied magnitude. Prints the file size and the time to load the per-step
 table and one statistic's [steps x sites] array. Run: .venv/bin/python benchmarks/trace_io.py [--steps N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,11 +17,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import ampdoctor  # noqa: E402
-from ampdoctor.collect import session  # noqa: E402
-from ampdoctor.collect import stats as K  # noqa: E402
-from ampdoctor.trace.vectors import Entry  # noqa: E402
-from ampdoctor.trace.writer import StepPacket, Writer  # noqa: E402
+import ampdoctor
+from ampdoctor.collect import session
+from ampdoctor.collect import stats as K
+from ampdoctor.trace.vectors import Entry
+from ampdoctor.trace.writer import StepPacket, Writer
 
 SITES = {"act": 200, "grad_out": 200, "param_grad": 100}
 
@@ -56,11 +57,34 @@ def main():
             values = np.concatenate([np.sort(mm.reshape(n, 2), axis=1).ravel(), np.array([1.0, 0.5])])
             entries = [Entry(s, ph, [(2 * i, "p", 4096)]) for i, (s, ph) in enumerate(layout)]
             bases = {"p": 0, "f": 2 * n, "x": 2 * n}
-        row = {"time": time.time(), "step_time": 0.1, "data_time": 0.01, "samples": 256, "lr": [1e-3],
-               "microbatches": 1, "peak_mem": None, "level": 2 if step % args.hist_every == 0 else int(full)}
-        w.put(("step", StepPacket(step=step, row=row, values=values, bases=bases, entries=entries, loss=1.0 / (1 + step),
-                                  scale=65536.0, scale_next=65536.0, grad_norm=1.0, skipped=False,
-                                  store_hist=step % args.hist_every == 0)))
+        row = {
+            "time": time.time(),
+            "step_time": 0.1,
+            "data_time": 0.01,
+            "samples": 256,
+            "lr": [1e-3],
+            "microbatches": 1,
+            "peak_mem": None,
+            "level": 2 if step % args.hist_every == 0 else int(full),
+        }
+        w.put(
+            (
+                "step",
+                StepPacket(
+                    step=step,
+                    row=row,
+                    values=values,
+                    bases=bases,
+                    entries=entries,
+                    loss=1.0 / (1 + step),
+                    scale=65536.0,
+                    scale_next=65536.0,
+                    grad_norm=1.0,
+                    skipped=False,
+                    store_hist=step % args.hist_every == 0,
+                ),
+            )
+        )
     w.close(timeout=600)
     write_s = time.perf_counter() - t0
     size = os.path.getsize(path)
@@ -77,8 +101,10 @@ def main():
     t0 = time.perf_counter()
     _, counts = tr.hist(sid // 2, "grad_out")
     t_hist = time.perf_counter() - t0
-    print(f"trace: {len(layout)} sites x {len(df)} steps, full statistics every {args.every}, histograms every "
-          f"{args.hist_every} (written in {write_s:.1f} s by the background writer)")
+    print(
+        f"trace: {len(layout)} sites x {len(df)} steps, full statistics every {args.every}, histograms every "
+        f"{args.hist_every} (written in {write_s:.1f} s by the background writer)"
+    )
     print(f"file size                         {size / 2**20:8.1f} MB   (target < 100 MB)")
     print(f"load steps() table                {t_steps:8.3f} s    (target < 2 s)")
     print(f"load records('absmax', grad_out)  {t_stat:8.3f} s    shape {arr.shape}")

@@ -6,6 +6,7 @@ build independent apps side by side, for several roots and in the tests.)
 The browser names a trace only by its key in ``Context.runs()`` (its path relative to the root); nothing it sends
 is ever joined to a file system path.
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,13 +36,25 @@ PAGES = {  # path -> (nav label, module)
     "/compare": ("Compare", compare),
 }
 REFERENCE_KEY = "reference"
-MAX_IDLE = 8                # open connections kept per trace file between requests
-FINDINGS_EVERY_S = 5.0      # a growing trace is diagnosed again at most this often (a big run takes seconds)
+MAX_IDLE = 8  # open connections kept per trace file between requests
+FINDINGS_EVERY_S = 5.0  # a growing trace is diagnosed again at most this often (a big run takes seconds)
 _CSS = {
-    "page": {"fontFamily": "system-ui, -apple-system, Segoe UI, Roboto, sans-serif", "margin": "0 auto",
-             "maxWidth": "1300px", "padding": "0.5em 1.5em", "color": "#222"},
-    "nav": {"display": "flex", "gap": "1.2em", "alignItems": "center", "borderBottom": "1px solid #ddd",
-            "paddingBottom": "0.5em", "marginBottom": "0.8em", "flexWrap": "wrap"},
+    "page": {
+        "fontFamily": "system-ui, -apple-system, Segoe UI, Roboto, sans-serif",
+        "margin": "0 auto",
+        "maxWidth": "1300px",
+        "padding": "0.5em 1.5em",
+        "color": "#222",
+    },
+    "nav": {
+        "display": "flex",
+        "gap": "1.2em",
+        "alignItems": "center",
+        "borderBottom": "1px solid #ddd",
+        "paddingBottom": "0.5em",
+        "marginBottom": "0.8em",
+        "flexWrap": "wrap",
+    },
     "error": {"color": "#d62728", "fontWeight": "bold"},
 }
 _log = logging.getLogger(__name__)
@@ -58,14 +71,14 @@ class Context:
         self.root = os.path.realpath(root)
         self.reference_path = reference
         self.poll_ms = poll_ms
-        self._lock = threading.Lock()       # guards the dicts below; never held around file I/O
-        self._idle: dict = {}               # path -> [Trace] not borrowed by any thread
-        self._local = threading.local()     # .held: path -> Trace borrowed by this thread
+        self._lock = threading.Lock()  # guards the dicts below; never held around file I/O
+        self._idle: dict = {}  # path -> [Trace] not borrowed by any thread
+        self._local = threading.local()  # .held: path -> Trace borrowed by this thread
         self._cache: dict = {}
         self._runs: tuple[float, dict] = (0.0, {})
-        self._findings: dict = {}       # run key -> (steps, time, (findings, error))
-        self.files = files              # a glob or list of one run's files: only these are served
-        self._rank_meta: dict = {}      # path -> (rank, world size) from the trace's metadata
+        self._findings: dict = {}  # run key -> (steps, time, (findings, error))
+        self.files = files  # a glob or list of one run's files: only these are served
+        self._rank_meta: dict = {}  # path -> (rank, world size) from the trace's metadata
 
     def runs(self) -> dict:
         """Traces under the root (rescanned at most every second, so new runs show up)."""
@@ -162,9 +175,9 @@ class Context:
             return last[2]
         ref = self.trace(REFERENCE_KEY) if self.reference_path and key != REFERENCE_KEY else None
         try:
-            found = diagnosis.findings(tr, ref) + ranks.group_findings(self, key)     # + the run's rank rules
+            found = diagnosis.findings(tr, ref) + ranks.group_findings(self, key)  # + the run's rank rules
             result = (sorted(found, key=lambda d: diagnosis.SEVERITY_ORDER.get(d.severity, 3)), None)
-        except Exception as exc:        # noqa: BLE001 - someone else's rule must not take the dashboard down
+        except Exception as exc:
             result = ([], f"{type(exc).__name__}: {exc}")
         with self._lock:
             self._findings[key] = (n, time.monotonic(), result)
@@ -181,13 +194,30 @@ def run_options(ctx: Context) -> list[dict]:
 
 
 def header(ctx: Context, pathname: str, run: str | None):
-    links = [dcc.Link(label, href=href(path, run), id=f"nav-{path.strip('/') or 'overview'}",
-                      style={"fontWeight": "bold" if path == pathname else "normal"})
-             for path, (label, _) in PAGES.items() if label]
-    return html.Div([html.B("ampdoctor"), *links,
-                     html.Div(dcc.Dropdown(id=ids.RUN_PICKER, options=run_options(ctx), value=run, clearable=False,
-                                           placeholder="no traces yet"),
-                              style={"minWidth": "320px", "marginLeft": "auto"})], id=ids.NAV, style=_CSS["nav"])
+    links = [
+        dcc.Link(
+            label,
+            href=href(path, run),
+            id=f"nav-{path.strip('/') or 'overview'}",
+            style={"fontWeight": "bold" if path == pathname else "normal"},
+        )
+        for path, (label, _) in PAGES.items()
+        if label
+    ]
+    return html.Div(
+        [
+            html.B("ampdoctor"),
+            *links,
+            html.Div(
+                dcc.Dropdown(
+                    id=ids.RUN_PICKER, options=run_options(ctx), value=run, clearable=False, placeholder="no traces yet"
+                ),
+                style={"minWidth": "320px", "marginLeft": "auto"},
+            ),
+        ],
+        id=ids.NAV,
+        style=_CSS["nav"],
+    )
 
 
 def render(ctx: Context, pathname: str | None, search: str | None):
@@ -201,14 +231,24 @@ def render(ctx: Context, pathname: str | None, search: str | None):
     if pathname not in PAGES:
         return head, html.Div([html.H3("No such page"), dcc.Link("Overview", href=href("/", run))])
     if run is None:
-        return head, html.Div([html.H3("No traces yet"),
-                               html.P("Nothing under the served path looks like an ampdoctor trace; "
-                                      "new traces appear here as training writes them.")])
+        return head, html.Div(
+            [
+                html.H3("No traces yet"),
+                html.P(
+                    "Nothing under the served path looks like an ampdoctor trace; "
+                    "new traces appear here as training writes them."
+                ),
+            ]
+        )
     if ctx.resolve(run) is None:
-        return head, html.Div([html.H3("Unknown run"),
-                               html.P("This run is not one of the traces served here."),
-                               dcc.Link("Back to the first run", href=href("/", ctx.default_key()))],
-                              id="unknown-run")
+        return head, html.Div(
+            [
+                html.H3("Unknown run"),
+                html.P("This run is not one of the traces served here."),
+                dcc.Link("Back to the first run", href=href("/", ctx.default_key())),
+            ],
+            id="unknown-run",
+        )
     if ctx.trace(run) is None:
         return head, html.Div([html.H3("Unreadable trace"), html.P(f"{run} could not be opened as a trace.")])
     return head, PAGES[pathname][1].layout(ctx, run, query)
@@ -220,24 +260,38 @@ def _failed(exc: Exception) -> None:
     dash.set_props(ids.ERROR, {"children": f"This view could not be updated: {type(exc).__name__}: {exc}"})
 
 
-def create_app(root: str, reference: str | None = None, poll_ms: int = 1500, files=None,
-               host_policy: hosts.HostPolicy | None = None) -> dash.Dash:
+def create_app(
+    root: str,
+    reference: str | None = None,
+    poll_ms: int = 1500,
+    files=None,
+    host_policy: hosts.HostPolicy | None = None,
+) -> dash.Dash:
     """A Dash app serving the traces at or under ``root`` (nothing else on the file system; only ``files``, real
     paths, when given), to requests for the host names of ``host_policy`` (default: loopback names only)."""
     ctx = Context(root, reference, poll_ms, files)
     policy = host_policy or hosts.HostPolicy()
-    app = dash.Dash(__name__, title="ampdoctor", suppress_callback_exceptions=True,
-                    assets_folder=os.path.join(os.path.dirname(__file__), "assets"), serve_locally=True,
-                    update_title=None, on_error=_failed)
+    app = dash.Dash(
+        __name__,
+        title="ampdoctor",
+        suppress_callback_exceptions=True,
+        assets_folder=os.path.join(os.path.dirname(__file__), "assets"),
+        serve_locally=True,
+        update_title=None,
+        on_error=_failed,
+    )
     app.ampdoctor = ctx
-    app.layout = html.Div([
-        dcc.Location(id=ids.URL, refresh="callback-nav"),
-        dcc.Interval(id=ids.POLL, interval=poll_ms),
-        dcc.Store(id=ids.VERSION),
-        html.Div(id=ids.HEADER),
-        html.Div(id=ids.ERROR, style=_CSS["error"]),
-        html.Div(id=ids.PAGE),
-    ], style=_CSS["page"])
+    app.layout = html.Div(
+        [
+            dcc.Location(id=ids.URL, refresh="callback-nav"),
+            dcc.Interval(id=ids.POLL, interval=poll_ms),
+            dcc.Store(id=ids.VERSION),
+            html.Div(id=ids.HEADER),
+            html.Div(id=ids.ERROR, style=_CSS["error"]),
+            html.Div(id=ids.PAGE),
+        ],
+        style=_CSS["page"],
+    )
 
     @app.server.before_request
     def _check_host():
@@ -246,30 +300,47 @@ def create_app(root: str, reference: str | None = None, poll_ms: int = 1500, fil
             return None
         if ok is None:
             return Response("ampdoctor: malformed Host header\n", 400, mimetype="text/plain")
-        return Response(f"ampdoctor: this dashboard answers requests for {policy.shown()} only (a guard against "
-                        f"DNS rebinding); to open it under another name, start it with --allow-host NAME\n",
-                        403, mimetype="text/plain")
+        return Response(
+            f"ampdoctor: this dashboard answers requests for {policy.shown()} only (a guard against "
+            f"DNS rebinding); to open it under another name, start it with --allow-host NAME\n",
+            403,
+            mimetype="text/plain",
+        )
 
     @app.server.teardown_request
     def _release(_exc):
         ctx.release()
 
-    @app.callback(Output(ids.HEADER, "children"), Output(ids.PAGE, "children"), Output(ids.ERROR, "children"),
-                  Input(ids.URL, "pathname"), Input(ids.URL, "search"))
+    @app.callback(
+        Output(ids.HEADER, "children"),
+        Output(ids.PAGE, "children"),
+        Output(ids.ERROR, "children"),
+        Input(ids.URL, "pathname"),
+        Input(ids.URL, "search"),
+    )
     def _route(pathname, search):
         return (*render(ctx, pathname, search), None)
 
-    @app.callback(Output(ids.URL, "pathname", allow_duplicate=True), Output(ids.URL, "search", allow_duplicate=True),
-                  Input(ids.RUN_PICKER, "value"), State(ids.URL, "pathname"), State(ids.URL, "search"),
-                  prevent_initial_call=True)
+    @app.callback(
+        Output(ids.URL, "pathname", allow_duplicate=True),
+        Output(ids.URL, "search", allow_duplicate=True),
+        Input(ids.RUN_PICKER, "value"),
+        State(ids.URL, "pathname"),
+        State(ids.URL, "search"),
+        prevent_initial_call=True,
+    )
     def _pick(run, pathname, search):
         if not run or parse_search(search).get("run") == run:
             return dash.no_update, dash.no_update
         # the same view of the other run; a layer detail goes to the overview (site ids differ between runs)
         return ("/" if pathname == "/layer" else dash.no_update), "?" + urlencode({"run": run})
 
-    @app.callback(Output(ids.VERSION, "data"), Input(ids.POLL, "n_intervals"), State(ids.URL, "search"),
-                  State(ids.VERSION, "data"))
+    @app.callback(
+        Output(ids.VERSION, "data"),
+        Input(ids.POLL, "n_intervals"),
+        State(ids.URL, "search"),
+        State(ids.VERSION, "data"),
+    )
     def _poll(_, search, old):
         run = parse_search(search).get("run") or ctx.default_key()
         tr = ctx.trace(run)
@@ -278,9 +349,14 @@ def create_app(root: str, reference: str | None = None, poll_ms: int = 1500, fil
         new = {"run": run, "n": tr.n_steps}
         return dash.no_update if new == old else new
 
-    @app.callback(Output(ids.RUN_PICKER, "options"), Output(ids.URL, "search", allow_duplicate=True),
-                  Input(ids.POLL, "n_intervals"), State(ids.RUN_PICKER, "options"), State(ids.URL, "search"),
-                  prevent_initial_call=True)
+    @app.callback(
+        Output(ids.RUN_PICKER, "options"),
+        Output(ids.URL, "search", allow_duplicate=True),
+        Input(ids.POLL, "n_intervals"),
+        State(ids.RUN_PICKER, "options"),
+        State(ids.URL, "search"),
+        prevent_initial_call=True,
+    )
     def _new_runs(_, options, search):
         """Traces that appear under the root join the picker; the first one opens if none was shown yet."""
         new = run_options(ctx)
@@ -293,7 +369,7 @@ def create_app(root: str, reference: str | None = None, poll_ms: int = 1500, fil
         module.register(app, ctx)
 
     @app.server.errorhandler(DependencyException)
-    def _unknown_file(_):        # a made-up component-suite path ("../..."): not found, not a 500 with a traceback
+    def _unknown_file(_):  # a made-up component-suite path ("../..."): not found, not a 500 with a traceback
         return "not found", 404
 
     return app

@@ -2,6 +2,7 @@
 
 The browser names a run only by its key here (its path relative to the root); nothing it sends is joined to a path.
 """
+
 from __future__ import annotations
 
 import os
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from ampdoctor.trace import is_trace
 from ampdoctor.trace.run import TRACE_EXT
 
-RANK_SUFFIX = re.compile(r"[._-]?rank[._-]?(\d+)$", re.IGNORECASE)     # runs/exp-rank1.db: rank 1 of runs/exp
+RANK_SUFFIX = re.compile(r"[._-]?rank[._-]?(\d+)$", re.IGNORECASE)  # runs/exp-rank1.db: rank 1 of runs/exp
 
 
 @dataclass(frozen=True)

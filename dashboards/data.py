@@ -3,6 +3,7 @@
 The figure builders (figures.py) take what these functions return; the dashboard pages and the HTML report both
 call them, so the two always show the same numbers.
 """
+
 from __future__ import annotations
 
 import math
@@ -14,12 +15,11 @@ import numpy as np
 import pandas as pd
 
 from ampdoctor import formats
+from ampdoctor.lossscale import TORCH_DEFAULTS
+from ampdoctor.lossscale import replay as _replay
 from ampdoctor.precision_label import describe_precision
-from ampdoctor.trace.schema import ROOT
 from ampdoctor.trace.observation import cost_line, observation_line
-
-from ampdoctor.replay import TORCH_DEFAULTS
-from ampdoctor.replay import replay as _replay
+from ampdoctor.trace.schema import ROOT
 
 KINDS = ("act", "grad_out", "param_grad")
 # heat map statistic id -> label; for every one of them the worst value of a layer is the largest
@@ -33,8 +33,10 @@ STATS = {
 # the layer types the recommended allocation keeps in FP32 (normalisation, softmax, losses) and the ones that
 # should compute in FP16/BF16 (the matrix multiplies and convolutions that make mixed precision fast)
 _FP32_TYPES = re.compile(r"Norm|Softmax|Loss|Softmin")
-_HALF_TYPES = re.compile(r"^(Linear|Bilinear|LazyLinear|Conv\w*|LazyConv\w*|MultiheadAttention|LSTM|GRU|RNN|"
-                         r"TransformerEncoderLayer|TransformerDecoderLayer)$")
+_HALF_TYPES = re.compile(
+    r"^(Linear|Bilinear|LazyLinear|Conv\w*|LazyConv\w*|MultiheadAttention|LSTM|GRU|RNN|"
+    r"TransformerEncoderLayer|TransformerDecoderLayer)$"
+)
 
 
 # -- summary ----------------------------------------------------------------------------------------------------
@@ -44,10 +46,12 @@ def run_summary(tr) -> list[tuple[str, str]]:
     run = meta.get("run", {})
     steps = tr.steps()
     sites = tr.sites()
-    rows = [("trace", os.path.basename(tr.path)),
-            ("steps", f"{len(steps)}" + ("" if "closed" in meta else " (run still writing)")),
-            ("model", f"{run.get('model', '?')} ({run.get('params', 0):,} parameters) on {run.get('device', '?')}"),
-            ("precision", describe_precision(cfg))]
+    rows = [
+        ("trace", os.path.basename(tr.path)),
+        ("steps", f"{len(steps)}" + ("" if "closed" in meta else " (run still writing)")),
+        ("model", f"{run.get('model', '?')} ({run.get('params', 0):,} parameters) on {run.get('device', '?')}"),
+        ("precision", describe_precision(cfg)),
+    ]
     if len(sites):
         for kind in ("act", "grad_out", "param_grad"):
             d = sites[sites["kind"] == kind].groupby("dtype").size().to_dict()
@@ -57,8 +61,11 @@ def run_summary(tr) -> list[tuple[str, str]]:
         rows.append(("parameters", ", ".join(f"{k} ({v:,})" for k, v in cfg["param_dtypes"].items())))
     sc = cfg.get("scaler")
     if sc:
-        settings = ", ".join(f"{k} {sc[k]:g}" for k in ("init_scale", "growth_factor", "backoff_factor",
-                                                         "growth_interval") if isinstance(sc.get(k), (int, float)))
+        settings = ", ".join(
+            f"{k} {sc[k]:g}"
+            for k in ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+            if isinstance(sc.get(k), (int, float))
+        )
         rows.append(("scaler", f"{sc.get('class')} ({'enabled' if sc.get('enabled') else 'disabled'}; {settings})"))
     else:
         rows.append(("scaler", "none"))
@@ -69,8 +76,13 @@ def run_summary(tr) -> list[tuple[str, str]]:
         rows.append(("non-finite steps", str(n_bad)))
         scales = steps["loss_scale"].dropna()
         if len(scales):
-            rows.append(("loss scale", f"{scales.iloc[0]:g} at start, {scales.iloc[-1]:g} last, "
-                                       f"range {scales.min():g} .. {scales.max():g}"))
+            rows.append(
+                (
+                    "loss scale",
+                    f"{scales.iloc[0]:g} at start, {scales.iloc[-1]:g} last, "
+                    f"range {scales.min():g} .. {scales.max():g}",
+                )
+            )
         loss = steps["loss"].replace([np.inf, -np.inf], np.nan).dropna()
         if len(loss):
             rows.append(("loss", f"{loss.iloc[0]:.4g} -> {loss.iloc[-1]:.4g}"))
@@ -119,7 +131,7 @@ def layer_matrix(tr, stat: str = "fp16_under", kind: str = "grad_out", unscale: 
     if stat not in STATS:
         raise ValueError(f"Argument stat should be one of {', '.join(STATS)}, but given {stat!r}")
     sites = tr.sites(kind)
-    if stat == "absmax_log2":       # peaks exist at every step
+    if stat == "absmax_log2":  # peaks exist at every step
         peak = tr.records("peak", kind)
         with np.errstate(divide="ignore", invalid="ignore"):
             vals = np.log2(peak)
@@ -147,8 +159,15 @@ def layer_matrix(tr, stat: str = "fp16_under", kind: str = "grad_out", unscale: 
                 vals = rec("nan") + rec("inf")
     labels = [str(p) for p in sites["path"]]
     types = [t if isinstance(t, str) else "" for t in sites["module_type"]]
-    return LayerMatrix(stat, kind, np.asarray(steps), sites["id"].to_numpy(), labels, types,
-                       np.asarray(vals, dtype=float).T.reshape(len(labels), len(steps)))
+    return LayerMatrix(
+        stat,
+        kind,
+        np.asarray(steps),
+        sites["id"].to_numpy(),
+        labels,
+        types,
+        np.asarray(vals, dtype=float).T.reshape(len(labels), len(steps)),
+    )
 
 
 def layer_series(tr, site_id: int, kind: str) -> dict:
@@ -160,8 +179,11 @@ def layer_series(tr, site_id: int, kind: str) -> dict:
     full = full[full < tr.n_steps]
     rms = tr.records("rms", kind)[full, j] if len(full) else np.array([])
     st = tr.steps()
-    return {"absmax": (np.arange(len(peak)), peak), "rms": (full, rms),
-            "grad_norm": (st["step"].to_numpy(), st["grad_norm"].to_numpy())}
+    return {
+        "absmax": (np.arange(len(peak)), peak),
+        "rms": (full, rms),
+        "grad_norm": (st["step"].to_numpy(), st["grad_norm"].to_numpy()),
+    }
 
 
 def site_info(tr, site_id: int) -> dict | None:
@@ -207,18 +229,44 @@ def precision_rows(tr) -> list[dict]:
             verdict = "runs in FP32 (no speed-up)"
         if param in formats.REDUCED:
             verdict = "weights in half precision" if verdict == "ok" else verdict + "; weights in half precision"
-        rows.append({"module": s.path, "type": mtype, "recommended": rec, "forward": observed,
-                     "backward": grad.get(s.path, "-"), "weights": param, "verdict": verdict})
+        rows.append(
+            {
+                "module": s.path,
+                "type": mtype,
+                "recommended": rec,
+                "forward": observed,
+                "backward": grad.get(s.path, "-"),
+                "weights": param,
+                "verdict": verdict,
+            }
+        )
     loss = cfg.get("loss_dtype")
     if loss:
-        rows.append({"module": "loss", "type": "", "recommended": "float32", "forward": loss, "backward": "-",
-                     "weights": "-", "verdict": "ok" if loss == "float32" else "should be FP32"})
+        rows.append(
+            {
+                "module": "loss",
+                "type": "",
+                "recommended": "float32",
+                "forward": loss,
+                "backward": "-",
+                "weights": "-",
+                "verdict": "ok" if loss == "float32" else "should be FP32",
+            }
+        )
     params = cfg.get("param_dtypes", {}) or {}
     if params:
         upd = ", ".join(sorted(params))
-        rows.append({"module": "weight update", "type": (cfg.get("optimizer") or {}).get("class", ""),
-                     "recommended": "float32", "forward": "-", "backward": "-", "weights": upd,
-                     "verdict": "ok" if set(params) == {"float32"} else "keep FP32 master weights"})
+        rows.append(
+            {
+                "module": "weight update",
+                "type": (cfg.get("optimizer") or {}).get("class", ""),
+                "recommended": "float32",
+                "forward": "-",
+                "backward": "-",
+                "weights": upd,
+                "verdict": "ok" if set(params) == {"float32"} else "keep FP32 master weights",
+            }
+        )
     return rows
 
 
@@ -239,23 +287,33 @@ def scaler_settings(tr) -> dict:
 def whatif(tr, init_scale=None, growth_factor=None, backoff_factor=None, growth_interval=None) -> dict:
     """Recorded vs simulated loss scale and skipped steps for other scaler settings."""
     cfg = scaler_settings(tr)
-    args = {"init_scale": init_scale, "growth_factor": growth_factor, "backoff_factor": backoff_factor,
-            "growth_interval": growth_interval}
+    args = {
+        "init_scale": init_scale,
+        "growth_factor": growth_factor,
+        "backoff_factor": backoff_factor,
+        "growth_interval": growth_interval,
+    }
     used = {k: (cfg[k] if v is None else v) for k, v in args.items()}
     used["growth_interval"] = max(1, int(used["growth_interval"]))
     st = tr.steps()
     if not len(st):
         sim_scales, sim_skipped, engine = np.array([]), np.array([], bool), "nothing to replay yet"
-    else:   # settings left at None: the replay keeps the run's own (and its scaler state)
+    else:  # settings left at None: the replay keeps the run's own (and its scaler state)
         r = _replay(tr, **{k: (int(v) if k == "growth_interval" else v) for k, v in args.items() if v is not None})
         sim_scales, sim_skipped = np.asarray(r.scales, float), np.asarray(r.skipped, bool)
         used = dict(r.settings)
-        engine = "ampdoctor.replay"
-    n = min(len(st), len(sim_scales))                  # a live trace may have grown between the reads
+        engine = "ampdoctor.lossscale"
+    n = min(len(st), len(sim_scales))  # a live trace may have grown between the reads
     st, sim_scales, sim_skipped = st.iloc[:n], sim_scales[:n], sim_skipped[:n]
-    return {"steps": st["step"].to_numpy(), "recorded": st["loss_scale"].to_numpy(dtype=float),
-            "recorded_skipped": st["skipped"].to_numpy(bool), "simulated": sim_scales, "simulated_skipped": sim_skipped,
-            "settings": used, "engine": engine}
+    return {
+        "steps": st["step"].to_numpy(),
+        "recorded": st["loss_scale"].to_numpy(dtype=float),
+        "recorded_skipped": st["skipped"].to_numpy(bool),
+        "simulated": sim_scales,
+        "simulated_skipped": sim_skipped,
+        "settings": used,
+        "engine": engine,
+    }
 
 
 # -- compare -----------------------------------------------------------------------------------------------------
@@ -269,8 +327,8 @@ def compare_layers(tr_a, tr_b, stat: str = "absmax_log2", kind: str = "grad_out"
             v = np.where(np.isfinite(lm.values), lm.values, np.nan)
             means = [np.nanmean(r) if np.isfinite(r).any() else np.nan for r in v]
         out.append(pd.Series(means, index=lm.labels, dtype=float))
-    df = pd.DataFrame({"a": out[0], "b": out[1]}).dropna(how="all")   # a layer with no value in either run goes
-    order = dict.fromkeys([*out[0].index, *out[1].index])              # this run's layer order, then the other's
+    df = pd.DataFrame({"a": out[0], "b": out[1]}).dropna(how="all")  # a layer with no value in either run goes
+    order = dict.fromkeys([*out[0].index, *out[1].index])  # this run's layer order, then the other's
     df = df.loc[[p for p in order if p in df.index]]
     df["diff"] = df["b"] - df["a"]
     return df
@@ -281,6 +339,7 @@ def formats_rows(tr, max_rows: int = 200) -> list[dict]:
     """Per site (activations, output gradients): the share of non-zero values each format would lose (saturated or
     flushed; FP8 with Transformer Engine's default delayed scaling) and the FP16 headroom, worst E4M3 first."""
     from ampdoctor import whatif
+
     table = whatif.formats_table(tr)
     if not len(table):
         return []
@@ -288,18 +347,31 @@ def formats_rows(tr, max_rows: int = 200) -> list[dict]:
 
     def pct(v):
         return "-" if v != v else f"{100 * v:.2f}%"
+
     def binades(v):
         return "-" if v != v else f"{v:.1f}"
-    return [{"layer": r.path, "kind": r.kind, "dtype": r.dtype,
-             "FP16 headroom (binades)": binades(r.fp16_headroom), "BF16 headroom": binades(r.bf16_headroom),
-             "span (binades)": binades(r.span),
-             "FP16 lost": pct(r.fp16_lost), "BF16 lost": pct(r.bf16_lost), "E4M3 lost": pct(r.e4m3_lost),
-             "E5M2 lost": pct(r.e5m2_lost)} for r in table.itertuples()]
+
+    return [
+        {
+            "layer": r.path,
+            "kind": r.kind,
+            "dtype": r.dtype,
+            "FP16 headroom (binades)": binades(r.fp16_headroom),
+            "BF16 headroom": binades(r.bf16_headroom),
+            "span (binades)": binades(r.span),
+            "FP16 lost": pct(r.fp16_lost),
+            "BF16 lost": pct(r.bf16_lost),
+            "E4M3 lost": pct(r.e4m3_lost),
+            "E5M2 lost": pct(r.e5m2_lost),
+        }
+        for r in table.itertuples()
+    ]
 
 
 def formats_shares(tr, max_rows: int = 40) -> tuple[list, dict]:
     """(labels, {format: lost shares}) of the sites worst in E4M3, for the formats bar chart."""
     from ampdoctor import whatif
+
     table = whatif.formats_table(tr)
     if not len(table):
         return [], {}
@@ -311,8 +383,9 @@ def formats_shares(tr, max_rows: int = 40) -> tuple[list, dict]:
 def probe_series(tr, max_layers: int = 12) -> tuple[dict, dict, list[dict]]:
     """Probe error over steps: ({layer: (steps, rel_err)}, {layer: sqrt(k)*u bound}, per-layer verdicts), the
     named layers and the largest ratios first."""
-    from ampdoctor.diagnose import precision
-    from ampdoctor.diagnose.engine import Run as _DiagRun
+    from ampdoctor.rules import precision
+    from ampdoctor.rules.engine import Run as _DiagRun
+
     verdicts = precision.layer_verdicts(_DiagRun(tr))
     pr = tr.probes()
     series, bounds = {}, {}

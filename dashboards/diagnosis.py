@@ -1,11 +1,12 @@
 """A run's findings as the views show them: worst first, their evidence as short rows, their fix as text and code
 parts, the layers and ranks they name. No plotly, no dash: the dashboard pages and the HTML report share them."""
+
 from __future__ import annotations
 
 import numpy as np
 
-from ampdoctor.diagnose import diagnose as _diagnose
-from ampdoctor.diagnose import fix as F
+from ampdoctor.rules import diagnose as _diagnose
+from ampdoctor.rules import fix as F
 from ampdoctor.severity import WORST_FIRST
 
 SEVERITY_ORDER = WORST_FIRST
@@ -49,8 +50,9 @@ def evidence_items(d) -> list[tuple[str, str]]:
     for k, v in (getattr(d, "evidence", None) or {}).items():
         if isinstance(v, dict):
             items = list(v.items())
-            v = ", ".join(f"{a}: {_short(b)}" for a, b in items[:8]) + (f", ... ({len(items)} in all)"
-                                                                        if len(items) > 8 else "")
+            v = ", ".join(f"{a}: {_short(b)}" for a, b in items[:8]) + (
+                f", ... ({len(items)} in all)" if len(items) > 8 else ""
+            )
         elif isinstance(v, (list, tuple, np.ndarray)):
             v = ", ".join(_short(x) for x in list(v)[:8]) + (f", ... ({len(v)} in all)" if len(v) > 8 else "")
         else:
@@ -60,6 +62,6 @@ def evidence_items(d) -> list[tuple[str, str]]:
 
 
 def ranks_label(d) -> str:
-    """"rank 1" / "ranks 0, 1" for a finding of a multi-rank run, "" for one trace."""
+    """ "rank 1" / "ranks 0, 1" for a finding of a multi-rank run, "" for one trace."""
     ranks = list(getattr(d, "ranks", None) or [])
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else ""

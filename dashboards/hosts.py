@@ -7,6 +7,7 @@ names it was started for: loopback names by default; ``--host`` adds its address
 adds a name (``*``: any, e.g. behind a proxy that checks names itself). The port is not checked: an SSH tunnel
 serves the dashboard on another local port, and a rebinding attack changes the name, not the port.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -64,8 +65,7 @@ class HostPolicy:
         name = hostname(header)
         if name is None:
             return None
-        return (ANY in self.names or name in self.names or is_loopback(name)
-                or (self.any_ip and _ip(name) is not None))
+        return ANY in self.names or name in self.names or is_loopback(name) or (self.any_ip and _ip(name) is not None)
 
     def shown(self) -> str:
         return ", ".join(sorted(self.names)) + (", any IP address" if self.any_ip else "")

@@ -5,7 +5,7 @@ POLL = "poll"
 VERSION = "trace-version"
 HEADER = "header"
 PAGE = "page"
-ERROR = "page-error"          # what went wrong in a callback, in words
+ERROR = "page-error"  # what went wrong in a callback, in words
 RUN_PICKER = "run-picker"
 NAV = "nav"
 

@@ -1,5 +1,6 @@
 """The ranks of one distributed run side by side: a table, per-rank line figures (pure plotly) and the HTML report
 of the whole run (its findings name the ranks). Used by ``ampdoctor report DIR_OR_GLOB`` and the dashboard."""
+
 from __future__ import annotations
 
 import html
@@ -8,13 +9,13 @@ import os
 import numpy as np
 import plotly.graph_objects as go
 
-from ampdoctor.diagnose import diagnose
+from ampdoctor.rules import diagnose
 from ampdoctor.trace.run import run_pattern
 
 from . import catalog, figures
 from .report import _fig, finding_html, page
 
-MAX_RANK_LINES = 16        # more lines than this are unreadable; the table still lists every rank
+MAX_RANK_LINES = 16  # more lines than this are unreadable; the table still lists every rank
 _PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 
 
@@ -24,13 +25,19 @@ def rank_rows(rr) -> list[dict]:
     for rank, tr in rr.items():
         st = tr.steps()
         scale = st["loss_scale_next"].dropna()
-        rows.append({"rank": rank, "steps": len(st), "skipped": int(st["skipped"].sum()),
-                     "non-finite": int(st["nonfinite"].sum()),
-                     "loss scale last": f"{scale.iloc[-1]:g}" if len(scale) else "-",
-                     "step time (median)": f"{st['step_time'].median():.3g} s" if len(st) else "-",
-                     "data wait (median)": f"{st['data_time'].median():.3g} s" if len(st) else "-",
-                     "host": str((tr.meta.get("run", {}) or {}).get("host", "?")),
-                     "trace": os.path.basename(tr.path)})
+        rows.append(
+            {
+                "rank": rank,
+                "steps": len(st),
+                "skipped": int(st["skipped"].sum()),
+                "non-finite": int(st["nonfinite"].sum()),
+                "loss scale last": f"{scale.iloc[-1]:g}" if len(scale) else "-",
+                "step time (median)": f"{st['step_time'].median():.3g} s" if len(st) else "-",
+                "data wait (median)": f"{st['data_time'].median():.3g} s" if len(st) else "-",
+                "host": str((tr.meta.get("run", {}) or {}).get("host", "?")),
+                "trace": os.path.basename(tr.path),
+            }
+        )
     return rows
 
 
@@ -42,8 +49,13 @@ def ranks_figure(series, title: str, y_title: str, log2: bool = False) -> go.Fig
         if log2:
             y = np.where(np.isfinite(y) & (y > 0), np.log2(np.where(y > 0, y, 1.0)), np.nan)
         x, yy = figures.downsample(np.asarray(steps), figures._finite(y))
-        fig.add_scatter(x=x, y=yy, mode="lines", name=f"rank {rank}", line=dict(color=_PALETTE[i % len(_PALETTE)],
-                                                                                 shape="hv" if log2 else "linear"))
+        fig.add_scatter(
+            x=x,
+            y=yy,
+            mode="lines",
+            name=f"rank {rank}",
+            line=dict(color=_PALETTE[i % len(_PALETTE)], shape="hv" if log2 else "linear"),
+        )
     return fig
 
 
@@ -54,10 +66,12 @@ def rank_figures(rr) -> list:
     def series(col):
         return [(rank, st["step"], st[col]) for rank, st in per]
 
-    return [ranks_figure(series("loss"), "Loss per rank", "loss"),
-            ranks_figure(series("loss_scale"), "Loss scale per rank (log2)", "log2 loss scale", log2=True),
-            ranks_figure(series("step_time"), "Step time per rank", "seconds"),
-            ranks_figure(series("data_time"), "Data wait per rank", "seconds")]
+    return [
+        ranks_figure(series("loss"), "Loss per rank", "loss"),
+        ranks_figure(series("loss_scale"), "Loss scale per rank (log2)", "log2 loss scale", log2=True),
+        ranks_figure(series("step_time"), "Step time per rank", "seconds"),
+        ranks_figure(series("data_time"), "Data wait per rank", "seconds"),
+    ]
 
 
 def _table(rows: list[dict]) -> str:
@@ -70,15 +84,19 @@ def build_rank_report(rr, reference=None) -> str:
     """The report of a multi-rank run as one HTML string: ranks, findings (naming their ranks), figures."""
     found = diagnose(rr, reference=reference) if any(tr.n_steps for tr in rr) else []
     fhtml = "\n".join(finding_html(d) for d in found) or "<p>No findings: nothing in these traces trips a rule.</p>"
-    missing = (f"<p class=bad>No trace for rank(s) {', '.join(map(str, rr.missing))}.</p>" if rr.missing else "")
+    missing = f"<p class=bad>No trace for rank(s) {', '.join(map(str, rr.missing))}.</p>" if rr.missing else ""
     figs = "\n".join(f"<div>{_fig(f)}</div>" for f in rank_figures(rr))
     name = os.path.basename(run_pattern(rr[rr.ranks[0]].path))
     body = f"""<h2>Ranks</h2>{_table(rank_rows(rr))}{missing}
 <h2>Findings</h2>{fhtml}
 <h2>Figures</h2>{figs}
 <p>Each rank's own report: <code>ampdoctor report {html.escape(rr[rr.ranks[0]].path)}</code>.</p>"""
-    return page(f"ampdoctor report — {len(rr)} ranks of {html.escape(name)}", found, body,
-                facts=f"world size {rr.world_size} · ")
+    return page(
+        f"ampdoctor report — {len(rr)} ranks of {html.escape(name)}",
+        found,
+        body,
+        facts=f"world size {rr.world_size} · ",
+    )
 
 
 def default_output(rr) -> str:

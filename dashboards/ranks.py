@@ -1,12 +1,13 @@
 """The dashboard's view of distributed runs: per-rank traces grouped by the rank in their metadata (also when the
 file name carries only a number, as ``{rank}`` makes it), and the rank rules' findings of a run's group."""
+
 from __future__ import annotations
 
 import os
 import re
 from dataclasses import replace
 
-from ampdoctor.diagnose.multirank import rank_findings
+from ampdoctor.rules.multirank import rank_findings
 from ampdoctor.trace import TraceError, load
 from ampdoctor.trace.run import RankRun
 
@@ -26,7 +27,7 @@ def _rank_meta(path: str, cache: dict) -> tuple[int, int] | None:
             ok = isinstance(rank, int) and isinstance(world, int) and world > 1
             cache[path] = (rank, world) if ok else None
         except TraceError:
-            return None                       # maybe still being created: asked again at the next scan
+            return None  # maybe still being created: asked again at the next scan
     return cache[path]
 
 
@@ -42,7 +43,7 @@ def with_ranks(runs: dict, cache: dict, files: set | None = None) -> dict:
             m = _TRAILING_NUMBER.search(stem)
             meta = _rank_meta(run.path, cache) if m else None
             if meta is not None and int(m.group(0).lstrip("._-")) == meta[0]:
-                run = replace(run, group=stem[:m.start()] or stem, rank=meta[0])
+                run = replace(run, group=stem[: m.start()] or stem, rank=meta[0])
         out[key] = run
     return out
 

@@ -1,5 +1,6 @@
 """One self-contained HTML report (plotly.js embedded, nothing fetched from the network), built from the same
 figure functions as the dashboard."""
+
 from __future__ import annotations
 
 import html
@@ -49,16 +50,18 @@ def finding_html(d) -> str:
     steps = getattr(d, "steps", None)
     span = f"steps {steps[0]}–{steps[1]}" if steps and len(steps) == 2 else ""
     ev = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in diagnosis.evidence_items(d))
-    return (f'<div class="finding {sev}"><div><span class="sev">{sev}</span><span class="rule">'
-            f'{html.escape(str(d.rule))}</span>{_ranks(d)}</div><h3>{html.escape(str(d.title))}</h3>'
-            f"<p>{html.escape(str(getattr(d, 'summary', '') or ''))}</p>"
-            f"<p><b>Layers:</b> {html.escape(layers)} {html.escape(span)}</p>"
-            + (f"<table>{ev}</table>" if ev else "")
-            + f"<h4>Recommendation</h4>{fix_html(d)}</div>")
+    return (
+        f'<div class="finding {sev}"><div><span class="sev">{sev}</span><span class="rule">'
+        f"{html.escape(str(d.rule))}</span>{_ranks(d)}</div><h3>{html.escape(str(d.title))}</h3>"
+        f"<p>{html.escape(str(getattr(d, 'summary', '') or ''))}</p>"
+        f"<p><b>Layers:</b> {html.escape(layers)} {html.escape(span)}</p>"
+        + (f"<table>{ev}</table>" if ev else "")
+        + f"<h4>Recommendation</h4>{fix_html(d)}</div>"
+    )
 
 
 def _ranks(d) -> str:
-    """" · rank 1" for a finding of a multi-rank run."""
+    """ " · rank 1" for a finding of a multi-rank run."""
     label = diagnosis.ranks_label(d)
     return f" · {html.escape(label)}" if label else ""
 
@@ -67,9 +70,15 @@ def _table(rows: list[dict]) -> str:
     if not rows:
         return "<p>nothing recorded</p>"
     head = "".join(f"<th>{html.escape(k)}</th>" for k in rows[0])
-    body = "".join("<tr>" + "".join(
-        f"<td{' class=bad' if k == 'verdict' and v != 'ok' else ''}>{html.escape(str(v))}</td>"
-        for k, v in r.items()) + "</tr>" for r in rows)
+    body = "".join(
+        "<tr>"
+        + "".join(
+            f"<td{' class=bad' if k == 'verdict' and v != 'ok' else ''}>{html.escape(str(v))}</td>"
+            for k, v in r.items()
+        )
+        + "</tr>"
+        for r in rows
+    )
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
@@ -80,9 +89,11 @@ def _fig(fig) -> str:
 def key_figures(tr) -> list:
     """The report's figures: loss, loss scale, step time, the worst gradient layers and their histogram."""
     st = tr.steps()
-    figs = [figures.loss_figure(st["step"], st["loss"], st["skipped"], st["nonfinite"]),
-            figures.loss_scale_figure(st["step"], st["loss_scale"], st["skipped"]),
-            figures.step_time_figure(st["step"], st["step_time"], st["data_time"])]
+    figs = [
+        figures.loss_figure(st["step"], st["loss"], st["skipped"], st["nonfinite"]),
+        figures.loss_scale_figure(st["step"], st["loss_scale"], st["skipped"]),
+        figures.step_time_figure(st["step"], st["step_time"], st["data_time"]),
+    ]
     for stat, kind in (("fp16_under", "grad_out"), ("absmax_log2", "grad_out"), ("absmax_log2", "act")):
         lm = data.layer_matrix(tr, stat, kind)
         figs.append(figures.layer_heatmap(lm, lm.order("worst")[:60]))
@@ -91,8 +102,11 @@ def key_figures(tr) -> list:
         i = lm.order("worst")[0]
         steps, counts = tr.hist(int(lm.site_ids[i]))
         scales = st["loss_scale"].to_numpy()[steps] if len(steps) else None
-        figs.append(figures.exponent_hist_figure(steps, counts, scales, kind="grad_out",
-                                                 title=f"Exponent histogram — grad_out of {lm.labels[i]}"))
+        figs.append(
+            figures.exponent_hist_figure(
+                steps, counts, scales, kind="grad_out", title=f"Exponent histogram — grad_out of {lm.labels[i]}"
+            )
+        )
     return figs
 
 
@@ -100,14 +114,23 @@ def formats_section(tr) -> str:
     """Formats: the probe's error against FP32 over the steps, and what each format would lose per site."""
     series, bounds, verdicts = data.probe_series(tr)
     named = [v["path"] for v in verdicts if v["named"]]
-    probe = (f"<p>Measured precision loss (against FP32): {html.escape(', '.join(named))}</p>" if named else
-             "<p>No layer measured above sqrt(k)*u.</p>" if verdicts else
-             "<p>No probe results (attach(..., probe_every=N) records them).</p>")
+    probe = (
+        f"<p>Measured precision loss (against FP32): {html.escape(', '.join(named))}</p>"
+        if named
+        else "<p>No layer measured above sqrt(k)*u.</p>"
+        if verdicts
+        else "<p>No probe results (attach(..., probe_every=N) records them).</p>"
+    )
     labels, lost = data.formats_shares(tr)
-    return ("<h2>Formats</h2>" + probe + (_fig(figures.probe_error_figure(series, bounds)) if verdicts else "")
-            + "<p>Share of non-zero values lost (saturated or flushed) per format; FP8 with per-tensor delayed "
-              "scaling (amax over 1024 steps, margin 0).</p>"
-            + _fig(figures.formats_figure(labels, lost)) + _table(data.formats_rows(tr)))
+    return (
+        "<h2>Formats</h2>"
+        + probe
+        + (_fig(figures.probe_error_figure(series, bounds)) if verdicts else "")
+        + "<p>Share of non-zero values lost (saturated or flushed) per format; FP8 with per-tensor delayed "
+        "scaling (amax over 1024 steps, margin 0).</p>"
+        + _fig(figures.formats_figure(labels, lost))
+        + _table(data.formats_rows(tr))
+    )
 
 
 # what build_report does, in order (a progress display learns each stage as it starts)
@@ -135,11 +158,22 @@ def build_report(tr, reference=None, progress=None) -> str:
     if reference is not None:
         a, b = tr.steps(), reference.steps()
         cmp = data.compare_layers(tr, reference, "absmax_log2", "grad_out")
-        compare = ("<h2>Compared with the reference</h2>"
-                   + _fig(figures.compare_loss_figure([(os.path.basename(tr.path), a["step"], a["loss"]),
-                                                       (os.path.basename(reference.path), b["step"], b["loss"])]))
-                   + _fig(figures.compare_layers_figure(cmp.index, cmp["a"], cmp["b"],
-                                                        stat_label="log2 abs max (grad_out, unscaled)")))
+        compare = (
+            "<h2>Compared with the reference</h2>"
+            + _fig(
+                figures.compare_loss_figure(
+                    [
+                        (os.path.basename(tr.path), a["step"], a["loss"]),
+                        (os.path.basename(reference.path), b["step"], b["loss"]),
+                    ]
+                )
+            )
+            + _fig(
+                figures.compare_layers_figure(
+                    cmp.index, cmp["a"], cmp["b"], stat_label="log2 abs max (grad_out, unscaled)"
+                )
+            )
+        )
     body = f"""<h2>Run</h2><table>{summary}</table>
 <h2>Findings</h2>{fhtml}
 <h2>Figures</h2>{figs}
@@ -170,4 +204,3 @@ def write_report(tr, out: str, reference=None, progress=None) -> str:
     with open(out, "w", encoding="utf-8") as f:
         f.write(text)
     return out
-

@@ -15,6 +15,7 @@ downloaded); the model a 64-128-128-10 MLP in FP16 on the CPU (CPU FP16 matmuls 
 4. diagnoses the fixed run, writes the HTML report comparing both, and prints the command that opens the
    dashboard on both traces.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,23 +40,36 @@ class Fault:
 
     rule: str
     what: str
-    half_weights: bool = False       # model.half(), no autocast, FP16 inputs (O3-style)
-    scaler: dict | None = None       # GradScaler arguments; None: no scaler
+    half_weights: bool = False  # model.half(), no autocast, FP16 inputs (O3-style)
+    scaler: dict | None = None  # GradScaler arguments; None: no scaler
     optimizer: str = "adamw"
     lr: float = 3e-3
-    head: str = "linear"             # "cosine": CosineHead, a softmax written by hand
+    head: str = "linear"  # "cosine": CosineHead, a softmax written by hand
 
 
 FAULTS = {
-    "overflow": Fault("forward-overflow", "a cosine classifier (scale 64, as in ArcFace) with a softmax written by "
-                      "hand: exp(64 cos) passes the FP16 max (65504, about e^11.1) once a cosine exceeds 0.17",
-                      scaler={}, head="cosine"),
-    "init-scale": Fault("init-scale-too-high", "FP16 autocast, GradScaler started at 2^30 (its default is 2^16)",
-                        scaler={"init_scale": 2.0 ** 30}),
-    "no-scaler": Fault("grad-underflow", "FP16 autocast without a GradScaler: nothing lifts small gradients",
-                       scaler=None),
-    "half-weights": Fault("weight-update-lost", "model.half() and plain SGD: FP16 weights, no FP32 master copy",
-                          half_weights=True, optimizer="sgd", lr=0.05),
+    "overflow": Fault(
+        "forward-overflow",
+        "a cosine classifier (scale 64, as in ArcFace) with a softmax written by "
+        "hand: exp(64 cos) passes the FP16 max (65504, about e^11.1) once a cosine exceeds 0.17",
+        scaler={},
+        head="cosine",
+    ),
+    "init-scale": Fault(
+        "init-scale-too-high",
+        "FP16 autocast, GradScaler started at 2^30 (its default is 2^16)",
+        scaler={"init_scale": 2.0**30},
+    ),
+    "no-scaler": Fault(
+        "grad-underflow", "FP16 autocast without a GradScaler: nothing lifts small gradients", scaler=None
+    ),
+    "half-weights": Fault(
+        "weight-update-lost",
+        "model.half() and plain SGD: FP16 weights, no FP32 master copy",
+        half_weights=True,
+        optimizer="sgd",
+        lr=0.05,
+    ),
 }
 
 
@@ -76,6 +90,7 @@ class Setup:
 def digits():
     """(x_train, y_train, x_val, y_val): pixels 0..16 scaled to 0..1; the last 297 images are held out."""
     from sklearn.datasets import load_digits
+
     d = load_digits()
     x = torch.tensor(d.data, dtype=torch.float32) / 16.0
     y = torch.tensor(d.target, dtype=torch.long)
@@ -90,7 +105,7 @@ class CosineHead(torch.nn.Module):
 
     def __init__(self, d: int, classes: int, scale: float = 64.0):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.randn(classes, d) / d ** 0.5)
+        self.weight = torch.nn.Parameter(torch.randn(classes, d) / d**0.5)
         self.scale = scale
 
     def forward(self, x):
@@ -103,24 +118,40 @@ def build(fault: Fault, seed: int = 0) -> Setup:
     """The faulty set-up, freshly initialised (the same weights for a given seed)."""
     torch.manual_seed(seed)
     head = CosineHead(128, 10) if fault.head == "cosine" else torch.nn.Linear(128, 10)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128),
-                                torch.nn.ReLU(), head)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128), torch.nn.ReLU(), head
+    )
     if fault.half_weights:
         model.half()
-    opt = (torch.optim.SGD(model.parameters(), lr=fault.lr) if fault.optimizer == "sgd"
-           else torch.optim.AdamW(model.parameters(), lr=fault.lr))
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=fault.lr)
+        if fault.optimizer == "sgd"
+        else torch.optim.AdamW(model.parameters(), lr=fault.lr)
+    )
     scaler = torch.amp.GradScaler("cpu", **fault.scaler) if fault.scaler is not None else None
-    return Setup(model, opt, scaler, None if fault.half_weights else torch.float16,
-                 torch.float16 if fault.half_weights else torch.float32, fault.lr)
+    return Setup(
+        model,
+        opt,
+        scaler,
+        None if fault.half_weights else torch.float16,
+        torch.float16 if fault.half_weights else torch.float32,
+        fault.lr,
+    )
 
 
 # -- the fix, as printed ---------------------------------------------------------------------------------------------
-_SETUP_LINE = re.compile(r"^(scaler = torch\.amp\.GradScaler\(.*\)|model(\[\d+\]|\.\w+)*\.float\(\)|"
-                         r"optimizer = torch\.optim\.\w+\(model\.parameters\(\).*\)|"
-                         r"handle = ampdoctor\.keep_fp32\(model, .*\))(\s*#.*)?$")
+_SETUP_LINE = re.compile(
+    r"^(scaler = torch\.amp\.GradScaler\(.*\)|model(\[\d+\]|\.\w+)*\.float\(\)|"
+    r"optimizer = torch\.optim\.\w+\(model\.parameters\(\).*\)|"
+    r"handle = ampdoctor\.keep_fp32\(model, .*\))(\s*#.*)?$"
+)
 _AUTOCAST_LINE = re.compile(r'^with torch\.autocast\(device_type="\w+", dtype=torch\.(\w+)\):$')
-_LOOP_LINES = ("    loss = loss_fn(model(x), y)", "scaler.scale(loss).backward()", "scaler.step(optimizer)",
-               "scaler.update()")
+_LOOP_LINES = (
+    "    loss = loss_fn(model(x), y)",
+    "scaler.scale(loss).backward()",
+    "scaler.step(optimizer)",
+    "scaler.update()",
+)
 
 
 def first_option(fix) -> list[str]:
@@ -138,13 +169,12 @@ def first_option(fix) -> list[str]:
 
 def apply_fix(setup: Setup, finding) -> Setup:
     """Execute the code lines of the printed fix on ``setup`` (setup lines run, loop lines switch the loop)."""
-    ns = {"torch": torch, "ampdoctor": ampdoctor, "model": setup.model, "optimizer": setup.optimizer,
-          "lr": setup.lr}
+    ns = {"torch": torch, "ampdoctor": ampdoctor, "model": setup.model, "optimizer": setup.optimizer, "lr": setup.lr}
     for line in first_option(finding.fix):
         if _SETUP_LINE.match(line):
-            exec(line, ns)          # noqa: S102 - the point of the demo: the printed code, run as printed
+            exec(line, ns)
             setup.applied.append(line)
-        elif (m := _AUTOCAST_LINE.match(line)):
+        elif m := _AUTOCAST_LINE.match(line):
             setup.autocast = getattr(torch, m.group(1))
             setup.applied.append(line)
         elif line in _LOOP_LINES:
@@ -154,8 +184,9 @@ def apply_fix(setup: Setup, finding) -> Setup:
     if any(".float()" in ln for ln in setup.applied):
         setup.input_dtype = torch.float32
     if not setup.applied:
-        raise SystemExit("demo: the recommendation holds no code line this demo knows how to apply:\n"
-                         + finding.recommendation)
+        raise SystemExit(
+            "demo: the recommendation holds no code line this demo knows how to apply:\n" + finding.recommendation
+        )
     return setup
 
 
@@ -163,11 +194,20 @@ def apply_fix(setup: Setup, finding) -> Setup:
 def train(setup: Setup, trace: str, steps: int, label: str, batch: int = 64, seed: int = 1) -> tuple[str, float]:
     """Train ``steps`` optimizer steps with ampdoctor attached; returns (trace path written, validation accuracy)."""
     data = digits()
-    with ampdoctor.attach(setup.model, optimizer=setup.optimizer, scaler=setup.scaler, trace=trace, every=10,
-                          hist_every=20, weight_every=10) as doctor:
-        # the findings ampdoctor logs while training are printed above the progress bar, not through it
-        with logging_redirect_tqdm(loggers=[logging.getLogger("ampdoctor")]):
-            acc = _loop(setup, doctor, data, steps, label, batch, torch.Generator().manual_seed(seed))
+    with (
+        ampdoctor.attach(
+            setup.model,
+            optimizer=setup.optimizer,
+            scaler=setup.scaler,
+            trace=trace,
+            every=10,
+            hist_every=20,
+            weight_every=10,
+        ) as doctor,
+        logging_redirect_tqdm(loggers=[logging.getLogger("ampdoctor")]),
+    ):
+        # (the findings ampdoctor logs while training are printed above the progress bar, not through it)
+        acc = _loop(setup, doctor, data, steps, label, batch, torch.Generator().manual_seed(seed))
     return doctor.path, acc
 
 
@@ -176,7 +216,7 @@ def _loop(setup: Setup, doctor, data, steps: int, label: str, batch: int, g) -> 
     xt, yt, xv, yv = data
     model, opt, scaler = setup.model, setup.optimizer, setup.scaler
     acc = float("nan")
-    bar = tqdm(range(steps), desc=label, unit="step", disable=None)     # disable=None: no bar outside a terminal
+    bar = tqdm(range(steps), desc=label, unit="step", disable=None)  # disable=None: no bar outside a terminal
     for step in bar:
         idx = torch.randint(0, len(xt), (batch,), generator=g)
         x, y = xt[idx].to(setup.input_dtype), yt[idx]
@@ -199,8 +239,11 @@ def _loop(setup: Setup, doctor, data, steps: int, label: str, batch: int, g) -> 
         if step % 50 == 49 or step == steps - 1:
             acc = accuracy(setup, xv, yv)
             doctor.log_metric("val/acc", acc)
-            bar.set_postfix(loss=f"{loss.item():.3f}", val_acc=f"{acc:.3f}",
-                            **({"scale": f"{scaler.get_scale():g}"} if scaler is not None else {}))
+            bar.set_postfix(
+                loss=f"{loss.item():.3f}",
+                val_acc=f"{acc:.3f}",
+                **({"scale": f"{scaler.get_scale():g}"} if scaler is not None else {}),
+            )
     return acc
 
 
@@ -255,8 +298,16 @@ def cycle(fault_name: str, path: str, steps: int, show=True) -> dict:
     after = ampdoctor.diagnose(fixed)
     if show:
         run_cli("diagnose", fixed)
-    return {"fault": fault, "faulty": faulty, "fixed": fixed, "finding": named, "findings": findings,
-            "after": after, "acc": (acc0, acc1), "setup": setup}
+    return {
+        "fault": fault,
+        "faulty": faulty,
+        "fixed": fixed,
+        "finding": named,
+        "findings": findings,
+        "after": after,
+        "acc": (acc0, acc1),
+        "setup": setup,
+    }
 
 
 def main(argv=None) -> int:
@@ -265,15 +316,17 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default 300)")
     p.add_argument("--out", default="runs/demo.db", help="trace of the faulty run (the fixed one: NAME-fixed.db)")
     args = p.parse_args(argv)
-    torch.set_num_threads(1)       # 128-wide matrices gain nothing from intra-op threads; on 2 busy cores they cost
+    torch.set_num_threads(1)  # 128-wide matrices gain nothing from intra-op threads; on 2 busy cores they cost
     r = cycle(args.fault, args.out, args.steps)
     report = os.path.splitext(r["faulty"])[0] + ".html"
     run_cli("report", r["faulty"], "--reference", r["fixed"], "-o", report)
     serious = [d.rule for d in r["after"] if d.severity != "info"]
     print(f"\n== 3. {r['finding'].rule}: found, fixed as printed, trained again")
-    rows = [("warnings or worse", *(sum(d.severity != "info" for d in f) for f in (r["findings"], r["after"]))),
-            ("skipped steps", *(int(ampdoctor.load(p).steps()["skipped"].sum()) for p in (r["faulty"], r["fixed"]))),
-            ("validation accuracy", *(f"{a:.3f}" for a in r["acc"]))]
+    rows = [
+        ("warnings or worse", *(sum(d.severity != "info" for d in f) for f in (r["findings"], r["after"]))),
+        ("skipped steps", *(int(ampdoctor.load(p).steps()["skipped"].sum()) for p in (r["faulty"], r["fixed"]))),
+        ("validation accuracy", *(f"{a:.3f}" for a in r["acc"])),
+    ]
     print(f"    {'':20s} {'faulty':>8s} {'fixed':>8s}")
     for name, a, b in rows:
         print(f"    {name:20s} {a!s:>8s} {b!s:>8s}")
@@ -282,6 +335,7 @@ def main(argv=None) -> int:
     print(f"dashboard: {command('serve', r['faulty'], '--reference', r['fixed'])}")
     print("           then open http://127.0.0.1:8050/ (Compare shows both runs side by side)")
     return 0 if not serious else 1
+
 
 if __name__ == "__main__":
     sys.exit(main())

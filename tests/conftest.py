@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))   # tests/runs.py
+sys.path.insert(0, os.path.dirname(__file__))  # tests/runs.py
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """Real models with one numerically fragile layer (catastrophic cancellation in half precision), their healthy
 counterparts, and the data they train on. Shared by tests/test_probe.py and notebooks/precision_budget.ipynb."""
+
 from __future__ import annotations
 
 import contextlib
@@ -11,15 +12,15 @@ from torch import nn
 import ampdoctor
 
 D_IN = 16
-OFFSET = 100.0        # raw features around 100 with unit spread: x^2 ~ 1e4, where an FP16 ULP is 8
-RBF_OFFSET = 30.0     # |x|^2 over 16 features ~ 1.4e4 (at 100 it would pass 65504)
+OFFSET = 100.0  # raw features around 100 with unit spread: x^2 ~ 1e4, where an FP16 ULP is 8
+RBF_OFFSET = 30.0  # |x|^2 over 16 features ~ 1.4e4 (at 100 it would pass 65504)
 
 
 class FastStandardize(nn.Module):
     """Per-sample standardisation with the one-pass variance var = E[x^2] - E[x]^2 (the fragile part: in FP16,
     E[x^2] ~ 1e4 is known to +-4, the variance it should give is ~1)."""
 
-    def __init__(self, eps=0.1):      # a wrong (even negative) variance gives wrong features, not overflowing ones
+    def __init__(self, eps=0.1):  # a wrong (even negative) variance gives wrong features, not overflowing ones
         super().__init__()
         self.eps = eps
 
@@ -46,7 +47,13 @@ class RBF(nn.Module):
 
 def standardize_model(fragile=True, seed=1, width=64, dropout=0.0):
     torch.manual_seed(seed)
-    return nn.Sequential(FastStandardize() if fragile else nn.LayerNorm(D_IN), nn.Linear(D_IN, width), nn.ReLU(), nn.Dropout(dropout), nn.Linear(width, 1))
+    return nn.Sequential(
+        FastStandardize() if fragile else nn.LayerNorm(D_IN),
+        nn.Linear(D_IN, width),
+        nn.ReLU(),
+        nn.Dropout(dropout),
+        nn.Linear(width, 1),
+    )
 
 
 def rbf_model(seed=1, centers=32):
@@ -71,9 +78,17 @@ def mse(out, y):
 def cnn(seed=0, classes=4):
     """A healthy convolutional classifier with BatchNorm (running statistics) and dropout."""
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(0.1),
-                         nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.GELU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                         nn.Linear(16, classes))
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Dropout(0.1),
+        nn.Conv2d(8, 16, 3, stride=2, padding=1),
+        nn.GELU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, classes),
+    )
 
 
 def images(n, batch=16, classes=4, seed=1):
@@ -87,8 +102,19 @@ def ce(out, y):
     return nn.functional.cross_entropy(out.float(), y)
 
 
-def train(model, data, steps, trace=None, *, precision="fp16", lr=0.02, attach_options=None, on_step=None,
-          loss_fn=mse, scaler_options=None):
+def train(
+    model,
+    data,
+    steps,
+    trace=None,
+    *,
+    precision="fp16",
+    lr=0.02,
+    attach_options=None,
+    on_step=None,
+    loss_fn=mse,
+    scaler_options=None,
+):
     """SGD on ``data`` for ``steps`` steps: FP16 autocast + GradScaler (or FP32 on float32 inputs), ampdoctor
     attached when ``trace`` is given. Returns the losses."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)

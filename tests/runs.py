@@ -1,4 +1,5 @@
 """Small real training runs on the CPU, shared by the tests (FP16 models stay <= 128 wide: CPU FP16 is slow)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -28,9 +29,25 @@ def batches(n, batch=32, d_in=32, d_out=1, seed=1):
         yield x, x @ w + 0.1 * torch.randn(batch, d_out, generator=g)
 
 
-def train(model, steps=20, *, precision="fp16", scaler=None, init_scale=2.0**16, growth_interval=2000, lr=0.01,
-          optimizer="sgd", trace=None, attach_options=None, loss_weight=1.0, data=None, accumulation=1,
-          loss_fn=None, input_dtype=None, on_step=None):
+def train(
+    model,
+    steps=20,
+    *,
+    precision="fp16",
+    scaler=None,
+    init_scale=2.0**16,
+    growth_interval=2000,
+    lr=0.01,
+    optimizer="sgd",
+    trace=None,
+    attach_options=None,
+    loss_weight=1.0,
+    data=None,
+    accumulation=1,
+    loss_fn=None,
+    input_dtype=None,
+    on_step=None,
+):
     """Train ``model`` for ``steps`` optimizer steps; with ``trace`` set, ampdoctor is attached.
 
     Returns (model, optimizer, scaler, losses). ``precision``: fp16 | bf16 | fp32 (autocast dtype or none).
@@ -42,19 +59,24 @@ def train(model, steps=20, *, precision="fp16", scaler=None, init_scale=2.0**16,
     if isinstance(optimizer, torch.optim.Optimizer):
         opt = optimizer
     else:
-        opt = (torch.optim.SGD(model.parameters(), lr=lr) if optimizer == "sgd"
-               else torch.optim.Adam(model.parameters(), lr=lr))
+        opt = (
+            torch.optim.SGD(model.parameters(), lr=lr)
+            if optimizer == "sgd"
+            else torch.optim.Adam(model.parameters(), lr=lr)
+        )
     if isinstance(scaler, torch.amp.GradScaler):
         sc = scaler
     else:
         use_scaler = precision == "fp16" if scaler is None else scaler
-        sc = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval) if use_scaler \
-            else None
+        sc = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval) if use_scaler else None
     dtype = AUTOCAST[precision]
     data = data if data is not None else batches(steps * accumulation)
     loss_fn = loss_fn or (lambda out, y: torch.nn.functional.mse_loss(out.float(), y))
-    doc = (ampdoctor.attach(model, optimizer=opt, scaler=sc, trace=trace, **(attach_options or {}))
-           if trace is not None else None)
+    doc = (
+        ampdoctor.attach(model, optimizer=opt, scaler=sc, trace=trace, **(attach_options or {}))
+        if trace is not None
+        else None
+    )
     losses = []
     with doc if doc is not None else contextlib.nullcontext():
         it = iter(data)
@@ -90,8 +112,9 @@ def live_tensors(before=()) -> list:
     their ids cannot be reused by new ones meanwhile)."""
     import gc
     import warnings
+
     gc.collect()
     old = {id(t) for t in before}
-    with warnings.catch_warnings():       # isinstance() on torch.distributed's deprecated aliases warns
+    with warnings.catch_warnings():  # isinstance() on torch.distributed's deprecated aliases warns
         warnings.simplefilter("ignore")
         return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and id(o) not in old]

@@ -1,15 +1,16 @@
 """The tiers of observation on real CPU runs: which steps observe what, the sentinel's figures on every step, the
 flight recorder after an anomaly, and what a step that observes no site costs in Python calls."""
+
 import math
 import sys
 
 import numpy as np
 import pytest
 import torch
+from runs import batches
 
 import ampdoctor
 from ampdoctor.trace import schema
-from runs import batches, mlp
 
 
 class Gain(torch.nn.Module):
@@ -23,7 +24,7 @@ class Gain(torch.nn.Module):
         return x * self.gain
 
 
-def run(steps, trace, *, precision="fp32", options=None, on_step=None, width=32, init_scale=2.0 ** 8):
+def run(steps, trace, *, precision="fp32", options=None, on_step=None, width=32, init_scale=2.0**8):
     """Train a small MLP (with a Gain module after its first layer); ``on_step(step, x, model)`` may change the
     batch or the model before the step. Returns the losses and, per step, (global grad norm, largest |grad|)."""
     torch.manual_seed(0)
@@ -47,8 +48,12 @@ def run(steps, trace, *, precision="fp32", options=None, on_step=None, width=32,
             else:
                 loss.backward()
             grads = [p.grad for p in model.parameters()]
-            seen.append((torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads]))
-                         .item(), max(g.abs().max().item() for g in grads)))
+            seen.append(
+                (
+                    torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads])).item(),
+                    max(g.abs().max().item() for g in grads),
+                )
+            )
             if sc is not None:
                 sc.step(opt)
                 sc.update()
@@ -65,14 +70,23 @@ def test_default_tiers_say_which_steps_observed_what(trace_path):
     st = tr.steps()
     full = {0, 1, 2, 20}
     peaks = {5, 10, 15, 25}
-    expect = [schema.LEVEL_HIST if s < 3 else schema.LEVEL_FULL if s in full else
-              schema.LEVEL_PEAK if s in peaks else schema.LEVEL_SENTINEL for s in range(30)]
+    expect = [
+        schema.LEVEL_HIST
+        if s < 3
+        else schema.LEVEL_FULL
+        if s in full
+        else schema.LEVEL_PEAK
+        if s in peaks
+        else schema.LEVEL_SENTINEL
+        for s in range(30)
+    ]
     assert st["level"].tolist() == expect
-    assert st["reason"].tolist() == ["calibration" if s < 3 else "sampled" if s in full | peaks else "sentinel"
-                                     for s in range(30)]
+    assert st["reason"].tolist() == [
+        "calibration" if s < 3 else "sampled" if s in full | peaks else "sentinel" for s in range(30)
+    ]
     assert tr.full_steps().tolist() == sorted(full)
     observed = [r[0] for r in tr._query("SELECT step FROM peaks ORDER BY step")]
-    assert observed == sorted(full | peaks)                 # a sentinel step stores no per-site row
+    assert observed == sorted(full | peaks)  # a sentinel step stores no per-site row
     act = tr.records("peak", "act")
     assert np.isnan(act[7]).all() and np.isfinite(act[5]).all()
     assert st["grad_norm"].to_numpy() == pytest.approx([n for n, _ in seen], rel=1e-5)
@@ -96,11 +110,13 @@ def test_debug_mode_observes_every_site_every_step(trace_path):
 def test_one_off_nan_is_origin_unknown_and_the_flight_recorder_observes_what_follows(trace_path):
     """A NaN batch on a sentinel step: the step is skipped, its origin is recorded as unknown (not guessed), and
     the following steps are observed in full until a run of clean steps."""
+
     def nan_once(step, x, model):
         if step == 13:
             x = x.clone()
             x[0, 0] = math.nan
         return x
+
     run(30, trace_path, precision="fp16", options={"calibration": 2}, on_step=nan_once)
     tr = ampdoctor.load(trace_path)
     st = tr.steps()
@@ -109,18 +125,20 @@ def test_one_off_nan_is_origin_unknown_and_the_flight_recorder_observes_what_fol
     unknown = tr.events("nonfinite_unknown")
     assert unknown["step"].tolist() == [13] and unknown["site"].isna().all()
     assert "origin unknown" in unknown["message"].iloc[0]
-    assert tr.events("nonfinite").empty                      # nothing located: no tensor of step 13 was kept
+    assert tr.events("nonfinite").empty  # nothing located: no tensor of step 13 was kept
     anomaly = st.loc[st["reason"] == "anomaly", "step"].tolist()
-    assert anomaly == [14, 15, 16, 17, 18]                    # CLEAN_RUN clean steps in full, then back to normal
+    assert anomaly == [14, 15, 16, 17, 18]  # CLEAN_RUN clean steps in full, then back to normal
     assert st["level"].iloc[19] == schema.LEVEL_SENTINEL
 
 
 def test_recurring_forward_overflow_is_localised_to_its_module(trace_path):
     """A forward overflow that starts on a sentinel step and recurs: the first is of unknown origin, the next ones
     are observed in full and located in the module, and the forward-overflow rule names it."""
+
     def boom(step, x, model):
         model[1].gain = 1e6 if step >= 13 else 1.0
         return x
+
     run(20, trace_path, precision="fp16", options={"calibration": 2}, on_step=boom)
     tr = ampdoctor.load(trace_path)
     assert tr.events("nonfinite_unknown")["step"].tolist() == [13]
@@ -134,6 +152,7 @@ def test_recurring_forward_overflow_is_localised_to_its_module(trace_path):
 def test_gradient_norm_spike_arms_the_flight_recorder(trace_path):
     def spike(step, x, model):
         return x * 1000.0 if step == 15 else x
+
     run(22, trace_path, options={"calibration": 2}, on_step=spike)
     tr = ampdoctor.load(trace_path)
     ev = tr.events("grad_spike")
@@ -145,6 +164,7 @@ def test_gradient_norm_spike_arms_the_flight_recorder(trace_path):
 def test_sentinel_step_python_work_does_not_grow_with_the_model(tmp_path):
     """Count Python calls (not seconds) on a sentinel step: ampdoctor's calls are the same for a model of 12 and of
     ~100 small modules (no hook runs per module), and a peaks step costs a bounded number per module."""
+
     def calls_per_step(n_blocks, trace):
         torch.manual_seed(0)
         layers = []
@@ -160,12 +180,13 @@ def test_sentinel_step_python_work_does_not_grow_with_the_model(tmp_path):
             opt.step()
 
         with ampdoctor.attach(model, optimizer=opt, trace=trace, live=False, calibration=1, peak_every=4) as doc:
-            for i, (x, y) in enumerate(batches(6, d_in=16)):
+            for _i, (x, y) in enumerate(batches(6, d_in=16)):
                 n = [0]
 
                 def prof(frame, event, arg):
                     if event == "call" and "ampdoctor" in frame.f_code.co_filename:
                         n[0] += 1
+
                 sys.setprofile(prof)
                 try:
                     step(x, y)
@@ -175,12 +196,12 @@ def test_sentinel_step_python_work_does_not_grow_with_the_model(tmp_path):
             assert doc.steps == 6
         return counts, len(list(model.modules()))
 
-    small, n_small = calls_per_step(4, str(tmp_path / "s.db"))       # 13 modules (+ the root)
-    big, n_big = calls_per_step(33, str(tmp_path / "b.db"))          # 100 modules (+ the root)
+    small, n_small = calls_per_step(4, str(tmp_path / "s.db"))  # 13 modules (+ the root)
+    big, n_big = calls_per_step(33, str(tmp_path / "b.db"))  # 100 modules (+ the root)
     # steps: 0 calibration, 1-3 sentinel, 4 peaks, 5 sentinel (the first step also makes the plans and sites)
     for s in (2, 3, 5):
         assert big[s] == small[s] < 120
-    assert big[4] - small[4] <= 40 * (n_big - n_small)           # a peaks step: bounded work per module
+    assert big[4] - small[4] <= 40 * (n_big - n_small)  # a peaks step: bounded work per module
 
 
 def test_time_rules_judge_the_step_net_of_ampdoctor(trace_path):
@@ -188,6 +209,7 @@ def test_time_rules_judge_the_step_net_of_ampdoctor(trace_path):
     and input-pipeline-bound judges the data wait against the step without it: the share it reports is the share a
     run without ampdoctor has (measured here by hand), not the lower one the recorded step times alone would give."""
     import time
+
     delay = 0.006
 
     def slow(n):
@@ -210,14 +232,15 @@ def test_time_rules_judge_the_step_net_of_ampdoctor(trace_path):
             shares.append((t1 - t0) / (time.perf_counter() - t0))
         return float(np.median(shares[2:]))
 
-    def fresh():          # elementwise modules: cheap to compute, each with two tensors to observe in full
+    def fresh():  # elementwise modules: cheap to compute, each with two tensors to observe in full
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 256), *(torch.nn.ReLU() for _ in range(16)),
-                                    torch.nn.Linear(256, 1))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, 256), *(torch.nn.ReLU() for _ in range(16)), torch.nn.Linear(256, 1)
+        )
         return model, torch.optim.SGD(model.parameters(), lr=1e-3)
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)            # no intra-op thread pool to wait on a loaded machine's other core
+    torch.set_num_threads(1)  # no intra-op thread pool to wait on a loaded machine's other core
     try:
         bare = loop(None, *fresh(), 24)
         model, opt = fresh()
@@ -229,7 +252,7 @@ def test_time_rules_judge_the_step_net_of_ampdoctor(trace_path):
     gross = float(np.median(st["data_time"] / st["step_time"]))
     found = {d.rule: d for d in ampdoctor.diagnose(trace_path)}
     net = found["input-pipeline-bound"].evidence["data_share_median"]
-    assert float(np.median(st["observer_time"] / st["step_time"])) > 0.2     # ampdoctor is a large part of a step
+    assert float(np.median(st["observer_time"] / st["step_time"])) > 0.2  # ampdoctor is a large part of a step
     assert abs(net - bare) < 0.15 < net - gross, (bare, net, gross)
 
 
@@ -237,6 +260,7 @@ def test_report_and_overview_say_what_ampdoctor_cost(trace_path):
     """The HTML report and the dashboard overview's summary carry the observation tiers and the cost line."""
     from ampdoctor.dashboards import data
     from ampdoctor.dashboards.report import build_report
+
     run(12, trace_path, options={"calibration": 2})
     tr = ampdoctor.load(trace_path)
     rows = dict(data.run_summary(tr))

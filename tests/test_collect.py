@@ -1,4 +1,5 @@
 """attach() on real CPU training runs: what the trace holds, and that training is left exactly as it was."""
+
 import logging
 import math
 import os
@@ -10,27 +11,45 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.checkpoint
+from runs import batches, mlp, train
 
 import ampdoctor
-from runs import batches, mlp, train
 
 
 def params_of(model):
     return [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("precision,options", [
-    ("fp16", {}), ("fp16", {"mode": "debug"}), ("fp16", {"every": 1, "hist_every": 1, "weight_every": 7}),
-    ("bf16", {}), ("bf16", {"mode": "debug"}), ("fp32", {"every": 3, "weight_every": 5}),
-    ("fp32", {"mode": "debug", "weight_every": 1})])
+@pytest.mark.parametrize(
+    "precision,options",
+    [
+        ("fp16", {}),
+        ("fp16", {"mode": "debug"}),
+        ("fp16", {"every": 1, "hist_every": 1, "weight_every": 7}),
+        ("bf16", {}),
+        ("bf16", {"mode": "debug"}),
+        ("fp32", {"every": 3, "weight_every": 5}),
+        ("fp32", {"mode": "debug", "weight_every": 1}),
+    ],
+)
 def test_zero_observer_effect(tmp_path, precision, options):
     """50 steps with and without attach end with bit-identical parameters and the same loss scale, with the
     default tiers (sentinel steps, sampled steps, flight recorder after the skipped steps) and in debug mode."""
-    init = 2.0**20 if precision == "fp16" else 2.0**16      # some skipped steps: the scaler path is exercised
-    ref, _, ref_scaler, ref_losses = train(mlp(seed=3), 50, precision=precision, init_scale=init, growth_interval=7,
-                                           optimizer="adam", lr=1e-3)
-    got, _, scaler, losses = train(mlp(seed=3), 50, precision=precision, init_scale=init, growth_interval=7,
-                                   optimizer="adam", lr=1e-3, trace=str(tmp_path / "t.db"), attach_options=options)
+    init = 2.0**20 if precision == "fp16" else 2.0**16  # some skipped steps: the scaler path is exercised
+    ref, _, ref_scaler, ref_losses = train(
+        mlp(seed=3), 50, precision=precision, init_scale=init, growth_interval=7, optimizer="adam", lr=1e-3
+    )
+    got, _, scaler, losses = train(
+        mlp(seed=3),
+        50,
+        precision=precision,
+        init_scale=init,
+        growth_interval=7,
+        optimizer="adam",
+        lr=1e-3,
+        trace=str(tmp_path / "t.db"),
+        attach_options=options,
+    )
     assert all(torch.equal(a, b) for a, b in zip(params_of(ref), params_of(got)))
     assert losses == ref_losses
     if precision == "fp16":
@@ -76,13 +95,14 @@ def test_grad_out_is_stored_with_the_scale_in_force(trace_path):
 
     def keep(grad):
         captured.setdefault("g", grad.detach().float().abs().max().item())
+
     model[2].register_forward_hook(lambda m, i, o: o.register_hook(keep) and None)
     train(model, 1, init_scale=2.0**10, trace=trace_path, attach_options={"every": 1})
     tr = ampdoctor.load(trace_path)
     j = tr.sites("grad_out")["path"].tolist().index("2")
     assert tr.records("scale", "grad_out")[0, j] == 2.0**10
-    assert tr.records("absmax", "grad_out")[0, j] == captured["g"]          # stored scaled, exactly as seen
-    assert tr.records("scale", "param_grad")[0, 0] == 1.0                   # .grad after unscale
+    assert tr.records("absmax", "grad_out")[0, j] == captured["g"]  # stored scaled, exactly as seen
+    assert tr.records("scale", "param_grad")[0, 0] == 1.0  # .grad after unscale
 
 
 def test_activation_statistics_equal_direct_computation(trace_path):
@@ -92,9 +112,15 @@ def test_activation_statistics_equal_direct_computation(trace_path):
 
     def keep(module, args, out):
         outs[len(outs)] = out.detach().clone()
+
     model[1].register_forward_hook(keep)
-    train(model, 4, precision="bf16", trace=trace_path, attach_options={"every": 3, "hist_every": 3, "peak_every": 1,
-                                                                             "calibration": 0})
+    train(
+        model,
+        4,
+        precision="bf16",
+        trace=trace_path,
+        attach_options={"every": 3, "hist_every": 3, "peak_every": 1, "calibration": 0},
+    )
     tr = ampdoctor.load(trace_path)
     j = tr.sites("act")["path"].tolist().index("1")
     o = outs[3].double()
@@ -102,7 +128,7 @@ def test_activation_statistics_equal_direct_computation(trace_path):
     assert tr.records("zeros", "act")[3, j] == (o == 0).sum().item()
     assert tr.records("absmax", "act")[3, j] == o.abs().max().item()
     assert tr.records("mean", "act")[3, j] == pytest.approx(o.mean().item(), rel=1e-5)
-    assert np.isnan(tr.records("absmax", "act")[1, j])                      # step 1: peaks only
+    assert np.isnan(tr.records("absmax", "act")[1, j])  # step 1: peaks only
     assert tr.records("peak", "act")[1, j] == outs[1].abs().max().item()
     steps, counts = tr.hist("1", "act")
     assert steps.tolist() == [0, 3]
@@ -185,7 +211,7 @@ def test_no_grad_evaluation_is_not_a_training_step(trace_path):
     df = tr.steps()
     assert len(df) == 5 and (df["microbatches"] == 1).all() and (df["samples"] == 32).all()
     j = tr.sites("act")["path"].tolist().index("0")
-    assert (tr.records("numel", "act")[:, j] == 32 * 32).all()      # the 64-row eval batches are not in it
+    assert (tr.records("numel", "act")[:, j] == 32 * 32).all()  # the 64-row eval batches are not in it
     m = tr.metrics()
     assert m["step"].tolist() == [0, 1, 2, 3, 4] and (m["name"] == "val/loss").all()
 
@@ -203,7 +229,7 @@ class Attention(torch.nn.Module):
             self.k.weight.mul_(gain)
 
     def forward(self, x):
-        scores = self.q(x) @ self.k(x).transpose(-1, -2)        # FP16 under autocast: overflows
+        scores = self.q(x) @ self.k(x).transpose(-1, -2)  # FP16 under autocast: overflows
         return self.out(torch.softmax(scores, dim=-1) @ x)
 
 
@@ -219,13 +245,15 @@ def test_first_nonfinite_in_forward_is_the_parent_not_the_child(trace_path):
 
 class Blowup(torch.nn.Module):
     def forward(self, x):
-        return x * 1e5            # FP16 input -> values above 65504 -> inf
+        return x * 1e5  # FP16 input -> values above 65504 -> inf
 
 
 def test_first_nonfinite_in_forward_is_the_child_that_overflows(trace_path):
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Sequential(torch.nn.ReLU(), Blowup(),
-                                                                            torch.nn.Linear(8, 8)),
-                                torch.nn.Linear(8, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 8),
+        torch.nn.Sequential(torch.nn.ReLU(), Blowup(), torch.nn.Linear(8, 8)),
+        torch.nn.Linear(8, 1),
+    )
     data = [(torch.randn(4, 8) + 3, torch.randn(4, 1)) for _ in range(1)]
     train(model, 1, precision="fp16", data=data, trace=trace_path)
     ev = ampdoctor.load(trace_path).events("nonfinite")
@@ -237,9 +265,9 @@ def test_first_nonfinite_in_backward_with_too_high_scale(trace_path):
     tr = ampdoctor.load(trace_path)
     ev = tr.events("nonfinite")
     assert len(ev) == 3 and set(ev["phase"]) == {"bwd"}
-    assert ev["path"].iloc[0] == "6"          # the output layer: where the scaled gradient first overflows
+    assert ev["path"].iloc[0] == "6"  # the output layer: where the scaled gradient first overflows
     df = tr.steps()
-    assert df["skipped"].all() and (df["level"] == 2).iloc[1:].all()   # anomalies get full statistics after
+    assert df["skipped"].all() and (df["level"] == 2).iloc[1:].all()  # anomalies get full statistics after
 
 
 def test_close_restores_everything(trace_path):
@@ -249,7 +277,7 @@ def test_close_restores_everything(trace_path):
     doc = ampdoctor.attach(model, optimizer=opt, scaler=scaler, trace=trace_path)
     assert "scale" in vars(scaler) and any(m._forward_hooks for m in model.modules())
     doc.close()
-    doc.close()                                          # idempotent
+    doc.close()  # idempotent
     assert "scale" not in vars(scaler) and "update" not in vars(scaler)
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
     assert not opt._optimizer_step_post_hooks and not opt._optimizer_step_pre_hooks
@@ -267,6 +295,7 @@ def test_hook_error_warns_once_and_training_finishes(trace_path, monkeypatch):
         if calls["n"] > 5:
             raise RuntimeError("boom")
         return real(x)
+
     monkeypatch.setattr(stats, "full", flaky)
     ref = train(mlp(seed=5), 8, precision="bf16")[0]
     with warnings.catch_warnings(record=True) as w:
@@ -276,7 +305,7 @@ def test_hook_error_warns_once_and_training_finishes(trace_path, monkeypatch):
     assert len(msgs) == 1 and "boom" in msgs[0] and "training continues" in msgs[0]
     assert all(torch.equal(a, b) for a, b in zip(params_of(ref), params_of(got)))
     assert not any(m._forward_hooks for m in got.modules())
-    ampdoctor.load(trace_path)                           # what was written before the error is readable
+    ampdoctor.load(trace_path)  # what was written before the error is readable
 
 
 def test_writer_error_warns_and_training_finishes(trace_path, monkeypatch):
@@ -284,6 +313,7 @@ def test_writer_error_warns_and_training_finishes(trace_path, monkeypatch):
 
     def broken(self, conn, packets):
         raise OSError("No space left on device")
+
     monkeypatch.setattr(writer.Writer, "_write_steps", broken)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
@@ -297,7 +327,7 @@ def test_read_only_directory_warns_and_training_runs(tmp_path):
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o500)
-    if os.geteuid() == 0:          # root writes through file modes: use a directory no one may write to
+    if os.geteuid() == 0:  # root writes through file modes: use a directory no one may write to
         ro = pathlib.Path("/sys/fs")
     try:
         with warnings.catch_warnings(record=True) as w:
@@ -321,12 +351,15 @@ def test_existing_trace_is_never_overwritten_and_rank_in_path(tmp_path):
     assert ampdoctor.load(tmp_path / "exp-0-1.db").n_steps == 3
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"model": "not a model"}, "Argument model should be of type torch.nn.Module, but given <class 'str'>"),
-    ({"optimizer": 3}, "Argument optimizer should be of type torch.optim.Optimizer"),
-    ({"scaler": object()}, "Argument scaler should be a torch.amp.GradScaler"),
-    ({"every": 0}, "Argument every should be a positive int, but given 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"model": "not a model"}, "Argument model should be of type torch.nn.Module, but given <class 'str'>"),
+        ({"optimizer": 3}, "Argument optimizer should be of type torch.optim.Optimizer"),
+        ({"scaler": object()}, "Argument scaler should be a torch.amp.GradScaler"),
+        ({"every": 0}, "Argument every should be a positive int, but given 0"),
+    ],
+)
 def test_arguments_are_validated_eagerly(trace_path, kwargs, message):
     args = {"model": mlp(), "trace": trace_path, **kwargs}
     with pytest.raises((TypeError, ValueError), match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -388,7 +421,7 @@ def test_half_model_records_weights_and_lost_updates(trace_path):
     g = tr.sites("param_grad")["path"].tolist().index("0.weight")
     zero_grad = tr.records("zeros", "param_grad")[2, g] / tr.records("numel", "param_grad")[2, g]
     assert zero_update > 0.5 and zero_grad < 0.05
-    assert np.isnan(tr.records("numel", "update")[1]).all()                 # only every weight_every steps
+    assert np.isnan(tr.records("numel", "update")[1]).all()  # only every weight_every steps
     assert tr.records("numel", "weight")[2, j] == 64 * 32
 
 
@@ -401,7 +434,7 @@ def test_weights_turned_nonfinite_by_the_update_are_an_event(trace_path):
     tr = train_half(model, opt, trace_path, live=False)
     wev = tr.events("nonfinite_weights")
     assert wev["step"].tolist()[0] == 0 and "0.weight" in wev["data"][0]["params"]
-    assert tr.events("nonfinite")["step"].min() == 1          # the forward of step 1 is the first to see them
+    assert tr.events("nonfinite")["step"].min() == 1  # the forward of step 1 is the first to see them
     assert "forward-overflow" not in [f.rule for f in ampdoctor.diagnose(tr)]
 
 
@@ -421,19 +454,20 @@ def test_torch_compile_runs_hooks_eagerly_without_recompiling(trace_path, caplog
     compiled = torch.compile(model, backend=counting_backend)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     after_step = []
-    with caplog.at_level(logging.WARNING, logger="torch._dynamo"):
-        with ampdoctor.attach(compiled, optimizer=opt, trace=trace_path, live=False, calibration=2,
-                              peak_every=3) as doc:
-            for x, y in batches(6):
-                loss = torch.nn.functional.mse_loss(compiled(x), y)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                doc.log_loss(loss)
-                after_step.append(len(compiles))
-            assert doc.active
+    with (
+        caplog.at_level(logging.WARNING, logger="torch._dynamo"),
+        ampdoctor.attach(compiled, optimizer=opt, trace=trace_path, live=False, calibration=2, peak_every=3) as doc,
+    ):
+        for x, y in batches(6):
+            loss = torch.nn.functional.mse_loss(compiled(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            doc.log_loss(loss)
+            after_step.append(len(compiles))
+        assert doc.active
     assert not [r for r in caplog.records if "recompil" in r.getMessage().lower()]
-    assert after_step[0] > 0                       # the model was compiled (the backend did run)
+    assert after_step[0] > 0  # the model was compiled (the backend did run)
     assert after_step == [after_step[0]] * 6, after_step
     tr = ampdoctor.load(trace_path)
     assert tr.n_steps == 6 and tr.steps()["loss"].notna().all()
@@ -449,13 +483,20 @@ def test_accelerator_path_writes_the_trace_the_host_path_writes(tmp_path, monkey
     import sqlite3
 
     from ampdoctor.collect import stats as K
+
     paths, models = {}, {}
     for host in (True, False):
         monkeypatch.setattr(K, "HOST_READS", host)
         paths[host] = str(tmp_path / f"host_{host}.db")
-        models[host], _, _, _ = train(mlp(seed=5), 14, precision="fp16", init_scale=2.0**20, growth_interval=3,
-                                      trace=paths[host], attach_options={"every": 2, "hist_every": 4,
-                                                                         "weight_every": 5})
+        models[host], _, _, _ = train(
+            mlp(seed=5),
+            14,
+            precision="fp16",
+            init_scale=2.0**20,
+            growth_interval=3,
+            trace=paths[host],
+            attach_options={"every": 2, "hist_every": 4, "weight_every": 5},
+        )
     assert all(torch.equal(a, b) for a, b in zip(models[True].parameters(), models[False].parameters()))
     a, b = ampdoctor.load(paths[True]), ampdoctor.load(paths[False])
     sa, sb = a.steps(), b.steps()
@@ -463,13 +504,23 @@ def test_accelerator_path_writes_the_trace_the_host_path_writes(tmp_path, monkey
     for col in ("loss", "loss_scale", "loss_scale_next", "grad_norm", "microbatches"):
         assert np.allclose(sa[col].astype(float), sb[col].astype(float), rtol=1e-6, equal_nan=True), col
     for field, kind in [("peak", k) for k in ("act", "grad_out", "param_grad")] + [
-            ("absmax", "grad_out"), ("fp16_flush", "grad_out"), ("fp16_sub", "param_grad"), ("zeros", "act"),
-            ("nan", "grad_out"), ("mean", "act"), ("rms", "grad_out"), ("minabs", "weight"), ("rms", "update")]:
+        ("absmax", "grad_out"),
+        ("fp16_flush", "grad_out"),
+        ("fp16_sub", "param_grad"),
+        ("zeros", "act"),
+        ("nan", "grad_out"),
+        ("mean", "act"),
+        ("rms", "grad_out"),
+        ("minabs", "weight"),
+        ("rms", "update"),
+    ]:
         ra, rb = a.records(field, kind), b.records(field, kind)
         assert ra.shape == rb.shape and np.isfinite(ra).any(), (field, kind)
         assert np.allclose(ra, rb, rtol=1e-5, equal_nan=True), (field, kind)
-    query = {"hists": "SELECT step, site, lo, counts FROM hists ORDER BY step, site",
-             "events": "SELECT step, kind, site, phase FROM events ORDER BY id"}
+    query = {
+        "hists": "SELECT step, site, lo, counts FROM hists ORDER BY step, site",
+        "events": "SELECT step, kind, site, phase FROM events ORDER BY id",
+    }
     for table, sql in query.items():
         rows = [sqlite3.connect(paths[h]).execute(sql).fetchall() for h in (True, False)]
         assert rows[0] and rows[0] == rows[1], table
@@ -486,7 +537,7 @@ def test_sparse_embedding_gradients_are_observed(tmp_path, every):
     g = torch.Generator().manual_seed(1)
     expected = []
     with warnings.catch_warnings():
-        warnings.simplefilter("error")                 # no "collection stopped" warning
+        warnings.simplefilter("error")  # no "collection stopped" warning
         with ampdoctor.attach(model, optimizer=opt, trace=path, live=False, every=every) as doc:
             for _ in range(6):
                 x = torch.randint(0, 100, (8, 4), generator=g)
@@ -495,11 +546,10 @@ def test_sparse_embedding_gradients_are_observed(tmp_path, every):
                 loss.backward()
                 emb = model[0].weight.grad.coalesce().values()
                 dense = [emb] + [p.grad for p in model[1].parameters()]
-                expected.append((emb.abs().max().item(),
-                                 math.sqrt(sum(float(t.double().pow(2).sum()) for t in dense))))
+                expected.append((emb.abs().max().item(), math.sqrt(sum(float(t.double().pow(2).sum()) for t in dense))))
                 opt.step()
                 doc.log_loss(loss)
-            assert doc.active                      # still collecting after the last step (checked before close)
+            assert doc.active  # still collecting after the last step (checked before close)
     tr = ampdoctor.load(path)
     steps = tr.steps()
     assert len(steps) == 6
@@ -512,8 +562,10 @@ def test_sparse_embedding_gradients_are_observed(tmp_path, every):
 
 # -- attach on the wrong objects: refused cleanly, or warned about once (issues 9 and 10) ---------------------------
 
+
 def _ampdoctor_threads():
     import threading
+
     return [t for t in threading.enumerate() if t.name.startswith("ampdoctor")]
 
 
@@ -525,9 +577,9 @@ def test_failed_attach_leaves_nothing_behind(tmp_path):
     with pytest.raises(RuntimeError, match="not supported on ScriptModules"):
         ampdoctor.attach(model, trace=str(path))
     assert not any(m._forward_hooks for m in model.modules())
-    assert not set(_ampdoctor_threads()) - set(before)          # no writer or live thread started and left
+    assert not set(_ampdoctor_threads()) - set(before)  # no writer or live thread started and left
     assert not list(tmp_path.iterdir())
-    with pytest.raises(RuntimeError, match="not supported on ScriptModules"):   # not "already observed"
+    with pytest.raises(RuntimeError, match="not supported on ScriptModules"):  # not "already observed"
         ampdoctor.attach(model, trace=str(path))
 
 
@@ -548,11 +600,11 @@ def test_second_doctor_on_the_same_model_or_scaler_is_refused(tmp_path):
         ampdoctor.attach(model, trace=str(tmp_path / "b.db"))
     with pytest.raises(RuntimeError, match="GradScaler is already observed"):
         ampdoctor.attach(other, scaler=scaler, trace=str(tmp_path / "c.db"))
-    with pytest.raises(RuntimeError, match="Linear is already observed"):    # a part of an observed model
+    with pytest.raises(RuntimeError, match="Linear is already observed"):  # a part of an observed model
         ampdoctor.attach(model[0], trace=str(tmp_path / "d.db"))
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".db") == ["a.db"]
     first.close()
-    model2, _, _, _ = train(model, 3, trace=str(tmp_path / "e.db"))     # free again once the first is closed
+    _model2, _, _, _ = train(model, 3, trace=str(tmp_path / "e.db"))  # free again once the first is closed
     assert ampdoctor.load(tmp_path / "e.db").n_steps == 3
 
 
@@ -576,7 +628,8 @@ def test_log_metric_with_a_non_number_warns_once_and_collection_goes_on(trace_pa
 def test_optimizer_of_another_model_warns_and_buffers_stay_bounded(trace_path, monkeypatch):
     """The optimizer given never steps this model: one clear warning, and a step's buffers stop growing."""
     from ampdoctor.collect import callbacks
-    monkeypatch.setattr(callbacks, "MAX_STEP_ENTRIES", 200)      # the real bound is reached after ~12k micro-batches
+
+    monkeypatch.setattr(callbacks, "MAX_STEP_ENTRIES", 200)  # the real bound is reached after ~12k micro-batches
     model = mlp(width=16)
     own = torch.optim.SGD(model.parameters(), lr=0.01)
     unrelated = torch.optim.SGD(mlp(width=8).parameters(), lr=0.01)
@@ -602,13 +655,18 @@ def test_no_step_boundary_warns_with_the_fix(trace_path):
     """attach(model) with neither optimizer nor doctor.step(): the run said nothing and recorded 0 steps."""
     model = mlp(width=16)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with pytest.warns(RuntimeWarning, match=r"3 optimizer steps went by without a step boundary.*"
-                                            r"attach\(model, optimizer=opt\)\), or call doctor.step\(\)"):
-        with ampdoctor.attach(model, trace=trace_path):
-            for x, y in batches(5):
-                opt.zero_grad()
-                torch.nn.functional.mse_loss(model(x), y).backward()
-                opt.step()
+    with (
+        pytest.warns(
+            RuntimeWarning,
+            match=r"3 optimizer steps went by without a step boundary.*"
+            r"attach\(model, optimizer=opt\)\), or call doctor.step\(\)",
+        ),
+        ampdoctor.attach(model, trace=trace_path),
+    ):
+        for x, y in batches(5):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
     with pytest.warns(RuntimeWarning, match="the whole run went by without a step boundary"):
         with ampdoctor.attach(model, trace=trace_path.replace(".db", "2.db")):
             model(torch.randn(2, 32)).sum().backward()
@@ -625,26 +683,32 @@ class _Wrapper(torch.nn.Module):
 def test_module_whose_forward_never_runs_warns_and_time_rules_stay_silent(trace_path):
     wrapper = _Wrapper()
     opt = torch.optim.SGD(wrapper.parameters(), lr=0.01)
-    with pytest.warns(RuntimeWarning, match=r"3 steps ended but _Wrapper.forward was never called.*"
-                                            r"Attach the module whose forward runs"):
-        with ampdoctor.attach(wrapper, optimizer=opt, trace=trace_path, live=False) as doc:
-            for x, y in batches(12):
-                time.sleep(0.002)                 # "loading": a wait the observer could mistake for input time
-                loss = torch.nn.functional.mse_loss(wrapper.net(x), y)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                doc.log_loss(loss)
+    with (
+        pytest.warns(
+            RuntimeWarning,
+            match=r"3 steps ended but _Wrapper.forward was never called.*"
+            r"Attach the module whose forward runs",
+        ),
+        ampdoctor.attach(wrapper, optimizer=opt, trace=trace_path, live=False) as doc,
+    ):
+        for x, y in batches(12):
+            time.sleep(0.002)  # "loading": a wait the observer could mistake for input time
+            loss = torch.nn.functional.mse_loss(wrapper.net(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            doc.log_loss(loss)
     tr = ampdoctor.load(trace_path)
     st = tr.steps()
     assert len(st) == 12 and st["data_time"].isna().all() and st["samples"].isna().all()
     assert (st["step_time"] > 0).all() and tr.config["step_start"] is None
-    assert tr.sites("act")["path"].tolist()[:1] == ["net.0"]            # the inner modules are still observed
+    assert tr.sites("act")["path"].tolist()[:1] == ["net.0"]  # the inner modules are still observed
     assert "input-pipeline-bound" not in [f.rule for f in ampdoctor.diagnose(trace_path)]
 
 
 def test_autocast_entered_inside_forward_is_detected(trace_path):
     """Frameworks (accelerate) enter autocast inside forward, after the root pre-hook ran."""
+
     class AutocastInside(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -657,6 +721,7 @@ def test_autocast_entered_inside_forward_is_detected(trace_path):
     model = AutocastInside()
     train(model, 2, precision="fp32", trace=trace_path)
     from ampdoctor.precision_label import describe_precision
+
     cfg = ampdoctor.load(trace_path).config
     assert cfg["autocast"] == {"device_type": "cpu", "enabled": True, "dtype": "bfloat16"}
     assert describe_precision(cfg) == "O1-style: autocast bfloat16, FP32 master weights"
@@ -666,10 +731,12 @@ def test_sentinel_figures_of_huge_and_non_finite_gradients():
     """The sentinel's norm and peak against float64 references: finite gradients whose squares overflow float32
     still give a finite norm, a NaN gives NaN; and nothing warns into the user's run."""
     import warnings as W
+
     from ampdoctor.collect.buffers import GradFigures
+
     params = [(f"p{i}", torch.nn.Parameter(torch.zeros(50))) for i in range(3)]
     for i, (_, p) in enumerate(params):
-        p.grad = torch.linspace(-1, 1, 50) * 10.0 ** (10 * i + 10)         # up to 1e30: squares overflow float32
+        p.grad = torch.linspace(-1, 1, 50) * 10.0 ** (10 * i + 10)  # up to 1e30: squares overflow float32
     ref = torch.cat([p.grad.double() for _, p in params])
     with W.catch_warnings():
         W.simplefilter("error")

@@ -1,5 +1,6 @@
 """make demo's cycle: a fault on scikit-learn's digits is diagnosed, the printed fix is applied, the rerun is healthy;
 and the progress bars (tqdm) show on a terminal. The init-scale fault runs through main() (what make demo prints)."""
+
 import fcntl
 import importlib.util
 import os
@@ -12,14 +13,14 @@ import threading
 
 import pytest
 import torch
+from runs import mlp, train
 
 import ampdoctor
 from ampdoctor import cli
-from runs import mlp, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 spec = importlib.util.spec_from_file_location("ampdoctor_demo", os.path.join(ROOT, "examples", "demo.py"))
-demo = sys.modules["ampdoctor_demo"] = importlib.util.module_from_spec(spec)    # dataclasses look it up there
+demo = sys.modules["ampdoctor_demo"] = importlib.util.module_from_spec(spec)  # dataclasses look it up there
 spec.loader.exec_module(demo)
 
 pytestmark = pytest.mark.slow
@@ -50,17 +51,17 @@ def test_demo_end_to_end_init_scale(tmp_path, capsys):
     assert f"applying the fix printed for init-scale-too-high:\n    {printed}\n" in text
     finding = next(d for d in ampdoctor.diagnose(out) if d.rule == "init-scale-too-high")
     recorded = ampdoctor.load(fixed).steps()
-    assert recorded["loss_scale"].iloc[0] == finding.evidence["suggested_init_scale"] < 2 ** 30
+    assert recorded["loss_scale"].iloc[0] == finding.evidence["suggested_init_scale"] < 2**30
     assert recorded["skipped"].sum() < ampdoctor.load(out).steps()["skipped"].sum()
     assert f"{fixed}: no findings" in text and "the fixed run is healthy" in text
-    assert "suggested  init_scale" in text                       # replay --suggest ran on the faulty trace
+    assert "suggested  init_scale" in text  # replay --suggest ran on the faulty trace
     report = str(tmp_path / "demo.html")
     assert open(report).read().startswith("<!DOCTYPE html>") and f"wrote {report}" in text
     # the last word: one command that opens the dashboard on both traces, and serve accepts it as printed
     line = re.search(r"^dashboard: (.+)$", text, re.M).group(1)
     assert line.split()[1:] == ["serve", out, "--reference", fixed]
     args = cli.build_parser().parse_args(line.split()[1:])
-    assert (args.path, args.reference) == ([out], fixed)              # serve takes one or more paths
+    assert (args.path, args.reference) == ([out], fixed)  # serve takes one or more paths
 
 
 @pytest.mark.parametrize("fault", ["overflow", "no-scaler", "half-weights"])
@@ -73,25 +74,25 @@ def test_demo_fault_is_diagnosed_and_the_printed_fix_heals_it(fault, tmp_path, c
     fixed = ampdoctor.load(r["fixed"])
     cfg = fixed.config
     assert cfg["scaler"]["enabled"] and cfg["autocast"]["dtype"] == "float16"
-    if fault == "overflow":                            # the module named runs in FP32, the others in FP16
+    if fault == "overflow":  # the module named runs in FP32, the others in FP16
         acts = fixed.sites("act").set_index("path")["dtype"]
         assert r["finding"].layers[0] == "4" and acts["4"] == "float32" and acts["2"] == "float16"
-        assert r["acc"][1] > r["acc"][0] + 0.5          # the faulty run never trains (every step NaN)
-    if fault == "half-weights":                        # FP32 weights under FP16 autocast
+        assert r["acc"][1] > r["acc"][0] + 0.5  # the faulty run never trains (every step NaN)
+    if fault == "half-weights":  # FP32 weights under FP16 autocast
         assert set(cfg["param_dtypes"]) == {"float32"}
 
 
 def test_progress_bars_show_on_a_terminal(tmp_path, monkeypatch):
     """Training, replay --suggest and report draw tqdm bars on a terminal's stderr (and nothing in a pipe)."""
     master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))   # a new pty is 0 columns wide
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a new pty is 0 columns wide
     seen = []
     reader = threading.Thread(target=_drain, args=(master, seen), daemon=True)
     reader.start()
     tty = os.fdopen(slave, "w", buffering=1)
     monkeypatch.setattr(sys, "stderr", tty)
     trace = str(tmp_path / "t.db")
-    train(mlp(width=32), 20, init_scale=2.0 ** 30, trace=trace, attach_options={"every": 5})
+    train(mlp(width=32), 20, init_scale=2.0**30, trace=trace, attach_options={"every": 5})
     setup = demo.build(demo.FAULTS["init-scale"])
     demo.train(setup, str(tmp_path / "d.db"), 5, "demo-train")
     assert cli.main(["replay", trace, "--suggest"]) == 0

@@ -1,6 +1,7 @@
 """Hostile or broken trace files: a few hundred malformed traces made from a real one (random corruption of its
 tables and columns) must each give one line on stderr and exit 2 from every command, and a TraceError from
 ``ampdoctor.load``, in bounded time and memory; never a traceback, a hang or a 22 GiB allocation."""
+
 import contextlib
 import io
 import json
@@ -28,14 +29,15 @@ def base(tmp_path_factory):
     """A real trace with a row in every table: FP16 + GradScaler starting too high (skipped steps, non-finite
     events), full statistics and histograms every other step, a logged metric."""
     import torch
-
     from runs import batches, mlp
+
     path = str(tmp_path_factory.mktemp("fuzz") / "base.db")
     model = mlp(width=16, depth=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24)
-    with ampdoctor.attach(model, optimizer=opt, scaler=scaler, trace=path, every=2, hist_every=2,
-                          weight_every=2, live=False) as doc:
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    with ampdoctor.attach(
+        model, optimizer=opt, scaler=scaler, trace=path, every=2, hist_every=2, weight_every=2, live=False
+    ) as doc:
         for i, (x, y) in enumerate(batches(6)):
             opt.zero_grad()
             with torch.autocast("cpu", dtype=torch.float16):
@@ -51,30 +53,84 @@ def base(tmp_path_factory):
 
 
 # -- corruptions: each one breaks the format; the reader must notice ----------------------------------------------
-NUMERIC = {"steps": ["time", "step_time", "data_time", "samples", "samples_per_s", "loss", "loss_scale",
-                     "loss_scale_next", "skipped", "grad_norm", "microbatches", "peak_mem", "level", "nonfinite"],
-           "stats": ["scale", "calls", "numel", "nan", "inf", "zeros", "absmax", "minabs", "mean", "rms",
-                     "fp16_over", "fp16_sub", "fp16_flush", "bf16_over", "bf16_sub", "bf16_flush"],
-           "metrics": ["value", "time"], "sites": ["first_step"]}
-TEXT = {"sites": ["path", "module", "kind", "module_type", "dtype", "shape"], "events": ["kind", "phase", "message"],
-        "metrics": ["name"], "meta": ["key", "value"]}
+NUMERIC = {
+    "steps": [
+        "time",
+        "step_time",
+        "data_time",
+        "samples",
+        "samples_per_s",
+        "loss",
+        "loss_scale",
+        "loss_scale_next",
+        "skipped",
+        "grad_norm",
+        "microbatches",
+        "peak_mem",
+        "level",
+        "nonfinite",
+    ],
+    "stats": [
+        "scale",
+        "calls",
+        "numel",
+        "nan",
+        "inf",
+        "zeros",
+        "absmax",
+        "minabs",
+        "mean",
+        "rms",
+        "fp16_over",
+        "fp16_sub",
+        "fp16_flush",
+        "bf16_over",
+        "bf16_sub",
+        "bf16_flush",
+    ],
+    "metrics": ["value", "time"],
+    "sites": ["first_step"],
+}
+TEXT = {
+    "sites": ["path", "module", "kind", "module_type", "dtype", "shape"],
+    "events": ["kind", "phase", "message"],
+    "metrics": ["name"],
+    "meta": ["key", "value"],
+}
 NOT_NUMBERS = ["'garbage'", "x'0102'", "'1 2'"]
-NOT_TEXT = ["x'00ff'", "x'41'", "zeroblob(3)"]      # (a number would be stored as text: TEXT affinity)
+NOT_TEXT = ["x'00ff'", "x'41'", "zeroblob(3)"]  # (a number would be stored as text: TEXT affinity)
 BAD_JSON = ['{"a": ', "[" * 200000, "{" * 5000, "nan", '"\\ud800', "[1, 2"]
 BAD_LR = ["'{}'", "'5'", "'[\"a\"]'", "'[[1]]'", "'[{\"lr\": 1}]'"]
-BAD_META = {"run": [{"params": "many"}, {"model": 5}, {"every": None}, 7, [1]],
-            "config": [{"autocast": 5}, {"scaler": {"init_scale": "big"}}, {"optimizer": {"groups": 7}},
-                       {"optimizer": {"groups": [{"lr": "fast"}]}}, {"param_dtypes": {"float16": "many"}},
-                       {"module_param_dtypes": [1]}, {"loss_dtype": 16}, {"scaler": {"enabled": "yes"}}],
-           "closed": [{"steps": []}, "done"]}
-BAD_EVENT_DATA = ["'5'", "'[1]'", "'{\"value\": 3}'", "'{\"params\": \"a\"}'", "'{\"count\": \"x\"}'"]
-BAD_IDS = [("stats", "site", ["1000000000", "-1", "2.5", "'a'"]), ("stats", "step", ["-3", "'x'", "1.5", "1000000"]),
-           ("hists", "site", ["99999", "-2"]), ("hists", "lo", ["500", "-1000", "120", "'lo'", "1.5"]),
-           ("hists", "step", ["-1", "'s'", "6"]), ("peaks", "step", ["1000000", "-1"]),
-           ("events", "site", ["99999", "-5", "'x'"]),
-           ("events", "step", ["-1", "'s'"]), ("metrics", "step", ["-2", "'s'"])]
-BAD_BLOBS = [("peaks", "data", ["'text'", "x'010203'", "42", "2.5"]),
-             ("hists", "counts", ["'text'", "x'01020304050607'", "x''", "7"])]
+BAD_META = {
+    "run": [{"params": "many"}, {"model": 5}, {"every": None}, 7, [1]],
+    "config": [
+        {"autocast": 5},
+        {"scaler": {"init_scale": "big"}},
+        {"optimizer": {"groups": 7}},
+        {"optimizer": {"groups": [{"lr": "fast"}]}},
+        {"param_dtypes": {"float16": "many"}},
+        {"module_param_dtypes": [1]},
+        {"loss_dtype": 16},
+        {"scaler": {"enabled": "yes"}},
+    ],
+    "closed": [{"steps": []}, "done"],
+}
+BAD_EVENT_DATA = ["'5'", "'[1]'", "'{\"value\": 3}'", '\'{"params": "a"}\'', '\'{"count": "x"}\'']
+BAD_IDS = [
+    ("stats", "site", ["1000000000", "-1", "2.5", "'a'"]),
+    ("stats", "step", ["-3", "'x'", "1.5", "1000000"]),
+    ("hists", "site", ["99999", "-2"]),
+    ("hists", "lo", ["500", "-1000", "120", "'lo'", "1.5"]),
+    ("hists", "step", ["-1", "'s'", "6"]),
+    ("peaks", "step", ["1000000", "-1"]),
+    ("events", "site", ["99999", "-5", "'x'"]),
+    ("events", "step", ["-1", "'s'"]),
+    ("metrics", "step", ["-2", "'s'"]),
+]
+BAD_BLOBS = [
+    ("peaks", "data", ["'text'", "x'010203'", "42", "2.5"]),
+    ("hists", "counts", ["'text'", "x'01020304050607'", "x''", "7"]),
+]
 
 
 def _where(c, table, rng) -> str:
@@ -89,8 +145,9 @@ def _where(c, table, rng) -> str:
 
 def corrupt(c: sqlite3.Connection, rng: random.Random) -> str:
     """Apply one random corruption; returns what it did."""
-    kind = rng.choice(["number", "text", "json", "lr", "meta", "event", "id", "blob", "dense", "drop", "view",
-                       "recursive", "column"])
+    kind = rng.choice(
+        ["number", "text", "json", "lr", "meta", "event", "id", "blob", "dense", "drop", "view", "recursive", "column"]
+    )
     if kind == "number":
         table = rng.choice(list(NUMERIC))
         col, value = rng.choice(NUMERIC[table]), rng.choice(NOT_NUMBERS)
@@ -116,7 +173,7 @@ def corrupt(c: sqlite3.Connection, rng: random.Random) -> str:
     elif kind == "id":
         table, col, values = rng.choice(BAD_IDS)
         value = rng.choice(values)
-        if table == "hists" and value == "120":        # a span that runs past binade 127
+        if table == "hists" and value == "120":  # a span that runs past binade 127
             c.execute(f"UPDATE hists SET lo = 120, counts = zeroblob(80) WHERE {_where(c, 'hists', rng)}")
             return "hists span 120..129"
     elif kind == "blob":
@@ -124,7 +181,7 @@ def corrupt(c: sqlite3.Connection, rng: random.Random) -> str:
         value = rng.choice(values)
     elif kind == "dense":
         table, col = rng.choice([("sites", "id"), ("steps", "step")])
-        big = rng.choice([3_000_000_000, 10 ** 6, -1])
+        big = rng.choice([3_000_000_000, 10**6, -1])
         c.execute(f"UPDATE {table} SET {col} = {big} WHERE {col} = (SELECT max({col}) FROM {table})")
         return f"{table}.{col} = {big}"
     elif kind == "drop":
@@ -136,16 +193,28 @@ def corrupt(c: sqlite3.Connection, rng: random.Random) -> str:
         c.execute(f"ALTER TABLE {table} RENAME TO {table}_old")
         if kind == "view":
             c.execute(f"CREATE VIEW {table} AS SELECT * FROM {table}_old")
-        else:                 # endless rows: any query over it never returns
-            c.execute(f"CREATE VIEW {table} AS WITH RECURSIVE r(x) AS (SELECT 0 UNION ALL SELECT x + 1 FROM r) "
-                      f"SELECT {table}_old.* FROM r, {table}_old")
+        else:  # endless rows: any query over it never returns
+            c.execute(
+                f"CREATE VIEW {table} AS WITH RECURSIVE r(x) AS (SELECT 0 UNION ALL SELECT x + 1 FROM r) "
+                f"SELECT {table}_old.* FROM r, {table}_old"
+            )
         return f"{table} replaced by a {'recursive ' if kind == 'recursive' else ''}view"
-    else:                      # a column dropped (one that SQLite lets go: not a key, not indexed)
-        table, col = rng.choice([("steps", "loss"), ("steps", "lr"), ("stats", "rms"), ("sites", "dtype"),
-                                 ("events", "data"), ("metrics", "time"), ("hists", "counts"), ("peaks", "data")])
+    else:  # a column dropped (one that SQLite lets go: not a key, not indexed)
+        table, col = rng.choice(
+            [
+                ("steps", "loss"),
+                ("steps", "lr"),
+                ("stats", "rms"),
+                ("sites", "dtype"),
+                ("events", "data"),
+                ("metrics", "time"),
+                ("hists", "counts"),
+                ("peaks", "data"),
+            ]
+        )
         try:
             c.execute(f"ALTER TABLE {table} DROP COLUMN {col}")
-        except sqlite3.OperationalError:          # NOT NULL / key columns cannot be dropped: drop the table
+        except sqlite3.OperationalError:  # NOT NULL / key columns cannot be dropped: drop the table
             c.execute(f"DROP TABLE {table}")
             return f"dropped {table}"
         return f"dropped column {table}.{col}"
@@ -169,7 +238,7 @@ def _cli(args) -> tuple[int, str, float]:
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         try:
             rc = main(args)
-        except SystemExit as exc:                 # argparse --help and the like: not expected here
+        except SystemExit as exc:  # argparse --help and the like: not expected here
             rc = exc.code
     return rc, err.getvalue(), time.perf_counter() - t0
 
@@ -188,21 +257,21 @@ def test_a_few_hundred_malformed_traces_give_one_line_and_exit_2(tmp_path, base)
         seen_kinds.add(what.split(" ")[0])
         t0 = time.perf_counter()
         with pytest.raises(ampdoctor.TraceError) as info:
-            tr = ampdoctor.load(path)         # if it opened, its views must say what is wrong
+            tr = ampdoctor.load(path)  # if it opened, its views must say what is wrong
             tr.meta, tr.config, tr.steps(), tr.sites(), tr.events(), tr.metrics(), tr.full_steps()
             for field in ("peak", "numel", "rms"):
                 tr.records(field, "grad_out")
             tr.hist(0)
         assert "\n" not in str(info.value) and path in str(info.value), what
         assert time.perf_counter() - t0 < 10, what
-        for cmd in (COMMANDS[i % 5], COMMANDS[(i + 2) % 5]):      # every command meets 120 of them
+        for cmd in (COMMANDS[i % 5], COMMANDS[(i + 2) % 5]):  # every command meets 120 of them
             rc, err, took = _cli(_args(cmd, path))
             assert rc == 2 and err.count("\n") == 1 and err.startswith("ampdoctor"), (what, cmd, err[-500:])
             assert took < 10, (what, cmd, took)
             per_command[cmd] += 1
         assert not os.path.exists(path + ".html"), what
     assert min(per_command.values()) >= 100
-    assert len(seen_kinds) > 20                   # the corruptions were varied
+    assert len(seen_kinds) > 20  # the corruptions were varied
 
 
 LIMITED = """
@@ -218,13 +287,21 @@ print(codes)
 """
 
 
-@pytest.mark.parametrize("sql, message", [
-    ("UPDATE sites SET id = 3000000000 WHERE id = (SELECT max(id) FROM sites WHERE kind = 'grad_out')",
-     "sites: id runs"),
-    ("ALTER TABLE steps RENAME TO steps_old; CREATE VIEW steps AS WITH RECURSIVE r(x) AS (SELECT 0 UNION ALL "
-     "SELECT x + 1 FROM r) SELECT steps_old.* FROM r, steps_old", "steps is a view"),
-    ("UPDATE meta SET value = '" + "[" * 200000 + "' WHERE key = 'config'", "nested deeper"),
-])
+@pytest.mark.parametrize(
+    "sql, message",
+    [
+        (
+            "UPDATE sites SET id = 3000000000 WHERE id = (SELECT max(id) FROM sites WHERE kind = 'grad_out')",
+            "sites: id runs",
+        ),
+        (
+            "ALTER TABLE steps RENAME TO steps_old; CREATE VIEW steps AS WITH RECURSIVE r(x) AS (SELECT 0 UNION ALL "
+            "SELECT x + 1 FROM r) SELECT steps_old.* FROM r, steps_old",
+            "steps is a view",
+        ),
+        ("UPDATE meta SET value = '" + "[" * 200000 + "' WHERE key = 'config'", "nested deeper"),
+    ],
+)
 def test_in_a_real_process_with_memory_limited(tmp_path, base, sql, message):
     """The three that crashed or hung before, run as the command line runs (a process with 3 GiB of address
     space and a time limit): a site id of 3e9 (a 22 GiB array), a recursive view, 200,000-deep JSON."""
@@ -234,8 +311,9 @@ def test_in_a_real_process_with_memory_limited(tmp_path, base, sql, message):
     c = sqlite3.connect(path, isolation_level=None)
     c.executescript(sql)
     c.close()
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(LIMITED), path], capture_output=True, text=True,
-                         timeout=120, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(LIMITED), path], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert out.returncode == 0 and out.stdout.split() == ["[2,", "2,", "2,", "2,", "2]"], out.stderr[-2000:]
     lines = out.stderr.splitlines()
     assert len(lines) == 5 and all(line.startswith("ampdoctor") and message in line for line in lines), lines

@@ -1,6 +1,7 @@
 """The import graph reads one way: no cycle between the package's modules, and the offline side (trace, diagnose,
 commands, views) never reaches torch. Read from the source with ast, so that every module is covered, including
 the ones no test imports."""
+
 import ast
 import os
 
@@ -9,7 +10,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("ampdoctor", "dashboards")
 # What runs inside training (torch) and what a user calls with a model in hand; everything else is the offline side.
-TRAINING_SIDE = ("ampdoctor.collect", "ampdoctor.keep_fp32", "ampdoctor.integrations")
+TRAINING_SIDE = ("ampdoctor.collect", "ampdoctor.islands", "ampdoctor.integrations")
 TORCH = ("torch", "lightning", "pytorch_lightning", "transformers", "accelerate")
 
 
@@ -45,7 +46,7 @@ def _imports(name: str, top_level_only: bool) -> set:
             base = node.module or ""
             if node.level:
                 parts = here.split(".")
-                parts = parts[:len(parts) - node.level + 1]
+                parts = parts[: len(parts) - node.level + 1]
                 base = ".".join(parts + ([node.module] if node.module else []))
             out.add(base)
             out.update(f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES)
@@ -103,7 +104,7 @@ def test_the_walk_sees_the_package():
     g = _graph(top_level_only=True)
     assert len(MODULES) > 60
     assert "ampdoctor.trace.vectors" in g["ampdoctor.trace.writer"]
-    assert "ampdoctor.trace" in g["ampdoctor.collect.buffers"]          # the parent package runs too
+    assert "ampdoctor.trace" in g["ampdoctor.collect.buffers"]  # the parent package runs too
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 

@@ -1,12 +1,13 @@
 """Live diagnosis during training: findings logged once, on_finding, halt_on, and the log_every summary."""
+
 import logging
 import time
 
 import pytest
 import torch
+from runs import batches, mlp
 
 import ampdoctor
-from runs import batches, mlp
 
 
 class Attention(torch.nn.Module):
@@ -60,7 +61,7 @@ def test_halt_on_critical_stops_a_broken_run_early(trace_path, caplog):
     assert halted is not None, f"not halted after {steps} steps"
     assert halted.finding.rule == "forward-overflow" and halted.finding.layers[0] == "1"
     assert "ampdoctor halted training: critical forward-overflow in 1" in str(halted)
-    assert [f.rule for f in seen].count("forward-overflow") == 1          # reported once, however many checks
+    assert [f.rule for f in seen].count("forward-overflow") == 1  # reported once, however many checks
     lines = [r.getMessage() for r in caplog.records if " forward-overflow [" in r.getMessage()]
     assert lines == [lines[0]] and lines[0].startswith("ampdoctor: critical forward-overflow [1]:")
     assert "Fix: " in lines[0]
@@ -111,10 +112,12 @@ def test_diagnose_while_another_process_writes(tmp_path):
     import signal
     import subprocess
     import sys
+
     path = str(tmp_path / "growing.db")
     here = os.path.dirname(__file__)
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, path], stdout=subprocess.PIPE,
-                            env={**os.environ, "PYTHONPATH": here})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, path], stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": here}
+    )
     try:
         assert proc.stdout.readline().strip() == b"started"
         rules_seen, checks = set(), 0
@@ -124,7 +127,7 @@ def test_diagnose_while_another_process_writes(tmp_path):
         while (checks < 12 or "init-scale-too-high" not in rules_seen) and time.time() < deadline:
             try:
                 found = ampdoctor.diagnose(path)
-            except ampdoctor.TraceError as exc:          # before the first step is committed
+            except ampdoctor.TraceError as exc:  # before the first step is committed
                 assert "no steps recorded" in str(exc)
                 continue
             rules_seen.update(f.rule for f in found)

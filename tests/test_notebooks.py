@@ -1,4 +1,5 @@
 """The notebooks in notebooks/ run top to bottom on a real trace (Cockpit-style: examples are executed)."""
+
 import os
 
 import nbformat
@@ -11,6 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(__file__))
 @pytest.fixture(scope="module")
 def faulty_trace(tmp_path_factory):
     from runs import mlp, train
+
     path = str(tmp_path_factory.mktemp("nb") / "faulty.db")
     train(mlp(width=64), 40, init_scale=2.0**30, trace=path, attach_options={"every": 10, "hist_every": 10})
     return path
@@ -19,10 +21,15 @@ def faulty_trace(tmp_path_factory):
 def execute(name):
     """Run notebooks/NAME top to bottom; (the notebook with its outputs, all text output joined)."""
     nb = nbformat.read(os.path.join(ROOT, "notebooks", name), as_version=4)
-    NotebookClient(nb, timeout=300, kernel_name="python3",
-                   resources={"metadata": {"path": os.path.join(ROOT, "notebooks")}}).execute()
-    text = "\n".join(o.get("text", "") or str(o.get("data", {}).get("text/plain", ""))
-                     for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": os.path.join(ROOT, "notebooks")}}
+    ).execute()
+    text = "\n".join(
+        o.get("text", "") or str(o.get("data", {}).get("text/plain", ""))
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+    )
     return nb, text
 
 
@@ -32,8 +39,12 @@ def test_trace_analysis_notebook_runs(faulty_trace, monkeypatch):
     assert "40 steps" in text and "skipped" in text
     assert "init-scale-too-high" in text
     assert "loss scale" in text and "flushed %" in text
-    assert any("application/vnd.plotly.v1+json" in o.get("data", {})
-               for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert any(
+        "application/vnd.plotly.v1+json" in o.get("data", {})
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+    )
 
 
 def test_fp16_readiness_notebook_runs(tmp_path, monkeypatch):
@@ -45,20 +56,37 @@ def test_fp16_readiness_notebook_runs(tmp_path, monkeypatch):
     assert 'handle = ampdoctor.keep_fp32(model, "0"' in text and "scaler = torch.amp.GradScaler(" in text
     assert "binades below FP16 max" in text and "underflow % / overflow %" in text
     assert "first module with NaN/Inf: 0 | named first by fp16-readiness: 0" in text
-    assert any("application/vnd.plotly.v1+json" in o.get("data", {})
-               for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert any(
+        "application/vnd.plotly.v1+json" in o.get("data", {})
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+    )
 
 
 def test_precision_budget_notebook_runs(tmp_path, monkeypatch):
     import probe_models as M
+
     path = str(tmp_path / "fragile.db")
-    M.train(M.standardize_model(), M.tabular(20), 20, path,
-            attach_options={"probe_every": 5, "every": 5, "hist_every": 5, "live": False})
+    M.train(
+        M.standardize_model(),
+        M.tabular(20),
+        20,
+        path,
+        attach_options={"probe_every": 5, "every": 5, "hist_every": 5, "live": False},
+    )
     monkeypatch.setenv("AMPDOCTOR_TRACE", path)
     nb, text = execute("precision_budget.ipynb")
     assert "probed steps: [0, 5, 10, 15]" in text
     assert "FastStandardize" in text and "<- precision loss" in text
     assert "e4m3_lost" in text and "history  1024: margin 0" in text
     assert "WARNING precision-loss ['0']" in text and 'keep_fp32(model, "0")' in text
-    assert sum("application/vnd.plotly.v1+json" in o.get("data", {})
-               for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])) == 2
+    assert (
+        sum(
+            "application/vnd.plotly.v1+json" in o.get("data", {})
+            for c in nb.cells
+            if c.cell_type == "code"
+            for o in c.get("outputs", [])
+        )
+        == 2
+    )

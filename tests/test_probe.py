@@ -1,21 +1,22 @@
 """The precision-loss probe and rule on real CPU training runs: fragile layers (catastrophic cancellation in FP16)
 are named and nothing else, the printed fix removes the error and the symptom, healthy models stay quiet, and
 training with the probe on is bit-identical to training without ampdoctor."""
+
 import math
 import re
 import sqlite3
 
 import numpy as np
+import probe_models as M
 import pytest
 import torch
+from runs import live_tensors
 from torch import nn
 
 import ampdoctor
-import probe_models as M
-from runs import live_tensors
-from ampdoctor.diagnose import precision as P
-from ampdoctor.diagnose import validation as V
-from ampdoctor.diagnose.engine import Run
+from ampdoctor.rules import precision as P
+from ampdoctor.rules import validation as V
+from ampdoctor.rules.engine import Run
 
 torch.set_num_threads(1)
 STEPS = 120
@@ -34,10 +35,14 @@ def runs(tmp_path_factory):
     out = {}
     for name, (make, offset) in CASES.items():
         frag, ref = str(d / f"{name}.db"), str(d / f"{name}-fp32.db")
-        out[name] = {"frag": frag, "ref": ref,
-                     "frag_loss": M.train(make(), M.tabular(STEPS, offset=offset), STEPS, frag, attach_options=PROBE),
-                     "ref_loss": M.train(make(), M.tabular(STEPS, offset=offset), STEPS, ref, precision="fp32",
-                                         attach_options=PROBE)}
+        out[name] = {
+            "frag": frag,
+            "ref": ref,
+            "frag_loss": M.train(make(), M.tabular(STEPS, offset=offset), STEPS, frag, attach_options=PROBE),
+            "ref_loss": M.train(
+                make(), M.tabular(STEPS, offset=offset), STEPS, ref, precision="fp32", attach_options=PROBE
+            ),
+        }
     return out
 
 
@@ -49,11 +54,13 @@ def test_probe_names_the_fragile_layer_and_no_other(runs, case):
     assert d.severity == "warning" and d.layers == ["0"]
     ev = d.evidence["layers"]["0"]
     assert ev["ratio"] >= 5 * P.MIN_RATIO and ev["share_over"] == 1.0 and ev["probed_steps"] == STEPS // 10
-    assert ev["k"] == M.D_IN and math.isclose(ev["bound"], math.sqrt(M.D_IN) * 2.0 ** -11)
+    assert ev["k"] == M.D_IN and math.isclose(ev["bound"], math.sqrt(M.D_IN) * 2.0**-11)
     # every other probed layer, the parents of "0" included, measured within sqrt(k)*u
     tr = ampdoctor.load(r["frag"])
     verdicts = P.layer_verdicts(Run(tr))
-    assert {v["path"] for v in verdicts} == {"(model)", "0", "1", "2", "3"} | ({"4"} if case == "standardize" else set())
+    assert {v["path"] for v in verdicts} == {"(model)", "0", "1", "2", "3"} | (
+        {"4"} if case == "standardize" else set()
+    )
     assert all(v["ratio"] < 1 for v in verdicts if v["path"] not in ("0", "(model)"))
     # the FP32 reference of the same model: nothing to name (FP32 against FP32 is exact)
     assert "precision-loss" not in _by_rule(r["ref"])
@@ -76,16 +83,16 @@ def test_printed_fix_removes_the_error_and_the_symptom(runs, case, tmp_path):
     model = make()
     exec(code, {"model": model, "ampdoctor": ampdoctor, "torch": torch})
     after = _loss_gap(model, offset)
-    assert before > 1e-3 and after < before / 20      # the loss the model computes in FP16 is the FP32 one again
+    assert before > 1e-3 and after < before / 20  # the loss the model computes in FP16 is the FP32 one again
     fixed = str(tmp_path / "fixed.db")
     losses = M.train(model, M.tabular(STEPS, offset=offset), STEPS, fixed, attach_options=PROBE)
     assert "precision-loss" not in _by_rule(fixed)
     pr = ampdoctor.load(fixed).probes()
-    assert (pr[pr["path"] == "0"]["rel_err"] == 0).all()          # FP32 inside autocast: nothing left to lose
+    assert (pr[pr["path"] == "0"]["rel_err"] == 0).all()  # FP32 inside autocast: nothing left to lose
     frag, ref = np.median(r["frag_loss"][-30:]), np.median(r["ref_loss"][-30:])
-    if case == "standardize":     # its features are noise in FP16: it trains to ~2.7x the FP32 run's loss
+    if case == "standardize":  # its features are noise in FP16: it trains to ~2.7x the FP32 run's loss
         assert frag > 2 * ref
-    assert abs(np.median(losses[-30:]) - ref) < 0.05 * ref          # the fixed run trains like the FP32 run
+    assert abs(np.median(losses[-30:]) - ref) < 0.05 * ref  # the fixed run trains like the FP32 run
 
 
 def test_one_off_probe_names_the_layer_and_compares_the_loss():
@@ -104,7 +111,7 @@ def test_one_off_probe_names_the_layer_and_compares_the_loss():
     # the same in BF16 (u = 2^-8; features fed in BF16): named, and the bound is BF16's
     bf = ampdoctor.probe(model, (x.bfloat16(), y), M.mse, dtype=torch.bfloat16)
     assert bf.dtype == "bfloat16" and [r["path"] for r in bf.flagged] == ["0"]
-    assert bf.flagged[0]["bound"] == pytest.approx(math.sqrt(M.D_IN) * 2.0 ** -8)
+    assert bf.flagged[0]["bound"] == pytest.approx(math.sqrt(M.D_IN) * 2.0**-8)
 
 
 def test_healthy_models_get_no_precision_loss(tmp_path):
@@ -112,8 +119,9 @@ def test_healthy_models_get_no_precision_loss(tmp_path):
     path = str(tmp_path / "cnn.db")
     M.train(M.cnn(), M.images(20), 20, path, loss_fn=M.ce, attach_options={"probe_every": 5})
     path2 = str(tmp_path / "mlp.db")
-    M.train(M.standardize_model(fragile=False, dropout=0.1), M.tabular(20), 20, path2,
-            attach_options={"probe_every": 5})
+    M.train(
+        M.standardize_model(fragile=False, dropout=0.1), M.tabular(20), 20, path2, attach_options={"probe_every": 5}
+    )
     for p in (path, path2):
         assert "precision-loss" not in _by_rule(p)
         verdicts = P.layer_verdicts(Run(ampdoctor.load(p)))
@@ -175,7 +183,7 @@ def test_training_with_the_probe_is_bit_identical(tmp_path):
     assert sorted(pr["step"].unique()) == list(range(15))
     assert set(pr["path"]) == {"(model)", "0", "1", "2", "3", "4"}
     drop = pr[pr["path"] == "3"]["rel_err"]
-    assert (drop < 2.0 ** -10).all()          # the FP32 pass drew the same dropout mask
+    assert (drop < 2.0**-10).all()  # the FP32 pass drew the same dropout mask
 
 
 def test_one_off_probe_changes_nothing():
@@ -200,11 +208,11 @@ def test_modules_that_cannot_be_recomputed_are_skipped_and_listed(tmp_path):
     ev = tr.events("probe")
     assert ev["step"].tolist() == [0, 2]
     skipped = ev["data"].iloc[0]["skipped"]
-    assert set(skipped) == {"1", "2", "3", "(model)"}     # the root holds the counter too: not run twice either
+    assert set(skipped) == {"1", "2", "3", "(model)"}  # the root holds the counter too: not run twice either
     assert "in place" in skipped["1"] and "custom autograd" in skipped["2"] and "'calls'" in skipped["3"]
-    assert model[3].calls.item() == 4                     # one count per real forward: never run twice
+    assert model[3].calls.item() == 4  # one count per real forward: never run twice
     assert set(tr.probes()["path"]) == {"0", "4"}
-    assert not any(m._forward_pre_hooks for m in model.modules())     # nothing left armed after the run
+    assert not any(m._forward_pre_hooks for m in model.modules())  # nothing left armed after the run
 
 
 def test_val_oscillation_blames_the_measured_layer(runs):
@@ -214,6 +222,7 @@ def test_val_oscillation_blames_the_measured_layer(runs):
 
 def test_probe_table_is_optional_in_old_traces(runs, tmp_path):
     import shutil
+
     old = str(tmp_path / "old.db")
     shutil.copy(runs["rbf"]["ref"], old)
     with sqlite3.connect(old) as conn:
@@ -226,6 +235,7 @@ def test_probe_table_is_optional_in_old_traces(runs, tmp_path):
 def test_a_corrupt_probes_table_is_one_trace_error(runs, tmp_path):
     """The probes table is checked at open like every other table: a bad value is a TraceError naming it."""
     import shutil
+
     bad = str(tmp_path / "bad.db")
     shutil.copy(runs["rbf"]["ref"], bad)
     with sqlite3.connect(bad) as conn:
@@ -241,16 +251,21 @@ def test_probe_every_is_validated():
 
 def test_layers_probe_command(runs, capsys):
     from ampdoctor.cli import main
+
     path = runs["standardize"]["frag"]
     assert main(["layers", path, "--probe"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == (f"probe at step {STEPS - 10} ({STEPS // 10} probed steps): float16 output against FP32 from "
-                      "the same inputs; bound sqrt(k)*u, u = 0.000488")
+    assert out[0] == (
+        f"probe at step {STEPS - 10} ({STEPS // 10} probed steps): float16 output against FP32 from "
+        "the same inputs; bound sqrt(k)*u, u = 0.000488"
+    )
     assert out[1].split() == ["layer", "type", "dtype", "k", "rel", "err", "max", "err", "sqrt(k)u", "ratio"]
     assert out[2].startswith("0 ") and out[2].endswith("<- precision loss") and "FastStandardiz" in out[2]
     assert sum("<- precision loss" in line for line in out) == 1
-    assert out[-2:] == ["precision loss over the probed steps: 0; fix:",
-                        'handle = ampdoctor.keep_fp32(model, "0")  # these modules compute in FP32 inside autocast']
+    assert out[-2:] == [
+        "precision loss over the probed steps: 0; fix:",
+        'handle = ampdoctor.keep_fp32(model, "0")  # these modules compute in FP32 inside autocast',
+    ]
     assert main(["layers", path, "--probe", "--step", "15"]) == 2
     assert capsys.readouterr().err.strip() == "step 15 was not probed; nearest probed step: 10"
     assert main(["layers", runs["rbf"]["ref"], "--probe", "--step", "0"]) == 0
@@ -271,12 +286,12 @@ def test_a_failure_inside_the_probe_stops_collection_not_training(tmp_path, monk
         if isinstance(module, _Unsized):
             raise RuntimeError("probe bug")
         return 1
+
     monkeypatch.setattr(recompute, "accumulation_length", broken)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 8), _Unsized(), nn.Linear(8, 1))
     with pytest.warns(RuntimeWarning, match="collection stopped after an internal error .RuntimeError: probe bug"):
-        losses = M.train(model, M.tabular(6, offset=0.0), 6, str(tmp_path / "b.db"),
-                         attach_options={"probe_every": 1})
+        losses = M.train(model, M.tabular(6, offset=0.0), 6, str(tmp_path / "b.db"), attach_options={"probe_every": 1})
     assert len(losses) == 6 and all(math.isfinite(v) for v in losses)
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
@@ -304,13 +319,13 @@ def test_half_model_without_autocast_gets_a_conversion_fix(tmp_path):
     model = M.standardize_model().half()
     x, y = next(M.tabular(1, batch=256, seed=5))
     with torch.no_grad():
-        ref = M.mse(M.standardize_model()(x.float()), y).item()       # the same weights in FP32
+        ref = M.mse(M.standardize_model()(x.float()), y).item()  # the same weights in FP32
         before = M.mse(model(x), y).item()
         exec(code, {"model": model, "torch": torch})
         after = M.mse(model(x), y).item()
     assert abs(before / ref - 1) > 0.1 and abs(after / ref - 1) < 0.01
     rep = ampdoctor.probe(model, x)
-    assert not rep.flagged and rep.skipped == {"(model)": rep.skipped["(model)"]}   # its hooks cast back to half
+    assert not rep.flagged and rep.skipped == {"(model)": rep.skipped["(model)"]}  # its hooks cast back to half
     fixed = str(tmp_path / "fixed.db")
     _train_half(model, fixed)
     assert "precision-loss" not in _by_rule(fixed)
@@ -325,20 +340,19 @@ def test_measured_precision_loss_explains_slow_convergence(tmp_path, monkeypatch
     M.train(M.standardize_model(), M.tabular(300), 300, ref, precision="fp32", lr=0.05, attach_options=cadence)
     found = _by_rule(frag, reference=ref)
     assert "precision-loss" in found and "slow-convergence" not in found
-    monkeypatch.setattr(P, "measured_culprits", lambda run: [])       # without the measurement ...
-    assert "slow-convergence" in _by_rule(frag, reference=ref)        # ... it would blame the learning rate
+    monkeypatch.setattr(P, "measured_culprits", lambda run: [])  # without the measurement ...
+    assert "slow-convergence" in _by_rule(frag, reference=ref)  # ... it would blame the learning rate
 
 
 def test_a_probed_step_keeps_no_tensor(tmp_path):
     """Between steps, training with a probe on every step holds exactly the tensors training without one holds."""
     counts = []
     for run, probe_every in enumerate((None, 1)):
-        before = live_tensors()              # held: a freed tensor's id reused by a new one would hide it
+        before = live_tensors()  # held: a freed tensor's id reused by a new one would hide it
         model = _bn_dropout_model()
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         scaler = torch.amp.GradScaler("cpu")
-        doc = ampdoctor.attach(model, opt, scaler, str(tmp_path / f"m{run}.db"), probe_every=probe_every,
-                               live=False)
+        doc = ampdoctor.attach(model, opt, scaler, str(tmp_path / f"m{run}.db"), probe_every=probe_every, live=False)
         for i, (x, y) in enumerate(M.tabular(4, offset=0.0)):
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = M.mse(model(x), y)
@@ -348,7 +362,7 @@ def test_a_probed_step_keeps_no_tensor(tmp_path):
             opt.zero_grad(set_to_none=True)
             del loss
             if i == 2:
-                doc.flush()                   # the writer thread holds the finished steps' packets until it drains
+                doc.flush()  # the writer thread holds the finished steps' packets until it drains
                 counts.append(len(live_tensors(before)))
         doc.close()
         del model, opt, scaler, doc

@@ -1,39 +1,42 @@
 """Loss-scale replay: exact reproduction of recorded GradScaler histories, the scaler dynamics against torch's own
 kernel, predictions checked against real runs with the other settings, underflow, --suggest and the CLI."""
+
 import os
 
 import numpy as np
 import pytest
 import torch
-
+from runs import batches, mlp, train
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import ampdoctor
 from ampdoctor.cli import main
-from ampdoctor.replay import Replay, suggest
-from ampdoctor.replay.evidence import Evidence
-from ampdoctor.replay import scaler
-from ampdoctor.replay.scaler import lost_many, simulate
-from runs import batches, mlp, train
+from ampdoctor.lossscale import Replay, scaler, suggest
+from ampdoctor.lossscale.evidence import Evidence
+from ampdoctor.lossscale.scaler import lost_many, simulate
 
 # the reference captures gradients with full backward hooks, which warn when a model's input needs no gradient
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 
 
-def _run(path, steps=40, init_scale=2.0 ** 16, growth_interval=2000, **kw):
+def _run(path, steps=40, init_scale=2.0**16, growth_interval=2000, **kw):
     train(mlp(), steps, init_scale=init_scale, growth_interval=growth_interval, trace=path, **kw)
     return ampdoctor.load(path)
 
 
 # -- exact reproduction ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("init_scale, growth_interval, extra", [
-    (2.0 ** 24, 2000, {}),                   # skips while calibrating at the start
-    (2.0 ** 8, 3, {}),                       # growth every 3 steps, then overflow/backoff cycles
-    (2.0 ** 24, 5, {"accumulation": 2}),     # both, with gradient accumulation
-    (2.0 ** 16, 2000, {"optimizer": "adam", "lr": 1e-3}),   # torch's defaults
-])
-def test_replay_with_the_run_settings_reproduces_the_recorded_history_exactly(trace_path, init_scale,
-                                                                               growth_interval, extra):
+@pytest.mark.parametrize(
+    "init_scale, growth_interval, extra",
+    [
+        (2.0**24, 2000, {}),  # skips while calibrating at the start
+        (2.0**8, 3, {}),  # growth every 3 steps, then overflow/backoff cycles
+        (2.0**24, 5, {"accumulation": 2}),  # both, with gradient accumulation
+        (2.0**16, 2000, {"optimizer": "adam", "lr": 1e-3}),  # torch's defaults
+    ],
+)
+def test_replay_with_the_run_settings_reproduces_the_recorded_history_exactly(
+    trace_path, init_scale, growth_interval, extra
+):
     tr = _run(trace_path, 40, init_scale, growth_interval, **extra)
     st = tr.steps()
     r = ampdoctor.replay(trace_path)
@@ -41,16 +44,21 @@ def test_replay_with_the_run_settings_reproduces_the_recorded_history_exactly(tr
     assert np.array_equal(r.scales, st["loss_scale"].to_numpy())
     assert np.array_equal(r.skipped, st["skipped"].to_numpy())
     assert r.final_scale == st["loss_scale_next"].iloc[-1]
-    assert r.settings == {"init_scale": init_scale, "growth_factor": 2.0, "backoff_factor": 0.5,
-                          "growth_interval": growth_interval}
+    assert r.settings == {
+        "init_scale": init_scale,
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": growth_interval,
+    }
     assert r.summary()["skipped"] == int(st["skipped"].sum()) and not r.estimated.any()
-    if growth_interval == 3:                 # the scenario shows both dynamics
+    if growth_interval == 3:  # the scenario shows both dynamics
         assert (st["loss_scale_next"] > st["loss_scale"]).any() and st["skipped"].any()
-    if init_scale == 2.0 ** 24:
+    if init_scale == 2.0**24:
         assert st["skipped"].iloc[:3].all()
     # the same settings passed explicitly change nothing
-    same = ampdoctor.replay(tr, init_scale=init_scale, growth_interval=growth_interval, growth_factor=2.0,
-                            backoff_factor=0.5)
+    same = ampdoctor.replay(
+        tr, init_scale=init_scale, growth_interval=growth_interval, growth_factor=2.0, backoff_factor=0.5
+    )
     assert np.array_equal(same.scales, r.scales)
 
 
@@ -82,17 +90,31 @@ def test_a_trace_attached_mid_run_is_reproduced(trace_path):
 
 
 # -- the dynamics against torch's own update kernel --------------------------------------------------------------
-@pytest.mark.parametrize("init_scale, growth, backoff, interval", [
-    (2.0 ** 16, 2.0, 0.5, 3), (3.0, 1.7, 0.3, 2), (2.0 ** 126, 2.0, 0.5, 1), (1e-3, 1.1, 0.9, 1)])
+@pytest.mark.parametrize(
+    "init_scale, growth, backoff, interval",
+    [(2.0**16, 2.0, 0.5, 3), (3.0, 1.7, 0.3, 2), (2.0**126, 2.0, 0.5, 1), (1e-3, 1.1, 0.9, 1)],
+)
 def test_simulated_dynamics_match_torch_amp_update_scale(init_scale, growth, backoff, interval):
     rng = np.random.default_rng(0)
     over = rng.random(200) < 0.2
     n = len(over)
-    ev = Evidence(steps=np.arange(n), rec_scale=np.full(n, np.nan), rec_next=np.full(n, np.nan), rec_over=over,
-                  always=over, threshold=np.full(n, np.inf), from_neighbours=np.zeros(n, bool), hist={},
-                  run_settings={}, has_scaler=False, assumed_fp16=False, device="cpu")
-    r = simulate(ev, {"init_scale": init_scale, "growth_factor": growth, "backoff_factor": backoff,
-                      "growth_interval": interval})
+    ev = Evidence(
+        steps=np.arange(n),
+        rec_scale=np.full(n, np.nan),
+        rec_next=np.full(n, np.nan),
+        rec_over=over,
+        always=over,
+        threshold=np.full(n, np.inf),
+        from_neighbours=np.zeros(n, bool),
+        hist={},
+        run_settings={},
+        has_scaler=False,
+        assumed_fp16=False,
+        device="cpu",
+    )
+    r = simulate(
+        ev, {"init_scale": init_scale, "growth_factor": growth, "backoff_factor": backoff, "growth_interval": interval}
+    )
     scale, tracker = torch.tensor(init_scale), torch.tensor(0, dtype=torch.int32)
     expected = []
     for o in over:
@@ -111,50 +133,67 @@ def test_the_search_loses_exactly_what_each_replay_loses(has_scaler, monkeypatch
     n = 300
     rec = np.where(rng.random(n) < 0.1, np.nan, 2.0 ** rng.integers(4, 20, n).astype(float))
     over = rng.random(n) < 0.15
-    threshold = np.choose(rng.integers(0, 4, n), [2.0 ** rng.uniform(2, 22, n), np.zeros(n), np.full(n, np.inf),
-                                                  np.full(n, np.nan)])
-    hist = {int(t): (rng.integers(-150, 0, 6).astype(float), rng.integers(0, 3, 6).astype(float))
-            for t in rng.choice(n, 40, replace=False)}
-    ev = Evidence(steps=np.arange(n), rec_scale=rec, rec_next=rec, rec_over=over, always=rng.random(n) < 0.05,
-                  threshold=threshold, from_neighbours=rng.random(n) < 0.5, hist=hist, run_settings={},
-                  has_scaler=has_scaler, assumed_fp16=False, device="cpu")
-    settings = [{"init_scale": init, "growth_factor": growth, "backoff_factor": backoff, "growth_interval": gi}
-                for init in (1.0, 2.0 ** 12, 3.0e4, 2.0 ** 126) for growth, backoff in ((2.0, 0.5), (1.7, 0.3))
-                for gi in (1, 3, 50)]
+    threshold = np.choose(
+        rng.integers(0, 4, n), [2.0 ** rng.uniform(2, 22, n), np.zeros(n), np.full(n, np.inf), np.full(n, np.nan)]
+    )
+    hist = {
+        int(t): (rng.integers(-150, 0, 6).astype(float), rng.integers(0, 3, 6).astype(float))
+        for t in rng.choice(n, 40, replace=False)
+    }
+    ev = Evidence(
+        steps=np.arange(n),
+        rec_scale=rec,
+        rec_next=rec,
+        rec_over=over,
+        always=rng.random(n) < 0.05,
+        threshold=threshold,
+        from_neighbours=rng.random(n) < 0.5,
+        hist=hist,
+        run_settings={},
+        has_scaler=has_scaler,
+        assumed_fp16=False,
+        device="cpu",
+    )
+    settings = [
+        {"init_scale": init, "growth_factor": growth, "backoff_factor": backoff, "growth_interval": gi}
+        for init in (1.0, 2.0**12, 3.0e4, 2.0**126)
+        for growth, backoff in ((2.0, 0.5), (1.7, 0.3))
+        for gi in (1, 3, 50)
+    ]
     expected = [simulate(ev, s).lost for s in settings]
     told = []
     assert lost_many(ev, settings, advance=told.append) == expected and sum(told) == len(settings)
-    monkeypatch.setattr(scaler, "_SEARCH_CELLS", 100)                  # groups of 2 settings
+    monkeypatch.setattr(scaler, "_SEARCH_CELLS", 100)  # groups of 2 settings
     assert lost_many(ev, settings) == expected
 
 
 # -- predictions: replay one run with other settings, compare with a real run that used them ---------------------------
 @pytest.mark.parametrize("interval", [5, 2000])
 def test_replay_predicts_a_real_run_with_other_settings(tmp_path, interval):
-    high = _run(str(tmp_path / "high.db"), 50, 2.0 ** 24, interval)
-    low = _run(str(tmp_path / "low.db"), 50, 2.0 ** 10, interval)
-    for src, dst, init in ((high, low, 2.0 ** 10), (low, high, 2.0 ** 24)):
+    high = _run(str(tmp_path / "high.db"), 50, 2.0**24, interval)
+    low = _run(str(tmp_path / "low.db"), 50, 2.0**10, interval)
+    for src, dst, init in ((high, low, 2.0**10), (low, high, 2.0**24)):
         r = ampdoctor.replay(src, init_scale=init)
         actual = dst.steps()
         skipped = actual["skipped"].to_numpy()
         assert abs(r.n_skipped - int(skipped.sum())) <= 1
-        assert np.array_equal(r.skipped[:12], skipped[:12])          # the calibration at the start
+        assert np.array_equal(r.skipped[:12], skipped[:12])  # the calibration at the start
         assert r.final_scale == actual["loss_scale_next"].iloc[-1]
     # overflowed steps replayed at a lower scale rest on their neighbours, and say so
-    assert ampdoctor.replay(high, init_scale=2.0 ** 10).estimated[:5].all()
+    assert ampdoctor.replay(high, init_scale=2.0**10).estimated[:5].all()
 
 
 def test_a_forward_overflow_skips_at_every_scale(trace_path):
     model = mlp(width=32)
     with torch.no_grad():
-        model[0].weight.mul_(4e4)            # first layer outputs beyond 65504: inf in the forward pass
-    train(model, 8, init_scale=2.0 ** 16, trace=trace_path)
+        model[0].weight.mul_(4e4)  # first layer outputs beyond 65504: inf in the forward pass
+    train(model, 8, init_scale=2.0**16, trace=trace_path)
     st = ampdoctor.load(trace_path).steps()
     assert st["skipped"].all()
-    for init in (2.0 ** 16, 1.0, 2.0 ** -20):
+    for init in (2.0**16, 1.0, 2.0**-20):
         r = ampdoctor.replay(trace_path, init_scale=init)
         assert r.skipped.all() and not r.estimated.any()
-        assert r.scales[-1] == init * 0.5 ** 7
+        assert r.scales[-1] == init * 0.5**7
 
 
 # -- underflow and the overflow threshold, against real casts of the run's real gradients ---------------------------
@@ -189,8 +228,12 @@ def _real_shares(grads, scale):
     vals = vals[vals != 0].abs() * scale
     h = vals.half().float()
     n = len(vals)
-    return ((h < fi.smallest_normal).sum().item() / n, (h == 0).sum().item() / n,
-            (vals == tie).sum().item() / n, ((vals >= sliver) & (vals < fi.smallest_normal)).sum().item() / n)
+    return (
+        (h < fi.smallest_normal).sum().item() / n,
+        (h == 0).sum().item() / n,
+        (vals == tie).sum().item() / n,
+        ((vals >= sliver) & (vals < fi.smallest_normal)).sum().item() / n,
+    )
 
 
 def _captured_run(trace_path, steps=6):
@@ -198,8 +241,7 @@ def _captured_run(trace_path, steps=6):
     FP16 under autocast, so every output gradient and every parameter gradient here was computed in FP16."""
     model = mlp()
     grads, handles = _capture(model)
-    train(model, steps, scaler=False, loss_weight=1e-3, trace=trace_path,
-          attach_options={"every": 1, "hist_every": 1})
+    train(model, steps, scaler=False, loss_weight=1e-3, trace=trace_path, attach_options={"every": 1, "hist_every": 1})
     for h in handles:
         h.remove()
     grads = [[g for g in step if g.dtype == torch.float16 or g.dtype == torch.float32] for step in grads[:steps]]
@@ -209,23 +251,23 @@ def _captured_run(trace_path, steps=6):
 def test_underflow_at_the_simulated_scale(trace_path):
     tr, grads = _captured_run(trace_path)
     assert all(any(g.dtype == torch.float16 for g in step) for step in grads)
-    what_happened = ampdoctor.replay(tr, init_scale=1.0, growth_interval=10 ** 6)
-    with_scaler = ampdoctor.replay(tr)                   # torch's defaults: 65536
-    assert np.all(with_scaler.scales == 2.0 ** 16) and not with_scaler.skipped.any()
-    low = ampdoctor.replay(tr, init_scale=2.0 ** -8, growth_interval=10 ** 6)
+    what_happened = ampdoctor.replay(tr, init_scale=1.0, growth_interval=10**6)
+    with_scaler = ampdoctor.replay(tr)  # torch's defaults: 65536
+    assert np.all(with_scaler.scales == 2.0**16) and not with_scaler.skipped.any()
+    low = ampdoctor.replay(tr, init_scale=2.0**-8, growth_interval=10**6)
     for t in range(6):
         # scaling FP16 values up by a power of two is exact: the histogram what-if equals the real cast
-        for r, scale in ((what_happened, 1.0), (with_scaler, 2.0 ** 16)):
+        for r, scale in ((what_happened, 1.0), (with_scaler, 2.0**16)):
             under, flushed, _, _ = _real_shares(grads[t], scale)
             assert r.underflow[t] == pytest.approx(under, abs=1e-12)
             assert r.flushed[t] == pytest.approx(flushed, abs=1e-12)
         # scaled down, values round: the what-if is exact up to the ties and the sliver below 2^-14 it cannot see
-        under, flushed, ties, sliver = _real_shares(grads[t], 2.0 ** -8)
+        under, flushed, ties, sliver = _real_shares(grads[t], 2.0**-8)
         assert low.flushed[t] <= flushed + 1e-12 and flushed <= low.flushed[t] + ties + 1e-12
         assert under <= low.underflow[t] + 1e-12 and low.underflow[t] <= under + sliver + 1e-12
-    assert low.mean_flushed > 0.1 and what_happened.mean_underflow > 0.5      # the scenario has something to count
+    assert low.mean_flushed > 0.1 and what_happened.mean_underflow > 0.5  # the scenario has something to count
     assert with_scaler.mean_underflow < what_happened.mean_underflow / 10
-    shares = [ampdoctor.replay(tr, init_scale=2.0 ** k).mean_underflow for k in range(0, 17, 4)]
+    shares = [ampdoctor.replay(tr, init_scale=2.0**k).mean_underflow for k in range(0, 17, 4)]
     assert shares == sorted(shares, reverse=True)
 
 
@@ -235,28 +277,28 @@ def test_overflow_threshold_is_where_the_cast_overflows(trace_path):
     tr, grads = _captured_run(trace_path, steps=2)
     peak = max(g.abs().max().item() for g in grads[0])
     for target in (65503.0, 65505.0, 65519.9, 65520.1, 65530.0):
-        r = ampdoctor.replay(tr, init_scale=target / peak, growth_interval=10 ** 6)
+        r = ampdoctor.replay(tr, init_scale=target / peak, growth_interval=10**6)
         scaled = (torch.tensor(peak, dtype=torch.float32) * torch.tensor(r.scales[0], dtype=torch.float32)).half()
         assert bool(r.skipped[0]) == bool(torch.isinf(scaled)), target
 
 
 # -- --suggest --------------------------------------------------------------------------------------------------------
 def test_suggest_removes_the_skips_and_the_printed_scaler_does_so_in_a_real_run(tmp_path):
-    tr = _run(str(tmp_path / "high.db"), 40, 2.0 ** 24, 2000)
+    tr = _run(str(tmp_path / "high.db"), 40, 2.0**24, 2000)
     assert tr.steps()["skipped"].sum() >= 8
     sg = suggest(tr)
     assert sg.improves and sg.replay.n_skipped == 0 and sg.baseline.n_skipped == tr.steps()["skipped"].sum()
     assert sg.replay.lost < sg.baseline.lost
-    scaler = eval(sg.code, {"torch": torch})            # the line exactly as printed
+    scaler = eval(sg.code, {"torch": torch})  # the line exactly as printed
     assert isinstance(scaler, torch.amp.GradScaler) and scaler.get_growth_interval() == sg.settings["growth_interval"]
     _run(str(tmp_path / "fixed.db"), 40, scaler._init_scale, scaler.get_growth_interval())
     fixed = ampdoctor.load(str(tmp_path / "fixed.db")).steps()
     assert fixed["skipped"].sum() <= 1
 
 
-# -- CLI ----------------------------------------------------------------------------------------------------------------
+# -- CLI ------------------------------------------------------------------------------------------------------------
 def test_cli_prints_recorded_versus_simulated(trace_path, capsys):
-    tr = _run(trace_path, 30, 2.0 ** 20, 2000)
+    tr = _run(trace_path, 30, 2.0**20, 2000)
     n_skip = int(tr.steps()["skipped"].sum())
     assert main(["replay", trace_path]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -276,13 +318,16 @@ def test_cli_prints_recorded_versus_simulated(trace_path, capsys):
     assert line.strip().startswith('scaler = torch.amp.GradScaler("cpu", init_scale=')
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--growth-factor", "0.5"], "Argument growth_factor should be a number > 1.0, but given 0.5"),
-    (["--backoff-factor", "1.5"], "Argument backoff_factor should be a number in (0, 1), but given 1.5"),
-    (["--growth-interval", "0"], "Argument growth_interval should be a positive int, but given 0"),
-    (["--init-scale", "-1"], "Argument init_scale should be a positive finite number, but given -1.0"),
-    (["--init-scale", "lots"], "argument --init-scale: invalid float value: 'lots'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--growth-factor", "0.5"], "Argument growth_factor should be a number > 1.0, but given 0.5"),
+        (["--backoff-factor", "1.5"], "Argument backoff_factor should be a number in (0, 1), but given 1.5"),
+        (["--growth-interval", "0"], "Argument growth_interval should be a positive int, but given 0"),
+        (["--init-scale", "-1"], "Argument init_scale should be a positive finite number, but given -1.0"),
+        (["--init-scale", "lots"], "argument --init-scale: invalid float value: 'lots'"),
+    ],
+)
 def test_cli_bad_arguments_are_one_line_and_exit_2(trace_path, capsys, args, message):
     _run(trace_path, 2)
     assert main(["replay", trace_path, *args]) == 2
@@ -304,8 +349,12 @@ def test_cli_bad_traces_exit_2(tmp_path, capsys):
 def test_a_run_without_fp16_is_replayed_as_if_it_were_fp16(trace_path, capsys, precision):
     train(mlp(), 6, precision=precision, trace=trace_path)
     r = ampdoctor.replay(trace_path)
-    assert r.assumed_fp16 and r.settings == {"init_scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5,
-                                             "growth_interval": 2000}
+    assert r.assumed_fp16 and r.settings == {
+        "init_scale": 65536.0,
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 2000,
+    }
     assert r.scales[0] == 65536.0 and len(r.scales) == 6
     assert main(["replay", trace_path]) == 0
     out = capsys.readouterr().out
@@ -328,17 +377,22 @@ def test_a_manual_scale_change_is_reported_not_hidden(trace_path, capsys):
     r = ampdoctor.replay(trace_path)
     assert r.scales[5] == 1024.0 and ampdoctor.load(trace_path).steps()["loss_scale"][5] == 64.0
     assert main(["replay", trace_path]) == 0
-    assert "note: the recorded scale departs from GradScaler's rule at step 5 (a manual update(new_scale)" in \
-        capsys.readouterr().out
+    assert (
+        "note: the recorded scale departs from GradScaler's rule at step 5 (a manual update(new_scale)"
+        in capsys.readouterr().out
+    )
 
 
-@pytest.mark.parametrize("kwargs, exc, message", [
-    ({"init_scale": 0.0}, ValueError, "Argument init_scale should be a positive finite number, but given 0.0"),
-    ({"init_scale": True}, ValueError, "Argument init_scale should be a positive finite number, but given True"),
-    ({"growth_factor": 1.0}, ValueError, "Argument growth_factor should be a number > 1.0, but given 1.0"),
-    ({"backoff_factor": 0.0}, ValueError, "Argument backoff_factor should be a number in (0, 1), but given 0.0"),
-    ({"growth_interval": 2.5}, ValueError, "Argument growth_interval should be a positive int, but given 2.5"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, message",
+    [
+        ({"init_scale": 0.0}, ValueError, "Argument init_scale should be a positive finite number, but given 0.0"),
+        ({"init_scale": True}, ValueError, "Argument init_scale should be a positive finite number, but given True"),
+        ({"growth_factor": 1.0}, ValueError, "Argument growth_factor should be a number > 1.0, but given 1.0"),
+        ({"backoff_factor": 0.0}, ValueError, "Argument backoff_factor should be a number in (0, 1), but given 0.0"),
+        ({"growth_interval": 2.5}, ValueError, "Argument growth_interval should be a positive int, but given 2.5"),
+    ],
+)
 def test_library_arguments_are_validated(trace_path, kwargs, exc, message):
     _run(trace_path, 2)
     with pytest.raises(exc, match=message.replace("(", r"\(").replace(")", r"\)")):

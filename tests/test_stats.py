@@ -1,4 +1,5 @@
 """The statistics kernels against a plain numpy re-implementation (Cockpit-style reference tests)."""
+
 import math
 
 import numpy as np
@@ -15,8 +16,11 @@ def _cast_counts(x32: torch.Tensor, dtype) -> dict:
     subnormal (below torch.finfo's smallest normal), or overflowed to inf."""
     c = x32.to(dtype).float()
     live = torch.isfinite(x32) & (x32 != 0)
-    return {"flush": int((live & (c == 0)).sum()), "over": int((live & torch.isinf(c)).sum()),
-            "sub": int((live & (c != 0) & (c.abs() < torch.finfo(dtype).smallest_normal)).sum())}
+    return {
+        "flush": int((live & (c == 0)).sum()),
+        "over": int((live & torch.isinf(c)).sum()),
+        "sub": int((live & (c != 0) & (c.abs() < torch.finfo(dtype).smallest_normal)).sum()),
+    }
 
 
 def reference(x: torch.Tensor) -> dict:
@@ -28,7 +32,10 @@ def reference(x: torch.Tensor) -> dict:
     nz = finite & (a > 0)
     fa = a[finite]
     out = {
-        "numel": a.size, "nan": int(np.isnan(a).sum()), "inf": int(np.isinf(a).sum()), "zeros": int((a == 0).sum()),
+        "numel": a.size,
+        "nan": int(np.isnan(a).sum()),
+        "inf": int(np.isinf(a).sum()),
+        "zeros": int((a == 0).sum()),
         "absmax": float(fa.max()) if fa.size else 0.0,
         "minabs_binade": math.floor(math.log2(a[nz].min())) if nz.any() else None,
         "hist": np.bincount(np.floor(np.log2(a[nz & (a >= 2.0**-126)])).astype(int) + 127, minlength=255),
@@ -56,7 +63,7 @@ def boundary_values() -> torch.Tensor:
     for dtype in (torch.float16, torch.bfloat16):
         for m in _midpoints(dtype):
             t = torch.tensor(m, dtype=torch.float32)
-            assert t.item() == m                       # every midpoint is a float32: it can be planted exactly
+            assert t.item() == m  # every midpoint is a float32: it can be planted exactly
             lo, hi = t.clone(), t.clone()
             vals.append(t)
             for _ in range(3):
@@ -71,12 +78,12 @@ def planted(dtype, n=4096, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-30, 18, (n,), generator=g).float())
     x[:7] = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 65504.0, 2.0**-14])
-    x[7:10] = torch.tensor([2.0**-24, 3e-8, 70000.0])   # smallest FP16 subnormal, below it, above the FP16 max
+    x[7:10] = torch.tensor([2.0**-24, 3e-8, 70000.0])  # smallest FP16 subnormal, below it, above the FP16 max
     edge = boundary_values()
-    x[10:10 + len(edge)] = edge
-    x[200:300] = torch.randn(100, generator=g) * 1e-40        # FP32 subnormals: BF16 flush and subnormal counts
-    x[300:400] = (torch.rand(100, generator=g) + 1) * 2.0**-26   # around FP16's flush midpoint 2^-25
-    x[400:500] = (torch.rand(100, generator=g) * 2e-3 + 65504 / 65536) * 65536.0   # 65504 .. 65635
+    x[10 : 10 + len(edge)] = edge
+    x[200:300] = torch.randn(100, generator=g) * 1e-40  # FP32 subnormals: BF16 flush and subnormal counts
+    x[300:400] = (torch.rand(100, generator=g) + 1) * 2.0**-26  # around FP16's flush midpoint 2^-25
+    x[400:500] = (torch.rand(100, generator=g) * 2e-3 + 65504 / 65536) * 65536.0  # 65504 .. 65635
     return x.to(dtype)
 
 
@@ -88,17 +95,27 @@ def test_full_statistics_match_reference(dtype, kernel):
     ref = reference(x)
     vec = kernel(x).numpy()
     st, bins = V.derive(vec, x.numel())
-    for f in ("numel", "nan", "inf", "zeros", "fp16_over", "fp16_sub", "fp16_flush", "bf16_over", "bf16_sub",
-              "bf16_flush"):
+    for f in (
+        "numel",
+        "nan",
+        "inf",
+        "zeros",
+        "fp16_over",
+        "fp16_sub",
+        "fp16_flush",
+        "bf16_over",
+        "bf16_sub",
+        "bf16_flush",
+    ):
         assert st[f] == ref[f], f
     assert st["absmax"] == ref["absmax"]
     # to the binade; an FP32 subnormal (binade < -126) reads as the smallest subnormal
     assert math.floor(math.log2(st["minabs"])) == (ref["minabs_binade"] if ref["minabs_binade"] >= -126 else -149)
     assert np.array_equal(bins[1:], ref["hist"][1:])
-    assert st["mean"] != st["mean"]          # the tensor holds a NaN: mean is NaN, not a silent number
+    assert st["mean"] != st["mean"]  # the tensor holds a NaN: mean is NaN, not a silent number
     # every element is accounted for exactly once
     assert bins.sum() + st["zeros"] + st["nan"] + st["inf"] == x.numel()
-    if dtype == torch.float32:               # the planted boundaries make every count non-trivial
+    if dtype == torch.float32:  # the planted boundaries make every count non-trivial
         assert min(ref[f] for f in ref if f.startswith(("fp16_", "bf16_"))) > 0
 
 
@@ -140,7 +157,7 @@ def test_fp32_subnormals_counted_for_bf16_exactly():
     x = torch.tensor([1e-40, 3e-41, 1.0, 0.0])
     b = x.bfloat16().float()
     assert b[0] != 0 and b[1] == 0
-    st, bins = V.derive(K.full(x).numpy(), 4)
+    st, _bins = V.derive(K.full(x).numpy(), 4)
     assert st["zeros"] == 1 and st["bf16_sub"] == 1 and st["bf16_flush"] == 1 and st["fp16_flush"] == 2
 
 
@@ -162,8 +179,12 @@ def test_format_table():
         formats.get("fp12")
 
 
-FORMAT_DTYPES = [(formats.FP16, torch.float16), (formats.BF16, torch.bfloat16),
-                 (formats.FP8_E4M3, torch.float8_e4m3fn), (formats.FP8_E5M2, torch.float8_e5m2)]
+FORMAT_DTYPES = [
+    (formats.FP16, torch.float16),
+    (formats.BF16, torch.bfloat16),
+    (formats.FP8_E4M3, torch.float8_e4m3fn),
+    (formats.FP8_E5M2, torch.float8_e5m2),
+]
 
 
 def _all_values(dtype) -> torch.Tensor:
@@ -197,8 +218,8 @@ def test_format_rounding_matches_real_casts(fmt, dtype):
     a = x.double().abs().numpy()
     assert np.array_equal(fmt.flushes(a), ((c == 0) & (x != 0)).numpy())
     assert np.array_equal(fmt.subnormal(a), ((c != 0) & (c.abs() < fi.smallest_normal)).numpy())
-    if fmt.saturates:         # torch clamps E4M3 to +-448 (no inf): a value overflows when the same cast one binade
-        real = (x / 2).to(dtype).float() * 2 > fi.max       # lower (exact power-of-two scaling) rounds above max/2
+    if fmt.saturates:  # torch clamps E4M3 to +-448 (no inf): a value overflows when the same cast one binade
+        real = (x / 2).to(dtype).float() * 2 > fi.max  # lower (exact power-of-two scaling) rounds above max/2
     else:
         real = torch.isinf(c)
     assert np.array_equal(fmt.overflows(a), real.numpy())
@@ -227,7 +248,7 @@ def test_mean_and_rms_agree_between_the_kernels(monkeypatch, dtype, magnitude, h
 def test_cpu_kernel_skips_only_the_passes_the_dtype_settles(dtype):
     """The CPU kernel looks at the values near a rounding edge only when the input dtype can hold values on both
     sides of it inside the edge's histogram key: checked against every value of the dtype."""
-    vals = _all_values(dtype)[1:].float()                   # every positive finite value
+    vals = _all_values(dtype)[1:].float()  # every positive finite value
     bits = vals.view(torch.int32)
     for (key, settled), edge in zip(K._settled(dtype), K.EDGE_BITS):
         inside = bits[(bits >> 22) == key]

@@ -1,4 +1,5 @@
 """The trace file: crash safety, concurrent readers, bad files, size, no leaks; the offline side has no torch."""
+
 import os
 import shutil
 import signal
@@ -20,13 +21,21 @@ ROOT = os.path.dirname(HERE)
 
 
 def run_py(code: str, *args, timeout=120, **kw):
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env={**os.environ, "PYTHONPATH": HERE}, **kw)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": HERE},
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
 def good_trace(tmp_path_factory):
     from runs import mlp, train
+
     path = str(tmp_path_factory.mktemp("good") / "good.db")
     train(mlp(), 12, init_scale=2.0**24, trace=path, attach_options={"every": 4})
     return path
@@ -46,20 +55,24 @@ for x, y in batches(10**9):
 
 def test_sigkill_leaves_a_readable_trace_and_readers_see_consistent_steps(tmp_path):
     path = str(tmp_path / "killed.db")
-    proc = subprocess.Popen([sys.executable, "-c", TRAIN_FOREVER, path], cwd=ROOT, stdout=subprocess.PIPE,
-                            env={**os.environ, "PYTHONPATH": HERE})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", TRAIN_FOREVER, path],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": HERE},
+    )
     try:
         assert proc.stdout.readline().strip() == b"started"
         seen = 0
         deadline = time.time() + 60
-        while seen < 200 and time.time() < deadline:       # a reader in this process while the run writes
+        while seen < 200 and time.time() < deadline:  # a reader in this process while the run writes
             time.sleep(0.3)
             tr = ampdoctor.load(path)
             df = tr.steps()
             peaks = tr.records("peak", "act")
-            assert df["step"].tolist() == list(range(len(df)))             # no gaps, no half-written step
-            observed = df.index[df["level"] >= 0]                           # (a sentinel-only step stores none)
-            assert len(observed) == 0 or not np.isnan(peaks[observed[-1]]).all()   # a listed step has its peaks
+            assert df["step"].tolist() == list(range(len(df)))  # no gaps, no half-written step
+            observed = df.index[df["level"] >= 0]  # (a sentinel-only step stores none)
+            assert len(observed) == 0 or not np.isnan(peaks[observed[-1]]).all()  # a listed step has its peaks
             assert len(df) >= seen
             seen = len(df)
             tr.close()
@@ -95,7 +108,7 @@ def test_bad_files_raise_trace_error_with_one_line(tmp_path, good_trace):
     c.commit()
     c.close()
     cases["newer"] = (str(tmp_path / "newer.db"), "newer than this ampdoctor reads")
-    (tmp_path / "no-traces").mkdir()        # a directory is read as one run's ranks: here it holds none
+    (tmp_path / "no-traces").mkdir()  # a directory is read as one run's ranks: here it holds none
     cases["directory"] = (str(tmp_path / "no-traces"), "no trace files")
     for name, (path, message) in cases.items():
         before = open(path, "rb").read() if os.path.isfile(path) else None
@@ -104,13 +117,13 @@ def test_bad_files_raise_trace_error_with_one_line(tmp_path, good_trace):
         text = str(info.value)
         assert message in text and "\n" not in text and path in text, name
         if before is not None:
-            assert open(path, "rb").read() == before, name          # reading never changes the file
+            assert open(path, "rb").read() == before, name  # reading never changes the file
 
 
 def test_truncated_pages_inside_are_reported(tmp_path, good_trace):
     data = bytearray(open(good_trace, "rb").read())
     page = int.from_bytes(data[16:18], "big")
-    data[page * 2: page * 4] = b"\x00" * (page * 2)                 # zero two pages in the middle
+    data[page * 2 : page * 4] = b"\x00" * (page * 2)  # zero two pages in the middle
     (tmp_path / "zeroed.db").write_bytes(bytes(data))
     with pytest.raises(ampdoctor.TraceError, match="corrupt"):
         tr = ampdoctor.load(tmp_path / "zeroed.db")
@@ -196,6 +209,7 @@ def test_nan_loss_is_recorded_as_nan_not_as_missing(tmp_path):
 
     import torch
     from runs import mlp
+
     path = str(tmp_path / "nan.db")
     model = mlp(width=16)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -203,7 +217,7 @@ def test_nan_loss_is_recorded_as_nan_not_as_missing(tmp_path):
         for loss_value in (1.0, float("nan"), float("inf")):
             loss = model(torch.randn(4, 32)).pow(2).sum() * loss_value
             opt.zero_grad()
-            if loss_value == 1.0:       # no backward through a NaN/Inf: the weights stay finite for the next step
+            if loss_value == 1.0:  # no backward through a NaN/Inf: the weights stay finite for the next step
                 loss.backward()
             opt.step()
             doc.log_loss(loss)
@@ -215,6 +229,7 @@ def test_nan_loss_is_recorded_as_nan_not_as_missing(tmp_path):
 
 def test_is_trace_tells_traces_from_other_files(tmp_path, good_trace):
     from ampdoctor.trace import is_trace
+
     other = sqlite3.connect(tmp_path / "other.db")
     other.execute("CREATE TABLE t (x)")
     other.commit()
@@ -230,6 +245,7 @@ def test_flush_makes_finished_steps_readable_while_training_goes_on(tmp_path):
     the writer's own once-a-second commit would come); the last finished step follows at the next step."""
     import torch
     from runs import batches, mlp
+
     path = str(tmp_path / "flushed.db")
     model = mlp(width=32)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -239,13 +255,13 @@ def test_flush_makes_finished_steps_readable_while_training_goes_on(tmp_path):
             opt.zero_grad()
             loss.backward()
             opt.step()
-            doc.log_loss(loss)            # after opt.step(): the reason the last step waits for the next one
+            doc.log_loss(loss)  # after opt.step(): the reason the last step waits for the next one
             if i in (3, 9):
                 assert doc.flush(timeout=10)
                 steps = ampdoctor.load(path).steps()
                 assert steps["step"].tolist() == list(range(i)) and steps["loss"].notna().all()
     assert len(ampdoctor.load(path).steps()) == 12
-    assert not doc.flush()                # closed: nothing to wait for
+    assert not doc.flush()  # closed: nothing to wait for
 
 
 # -- hostile names and files -------------------------------------------------------------------------------------------
@@ -274,6 +290,7 @@ def test_non_regular_files_are_refused_not_opened(tmp_path, good_trace):
     """A FIFO would block open() forever (a served directory, a reader): refused from its stat, as is a trace whose
     -wal is a FIFO (SQLite would open that)."""
     from ampdoctor.trace import is_trace
+
     fifo = tmp_path / "pipe.db"
     os.mkfifo(fifo)
     with pytest.raises(ampdoctor.TraceError, match="not a regular file") as info:
@@ -285,25 +302,28 @@ def test_non_regular_files_are_refused_not_opened(tmp_path, good_trace):
     with pytest.raises(ampdoctor.TraceError, match="t.db-wal next to it is not a regular file"):
         ampdoctor.load(tmp_path / "t.db")
     from ampdoctor.dashboards.catalog import discover_runs
+
     shutil.copy(good_trace, tmp_path / "ok.db")
-    runs = discover_runs(str(tmp_path))                  # a served directory with FIFOs in it: scanned, not blocked
+    runs = discover_runs(str(tmp_path))  # a served directory with FIFOs in it: scanned, not blocked
     assert "ok.db" in runs and "pipe.db" not in runs
 
 
 def _read_unprivileged(path: str) -> str:
     """'steps N' (or the error) reading ``path`` as a user who cannot write its directory: this process when not
     root, else a forked child that drops to nobody (root ignores directory permissions)."""
+
     def read():
         try:
             tr = ampdoctor.load(path)
             return f"steps {len(tr.steps())} {tr.n_steps} {int(np.isfinite(tr.records('peak', 'act')).any())}"
-        except Exception as exc:                 # the report names it; the test compares the text
+        except Exception as exc:  # the report names it; the test compares the text
             return f"error {exc}"
+
     if os.geteuid() != 0:
         return read()
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:                                 # child: everything it needs is imported already
+    if pid == 0:  # child: everything it needs is imported already
         try:
             os.close(r)
             os.setgid(65534)
@@ -323,8 +343,12 @@ def test_a_killed_runs_trace_reads_from_a_read_only_directory(tmp_path):
     and without it, where SQLite cannot build its WAL index), every committed step still reads, and nothing is
     created next to the trace."""
     path = str(tmp_path / "killed.db")
-    proc = subprocess.Popen([sys.executable, "-c", TRAIN_FOREVER, path], cwd=ROOT, stdout=subprocess.PIPE,
-                            env={**os.environ, "PYTHONPATH": HERE})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", TRAIN_FOREVER, path],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": HERE},
+    )
     try:
         assert proc.stdout.readline().strip() == b"started"
         deadline = time.time() + 60
@@ -336,8 +360,8 @@ def test_a_killed_runs_trace_reads_from_a_read_only_directory(tmp_path):
     assert os.path.getsize(path + "-wal") > 0
     n = ampdoctor.load(path).n_steps
     assert n >= 20
-    _read_unprivileged(path)                      # warms every lazy import before the child needs them
-    base = tempfile.mkdtemp()                     # outside pytest's root-only tmp tree: nobody can reach it
+    _read_unprivileged(path)  # warms every lazy import before the child needs them
+    base = tempfile.mkdtemp()  # outside pytest's root-only tmp tree: nobody can reach it
     try:
         os.chmod(base, 0o755)
         for with_shm in (True, False):

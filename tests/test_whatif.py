@@ -1,14 +1,15 @@
 """The format what-if against real torch casts: exact round-to-nearest boundaries value by value, and the shares
 derived from a real run's histograms (delayed scaling, loss scale) against casting the tensors that run produced."""
+
 import numpy as np
+import probe_models as M
 import pytest
 import torch
 from torch import nn
 
 import ampdoctor
-import probe_models as M
 from ampdoctor import whatif as W
-from ampdoctor.diagnose import fp8 as R
+from ampdoctor.rules import fp8 as R
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
@@ -70,17 +71,26 @@ def wide_run(tmp_path_factory):
     torch.manual_seed(0)
     model = nn.Sequential(Exp(), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
     with torch.no_grad():
-        model[1].weight.mul_(1e-3)           # outputs (and so gradients) of order 1: no step overflows
+        model[1].weight.mul_(1e-3)  # outputs (and so gradients) of order 1: no step overflows
     acts, grads = [], []
     model[0].register_forward_hook(lambda m, a, o: acts.append(o.detach().clone()))
+
     def on_output(m, a, o):
         o.register_hook(lambda g: grads.append(g.detach().clone()))
+
     model[1].register_forward_hook(on_output)
     path = str(tmp_path_factory.mktemp("whatif") / "wide.db")
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g)) for _ in range(STEPS)]
-    M.train(model, iter(data), STEPS, path, lr=0.0, attach_options={"every": 1, "hist_every": 1, "live": False},
-            scaler_options={"init_scale": 1024.0, "growth_interval": 2})      # a scale that changes
+    M.train(
+        model,
+        iter(data),
+        STEPS,
+        path,
+        lr=0.0,
+        attach_options={"every": 1, "hist_every": 1, "live": False},
+        scaler_options={"init_scale": 1024.0, "growth_interval": 2},
+    )  # a scale that changes
     return path, acts, grads
 
 
@@ -88,7 +98,7 @@ def _check(df, tensors, stored_scale, name):
     exact = 0
     for row in df.itertuples():
         x = tensors[row.step].float()
-        x = x[torch.isfinite(x)]           # an Inf/NaN is not in the histogram: lost before any cast
+        x = x[torch.isfinite(x)]  # an Inf/NaN is not in the histogram: lost before any cast
         s = getattr(row, f"{name}_scale") if name in W.FP8 else 1.0
         y = (x / stored_scale[row.step]) * s if name in W.FP8 else x
         over, flushed = real_loss(y.float(), name)
@@ -117,12 +127,12 @@ def test_fp8_shares_from_histograms_match_real_casts(wide_run):
         e = np.frexp(a[a > 0].numpy())[1] - 1
         assert row.span == e.max() - e.min() + 1
     exact = sum(_check(df, acts, ones, n) for n in ("e4m3", "e5m2", "fp16", "bf16"))
-    assert exact >= 60                     # most intervals are single numbers (empty boundary binade or abs max)
-    assert df["e4m3_flush_lo"].iloc[1:].median() > R.MIN_LOST    # E4M3 is too short for these activations
+    assert exact >= 60  # most intervals are single numbers (empty boundary binade or abs max)
+    assert df["e4m3_flush_lo"].iloc[1:].median() > R.MIN_LOST  # E4M3 is too short for these activations
     # output gradients: stored scaled by the loss scale, cast unscaled times the recipe's scale
     gdf = W.site_whatif(tr, "1", "grad_out")
     ls = steps["loss_scale"].to_numpy(float)
-    assert {1024.0, 2048.0} <= set(ls)     # it grows every 2 steps, and backs off when a weight gradient overflows
+    assert {1024.0, 2048.0} <= set(ls)  # it grows every 2 steps, and backs off when a weight gradient overflows
     _check(gdf, grads, ls, "e5m2")
     _check(gdf, grads, ones, "fp16")
 
@@ -167,9 +177,15 @@ def test_sites_without_histograms_are_left_out(tmp_path):
     torch.manual_seed(0)
     model = _Late()
     path = str(tmp_path / "late.db")
-    M.train(model, M.tabular(4, offset=0.0), 4, path, on_step=lambda step, m, doc: setattr(m, "on", step >= 1),
-            attach_options={"every": 1, "hist_every": 1000, "calibration": 0, "live": False},
-            scaler_options={"init_scale": 2.0 ** 8})      # no skipped step: no anomaly records histograms
+    M.train(
+        model,
+        M.tabular(4, offset=0.0),
+        4,
+        path,
+        on_step=lambda step, m, doc: setattr(m, "on", step >= 1),
+        attach_options={"every": 1, "hist_every": 1000, "calibration": 0, "live": False},
+        scaler_options={"init_scale": 2.0**8},
+    )  # no skipped step: no anomaly records histograms
     tr = ampdoctor.load(path)
     assert len(W.site_whatif(tr, "late", "act")) == 0 and W.judged(W.site_whatif(tr, "late", "act")).empty
     assert "late" not in set(W.formats_table(tr)["path"])

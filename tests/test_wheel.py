@@ -6,6 +6,7 @@ tree), so this builds the wheel offline (no build isolation), installs it withou
 venv and lets that venv see the dependencies of the running one through a .pth line (where .pth files, the
 editable ampdoctor's among them, are not run).
 """
+
 import json
 import os
 import shutil
@@ -19,7 +20,6 @@ import zipfile
 
 import pytest
 import torch
-
 from ampdoctor.dashboards import ids
 from runs import mlp, train
 
@@ -58,8 +58,24 @@ def build_wheel(tmp, setup_cfg=None) -> str:
         shutil.copytree(os.path.join(ROOT, tree), src / tree, ignore=shutil.ignore_patterns("__pycache__"))
     if setup_cfg is not None:
         (src / "setup.cfg").write_text(setup_cfg(open(os.path.join(ROOT, "setup.cfg")).read()))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-                    "-w", str(dist), str(src)], check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            str(dist),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     (wheel,) = dist.glob("ampdoctor-*.whl")
     return str(wheel)
 
@@ -68,10 +84,18 @@ def fresh_venv(path, wheel) -> str:
     """A venv holding only the wheel; the running interpreter's site-packages (dependencies) as a plain path."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, timeout=120)
     py = str(path / "bin" / "python")
-    subprocess.run([sys.executable, "-m", "pip", "--python", py, "install", "-q", "--no-deps", "--no-index", wheel],
-                   check=True, capture_output=True, timeout=120)
-    purelib = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             check=True, capture_output=True, text=True).stdout.strip()
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", py, "install", "-q", "--no-deps", "--no-index", wheel],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    purelib = subprocess.run(
+        [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     with open(os.path.join(purelib, "_ampdoctor_test_deps.pth"), "w") as f:
         f.write("\n".join(site.getsitepackages()) + "\n")
     return str(path / "bin")
@@ -105,9 +129,14 @@ def test_a_package_left_out_of_setup_cfg_is_caught(tmp_path):
 def test_installed_wheel_runs_help_diagnose_and_serve(installed):
     _, bin_dir, tmp = installed
     run = dict(cwd=str(tmp), env=_env(), capture_output=True, text=True, timeout=120)
-    where = subprocess.run([os.path.join(bin_dir, "python"), "-c",
-                            "import ampdoctor, ampdoctor.dashboards.pages as p; print(ampdoctor.__file__, p.__file__)"],
-                           **run)
+    where = subprocess.run(
+        [
+            os.path.join(bin_dir, "python"),
+            "-c",
+            "import ampdoctor, ampdoctor.dashboards.pages as p; print(ampdoctor.__file__, p.__file__)",
+        ],
+        **run,
+    )
     assert where.returncode == 0, where.stderr
     assert all(f.startswith(os.path.dirname(bin_dir) + os.sep) for f in where.stdout.split()), where.stdout
     exe = os.path.join(bin_dir, "ampdoctor")
@@ -119,9 +148,9 @@ def test_installed_wheel_runs_help_diagnose_and_serve(installed):
 
     trace = str(tmp / "faulty.db")
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)             # a 32-wide MLP gains nothing from threads; a loaded machine, ~10x
+    torch.set_num_threads(1)  # a 32-wide MLP gains nothing from threads; a loaded machine, ~10x
     try:
-        train(mlp(width=32), 30, init_scale=2.0 ** 30, trace=trace, attach_options={"every": 5})
+        train(mlp(width=32), 30, init_scale=2.0**30, trace=trace, attach_options={"every": 5})
     finally:
         torch.set_num_threads(threads)
     found = subprocess.run([exe, "diagnose", trace], **run)
@@ -131,29 +160,40 @@ def test_installed_wheel_runs_help_diagnose_and_serve(installed):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([exe, "serve", trace, "--port", str(port)], cwd=str(tmp), env=_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [exe, "serve", trace, "--port", str(port)],
+        cwd=str(tmp),
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         page = _first_answer(f"http://127.0.0.1:{port}/", server)
         assert "_dash-config" in page
-        overview = _route(f"http://127.0.0.1:{port}", "/", "?run=faulty.db")   # what the browser asks next
+        overview = _route(f"http://127.0.0.1:{port}", "/", "?run=faulty.db")  # what the browser asks next
         assert "faulty.db" in overview and "Findings" in overview and f'"id":"{ids.FINDINGS}"' in overview
     finally:
         server.terminate()
-        out, err = server.communicate(timeout=30)
+        _out, err = server.communicate(timeout=30)
     assert "ModuleNotFoundError" not in err and "Traceback" not in err, err
 
 
 def _route(base, pathname, search) -> str:
     """The page the app's routing callback renders for a URL (the request the browser sends after loading)."""
     outputs = [(ids.HEADER, "children"), (ids.PAGE, "children"), (ids.ERROR, "children")]
-    body = {"output": ".." + "...".join(f"{i}.{p}" for i, p in outputs) + "..",
-            "outputs": [{"id": i, "property": p} for i, p in outputs],
-            "inputs": [{"id": ids.URL, "property": "pathname", "value": pathname},
-                       {"id": ids.URL, "property": "search", "value": search}],
-            "changedPropIds": [f"{ids.URL}.pathname"]}
-    req = urllib.request.Request(f"{base}/_dash-update-component", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    body = {
+        "output": ".." + "...".join(f"{i}.{p}" for i, p in outputs) + "..",
+        "outputs": [{"id": i, "property": p} for i, p in outputs],
+        "inputs": [
+            {"id": ids.URL, "property": "pathname", "value": pathname},
+            {"id": ids.URL, "property": "search", "value": search},
+        ],
+        "changedPropIds": [f"{ids.URL}.pathname"],
+    }
+    req = urllib.request.Request(
+        f"{base}/_dash-update-component", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=60) as r:
         return r.read().decode()
 

@@ -3,6 +3,7 @@
 recorder's decision, and the packet the writer receives when the next step starts.
 
 A mixin of Doctor (session.py), over the same per-step fields as the callbacks."""
+
 from __future__ import annotations
 
 import math
@@ -10,7 +11,6 @@ import time
 
 import torch
 
-from .live import TrainingHalted
 from ..trace import schema
 from ..trace.vectors import Entry
 from ..trace.writer import StepPacket
@@ -20,6 +20,7 @@ from . import callbacks as CB
 from . import guards as G
 from . import meta
 from . import stats as K
+from .live import TrainingHalted
 
 _LEVELS = {C.NONE: schema.LEVEL_SENTINEL, C.PEAK: schema.LEVEL_PEAK, C.FULL: schema.LEVEL_FULL}
 
@@ -31,10 +32,10 @@ class StepBoundary:
         self._record_step(skipped)
         live = self._live
         if live is not None and live.halt is not None and not self._halted:
-            self._halted = True        # raised once: a loop that catches it may go on
+            self._halted = True  # raised once: a loop that catches it may go on
             raise TrainingHalted(live.halt)
 
-    @G.guarded(timed=False)      # timed inside: the step's observer_time ends with its row
+    @G.guarded(timed=False)  # timed inside: the step's observer_time ends with its row
     def _record_step(self, skipped) -> None:
         if self._writer.error is not None:
             raise RuntimeError(f"trace writer failed: {self._writer.error}")
@@ -95,26 +96,45 @@ class StepBoundary:
             "reason": self._reason,
             "grad_max": pick(max_off),
         }
-        packet = StepPacket(step=step, row=row, values=values, bases=bases, entries=entries, loss=pick(loss_off),
-                            scale=scale_vals[0], scale_next=scale_vals[1], grad_norm=pick(norm_off),
-                            skipped=skipped, store_hist=store_hist)
+        packet = StepPacket(
+            step=step,
+            row=row,
+            values=values,
+            bases=bases,
+            entries=entries,
+            loss=pick(loss_off),
+            scale=scale_vals[0],
+            scale_next=scale_vals[1],
+            grad_norm=pick(norm_off),
+            skipped=skipped,
+            store_hist=store_hist,
+        )
         grads_bad = not all(v is None or math.isfinite(v) for v in (packet.grad_norm, row["grad_max"]))
         backoff = skipped is None and None not in scale_vals and scale_vals[1] < scale_vals[0]
-        anomalous = (bool(skipped) or backoff or bad or grads_bad
-                     or (packet.loss is not None and not math.isfinite(packet.loss)))
+        anomalous = (
+            bool(skipped) or backoff or bad or grads_bad or (packet.loss is not None and not math.isfinite(packet.loss))
+        )
         if anomalous or (bad_w_off is not None and pick(bad_w_off)):
             self._check_weights(step)
         if not anomalous and self._cadence.spike(packet.grad_norm):
-            anomalous = True           # observed in full from the next step on; the spike itself is an event
-            self._put(("event", step, "grad_spike", None, None,
-                       f"gradient norm {packet.grad_norm:.4g} jumped above {C.SPIKE_FACTOR:g}x its running mean "
-                       f"{self._cadence.typical_norm:.4g}", {"grad_norm": packet.grad_norm,
-                                                             "running_mean": self._cadence.typical_norm}))
+            anomalous = True  # observed in full from the next step on; the spike itself is an event
+            self._put(
+                (
+                    "event",
+                    step,
+                    "grad_spike",
+                    None,
+                    None,
+                    f"gradient norm {packet.grad_norm:.4g} jumped above {C.SPIKE_FACTOR:g}x its running mean "
+                    f"{self._cadence.typical_norm:.4g}",
+                    {"grad_norm": packet.grad_norm, "running_mean": self._cadence.typical_norm},
+                )
+            )
         if not self._config_written:
             self._put(("meta", "config", meta.config(self)))
             self._config_written = True
         self._flush_pending()
-        self._pending = packet      # sent when the next step starts: a loss logged after opt.step() joins it
+        self._pending = packet  # sent when the next step starts: a loss logged after opt.step() joins it
         # The flight recorder: an anomaly seen now gets every site in full from the next step on, until a run of
         # clean steps (the tensors of this one are gone; what it observed, or "origin unknown", is recorded).
         self._cadence.after(anomalous)
@@ -131,13 +151,13 @@ class StepBoundary:
     def _observe_param_grads(self, mode: str, entries: list) -> None:
         """Peaks (or full statistics) of every parameter gradient, in parameter order."""
         if mode != "f":
-            present = tuple([p.grad is not None for _, p in self._params])    # (no generator: one call)
+            present = tuple([p.grad is not None for _, p in self._params])  # (no generator: one call)
             plan = self._grad_plan
             if plan is None or plan.key != present:
                 plan = self._grad_plan = B.GradPlan(self._params, present, self._grad_site)
             try:
                 plan.run()
-            except RuntimeError:         # parameters moved to another device or dtype since the plan was made
+            except RuntimeError:  # parameters moved to another device or dtype since the plan was made
                 plan = self._grad_plan = B.GradPlan(self._params, present, self._grad_site)
                 plan.run()
             entries.extend(plan.entries)
@@ -149,7 +169,7 @@ class StepBoundary:
                 continue
             g = g.detach()
             sid = self._grad_site(name, g)
-            if g.layout != torch.strided:                  # a sparse gradient: peaks of its stored values only
+            if g.layout != torch.strided:  # a sparse gradient: peaks of its stored values only
                 entries.append(Entry(sid, "param", [rec.observe(B.dense_values(g), "p")]))
             else:
                 entries.append(Entry(sid, "param", [(rec.add_full(K.full(g)), "f", g.numel())]))
@@ -159,15 +179,24 @@ class StepBoundary:
         forward NaN comes from the update (e.g. Adam's eps lost in FP16), not from the forward computation."""
         if not self._params:
             return
-        norms = torch.stack([n.to(torch.float32) for n in torch._foreach_norm(
-            [p.detach() for _, p in self._params])]).cpu()
+        norms = torch.stack(
+            [n.to(torch.float32) for n in torch._foreach_norm([p.detach() for _, p in self._params])]
+        ).cpu()
         bad = [name for (name, _), ok in zip(self._params, torch.isfinite(norms).tolist()) if not ok]
         if len(bad) != self._bad_weights:
             self._bad_weights = len(bad)
             if bad:
-                self._put(("event", step, "nonfinite_weights", None, "update",
-                           f"{len(bad)} parameter tensor(s) hold NaN/Inf after the optimizer step",
-                           {"params": bad[:100], "count": len(bad)}))
+                self._put(
+                    (
+                        "event",
+                        step,
+                        "nonfinite_weights",
+                        None,
+                        "update",
+                        f"{len(bad)} parameter tensor(s) hold NaN/Inf after the optimizer step",
+                        {"params": bad[:100], "count": len(bad)},
+                    )
+                )
 
     def _grad_site(self, name: str, grad: torch.Tensor) -> int:
         return self._sites.param(name, "param_grad", grad, self._step)

@@ -1,5 +1,6 @@
 """Where a step's figures wait for the step end: the [min, max] pairs of observed tensors, the plan that reduces
 the parameter gradients, and the small reductions and conversions around the step's one host transfer."""
+
 from __future__ import annotations
 
 import math
@@ -11,7 +12,7 @@ import torch
 from ..trace.vectors import Entry
 from . import stats as K
 
-SMALL_GRAD = 4096           # parameter gradients up to this size are stacked by size and reduced together
+SMALL_GRAD = 4096  # parameter gradients up to this size are stacked by size and reduced together
 # The sentinel concatenates the gradients when they hold fewer values than this per gradient on average: copying a
 # value costs ~0.3 ns on a CPU, a reduction's dispatch ~2.5 us, so below ~8,000 values each the copy is cheaper.
 CAT_PER_GRAD = 8000
@@ -54,8 +55,8 @@ class SlotBuffer:
     def __init__(self, dtype: torch.dtype, device: torch.device, mode: str, size: int):
         self.mode = mode
         self.device = device
-        self.buf = torch.zeros(size, dtype=dtype, device=device)      # empty gradients keep [0, 0]
-        self.slots = self.buf.unbind()           # 0-d views, made once: indexing per call would cost more
+        self.buf = torch.zeros(size, dtype=dtype, device=device)  # empty gradients keep [0, 0]
+        self.slots = self.buf.unbind()  # 0-d views, made once: indexing per call would cost more
         self.n = 0
 
     def reserve(self, k: int) -> int:
@@ -64,7 +65,7 @@ class SlotBuffer:
         return n
 
     def block(self) -> torch.Tensor:
-        return self.buf[:self.n]
+        return self.buf[: self.n]
 
 
 class GradFigures:
@@ -95,9 +96,9 @@ class GradFigures:
             self._plan(grads)
         if self.sparse:
             grads = [dense_values(g) for g in grads]
-        with torch.no_grad():      # float32 results: an FP16 gradient's norm may exceed 65504 while its values do not
-            if self.cat:           # one copy and three reductions beat ~2.5 us of dispatch per small gradient
-                if self.float32:   # numpy concatenates the views ~10 us faster than torch.cat (no dispatch)
+        with torch.no_grad():  # float32 results: an FP16 gradient's norm may exceed 65504 while its values do not
+            if self.cat:  # one copy and three reductions beat ~2.5 us of dispatch per small gradient
+                if self.float32:  # numpy concatenates the views ~10 us faster than torch.cat (no dispatch)
                     flat = np.concatenate([g.detach().numpy().reshape(-1) for g in grads])
                 else:
                     flat = torch.cat([g.reshape(-1) for g in grads]).float().numpy()
@@ -106,10 +107,10 @@ class GradFigures:
             if not grads:
                 return 0.0, 0.0
             norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-            if self.host:          # (item() of each 0-d result: half the time of stacking them)
+            if self.host:  # (item() of each 0-d result: half the time of stacking them)
                 ends = np.array([e.item() for g in grads for e in torch.aminmax(g)])
                 v = np.array([n.item() for n in norms])
-                return math.sqrt(float(np.dot(v, v))), float(max(-ends.min(), ends.max()))   # NaN propagates
+                return math.sqrt(float(np.dot(v, v))), float(max(-ends.min(), ends.max()))  # NaN propagates
             figures = norms + torch._foreach_norm(grads, math.inf, dtype=torch.float32)
             dev = figures[0].device
             both = torch.stack([f if f.device == dev else f.to(dev) for f in figures]).to(torch.float64)
@@ -123,9 +124,9 @@ def _norm_and_peak(flat: np.ndarray) -> tuple[float, float]:
         return 0.0, 0.0
     mn, mx = float(flat.min()), float(flat.max())
     peak = max(-mn, mx) if mn == mn and mx == mx else math.nan
-    with np.errstate(all="ignore"):             # (numpy would warn into the user's run)
+    with np.errstate(all="ignore"):  # (numpy would warn into the user's run)
         sq = float(np.dot(flat, flat))
-        if sq == math.inf and math.isfinite(peak):     # finite values whose squares overflow float32
+        if sq == math.inf and math.isfinite(peak):  # finite values whose squares overflow float32
             sq = float(np.dot(flat.astype(np.float64), flat.astype(np.float64)))
     return math.sqrt(sq), peak
 
@@ -143,35 +144,46 @@ class GradPlan:
     one size (biases, norm weights) are stacked and reduced together: on the CPU a reduction over 512 values costs
     its call overhead, not its arithmetic."""
 
-    def __init__(self, params: list[tuple[str, torch.nn.Parameter]], present: tuple[bool, ...],
-                 site: Callable[[str, torch.Tensor], int]):
+    def __init__(
+        self,
+        params: list[tuple[str, torch.nn.Parameter]],
+        present: tuple[bool, ...],
+        site: Callable[[str, torch.Tensor], int],
+    ):
         """params: (name, parameter) of every trainable parameter; present: which have a gradient this step;
         site(name, grad) -> the param_grad site id."""
         self.key = present
         params = [(name, p) for (name, p), has in zip(params, present) if has]
         by_size: dict[tuple, list] = {}
-        for name, p in params:
+        for _, p in params:
             if 0 < p.numel() <= SMALL_GRAD and p.grad.layout == torch.strided:
                 by_size.setdefault((p.dtype, p.device, p.numel()), []).append(p)
         grouped = {id(p) for g in by_size.values() if len(g) > 1 for p in g}
         slots: dict[tuple, int] = {}
-        for name, p in params:
+        for _, p in params:
             slots[(p.dtype, p.device)] = slots.get((p.dtype, p.device), 0) + 2
-        bufs = {(dtype, device): SlotBuffer(dtype, device, f"g{dtype_name(dtype)}@{device}", size)
-                for (dtype, device), size in slots.items()}
+        bufs = {
+            (dtype, device): SlotBuffer(dtype, device, f"g{dtype_name(dtype)}@{device}", size)
+            for (dtype, device), size in slots.items()
+        }
         where: dict[int, int] = {}
         self.groups = []
-        for (dtype, device, n), group in by_size.items():
+        for (dtype, device, _n), group in by_size.items():
             if len(group) < 2:
                 continue
             buf = bufs[(dtype, device)]
             base = buf.reserve(2 * len(group))
-            self.groups.append(([p for p in group], buf.buf[base:base + 2 * len(group):2],
-                                buf.buf[base + 1:base + 2 * len(group):2]))
+            self.groups.append(
+                (
+                    [p for p in group],
+                    buf.buf[base : base + 2 * len(group) : 2],
+                    buf.buf[base + 1 : base + 2 * len(group) : 2],
+                )
+            )
             for k, p in enumerate(group):
                 where[id(p)] = base + 2 * k
         self.big = []
-        for name, p in params:
+        for _, p in params:
             if id(p) in grouped:
                 continue
             buf = bufs[(p.dtype, p.device)]
@@ -186,17 +198,17 @@ class GradPlan:
 
     def run(self) -> None:
         """Write this step's [min, max] of every gradient into the slots."""
-        with torch.no_grad():                        # out= refuses inputs that require grad (create_graph=True)
+        with torch.no_grad():  # out= refuses inputs that require grad (create_graph=True)
             for p, lo, hi in self.big:
                 g = dense_values(p.grad)
-                if not g.numel():                    # a sparse gradient that stores nothing this step
+                if not g.numel():  # a sparse gradient that stores nothing this step
                     lo.zero_()
                     hi.zero_()
                     continue
                 torch.aminmax(g, out=(lo, hi))
             for group, lo, hi in self.groups:
                 rows = torch.stack([p.grad.reshape(-1) for p in group])
-                torch.amin(rows, dim=1, out=lo)      # two single-purpose reductions beat aminmax(dim=1) 3x
+                torch.amin(rows, dim=1, out=lo)  # two single-purpose reductions beat aminmax(dim=1) 3x
                 torch.amax(rows, dim=1, out=hi)
 
 
@@ -207,7 +219,7 @@ def dense_values(g: torch.Tensor) -> torch.Tensor:
         return g
     if g.layout == torch.sparse_coo:
         return g.coalesce().values()
-    return g.values()                                # compressed layouts store each element once
+    return g.values()  # compressed layouts store each element once
 
 
 def sum_losses(losses: list):
@@ -215,8 +227,12 @@ def sum_losses(losses: list):
     if not any(isinstance(v, torch.Tensor) and not K.on_host(v) for v in losses):
         return sum(float(v) for v in losses)
     dev = next(v.device for v in losses if isinstance(v, torch.Tensor) and not K.on_host(v))
-    parts = [v.to(dev, torch.float64) if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=torch.float64,
-                                                                                     device=dev) for v in losses]
+    parts = [
+        v.to(dev, torch.float64)
+        if isinstance(v, torch.Tensor)
+        else torch.tensor(float(v), dtype=torch.float64, device=dev)
+        for v in losses
+    ]
     return torch.stack(parts).sum()
 
 

@@ -2,6 +2,7 @@
 no per-module work); some steps also observe the sites: sampled peaks and full statistics, the first steps of the
 run (calibration), and the steps after an anomaly until the run is clean again (the flight recorder). In debug mode
 every step observes every site in full."""
+
 from __future__ import annotations
 
 import math
@@ -38,13 +39,21 @@ class Cadence:
     """The observation plan of a run: ``plan(step)`` says what step ``step`` observes and why; ``after()`` feeds
     the flight recorder with what the sentinel saw at the end of a step."""
 
-    def __init__(self, mode: str = "default", *, every: int = DEFAULT_EVERY, peak_every: int = DEFAULT_PEAK_EVERY,
-                 hist_every: int = 200, calibration: int = DEFAULT_CALIBRATION, clean_run: int = CLEAN_RUN):
+    def __init__(
+        self,
+        mode: str = "default",
+        *,
+        every: int = DEFAULT_EVERY,
+        peak_every: int = DEFAULT_PEAK_EVERY,
+        hist_every: int = 200,
+        calibration: int = DEFAULT_CALIBRATION,
+        clean_run: int = CLEAN_RUN,
+    ):
         self.mode = mode
         self.every, self.peak_every, self.hist_every = every, peak_every, hist_every
         self.calibration, self.clean_run = calibration, clean_run
-        self._alarm = 0                  # clean steps still to observe in full after the last anomaly
-        self._norm_mean = None           # running mean of the gradient norm over clean steps
+        self._alarm = 0  # clean steps still to observe in full after the last anomaly
+        self._norm_mean = None  # running mean of the gradient norm over clean steps
         self._norm_seen = 0
 
     def plan(self, step: int) -> tuple[str, str, bool]:

@@ -3,6 +3,7 @@ forward and output gradient, the optimizer step, the scaler's scale() and update
 
 A mixin of Doctor (session.py): these methods read and write the step's fields on the hot path, where an object
 per concern would add an attribute hop per call. Each entry runs under ``guards.guarded``."""
+
 from __future__ import annotations
 
 import functools
@@ -18,12 +19,12 @@ from . import hooks as H
 from . import meta
 from . import stats as K
 
-WARN_AFTER_STEPS = 3        # steps (or cleared gradients) before a run that is not observed as it should be warns
+WARN_AFTER_STEPS = 3  # steps (or cleared gradients) before a run that is not observed as it should be warns
 # Observations held for one step: a step of 1,000 observed modules with 32 accumulated micro-batches holds ~64k
 # (forward + backward). Beyond this the step boundary is taken to be missing (an optimizer of another model) and
 # the step's observations so far are dropped, so that memory stays bounded.
 MAX_STEP_ENTRIES = 200_000
-MAX_STEP_LOSSES = 64        # micro-batch losses kept apart per step; beyond, they are summed into one
+MAX_STEP_LOSSES = 64  # micro-batch losses kept apart per step; beyond, they are summed into one
 
 
 class Callbacks:
@@ -35,14 +36,14 @@ class Callbacks:
         first = self._t_first is None
         self._start_micro(H.first_tensor(args, kwargs))
         if first and self._probe is not None:
-            self._probe.begin(self._step, args, kwargs)       # the step's first forward: its RNG state, inputs
+            self._probe.begin(self._step, args, kwargs)  # the step's first forward: its RNG state, inputs
 
     def _start_micro(self, t: torch.Tensor | None) -> None:
         """A micro-batch's forward begins: the step's first one ends the data wait; ``t`` gives the batch size."""
         if self._t_first is None:
             self._t_first = time.perf_counter()
             self._flush_pending()
-            self._device = self._device_now()       # once a step: a model may be moved
+            self._device = self._device_now()  # once a step: a model may be moved
             self._probe_autocast()
         self._step_starts += 1
         self._micro += 1
@@ -63,14 +64,17 @@ class Callbacks:
             return
         enabled = torch.is_autocast_enabled(dev)
         if enabled or not self._autocast:
-            self._autocast = {"device_type": dev, "enabled": enabled,
-                              "dtype": B.dtype_name(torch.get_autocast_dtype(dev)) if enabled else None}
+            self._autocast = {
+                "device_type": dev,
+                "enabled": enabled,
+                "dtype": B.dtype_name(torch.get_autocast_dtype(dev)) if enabled else None,
+            }
 
     @G.guarded
     def _on_forward(self, path, module, args, output):
         if self._cur_mode == C.NONE or not torch.is_grad_enabled():
             return
-        if type(output) is torch.Tensor:          # the common case: one tensor out, one in
+        if type(output) is torch.Tensor:  # the common case: one tensor out, one in
             if not output.is_floating_point():
                 return
             tensors = (output,)
@@ -80,7 +84,7 @@ class Callbacks:
                 return
         if self._ac_probe:
             self._ac_probe = False
-            self._bwd_probe = True         # (also where no root forward marks the micro-batches)
+            self._bwd_probe = True  # (also where no root forward marks the micro-batches)
             if self._device is None:
                 self._device = self._device_now()
             self._probe_autocast()
@@ -91,21 +95,24 @@ class Callbacks:
         if sid is None:
             sid = self._sites.act[path] = self._sites.get(path, "act", module, tensors[0], self._step)
         if sid in rec.act_seen and H.graph_task_id() != -1:
-            return                 # checkpoint recomputation: the original forward was already recorded
+            return  # checkpoint recomputation: the original forward was already recorded
         rec.act_seen.add(sid)
         mode = self._cur_mode
         observe = rec.observe
         outs = [observe(tensors[0], mode)] if len(tensors) == 1 else [observe(t, mode) for t in tensors]
         a0 = args[0] if len(args) == 1 else None
-        ins = [observe(a0, "p")] if type(a0) is torch.Tensor and a0.is_floating_point() \
+        ins = (
+            [observe(a0, "p")]
+            if type(a0) is torch.Tensor and a0.is_floating_point()
             else [observe(t, "p") for t in H.float_tensors(args)]
+        )
         rec.entries.append(Entry(sid, "fwd", outs, ins))
         for t in tensors:
             if t.requires_grad:
                 t.register_hook(self._grad_hooks[path])
 
     # -- the backward pass ---------------------------------------------------------------------------------------
-    @G.guarded       # (on an accelerator autograd's thread: the training thread waits for it)
+    @G.guarded  # (on an accelerator autograd's thread: the training thread waits for it)
     def _on_grad(self, path, module, grad):
         if grad is None:
             return
@@ -126,7 +133,7 @@ class Callbacks:
         (``zero_grad()``) mean a step passed with no step boundary. Warn once after a few; the step's observations
         are bounded by MAX_STEP_ENTRIES meanwhile."""
         if not self._grads_seen or any(p.grad is not None for _, p in self._params):
-            return          # (only asked after an earlier backward of this step: accumulated micro-batches)
+            return  # (only asked after an earlier backward of this step: accumulated micro-batches)
         self._missed += 1
         if self._missed == WARN_AFTER_STEPS:
             self._warn_once("no-boundary", G.no_boundary(self._boundary, f"{self._missed} optimizer steps"))
@@ -135,8 +142,11 @@ class Callbacks:
         """The step has grown past MAX_STEP_ENTRIES: its boundary is missing. Drop what it observed so far (its
         timing, micro-batches and losses stay), warn once, keep collecting."""
         self._rec.drop_observations()
-        self._warn_once("bounded", G.no_boundary(self._boundary, f"{MAX_STEP_ENTRIES:,} observations") +
-                        "; the observations of the unfinished step are dropped to bound memory")
+        self._warn_once(
+            "bounded",
+            G.no_boundary(self._boundary, f"{MAX_STEP_ENTRIES:,} observations")
+            + "; the observations of the unfinished step are dropped to bound memory",
+        )
 
     # -- the optimizer and the scaler ----------------------------------------------------------------------------
     @G.guarded
@@ -169,6 +179,7 @@ class Callbacks:
             result = original(outputs)
             self._after_scale(outputs)
             return result
+
         return scale
 
     @G.guarded
@@ -187,6 +198,7 @@ class Callbacks:
             if not self._off and self._boundary == "scaler":
                 self._end_step(skipped=(not self._opt_stepped) if self.optimizer is not None else None)
             return result
+
         return update
 
     @G.guarded
@@ -200,7 +212,7 @@ class Callbacks:
         if isinstance(s, torch.Tensor):
             if K.on_host(s):
                 return s.item()
-            return s.detach().clone().reshape(())     # update() changes it in place
+            return s.detach().clone().reshape(())  # update() changes it in place
         return float(self.scaler.get_scale())
 
     # -- the loss ------------------------------------------------------------------------------------------------
@@ -214,9 +226,9 @@ class Callbacks:
             loss = loss.item() if loss.numel() == 1 and K.on_host(loss) else loss.detach().reshape(-1)[0]
         if loss is None:
             return
-        if len(self._losses) >= MAX_STEP_LOSSES:      # a step without an end: keep one running sum
+        if len(self._losses) >= MAX_STEP_LOSSES:  # a step without an end: keep one running sum
             self._losses = [B.sum_losses(self._losses)]
         if self._t_first is None and self._pending is not None and self._pending.loss is None:
-            self._pending.late_loss = loss        # logged after the optimizer step ended the step
+            self._pending.late_loss = loss  # logged after the optimizer step ended the step
         else:
             self._losses.append(loss)

@@ -1,6 +1,7 @@
 """Never break training, and say what is wrong: the one guard around every entry from the training loop into
 ampdoctor; what attach() refuses or warns about (wrapped optimizers, unwrapped; a second Doctor on the same
 objects; values that are not numbers; runs whose step boundary or root forward never comes, with the fix)."""
+
 from __future__ import annotations
 
 import functools
@@ -20,6 +21,7 @@ def guarded(method=None, *, timed: bool = True):
     now = time.perf_counter
 
     if not timed:
+
         @functools.wraps(method)
         def guard(self, *args, **kwargs):
             if self._off:
@@ -29,6 +31,7 @@ def guarded(method=None, *, timed: bool = True):
             except Exception as exc:
                 self._fail(exc)
                 return None
+
         return guard
 
     @functools.wraps(method)
@@ -43,6 +46,7 @@ def guarded(method=None, *, timed: bool = True):
             return None
         finally:
             self._obs += now() - t0
+
     return timed_guard
 
 
@@ -67,20 +71,26 @@ def as_number(value) -> float | None:
 def no_boundary(boundary: str, what: str) -> str:
     """The warning for steps that went by without a step boundary, with the fix for this ``boundary``."""
     if boundary == "manual":
-        fix = ("pass the optimizer that updates this model (attach(model, optimizer=opt)), or call doctor.step() "
-               "after each optimizer step")
+        fix = (
+            "pass the optimizer that updates this model (attach(model, optimizer=opt)), or call doctor.step() "
+            "after each optimizer step"
+        )
     else:
-        fix = (f"the {boundary} given to attach() never ended a step: pass the one that updates this model, "
-               "or call doctor.step() after each optimizer step")
+        fix = (
+            f"the {boundary} given to attach() never ended a step: pass the one that updates this model, "
+            "or call doctor.step() after each optimizer step"
+        )
     return f"ampdoctor: {what} went by without a step boundary, so no step was recorded; {fix}"
 
 
 def no_forward(model_name: str, steps: int) -> str:
     """The warning for a run whose attached module's forward never runs."""
-    return (f"ampdoctor: {steps} steps ended but {model_name}.forward was never called (e.g. a LightningModule "
-            "whose training_step calls an inner model): step timing, batch sizes and the autocast state are not "
-            "recorded. Attach the module whose forward runs (attach(lit.model, ...)), or use "
-            "ampdoctor.integrations.lightning.AmpDoctorCallback")
+    return (
+        f"ampdoctor: {steps} steps ended but {model_name}.forward was never called (e.g. a LightningModule "
+        "whose training_step calls an inner model): step timing, batch sizes and the autocast state are not "
+        "recorded. Attach the module whose forward runs (attach(lit.model, ...)), or use "
+        "ampdoctor.integrations.lightning.AmpDoctorCallback"
+    )
 
 
 def unwrap_optimizer(optimizer):
@@ -94,14 +104,16 @@ def unwrap_optimizer(optimizer):
             scaler = getattr(optimizer, "scaler", None)
         own = vars(optimizer) if hasattr(optimizer, "__dict__") else {}
         inner = next((own[k] for k in ("optimizer", "_optimizer") if hasattr(own.get(k), "param_groups")), None)
-        if inner is not None:            # a wrapper, even one that subclasses the optimizer (LightningOptimizer)
+        if inner is not None:  # a wrapper, even one that subclasses the optimizer (LightningOptimizer)
             optimizer = inner
         elif isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "_optimizer_step_pre_hooks"):
             return optimizer, scaler
         else:
             break
-    raise TypeError(f"Argument optimizer should be of type torch.optim.Optimizer (or a framework's wrapper of one), "
-                    f"but given {type(given)}")
+    raise TypeError(
+        f"Argument optimizer should be of type torch.optim.Optimizer (or a framework's wrapper of one), "
+        f"but given {type(given)}"
+    )
 
 
 class Registry:
@@ -119,7 +131,8 @@ class Registry:
             if other is not None and other is not doctor and other.active:
                 raise RuntimeError(
                     f"ampdoctor: this {type(obj).__name__} is already observed by the Doctor writing {other.path}; "
-                    "close() that one first (one Doctor per model, optimizer and scaler)")
+                    "close() that one first (one Doctor per model, optimizer and scaler)"
+                )
         me = weakref.ref(doctor)
         for obj in objects:
             self._owner[obj] = me

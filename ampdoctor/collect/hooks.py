@@ -1,9 +1,11 @@
 """Hook registration with handles: everything attach() changes is undone by one close()."""
+
 from __future__ import annotations
 
 import fnmatch
 import functools
-from typing import Callable, Iterable
+from collections.abc import Iterable
+from typing import Callable
 
 import torch
 
@@ -105,7 +107,7 @@ def float_tensors(obj, limit: int = 16) -> list[torch.Tensor]:
         elif isinstance(o, dict):
             for v in o.values():
                 visit(v, depth + 1)
-        elif hasattr(o, "to_tuple") and callable(o.to_tuple):     # transformers ModelOutput
+        elif hasattr(o, "to_tuple") and callable(o.to_tuple):  # transformers ModelOutput
             visit(o.to_tuple(), depth + 1)
 
     visit(obj)
@@ -143,4 +145,5 @@ def eager(fn):
         if is_compiling():
             return disabled(*args, **kwargs)
         return fn(*args, **kwargs)
+
     return hook

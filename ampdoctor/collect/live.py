@@ -5,6 +5,7 @@ writes) whenever new steps were committed, runs ``ampdoctor.diagnose`` and repor
 through ``logging``, the ``on_finding`` callback, and, at or above ``halt_on``, a request that the Doctor raises
 ``TrainingHalted`` at the next step boundary. Torch-free: it only reads the file.
 """
+
 from __future__ import annotations
 
 import logging
@@ -12,17 +13,17 @@ import threading
 import time
 import warnings
 
-from ..diagnose import diagnose
+from ..rules import diagnose
 from ..severity import SEVERITIES, at_least
 from ..trace import load
 
 log = logging.getLogger("ampdoctor")
 
-MIN_INTERVAL_S = 5.0        # how often to look at most: a broken run is stopped within seconds, not hours
-MAX_SHARE = 0.02            # checks use at most ~2% of the time (the interval grows with a check's cost): on a
-                            # 2-core machine the rules compete with training for the cores (measured: ~1.2% over
-                            # a 3,400-step run of benchmarks/overhead.py's reference model)
-MAX_ERRORS = 3              # consecutive failed checks before live diagnosis gives up
+MIN_INTERVAL_S = 5.0  # how often to look at most: a broken run is stopped within seconds, not hours
+MAX_SHARE = 0.02  # checks use at most ~2% of the time (the interval grows with a check's cost): on a
+# 2-core machine the rules compete with training for the cores (measured: ~1.2% over
+# a 3,400-step run of benchmarks/overhead.py's reference model)
+MAX_ERRORS = 3  # consecutive failed checks before live diagnosis gives up
 
 
 class TrainingHalted(RuntimeError):
@@ -47,16 +48,17 @@ def check_severity(name: str, value) -> None:
 
 
 class LiveDiagnosis(threading.Thread):
-    def __init__(self, path: str, on_finding=None, halt_on: str | None = None, rules=None,
-                 interval: float = MIN_INTERVAL_S):
+    def __init__(
+        self, path: str, on_finding=None, halt_on: str | None = None, rules=None, interval: float = MIN_INTERVAL_S
+    ):
         super().__init__(name="ampdoctor-live", daemon=True)
         self.path = path
         self.on_finding = on_finding
         self.halt_on = halt_on
         self.rules = rules
         self.interval = interval
-        self.halt = None                       # the finding that asks to stop training
-        self.findings: list = []               # every finding reported so far, in order
+        self.halt = None  # the finding that asks to stop training
+        self.findings: list = []  # every finding reported so far, in order
         self._reported: set = set()
         self._last_steps = -1
         self._stop_event = threading.Event()
@@ -90,11 +92,14 @@ class LiveDiagnosis(threading.Thread):
                 found = diagnose(tr, rules=self.rules)
             finally:
                 tr.close()
-        except Exception as exc:   # never break training: say it once; stop looking if it keeps failing
+        except Exception as exc:  # never break training: say it once; stop looking if it keeps failing
             self._errors += 1
             if self._errors == 1:
-                warnings.warn(f"ampdoctor: live diagnosis failed ({type(exc).__name__}: {exc}); training continues",
-                              RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"ampdoctor: live diagnosis failed ({type(exc).__name__}: {exc}); training continues",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             if self._errors >= MAX_ERRORS:
                 self._failed = True
             return
@@ -110,8 +115,10 @@ class LiveDiagnosis(threading.Thread):
                 try:
                     self.on_finding(f)
                 except Exception as exc:
-                    warnings.warn(f"ampdoctor: on_finding callback raised {type(exc).__name__}: {exc}",
-                                  RuntimeWarning, stacklevel=2)
-            if (self.halt_on is not None and self.halt is None
-                    and at_least(f.severity, self.halt_on)):
+                    warnings.warn(
+                        f"ampdoctor: on_finding callback raised {type(exc).__name__}: {exc}",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+            if self.halt_on is not None and self.halt is None and at_least(f.severity, self.halt_on):
                 self.halt = f

@@ -1,5 +1,6 @@
 """What the trace says about the run besides its steps: the rank and the file it writes, versions and settings at
 attach, and the precision configuration observed after the first step."""
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,11 @@ def dist() -> dict:
     environment (a doctor attached before ``init_process_group`` still gets its own rank)."""
     env = os.environ
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        out = {"rank": torch.distributed.get_rank(), "world_size": torch.distributed.get_world_size(),
-               "backend": str(torch.distributed.get_backend())}
+        out = {
+            "rank": torch.distributed.get_rank(),
+            "world_size": torch.distributed.get_world_size(),
+            "backend": str(torch.distributed.get_backend()),
+        }
     else:
         try:
             out = {"rank": int(env.get("RANK", 0)), "world_size": int(env.get("WORLD_SIZE", 1))}
@@ -27,7 +31,7 @@ def dist() -> dict:
             out = {"rank": 0, "world_size": 1}
     if out["world_size"] > 1:
         out["local_rank"] = int(env["LOCAL_RANK"]) if env.get("LOCAL_RANK", "").isdigit() else None
-        out["run_id"] = env.get("TORCHELASTIC_RUN_ID")        # torchrun's id, shared by the ranks of one job
+        out["run_id"] = env.get("TORCHELASTIC_RUN_ID")  # torchrun's id, shared by the ranks of one job
     return out
 
 
@@ -42,31 +46,54 @@ def trace_path(trace) -> str:
         return path
     stem, ext = os.path.splitext(path)
     if d["rank"] == 0:
-        warnings.warn(f"ampdoctor: {d['world_size']} ranks and no {{rank}} in trace={path!r}: each rank writes "
-                      f"its own file, {stem}.rank<N>{ext}", RuntimeWarning, stacklevel=5)
+        warnings.warn(
+            f"ampdoctor: {d['world_size']} ranks and no {{rank}} in trace={path!r}: each rank writes "
+            f"its own file, {stem}.rank<N>{ext}",
+            RuntimeWarning,
+            stacklevel=5,
+        )
     return f"{stem}.rank{d['rank']}{ext}"
 
 
 def run_meta(doc) -> dict:
     """What the run is: versions, host, rank, model, device and the observation settings (written at attach)."""
     import ampdoctor
+
     dev = device_type(doc.model) or "cpu"
-    info = {"ampdoctor": ampdoctor.__version__, "torch": torch.__version__, "python": platform.python_version(),
-            "host": platform.node(), "pid": os.getpid(), **dist(), "started": time.time(),
-            "model": type(doc.model).__name__, "device": dev,
-            "params": int(sum(p.numel() for p in doc.model.parameters())),
-            "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
-            "mode": doc.mode, "every": doc.every, "peak_every": doc.peak_every, "hist_every": doc.hist_every,
-            "weight_every": doc.weight_every, "calibration": doc._cadence.calibration,
-            "clean_run": doc._cadence.clean_run, "probe_every": doc.probe_every}
+    info = {
+        "ampdoctor": ampdoctor.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "pid": os.getpid(),
+        **dist(),
+        "started": time.time(),
+        "model": type(doc.model).__name__,
+        "device": dev,
+        "params": int(sum(p.numel() for p in doc.model.parameters())),
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "mode": doc.mode,
+        "every": doc.every,
+        "peak_every": doc.peak_every,
+        "hist_every": doc.hist_every,
+        "weight_every": doc.weight_every,
+        "calibration": doc._cadence.calibration,
+        "clean_run": doc._cadence.clean_run,
+        "probe_every": doc.probe_every,
+    }
     if dev == "cuda":
         idx = next(doc.model.parameters()).device.index or 0
         cap = torch.cuda.get_device_capability(idx)
-        info.update(device_name=torch.cuda.get_device_name(idx), capability=list(cap),
-                    bf16_supported=bool(torch.cuda.is_bf16_supported()))
+        info.update(
+            device_name=torch.cuda.get_device_name(idx),
+            capability=list(cap),
+            bf16_supported=bool(torch.cuda.is_bf16_supported()),
+        )
     else:
         info.update(device_name=platform.processor() or platform.machine(), bf16_supported=True)
     return info
+
 
 def config(doc) -> dict:
     """The observed precision configuration, taken after the first step (autocast and dtypes are known)."""
@@ -76,10 +103,15 @@ def config(doc) -> dict:
         d = dtype_name(p.dtype)
         params[d] = params.get(d, 0) + p.numel()
         module_dtypes.setdefault(name.rpartition(".")[0] or ROOT, d)
-    cfg = {"autocast": doc._autocast or {"enabled": False}, "param_dtypes": params,
-           "module_param_dtypes": module_dtypes, "loss_dtype": doc._loss_dtype, "boundary": doc._boundary,
-           # where step timing comes from: the root forward, begin_batch() calls, or nowhere (no data wait)
-           "step_start": "begin_batch" if doc._external_batches else ("forward" if doc._step_starts else None)}
+    cfg = {
+        "autocast": doc._autocast or {"enabled": False},
+        "param_dtypes": params,
+        "module_param_dtypes": module_dtypes,
+        "loss_dtype": doc._loss_dtype,
+        "boundary": doc._boundary,
+        # where step timing comes from: the root forward, begin_batch() calls, or nowhere (no data wait)
+        "step_start": "begin_batch" if doc._external_batches else ("forward" if doc._step_starts else None),
+    }
     if doc.optimizer is not None:
         groups = [{k: plain(v) for k, v in g.items() if k != "params"} for g in doc.optimizer.param_groups]
         cfg["optimizer"] = {"class": type(doc.optimizer).__name__, "groups": groups}
@@ -90,9 +122,10 @@ def config(doc) -> dict:
             getter = getattr(s, f"get_{key}", None)
             if callable(getter):
                 cfg["scaler"][key] = plain(getter())
-            elif key == "init_scale" and hasattr(s, "_init_scale"):   # GradScaler has no public getter
+            elif key == "init_scale" and hasattr(s, "_init_scale"):  # GradScaler has no public getter
                 cfg["scaler"][key] = plain(s._init_scale)
     return cfg
+
 
 def device_type(model) -> str | None:
     for p in model.parameters():

@@ -6,6 +6,7 @@ the inputs, parameters and buffers (``torch.func.functional_call``: a BatchNorm 
 copy), with the RNG state the module's forward started from (so a dropout draws the same mask) and the state after
 it put back. Errors stay on the device until the step's end (one transfer); no tensor is kept after the step.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -13,9 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..diagnose import precision as P
+from ..rules import precision as P
 from . import hooks as H
 from .recompute import HALF, Recorder, rng_get, rng_set, summarize
+
 
 class StepProbe:
     """The probe of a Doctor: arms at the first forward of every ``every``-th step, reports at the step's end."""
@@ -41,8 +43,20 @@ class StepProbe:
             sid = sites.act.get(r["path"])
             if sid is None:
                 sid = sites.get(r["path"], "act", mods.get(r["path"]), None, step)
-            out.append((step, sid, r["calls"], r["k"], r["numel"], r["dtype"], r["rel_err"], r["max_err"],
-                        r["ref_norm"], r["ref_absmax"]))
+            out.append(
+                (
+                    step,
+                    sid,
+                    r["calls"],
+                    r["k"],
+                    r["numel"],
+                    r["dtype"],
+                    r["rel_err"],
+                    r["max_err"],
+                    r["ref_norm"],
+                    r["ref_absmax"],
+                )
+            )
         self.doctor._put(("probe", step, out, {"skipped": skipped}))
 
     def disarm(self) -> None:
@@ -59,7 +73,7 @@ class ProbeReport:
     ways; the modules it could not recompute."""
 
     dtype: str
-    layers: list = field(default_factory=list)     # dicts: path, module_type, dtype, k, numel, rel_err, max_err, ...
+    layers: list = field(default_factory=list)  # dicts: path, module_type, dtype, k, numel, rel_err, max_err, ...
     loss_half: float | None = None
     loss_fp32: float | None = None
     skipped: dict = field(default_factory=dict)
@@ -76,13 +90,18 @@ class ProbeReport:
     def __str__(self) -> str:
         lines = [P.format_table(self.layers, self.dtype)]
         if self.loss_half is not None:
-            lines.append(f"loss: {self.loss_half:.6g} in {self.dtype}, {self.loss_fp32:.6g} in float32 "
-                         f"(relative difference {P.relative(abs(self.loss_half - self.loss_fp32), abs(self.loss_fp32)):.2e})")
+            lines.append(
+                f"loss: {self.loss_half:.6g} in {self.dtype}, {self.loss_fp32:.6g} in float32 "
+                f"(relative difference {P.relative(abs(self.loss_half - self.loss_fp32), abs(self.loss_fp32)):.2e})"
+            )
         for path, why in self.skipped.items():
             lines.append(f"skipped {path}: {why}")
         flagged = self.flagged
-        lines.append(f"precision loss in {', '.join(r['path'] for r in flagged)}; fix:\n{self.fix}" if flagged
-                     else "no layer loses more precision than its size explains")
+        lines.append(
+            f"precision loss in {', '.join(r['path'] for r in flagged)}; fix:\n{self.fix}"
+            if flagged
+            else "no layer loses more precision than its size explains"
+        )
         return "\n".join(lines)
 
 
@@ -104,16 +123,18 @@ def probe(model, batch, loss_fn=None, *, dtype=None, include=None, exclude=None)
     """Measure once, without training: run ``model`` on ``batch`` in half precision and every observed module again
     in FP32 from the same inputs. ``batch``: the model input (tensor, tuple of arguments or dict of keyword
     arguments) or, with loss_fn, an ``(inputs, targets)`` pair; ``loss_fn(output, targets)`` (or ``loss_fn(output)``)
-    adds the loss both ways. ``dtype``: the autocast dtype (default float16) when the caller has not entered autocast and the model
-    holds FP32 weights. Weights, buffers (BatchNorm running statistics), gradients and the RNG are left as they were.
+    adds the loss both ways. ``dtype``: the autocast dtype (default float16) when the caller has not entered
+    autocast and the model holds FP32 weights. Weights, buffers (BatchNorm running statistics), gradients and the
+    RNG are left as they were.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"Argument model should be of type torch.nn.Module, but given {type(model)}")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"Argument loss_fn should be callable, but given {type(loss_fn)}")
     inputs, targets, paired = _split(batch, loss_fn)
-    x = H.first_tensor(inputs if isinstance(inputs, (tuple, list)) else (inputs,),
-                       inputs if isinstance(inputs, dict) else None)
+    x = H.first_tensor(
+        inputs if isinstance(inputs, (tuple, list)) else (inputs,), inputs if isinstance(inputs, dict) else None
+    )
     device = x.device.type if x is not None else "cpu"
     params = list(model.parameters())
     half_params = any(p.dtype in HALF for p in params)
@@ -141,7 +162,7 @@ def probe(model, batch, loss_fn=None, *, dtype=None, include=None, exclude=None)
         calls = rec.disarm()
     finally:
         rec.disarm()
-        for b, saved in buffers:                       # the half-precision forward's BatchNorm updates undone
+        for b, saved in buffers:  # the half-precision forward's BatchNorm updates undone
             b.copy_(saved)
         rng_set(rng)
     rows, skipped = summarize(calls)
@@ -149,6 +170,9 @@ def probe(model, batch, loss_fn=None, *, dtype=None, include=None, exclude=None)
     if loss is not None and loss_ref is not None:
         report.loss_half, report.loss_fp32 = float(loss.float()), float(loss_ref.float())
     elif loss_fn is not None and rec.root_ref is None:
-        warnings.warn("ampdoctor.probe: the model's output could not be recomputed in FP32; no loss comparison",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            "ampdoctor.probe: the model's output could not be recomputed in FP32; no loss comparison",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return report

@@ -2,6 +2,7 @@
 in FP32 from the same inputs (upcast copies of inputs, parameters and buffers, the same RNG state, no grad, autocast
 off) and keep the error of the half-precision output, per call; ``summarize`` turns the calls into rows.
 probe.py runs it on probed steps (attach(probe_every=N)) and once (ampdoctor.probe)."""
+
 from __future__ import annotations
 
 import math
@@ -9,15 +10,42 @@ from dataclasses import dataclass
 
 import torch
 
-from ..diagnose import precision as P
+from ..rules import precision as P
 from . import hooks as H
 
 HALF = (torch.float16, torch.bfloat16)
 # Modules whose output element depends on one input element (up to a few constants): no accumulation, k = 1.
-_ELEMENTWISE = ("ReLU", "ReLU6", "LeakyReLU", "PReLU", "ELU", "SELU", "CELU", "GELU", "SiLU", "Mish", "Sigmoid",
-                "Tanh", "Hardtanh", "Hardswish", "Hardsigmoid", "Softplus", "Softsign", "Tanhshrink", "Threshold",
-                "Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "Identity", "Flatten", "Unflatten",
-                "Embedding", "Upsample")
+_ELEMENTWISE = (
+    "ReLU",
+    "ReLU6",
+    "LeakyReLU",
+    "PReLU",
+    "ELU",
+    "SELU",
+    "CELU",
+    "GELU",
+    "SiLU",
+    "Mish",
+    "Sigmoid",
+    "Tanh",
+    "Hardtanh",
+    "Hardswish",
+    "Hardsigmoid",
+    "Softplus",
+    "Softsign",
+    "Tanhshrink",
+    "Threshold",
+    "Dropout",
+    "Dropout1d",
+    "Dropout2d",
+    "Dropout3d",
+    "AlphaDropout",
+    "Identity",
+    "Flatten",
+    "Unflatten",
+    "Embedding",
+    "Upsample",
+)
 
 
 # Wrappers whose forward talks to other processes (buffer broadcasts, parameter gathers): never run twice.
@@ -94,8 +122,12 @@ def _state_versions(module) -> dict:
     """Tensors a module (or a child) holds as plain attributes, not parameters or buffers (a counter, a cache):
     functional_call cannot swap them for copies, so a module whose forward updates or replaces one must not run a
     second time. (path of the attribute) -> (tensor, version)."""
-    return {(id(m), name): (t, t._version) for m in module.modules() for name, t in vars(m).items()
-            if isinstance(t, torch.Tensor)}
+    return {
+        (id(m), name): (t, t._version)
+        for m in module.modules()
+        for name, t in vars(m).items()
+        if isinstance(t, torch.Tensor)
+    }
 
 
 def _changed_state(before: dict, module) -> str | None:
@@ -137,9 +169,9 @@ class Recorder:
 
     def __init__(self, modules: list, *, need_grad: bool = True, keep_root: bool = False, on_error=None):
         self.modules = modules
-        self.on_error = on_error             # training: a failure here must stop the probe, never the forward
-        self.need_grad = need_grad           # training: only forwards that build a graph (not evaluation)
-        self.keep_root = keep_root           # the one-off probe keeps the root's FP32 output for the loss
+        self.on_error = on_error  # training: a failure here must stop the probe, never the forward
+        self.need_grad = need_grad  # training: only forwards that build a graph (not evaluation)
+        self.keep_root = keep_root  # the one-off probe keeps the root's FP32 output for the loss
         self.root_ref = None
         self.calls: list[Call] = []
         self._stack: list[_Frame] = []
@@ -163,13 +195,15 @@ class Recorder:
         return calls
 
     def _active(self) -> bool:
-        return (not self._inside and (torch.is_grad_enabled() or not self.need_grad)
-                and H.graph_task_id() == -1)       # a checkpoint recomputation is not a new call
+        return (
+            not self._inside and (torch.is_grad_enabled() or not self.need_grad) and H.graph_task_id() == -1
+        )  # a checkpoint recomputation is not a new call
 
     def _open(self, path, module, args, kwargs) -> None:
         x = H.first_tensor(args, kwargs)
-        self._stack.append(_Frame(path, rng_get(x.device if x is not None else None), _versions(args, kwargs),
-                                  _state_versions(module)))
+        self._stack.append(
+            _Frame(path, rng_get(x.device if x is not None else None), _versions(args, kwargs), _state_versions(module))
+        )
 
     def _guarded(self, fn):
         def hook(*args):
@@ -179,13 +213,15 @@ class Recorder:
                 if self.on_error is None:
                     raise
                 self.on_error(exc)
-            return None                     # a forward hook that returned something would replace the output
+            return None  # a forward hook that returned something would replace the output
+
         return hook
 
     def _pre(self, path):
         def hook(module, args, kwargs):
             if self._active():
                 self._open(path, module, args, kwargs)
+
         return self._guarded(hook)
 
     def _post(self, path, module):
@@ -197,6 +233,7 @@ class Recorder:
             if self._stack:
                 self._stack[-1].child_k += k
             self.calls.append(self._compare(path, module, args, kwargs, output, frame, k))
+
         return self._guarded(hook)
 
     # -- one comparison --------------------------------------------------------------------------------------------
@@ -220,7 +257,7 @@ class Recorder:
             return call
         try:
             refs = H.float_tensors(self._recompute(module, args, kwargs, frame.rng))
-        except Exception as exc:                       # a module that cannot run in FP32
+        except Exception as exc:  # a module that cannot run in FP32
             call.skipped = f"FP32 recomputation failed ({type(exc).__name__}: {str(exc)[:120]})"
             return call
         if len(refs) != len(outs) or any(r.shape != o.shape for r, o in zip(refs, outs)):
@@ -228,19 +265,19 @@ class Recorder:
             return call
         call.figures = _errors(outs, refs)
         if self.keep_root and path == self.modules[0][0]:
-            self.root_ref = refs[0]             # the model output the one-off probe computes the FP32 loss from
+            self.root_ref = refs[0]  # the model output the one-off probe computes the FP32 loss from
         return call
 
     def _recompute(self, module, args, kwargs, start_rng):
         after = rng_get(start_rng[2])
         self._inside = True
         try:
-            rng_set(start_rng)                     # the same dropout mask as the half-precision forward drew
+            rng_set(start_rng)  # the same dropout mask as the half-precision forward drew
             device = start_rng[2].type if start_rng[2] is not None else "cpu"
             with torch.no_grad(), torch.autocast(device, enabled=False):
                 return torch.func.functional_call(module, _state_copies(module), _up(args), _up(kwargs))
         finally:
-            rng_set(after)                         # training's RNG stream goes on as if nothing ran
+            rng_set(after)  # training's RNG stream goes on as if nothing ran
             self._inside = False
 
 
@@ -257,8 +294,9 @@ def _errors(outs, refs) -> torch.Tensor:
         if not d.numel():
             rows.append(torch.zeros(4, dtype=torch.float64, device=d.device))
             continue
-        n = torch.stack((torch.linalg.vector_norm(d), torch.linalg.vector_norm(r), d.abs().amax(),
-                         r.abs().amax())).double()
+        n = torch.stack(
+            (torch.linalg.vector_norm(d), torch.linalg.vector_norm(r), d.abs().amax(), r.abs().amax())
+        ).double()
         rows.append(torch.cat((n[:2].square(), n[2:])))
     if len(rows) == 1:
         return rows[0]
@@ -278,11 +316,28 @@ def summarize(calls: list[Call]) -> tuple[list[dict], dict]:
     for c, (e2, r2, emax, rmax) in zip(measured, host):
         row = rows.get(c.path)
         if row is None:
-            rows[c.path] = {"path": c.path, "module_type": c.module_type, "dtype": c.dtype, "k": c.k,
-                            "numel": c.numel, "calls": 1, "e2": e2, "r2": r2, "emax": emax, "rmax": rmax}
+            rows[c.path] = {
+                "path": c.path,
+                "module_type": c.module_type,
+                "dtype": c.dtype,
+                "k": c.k,
+                "numel": c.numel,
+                "calls": 1,
+                "e2": e2,
+                "r2": r2,
+                "emax": emax,
+                "rmax": rmax,
+            }
         else:
-            row.update(numel=row["numel"] + c.numel, calls=row["calls"] + 1, e2=row["e2"] + e2, r2=row["r2"] + r2,
-                       emax=max(row["emax"], emax), rmax=max(row["rmax"], rmax), k=max(row["k"], c.k))
+            row.update(
+                numel=row["numel"] + c.numel,
+                calls=row["calls"] + 1,
+                e2=row["e2"] + e2,
+                r2=row["r2"] + r2,
+                emax=max(row["emax"], emax),
+                rmax=max(row["rmax"], rmax),
+                k=max(row["k"], c.k),
+            )
     out = []
     for r in rows.values():
         r["rel_err"] = P.relative(math.sqrt(r.pop("e2")), math.sqrt(r["r2"]))

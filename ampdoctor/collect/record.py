@@ -1,6 +1,7 @@
 """What one step observed, waiting for the step end: the observations (Entry: which values belong to which site)
 and the values they point at, in blocks concatenated at the step end into the step's one host transfer:
 [min, max] pairs per (dtype, device) | full-statistics vectors | step figures (extras)."""
+
 from __future__ import annotations
 
 import weakref
@@ -17,7 +18,7 @@ _NUMBERS = {float, int}
 
 class StepRecord:
     def __init__(self):
-        self._bufs: dict = {}            # PeakList per dtype (or (dtype, device)): kept across steps, cleared
+        self._bufs: dict = {}  # PeakList per dtype (or (dtype, device)): kept across steps, cleared
         self.clear()
 
     def clear(self) -> None:
@@ -26,7 +27,7 @@ class StepRecord:
         self.entries: list[Entry] = []
         self._fulls: list[torch.Tensor] = []
         self._full_len = 0
-        self._extras: list = []          # floats, or 0-d tensors on an accelerator (read with the step's transfer)
+        self._extras: list = []  # floats, or 0-d tensors on an accelerator (read with the step's transfer)
         self._seen: dict[int, tuple] = {}
         self.act_seen: set[int] = set()  # sites whose forward was recorded this step (checkpointing recomputes)
 
@@ -52,11 +53,12 @@ class StepRecord:
     def _buffer(self, t: torch.Tensor) -> B.PeakList:
         buf = self._bufs.get(t.dtype)
         if buf is None or buf.device != t.device:
-            key = t.dtype if buf is None else (t.dtype, t.device)      # a second device: its own buffer
+            key = t.dtype if buf is None else (t.dtype, t.device)  # a second device: its own buffer
             buf = self._bufs.get(key)
             if buf is None:
-                buf = self._bufs[key] = B.PeakList(t, "p" + B.dtype_name(t.dtype) +
-                                                    ("" if key is t.dtype else f"@{t.device}"))
+                buf = self._bufs[key] = B.PeakList(
+                    t, "p" + B.dtype_name(t.dtype) + ("" if key is t.dtype else f"@{t.device}")
+                )
         return buf
 
     def observe(self, t: torch.Tensor, want: str) -> tuple[int, str, int]:
@@ -69,7 +71,7 @@ class StepRecord:
         n = t.numel()
         if want == "f":
             ref = (self.add_full(K.full(t)), "f", n)
-        else:                      # PeakList.add inlined: two calls fewer per observed tensor
+        else:  # PeakList.add inlined: two calls fewer per observed tensor
             d = t.detach()
             buf = self._bufs.get(d.dtype)
             if buf is None or buf.device != d.device:
@@ -95,22 +97,35 @@ class StepRecord:
         bases["x"] = n + self._full_len
         extras = self._extras
         if not blocks and not self._fulls and {type(e) for e in extras} <= _NUMBERS:
-            return np.array(extras, dtype=np.float64), bases, False      # a sentinel step on the CPU: floats only
-        on_cpu = (all(K.on_host(b) for b in blocks) and all(K.on_host(f) for f in self._fulls)
-                  and not any(isinstance(e, torch.Tensor) for e in extras))
-        if on_cpu:                 # already on the host: numpy copies, no torch op per block
-            values = np.concatenate([B.host_float64(b) for b in blocks] + [f.numpy() for f in self._fulls]
-                                    + [np.array(extras, dtype=np.float64)])
+            return np.array(extras, dtype=np.float64), bases, False  # a sentinel step on the CPU: floats only
+        on_cpu = (
+            all(K.on_host(b) for b in blocks)
+            and all(K.on_host(f) for f in self._fulls)
+            and not any(isinstance(e, torch.Tensor) for e in extras)
+        )
+        if on_cpu:  # already on the host: numpy copies, no torch op per block
+            values = np.concatenate(
+                [B.host_float64(b) for b in blocks]
+                + [f.numpy() for f in self._fulls]
+                + [np.array(extras, dtype=np.float64)]
+            )
         else:
             dev = next(t.device for t in [*blocks, *self._fulls, *extras] if isinstance(t, torch.Tensor))
             parts = [b.to(dev, torch.float64) for b in blocks] + [f.to(dev) for f in self._fulls]
             if extras:
-                parts.append(torch.stack([e.to(dev, torch.float64).reshape(()) if isinstance(e, torch.Tensor)
-                                          else torch.tensor(float(e), dtype=torch.float64, device=dev)
-                                          for e in extras]))
-            values = torch.cat(parts).cpu().numpy()     # cat copies: the peak buffers are reused next step
+                parts.append(
+                    torch.stack(
+                        [
+                            e.to(dev, torch.float64).reshape(())
+                            if isinstance(e, torch.Tensor)
+                            else torch.tensor(float(e), dtype=torch.float64, device=dev)
+                            for e in extras
+                        ]
+                    )
+                )
+            values = torch.cat(parts).cpu().numpy()  # cat copies: the peak buffers are reused next step
         bad = not np.isfinite(values[:n]).all()
         if self._fulls:
-            fulls = values[n:bases["x"]].reshape(-1, K.FULL_LEN)
-            bad = bad or bool(fulls[:, K.HEAD + K.KEY_INF:].any())
+            fulls = values[n : bases["x"]].reshape(-1, K.FULL_LEN)
+            bad = bad or bool(fulls[:, K.HEAD + K.KEY_INF :].any())
         return values, bases, bad

@@ -3,6 +3,7 @@
 writer thread. This module holds the Doctor's life: arguments, installation, the per-step reset, the public calls,
 failure and close. What it does when training calls it is in callbacks.py; every entry is guarded
 (guards.guarded: never break training)."""
+
 from __future__ import annotations
 
 import functools
@@ -15,7 +16,6 @@ import warnings
 
 import torch
 
-from .live import LiveDiagnosis, check_severity
 from ..trace.writer import StepPacket, Writer
 from . import buffers as B
 from . import cadence as C
@@ -26,6 +26,7 @@ from . import probe as P
 from . import stats as K
 from .boundary import StepBoundary
 from .callbacks import Callbacks
+from .live import LiveDiagnosis, check_severity
 from .record import StepRecord
 from .sites import Sites
 
@@ -35,7 +36,7 @@ log = logging.getLogger("ampdoctor")
 # the tiers: sentinel every step, sampled sites, calibration, the flight recorder after anomalies, debug mode).
 DEFAULT_EVERY = C.DEFAULT_EVERY
 DEFAULT_PEAK_EVERY = C.DEFAULT_PEAK_EVERY
-DEFAULT_HIST_EVERY = 200    # histograms stored every 200th step: 500 sites x 10k steps stay well under 100 MB
+DEFAULT_HIST_EVERY = 200  # histograms stored every 200th step: 500 sites x 10k steps stay well under 100 MB
 DEFAULT_WEIGHT_EVERY = 200  # weights and updates change slowly, and an update needs a copy of the weights
 
 
@@ -47,28 +48,48 @@ def _check_positive(name: str, value) -> None:
 class Doctor(Callbacks, StepBoundary):
     """Observes one model during training; use as a context manager or call ``close()``."""
 
-    def __init__(self, model, optimizer=None, scaler=None, trace: str = "runs/ampdoctor.db", *,
-                 mode: str = "default", every: int | None = None, peak_every: int | None = None,
-                 hist_every: int | None = None, weight_every: int = DEFAULT_WEIGHT_EVERY,
-                 calibration: int = C.DEFAULT_CALIBRATION, include=None, exclude=None,
-                 live: bool = True, on_finding=None, halt_on: str | None = None, log_every: int | None = None,
-                 rules: dict | None = None, probe_every: int | None = None):
+    def __init__(
+        self,
+        model,
+        optimizer=None,
+        scaler=None,
+        trace: str = "runs/ampdoctor.db",
+        *,
+        mode: str = "default",
+        every: int | None = None,
+        peak_every: int | None = None,
+        hist_every: int | None = None,
+        weight_every: int = DEFAULT_WEIGHT_EVERY,
+        calibration: int = C.DEFAULT_CALIBRATION,
+        include=None,
+        exclude=None,
+        live: bool = True,
+        on_finding=None,
+        halt_on: str | None = None,
+        log_every: int | None = None,
+        rules: dict | None = None,
+        probe_every: int | None = None,
+    ):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"Argument model should be of type torch.nn.Module, but given {type(model)}")
         if optimizer is not None:
             optimizer, wrapped_scaler = G.unwrap_optimizer(optimizer)
-            if scaler is None and G.is_scaler(wrapped_scaler):    # accelerate's optimizer carries its GradScaler
+            if scaler is None and G.is_scaler(wrapped_scaler):  # accelerate's optimizer carries its GradScaler
                 scaler = wrapped_scaler
         if scaler is not None and not G.is_scaler(scaler):
             raise TypeError(f"Argument scaler should be a torch.amp.GradScaler, but given {type(scaler)}")
         if mode not in C.MODES:
             raise ValueError(f"Argument mode should be one of {', '.join(map(repr, C.MODES))}, but given {mode!r}")
-        debug = mode == "debug"            # every site, every step, full statistics and histograms
+        debug = mode == "debug"  # every site, every step, full statistics and histograms
         every = (1 if debug else DEFAULT_EVERY) if every is None else every
         peak_every = (1 if debug else DEFAULT_PEAK_EVERY) if peak_every is None else peak_every
         hist_every = (1 if debug else DEFAULT_HIST_EVERY) if hist_every is None else hist_every
-        for name, value in (("every", every), ("peak_every", peak_every), ("hist_every", hist_every),
-                            ("weight_every", weight_every)):
+        for name, value in (
+            ("every", every),
+            ("peak_every", peak_every),
+            ("hist_every", hist_every),
+            ("weight_every", weight_every),
+        ):
             _check_positive(name, value)
         if not isinstance(calibration, int) or isinstance(calibration, bool) or calibration < 0:
             raise ValueError(f"Argument calibration should be a non-negative int, but given {calibration!r}")
@@ -82,16 +103,18 @@ class Doctor(Callbacks, StepBoundary):
             raise TypeError(f"Argument on_finding should be callable, but given {type(on_finding)}")
         check_severity("halt_on", halt_on)
         if rules is not None:
-            from ..diagnose.engine import resolve_rules
-            resolve_rules(rules)               # unknown ids or thresholds fail here, not in the live thread later
+            from ..rules.engine import resolve_rules
+
+            resolve_rules(rules)  # unknown ids or thresholds fail here, not in the live thread later
 
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.mode = mode
         self.every, self.peak_every, self.hist_every, self.weight_every = every, peak_every, hist_every, weight_every
-        self._cadence = C.Cadence(mode, every=every, peak_every=peak_every, hist_every=hist_every,
-                                  calibration=calibration)
-        self._obs = 0.0                  # host seconds spent inside ampdoctor on the training thread this step
-        self._hooked = False             # the per-module hooks are installed (only for steps that observe sites)
+        self._cadence = C.Cadence(
+            mode, every=every, peak_every=peak_every, hist_every=hist_every, calibration=calibration
+        )
+        self._obs = 0.0  # host seconds spent inside ampdoctor on the training thread this step
+        self._hooked = False  # the per-module hooks are installed (only for steps that observe sites)
         self._module_handles: list = []
         self.probe_every = probe_every
         self._include, self._exclude = include, exclude
@@ -108,7 +131,7 @@ class Doctor(Callbacks, StepBoundary):
         self._grad_figures = B.GradFigures()
         self._reset_step()
         self._pending: StepPacket | None = None
-        self._known_entries: list = []    # the entries of recent steps' distinct layouts, newest first
+        self._known_entries: list = []  # the entries of recent steps' distinct layouts, newest first
         self._bad_weights = 0
         self._half_params = any(p.dtype in (torch.float16, torch.bfloat16) for _, p in self._params)
         self._t_prev_end = time.perf_counter()
@@ -120,24 +143,27 @@ class Doctor(Callbacks, StepBoundary):
         self._anchor = next(itertools.chain(model.parameters(), model.buffers()), None)
         self._device = self._device_now()
         self._halted = False
-        self._external_batches = False   # begin_batch() marks the micro-batches (frameworks' callbacks)
-        self._step_starts = 0            # micro-batch starts seen (root forwards or begin_batch calls)
-        self._ac_probe = True            # look at the autocast state in the step's first observed forward
+        self._external_batches = False  # begin_batch() marks the micro-batches (frameworks' callbacks)
+        self._step_starts = 0  # micro-batch starts seen (root forwards or begin_batch calls)
+        self._ac_probe = True  # look at the autocast state in the step's first observed forward
         self._grads_seen = False
-        self._missed = 0                 # gradients cleared by zero_grad() while no step boundary came
+        self._missed = 0  # gradients cleared by zero_grad() while no step boundary came
         self._warned_once: set = set()
         self._metric_warned: set = set()
         G.ATTACHED.claim(self, [*model.modules(), *(o for o in (optimizer, scaler) if o is not None)])
 
         try:
-            self._writer = Writer(requested, free_name=True)    # never overwrites: an existing name gets -1, -2..
+            self._writer = Writer(requested, free_name=True)  # never overwrites: an existing name gets -1, -2..
             self.path = self._writer.path
         except Exception as exc:  # a read-only or full directory: warn, observe nothing, let training run
             self._writer = None
             self._off = True
             G.ATTACHED.release(self)
-            warnings.warn(f"ampdoctor: cannot write the trace {self.path} ({exc}); collection disabled, "
-                          "training continues", RuntimeWarning, stacklevel=4)
+            warnings.warn(
+                f"ampdoctor: cannot write the trace {self.path} ({exc}); collection disabled, training continues",
+                RuntimeWarning,
+                stacklevel=4,
+            )
             return
         try:
             self._start(live, on_finding, halt_on, log_every, rules)
@@ -145,8 +171,9 @@ class Doctor(Callbacks, StepBoundary):
             self._abort()
             raise
         if self.path != requested:
-            warnings.warn(f"ampdoctor: {requested} exists; writing this run's trace to {self.path}",
-                          RuntimeWarning, stacklevel=4)
+            warnings.warn(
+                f"ampdoctor: {requested} exists; writing this run's trace to {self.path}", RuntimeWarning, stacklevel=4
+            )
 
     def _start(self, live, on_finding, halt_on, log_every, rules) -> None:
         """Everything attach() starts once the trace file exists; _abort() undoes it when any part raises."""
@@ -158,9 +185,9 @@ class Doctor(Callbacks, StepBoundary):
             self._live = LiveDiagnosis(self.path, on_finding=on_finding, halt_on=halt_on, rules=rules)
             self._live.start()
         if log_every is not None and not log.handlers and not logging.getLogger().handlers:
-            _handler = logging.StreamHandler()          # the summary is asked for: make sure it is seen
+            _handler = logging.StreamHandler()  # the summary is asked for: make sure it is seen
             _handler.setFormatter(logging.Formatter("%(message)s"))
-            log.addHandler(_handler)                    # last: an attach that raised added no handler
+            log.addHandler(_handler)  # last: an attach that raised added no handler
             log.setLevel(logging.INFO)
 
     def _abort(self) -> None:
@@ -170,7 +197,7 @@ class Doctor(Callbacks, StepBoundary):
         if self._live is not None:
             self._live.stop()
         self._writer.close()
-        for suffix in ("", "-wal", "-shm"):      # this Doctor's Writer created the file (it refuses an existing one)
+        for suffix in ("", "-wal", "-shm"):  # this Doctor's Writer created the file (it refuses an existing one)
             try:
                 os.remove(self.path + suffix)
             except OSError:
@@ -182,7 +209,7 @@ class Doctor(Callbacks, StepBoundary):
         h = self._handles
         self._modules = H.select_modules(self.model, self._include, self._exclude)
         self._grad_hooks = {}
-        self._fwd_hooks = []             # made once, registered only for steps that observe sites (_sync_hooks)
+        self._fwd_hooks = []  # made once, registered only for steps that observe sites (_sync_hooks)
         # A compiled model keeps them (its graphs would change with every registration); they return at once on
         # steps that observe no site.
         self._keep_hooks = type(self.model).__name__ == "OptimizedModule"
@@ -267,14 +294,18 @@ class Doctor(Callbacks, StepBoundary):
         if self._off:
             return
         number = G.as_number(value)
-        if number is None or (step is not None and (not isinstance(step, numbers.Integral) or isinstance(step, bool)
-                                                    or step < 0)):
+        if number is None or (
+            step is not None and (not isinstance(step, numbers.Integral) or isinstance(step, bool) or step < 0)
+        ):
             if name not in self._metric_warned:
                 self._metric_warned.add(name)
                 what = f"value {value!r:.60}" if number is None else f"step {step!r}"
-                warnings.warn(f"ampdoctor: log_metric({name!r}) skipped: the {what} is not "
-                              f"{'a real number' if number is None else 'a non-negative int'}; collection continues",
-                              RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"ampdoctor: log_metric({name!r}) skipped: the {what} is not "
+                    f"{'a real number' if number is None else 'a non-negative int'}; collection continues",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             return
         self._record_metric(name, number, step)
 
@@ -303,8 +334,11 @@ class Doctor(Callbacks, StepBoundary):
         if self._boundary != "manual":
             if not self._warned_step:
                 self._warned_step = True
-                warnings.warn("ampdoctor: step() ignored: steps are taken from the "
-                              f"{self._boundary} already", RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"ampdoctor: step() ignored: steps are taken from the {self._boundary} already",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             return
         self._end_step(skipped=False)
 
@@ -335,8 +369,12 @@ class Doctor(Callbacks, StepBoundary):
         self._off = True
         if not self._warned:
             self._warned = True
-            warnings.warn(f"ampdoctor: collection stopped after an internal error ({type(exc).__name__}: {exc}); "
-                          "training continues", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"ampdoctor: collection stopped after an internal error ({type(exc).__name__}: {exc}); "
+                "training continues",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         self._handles.remove()
 
     def flush(self, timeout: float = 30.0) -> bool:
@@ -351,8 +389,7 @@ class Doctor(Callbacks, StepBoundary):
         """Remove every hook, restore every wrapped method, flush and close the trace. Idempotent."""
         if self._closed:
             return
-        if (self._writer is not None and not self._off and self._step == 0
-                and (self._step_starts or self._rec.entries)):
+        if self._writer is not None and not self._off and self._step == 0 and (self._step_starts or self._rec.entries):
             self._warn_once("no-boundary", G.no_boundary(self._boundary, "the whole run"))
         self._closed = True
         self._off = True
@@ -373,8 +410,11 @@ class Doctor(Callbacks, StepBoundary):
             self._writer.close()
             if self._writer.error is not None and not self._warned:
                 self._warned = True
-                warnings.warn(f"ampdoctor: the trace {self.path} may be incomplete ({self._writer.error})",
-                              RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"ampdoctor: the trace {self.path} may be incomplete ({self._writer.error})",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
 
     def __enter__(self):
         return self

@@ -1,4 +1,5 @@
 """The sites of a run: one id per (path, kind), announced to the writer the first time it is observed."""
+
 from __future__ import annotations
 
 import threading
@@ -20,13 +21,16 @@ class Sites:
         self._put = put
         self._lock = threading.Lock()
         # the module owning each parameter, by the parameter's full name
-        self.owner = {(f"{m}." if m else "") + n: mod for m, mod in model.named_modules()
-                      for n, _ in mod.named_parameters(recurse=False)}
+        self.owner = {
+            (f"{m}." if m else "") + n: mod
+            for m, mod in model.named_modules()
+            for n, _ in mod.named_parameters(recurse=False)
+        }
 
     def get(self, path: str, kind: str, module, t: torch.Tensor | None, step: int) -> int:
         sid = self.ids.get((path, kind))
         if sid is None:
-            with self._lock:           # backward hooks of several devices run on autograd's per-device threads
+            with self._lock:  # backward hooks of several devices run on autograd's per-device threads
                 return self._new(path, kind, module, t, step)
         return sid
 

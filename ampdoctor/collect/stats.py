@@ -7,6 +7,7 @@ transfer (DESIGN principle 3). bf16 and fp16 tensors are widened to float32 firs
 are narrowed to float32 (a value within one float32 rounding of a threshold may then be counted on the other side
 of it). Peaks ([min, max]) are one ``aminmax`` per tensor, taken in buffers.py.
 """
+
 from __future__ import annotations
 
 import functools
@@ -16,17 +17,26 @@ import threading
 import numpy as np
 import torch
 
-from ..trace.vectors import (EDGE_BITS, FULL_LEN, HEAD, HIST_KEYS, I_ABSMAX, I_EDGES, I_NORM, I_SUM,  # noqa: F401
-                             KEY_INF)
+from ..trace.vectors import (
+    EDGE_BITS,
+    FULL_LEN,
+    HEAD,
+    HIST_KEYS,
+    I_ABSMAX,
+    I_EDGES,
+    I_NORM,
+    I_SUM,
+    KEY_INF,
+)
 from ..trace.vectors import KEY_SHIFT as _SHIFT
 
-_INF_BITS = 0x7F800000        # |x| bit patterns order like |x|: finite < inf < NaN
+_INF_BITS = 0x7F800000  # |x| bit patterns order like |x|: finite < inf < NaN
 
 
 def _as_float32(x: torch.Tensor) -> torch.Tensor:
     x = x.detach()
     if x.dtype != torch.float32:
-        x = x.float()           # exact for fp16/bf16; fp64 values beyond float32 range become 0/Inf
+        x = x.float()  # exact for fp16/bf16; fp64 values beyond float32 range become 0/Inf
     return x
 
 
@@ -46,21 +56,21 @@ def full(x: torch.Tensor) -> torch.Tensor:
     return _full_cpu(x) if on_host(x) else _full_device(x)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _edge_table(device: torch.device) -> torch.Tensor:
     return torch.tensor(EDGE_BITS, dtype=torch.int32, device=device)
 
 
 def _edge_counts(bits: torch.Tensor) -> torch.Tensor:
     """How many |x| (float32 bit patterns) lie at or below each edge: one bucketize pass (exact, NaN-safe)."""
-    idx = torch.bucketize(bits, _edge_table(bits.device), out_int32=True)    # edge[i-1] < bits <= edge[i]
+    idx = torch.bucketize(bits, _edge_table(bits.device), out_int32=True)  # edge[i-1] < bits <= edge[i]
     return torch.bincount(idx, minlength=len(EDGE_BITS) + 1)[:-1].cumsum(0)
 
 
 def _full_device(x: torch.Tensor) -> torch.Tensor:
     """Accelerator version: a fixed sequence of device ops, no value read on the host (no sync)."""
     xf = _as_float32(x)
-    bits = xf.view(torch.int32) & 0x7FFFFFFF           # |x| as float32 bits
+    bits = xf.view(torch.int32) & 0x7FFFFFFF  # |x| as float32 bits
     hist = torch.bincount(bits >> _SHIFT, minlength=HIST_KEYS)
     finite = torch.where(bits < _INF_BITS, bits, 0)
     absmax = finite.amax().view(torch.float32) if bits.numel() else xf.new_zeros(())
@@ -74,7 +84,7 @@ def _full_device(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((head, hist.to(torch.float64)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _settled(dtype: torch.dtype) -> tuple:
     """For each edge, the key holding it and whether the input dtype settles it without looking at values: every
     value of that dtype inside the key lies at or below the edge (True), above it (False), or either (None). An
@@ -87,15 +97,17 @@ def _settled(dtype: torch.dtype) -> tuple:
             continue
         # the smallest non-zero and the largest value of the dtype inside the key (python floats: a torch
         # comparison with a python float would round the float to the dtype first)
-        lo, hi = (float(v) for v in np.array([max(key << _SHIFT, 1), ((key + 1) << _SHIFT) - 1],
-                                             dtype=np.int32).view(np.float32))
+        lo, hi = (
+            float(v)
+            for v in np.array([max(key << _SHIFT, 1), ((key + 1) << _SHIFT) - 1], dtype=np.int32).view(np.float32)
+        )
         first, last = torch.tensor([lo, hi]).to(dtype)
         if first.item() < lo:
             first = torch.nextafter(first, first.new_tensor(math.inf))
         if last.item() > hi:
             last = torch.nextafter(last, last.new_tensor(0.0))
         edge = float(np.array([b], dtype=np.int32).view(np.float32)[0])
-        if first.item() > hi or last.item() < lo or last.item() <= edge:     # none in the key, or all below
+        if first.item() > hi or last.item() < lo or last.item() <= edge:  # none in the key, or all below
             out.append((key, True))
         else:
             out.append((key, False if first.item() > edge else None))
@@ -105,7 +117,7 @@ def _settled(dtype: torch.dtype) -> tuple:
 # The CPU kernel's temporaries (the bit patterns, the keys, a comparison mask) are kept between calls, per thread, for
 # tensors up to SCRATCH_MAX values: torch's CPU allocator caches nothing, and a fresh buffer of a few hundred kB is
 # mapped and faulted in page by page on every call. Larger tensors allocate as they go (their passes dominate).
-SCRATCH_MAX = 1 << 22          # 4M values: at most 36 MB kept (two int32 buffers and a bool mask)
+SCRATCH_MAX = 1 << 22  # 4M values: at most 36 MB kept (two int32 buffers and a bool mask)
 _scratch = threading.local()
 
 
@@ -141,35 +153,35 @@ def _full_cpu(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     bits = None
     scratch = _buffers(n)
-    if x.dtype == torch.bfloat16:          # bf16 is float32's top half: the same key from half the bytes
+    if x.dtype == torch.bfloat16:  # bf16 is float32's top half: the same key from half the bytes
         k16 = scratch[1].view(np.int16)[:n] if scratch else None
         k16 = np.bitwise_and(x.view(torch.int16).numpy(), 0x7FFF, out=k16)
         key = torch.from_numpy(np.right_shift(k16, _SHIFT - 16, out=k16))
         xf = x.float()
-    else:                                  # numpy for the integer passes: ~2x torch's speed on a CPU
+    else:  # numpy for the integer passes: ~2x torch's speed on a CPU
         xf = _as_float32(x)
         bits = _abs_bits(xf, scratch[0] if scratch else None)
         key = torch.from_numpy(np.right_shift(bits, _SHIFT, out=scratch[1] if scratch else None))  # top 9 bits
     hist = torch.bincount(key, minlength=HIST_KEYS).numpy()
     mn, mx = torch.aminmax(xf)
     absmax = max(-mn.item(), mx.item())
-    if hist[KEY_INF:].any():                                 # the head's abs max is over finite values
+    if hist[KEY_INF:].any():  # the head's abs max is over finite values
         absmax = torch.nan_to_num(xf, 0.0, 0.0, 0.0).abs().amax().item()
     if hist[0] and bits is None:
         bits = _abs_bits(xf, scratch[0] if scratch else None)
-    zeros = n - np.count_nonzero(bits) if hist[0] else 0   # key 0: zeros and the smallest subnormals
-    below = np.concatenate(([0], np.cumsum(hist)))           # below[k]: values in keys < k
+    zeros = n - np.count_nonzero(bits) if hist[0] else 0  # key 0: zeros and the smallest subnormals
+    below = np.concatenate(([0], np.cumsum(hist)))  # below[k]: values in keys < k
     edges = np.empty(len(EDGE_BITS))
     for i, (k, settled) in enumerate(_settled(x.dtype)):
         key_zeros = zeros if k == 0 else 0
         if EDGE_BITS[i] == 0:
             edges[i] = zeros
-        elif settled or hist[k] == key_zeros:                # every value of the edge's key is at or below it
+        elif settled or hist[k] == key_zeros:  # every value of the edge's key is at or below it
             edges[i] = below[k] + hist[k]
-        elif settled is False:                               # every non-zero value of the key is above it
+        elif settled is False:  # every non-zero value of the key is above it
             edges[i] = below[k] + key_zeros
-        else:                                                # values on both sides of the edge may be there
-            if bits is None:            # (bf16: its key came from the top halves)
+        else:  # values on both sides of the edge may be there
+            if bits is None:  # (bf16: its key came from the top halves)
                 bits = _abs_bits(xf, scratch[0] if scratch else None)
             edges[i] = np.count_nonzero(np.less_equal(bits, EDGE_BITS[i], out=scratch[2] if scratch else None))
     out = np.empty(FULL_LEN)
@@ -181,7 +193,7 @@ def _full_cpu(x: torch.Tensor) -> torch.Tensor:
 
 def _sum_cpu(xf: torch.Tensor, absmax: float) -> float:
     """Sum in float32 where it cannot overflow, else in float64 (NaN/Inf propagate as in torch.sum)."""
-    if absmax * xf.numel() < 2.0 ** 127:
+    if absmax * xf.numel() < 2.0**127:
         return xf.sum().item()
     return xf.sum(dtype=torch.float64).item()
 
@@ -189,6 +201,6 @@ def _sum_cpu(xf: torch.Tensor, absmax: float) -> float:
 def _norm_cpu(xf: torch.Tensor, absmax: float) -> float:
     """L2 norm: one float32 dot product where its sum of squares can neither overflow nor lose the small values
     (absmax in [2^-40, 2^63 / sqrt(n)]), else in float64. NaN/Inf when the tensor holds one, as a norm would be."""
-    if 2.0 ** -40 <= absmax and absmax * absmax * xf.numel() < 2.0 ** 126:
+    if absmax >= 2.0**-40 and absmax * absmax * xf.numel() < 2.0**126:
         return math.sqrt(torch.dot(xf, xf).item())
     return torch.linalg.vector_norm(xf, dtype=torch.float64).item()

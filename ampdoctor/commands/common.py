@@ -1,5 +1,6 @@
 """What the commands share: usage errors and exit codes, control characters kept off the terminal, and the
 number formats of every table a command prints (one place each, so two commands never print a value two ways)."""
+
 from __future__ import annotations
 
 import json

@@ -1,22 +1,31 @@
 """``ampdoctor diagnose TRACE``: the rules over a trace as a readable report or JSON; exit 1 gates CI."""
+
 from __future__ import annotations
 
 import json
 import textwrap
 
-from ..diagnose import diagnose
-from ..diagnose.registry import RULES
+from ..rules import diagnose
+from ..rules.registry import RULES
 from ..severity import SEVERITIES, at_least
 from .common import EXIT_FINDINGS, EXIT_OK, UsageError, evidence
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("trace", nargs="+", help="trace file (.db), or a directory, glob or files of one run's ranks")
-    parser.add_argument("--reference", default=None, metavar="TRACE",
-                        help="a second trace to compare with (e.g. the same model in FP32)")
+    parser.add_argument(
+        "--reference",
+        default=None,
+        metavar="TRACE",
+        help="a second trace to compare with (e.g. the same model in FP32)",
+    )
     parser.add_argument("--json", action="store_true", help="print a JSON list of findings")
-    parser.add_argument("--fail-on", default="warning", choices=SEVERITIES,
-                        help="exit 1 when a finding at or above this severity exists (default: warning)")
+    parser.add_argument(
+        "--fail-on",
+        default="warning",
+        choices=SEVERITIES,
+        help="exit 1 when a finding at or above this severity exists (default: warning)",
+    )
     parser.add_argument("--disable", nargs="+", action="extend", default=[], metavar="ID", help="rule ids to leave out")
 
 
@@ -50,5 +59,5 @@ def report(path: str, findings) -> str:
         ev = d.to_dict()["evidence"]
         lines.append("  evidence: " + ", ".join(f"{k}={evidence(v)}" for k, v in ev.items()))
         lines.append("  fix:")
-        lines += ["    " + ln for part in d.fix for ln in part.text.splitlines()]   # code as printed, 4 in
+        lines += ["    " + ln for part in d.fix for ln in part.text.splitlines()]  # code as printed, 4 in
     return "\n".join(lines)

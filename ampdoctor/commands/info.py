@@ -1,5 +1,6 @@
 """``ampdoctor info TRACE``: a trace's summary (steps, sites, precision, loss scale, first non-finite); for a
 directory or glob of one run's ranks, the ranks side by side."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,7 +17,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    if is_multi(args.trace):                     # a directory or glob of one run's ranks
+    if is_multi(args.trace):  # a directory or glob of one run's ranks
         return info_ranks(args.trace)
     tr = load(args.trace)
     meta, cfg = tr.meta, tr.config
@@ -24,11 +25,15 @@ def run(args) -> int:
     sites = tr.sites()
     run = meta.get("run", {})
     print(f"trace      {args.trace}")
-    print(f"run        {run.get('model', '?')} ({run.get('params', 0):,} parameters) on {run.get('device', '?')} "
-          f"({run.get('device_name', '')}); torch {run.get('torch', '?')}, ampdoctor {run.get('ampdoctor', '?')}")
-    print(f"steps      {len(steps)} recorded"
-          + (f", full statistics at {len(tr.full_steps())}" if len(steps) else "")
-          + ("" if "closed" in meta else " (run still open or ended without close())"))
+    print(
+        f"run        {run.get('model', '?')} ({run.get('params', 0):,} parameters) on {run.get('device', '?')} "
+        f"({run.get('device_name', '')}); torch {run.get('torch', '?')}, ampdoctor {run.get('ampdoctor', '?')}"
+    )
+    print(
+        f"steps      {len(steps)} recorded"
+        + (f", full statistics at {len(tr.full_steps())}" if len(steps) else "")
+        + ("" if "closed" in meta else " (run still open or ended without close())")
+    )
     print("observed   " + observation_line(meta, steps))
     cost = cost_line(steps)
     if cost:
@@ -51,43 +56,54 @@ def run(args) -> int:
         if len(scales):
             # "last" is the scale in force at the last step, as the report says; the update after it is named apart
             nxt = steps["loss_scale_next"].dropna()
-            print(f"loss scale {scales.iloc[0]:g} at step {int(steps['step'][scales.index[0]])}, last "
-                  f"{scales.iloc[-1]:g} at step {int(steps['step'][scales.index[-1]])}, range {scales.min():g} .. "
-                  f"{scales.max():g}" + (f"; {nxt.iloc[-1]:g} after the last update" if len(nxt) else ""))
+            print(
+                f"loss scale {scales.iloc[0]:g} at step {int(steps['step'][scales.index[0]])}, last "
+                f"{scales.iloc[-1]:g} at step {int(steps['step'][scales.index[-1]])}, range {scales.min():g} .. "
+                f"{scales.max():g}" + (f"; {nxt.iloc[-1]:g} after the last update" if len(nxt) else "")
+            )
     skipped = steps.index[steps["skipped"]].tolist() if len(steps) else []
-    print(f"skipped    {len(skipped)} step(s)" + (f": {ranges(steps['step'][steps['skipped']].tolist())}"
-                                                  if skipped else ""))
+    print(
+        f"skipped    {len(skipped)} step(s)"
+        + (f": {ranges(steps['step'][steps['skipped']].tolist())}" if skipped else "")
+    )
     if len(steps):
         finite = steps["loss"].replace([np.inf, -np.inf], np.nan)
         loss = finite.dropna()
         if len(loss):
-            bad = steps["step"][finite.isna()]          # the loss is logged in this run: a missing one is NaN/Inf
+            bad = steps["step"][finite.isna()]  # the loss is logged in this run: a missing one is NaN/Inf
             line = f"loss       {loss.iloc[0]:.4g} at step {int(steps['step'][loss.index[0]])}"
             if len(loss) > 1:
                 line += f" -> {loss.iloc[-1]:.4g} at step {int(steps['step'][loss.index[-1]])}"
             if len(bad):
                 line += f"; not finite at {len(bad)} step(s): {ranges(bad.astype(int).tolist())}"
             print(line)
-        elif tr.config.get("loss_dtype"):               # a loss was seen (its dtype is recorded), never finite
+        elif tr.config.get("loss_dtype"):  # a loss was seen (its dtype is recorded), never finite
             print(f"loss       not finite at any of the {len(steps)} step(s)")
     ev = tr.events("nonfinite")
     if len(ev):
         first = ev.iloc[0]
         where = f"{first['path']} ({first['site_kind']})" if first["path"] else "the loss"
-        print(f"non-finite {len(ev)} step(s); first at step {int(first['step'])}: {where}, {first['phase']} "
-              f"phase, {first['data'].get('value', '?')} — {first['message']}")
+        print(
+            f"non-finite {len(ev)} step(s); first at step {int(first['step'])}: {where}, {first['phase']} "
+            f"phase, {first['data'].get('value', '?')} — {first['message']}"
+        )
     unknown = tr.events("nonfinite_unknown")
     if len(unknown):
-        print(f"non-finite {len(unknown)} step(s) of unknown origin (observed by the sentinel only): "
-              f"{ranges(unknown['step'].astype(int).tolist())}")
+        print(
+            f"non-finite {len(unknown)} step(s) of unknown origin (observed by the sentinel only): "
+            f"{ranges(unknown['step'].astype(int).tolist())}"
+        )
     elif not len(ev):
         print("non-finite none")
     wev = tr.events("nonfinite_weights")
     if len(wev):
         first = wev.iloc[0]
         names = ", ".join(first["data"].get("params", [])[:3])
-        print(f"weights    NaN/Inf after the optimizer step of step {int(first['step'])}: "
-              f"{first['data'].get('count', '?')} tensor(s) ({names}{', ...' if first['data'].get('count', 0) > 3 else ''})")
+        more = ", ..." if first["data"].get("count", 0) > 3 else ""
+        print(
+            f"weights    NaN/Inf after the optimizer step of step {int(first['step'])}: "
+            f"{first['data'].get('count', '?')} tensor(s) ({names}{more})"
+        )
     return EXIT_OK
 
 
@@ -97,23 +113,31 @@ def info_ranks(spec: str) -> int:
         first = rr[rr.ranks[0]]
         run, cfg = first.meta.get("run", {}) or {}, first.config
         rid = run.get("run_id")
-        print(f"run        {rr.source}: {len(rr)} rank(s) of world size {rr.world_size}"
-              + (f", torchrun run id {rid}" if rid else ""))
-        print(f"model      {run.get('model', '?')} ({run.get('params', 0):,} parameters) on {run.get('device', '?')}; "
-              f"{describe_precision(cfg)}")
+        print(
+            f"run        {rr.source}: {len(rr)} rank(s) of world size {rr.world_size}"
+            + (f", torchrun run id {rid}" if rid else "")
+        )
+        print(
+            f"model      {run.get('model', '?')} ({run.get('params', 0):,} parameters) on {run.get('device', '?')}; "
+            f"{describe_precision(cfg)}"
+        )
         if rr.missing:
             print(f"missing    no trace for rank(s) {', '.join(map(str, rr.missing))}")
-        print(f"{'rank':>4s} {'steps':>6s} {'skipped':>8s} {'non-finite':>10s} {'scale last':>10s} "
-              f"{'step time':>10s} {'data wait':>10s} {'loss last':>10s}  host / trace")
+        print(
+            f"{'rank':>4s} {'steps':>6s} {'skipped':>8s} {'non-finite':>10s} {'scale last':>10s} "
+            f"{'step time':>10s} {'data wait':>10s} {'loss last':>10s}  host / trace"
+        )
         for rank, tr in rr.items():
             st = tr.steps()
             host = (tr.meta.get("run", {}) or {}).get("host", "?")
             scale = st["loss_scale_next"].dropna()
             loss = st["loss"].replace([np.inf, -np.inf], np.nan).dropna()
-            print(f"{rank:>4d} {len(st):>6d} {int(st['skipped'].sum()):>8d} {int(st['nonfinite'].sum()):>10d} "
-                  f"{approx(float(scale.iloc[-1]) if len(scale) else None):>10s} "
-                  f"{approx(float(st['step_time'].median()) if len(st) else None, ' s'):>10s} "
-                  f"{approx(float(st['data_time'].median()) if len(st) else None, ' s'):>10s} "
-                  f"{approx(float(loss.iloc[-1]) if len(loss) else None):>10s}  {host} {tr.path}")
+            print(
+                f"{rank:>4d} {len(st):>6d} {int(st['skipped'].sum()):>8d} {int(st['nonfinite'].sum()):>10d} "
+                f"{approx(float(scale.iloc[-1]) if len(scale) else None):>10s} "
+                f"{approx(float(st['step_time'].median()) if len(st) else None, ' s'):>10s} "
+                f"{approx(float(st['data_time'].median()) if len(st) else None, ' s'):>10s} "
+                f"{approx(float(loss.iloc[-1]) if len(loss) else None):>10s}  {host} {tr.path}"
+            )
         print(f"details    ampdoctor info {first.path}; the rank rules: ampdoctor diagnose {rr.source}")
     return EXIT_OK

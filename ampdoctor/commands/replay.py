@@ -1,40 +1,64 @@
 """``ampdoctor replay TRACE``: recorded vs simulated loss-scale history for other GradScaler settings."""
+
 from __future__ import annotations
 
 import numpy as np
 
-from ..replay import gradscaler_code, replay, suggest
+from ..lossscale import gradscaler_code, replay, suggest
 from ..trace import load
 from .common import EXIT_OK, UsageError, exact, pct, ranges
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("trace", help="trace file (.db)")
-    parser.add_argument("--init-scale", type=float, default=None, metavar="X",
-                        help="initial loss scale to simulate (default: the run's own)")
-    parser.add_argument("--growth-factor", type=float, default=None, metavar="X",
-                        help="growth factor (> 1; default: the run's own)")
-    parser.add_argument("--backoff-factor", type=float, default=None, metavar="X",
-                        help="backoff factor (between 0 and 1; default: the run's own)")
-    parser.add_argument("--growth-interval", type=int, default=None, metavar="N",
-                        help="steps without overflow before the scale grows (default: the run's own)")
-    parser.add_argument("--suggest", action="store_true",
-                        help="search init_scale and growth_interval for the fewest skipped steps and least underflow")
+    parser.add_argument(
+        "--init-scale",
+        type=float,
+        default=None,
+        metavar="X",
+        help="initial loss scale to simulate (default: the run's own)",
+    )
+    parser.add_argument(
+        "--growth-factor", type=float, default=None, metavar="X", help="growth factor (> 1; default: the run's own)"
+    )
+    parser.add_argument(
+        "--backoff-factor",
+        type=float,
+        default=None,
+        metavar="X",
+        help="backoff factor (between 0 and 1; default: the run's own)",
+    )
+    parser.add_argument(
+        "--growth-interval",
+        type=int,
+        default=None,
+        metavar="N",
+        help="steps without overflow before the scale grows (default: the run's own)",
+    )
+    parser.add_argument(
+        "--suggest",
+        action="store_true",
+        help="search init_scale and growth_interval for the fewest skipped steps and least underflow",
+    )
 
 
 def _column(r) -> dict:
     n = len(r.steps)
-    return {"skipped steps": f"{r.n_skipped} ({pct(r.n_skipped / n)})",
-            "scale range": f"{exact(float(r.scales.min()))} .. {exact(float(r.scales.max()))}",
-            "final scale": exact(r.final_scale),
-            "underflow": pct(r.mean_underflow),
-            "flushed to 0": pct(r.mean_flushed),
-            "gradient lost": pct(r.lost)}
+    return {
+        "skipped steps": f"{r.n_skipped} ({pct(r.n_skipped / n)})",
+        "scale range": f"{exact(float(r.scales.min()))} .. {exact(float(r.scales.max()))}",
+        "final scale": exact(r.final_scale),
+        "underflow": pct(r.mean_underflow),
+        "flushed to 0": pct(r.mean_flushed),
+        "gradient lost": pct(r.lost),
+    }
 
 
 def _settings_line(s: dict) -> str:
-    return (f"init_scale {exact(s['init_scale'])}, growth_factor {s['growth_factor']:g}, "
-            f"backoff_factor {s['backoff_factor']:g}, growth_interval {s['growth_interval']}")
+    return (
+        f"init_scale {exact(s['init_scale'])}, growth_factor {s['growth_factor']:g}, "
+        f"backoff_factor {s['backoff_factor']:g}, growth_interval {s['growth_interval']}"
+    )
 
 
 def run(args) -> int:
@@ -43,8 +67,13 @@ def run(args) -> int:
         raise UsageError(f"{args.trace}: the trace has no steps yet")
     try:
         base = replay(tr)
-        sim = replay(tr, init_scale=args.init_scale, growth_factor=args.growth_factor,
-                     backoff_factor=args.backoff_factor, growth_interval=args.growth_interval)
+        sim = replay(
+            tr,
+            init_scale=args.init_scale,
+            growth_factor=args.growth_factor,
+            backoff_factor=args.backoff_factor,
+            growth_interval=args.growth_interval,
+        )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     st = tr.steps()
@@ -73,25 +102,38 @@ def run(args) -> int:
         rec_scales = st["loss_scale"].to_numpy(float)
         off = np.flatnonzero(~np.isnan(rec_scales) & (base.scales != rec_scales))
         if len(off):
-            print(f"note: the recorded scale departs from GradScaler's rule at step {int(base.steps[off[0]])} "
-                  "(a manual update(new_scale) or a scaler state loaded mid-run?); the simulation follows the rule")
+            print(
+                f"note: the recorded scale departs from GradScaler's rule at step {int(base.steps[off[0]])} "
+                "(a manual update(new_scale) or a scaler state loaded mid-run?); the simulation follows the rule"
+            )
         elif sim.settings == base.settings:
             print("(the run's own settings: the replay reproduces the recorded scale history)")
     if sim.estimated.any():
-        print(f"note: {int(sim.estimated.sum())} skip decision(s) estimated from neighbouring steps (the recorded "
-              "step overflowed at a higher scale)")
+        print(
+            f"note: {int(sim.estimated.sum())} skip decision(s) estimated from neighbouring steps (the recorded "
+            "step overflowed at a higher scale)"
+        )
     if sim.assumed_fp16:
         print("note: the run computed no gradient in FP16; replayed as if it had (what FP16 would do)")
     if args.suggest:
         from tqdm.auto import tqdm
-        sg = suggest(tr, progress=lambda grid: tqdm(grid, desc="replaying scaler settings", unit="setting",
-                                                    disable=None, leave=False))
+
+        sg = suggest(
+            tr,
+            progress=lambda grid: tqdm(
+                grid, desc="replaying scaler settings", unit="setting", disable=None, leave=False
+            ),
+        )
         print()
         best = sg.replay
-        print(f"suggested  {_settings_line(sg.settings)}  ({sg.searched} settings tried; objective: the share "
-              "of gradient lost = skipped steps + underflow of the applied ones)")
-        print(f"           skipped {best.n_skipped}, underflow {pct(best.mean_underflow)}, gradient lost "
-              f"{pct(best.lost)} (run's own settings: {pct(sg.baseline.lost)})")
+        print(
+            f"suggested  {_settings_line(sg.settings)}  ({sg.searched} settings tried; objective: the share "
+            "of gradient lost = skipped steps + underflow of the applied ones)"
+        )
+        print(
+            f"           skipped {best.n_skipped}, underflow {pct(best.mean_underflow)}, gradient lost "
+            f"{pct(best.lost)} (run's own settings: {pct(sg.baseline.lost)})"
+        )
         if not sg.improves:
             print("           the run's own settings are already as good as any tried")
         print(f"    scaler = {gradscaler_code(sg.settings, sg.device)}")
@@ -102,6 +144,6 @@ def run(args) -> int:
 
 def _at_scale_one(tr) -> float:
     """Underflow of a run without a scaler: the shares at scale 1 (what happened)."""
-    u = replay(tr, init_scale=1.0, growth_interval=10 ** 9).underflow
+    u = replay(tr, init_scale=1.0, growth_interval=10**9).underflow
     u = u[~np.isnan(u)]
     return float(u.mean()) if len(u) else float("nan")

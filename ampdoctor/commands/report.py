@@ -1,4 +1,6 @@
-"""`ampdoctor report TRACE -o report.html [--reference TRACE]`: one self-contained HTML file (plotly loads inside run())."""
+"""`ampdoctor report TRACE -o report.html [--reference TRACE]`: one self-contained HTML file (plotly loads inside
+run())."""
+
 from __future__ import annotations
 
 import os
@@ -9,12 +11,18 @@ from .common import EXIT_OK, UsageError
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("trace", metavar="TRACE", nargs="+",
-                        help="trace file (.db), or a directory, glob or files of one run's ranks (one report)")
-    parser.add_argument("-o", "--output", metavar="HTML", default=None,
-                        help="HTML file to write (default: TRACE with .html)")
-    parser.add_argument("--reference", metavar="TRACE", default=None,
-                        help="a healthy trace to compare with (e.g. the FP32 run)")
+    parser.add_argument(
+        "trace",
+        metavar="TRACE",
+        nargs="+",
+        help="trace file (.db), or a directory, glob or files of one run's ranks (one report)",
+    )
+    parser.add_argument(
+        "-o", "--output", metavar="HTML", default=None, help="HTML file to write (default: TRACE with .html)"
+    )
+    parser.add_argument(
+        "--reference", metavar="TRACE", default=None, help="a healthy trace to compare with (e.g. the FP32 run)"
+    )
 
 
 def run(args) -> int:
@@ -33,9 +41,11 @@ def run(args) -> int:
     tr = load(args.trace)
     ref = load(args.reference) if args.reference else None
     with tqdm(total=len(STAGES), desc="report", unit="stage", disable=None, leave=False) as bar:
-        def stage(name):                 # called as each stage starts; on stderr, and only on a terminal
+
+        def stage(name):  # called as each stage starts; on stderr, and only on a terminal
             bar.set_postfix_str(name)
             bar.update()
+
         write_report(tr, out, ref, progress=stage)
     print(f"wrote {out}")
     return EXIT_OK

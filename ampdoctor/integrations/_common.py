@@ -1,4 +1,5 @@
 """What the framework callbacks share: numbers out of metric dicts, the default trace path."""
+
 from __future__ import annotations
 
 import math

@@ -5,16 +5,18 @@ At train start it attaches to the LightningModule with the Trainer's optimizer a
 the callback marks each training batch itself (``Doctor.begin_batch``) for the step timing and batch sizes. It
 records the loss Lightning backpropagates, Lightning's logged metrics, and closes the trace when training ends.
 """
+
 from __future__ import annotations
 
 try:
     from lightning.pytorch import Callback
-except ImportError:             # the standalone package of older installs
+except ImportError:  # the standalone package of older installs
     try:
         from pytorch_lightning import Callback
     except ImportError as exc:  # pragma: no cover - the message is the point
-        raise ImportError('ampdoctor.integrations.lightning needs lightning: pip install "ampdoctor[lightning]"'
-                          ) from exc
+        raise ImportError(
+            'ampdoctor.integrations.lightning needs lightning: pip install "ampdoctor[lightning]"'
+        ) from exc
 
 from ._common import MetricLog, trace_path
 
@@ -33,15 +35,20 @@ class AmpDoctorCallback(Callback):
 
     def on_train_start(self, trainer, pl_module):
         import ampdoctor
+
         self._close()
         self._metrics = MetricLog()
         self._steps_seen = 0
         optimizers = list(trainer.optimizers)
         self._manual_steps = len(optimizers) != 1
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        self.doctor = ampdoctor.attach(pl_module, optimizer=None if self._manual_steps else optimizers[0],
-                                       scaler=scaler, trace=trace_path(self.trace, trainer.default_root_dir),
-                                       **self.options)
+        self.doctor = ampdoctor.attach(
+            pl_module,
+            optimizer=None if self._manual_steps else optimizers[0],
+            scaler=scaler,
+            trace=trace_path(self.trace, trainer.default_root_dir),
+            **self.options,
+        )
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.doctor is not None:
@@ -60,7 +67,7 @@ class AmpDoctorCallback(Callback):
             return
         if self._manual_steps and doc._boundary == "manual":
             doc.step()
-        if doc.steps != self._steps_seen:       # an optimizer step ended: what Lightning logged for it
+        if doc.steps != self._steps_seen:  # an optimizer step ended: what Lightning logged for it
             self._steps_seen = doc.steps
             self._metrics.send(doc, trainer.logged_metrics)
 
@@ -69,7 +76,7 @@ class AmpDoctorCallback(Callback):
             self._metrics.send(self.doctor, trainer.callback_metrics)
 
     def on_train_epoch_end(self, trainer, pl_module):
-        if self.doctor is not None:           # epoch-level values (on_epoch=True) are logged at the epoch end
+        if self.doctor is not None:  # epoch-level values (on_epoch=True) are logged at the epoch end
             self._metrics.send(self.doctor, trainer.logged_metrics)
 
     def on_train_end(self, trainer, pl_module):

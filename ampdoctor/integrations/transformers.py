@@ -5,15 +5,17 @@ unwrapped to the torch optimizer, so trace steps are optimizer steps after gradi
 GradScaler (FP16); it records the training loss the Trainer backpropagates and every evaluation metric, and closes
 the trace when training ends.
 """
+
 from __future__ import annotations
 
 import torch
 
 try:
     from transformers import TrainerCallback
-except ImportError as exc:      # pragma: no cover - the message is the point
-    raise ImportError('ampdoctor.integrations.transformers needs transformers: pip install "ampdoctor[transformers]"'
-                      ) from exc
+except ImportError as exc:  # pragma: no cover - the message is the point
+    raise ImportError(
+        'ampdoctor.integrations.transformers needs transformers: pip install "ampdoctor[transformers]"'
+    ) from exc
 
 from ._common import MetricLog, trace_path
 
@@ -31,10 +33,12 @@ class AmpDoctorCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         import ampdoctor
+
         self._close()
         self._metrics = MetricLog()
-        self.doctor = ampdoctor.attach(model, optimizer=optimizer, trace=trace_path(self.trace, args.output_dir),
-                                       **self.options)
+        self.doctor = ampdoctor.attach(
+            model, optimizer=optimizer, trace=trace_path(self.trace, args.output_dir), **self.options
+        )
         doc = self.doctor
         if doc.active and (doc.scaler is None or not doc._scaler_enabled()):
             # With a GradScaler the loss is read in scaler.scale(); without one, from the model's output.
@@ -48,12 +52,15 @@ class AmpDoctorCallback(TrainerCallback):
         if doc is None or not doc.active or not (module.training and torch.is_grad_enabled()):
             return
         try:
-            loss = output.get("loss") if isinstance(output, dict) else (
-                output[0] if isinstance(output, (tuple, list)) and output else None)
+            loss = (
+                output.get("loss")
+                if isinstance(output, dict)
+                else (output[0] if isinstance(output, (tuple, list)) and output else None)
+            )
             if isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad:
                 value = loss.detach()
                 loss.register_hook(lambda g: doc.log_loss(value.float() * g.float()))
-        except Exception as exc:           # never break training: the Doctor warns once and stops
+        except Exception as exc:  # never break training: the Doctor warns once and stops
             doc._fail(exc)
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):

@@ -1,6 +1,7 @@
 """What a trace file may hold: the checks a reader runs before trusting it. A trace may come from anyone (a shared
 run directory, a download), so its tables, column types, ids and JSON are verified, and every problem becomes one
 ``Invalid`` line that the reader turns into a TraceError. Offline side: no torch."""
+
 from __future__ import annotations
 
 import json
@@ -28,20 +29,24 @@ def _expected_columns() -> dict:
 
 EXPECTED = _expected_columns()
 NUMBER = "typeof({c}) IN ('integer', 'real', 'null')"
-NUMBER_OR_NAN = "(typeof({c}) IN ('integer', 'real', 'null') OR {c} IN ('nan', 'inf', '-inf'))"   # writer's NaN
+NUMBER_OR_NAN = "(typeof({c}) IN ('integer', 'real', 'null') OR {c} IN ('nan', 'inf', '-inf'))"  # writer's NaN
 INTEGER = "typeof({c}) = 'integer'"
 INTEGER_OR_NULL = "typeof({c}) IN ('integer', 'null')"
 TEXT = "typeof({c}) = 'text'"
 TEXT_OR_NULL = "typeof({c}) IN ('text', 'null')"
-JSON_NUMBERS = ("({c} IS NULL OR (typeof({c}) = 'text' AND json_valid({c}) AND json_type({c}) = 'array' AND NOT EXISTS "
-                "(SELECT 1 FROM json_each({c}) WHERE type NOT IN ('integer', 'real', 'null'))))")
+JSON_NUMBERS = (
+    "({c} IS NULL OR (typeof({c}) = 'text' AND json_valid({c}) AND json_type({c}) = 'array' AND NOT EXISTS "
+    "(SELECT 1 FROM json_each({c}) WHERE type NOT IN ('integer', 'real', 'null'))))"
+)
 _TYPE = "json_type({{c}}, '$.{key}')"
-JSON_EVENT = ("({c} IS NULL OR (typeof({c}) = 'text' AND json_valid({c}) AND json_type({c}) = 'object'"   # EVENT_DATA
-              " AND coalesce(" + _TYPE.format(key="value") + ", 'text') = 'text'"
-              " AND coalesce(" + _TYPE.format(key="after") + ", 'null') IN ('integer', 'null')"
-              " AND coalesce(" + _TYPE.format(key="count") + ", 'integer') = 'integer'"
-              " AND coalesce(" + _TYPE.format(key="params") + ", 'array') = 'array'"
-              " AND NOT EXISTS (SELECT 1 FROM json_each({c}, '$.params') WHERE type != 'text')))")
+JSON_EVENT = (
+    "({c} IS NULL OR (typeof({c}) = 'text' AND json_valid({c}) AND json_type({c}) = 'object'"  # EVENT_DATA
+    " AND coalesce(" + _TYPE.format(key="value") + ", 'text') = 'text'"
+    " AND coalesce(" + _TYPE.format(key="after") + ", 'null') IN ('integer', 'null')"
+    " AND coalesce(" + _TYPE.format(key="count") + ", 'integer') = 'integer'"
+    " AND coalesce(" + _TYPE.format(key="params") + ", 'array') = 'array'"
+    " AND NOT EXISTS (SELECT 1 FROM json_each({c}, '$.params') WHERE type != 'text')))"
+)
 
 
 def _rules(n_sites: int, n_steps: int) -> dict:
@@ -54,31 +59,58 @@ def _rules(n_sites: int, n_steps: int) -> dict:
     step_or_null = "({c} IS NULL OR (typeof({c}) = 'integer' AND {c} >= 0))"
     return {
         "meta": [("key", TEXT, "not text"), ("value", TEXT, "not text")],
-        "sites": [("path", TEXT, "not text"), ("module", TEXT, "not text"),
-                  ("kind", f"kind IN ({', '.join(repr(k) for k in schema.KINDS)})", "not a site kind"),
-                  ("module_type", TEXT_OR_NULL, "not text"), ("dtype", TEXT_OR_NULL, "not text"),
-                  ("shape", TEXT_OR_NULL, "not text"), ("first_step", INTEGER_OR_NULL, "not an integer")],
+        "sites": [
+            ("path", TEXT, "not text"),
+            ("module", TEXT, "not text"),
+            ("kind", f"kind IN ({', '.join(repr(k) for k in schema.KINDS)})", "not a site kind"),
+            ("module_type", TEXT_OR_NULL, "not text"),
+            ("dtype", TEXT_OR_NULL, "not text"),
+            ("shape", TEXT_OR_NULL, "not text"),
+            ("first_step", INTEGER_OR_NULL, "not an integer"),
+        ],
         "steps": [(c, NUMBER_OR_NAN, "not a number") for c in schema.STEP_FIELDS if c not in ("step", "lr", "reason")]
         + [("lr", JSON_NUMBERS, "not a JSON list of numbers"), ("reason", TEXT_OR_NULL, "not text")],
-        "peaks": [("step", recorded, "not a recorded step"),
-                  ("data", "typeof(data) = 'blob' AND length(data) % 4 = 0", "not float32 values")],
-        "stats": [("step", recorded, "not a recorded step"), ("site", site, "not a site id"),
-                  *[(c, NUMBER, "not a number") for c in ("scale", "calls") + schema.STATS_FIELDS]],
-        "hists": [("step", recorded, "not a recorded step"), ("site", site, "not a site id"),
-                  ("lo", f"typeof(lo) = 'integer' AND lo BETWEEN {schema.HIST_LO} AND {schema.HIST_HI}",
-                   "not a binade"),
-                  ("counts", "typeof(counts) = 'blob' AND length(counts) % 8 = 0 AND length(counts) > 0 "
-                   f"AND lo + length(counts) / 8 <= {schema.HIST_HI + 1}",
-                   f"not int64 counts within binades {schema.HIST_LO}..{schema.HIST_HI}")],
-        "events": [("step", step_or_null, "not a step"), ("kind", TEXT, "not text"), ("site", site_or_null,
-                   "not a site id"), ("phase", TEXT_OR_NULL, "not text"), ("message", TEXT_OR_NULL, "not text"),
-                   ("data", JSON_EVENT, "not a JSON object of the event fields")],
-        "metrics": [("step", step_or_null, "not a step"), ("name", TEXT, "not text"),
-                    ("value", NUMBER_OR_NAN, "not a number"), ("time", NUMBER, "not a number")],
-        "probes": [("step", recorded, "not a recorded step"), ("site", site, "not a site id"),
-                   *[(c, INTEGER_OR_NULL, "not an integer") for c in ("calls", "k", "numel")],
-                   ("dtype", TEXT_OR_NULL, "not text"),
-                   *[(c, NUMBER_OR_NAN, "not a number") for c in schema.PROBE_FIELDS]],
+        "peaks": [
+            ("step", recorded, "not a recorded step"),
+            ("data", "typeof(data) = 'blob' AND length(data) % 4 = 0", "not float32 values"),
+        ],
+        "stats": [
+            ("step", recorded, "not a recorded step"),
+            ("site", site, "not a site id"),
+            *[(c, NUMBER, "not a number") for c in ("scale", "calls") + schema.STATS_FIELDS],
+        ],
+        "hists": [
+            ("step", recorded, "not a recorded step"),
+            ("site", site, "not a site id"),
+            ("lo", f"typeof(lo) = 'integer' AND lo BETWEEN {schema.HIST_LO} AND {schema.HIST_HI}", "not a binade"),
+            (
+                "counts",
+                "typeof(counts) = 'blob' AND length(counts) % 8 = 0 AND length(counts) > 0 "
+                f"AND lo + length(counts) / 8 <= {schema.HIST_HI + 1}",
+                f"not int64 counts within binades {schema.HIST_LO}..{schema.HIST_HI}",
+            ),
+        ],
+        "events": [
+            ("step", step_or_null, "not a step"),
+            ("kind", TEXT, "not text"),
+            ("site", site_or_null, "not a site id"),
+            ("phase", TEXT_OR_NULL, "not text"),
+            ("message", TEXT_OR_NULL, "not text"),
+            ("data", JSON_EVENT, "not a JSON object of the event fields"),
+        ],
+        "metrics": [
+            ("step", step_or_null, "not a step"),
+            ("name", TEXT, "not text"),
+            ("value", NUMBER_OR_NAN, "not a number"),
+            ("time", NUMBER, "not a number"),
+        ],
+        "probes": [
+            ("step", recorded, "not a recorded step"),
+            ("site", site, "not a site id"),
+            *[(c, INTEGER_OR_NULL, "not an integer") for c in ("calls", "k", "numel")],
+            ("dtype", TEXT_OR_NULL, "not text"),
+            *[(c, NUMBER_OR_NAN, "not a number") for c in schema.PROBE_FIELDS],
+        ],
     }
 
 
@@ -95,14 +127,14 @@ def check_tables(conn: sqlite3.Connection) -> None:
             raise Invalid(f"{table} is a {row[0]}, not a table")
         have = [(r[1], str(r[2]).upper(), r[5]) for r in conn.execute(f"PRAGMA table_info({table})")]
         later = schema.LATER_STEP_FIELDS if table == "steps" else ()
-        missing = [c for c in columns if c not in have and c[0] not in later]   # later columns: older traces lack them
+        missing = [c for c in columns if c not in have and c[0] not in later]  # later columns: older traces lack them
         if missing:
             raise Invalid(f"table {table}: column {missing[0][0]} missing or not declared {missing[0][1]}")
     n_sites = _dense(conn, "sites", "id")
     n_steps = _dense(conn, "steps", "step")
     deep = f"length(data) - length(replace(replace(data, '[', ''), '{{', '')) > {MAX_DEPTH}"
     for (text,) in conn.execute(f"SELECT data FROM events WHERE typeof(data) = 'text' AND {deep}"):
-        parse_json(text, "events.data")                  # SQLite accepts JSON up to 1000 deep; we do not
+        parse_json(text, "events.data")  # SQLite accepts JSON up to 1000 deep; we do not
     present = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     steps_have = {r[1] for r in conn.execute("PRAGMA table_info(steps)")}
     for table, rules in _rules(n_sites, n_steps).items():
@@ -132,7 +164,7 @@ def _show(v) -> str:
 
 
 # -- JSON ------------------------------------------------------------------------------------------------------------
-MAX_DEPTH = 32          # the writer nests 3 deep; a bound keeps every later walk over a value cheap and recursion-free
+MAX_DEPTH = 32  # the writer nests 3 deep; a bound keeps every later walk over a value cheap and recursion-free
 
 
 def parse_json(text, what: str):
@@ -143,7 +175,7 @@ def parse_json(text, what: str):
         raise Invalid(f"{what} is not JSON text")
     depth = 0
     brackets = text.count("[") + text.count("{")
-    for ch in (text if brackets > MAX_DEPTH else ""):    # brackets inside strings count too: an overestimate
+    for ch in text if brackets > MAX_DEPTH else "":  # brackets inside strings count too: an overestimate
         if ch in "[{":
             depth += 1
             if depth > MAX_DEPTH:
@@ -158,15 +190,42 @@ def parse_json(text, what: str):
 
 # Types of the meta values the writer records; keys not listed are free (a later writer may add some).
 NUM, INT, STR, BOOL = "number", "integer", "text", "true/false"
-RUN = {"ampdoctor": STR, "torch": STR, "python": STR, "host": STR, "pid": INT, "rank": INT, "started": NUM,
-       "model": STR, "device": STR, "params": INT, "cpu_count": (INT, None), "threads": INT, "every": INT,
-       "hist_every": INT, "weight_every": INT, "device_name": STR, "capability": [INT], "bf16_supported": BOOL}
-CONFIG = {"autocast": {"enabled": BOOL, "dtype": (STR, None), "device_type": (STR, None)},
-          "param_dtypes": ({STR: INT},), "module_param_dtypes": ({STR: STR},), "loss_dtype": (STR, None),
-          "boundary": STR,
-          "optimizer": {"class": STR, "groups": [{"lr": (NUM, None)}]},
-          "scaler": {"class": STR, "enabled": BOOL, "init_scale": (NUM, None), "growth_factor": (NUM, None),
-                     "backoff_factor": (NUM, None), "growth_interval": (NUM, None)}}
+RUN = {
+    "ampdoctor": STR,
+    "torch": STR,
+    "python": STR,
+    "host": STR,
+    "pid": INT,
+    "rank": INT,
+    "started": NUM,
+    "model": STR,
+    "device": STR,
+    "params": INT,
+    "cpu_count": (INT, None),
+    "threads": INT,
+    "every": INT,
+    "hist_every": INT,
+    "weight_every": INT,
+    "device_name": STR,
+    "capability": [INT],
+    "bf16_supported": BOOL,
+}
+CONFIG = {
+    "autocast": {"enabled": BOOL, "dtype": (STR, None), "device_type": (STR, None)},
+    "param_dtypes": ({STR: INT},),
+    "module_param_dtypes": ({STR: STR},),
+    "loss_dtype": (STR, None),
+    "boundary": STR,
+    "optimizer": {"class": STR, "groups": [{"lr": (NUM, None)}]},
+    "scaler": {
+        "class": STR,
+        "enabled": BOOL,
+        "init_scale": (NUM, None),
+        "growth_factor": (NUM, None),
+        "backoff_factor": (NUM, None),
+        "growth_interval": (NUM, None),
+    },
+}
 CLOSED = {"steps": INT, "time": NUM}
 META = {"run": RUN, "config": CONFIG, "closed": CLOSED}
 EVENT_DATA = {"value": STR, "after": (INT, None), "params": [STR], "count": INT}
@@ -186,10 +245,10 @@ def check_value(v, spec, what: str) -> None:
                 except Invalid:
                     pass
         raise Invalid(f"{what} is {_show(v)}, not {' or '.join('null' if a is None else _name(a) for a in spec)}")
-    if isinstance(spec, tuple):                       # ({key spec: value spec},): a mapping
+    if isinstance(spec, tuple):  # ({key spec: value spec},): a mapping
         if not isinstance(v, dict):
             raise Invalid(f"{what} is {_show(v)}, not an object")
-        (kspec, vspec), = spec[0].items()
+        ((_kspec, vspec),) = spec[0].items()
         for k, item in v.items():
             check_value(item, vspec, f"{what}[{k!r}]")
         return
@@ -206,9 +265,12 @@ def check_value(v, spec, what: str) -> None:
             if k in v:
                 check_value(v[k], sub, f"{what}.{k}")
         return
-    ok = {NUM: isinstance(v, numbers.Real) and not isinstance(v, bool),
-          INT: isinstance(v, int) and not isinstance(v, bool),
-          STR: isinstance(v, str), BOOL: isinstance(v, bool)}[spec]
+    ok = {
+        NUM: isinstance(v, numbers.Real) and not isinstance(v, bool),
+        INT: isinstance(v, int) and not isinstance(v, bool),
+        STR: isinstance(v, str),
+        BOOL: isinstance(v, bool),
+    }[spec]
     if not ok:
         raise Invalid(f"{what} is {_show(v)}, not {_name(spec)}")
 

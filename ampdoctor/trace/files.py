@@ -4,6 +4,7 @@ Only regular files are opened (a FIFO, socket or device, even as the -wal/-shm/-
 block SQLite), the header and size are checked before SQLite sees the file, and the connection is read-only: in
 place, or on a private copy when a WAL cannot be read where it lies.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,7 +18,7 @@ import weakref
 from .schema import TraceError
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
-SIDE_FILES = ("-wal", "-shm", "-journal")          # SQLite's own files next to a database
+SIDE_FILES = ("-wal", "-shm", "-journal")  # SQLite's own files next to a database
 
 
 def read_head(path: str, n: int = 100) -> bytes:
@@ -45,7 +46,7 @@ def check_file(path: str) -> None:
         raise TraceError(f"{path}: is a directory, not a trace file")
     if not stat.S_ISREG(st.st_mode):
         raise TraceError(f"{path}: not a regular file (a FIFO, socket or device), not a trace")
-    for side in SIDE_FILES:                  # SQLite opens these too: a FIFO there would block it
+    for side in SIDE_FILES:  # SQLite opens these too: a FIFO there would block it
         if os.path.lexists(path + side) and not os.path.isfile(path + side):
             raise TraceError(f"{path}: {os.path.basename(path + side)} next to it is not a regular file")
     size = st.st_size
@@ -62,8 +63,9 @@ def check_file(path: str) -> None:
     page_size = int.from_bytes(head[16:18], "big")
     page_size = 65536 if page_size == 1 else page_size
     if page_size and size % page_size:
-        raise TraceError(f"{path}: truncated or corrupt trace ({size} bytes is not a whole number of "
-                         f"{page_size}-byte pages)")
+        raise TraceError(
+            f"{path}: truncated or corrupt trace ({size} bytes is not a whole number of {page_size}-byte pages)"
+        )
 
 
 def _uri(path: str) -> str:

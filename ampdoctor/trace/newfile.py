@@ -1,5 +1,6 @@
 """A new trace file: a name nobody else holds, created exclusively, laid out empty. ampdoctor never overwrites a
 trace (or what a killed run left next to one)."""
+
 from __future__ import annotations
 
 import os

@@ -1,13 +1,18 @@
 """What a trace observed and what observing cost: the lines ``ampdoctor info``, the dashboard overview and the report
 show. Offline side: no torch import."""
+
 from __future__ import annotations
 
 import numpy as np
 
 from . import schema
 
-_LEVEL_NAMES = {schema.LEVEL_SENTINEL: "sentinel only", schema.LEVEL_PEAK: "peaks",
-                schema.LEVEL_FULL: "full statistics", schema.LEVEL_HIST: "full statistics + histograms"}
+_LEVEL_NAMES = {
+    schema.LEVEL_SENTINEL: "sentinel only",
+    schema.LEVEL_PEAK: "peaks",
+    schema.LEVEL_FULL: "full statistics",
+    schema.LEVEL_HIST: "full statistics + histograms",
+}
 
 
 def observer_cost(steps) -> dict | None:
@@ -23,12 +28,14 @@ def observer_cost(steps) -> dict | None:
 
 
 def cost_line(steps) -> str | None:
-    """"ampdoctor cost 1.8% of this run (0.42 s of 23.1 s on the training thread)", or None."""
+    """ "ampdoctor cost 1.8% of this run (0.42 s of 23.1 s on the training thread)", or None."""
     c = observer_cost(steps)
     if c is None:
         return None
-    return (f"ampdoctor cost {100 * c['share']:.1f}% of this run ({c['seconds']:.3g} s of {c['run_seconds']:.3g} s "
-            "on the training thread)")
+    return (
+        f"ampdoctor cost {100 * c['share']:.1f}% of this run ({c['seconds']:.3g} s of {c['run_seconds']:.3g} s "
+        "on the training thread)"
+    )
 
 
 def observation_line(meta: dict, steps) -> str:
@@ -37,8 +44,12 @@ def observation_line(meta: dict, steps) -> str:
     mode = run.get("mode")
     parts = []
     if mode is not None:
-        cadence = (f"peaks every {run.get('peak_every')}, full every {run.get('every')}, first "
-                   f"{run.get('calibration')} in full" if mode == "default" else "every site, every step")
+        cadence = (
+            f"peaks every {run.get('peak_every')}, full every {run.get('every')}, first "
+            f"{run.get('calibration')} in full"
+            if mode == "default"
+            else "every site, every step"
+        )
         parts.append(f"mode {mode} ({cadence})")
     if len(steps):
         levels = steps["level"].dropna().astype(int).value_counts().sort_index(ascending=False)

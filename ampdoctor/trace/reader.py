@@ -4,6 +4,7 @@ A trace may come from anyone, so it is checked when opened (files.py: a regular 
 checks.py: plain tables with their declared columns, value types, dense step and site ids, JSON well-formed and
 shallow), every allocation is sized by rows that exist, and whatever else is wrong becomes a one-line TraceError.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,12 +34,14 @@ class Trace:
             raise TraceError(f"{self.path}: a SQLite database, but not an ampdoctor trace")
         if version > schema.VERSION:
             self._conn.close()
-            raise TraceError(f"{self.path}: trace format {version} is newer than this ampdoctor reads "
-                             f"(up to {schema.VERSION}); upgrade ampdoctor")
+            raise TraceError(
+                f"{self.path}: trace format {version} is newer than this ampdoctor reads "
+                f"(up to {schema.VERSION}); upgrade ampdoctor"
+            )
         try:
-            with self.snapshot():                # one state of the file for all checks (a live trace grows)
+            with self.snapshot():  # one state of the file for all checks (a live trace grows)
                 self._checked(checks.check_tables, self._conn)
-                self.meta                        # parsed and type-checked; raises on a malformed entry
+                _ = self.meta  # parsed and type-checked; raises on a malformed entry
         except TraceError:
             self._conn.close()
             raise
@@ -60,8 +63,10 @@ class Trace:
         except sqlite3.DatabaseError as exc:
             raise TraceError(f"{self.path}: corrupt or unreadable trace ({exc})") from None
         except (ValueError, TypeError, OverflowError, RecursionError) as exc:
-            raise TraceError(f"{self.path}: corrupt trace ({type(exc).__name__}: "
-                             f"{str(exc).splitlines()[0][:80] if str(exc) else ''})") from None
+            raise TraceError(
+                f"{self.path}: corrupt trace ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:80] if str(exc) else ''})"
+            ) from None
 
     def close(self) -> None:
         self._conn.close()
@@ -72,7 +77,7 @@ class Trace:
         several tables of a trace that is still being written. Re-entrant."""
         if self._snapshot_depth == 0:
             self._query("BEGIN")
-            self._query("SELECT count(*) FROM sqlite_master")   # a deferred transaction starts at its first read
+            self._query("SELECT count(*) FROM sqlite_master")  # a deferred transaction starts at its first read
         self._snapshot_depth += 1
         try:
             yield self
@@ -110,7 +115,7 @@ class Trace:
     def steps(self) -> pd.DataFrame:
         """One row per optimizer step (skipped steps included)."""
         have = {r[1] for r in self._query("PRAGMA table_info(steps)")}
-        cols = [f if f in have else "NULL" for f in schema.STEP_FIELDS]    # a trace from before the later columns
+        cols = [f if f in have else "NULL" for f in schema.STEP_FIELDS]  # a trace from before the later columns
         rows = self._query(f"SELECT {','.join(cols)} FROM steps ORDER BY step")
         return self._checked(_steps_frame, rows)
 
@@ -125,8 +130,9 @@ class Trace:
         rows = self._query(sql + " ORDER BY id", args)
         if any(not isinstance(r[0], int) or not isinstance(r[1], str) or not isinstance(r[2], str) for r in rows):
             raise TraceError(f"{self.path}: corrupt trace (a site without an integer id, a path or a module)")
-        return pd.DataFrame(rows, columns=["id", "path", "module", "kind", "module_type", "dtype", "shape",
-                                           "first_step"])
+        return pd.DataFrame(
+            rows, columns=["id", "path", "module", "kind", "module_type", "dtype", "shape", "first_step"]
+        )
 
     def metrics(self, name: str | None = None) -> pd.DataFrame:
         """Logged scalars (log_metric): step, name, value, time."""
@@ -145,9 +151,11 @@ class Trace:
         cols = ["step", "site", "path", "module_type", "calls", "k", "numel", "dtype", *schema.PROBE_FIELDS]
         if not self._query("SELECT name FROM sqlite_master WHERE type = 'table' AND name = 'probes'"):
             return pd.DataFrame(columns=cols)
-        rows = self._query(f"SELECT p.step, p.site, s.path, s.module_type, p.calls, p.k, p.numel, p.dtype, "
-                           f"{', '.join('p.' + f for f in schema.PROBE_FIELDS)} FROM probes p "
-                           f"LEFT JOIN sites s ON s.id = p.site ORDER BY p.step, p.site")
+        rows = self._query(
+            f"SELECT p.step, p.site, s.path, s.module_type, p.calls, p.k, p.numel, p.dtype, "
+            f"{', '.join('p.' + f for f in schema.PROBE_FIELDS)} FROM probes p "
+            f"LEFT JOIN sites s ON s.id = p.site ORDER BY p.step, p.site"
+        )
         df = pd.DataFrame(rows, columns=cols)
         for f in schema.PROBE_FIELDS:
             df[f] = pd.to_numeric(df[f], errors="coerce").astype(float)
@@ -155,8 +163,10 @@ class Trace:
 
     def events(self, kind: str | None = None) -> pd.DataFrame:
         """Events (e.g. kind "nonfinite": where the first NaN/Inf of a step came from), with the site path."""
-        sql = ("SELECT e.step, e.kind, e.site, s.path, s.kind, e.phase, e.message, e.data FROM events e "
-               "LEFT JOIN sites s ON s.id = e.site")
+        sql = (
+            "SELECT e.step, e.kind, e.site, s.path, s.kind, e.phase, e.message, e.data FROM events e "
+            "LEFT JOIN sites s ON s.id = e.site"
+        )
         args: tuple = ()
         if kind is not None:
             sql, args = sql + " WHERE e.kind = ?", (kind,)
@@ -167,8 +177,7 @@ class Trace:
 
     def full_steps(self) -> np.ndarray:
         """Steps that have full statistics."""
-        rows = self._query("SELECT DISTINCT step FROM stats WHERE typeof(step) = 'integer' AND step >= 0 "
-                           "ORDER BY step")
+        rows = self._query("SELECT DISTINCT step FROM stats WHERE typeof(step) = 'integer' AND step >= 0 ORDER BY step")
         return np.array([r[0] for r in rows], dtype=np.int64)
 
     # -- per-site arrays ---------------------------------------------------------------------------------------
@@ -189,10 +198,13 @@ class Trace:
             self._checked(_fill_peaks, out, rows, ids, fill)
             return out
         if field not in schema.STATS_FIELDS and field not in ("scale", "calls"):
-            raise ValueError(f"Argument field should be 'peak' or one of {', '.join(schema.STATS_FIELDS)}, "
-                             f"but given {field!r}")
-        rows = self._query(f"SELECT step, site, {field} FROM stats WHERE site BETWEEN ? AND ? AND step >= 0 "
-                           f"AND step < ?", (int(ids.min()), int(ids.max()), n))
+            raise ValueError(
+                f"Argument field should be 'peak' or one of {', '.join(schema.STATS_FIELDS)}, but given {field!r}"
+            )
+        rows = self._query(
+            f"SELECT step, site, {field} FROM stats WHERE site BETWEEN ? AND ? AND step >= 0 AND step < ?",
+            (int(ids.min()), int(ids.max()), n),
+        )
         if rows:
             self._checked(_fill_stats, out, rows, ids, fill)
         return out
@@ -233,20 +245,30 @@ def _steps_frame(rows: list) -> pd.DataFrame:
     df["lr"] = [float(v[0]) if v and v[0] is not None else np.nan for v in lrs]
     for col in ("skipped", "nonfinite"):
         df[col] = _numbers(df[col]).fillna(0).astype(bool)
-    for col in ("time", "step_time", "data_time", "samples_per_s", "loss", "loss_scale", "loss_scale_next",
-                "grad_norm", "grad_max", "observer_time"):
+    for col in (
+        "time",
+        "step_time",
+        "data_time",
+        "samples_per_s",
+        "loss",
+        "loss_scale",
+        "loss_scale_next",
+        "grad_norm",
+        "grad_max",
+        "observer_time",
+    ):
         df[col] = _numbers(df[col]).astype(float)
     for col in ("samples", "microbatches", "peak_mem", "level"):
         df[col] = _numbers(df[col])
     return df
 
 
-_NAN_TEXT = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}     # how the writer stores a NaN loss (REAL NaN is NULL)
+_NAN_TEXT = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}  # how the writer stores a NaN loss (REAL NaN is NULL)
 
 
 def _numbers(col: pd.Series) -> pd.Series:
     """A column of numbers (NULL: NaN, the writer's 'nan' text: NaN); anything else is a malformed trace."""
-    if not pd.api.types.is_numeric_dtype(col):          # object, or pandas' string dtype when all are text
+    if not pd.api.types.is_numeric_dtype(col):  # object, or pandas' string dtype when all are text
         col = col.astype(object).map(lambda v: _NAN_TEXT.get(v, v) if isinstance(v, str) else v)
     return pd.to_numeric(col, errors="raise")
 
@@ -289,7 +311,7 @@ def _hist_rows(rows: list) -> tuple[np.ndarray, np.ndarray]:
         c = np.frombuffer(blob, dtype="<i8")
         if lo < HIST_LO or lo + len(c) - 1 > HIST_HI or (c < 0).any():
             raise checks.Invalid(f"a histogram spans binades {lo}..{lo + len(c) - 1}, outside {HIST_LO}..{HIST_HI}")
-        counts[i, lo - HIST_LO: lo - HIST_LO + len(c)] = c
+        counts[i, lo - HIST_LO : lo - HIST_LO + len(c)] = c
     return steps, counts
 
 
@@ -309,7 +331,7 @@ def is_trace(path: str | os.PathLike) -> bool:
     written in WAL mode may carry the id only in its -wal file until the first checkpoint; then it is opened."""
     path = os.fspath(path)
     try:
-        head = files.read_head(path, 72)           # never blocks on a FIFO
+        head = files.read_head(path, 72)  # never blocks on a FIFO
     except (OSError, TraceError):
         return False
     if not head.startswith(files.SQLITE_MAGIC):

@@ -3,6 +3,7 @@
 Under torch.distributed every rank writes its own trace (its rank and the world size in the ``run`` metadata).
 ``load_run`` takes a directory or a glob of such files and checks that they are the ranks of one run.
 """
+
 from __future__ import annotations
 
 import glob
@@ -87,9 +88,9 @@ def _files(spec) -> list[str]:
         names = sorted(os.path.join(spec, n) for n in os.listdir(spec) if n.lower().endswith(TRACE_EXT))
         where = f"{spec}: no trace files ({', '.join('*' + e for e in TRACE_EXT)}) in this directory"
     else:
-        names = sorted(n for n in glob.glob(spec) if not n.endswith(SIDE_FILES))    # SQLite's, not traces
+        names = sorted(n for n in glob.glob(spec) if not n.endswith(SIDE_FILES))  # SQLite's, not traces
         where = f"{spec}: no file matches this pattern"
-    names = [n for n in names if os.path.isfile(n)]     # regular files only: a FIFO would block the open
+    names = [n for n in names if os.path.isfile(n)]  # regular files only: a FIFO would block the open
     if not names:
         raise TraceError(where)
     return names
@@ -129,16 +130,22 @@ def load_run(spec) -> RankRun:
                 raise TraceError(f"{path}: rank {rank!r} / world size {world!r} in its metadata are not valid")
             if rank in traces:
                 groups = sorted({run_pattern(t.path) for t in opened})
-                hint = (f"it holds several runs ({', '.join(groups[:4])}); pass one run's files as a glob"
-                        if len(groups) > 1 else "pass a glob that matches one run's files")
-                raise TraceError(f"{spec}: two traces of rank {rank} ({traces[rank].path}, {path}): not the ranks "
-                                 f"of one run; {hint}")
+                hint = (
+                    f"it holds several runs ({', '.join(groups[:4])}); pass one run's files as a glob"
+                    if len(groups) > 1
+                    else "pass a glob that matches one run's files"
+                )
+                raise TraceError(
+                    f"{spec}: two traces of rank {rank} ({traces[rank].path}, {path}): not the ranks of one run; {hint}"
+                )
             traces[rank] = tr
             worlds.add(max(world, rank + 1))
             ids.add(run.get("run_id"))
         if len(worlds) > 1 or len(ids - {None}) > 1:
-            raise TraceError(f"{spec}: these traces come from different runs (world sizes {sorted(worlds)}, "
-                             f"run ids {len(ids - {None})}); pass one run's files")
+            raise TraceError(
+                f"{spec}: these traces come from different runs (world sizes {sorted(worlds)}, "
+                f"run ids {len(ids - {None})}); pass one run's files"
+            )
     except BaseException:
         for tr in opened:
             tr.close()

@@ -2,24 +2,57 @@
 
 Documented for people in docs/trace-format.md; keep the two in step.
 """
+
 from __future__ import annotations
 
 import sqlite3
 
-VERSION = 1                       # PRAGMA user_version; bump on any incompatible change
-APPLICATION_ID = 0x414D5044       # PRAGMA application_id, "AMPD": tells a trace from any other SQLite file
+VERSION = 1  # PRAGMA user_version; bump on any incompatible change
+APPLICATION_ID = 0x414D5044  # PRAGMA application_id, "AMPD": tells a trace from any other SQLite file
 
-STATS_FIELDS = ("numel", "nan", "inf", "zeros", "absmax", "minabs", "mean", "rms",
-                "fp16_over", "fp16_sub", "fp16_flush", "bf16_over", "bf16_sub", "bf16_flush")
-STEP_FIELDS = ("step", "time", "step_time", "data_time", "samples", "samples_per_s", "loss", "lr",
-               "loss_scale", "loss_scale_next", "skipped", "grad_norm", "microbatches", "peak_mem",
-               "level", "nonfinite", "reason", "grad_max", "observer_time")
+STATS_FIELDS = (
+    "numel",
+    "nan",
+    "inf",
+    "zeros",
+    "absmax",
+    "minabs",
+    "mean",
+    "rms",
+    "fp16_over",
+    "fp16_sub",
+    "fp16_flush",
+    "bf16_over",
+    "bf16_sub",
+    "bf16_flush",
+)
+STEP_FIELDS = (
+    "step",
+    "time",
+    "step_time",
+    "data_time",
+    "samples",
+    "samples_per_s",
+    "loss",
+    "lr",
+    "loss_scale",
+    "loss_scale_next",
+    "skipped",
+    "grad_norm",
+    "microbatches",
+    "peak_mem",
+    "level",
+    "nonfinite",
+    "reason",
+    "grad_max",
+    "observer_time",
+)
 # Columns added after the first traces were written (same format version: a reader gives them as missing there).
 LATER_STEP_FIELDS = ("reason", "grad_max", "observer_time")
-PROBE_FIELDS = ("rel_err", "max_err", "ref_norm", "ref_absmax")   # probes table (added in 0.1; absent before)
-OPTIONAL_TABLES = ("probes",)     # added after the first traces were written: a trace without them still reads
+PROBE_FIELDS = ("rel_err", "max_err", "ref_norm", "ref_absmax")  # probes table (added in 0.1; absent before)
+OPTIONAL_TABLES = ("probes",)  # added after the first traces were written: a trace without them still reads
 KINDS = ("act", "grad_out", "param_grad", "weight", "update")
-ROOT = "(model)"                  # how the root module is named in site paths
+ROOT = "(model)"  # how the root module is named in site paths
 # the binades a histogram row can hold: e = -127 also takes every non-zero |x| < 2^-126 (FP32 subnormals), 127 is
 # FP32's largest binade; column j of a histogram is binade HIST_LO + j
 HIST_LO, HIST_HI = -127, 127
@@ -65,5 +98,6 @@ def create(conn: sqlite3.Connection) -> None:
     if mode.lower() != "wal":
         raise sqlite3.OperationalError(f"the file system does not support WAL mode (got {mode})")
     conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable against a killed process
-    conn.executescript("BEGIN;" + DDL + f"PRAGMA application_id={APPLICATION_ID};"
-                       f"PRAGMA user_version={VERSION}; COMMIT;")
+    conn.executescript(
+        "BEGIN;" + DDL + f"PRAGMA application_id={APPLICATION_ID};PRAGMA user_version={VERSION}; COMMIT;"
+    )

@@ -9,6 +9,7 @@ first fraction bit is set); keys 0 and 1 hold zeros and FP32 subnormals. The FP1
 counts come from the EDGES counts: the cast rounds to nearest, so its thresholds (65520, 2^-25, ...; see
 formats.Format.flush_at) fall inside binades, and a binade histogram cannot place them.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -21,8 +22,8 @@ HIST_KEYS = 512
 
 # Binade of key k (k = 2..509): floor(log2|x|) = k // 2 - 127.
 KEY_INF, KEY_NAN = 510, 511
-KEY_SHIFT = 22                  # float32: 1 sign + 8 exponent + 23 fraction bits; >> 22 keeps exponent + 1 fraction bit
-_INF_BITS = 0x7F800000        # |x| bit patterns order like |x|: finite < inf < NaN
+KEY_SHIFT = 22  # float32: 1 sign + 8 exponent + 23 fraction bits; >> 22 keeps exponent + 1 fraction bit
+_INF_BITS = 0x7F800000  # |x| bit patterns order like |x|: finite < inf < NaN
 
 
 def _f32_bits(v: float) -> int:
@@ -51,13 +52,10 @@ I_ABSMAX = HEAD - 1
 FULL_LEN = HEAD + HIST_KEYS
 
 
-
-
-
 def _binades(hist512: np.ndarray) -> np.ndarray:
     """512 key counts (last axis) -> counts per exponent field 0..254 (binade e = field - 127; NaN/Inf left out).
     Field 0 holds the zeros and the FP32 subnormals together; ``derive`` takes the zeros out."""
-    return hist512[..., 0:510:2] + hist512[..., 1:510:2]       # (a sum over an axis of 2 is 20x slower)
+    return hist512[..., 0:510:2] + hist512[..., 1:510:2]  # (a sum over an axis of 2 is 20x slower)
 
 
 def merge_rows(mat: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -76,17 +74,17 @@ def derive_many(mat: np.ndarray, numel: np.ndarray) -> tuple[dict, np.ndarray]:
     e = -127..127) of full vectors stacked as rows; numel per row."""
     numel = np.asarray(numel, dtype=np.float64)
     total, norm, absmax = mat[:, I_SUM], mat[:, I_NORM], mat[:, I_ABSMAX]
-    le = {name: mat[:, I_EDGES + i] for i, name in enumerate(EDGE_NAMES)}     # |x| at or below each edge
+    le = {name: mat[:, I_EDGES + i] for i, name in enumerate(EDGE_NAMES)}  # |x| at or below each edge
     keys = mat[:, HEAD:]
     nan, inf = keys[:, KEY_NAN], keys[:, KEY_INF]
     bins = _binades(keys).astype(np.float64)
     zeros = le["zero"]
-    bins[:, 0] -= zeros                                  # exponent field 0 is zeros + FP32 subnormals
+    bins[:, 0] -= zeros  # exponent field 0 is zeros + FP32 subnormals
     occupied = bins > 0
     lowest = np.where(occupied.any(axis=1), occupied.argmax(axis=1), -1)
     # Smallest non-zero magnitude, to the binade: the lower edge of the lowest occupied binade (FP32 subnormals:
     # the smallest subnormal).
-    minabs = np.where(lowest < 0, 0.0, np.where(lowest == 0, 2.0 ** -149, np.exp2(lowest - 127.0)))
+    minabs = np.where(lowest < 0, 0.0, np.where(lowest == 0, 2.0**-149, np.exp2(lowest - 127.0)))
     safe = np.where(numel > 0, numel, 1.0)
     stats = {
         "numel": numel,
@@ -110,7 +108,8 @@ def derive_many(mat: np.ndarray, numel: np.ndarray) -> tuple[dict, np.ndarray]:
 
 
 def derive(vec: np.ndarray, numel: int) -> tuple[dict, np.ndarray]:
-    """Statistics dict (schema.STATS_FIELDS) and the binade histogram (counts for e = -127..127) from one full vector."""
+    """Statistics dict (schema.STATS_FIELDS) and the binade histogram (counts for e = -127..127) of one full
+    vector."""
     with np.errstate(all="ignore"):
         stats, bins = derive_many(np.asarray(vec, dtype=np.float64)[None, :], [numel])
     return {k: float(v[0]) for k, v in stats.items()}, bins[0]
@@ -121,9 +120,9 @@ class Entry(NamedTuple):
     two steps with the same control flow compare equal cheaply and share one precomputed Layout."""
 
     site: int
-    phase: str                                   # "fwd", "bwd", "param", "weight", "update"
-    values: list      # per tensor: (offset, mode, numel); mode "f": FULL_LEN values, else ("p<dtype>") [min, max]
-    inputs: list = []                            # forward only, same layout
+    phase: str  # "fwd", "bwd", "param", "weight", "update"
+    values: list  # per tensor: (offset, mode, numel); mode "f": FULL_LEN values, else ("p<dtype>") [min, max]
+    inputs: list = []  # noqa: RUF012 (a NamedTuple's default, never mutated)  forward only, same layout
 
 
 class Layout:
@@ -148,7 +147,7 @@ class Layout:
         p, f = ~self.full, self.full
         if p.any():
             o = self.offs[p]
-            out[..., p] = np.maximum(np.abs(values[..., o]), np.abs(values[..., o + 1]))     # NaN propagates
+            out[..., p] = np.maximum(np.abs(values[..., o]), np.abs(values[..., o + 1]))  # NaN propagates
         if self.any_full:
             o = self.offs[f] + HEAD
             nan, inf, absmax = values[..., o + KEY_NAN], values[..., o + KEY_INF], values[..., o - 1]
@@ -170,7 +169,7 @@ class FullPlan:
     def __init__(self, entries: list[Entry], bases: dict):
         per_site: dict[int, list] = {}
         for e in entries:
-            d = per_site.setdefault(e.site, [[], [], 0, e.phase, True])    # offsets, numels, calls, phase, all full
+            d = per_site.setdefault(e.site, [[], [], 0, e.phase, True])  # offsets, numels, calls, phase, all full
             d[2] += 1
             d[3] = e.phase
             for o, m, n in e.values:

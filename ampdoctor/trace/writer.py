@@ -3,15 +3,16 @@
 All number crunching that need not happen on the training thread (merging calls, deriving counts from the
 histograms, locating the first non-finite value) happens here, in numpy.
 """
+
 from __future__ import annotations
 
 import json
 import logging
 import math
-from collections import deque
 import sqlite3
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,9 +24,9 @@ from .vectors import Entry, FullPlan, Layout, tensor_peaks
 
 log = logging.getLogger("ampdoctor")
 
-COMMIT_EVERY_S = 0.5        # the trace promises a commit at least once a second; half that leaves slack
-WAKE_S = 0.2                # the writer drains its queue this often: no thread switch per training step
-QUEUE_MAX = 256             # packets; a writer this far behind slows training down instead of eating memory
+COMMIT_EVERY_S = 0.5  # the trace promises a commit at least once a second; half that leaves slack
+WAKE_S = 0.2  # the writer drains its queue this often: no thread switch per training step
+QUEUE_MAX = 256  # packets; a writer this far behind slows training down instead of eating memory
 # items queued at which the training thread wakes the writer early: a loop of ~1 ms steps fills QUEUE_MAX within one
 # WAKE_S, and would then wait on the writer (measured on a 0.5 ms/step model: 8 us a step, asleep)
 WAKE_AT = 64
@@ -38,17 +39,17 @@ LAYOUTS_KEPT = 8
 @dataclass
 class StepPacket:
     step: int
-    row: dict                        # steps-table fields known on the training thread
-    values: np.ndarray               # the step's one host transfer
-    bases: dict        # where each block starts in values: "p<dtype>" peaks, "f" full vectors, "x" extras
+    row: dict  # steps-table fields known on the training thread
+    values: np.ndarray  # the step's one host transfer
+    bases: dict  # where each block starts in values: "p<dtype>" peaks, "f" full vectors, "x" extras
     entries: list[Entry]
     loss: float | None
     scale: float | None
     scale_next: float | None
     grad_norm: float | None
-    skipped: bool | None             # None: infer from the scale (no optimizer to tell)
+    skipped: bool | None  # None: infer from the scale (no optimizer to tell)
     store_hist: bool
-    late_loss: object = None         # a loss logged after the step boundary, resolved before writing
+    late_loss: object = None  # a loss logged after the step boundary, resolved before writing
 
 
 def _sql(v):
@@ -59,6 +60,7 @@ def _sql(v):
 def _event_json(data) -> str:
     """Event data as strict JSON: a NaN/Inf number becomes the text 'nan', 'inf' or '-inf' (JSON has no such
     numbers; Python would write NaN/Infinity, which SQLite's json functions, and the reader's checks, reject)."""
+
     def plain(v):
         if isinstance(v, float) and not math.isfinite(v):
             return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
@@ -67,6 +69,7 @@ def _event_json(data) -> str:
         if isinstance(v, (list, tuple)):
             return [plain(x) for x in v]
         return v
+
     return json.dumps(plain(data), allow_nan=False)
 
 
@@ -85,7 +88,7 @@ class Writer(threading.Thread):
         self.n_sites = 0
         self.log_every: int | None = None
         self._site_names: dict[int, tuple[str, str]] = {}
-        self._layouts: dict = {}        # id(entries) -> (entries, bases, Layout), the entries kept alive
+        self._layouts: dict = {}  # id(entries) -> (entries, bases, Layout), the entries kept alive
         self._lr_json = (None, None)
         self._skipped_total = 0
         self.path = newfile.claim(path, free_name)
@@ -100,7 +103,7 @@ class Writer(threading.Thread):
             return
         items.append(item)
         n = len(items)
-        if n == WAKE_AT:               # behind (a fast loop): drain now instead of at the next wake-up
+        if n == WAKE_AT:  # behind (a fast loop): drain now instead of at the next wake-up
             self._wake.set()
         elif n > QUEUE_MAX and self.is_alive():
             self._wake.set()
@@ -134,7 +137,7 @@ class Writer(threading.Thread):
     def run(self) -> None:
         conn = self._conn
         items = self._items
-        last_commit = -math.inf                      # the first drain commits at once: a new trace is readable soon
+        last_commit = -math.inf  # the first drain commits at once: a new trace is readable soon
         dirty = closing = False
         try:
             conn.execute("BEGIN")
@@ -144,7 +147,7 @@ class Writer(threading.Thread):
                 synced, steps = [], []
                 while items:
                     item = items.popleft()
-                    if item[0] == "step":            # gathered, written together (in order with the rest)
+                    if item[0] == "step":  # gathered, written together (in order with the rest)
                         steps.append(item[1])
                         continue
                     if steps:
@@ -187,28 +190,40 @@ class Writer(threading.Thread):
     def _handle(self, conn: sqlite3.Connection, item: tuple) -> None:
         tag = item[0]
         if tag == "steps":
-            with np.errstate(all="ignore"):      # NaN/Inf are data here, not errors (and -W error must not stop us)
+            with np.errstate(all="ignore"):  # NaN/Inf are data here, not errors (and -W error must not stop us)
                 self._write_steps(conn, item[1])
         elif tag == "site":
-            conn.execute("INSERT INTO sites (id, path, module, kind, module_type, dtype, shape, first_step) "
-                         "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", item[1:])
+            conn.execute(
+                "INSERT INTO sites (id, path, module, kind, module_type, dtype, shape, first_step) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                item[1:],
+            )
             self.n_sites = max(self.n_sites, item[1] + 1)
             self._site_names[item[1]] = (item[2], item[4])
         elif tag == "meta":
             conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (item[1], json.dumps(item[2])))
         elif tag == "metric":
             conn.execute("INSERT INTO metrics (step, name, value, time) VALUES (?, ?, ?, ?)", item[1:])
-        elif tag == "probe":                 # a probed step: per-module errors against FP32, and what was skipped
+        elif tag == "probe":  # a probed step: per-module errors against FP32, and what was skipped
             step, rows, info = item[1:]
-            conn.executemany(f"INSERT OR REPLACE INTO probes VALUES ({','.join('?' * (6 + len(schema.PROBE_FIELDS)))})",
-                             [tuple(_sql(v) if isinstance(v, float) else v for v in r) for r in rows])
-            conn.execute("INSERT INTO events (step, kind, site, phase, message, data) VALUES (?, 'probe', NULL, "
-                         "'fwd', ?, ?)", (step, f"{len(rows)} module(s) compared with FP32, "
-                                                f"{len(info.get('skipped', {}))} skipped", json.dumps(info)))
+            conn.executemany(
+                f"INSERT OR REPLACE INTO probes VALUES ({','.join('?' * (6 + len(schema.PROBE_FIELDS)))})",
+                [tuple(_sql(v) if isinstance(v, float) else v for v in r) for r in rows],
+            )
+            conn.execute(
+                "INSERT INTO events (step, kind, site, phase, message, data) VALUES (?, 'probe', NULL, 'fwd', ?, ?)",
+                (
+                    step,
+                    f"{len(rows)} module(s) compared with FP32, {len(info.get('skipped', {}))} skipped",
+                    json.dumps(info),
+                ),
+            )
         elif tag == "event":
             step, kind, site, phase, message, data = item[1:]
-            conn.execute("INSERT INTO events (step, kind, site, phase, message, data) VALUES (?, ?, ?, ?, ?, ?)",
-                         (step, kind, site, phase, message, _event_json(data) if data is not None else None))
+            conn.execute(
+                "INSERT INTO events (step, kind, site, phase, message, data) VALUES (?, ?, ?, ?, ?, ?)",
+                (step, kind, site, phase, message, _event_json(data) if data is not None else None),
+            )
         else:
             raise ValueError(f"unknown packet {tag!r}")
 
@@ -220,7 +235,7 @@ class Writer(threading.Thread):
             return cached[2]
         layout = Layout(p.entries, p.bases)
         if len(self._layouts) >= LAYOUTS_KEPT:
-            del self._layouts[next(iter(self._layouts))]        # the oldest
+            del self._layouts[next(iter(self._layouts))]  # the oldest
         self._layouts[id(p.entries)] = (p.entries, dict(p.bases), layout)
         return layout
 
@@ -232,8 +247,12 @@ class Writer(threading.Thread):
         while i < len(packets):
             layout = self._layout(packets[i])
             j, end = i + 1, i + max(1, RUN_BYTES // (8 * len(packets[i].values) or 1))
-            while (j < min(len(packets), end) and packets[j].entries is packets[i].entries
-                   and packets[j].bases == packets[i].bases and len(packets[j].values) == len(packets[i].values)):
+            while (
+                j < min(len(packets), end)
+                and packets[j].entries is packets[i].entries
+                and packets[j].bases == packets[i].bases
+                and len(packets[j].values) == len(packets[i].values)
+            ):
                 j += 1
             self._write_run(conn, packets[i:j], layout)
             i = j
@@ -247,9 +266,10 @@ class Writer(threading.Thread):
         n = max(self.n_sites, int(uniq[-1]) + 1 if len(uniq) else 0)
         blobs = np.full((len(run), n), -1.0, dtype="<f4")
         blobs[:, uniq] = site_peak
-        conn.executemany("INSERT INTO peaks (step, data) VALUES (?, ?)",      # none for a sentinel-only step
-                         [(p.step, blobs[k].tobytes()) for k, p in enumerate(run)
-                          if p.row.get("level") != schema.LEVEL_SENTINEL])
+        conn.executemany(
+            "INSERT INTO peaks (step, data) VALUES (?, ?)",  # none for a sentinel-only step
+            [(p.step, blobs[k].tobytes()) for k, p in enumerate(run) if p.row.get("level") != schema.LEVEL_SENTINEL],
+        )
         bad_peak = (~np.isfinite(site_peak)).any(axis=1).tolist()
 
         # 2. full statistics, where every call of a site had them
@@ -261,7 +281,7 @@ class Writer(threading.Thread):
             # 3. skipped steps and non-finite values
             skipped = p.skipped
             if skipped is None:
-                skipped = (p.scale is not None and p.scale_next is not None and p.scale_next < p.scale)
+                skipped = p.scale is not None and p.scale_next is not None and p.scale_next < p.scale
             grads_bad = not all(v is None or _finite(v) for v in (p.grad_norm, p.row.get("grad_max")))
             nonfinite = bad_peak[k] or grads_bad or (p.loss is not None and not _finite(p.loss))
             if nonfinite and p.row.get("level") == schema.LEVEL_SENTINEL:
@@ -272,8 +292,13 @@ class Writer(threading.Thread):
             row = p.row
             step_time, samples, lr = row.get("step_time"), row.get("samples"), row.get("lr")
             row.update(
-                step=p.step, loss=p.loss, loss_scale=p.scale, loss_scale_next=p.scale_next,
-                skipped=int(bool(skipped)), grad_norm=p.grad_norm, nonfinite=int(nonfinite),
+                step=p.step,
+                loss=p.loss,
+                loss_scale=p.scale,
+                loss_scale_next=p.scale_next,
+                skipped=int(bool(skipped)),
+                grad_norm=p.grad_norm,
+                nonfinite=int(nonfinite),
                 samples_per_s=(samples / step_time) if samples and step_time else None,
                 lr=self._lr_text(lr),
             )
@@ -281,8 +306,10 @@ class Writer(threading.Thread):
             self._skipped_total += int(bool(skipped))
             if self.log_every and (p.step + 1) % self.log_every == 0:
                 log.info(self._health(p, uniq, site_peak[k]))
-        conn.executemany(f"INSERT INTO steps ({','.join(schema.STEP_FIELDS)}) VALUES "
-                         f"({','.join('?' * len(schema.STEP_FIELDS))})", rows)
+        conn.executemany(
+            f"INSERT INTO steps ({','.join(schema.STEP_FIELDS)}) VALUES ({','.join('?' * len(schema.STEP_FIELDS))})",
+            rows,
+        )
 
     def _lr_text(self, lr) -> str | None:
         """The learning rates as JSON, encoded again only when they change (most steps repeat the last ones)."""
@@ -323,19 +350,21 @@ class Writer(threading.Thread):
             return
         k = len(run)
         cols = (plan.offs[:, None] + np.arange(V.FULL_LEN)).reshape(-1)
-        mat = values.take(cols, axis=1).reshape(k * n_tensors, V.FULL_LEN)     # (take: contiguous, no second copy)
+        mat = values.take(cols, axis=1).reshape(k * n_tensors, V.FULL_LEN)  # (take: contiguous, no second copy)
         starts = (np.arange(k)[:, None] * n_tensors + plan.starts[None, :]).reshape(-1)
         st, bins = V.derive_many(V.merge_rows(mat, starts), np.tile(plan.numel, k))
         scale = np.repeat([p.scale if p.scale is not None else 1.0 for p in run], n_sites)
         cols = [st[f].tolist() for f in schema.STATS_FIELDS]
         for i, f in enumerate(schema.STATS_FIELDS):
-            if f.startswith("bf16"):      # NaN: a count the histogram cannot resolve, stored as NULL ("unknown")
+            if f.startswith("bf16"):  # NaN: a count the histogram cannot resolve, stored as NULL ("unknown")
                 cols[i] = [None if v != v else v for v in cols[i]]
         steps = np.repeat([p.step for p in run], n_sites).tolist()
         sites = np.tile(plan.sites, k).tolist()
         scales = np.where(np.tile(plan.bwd, k), scale, 1.0).tolist()
-        conn.executemany(f"INSERT INTO stats VALUES ({','.join('?' * (4 + len(schema.STATS_FIELDS)))})",
-                         zip(steps, sites, scales, plan.calls * k, *cols))
+        conn.executemany(
+            f"INSERT INTO stats VALUES ({','.join('?' * (4 + len(schema.STATS_FIELDS)))})",
+            zip(steps, sites, scales, plan.calls * k, *cols),
+        )
         due = np.repeat([p.store_hist for p in run], n_sites)
         if not due.any():
             return
@@ -345,21 +374,34 @@ class Writer(threading.Thread):
         lo = occupied.argmax(axis=1)
         hi = bins.shape[1] - 1 - occupied[:, ::-1].argmax(axis=1)
         counts = bins[rows].astype("<i8")
-        conn.executemany("INSERT INTO hists VALUES (?, ?, ?, ?)", [
-            (steps[r], sites[r], int(lo[i]) + schema.HIST_LO, counts[i, lo[i]:hi[i] + 1].tobytes())
-            for i, r in enumerate(rows.tolist()) if any_[i]])
+        conn.executemany(
+            "INSERT INTO hists VALUES (?, ?, ?, ?)",
+            [
+                (steps[r], sites[r], int(lo[i]) + schema.HIST_LO, counts[i, lo[i] : hi[i] + 1].tobytes())
+                for i, r in enumerate(rows.tolist())
+                if any_[i]
+            ],
+        )
 
     def _unknown_origin(self, conn: sqlite3.Connection, p: StepPacket) -> None:
         """A NaN/Inf on a step that observed no site: its tensors are gone, so where it came from is not guessed.
         The flight recorder observes the next steps in full; a fault that recurs is located there."""
         what = "loss" if p.loss is not None and not _finite(p.loss) else "gradients"
-        conn.execute("INSERT INTO events (step, kind, site, phase, message, data) VALUES (?, ?, ?, ?, ?, ?)",
-                     (p.step, "nonfinite_unknown", None, None,
-                      f"non-finite {what} on a step observed by the sentinel only: origin unknown",
-                      _event_json({"loss": p.loss, "grad_norm": p.grad_norm, "grad_max": p.row.get("grad_max")})))
+        conn.execute(
+            "INSERT INTO events (step, kind, site, phase, message, data) VALUES (?, ?, ?, ?, ?, ?)",
+            (
+                p.step,
+                "nonfinite_unknown",
+                None,
+                None,
+                f"non-finite {what} on a step observed by the sentinel only: origin unknown",
+                _event_json({"loss": p.loss, "grad_norm": p.grad_norm, "grad_max": p.row.get("grad_max")}),
+            ),
+        )
 
-    def _locate(self, conn: sqlite3.Connection, p: StepPacket, values: np.ndarray, peaks: np.ndarray,
-                owner: np.ndarray) -> None:
+    def _locate(
+        self, conn: sqlite3.Connection, p: StepPacket, values: np.ndarray, peaks: np.ndarray, owner: np.ndarray
+    ) -> None:
         """Event naming where the first non-finite value of this step came from.
 
         Forward: the first module (in completion order) whose output is non-finite while all of its inputs were
@@ -386,10 +428,20 @@ class Writer(threading.Thread):
                 else:
                     msg = "non-finite parameter gradient"
                 data = {"value": "nan" if math.isnan(out) else "inf", "after": prev_site}
-                conn.execute("INSERT INTO events (step, kind, site, phase, message, data) VALUES (?, ?, ?, ?, ?, ?)",
-                             (p.step, "nonfinite", e.site, phase, msg, json.dumps(data)))
+                conn.execute(
+                    "INSERT INTO events (step, kind, site, phase, message, data) VALUES (?, ?, ?, ?, ?, ?)",
+                    (p.step, "nonfinite", e.site, phase, msg, json.dumps(data)),
+                )
                 return
         if p.loss is not None and not _finite(p.loss):
-            conn.execute("INSERT INTO events (step, kind, site, phase, message, data) VALUES (?, ?, ?, ?, ?, ?)",
-                         (p.step, "nonfinite", None, "loss", "non-finite loss with finite module outputs",
-                          json.dumps({"value": "nan" if math.isnan(p.loss) else "inf"})))
+            conn.execute(
+                "INSERT INTO events (step, kind, site, phase, message, data) VALUES (?, ?, ?, ?, ?, ?)",
+                (
+                    p.step,
+                    "nonfinite",
+                    None,
+                    "loss",
+                    "non-finite loss with finite module outputs",
+                    json.dumps({"value": "nan" if math.isnan(p.loss) else "inf"}),
+                ),
+            )

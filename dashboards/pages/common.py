@@ -1,4 +1,5 @@
 """Helpers shared by the pages: URLs, the run of a request, finding cards."""
+
 from __future__ import annotations
 
 import re
@@ -61,8 +62,11 @@ def finding_card(d, run: str, links: dict):
     layers = [str(p) for p in (getattr(d, "layers", None) or [])]
     layer_els = []
     for i, p in enumerate(layers):
-        layer_els.append(dcc.Link(p, href=href("/layer", run, site=links[p]), className="culprit")
-                         if p in links else html.Code(p, className="culprit"))
+        layer_els.append(
+            dcc.Link(p, href=href("/layer", run, site=links[p]), className="culprit")
+            if p in links
+            else html.Code(p, className="culprit")
+        )
         if i < len(layers) - 1:
             layer_els.append(", ")
     steps = getattr(d, "steps", None)
@@ -70,26 +74,54 @@ def finding_card(d, run: str, links: dict):
     rec = []
     for kind, chunk in diagnosis.fix_parts(d):
         if kind == "code":
-            rec.append(html.Div([dcc.Clipboard(content=chunk, title="copy",
-                                               style={"float": "right", "cursor": "pointer"}),
-                                 html.Pre(html.Code(chunk), style={"background": "#f6f8fa", "padding": "0.5em"})]))
+            rec.append(
+                html.Div(
+                    [
+                        dcc.Clipboard(content=chunk, title="copy", style={"float": "right", "cursor": "pointer"}),
+                        html.Pre(html.Code(chunk), style={"background": "#f6f8fa", "padding": "0.5em"}),
+                    ]
+                )
+            )
         else:
             rec.extend(prose(chunk))
-    return html.Div([
-        html.Div([html.Span(sev.upper(), className="severity",
-                            style={"color": color, "fontWeight": "bold", "marginRight": "0.8em"}),
-                  html.Code(str(d.rule), className="rule-id"),
-                  html.Span(diagnosis.ranks_label(d), className="ranks", style={"marginLeft": "0.8em"})]),
-        html.H4(str(d.title), style={"margin": "0.3em 0"}),
-        html.P(str(getattr(d, "summary", "") or "")),
-        html.P([html.B("Layers: "), *(layer_els or ["-"]),
-                f"  (steps {steps[0]}–{steps[1]})" if steps and len(steps) == 2 else ""]),
-        html.Table([html.Tr([html.Th(k, style={"textAlign": "left", "paddingRight": "1em"}), html.Td(v)])
-                    for k, v in ev]) if ev else None,
-        html.Details([html.Summary("Recommendation"), *rec], open=True),
-    ], className=f"finding finding-{sev}",
-        style={"border": "1px solid #ddd", "borderLeft": f"6px solid {color}", "borderRadius": "4px",
-               "padding": "0.5em 1em", "margin": "0.6em 0"})
+    return html.Div(
+        [
+            html.Div(
+                [
+                    html.Span(
+                        sev.upper(),
+                        className="severity",
+                        style={"color": color, "fontWeight": "bold", "marginRight": "0.8em"},
+                    ),
+                    html.Code(str(d.rule), className="rule-id"),
+                    html.Span(diagnosis.ranks_label(d), className="ranks", style={"marginLeft": "0.8em"}),
+                ]
+            ),
+            html.H4(str(d.title), style={"margin": "0.3em 0"}),
+            html.P(str(getattr(d, "summary", "") or "")),
+            html.P(
+                [
+                    html.B("Layers: "),
+                    *(layer_els or ["-"]),
+                    f"  (steps {steps[0]}–{steps[1]})" if steps and len(steps) == 2 else "",
+                ]
+            ),
+            html.Table(
+                [html.Tr([html.Th(k, style={"textAlign": "left", "paddingRight": "1em"}), html.Td(v)]) for k, v in ev]
+            )
+            if ev
+            else None,
+            html.Details([html.Summary("Recommendation"), *rec], open=True),
+        ],
+        className=f"finding finding-{sev}",
+        style={
+            "border": "1px solid #ddd",
+            "borderLeft": f"6px solid {color}",
+            "borderRadius": "4px",
+            "padding": "0.5em 1em",
+            "margin": "0.6em 0",
+        },
+    )
 
 
 def table(rows: list[dict], id_=None):
@@ -97,7 +129,14 @@ def table(rows: list[dict], id_=None):
         return html.P("nothing recorded", id=id_) if id_ else html.P("nothing recorded")
     cell = {"border": "1px solid #ddd", "padding": "0.2em 0.6em", "textAlign": "left"}
     head = html.Tr([html.Th(k, style=cell) for k in rows[0]])
-    body = [html.Tr([html.Td(str(v), style=dict(cell, color="#d62728") if k == "verdict" and v != "ok" else cell)
-                     for k, v in r.items()]) for r in rows]
+    body = [
+        html.Tr(
+            [
+                html.Td(str(v), style=dict(cell, color="#d62728") if k == "verdict" and v != "ok" else cell)
+                for k, v in r.items()
+            ]
+        )
+        for r in rows
+    ]
     kw = {"id": id_} if id_ else {}
     return html.Table([head, *body], style={"borderCollapse": "collapse"}, **kw)

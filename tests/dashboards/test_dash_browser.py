@@ -1,16 +1,15 @@
 """The dashboard in a real (headless) Chromium: findings, layer detail, what-if, live updates, no console errors."""
+
 import base64
 import threading
 import time
 
 import numpy as np
 import pytest
-from selenium.webdriver.common.action_chains import ActionChains
-
+import runs
 from ampdoctor.dashboards import diagnosis, ids
 from ampdoctor.dashboards.app import create_app
-
-import runs
+from selenium.webdriver.common.action_chains import ActionChains
 
 pytestmark = pytest.mark.browser
 
@@ -54,11 +53,11 @@ def test_overview_findings_layer_detail_and_whatif(dash_duo, traces):
     # ... and so does a click on the heat map's top row (the worst layer). Plotly turns a click into clickData
     # only after a hover, so the mouse moves there, rests, moves a pixel, then clicks.
     dash_duo.find_element("#nav-layers").click()
-    dash_duo.wait_for_element(f"#{ids.LAYERS_HEATMAP} .hm", timeout=20)     # the heat map is drawn
-    time.sleep(1.5)                                                          # and the first poll has redrawn it
+    dash_duo.wait_for_element(f"#{ids.LAYERS_HEATMAP} .hm", timeout=20)  # the heat map is drawn
+    time.sleep(1.5)  # and the first poll has redrawn it
     drag = dash_duo.find_element(f"#{ids.LAYERS_HEATMAP} .nsewdrag")
     rows = len(dash_duo.find_elements(".layer-link"))
-    top = -drag.size["height"] // 2 + drag.size["height"] // (2 * rows)     # centre of the top row
+    top = -drag.size["height"] // 2 + drag.size["height"] // (2 * rows)  # centre of the top row
     ActionChains(dash_duo.driver).move_to_element(drag).perform()
     time.sleep(0.4)
     ActionChains(dash_duo.driver).move_by_offset(2, top).perform()
@@ -71,7 +70,7 @@ def test_overview_findings_layer_detail_and_whatif(dash_duo, traces):
     # the run picker switches runs
     dash_duo.select_dcc_dropdown(f"#{ids.RUN_PICKER}", value="bf16")
     dash_duo.wait_for_contains_text("#summary-table", "bf16.db", timeout=20)
-    assert dash_duo.driver.current_url.endswith("/?run=bf16.db")       # a layer of another run makes no sense
+    assert dash_duo.driver.current_url.endswith("/?run=bf16.db")  # a layer of another run makes no sense
     _no_console_errors(dash_duo)
 
     # what-if: a lower init scale removes the overflow skips of the start
@@ -86,8 +85,9 @@ def test_overview_findings_layer_detail_and_whatif(dash_duo, traces):
     assert before != after and after.startswith("simulated: 0 skipped")
     sim = dash_duo.driver.execute_script(
         f"return document.querySelector('#{ids.WHATIF_GRAPH} .js-plotly-plot').data"
-        ".filter(t => t.name === 'simulated scale')[0].y")
-    assert _array(sim)[0] == 10              # log2(1024)
+        ".filter(t => t.name === 'simulated scale')[0].y"
+    )
+    assert _array(sim)[0] == 10  # log2(1024)
     _no_console_errors(dash_duo)
 
 
@@ -111,8 +111,12 @@ def test_live_run_new_steps_appear_without_reload(dash_duo, tmp_path):
             time.sleep(0.15)
             yield batch
 
-    t = threading.Thread(target=runs.train, args=(runs.mlp(),), daemon=True,
-                         kwargs=dict(steps=60, precision="bf16", trace=str(tmp_path / "live.db"), data=slow_batches()))
+    t = threading.Thread(
+        target=runs.train,
+        args=(runs.mlp(),),
+        daemon=True,
+        kwargs=dict(steps=60, precision="bf16", trace=str(tmp_path / "live.db"), data=slow_batches()),
+    )
     t.start()
     dash_duo.wait_for_contains_text(f"#{ids.STEP_COUNT}", "steps", timeout=30)
     first = int(dash_duo.find_element(f"#{ids.STEP_COUNT}").text.split()[0])

@@ -1,11 +1,12 @@
 """Figure builders and the data behind them: arrays in, figures out, no browser."""
+
 import numpy as np
 import plotly.graph_objects as go
 import pytest
+from ampdoctor.dashboards import catalog, data, diagnosis, figures
 
 import ampdoctor
 from ampdoctor import formats
-from ampdoctor.dashboards import catalog, data, diagnosis, figures
 
 
 def _n_points(fig) -> list[int]:
@@ -16,7 +17,7 @@ def _n_points(fig) -> list[int]:
 def test_downsample_caps_points_and_keeps_spikes():
     x = np.arange(200_000)
     y = np.sin(x / 1000.0)
-    y[123_457] = 50.0                      # one spike
+    y[123_457] = 50.0  # one spike
     y[7] = -50.0
     y[150_000:150_010] = np.nan
     dx, dy = figures.downsample(x, y, 4000)
@@ -44,14 +45,16 @@ def test_large_run_figures_stay_under_10k_points_per_line():
     steps = np.arange(n)
     loss = np.random.default_rng(0).random(n)
     skipped = np.zeros(n, bool)
-    skipped[::2] = True                    # 5000 skips: markers are thinned too
+    skipped[::2] = True  # 5000 skips: markers are thinned too
     scale = 2.0 ** np.clip(16 + np.cumsum(np.where(skipped, -1, 1)) % 8, 0, 24)
-    figs = [figures.loss_figure(steps, loss, skipped, skipped),
-            figures.loss_scale_figure(steps, scale, skipped),
-            figures.step_time_figure(steps, loss, loss / 3),
-            figures.whatif_figure(steps, scale, scale / 2, skipped, skipped),
-            figures.compare_loss_figure([("a", steps, loss), ("b", steps, loss * 2)]),
-            figures.layer_series_figure({"abs max": (steps, loss + 1), "rms": (steps, loss + 2)})]
+    figs = [
+        figures.loss_figure(steps, loss, skipped, skipped),
+        figures.loss_scale_figure(steps, scale, skipped),
+        figures.step_time_figure(steps, loss, loss / 3),
+        figures.whatif_figure(steps, scale, scale / 2, skipped, skipped),
+        figures.compare_loss_figure([("a", steps, loss), ("b", steps, loss * 2)]),
+        figures.layer_series_figure({"abs max": (steps, loss + 1), "rms": (steps, loss + 2)}),
+    ]
     for fig in figs:
         assert max(_n_points(fig)) <= figures.MAX_POINTS, fig.layout.title.text
 
@@ -59,16 +62,23 @@ def test_large_run_figures_stay_under_10k_points_per_line():
 def test_layer_heatmap_of_500_sites_by_10000_steps_is_binned():
     rng = np.random.default_rng(1)
     vals = rng.random((500, 10_000))
-    vals[17, 9_999] = 7.0                  # the worst cell of site 17 is in the last step
-    lm = data.LayerMatrix("fp16_over", "grad_out", np.arange(10_000), np.arange(500), [f"l{i}" for i in range(500)],
-                          ["Linear"] * 500, vals)
+    vals[17, 9_999] = 7.0  # the worst cell of site 17 is in the last step
+    lm = data.LayerMatrix(
+        "fp16_over",
+        "grad_out",
+        np.arange(10_000),
+        np.arange(500),
+        [f"l{i}" for i in range(500)],
+        ["Linear"] * 500,
+        vals,
+    )
     assert lm.order("worst")[0] == 17
     fig = figures.layer_heatmap(lm, lm.order("worst"))
     hm = fig.data[0]
     z = np.asarray(hm.z, dtype=float)
     assert z.shape[0] == 500 and z.size <= figures.MAX_CELLS
-    assert z[0].max() == 7.0                # binning keeps the worst value
-    assert hm.y[0] == "l17" and fig.layout.yaxis.type == "category"    # a click on the top row names l17
+    assert z[0].max() == 7.0  # binning keeps the worst value
+    assert hm.y[0] == "l17" and fig.layout.yaxis.type == "category"  # a click on the top row names l17
 
 
 # -- figures over a real trace ----------------------------------------------------------------------------------
@@ -81,7 +91,7 @@ def test_overview_figures_mark_skipped_steps(traces):
     assert n_skip > 0 and f"skipped step ({n_skip})" in names
     fig = figures.loss_scale_figure(st["step"], st["loss_scale"], st["skipped"])
     line = fig.data[0]
-    assert np.asarray(line.y)[0] == 24.0    # init scale 2^24, on the log2 axis
+    assert np.asarray(line.y)[0] == 24.0  # init scale 2^24, on the log2 axis
     assert "2^24" in fig.layout.yaxis.ticktext
 
 
@@ -96,13 +106,17 @@ def test_exponent_histogram_bands_and_scale_shift(traces):
     assert {"FP16 normal", "FP16 subnormal", "FP16 max 65504"} <= set(notes), (texts, notes)
     y0, y1 = fig.layout.yaxis.range
     assert y0 <= formats.FP16.subnormal_exp and y1 >= formats.FP16.max_exp
-    shift = [t for t in fig.data if t.name == "underflow limit without the loss scale"][0]
+    shift = next(t for t in fig.data if t.name == "underflow limit without the loss scale")
     assert np.asarray(shift.y)[0] == formats.FP16.subnormal_exp + np.log2(scales[0])
 
 
 def test_empty_inputs_give_a_figure_with_a_note():
-    for fig in (figures.loss_figure([], [], [], []), figures.loss_scale_figure([1, 2], [np.nan, np.nan], [0, 0]),
-                figures.exponent_hist_figure([], np.zeros((0, 255))), figures.layer_series_figure({})):
+    for fig in (
+        figures.loss_figure([], [], [], []),
+        figures.loss_scale_figure([1, 2], [np.nan, np.nan], [0, 0]),
+        figures.exponent_hist_figure([], np.zeros((0, 255))),
+        figures.layer_series_figure({}),
+    ):
         assert isinstance(fig, go.Figure) and fig.layout.annotations
 
 
@@ -115,7 +129,7 @@ def test_layer_matrix_matches_records(traces):
     under = tr.records("fp16_sub", "grad_out")[full] + tr.records("fp16_flush", "grad_out")[full]
     np.testing.assert_allclose(lm.values, (under / numel).T)
     assert lm.steps.tolist() == full.tolist()
-    assert lm.worst.max() > 0.5             # a loss x 1e-5 without a scaler: most gradients underflow
+    assert lm.worst.max() > 0.5  # a loss x 1e-5 without a scaler: most gradients underflow
     peak = data.layer_matrix(tr, "absmax_log2", "act")
     assert peak.values.shape == (len(tr.sites("act")), tr.n_steps)
 
@@ -127,7 +141,7 @@ def test_unscaled_abs_max_removes_the_loss_scale(traces):
     scale = tr.steps()["loss_scale"].to_numpy()
     diff = scaled.values - unscaled.values
     want = np.broadcast_to(np.log2(scale), diff.shape)
-    ok = np.isfinite(diff)                 # overflowed (inf) steps have no abs max to shift
+    ok = np.isfinite(diff)  # overflowed (inf) steps have no abs max to shift
     assert ok.any() and np.array_equal(np.isfinite(unscaled.values), ok)
     np.testing.assert_allclose(diff[ok], want[ok])
 
@@ -142,16 +156,29 @@ def test_whatif_reproduces_recorded_scale_and_responds_to_settings(traces):
 
 def test_precision_rows_flag_half_precision_norms():
     class T:
-        config = {"autocast": {"enabled": True, "dtype": "float16"}, "loss_dtype": "float16",
-                  "module_param_dtypes": {"lin": "float32", "ln": "float16"}, "param_dtypes": {"float32": 10},
-                  "optimizer": {"class": "Adam"}}
+        config = {
+            "autocast": {"enabled": True, "dtype": "float16"},
+            "loss_dtype": "float16",
+            "module_param_dtypes": {"lin": "float32", "ln": "float16"},
+            "param_dtypes": {"float32": 10},
+            "optimizer": {"class": "Adam"},
+        }
 
         def sites(self):
             import pandas as pd
-            return pd.DataFrame({"id": [0, 1, 2], "path": ["lin", "ln", "lin"], "module": ["lin", "ln", "lin"],
-                                 "kind": ["act", "act", "grad_out"], "module_type": ["Linear", "LayerNorm", "Linear"],
-                                 "dtype": ["float16", "float16", "float16"], "shape": ["", "", ""],
-                                 "first_step": [0, 0, 0]})
+
+            return pd.DataFrame(
+                {
+                    "id": [0, 1, 2],
+                    "path": ["lin", "ln", "lin"],
+                    "module": ["lin", "ln", "lin"],
+                    "kind": ["act", "act", "grad_out"],
+                    "module_type": ["Linear", "LayerNorm", "Linear"],
+                    "dtype": ["float16", "float16", "float16"],
+                    "shape": ["", "", ""],
+                    "first_step": [0, 0, 0],
+                }
+            )
 
     rows = {r["module"]: r for r in data.precision_rows(T())}
     assert rows["lin"]["recommended"] == "float16" and rows["lin"]["verdict"] == "ok"
@@ -173,7 +200,8 @@ def test_fix_parts_are_the_rules_own_text_and_code(traces):
             if kind == "code":
                 compile(text, d.rule, "exec")
     assert diagnosis.fix_parts(type("D", (), {"recommendation": "Lower the rate.\nx = 1"})()) == [
-        ("text", "Lower the rate.\nx = 1")]
+        ("text", "Lower the rate.\nx = 1")
+    ]
 
 
 def test_discover_runs_groups_ranks_and_stays_under_the_root(traces, tmp_path):
@@ -192,8 +220,10 @@ def test_layers_of_the_offline_side_import_neither_dash_nor_torch():
     import subprocess
     import sys
 
-    code = ("import sys; import ampdoctor.dashboards.figures, ampdoctor.dashboards.report; "
-            "assert 'dash' not in sys.modules, 'dash'; import ampdoctor.dashboards.app, ampdoctor.commands.serve; "
-            "assert 'torch' not in sys.modules, 'torch'")
+    code = (
+        "import sys; import ampdoctor.dashboards.figures, ampdoctor.dashboards.report; "
+        "assert 'dash' not in sys.modules, 'dash'; import ampdoctor.dashboards.app, ampdoctor.commands.serve; "
+        "assert 'torch' not in sys.modules, 'torch'"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

@@ -1,28 +1,34 @@
 """The Formats page, its figures and the report's Formats section on a real probed run with a fragile layer."""
-import pytest
 
-import ampdoctor
 import probe_models as M
+import pytest
 from ampdoctor.dashboards import data, figures, ids
 from ampdoctor.dashboards.app import create_app, render
 from ampdoctor.dashboards.report import build_report
+
+import ampdoctor
 
 
 @pytest.fixture(scope="module")
 def probed(tmp_path_factory):
     d = tmp_path_factory.mktemp("formats")
-    M.train(M.standardize_model(), M.tabular(20), 20, str(d / "frag.db"),
-            attach_options={"probe_every": 5, "every": 5, "hist_every": 5, "live": False})
+    M.train(
+        M.standardize_model(),
+        M.tabular(20),
+        20,
+        str(d / "frag.db"),
+        attach_options={"probe_every": 5, "every": 5, "hist_every": 5, "live": False},
+    )
     return d
 
 
 def test_figures_show_the_probe_error_and_the_format_shares(probed):
     tr = ampdoctor.load(str(probed / "frag.db"))
     series, bounds, verdicts = data.probe_series(tr)
-    assert list(series)[0] == "0" and verdicts[0]["named"] and not any(v["named"] for v in verdicts[1:])
+    assert next(iter(series)) == "0" and verdicts[0]["named"] and not any(v["named"] for v in verdicts[1:])
     fig = figures.probe_error_figure(series, bounds)
     names = [t.name for t in fig.data if t.showlegend is not False]
-    assert names[0] == "0" and len(fig.data[0].x) == 4          # probed at steps 0, 5, 10, 15
+    assert names[0] == "0" and len(fig.data[0].x) == 4  # probed at steps 0, 5, 10, 15
     labels, lost = data.formats_shares(tr)
     fig = figures.formats_figure(labels, lost)
     assert {t.name for t in fig.data} == {"FP16", "BF16", "E4M3", "E5M2"} and len(fig.data[0].y) == len(labels)

@@ -1,17 +1,18 @@
 """Names are user data: a layer named like an attack shows as text in the browser, the report and the terminal."""
+
 import html
 import time
 
 import pytest
-
-from ampdoctor.cli import main
 from ampdoctor.dashboards import ids
 from ampdoctor.dashboards.app import create_app
+
+from ampdoctor.cli import main
 
 
 @pytest.mark.browser
 def test_hostile_names_are_text_in_the_browser_and_bad_input_is_a_message(dash_duo, hostile, tracker):
-    path, name = hostile
+    path, _name = hostile
     port, fetched = tracker
     dash_duo.start_server(create_app(str(path.parent), poll_ms=1000))
     base = dash_duo.server_url
@@ -53,7 +54,7 @@ def test_report_shows_hostile_names_as_text(hostile, tmp_path):
     path, name = hostile
     out = tmp_path / "hostile.html"
     assert main(["report", str(path), "-o", str(out)]) == 0
-    body = out.read_text().split("</head>", 1)[1]          # plotly.js aside
+    body = out.read_text().split("</head>", 1)[1]  # plotly.js aside
     assert f"<h3>Forward overflow in {html.escape(name)}</h3>" in body
     # in the figures' JSON (where plotly writes "<" as \u003c) the name arrives as entities plotly shows as text
     assert "&lt;a href='http:\\u002f\\u002flocalhost" in body

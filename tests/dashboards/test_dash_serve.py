@@ -1,12 +1,13 @@
 """`ampdoctor serve`: arguments, the 0.0.0.0 warning, and what the browser can and cannot reach."""
+
 import dash
 import pytest
-
-from ampdoctor.cli import main
-from ampdoctor.commands import serve as command
 from ampdoctor.dashboards import data, diagnosis
 from ampdoctor.dashboards.app import create_app, render
 from ampdoctor.dashboards.pages import compare, layer, layers, overview, whatif
+
+from ampdoctor.cli import main
+from ampdoctor.commands import serve as command
 
 
 @pytest.fixture
@@ -14,6 +15,7 @@ def no_server(monkeypatch):
     """Record app.run instead of serving."""
     calls = []
     import dash
+
     monkeypatch.setattr(dash.Dash, "run", lambda self, **kw: calls.append(kw))
     return calls
 
@@ -38,11 +40,14 @@ def test_loopback_hosts(host):
     assert command.is_loopback(host)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["serve", "/no/such/dir"], "ampdoctor serve: /no/such/dir: no such file or directory"),
-    (["serve", "{traces}", "--reference", "/no/ref.db"], "ampdoctor serve: --reference /no/ref.db: no such file"),
-    (["serve", "{traces}", "--port", "70000"], "ampdoctor serve: --port 70000: not a port number"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["serve", "/no/such/dir"], "ampdoctor serve: /no/such/dir: no such file or directory"),
+        (["serve", "{traces}", "--reference", "/no/ref.db"], "ampdoctor serve: --reference /no/ref.db: no such file"),
+        (["serve", "{traces}", "--port", "70000"], "ampdoctor serve: --port 70000: not a port number"),
+    ],
+)
 def test_serve_bad_usage_is_one_line_exit_2(traces, no_server, capsys, argv, message):
     assert main([a.format(traces=traces) for a in argv]) == 2
     assert capsys.readouterr().err == message + "\n"
@@ -56,8 +61,9 @@ def test_serve_bad_trace_is_one_line_exit_2(tmp_path, no_server, capsys):
     assert capsys.readouterr().err == f"ampdoctor: {bad}: empty file (0 bytes), not an ampdoctor trace\n"
 
 
-@pytest.mark.parametrize("run", ["../fp16_bad.db", "/etc/passwd", "..%2Ffp16_bad.db", "ddp/../fp16_bad.db",
-                                 "run.rank0.db/../../bf16.db", ""])
+@pytest.mark.parametrize(
+    "run", ["../fp16_bad.db", "/etc/passwd", "..%2Ffp16_bad.db", "ddp/../fp16_bad.db", "run.rank0.db/../../bf16.db", ""]
+)
 def test_traversal_attempts_reach_nothing(traces, run):
     app = create_app(str(traces / "ddp"))
     ctx = app.ampdoctor
@@ -70,21 +76,33 @@ def test_only_served_runs_resolve(traces):
     ctx = create_app(str(traces / "ddp"), reference=str(traces / "bf16.db")).ampdoctor
     assert set(ctx.runs()) == {"run.rank0.db", "run.rank1.db"}
     assert ctx.trace("run.rank1.db") is not None
-    assert ctx.trace("reference").path.endswith("bf16.db")       # given on the command line
+    assert ctx.trace("reference").path.endswith("bf16.db")  # given on the command line
 
 
 def test_http_paths_do_not_walk_the_file_system(traces):
     client = create_app(str(traces / "ddp")).server.test_client()
-    for url in ("/assets/../../../../etc/passwd", "/assets/..%2f..%2f..%2fetc%2fpasswd",
-                "/_dash-component-suites/../../etc/passwd", "/_dash-component-suites/dash/../../../../etc/passwd"):
+    for url in (
+        "/assets/../../../../etc/passwd",
+        "/assets/..%2f..%2f..%2fetc%2fpasswd",
+        "/_dash-component-suites/../../etc/passwd",
+        "/_dash-component-suites/dash/../../../../etc/passwd",
+    ):
         r = client.get(url)
         assert b"root:" not in r.data and r.status_code in (200, 404), url
-        assert r.status_code == 404 or b"<!DOCTYPE html>" in r.data    # the app shell, never a file
+        assert r.status_code == 404 or b"<!DOCTYPE html>" in r.data  # the app shell, never a file
 
 
-@pytest.mark.parametrize("which, run", [("traces", "fp16_bad.db"), ("traces", "fp16_under.db"), ("traces", "bf16.db"),
-                                        ("traces", "ddp/run.rank1.db"), ("edge_traces", "zero.db"),
-                                        ("edge_traces", "fp32.db")])
+@pytest.mark.parametrize(
+    "which, run",
+    [
+        ("traces", "fp16_bad.db"),
+        ("traces", "fp16_under.db"),
+        ("traces", "bf16.db"),
+        ("traces", "ddp/run.rank1.db"),
+        ("edge_traces", "zero.db"),
+        ("edge_traces", "fp32.db"),
+    ],
+)
 def test_every_page_and_callback_works_on_every_kind_of_trace(request, which, run):
     """No page or callback raises, whatever the trace: overflowing, underflowing, BF16, per rank, empty, FP32."""
     root = request.getfixturevalue(which)
@@ -100,9 +118,9 @@ def test_every_page_and_callback_works_on_every_kind_of_trace(request, which, ru
     layer.update(ctx, version, search)
     for kind in data.KINDS:
         for stat in data.STATS:
-            fig, _ = layers.update(ctx, kind, stat, "worst", version, search)
+            _fig, _ = layers.update(ctx, kind, stat, "worst", version, search)
     whatif.update(ctx, 1024, 10, 2.0, 0.5, version, search)
-    whatif.update(ctx, None, None, None, None, version, search)       # emptied inputs: the run's own settings
+    whatif.update(ctx, None, None, None, None, version, search)  # emptied inputs: the run's own settings
     compare.update(ctx, "reference", "fp16_under", version, search)
     if len(tr.sites("grad_out")):
         path = str(tr.sites("grad_out")["path"].iloc[0])
@@ -120,7 +138,7 @@ def test_findings_are_cached_and_a_failing_rule_does_not_break_the_overview(trac
     monkeypatch.setattr(diagnosis, "findings", failing)
     ctx = create_app(str(traces)).ampdoctor
     assert ctx.findings_and_error("bf16.db") == ([], "IndexError: boolean index did not match")
-    assert ctx.findings("bf16.db") == [] and len(calls) == 1          # same trace length: not run again
+    assert ctx.findings("bf16.db") == [] and len(calls) == 1  # same trace length: not run again
     _, _, cards, *_ = overview.update(ctx, None, "?run=bf16.db")
     assert cards.id == "diagnosis-error" and "IndexError" in cards.children
 
@@ -136,8 +154,12 @@ def test_serve_command_serves_the_app_on_loopback(traces):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "ampdoctor", "serve", str(traces), "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ampdoctor", "serve", str(traces), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         body = None
         deadline = time.time() + 30
@@ -192,7 +214,7 @@ def test_a_fifo_in_the_served_directory_is_skipped_unopened(traces, tmp_path, mo
     ctx = apps[0].ampdoctor
     assert set(ctx.runs()) == {"bf16.db"}
     os.mkfifo(tmp_path / "late.db")
-    time.sleep(1.1)                                  # the run list is rescanned at most once a second
+    time.sleep(1.1)  # the run list is rescanned at most once a second
     assert set(_finishes(ctx.runs, tmp_path / "late.db")) == {"bf16.db"}
     capsys.readouterr()
     assert main(["serve", str(tmp_path / "late.db")]) == 2
@@ -205,8 +227,12 @@ def test_serve_answers_the_names_its_options_allow(traces, monkeypatch, capsys):
     monkeypatch.setattr(dash.Dash, "run", lambda self, **kw: apps.append(self))
     assert main(["serve", str(traces), "--host", "0.0.0.0", "--allow-host", "dash.example"]) == 0
     client = apps[0].server.test_client()
-    for host, status in (("dash.example:8050", 200), ("10.1.2.3:8050", 200), ("localhost:8050", 200),
-                         ("attacker.example:8050", 403)):
+    for host, status in (
+        ("dash.example:8050", 200),
+        ("10.1.2.3:8050", 200),
+        ("localhost:8050", 200),
+        ("attacker.example:8050", 403),
+    ):
         assert client.get("/", headers={"Host": host}).status_code == status, host
     capsys.readouterr()
     assert main(["serve", str(traces), "--allow-host", "not a name"]) == 2

@@ -12,6 +12,7 @@ average), with the same overflow on ``--fault-rank``, so the ranks' loss scales 
 diagnosis printed), run as written. Each phase also writes the scale GradScaler really had after every update to
 ``OUT/scales-PHASE-RANK.json``: the reference the traces are compared with.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,9 +27,10 @@ import ampdoctor
 
 
 def model_and_data(steps: int, seed: int):
-    torch.manual_seed(0)                     # the same initial weights on every rank (DDP also broadcasts them)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
-                                torch.nn.Linear(32, 1))
+    torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts them)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)
+    )
     g = torch.Generator().manual_seed(seed)  # each rank its own shard
     w = torch.randn(16, 1, generator=g)
     data = []
@@ -51,23 +53,25 @@ def train(phase: str, out: str, args, rank: int) -> None:
     with ampdoctor.attach(net, optimizer=opt, scaler=scaler, trace=trace, live=False):
         for step, (x, y) in enumerate(data):
             if faulty and phase == "ddp" and args.slow_ms:
-                time.sleep(args.slow_ms / 1000)              # this rank's input pipeline is slow
+                time.sleep(args.slow_ms / 1000)  # this rank's input pipeline is slow
             if faulty and step in args.nan_steps:
                 x = x.clone()
-                x[0, 0] = 1e6                                # -> Inf in FP16 in the first Linear
+                x[0, 0] = 1e6  # -> Inf in FP16 in the first Linear
             opt.zero_grad(set_to_none=True)
             with torch.autocast("cpu", dtype=torch.float16):
                 out_ = net(x)
             loss = torch.nn.functional.mse_loss(out_.float(), y)
             if step_code is not None:
-                exec(step_code, {"scaler": scaler, "loss": loss, "model": model, "opt": opt, "dist": dist,
-                                 "torch": torch})
+                exec(
+                    step_code,
+                    {"scaler": scaler, "loss": loss, "model": model, "opt": opt, "dist": dist, "torch": torch},
+                )
                 scales.append(scaler.get_scale())
                 continue
             scaler.scale(loss).backward()
             if phase == "manual":
-                scaler.unscale_(opt)                         # the bug: found_inf is judged per rank ...
-                for p in model.parameters():                 # ... before the gradients are averaged
+                scaler.unscale_(opt)  # the bug: found_inf is judged per rank ...
+                for p in model.parameters():  # ... before the gradients are averaged
                     dist.all_reduce(p.grad)
                     p.grad /= dist.get_world_size()
             scaler.step(opt)

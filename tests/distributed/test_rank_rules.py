@@ -1,16 +1,17 @@
 """The rank rules and the run loader on what torchrun's environment makes of separate processes: each "rank" is a
 real FP16 + GradScaler training run with RANK / WORLD_SIZE set as torchrun sets them (no process group: ranks that
 do not wait for each other), one of them different."""
+
 from __future__ import annotations
 
 import time
 
 import pytest
 import torch
+from runs import batches, mlp, train
 
 import ampdoctor
 from ampdoctor.cli import main as cli
-from runs import batches, mlp, train
 
 STEPS = 8
 
@@ -27,8 +28,13 @@ class Slow(torch.nn.Module):
 def warm(tmp_path_factory):
     """The first observed FP16 run of a process pays for kernel and hook set-up over several steps: not what a
     rank is compared on."""
-    train(mlp(width=32, depth=2), STEPS, precision="fp16", trace=str(tmp_path_factory.mktemp("warm") / "w.db"),
-          attach_options={"live": False})
+    train(
+        mlp(width=32, depth=2),
+        STEPS,
+        precision="fp16",
+        trace=str(tmp_path_factory.mktemp("warm") / "w.db"),
+        attach_options={"live": False},
+    )
 
 
 def late(data, seconds):
@@ -46,8 +52,15 @@ def rank_run(monkeypatch, path, rank, world, *, slow=False, slow_data=False, ini
     model = mlp(width=32, depth=2, seed=0)
     if slow:
         model[1] = Slow()
-    train(model, STEPS, precision="fp16", init_scale=init_scale, trace=str(path),
-          attach_options={"live": False}, data=late(batches(STEPS, seed=1 + rank), 0.1 if slow_data else 0.0))
+    train(
+        model,
+        STEPS,
+        precision="fp16",
+        init_scale=init_scale,
+        trace=str(path),
+        attach_options={"live": False},
+        data=late(batches(STEPS, seed=1 + rank), 0.1 if slow_data else 0.0),
+    )
 
 
 def test_healthy_ranks_get_no_rank_finding_and_a_missing_rank_is_reported(tmp_path, monkeypatch, capsys):
@@ -68,7 +81,7 @@ def test_slow_rank_is_named_a_compute_straggler(tmp_path, monkeypatch):
     found = [d for d in ampdoctor.diagnose(str(tmp_path / "s-*.db")) if d.rule == "rank-straggler"]
     assert len(found) == 1 and found[0].ranks == [2] and "steps take longer" in found[0].title
     times = found[0].evidence["step_time_median_s"]
-    assert times["rank 2"] - max(times["rank 0"], times["rank 1"]) >= 0.05      # the 100 ms sleep, less noise
+    assert times["rank 2"] - max(times["rank 0"], times["rank 1"]) >= 0.05  # the 100 ms sleep, less noise
 
 
 def test_rank_waiting_for_data_is_a_data_straggler_and_its_fix_runs(tmp_path, monkeypatch):
@@ -98,10 +111,13 @@ def test_the_odd_scale_out_is_named_by_majority(tmp_path, monkeypatch):
     assert found[0].evidence["loss_scale_before"] == {"rank 0": 1024.0, "rank 1": 4096.0, "rank 2": 1024.0}
 
 
-@pytest.mark.parametrize("second,message", [
-    ({"rank": 0}, "two traces of rank 0"),                      # a rank twice: two runs in one directory
-    ({"rank": 1, "run_id": "job-b"}, "come from different runs"),
-])
+@pytest.mark.parametrize(
+    "second,message",
+    [
+        ({"rank": 0}, "two traces of rank 0"),  # a rank twice: two runs in one directory
+        ({"rank": 1, "run_id": "job-b"}, "come from different runs"),
+    ],
+)
 def test_files_of_different_runs_are_refused_with_one_line(tmp_path, monkeypatch, capsys, second, message):
     rank_run(monkeypatch, tmp_path / "a-{rank}.db", 0, 2)
     rank_run(monkeypatch, tmp_path / "b-{rank}.db", second["rank"], 2, run_id=second.get("run_id", "job-a"))

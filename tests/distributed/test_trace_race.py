@@ -1,6 +1,7 @@
 """Two real processes opening the same trace path at the same moment (e.g. DDP ranks given a path without
 ``{rank}``, or two jobs left at the default path): each must end with its own complete trace, and neither may
 delete the other's."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -8,7 +9,7 @@ import os
 
 import ampdoctor
 
-ROUNDS = 10          # each round both processes attach to one fresh path at the same instant
+ROUNDS = 10  # each round both processes attach to one fresh path at the same instant
 
 
 def _attach_and_write(barrier, results, paths):
@@ -16,6 +17,7 @@ def _attach_and_write(barrier, results, paths):
     import warnings
 
     import torch
+
     torch.set_num_threads(1)
     model = torch.nn.Linear(4, 1)
     for path in paths:
@@ -48,12 +50,12 @@ def test_two_processes_racing_on_one_path_each_keep_their_own_trace(tmp_path):
             assert os.path.exists(out), f"{out} (pid {pid}) was deleted"
             assert not any("cannot write" in w or "may be incomplete" in w for w in warned), warned
         written = {g[2] for g in mine}
-        assert len(written) == 2, f"both processes wrote {written}"       # never one shared file
+        assert len(written) == 2, f"both processes wrote {written}"  # never one shared file
         assert path in written
         for pid, _, out, warned in mine:
             tr = ampdoctor.load(out)
             assert tr.meta["run"]["pid"] == pid
             assert tr.meta["closed"]["steps"] == 3 and tr.n_steps == 3
             tr.close()
-            if out != path:                                         # the loser says where its trace went
+            if out != path:  # the loser says where its trace went
                 assert any(out in w for w in warned), warned

@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))   # hf_runs
+sys.path.insert(0, os.path.dirname(__file__))  # hf_runs
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """Tiny Hugging Face models (GPT-2, BERT, T5) built from configs with random weights, trained on the CPU in a plain
 loop with ampdoctor attached. No downloads: every model comes from a config. FP16 models stay <= 64 wide."""
+
 from __future__ import annotations
 
 import contextlib
@@ -9,13 +10,14 @@ import torch
 import ampdoctor
 
 VOCAB, SEQ, BATCH = 128, 8, 4
-MAX_POS = 16                # positions the models hold: a run may use sequences up to this long
+MAX_POS = 16  # positions the models hold: a run may use sequences up to this long
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
-FAST = {"every": 2, "hist_every": 2, "weight_every": 2}     # dense cadence for short runs
+FAST = {"every": 2, "hist_every": 2, "weight_every": 2}  # dense cadence for short runs
 
 
 def gpt2(seed=0, **over):
     from transformers import GPT2Config, GPT2LMHeadModel
+
     torch.manual_seed(seed)
     cfg = dict(vocab_size=VOCAB, n_positions=MAX_POS, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(GPT2Config(**{**cfg, **over}))
@@ -23,17 +25,34 @@ def gpt2(seed=0, **over):
 
 def bert(seed=0, **over):
     from transformers import BertConfig, BertForMaskedLM
+
     torch.manual_seed(seed)
-    cfg = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-               intermediate_size=64, max_position_embeddings=MAX_POS)
+    cfg = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=MAX_POS,
+    )
     return BertForMaskedLM(BertConfig(**{**cfg, **over}))
 
 
 def t5(seed=0, **over):
     from transformers import T5Config, T5ForConditionalGeneration
+
     torch.manual_seed(seed)
-    cfg = dict(vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=2,
-               decoder_start_token_id=0, pad_token_id=0)
+    cfg = dict(
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=16,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=2,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
     return T5ForConditionalGeneration(T5Config(**{**cfg, **over}))
 
 
@@ -48,9 +67,26 @@ def batch(name, g, size=BATCH, seq=SEQ):
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def train(model_name, trace=None, *, steps=20, precision="fp16", scaler=True, init_scale=2.0 ** 16,
-          growth_interval=2000, lr=1e-3, optimizer="adamw", eps=1e-8, half=False, model=None, setup=None,
-          attach=None, seed=1, size=BATCH, seq=SEQ):
+def train(
+    model_name,
+    trace=None,
+    *,
+    steps=20,
+    precision="fp16",
+    scaler=True,
+    init_scale=2.0**16,
+    growth_interval=2000,
+    lr=1e-3,
+    optimizer="adamw",
+    eps=1e-8,
+    half=False,
+    model=None,
+    setup=None,
+    attach=None,
+    seed=1,
+    size=BATCH,
+    seq=SEQ,
+):
     """Train one of MODELS with loss = model(**batch).loss; returns (losses, model, optimizer, scaler).
 
     ``setup(ns)`` runs after model, optimizer and scaler exist (ns holds them by name: model, optimizer, scaler,
@@ -59,18 +95,27 @@ def train(model_name, trace=None, *, steps=20, precision="fp16", scaler=True, in
     model = model if model is not None else MODELS[model_name]()
     if half:
         model = model.half()
-    opt = (torch.optim.AdamW(model.parameters(), lr=lr, eps=eps) if optimizer == "adamw"
-           else torch.optim.SGD(model.parameters(), lr=lr))
-    sc = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval) \
-        if scaler and precision == "fp16" else None
+    opt = (
+        torch.optim.AdamW(model.parameters(), lr=lr, eps=eps)
+        if optimizer == "adamw"
+        else torch.optim.SGD(model.parameters(), lr=lr)
+    )
+    sc = (
+        torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
+        if scaler and precision == "fp16"
+        else None
+    )
     ns = {"model": model, "optimizer": opt, "scaler": sc, "torch": torch, "ampdoctor": ampdoctor, "lr": lr}
     if setup is not None:
         setup(ns)
     model, opt, sc = ns["model"], ns["optimizer"], ns["scaler"]
     dtype = DTYPES[precision]
     g = torch.Generator().manual_seed(seed)
-    doc = (ampdoctor.attach(model, optimizer=opt, scaler=sc, trace=trace, **{**FAST, **(attach or {})})
-           if trace is not None else contextlib.nullcontext())
+    doc = (
+        ampdoctor.attach(model, optimizer=opt, scaler=sc, trace=trace, **{**FAST, **(attach or {})})
+        if trace is not None
+        else contextlib.nullcontext()
+    )
     losses = []
     with doc:
         for _ in range(steps):

@@ -1,21 +1,21 @@
 """Hugging Face models (GPT-2, BERT, T5 from tiny configs, random weights, CPU) in a plain loop, each with one fault
 of those users meet: the right rule, the right layer, numbers that agree across findings and with the replay, and
 the printed fix, applied as printed, leaves a healthy run (or the finding says only a change of model can)."""
+
 import importlib
 import math
 import re
 
+import hf_runs as R
 import numpy as np
 import pytest
 import torch
+from hf_runs import run, serious
 
 import ampdoctor
 from ampdoctor import cli, formats
 
-from hf_runs import run, serious
-import hf_runs as R
-
-replay = importlib.import_module("ampdoctor.replay")
+replay = importlib.import_module("ampdoctor.lossscale")
 
 
 def _code(rec, *patterns):
@@ -34,8 +34,10 @@ def _code(rec, *patterns):
 
 def _apply(code):
     """A setup that executes printed code against the run's own model, optimizer and scaler."""
+
     def setup(ns):
         exec(code, ns)
+
     return setup
 
 
@@ -71,7 +73,7 @@ def test_stock_bert_fp16_subnormal_gradients_are_advice_not_a_warning(tmp, capsy
 
 # -- 1. a model that returns its own loss: its gradient w.r.t. itself is not a gradient -------------------------
 def test_returned_loss_seed_is_not_the_largest_gradient(tmp):
-    path, _ = run(tmp, "gpt2-init", "gpt2", init_scale=2.0 ** 24, steps=12)
+    path, _ = run(tmp, "gpt2-init", "gpt2", init_scale=2.0**24, steps=12)
     found = ampdoctor.diagnose(path)
     d = {x.rule: x for x in found}["init-scale-too-high"]
     peaks = replay.gradient_peaks(ampdoctor.load(path))
@@ -81,12 +83,17 @@ def test_returned_loss_seed_is_not_the_largest_gradient(tmp):
     assert d.evidence["max_unscaled_grad"] == pytest.approx(float(np.nanmax(peaks.fp16_equivalent[clean])))
     assert d.evidence["max_unscaled_grad"] < 1.0
     best = _scales_agree(path, found)
-    assert best > formats.FP16.max / (8 * 1.0)        # not the 4096 that a gradient of 1 would allow
+    assert best > formats.FP16.max / (8 * 1.0)  # not the 4096 that a gradient of 1 would allow
     assert d.evidence["suggested_init_scale"] == best and f"init_scale={best!r}" in d.recommendation
     # the scale the rule suggests never overflowed in the run itself
     assert best < st.loc[st["skipped"], "loss_scale"].min()
-    fixed, _ = run(tmp, "gpt2-init-fixed", "gpt2", steps=12,
-                   setup=_apply(_code(d.recommendation, r"^scaler = torch\.amp\.GradScaler\(")))
+    fixed, _ = run(
+        tmp,
+        "gpt2-init-fixed",
+        "gpt2",
+        steps=12,
+        setup=_apply(_code(d.recommendation, r"^scaler = torch\.amp\.GradScaler\(")),
+    )
     assert serious(fixed) == []
     assert not ampdoctor.load(fixed).steps()["skipped"].any()
 
@@ -116,7 +123,7 @@ def test_divergence_is_not_read_as_a_scaling_problem(diverged, tmp):
     assert d.severity == "critical" and d.evidence["optimizer"] == "AdamW" and d.evidence["lr"] == 1.0
     assert d.evidence["loss_rise"] >= 1.5
     losses = ampdoctor.load(diverged).steps()["loss"].to_numpy()
-    assert d.evidence["loss_peak"] == pytest.approx(np.nanmax(losses[:d.evidence["first_nonfinite_step"] + 11]))
+    assert d.evidence["loss_peak"] == pytest.approx(np.nanmax(losses[: d.evidence["first_nonfinite_step"] + 11]))
     assert "does not help AdamW" in d.recommendation and "clip_grad_norm_" not in d.recommendation
     # an FP32 reference that diverges as well confirms it
     ref, _ = run(tmp, "gpt2-lr1-fp32", "gpt2", lr=1.0, steps=12, precision="fp32")
@@ -156,7 +163,7 @@ def test_half_weights_adamw_nan_is_critical(half_adamw, capsys):
     d = found[0]
     assert d.rule == "weights-nonfinite" and d.severity == "critical", [x.rule for x in found]
     assert d.evidence["eps"] == 1e-8 and d.evidence["eps_in_format"] == 0.0 and d.evidence["gradients_finite"]
-    assert torch.tensor(1e-8, dtype=torch.float16).item() == 0.0        # what the evidence says, by a real cast
+    assert torch.tensor(1e-8, dtype=torch.float16).item() == 0.0  # what the evidence says, by a real cast
     assert "bert.embeddings.word_embeddings" in d.layers
     # the LayerNorms in FP16 are true too, and said once (not once per module)
     policy = {x.rule: x for x in found}["precision-policy"]
@@ -164,16 +171,18 @@ def test_half_weights_adamw_nan_is_critical(half_adamw, capsys):
     # info tells the same story: the loss is not finite after step 0
     assert cli.main(["info", path]) == 0
     out = capsys.readouterr().out
-    assert "not finite at 5 step(s): 1-5" in out and "-> " not in [ln for ln in out.splitlines()
-                                                                   if ln.startswith("loss ")][0]
+    assert "not finite at 5 step(s): 1-5" in out and "-> " not in next(
+        ln for ln in out.splitlines() if ln.startswith("loss ")
+    )
 
 
 def test_half_weights_fix_fp32_master_weights_as_printed(half_adamw, tmp):
     d = ampdoctor.diagnose(half_adamw[0])[0]
     code = _code(d.recommendation, r"^model\.float\(\)", r"^optimizer = ", r"^scaler = ")
     assert code.count("\n") == 2
-    fixed, losses = run(tmp, "bert-half-fixed", "bert", half=True, precision="fp16", scaler=False, steps=6,
-                        setup=_apply(code))
+    fixed, losses = run(
+        tmp, "bert-half-fixed", "bert", half=True, precision="fp16", scaler=False, steps=6, setup=_apply(code)
+    )
     assert all(math.isfinite(x) for x in losses)
     assert serious(fixed) == []
 
@@ -182,8 +191,9 @@ def test_half_weights_fix_eps_as_printed(half_adamw, tmp):
     d = ampdoctor.diagnose(half_adamw[0])[0]
     code = _code(d.recommendation, r"^for group in optimizer")
     assert 'group["eps"] = 0.0001' in code
-    fixed, losses = run(tmp, "bert-half-eps", "bert", half=True, precision="fp32", scaler=False, steps=6,
-                        setup=_apply(code))
+    fixed, losses = run(
+        tmp, "bert-half-eps", "bert", half=True, precision="fp32", scaler=False, steps=6, setup=_apply(code)
+    )
     assert all(math.isfinite(x) for x in losses)
     assert "weights-nonfinite" not in {x.rule for x in ampdoctor.diagnose(fixed)}
 

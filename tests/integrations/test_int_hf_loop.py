@@ -1,11 +1,12 @@
 """Hugging Face models in a plain training loop: ModelOutput and tuple returns, past key values, integer inputs,
 gradient checkpointing."""
+
 import contextlib
 
 import torch
+from hf_models import SEQ, VOCAB, tiny  # transformers is in the test extra: a missing one fails, never skips
 
 import ampdoctor
-from hf_models import SEQ, VOCAB, tiny    # transformers is in the test extra: a missing one fails, never skips
 
 BATCH = 4
 
@@ -57,7 +58,7 @@ def test_modeloutput_past_key_values_and_integer_inputs(tmp_path):
     # two forwards of the model per step; the batch size is read from the integer input_ids
     assert st["microbatches"].tolist() == [2] * 3 and st["samples"].tolist() == [2 * BATCH] * 3
     act = tr.sites("act").set_index("path")
-    assert act.loc["(model)", "dtype"] == "bfloat16"            # the logits inside the ModelOutput
+    assert act.loc["(model)", "dtype"] == "bfloat16"  # the logits inside the ModelOutput
     assert {"transformer.h.0.attn", "lm_head", "transformer.wte"} <= set(act.index)
     assert "transformer.h.0.attn" in set(tr.sites("grad_out")["path"])
     assert (tr.records("numel", kind="act")[:, list(act.index).index("lm_head")] == 2 * BATCH * 4 * VOCAB).all()
@@ -81,7 +82,7 @@ def test_tuple_outputs(tmp_path):
     assert tr.n_steps == 3 and tr.steps()["samples"].tolist() == [BATCH] * 3
     act = tr.sites("act")
     root = act[act["path"] == "(model)"]
-    assert root["shape"].tolist() == [""]           # the site takes the first tensor's shape: the scalar loss
+    assert root["shape"].tolist() == [""]  # the site takes the first tensor's shape: the scalar loss
     assert "bert.encoder.layer.0.attention.self" in set(tr.sites("grad_out")["path"])
 
 

@@ -1,5 +1,6 @@
 """Lightning with AmpDoctorCallback ("bf16-mixed", and "16-mixed" through an explicit CPU MixedPrecision plugin,
 since Lightning turns precision="16-mixed" on the CPU into bf16), and a LightningModule attached by hand."""
+
 import warnings
 
 import lightning.pytorch as pl
@@ -44,10 +45,22 @@ def loader(n=32):
 
 
 def fit(tmp_path, module, callbacks, steps=4, accumulation=2, **kwargs):
-    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", accumulate_grad_batches=accumulation, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         limit_val_batches=1, val_check_interval=steps * accumulation, log_every_n_steps=1,
-                         num_sanity_val_steps=0, default_root_dir=str(tmp_path), callbacks=callbacks, **kwargs)
+    trainer = pl.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        accumulate_grad_batches=accumulation,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=1,
+        val_check_interval=steps * accumulation,
+        log_every_n_steps=1,
+        num_sanity_val_steps=0,
+        default_root_dir=str(tmp_path),
+        callbacks=callbacks,
+        **kwargs,
+    )
     trainer.fit(module, loader(), loader(8))
     return trainer
 
@@ -60,12 +73,12 @@ def test_lightning_callback_records_steps_losses_metrics_and_scaler(tmp_path, pr
         warnings.simplefilter("always")
         trainer = fit(tmp_path, module, [cb], **kwargs)
     assert not [x for x in w if "ampdoctor" in str(x.message)]
-    tr = ampdoctor.load(tmp_path / "ampdoctor.db")                 # the default: in default_root_dir
+    tr = ampdoctor.load(tmp_path / "ampdoctor.db")  # the default: in default_root_dir
     st = tr.steps()
     assert tr.n_steps == trainer.global_step == 4
     assert st["microbatches"].tolist() == [2] * 4 and st["samples"].tolist() == [2 * BATCH] * 4
     # the loss Lightning backpropagates: each micro-batch's loss / accumulate_grad_batches, summed over the step
-    per_step = [sum(module.losses[2 * k:2 * k + 2]) / 2 for k in range(4)]
+    per_step = [sum(module.losses[2 * k : 2 * k + 2]) / 2 for k in range(4)]
     assert st["loss"].tolist() == pytest.approx(per_step, rel=1e-6)
     # the LightningModule's forward never ran: the callback marked the batches, so the data wait is measured
     assert tr.config["step_start"] == "begin_batch" and st["data_time"].notna().all()
@@ -82,7 +95,7 @@ def test_lightning_callback_records_steps_losses_metrics_and_scaler(tmp_path, pr
     val = m[m["name"] == "val_loss"]
     assert val["value"].tolist() == [pytest.approx(trainer.callback_metrics["val_loss"].item())]
     assert val["step"].tolist() == [3]
-    assert len(m[m["name"] == "train_loss"]) == 4                  # one per optimizer step (log_every_n_steps=1)
+    assert len(m[m["name"] == "train_loss"]) == 4  # one per optimizer step (log_every_n_steps=1)
     assert not cb.doctor.active and not any(x._forward_hooks for x in module.modules())
 
 
@@ -90,11 +103,13 @@ class AttachByHand(pl.Callback):
     """What users wrote before the callback existed: attach to the LightningModule with Lightning's optimizer."""
 
     def on_train_start(self, trainer, pl_module):
-        opt = pl_module.optimizers()                   # a LightningOptimizer wrapping the torch optimizer
+        opt = pl_module.optimizers()  # a LightningOptimizer wrapping the torch optimizer
         from lightning.pytorch.core.optimizer import LightningOptimizer
+
         self.wrapped = isinstance(opt, LightningOptimizer)
-        self.doctor = ampdoctor.attach(pl_module, optimizer=opt, trace=str(trainer.default_root_dir) + "/hand.db",
-                                       live=False)
+        self.doctor = ampdoctor.attach(
+            pl_module, optimizer=opt, trace=str(trainer.default_root_dir) + "/hand.db", live=False
+        )
 
     def on_train_end(self, trainer, pl_module):
         self.doctor.close()
@@ -111,8 +126,8 @@ def test_lightning_module_attached_by_hand_warns_and_time_rules_stay_silent(tmp_
     assert st["data_time"].isna().all() and st["samples"].isna().all()
     rules = [f.rule for f in ampdoctor.diagnose(tr)]
     assert "input-pipeline-bound" not in rules
-    assert tr.config["autocast"]["enabled"] is True           # found inside training_step's autocast
-    assert tr.config["optimizer"]["class"] == "SGD"           # the torch optimizer inside Lightning's wrapper
+    assert tr.config["autocast"]["enabled"] is True  # found inside training_step's autocast
+    assert tr.config["optimizer"]["class"] == "SGD"  # the torch optimizer inside Lightning's wrapper
 
 
 class TwoOptimizers(Regression):
@@ -139,5 +154,5 @@ def test_lightning_callback_with_two_optimizers_records_one_step_per_batch(tmp_p
     module = TwoOptimizers()
     trainer = fit(tmp_path, module, [AmpDoctorCallback(live=False)], steps=6, accumulation=1, precision="bf16-mixed")
     tr = ampdoctor.load(tmp_path / "ampdoctor.db")
-    assert trainer.global_step == 6 and tr.n_steps == 3              # Lightning counts each optimizer's step
+    assert trainer.global_step == 6 and tr.n_steps == 3  # Lightning counts each optimizer's step
     assert tr.config["boundary"] == "manual" and tr.steps()["microbatches"].tolist() == [1, 1, 1]

@@ -3,20 +3,21 @@
 FP16 models stay <= 128 wide (CPU FP16 is slow). Every run records full statistics often enough for the rules to
 see evidence in a few dozen steps (the defaults are tuned for long runs).
 """
+
 from __future__ import annotations
 
 import math
 import time
 
 import torch
+from runs import mlp, train  # noqa: F401  (mlp: the scenarios' model too)
 from torch import nn
 
 import ampdoctor
-from runs import mlp, train  # noqa: F401  (mlp: the scenarios' model too)
 
 torch.set_num_threads(1)
 
-FAST: dict = {}   # the scenarios record with the defaults (sentinel, sampled sites, calibration, flight recorder)
+FAST: dict = {}  # the scenarios record with the defaults (sentinel, sampled sites, calibration, flight recorder)
 
 
 # -- models ------------------------------------------------------------------------------------------------------
@@ -45,7 +46,7 @@ class Attention(nn.Module):
     def forward(self, x):
         q, k, v = self.q(x), self.k(x), self.v(x)
         if self.scaled:
-            q = q / math.sqrt(q.shape[-1])     # before the product: q @ k^T itself can overflow
+            q = q / math.sqrt(q.shape[-1])  # before the product: q @ k^T itself can overflow
         s = q @ k.transpose(-2, -1)
         return self.o(torch.softmax(s, dim=-1) @ v)
 
@@ -127,8 +128,15 @@ def ce(out, y):
 def fit(model, data, steps, trace, *, attach=True, attach_options=None, loss_fn=mse, **kw):
     """runs.train with the scenarios' dense cadence (FAST); returns (model, losses). ``attach=False``: no ampdoctor
     (the same run unobserved)."""
-    model, _, _, losses = train(model, steps, data=data, trace=trace if attach else None, loss_fn=loss_fn,
-                                attach_options=dict(FAST, **(attach_options or {})), **kw)
+    model, _, _, losses = train(
+        model,
+        steps,
+        data=data,
+        trace=trace if attach else None,
+        loss_fn=loss_fn,
+        attach_options=dict(FAST, **(attach_options or {})),
+        **kw,
+    )
     return model, losses
 
 

@@ -3,22 +3,31 @@
 Each row: (scenario, the rule that must fire, the layer it must name first or None, rules that may also fire
 because they describe the same fault from another side).
 """
+
+import fault_runs as F
 import pytest
 import torch
 
 import ampdoctor
-import fault_runs as F
-from ampdoctor.diagnose import dynamics
-from ampdoctor.diagnose.engine import Run
+from ampdoctor.rules import dynamics
+from ampdoctor.rules.engine import Run
 
 
 def init_scale_2_30(p):
-    F.fit(F.mlp(), F.regression(40), 40, p, init_scale=2.0 ** 30)
+    F.fit(F.mlp(), F.regression(40), 40, p, init_scale=2.0**30)
 
 
 def attention_without_sqrt_d(p):
-    F.fit(F.Transformer(scaled=False, emb_scale=100.0, prenorm=False), F.tokens(30), 30, p, precision="fp16",
-          loss_fn=F.ce, optimizer="adam", lr=1e-3)
+    F.fit(
+        F.Transformer(scaled=False, emb_scale=100.0, prenorm=False),
+        F.tokens(30),
+        30,
+        p,
+        precision="fp16",
+        loss_fn=F.ce,
+        optimizer="adam",
+        lr=1e-3,
+    )
 
 
 def nan_batches(p):
@@ -26,8 +35,9 @@ def nan_batches(p):
         for i, (x, y) in enumerate(F.regression(40)):
             if i >= 5:
                 x = x.clone()
-                x[0, 0] = float("nan")          # a corrupt sample in every batch after the fifth
+                x[0, 0] = float("nan")  # a corrupt sample in every batch after the fifth
             yield x, y
+
     F.fit(F.mlp(), data(), 40, p)
 
 
@@ -40,8 +50,16 @@ def fp16_cnn_without_scaler(p):
 
 
 def half_model_plain_sgd(p):
-    F.fit(F.mlp(width=64).half(), F.regression(30, scale=10), 30, p, precision="fp32", scaler=False,
-          input_dtype=torch.float16, lr=0.001)
+    F.fit(
+        F.mlp(width=64).half(),
+        F.regression(30, scale=10),
+        30,
+        p,
+        precision="fp32",
+        scaler=False,
+        input_dtype=torch.float16,
+        lr=0.001,
+    )
 
 
 def scaler_without_autocast(p):
@@ -67,13 +85,25 @@ def conv_initialised_too_large(p):
 
 
 def loss_in_bf16(p):
-    F.fit(F.mlp(width=64), F.regression(30), 30, p, precision="bf16",
-          loss_fn=lambda o, y: ((o - y.to(o.dtype)) ** 2).mean())
+    F.fit(
+        F.mlp(width=64),
+        F.regression(30),
+        30,
+        p,
+        precision="bf16",
+        loss_fn=lambda o, y: ((o - y.to(o.dtype)) ** 2).mean(),
+    )
 
 
 def loss_in_fp16(p):
-    F.fit(F.mlp(width=64), F.regression(30), 30, p, precision="fp16",
-          loss_fn=lambda o, y: ((o - y.to(o.dtype)) ** 2).mean())
+    F.fit(
+        F.mlp(width=64),
+        F.regression(30),
+        30,
+        p,
+        precision="fp16",
+        loss_fn=lambda o, y: ((o - y.to(o.dtype)) ** 2).mean(),
+    )
 
 
 def batchnorm_in_bf16(p):
@@ -96,12 +126,11 @@ SCENARIOS = [
     (conv_initialised_too_large, "grad-range-anomaly", "conv2", {"fp16-readiness", "fp8-readiness"}),  # and FP16/FP8
     (loss_in_bf16, "precision-policy", None, set()),
     (loss_in_fp16, "precision-policy", None, set()),
-    (batchnorm_in_bf16, "precision-policy", "bn1", {"weight-update-lost"}),   # its BF16 params lose updates too
+    (batchnorm_in_bf16, "precision-policy", "bn1", {"weight-update-lost"}),  # its BF16 params lose updates too
 ]
 
 
-@pytest.mark.parametrize("make, rule, layer, related", SCENARIOS,
-                         ids=[f"{r}-{m.__name__}" for m, r, _, _ in SCENARIOS])
+@pytest.mark.parametrize("make, rule, layer, related", SCENARIOS, ids=[f"{r}-{m.__name__}" for m, r, _, _ in SCENARIOS])
 def test_rule_fires_on_its_fault(make, rule, layer, related, trace_path):
     make(trace_path)
     by_rule, found = F.diagnose(trace_path)
@@ -116,8 +145,9 @@ def test_rule_fires_on_its_fault(make, rule, layer, related, trace_path):
 
 
 def unnormalised_inputs_fp32(p):
-    F.fit(F.mlp(width=64), ((x * 3e5, y) for x, y in F.regression(30)), 30, p, precision="fp32",
-          optimizer="adam", lr=1e-3)
+    F.fit(
+        F.mlp(width=64), ((x * 3e5, y) for x, y in F.regression(30)), 30, p, precision="fp32", optimizer="adam", lr=1e-3
+    )
 
 
 def test_fp16_readiness_names_the_layer_that_would_overflow(trace_path):
@@ -134,7 +164,7 @@ def test_fp16_readiness_reports_underflow_at_the_scale_it_suggests(trace_path):
     # one conv 3000x too large: its gradients cap the usable scale, so others would underflow in FP16
     conv_initialised_too_large(trace_path)
     d = F.diagnose(trace_path)[0]["fp16-readiness"]
-    assert d.evidence["suggested_scale"] < 2 ** 16
+    assert d.evidence["suggested_scale"] < 2**16
     assert d.evidence["underflow_at_scale"] and max(d.evidence["underflow_at_scale"].values()) >= 0.01
     assert f"init_scale={d.evidence['suggested_scale']:.1f}" in d.recommendation
 
@@ -153,7 +183,7 @@ def test_slow_convergence_against_a_reference(reference, trace_path):
     d = found[0]
     assert d.evidence["ratio"] >= 1.5 and d.evidence["reference_lr"] == 0.01
     assert 'group["lr"] = 0.0012' in d.recommendation
-    assert F.diagnose(trace_path)[1] == []             # without a reference there is no evidence: silent
+    assert F.diagnose(trace_path)[1] == []  # without a reference there is no evidence: silent
 
 
 def test_same_run_in_fp16_converges_like_the_reference(reference, trace_path):
@@ -187,7 +217,7 @@ def test_late_degradation_scale_stuck_while_gradients_shrink(late_reference, tra
     d = by_rule["late-degradation"]
     assert d.severity == "warning" and d.evidence["dynamic"] == "scale stuck while gradients shrink"
     assert d.evidence["against"] == "reference" and d.evidence["worsening_factor"] >= 1.25
-    assert d.evidence["late_ci"][0] > d.evidence["early_ci"][1]          # the late trend is worse
+    assert d.evidence["late_ci"][0] > d.evidence["early_ci"][1]  # the late trend is worse
     assert d.evidence["scale_in_force"] == 1.0 and d.evidence["headroom_binades_above_fp16_normal"] < 0
     assert 50 <= d.evidence["suggested_growth_interval"] < 2000
     assert f"growth_interval={d.evidence['suggested_growth_interval']}" in d.recommendation
@@ -206,8 +236,16 @@ def test_late_degradation_silent_when_training_is_slow_from_the_start(tmp_path, 
 def late_skip_cycles(p, init_scale=16.0, growth_interval=10):
     # a growth_interval of 10 from a low start: the scale reaches the overflow limit only at step ~150 and from
     # there cycles (grow, overflow, skip, halve) for the rest of the run
-    F.fit(F.mlp(width=64), F.regression(300), 300, p, optimizer="adam", lr=1e-3, init_scale=init_scale,
-          growth_interval=growth_interval)
+    F.fit(
+        F.mlp(width=64),
+        F.regression(300),
+        300,
+        p,
+        optimizer="adam",
+        lr=1e-3,
+        init_scale=init_scale,
+        growth_interval=growth_interval,
+    )
 
 
 def test_late_skip_cycles_are_recognised_but_not_reported_without_degradation(trace_path):
@@ -218,7 +256,7 @@ def test_late_skip_cycles_are_recognised_but_not_reported_without_degradation(tr
     why = dynamics.explain(Run(ampdoctor.load(trace_path)), cut_step=150)
     assert why["dynamic"] == "repeated overflow/skip cycles"
     assert why["early_skip_share"] == 0 and why["late_skip_share"] > 0.05 and why["late_growths"] >= 2
-    assert why["suggested_growth_interval"] == 500 and why["suggested_init_scale"] >= 2 ** 16
+    assert why["suggested_growth_interval"] == 500 and why["suggested_init_scale"] >= 2**16
     assert F.diagnose(trace_path)[1] == []
 
 
@@ -233,8 +271,10 @@ def test_skip_cycles_all_along_are_neither_a_late_cause_nor_a_high_init_scale(tr
 
 def test_loss_scale_collapse_silent_for_a_low_start_that_backs_off_later(tmp_path):
     """init_scale=1 grows (growth_interval 3) and then backs off from high scales: a healthy scaler, no collapse."""
-    import ampdoctor
     from runs import mlp, train
+
+    import ampdoctor
+
     path = str(tmp_path / "low_start.db")
     train(mlp(width=64), 100, init_scale=1.0, growth_interval=3, trace=path)
     st = ampdoctor.load(path).steps()
@@ -246,7 +286,7 @@ def test_loss_scale_collapse_silent_for_a_low_start_that_backs_off_later(tmp_pat
 def test_calibrating_scaler_read_live_is_not_a_collapse(trace_path):
     """A trace read while a 2^30 init_scale is still backing off (every step so far skipped, as a live check or
     `serve` sees it in the first seconds) is not a loss-scale collapse."""
-    F.fit(F.mlp(), F.regression(6), 6, trace_path, init_scale=2.0 ** 30)
+    F.fit(F.mlp(), F.regression(6), 6, trace_path, init_scale=2.0**30)
     st = ampdoctor.load(trace_path).steps()
     assert st["skipped"].all() and st["loss_scale_next"].min() > 1.0
     assert "loss-scale-collapse" not in F.diagnose(trace_path)[0]

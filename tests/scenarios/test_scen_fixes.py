@@ -1,13 +1,13 @@
 """The medicine: apply the recommended fix exactly as printed, re-run, and the finding is gone (run healthy)."""
+
 import math
 import re
 
+import fault_runs as F
+import test_scen_faults as S
 import torch
 
 import ampdoctor
-
-import fault_runs as F
-import test_scen_faults as S
 
 
 def _code_lines(text, pattern):
@@ -26,7 +26,7 @@ def test_init_scale_fix(trace_path, tmp_path):
     S.init_scale_2_30(trace_path)
     d = F.diagnose(trace_path)[0]["init-scale-too-high"]
     init, growth = _printed_scaler(d.recommendation)
-    assert init == d.evidence["suggested_init_scale"] < 2 ** 30
+    assert init == d.evidence["suggested_init_scale"] < 2**30
     fixed = str(tmp_path / "fixed.db")
     F.fit(F.mlp(), F.regression(40), 40, fixed, init_scale=init, growth_interval=growth)
     assert F.diagnose(fixed)[1] == []
@@ -38,12 +38,22 @@ def test_grad_underflow_fix(trace_path, tmp_path):
     init, growth = _printed_scaler(d.recommendation)
     assert "scaler.scale(loss).backward()" in d.recommendation
     fixed = str(tmp_path / "fixed.db")
-    F.fit(F.mlp(width=64), F.regression(40), 40, fixed, precision="fp16", scaler=True, init_scale=init,
-          growth_interval=growth, loss_weight=1e-4)
+    F.fit(
+        F.mlp(width=64),
+        F.regression(40),
+        40,
+        fixed,
+        precision="fp16",
+        scaler=True,
+        init_scale=init,
+        growth_interval=growth,
+        loss_weight=1e-4,
+    )
     # healthy: no warning; at most advice that the smallest elements stay subnormal (nothing flushed)
     found = F.diagnose(fixed)[1]
-    assert F.serious(found) == [] and all(d.evidence["flushed_share_worst"] == 0.0 for d in found
-                                          if d.rule == "grad-underflow")
+    assert F.serious(found) == [] and all(
+        d.evidence["flushed_share_worst"] == 0.0 for d in found if d.rule == "grad-underflow"
+    )
 
 
 def test_weight_update_lost_fix(trace_path, tmp_path):
@@ -57,7 +67,7 @@ def test_weight_update_lost_fix(trace_path, tmp_path):
     exec("\n".join(setup), ns)
     model, opt = ns["model"], ns["optimizer"]
     assert all(p.dtype == torch.float32 for p in model.parameters())
-    assert type(opt) is torch.optim.SGD and opt.param_groups[0]["lr"] == 0.001     # what the run used
+    assert type(opt) is torch.optim.SGD and opt.param_groups[0]["lr"] == 0.001  # what the run used
     fixed = str(tmp_path / "fixed.db")
     F.fit(model, F.regression(30, scale=10), 30, fixed, precision="fp16", scaler=ns["scaler"], optimizer=opt)
     assert F.diagnose(fixed)[1] == []
@@ -90,8 +100,14 @@ def test_precision_policy_fixes(trace_path, tmp_path):
     d = F.diagnose(trace_path)[0]["precision-policy"]
     assert "loss = loss_fn(out.float(), y)" in d.recommendation
     fixed = str(tmp_path / "fixed.db")
-    F.fit(F.mlp(width=64), F.regression(30), 30, fixed, precision="bf16",
-          loss_fn=lambda out, y: ((out.float() - y) ** 2).mean())
+    F.fit(
+        F.mlp(width=64),
+        F.regression(30),
+        30,
+        fixed,
+        precision="bf16",
+        loss_fn=lambda out, y: ((out.float() - y) ** 2).mean(),
+    )
     assert F.diagnose(fixed)[1] == []
 
     bn = str(tmp_path / "bn.db")

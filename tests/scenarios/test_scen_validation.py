@@ -7,21 +7,22 @@ The model standardises raw tabular features (means 300-600, spread 1: years, pri
 to ULP/(2m) = 1.25-2.5 spreads away from the feature mean and jumps by whole ULPs when a batch pushes it, and eval
 mode normalises with it. Training mode normalises with the batch's own statistics and does not see it.
 """
+
 import math
 import re
 
+import fault_runs as F
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import ampdoctor
-import fault_runs as F
-from ampdoctor.diagnose import validation as V
-from ampdoctor.diagnose.engine import Run
+from ampdoctor.rules import validation as V
+from ampdoctor.rules.engine import Run
 
 D_IN, OFFSET = 16, 300.0
-STEPS, EVERY = 300, 4          # 75 validation points, 37 in the late half the rule judges
+STEPS, EVERY = 300, 4  # 75 validation points, 37 in the late half the rule judges
 
 
 def tabular(n, batch=32, seed=2):
@@ -40,12 +41,19 @@ VAL = list(tabular(1, batch=256, seed=7))
 
 def model(seed=1):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.BatchNorm1d(D_IN, affine=False), nn.Linear(D_IN, 64), nn.ReLU(), nn.Linear(64, 64),
-                         nn.ReLU(), nn.Linear(64, 1))
+    return nn.Sequential(
+        nn.BatchNorm1d(D_IN, affine=False),
+        nn.Linear(D_IN, 64),
+        nn.ReLU(),
+        nn.Linear(64, 64),
+        nn.ReLU(),
+        nn.Linear(64, 1),
+    )
 
 
 def validate(input_dtype):
     """on_step: every EVERY steps the validation loss in eval mode (running statistics), logged as val/loss."""
+
     def on_step(step, m, doc):
         if step % EVERY:
             return
@@ -55,18 +63,27 @@ def validate(input_dtype):
             v = F.mse(m(x if input_dtype is None else x.to(input_dtype)), y).item()
         m.train()
         doc.log_metric("val/loss", v)
+
     return on_step
 
 
 def fp16_run(path, m):
     """FP16 autocast + GradScaler; the features are fed in FP16 (what an FP16 BatchNorm requires)."""
-    F.fit(m, tabular(STEPS), STEPS, path, precision="fp16", input_dtype=torch.float16, lr=0.05,
-          on_step=validate(torch.float16))
+    F.fit(
+        m,
+        tabular(STEPS),
+        STEPS,
+        path,
+        precision="fp16",
+        input_dtype=torch.float16,
+        lr=0.05,
+        on_step=validate(torch.float16),
+    )
 
 
 def batchnorm_in_fp16(path):
     m = model()
-    m[0].half()                    # the fault: the running mean/variance live in FP16
+    m[0].half()  # the fault: the running mean/variance live in FP16
     fp16_run(path, m)
 
 
@@ -103,7 +120,7 @@ def test_reference_run_is_quiet(reference):
 
 def test_fp16_run_with_fp32_batchnorm_is_quiet(reference, trace_path):
     m = model()
-    ampdoctor.keep_fp32(m, "0")    # the healthy allocation: autocast for the rest, normalisation in FP32
+    ampdoctor.keep_fp32(m, "0")  # the healthy allocation: autocast for the rest, normalisation in FP32
     fp16_run(trace_path, m)
     assert F.diagnose(trace_path, reference=reference)[1] == []
     assert F.diagnose(trace_path)[1] == []
@@ -120,24 +137,30 @@ def test_val_oscillation_fix(reference, trace_path, tmp_path):
     exec(code, {"model": m, "torch": torch, "ampdoctor": ampdoctor})
     assert m[0].running_mean.dtype == torch.float32
     fixed = str(tmp_path / "fixed.db")
-    fp16_run(fixed, m)             # the loop unchanged: still feeds FP16 features
+    fp16_run(fixed, m)  # the loop unchanged: still feeds FP16 features
     assert F.diagnose(fixed, reference=reference)[1] == []
     assert F.diagnose(fixed)[1] == []
 
 
-@pytest.mark.parametrize("shape, oscillates", [
-    ("noise", True),               # independent swings: about half the neighbours change sign
-    ("alternating", True),
-    ("decay", False),              # a smooth curve around a straight trend: a few sign changes
-    ("line", False),
-])
+@pytest.mark.parametrize(
+    "shape, oscillates",
+    [
+        ("noise", True),  # independent swings: about half the neighbours change sign
+        ("alternating", True),
+        ("decay", False),  # a smooth curve around a straight trend: a few sign changes
+        ("line", False),
+    ],
+)
 def test_residual_statistics(shape, oscillates):
     x = np.arange(0, 200, 4)
     rng = np.random.default_rng(0)
     base = 0.05 + 0.5 * np.exp(-x / 80.0)
-    v = {"noise": base * np.exp(0.6 * rng.standard_normal(len(x))),
-         "alternating": base * np.where(np.arange(len(x)) % 2, 1.5, 0.67),
-         "decay": base, "line": 1.0 - 0.001 * x}[shape]
+    v = {
+        "noise": base * np.exp(0.6 * rng.standard_normal(len(x))),
+        "alternating": base * np.where(np.arange(len(x)) % 2, 1.5, 0.67),
+        "decay": base,
+        "line": 1.0 - 0.001 * x,
+    }[shape]
     r = V.residuals(x, v)
     assert r["points"] == 25 and r["steps"] == [100, 196]
     assert (r["sign_changes"] >= V.MIN_SIGN_CHANGES) is oscillates
@@ -154,7 +177,8 @@ def test_noisy_metric_of_an_fp32_run_is_not_a_precision_fault(trace_path):
         x, y = next(val)
         with torch.no_grad():
             doc.log_metric("val/loss", F.mse(m(x), y).item())
+
     F.fit(F.mlp(width=32), F.regression(100), 100, trace_path, precision="fp32", on_step=on_step)
     r = V.residuals(*V._series(Run(ampdoctor.load(trace_path)), "val/loss"))
-    assert r["sign_changes"] >= V.MIN_SIGN_CHANGES and r["log_dispersion"] >= V.MIN_DISPERSION   # it does swing
+    assert r["sign_changes"] >= V.MIN_SIGN_CHANGES and r["log_dispersion"] >= V.MIN_DISPERSION  # it does swing
     assert "val-oscillation" not in F.diagnose(trace_path)[0]

@@ -1,0 +1,21 @@
+"""Loss-scale replay: simulate PyTorch's dynamic loss scaler (GradScaler) over the gradients a trace recorded.
+
+Offline side: reads a trace, never imports torch. evidence.py reads what each step says (gradient peaks, overflows,
+histograms; the overflow model), scaler.py steps GradScaler's update rule over it (the Replay, underflow at a
+scale), search.py replays one setting or searches for the best (``suggest``).
+"""
+
+from .evidence import GradientPeaks, gradient_peaks
+from .scaler import TORCH_DEFAULTS, Replay, gradscaler_code
+from .search import Suggestion, replay, suggest
+
+__all__ = [
+    "TORCH_DEFAULTS",
+    "GradientPeaks",
+    "Replay",
+    "Suggestion",
+    "gradient_peaks",
+    "gradscaler_code",
+    "replay",
+    "suggest",
+]

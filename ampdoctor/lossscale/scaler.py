@@ -1,0 +1,294 @@
+"""The GradScaler model: PyTorch's dynamic loss-scale update rule, stepped over the evidence of a trace.
+
+The scaler (``torch._amp_update_scale_``): on a step with an inf/NaN gradient the scale is multiplied by
+``backoff_factor`` and the growth tracker resets; otherwise the tracker counts up and, on reaching
+``growth_interval``, the scale is multiplied by ``growth_factor`` (unless that would make the FP32 scale infinite)
+and the tracker resets. The scale is an FP32 tensor: products are taken in double and rounded to FP32, as torch does.
+Whether a step overflows at a given scale is the evidence's answer (evidence.py, the overflow model); ``ev``
+below is an evidence.Evidence, not imported here: evidence.py takes TORCH_DEFAULTS from this module.
+
+Underflow at the simulated scale, from the exponent histograms of the gradients computed in FP16 (evidence.py): the
+share of the non-zero elements that a cast to FP16 would round below the smallest normal (2^-14: subnormal,
+precision lost) and to zero (|x| <= 2^-25, half the smallest subnormal 2^-24: values between 2^-25 and 2^-24 round
+up to 2^-24 and are not lost). One bin per binade resolves the flush threshold (a binade edge) up to exact ties and
+counts the binade below 2^-14 wholly as subnormal (docs/trace-format.md, hists).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import formats
+
+# torch.amp.GradScaler defaults: what a run without a recorded scaler is replayed with
+TORCH_DEFAULTS = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
+_LOG2_NORMAL = formats.FP16.normal_exp  # -14: below this an FP16 value is subnormal (but a 2^-11 sliver)
+_LOG2_FLUSH = math.log2(formats.FP16.flush_at)  # -25: at or below this it rounds to zero (binade -25 rounds up)
+_SEARCH_CELLS = 2**22  # settings x histogram steps lost_many holds at once (32 MiB of shares)
+
+
+@dataclass(eq=False)
+class Replay:
+    """Per-step result of simulating a dynamic loss scaler over a trace (arrays indexed like ``trace.steps()``)."""
+
+    settings: dict  # init_scale, growth_factor, backoff_factor, growth_interval
+    steps: np.ndarray  # step numbers
+    scales: np.ndarray  # scale in force at each step (as trace.steps()["loss_scale"])
+    skipped: np.ndarray  # bool: the step overflowed and the optimizer step was skipped
+    underflow: np.ndarray  # share of non-zero FP16 gradient elements below 2^-14; NaN without a histogram
+    flushed: np.ndarray  # share rounded to zero (<= 2^-25); NaN without a histogram
+    estimated: np.ndarray  # bool: the skip decision rests on neighbouring steps (evidence.py)
+    final_scale: float  # scale after the last step's update
+    assumed_fp16: bool = False  # the run computed no gradient in FP16: every gradient was treated as FP16
+    growth_tracker: int = 0  # tracker value the simulation started from
+
+    @property
+    def n_skipped(self) -> int:
+        return int(self.skipped.sum())
+
+    @property
+    def mean_underflow(self) -> float:
+        """Mean underflow share over the steps with a histogram whose update was applied (NaN if none)."""
+        return nanmean(self.underflow[~self.skipped])
+
+    @property
+    def mean_flushed(self) -> float:
+        return nanmean(self.flushed[~self.skipped])
+
+    @property
+    def lost(self) -> float:
+        """Share of gradient information lost: a skipped step loses all of it, an applied step its underflow share.
+
+        The --suggest objective: (skipped + sum over applied steps of underflow) / steps, the mean underflow standing
+        in for applied steps without a histogram.
+        """
+        return lost_share(len(self.steps), self.n_skipped, self.mean_underflow)
+
+    def summary(self) -> dict:
+        return {
+            "steps": len(self.steps),
+            "skipped": self.n_skipped,
+            "skipped_share": self.n_skipped / len(self.steps) if len(self.steps) else math.nan,
+            "min_scale": float(np.min(self.scales)) if len(self.scales) else math.nan,
+            "max_scale": float(np.max(self.scales)) if len(self.scales) else math.nan,
+            "final_scale": self.final_scale,
+            "mean_underflow": self.mean_underflow,
+            "mean_flushed": self.mean_flushed,
+            "lost": self.lost,
+            "estimated": int(self.estimated.sum()),
+        }
+
+
+def lost_share(n: int, n_skipped: int, mean_underflow: float) -> float:
+    """``Replay.lost`` from its three numbers (``lost_many`` has no Replay to ask)."""
+    if not n:
+        return math.nan
+    u = 0.0 if math.isnan(mean_underflow) else mean_underflow
+    return (n_skipped + (n - n_skipped) * u) / n
+
+
+def gradscaler_code(settings: dict, device: str = "cuda") -> str:
+    """The GradScaler line to paste (arguments left at torch's defaults are omitted, init_scale always shown)."""
+    args = [f'"{device}"', f"init_scale={float(settings['init_scale'])!r}"]
+    for key in ("growth_factor", "backoff_factor", "growth_interval"):
+        if settings[key] != TORCH_DEFAULTS[key]:
+            args.append(f"{key}={settings[key]!r}")
+    return f"torch.amp.GradScaler({', '.join(args)})"
+
+
+# -- settings ------------------------------------------------------------------------------------------------------
+def _real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _check_settings(s: dict) -> None:
+    real = _real
+    if not (real(s["init_scale"]) and math.isfinite(s["init_scale"]) and s["init_scale"] > 0):
+        raise ValueError(f"Argument init_scale should be a positive finite number, but given {s['init_scale']!r}")
+    if not (real(s["growth_factor"]) and s["growth_factor"] > 1.0 and math.isfinite(s["growth_factor"])):
+        raise ValueError(f"Argument growth_factor should be a number > 1.0, but given {s['growth_factor']!r}")
+    if not (real(s["backoff_factor"]) and 0.0 < s["backoff_factor"] < 1.0):
+        raise ValueError(f"Argument backoff_factor should be a number in (0, 1), but given {s['backoff_factor']!r}")
+    gi = s["growth_interval"]
+    if not isinstance(gi, numbers.Integral) or isinstance(gi, bool) or gi < 1:
+        raise ValueError(f"Argument growth_interval should be a positive int, but given {gi!r}")
+
+
+def resolve(ev, init_scale, growth_factor, backoff_factor, growth_interval) -> dict:
+    """The settings to simulate: the run's own, each one given (not None) replacing it; checked and typed."""
+    s = dict(ev.run_settings)
+    for key, value in (
+        ("init_scale", init_scale),
+        ("growth_factor", growth_factor),
+        ("backoff_factor", backoff_factor),
+        ("growth_interval", growth_interval),
+    ):
+        if value is not None:
+            s[key] = value
+    _check_settings(s)
+    s["init_scale"] = float(s["init_scale"])
+    s["growth_factor"], s["backoff_factor"] = float(s["growth_factor"]), float(s["backoff_factor"])
+    s["growth_interval"] = int(s["growth_interval"])
+    return s
+
+
+def initial_tracker(ev) -> int:
+    """Consecutive unskipped steps the scaler had counted when the trace began (0 for a fresh GradScaler): read off
+    the first growth when it comes before any skip."""
+    if not ev.has_scaler:
+        return 0
+    gi = ev.run_settings["growth_interval"]
+    for t in range(len(ev.steps)):
+        if ev.rec_over[t]:
+            return 0
+        if ev.rec_next[t] > ev.rec_scale[t]:
+            return max(gi - (t + 1), 0)
+    return 0
+
+
+# -- the simulation ------------------------------------------------------------------------------------------------
+def _f32(x):
+    """Round to FP32, as the scale tensor stores it (beyond the FP32 max: inf); a float or an array of them."""
+    with np.errstate(over="ignore"):
+        if isinstance(x, np.ndarray):
+            return x.astype(np.float32).astype(float)
+        return float(np.float32(x))
+
+
+def simulate(ev, settings: dict, tracker: int = 0) -> Replay:
+    """GradScaler over the evidence, step by step, from ``settings`` and a growth tracker at ``tracker``."""
+    n = len(ev.steps)
+    scale = _f32(settings["init_scale"])
+    growth, backoff, interval = settings["growth_factor"], settings["backoff_factor"], settings["growth_interval"]
+    scales = np.empty(n)
+    skipped = np.zeros(n, bool)
+    estimated = np.zeros(n, bool)
+    under = np.full(n, np.nan)
+    flushed = np.full(n, np.nan)
+    rec, over, always, thr, nb = ev.rec_scale, ev.rec_over, ev.always, ev.threshold, ev.from_neighbours
+    for t in range(n):
+        scales[t] = scale
+        if scale == rec[t]:
+            skip = bool(over[t])  # the recorded outcome at the recorded scale
+        elif always[t]:
+            skip = True  # non-finite forward or loss: no scale helps
+        elif ev.has_scaler and over[t] and scale > rec[t]:
+            skip = True  # overflow is monotone in the scale
+        elif ev.has_scaler and not over[t] and scale < rec[t]:
+            skip = False
+        else:
+            skip = scale > thr[t]
+            estimated[t] = bool(nb[t])
+        skipped[t] = skip
+        if t in ev.hist:
+            under[t], flushed[t] = shares(ev.hist[t], scale)
+        if skip:
+            scale = _f32(scale * backoff)
+            tracker = 0
+        else:
+            tracker += 1
+            if tracker >= interval:
+                grown = _f32(scale * growth)
+                if math.isfinite(grown):  # torch never grows the scale to inf
+                    scale = grown
+                tracker = 0
+    return Replay(
+        settings=dict(settings),
+        steps=ev.steps.copy(),
+        scales=scales,
+        skipped=skipped,
+        underflow=under,
+        flushed=flushed,
+        estimated=estimated,
+        final_scale=scale,
+        assumed_fp16=ev.assumed_fp16,
+    )
+
+
+def lost_many(ev, settings: list, advance=None) -> list:
+    """``simulate(ev, s).lost`` for each of ``settings`` (each from a fresh tracker), the settings stepped side by side
+    with their state in arrays: ``simulate``'s decisions, FP32 roundings and shares, so the very same numbers.
+
+    The search's inner loop: one pass over the steps for the whole grid instead of one per setting. ``advance(k)``
+    is told as k more settings are done (they all finish together, so in proportion to the steps stepped).
+    """
+    n = len(ev.steps)
+    hist_steps = [t for t in range(n) if t in ev.hist]
+    # the underflow shares of every setting at every histogram step are kept (Replay.lost means them in step order,
+    # as simulate does); settings go in groups that keep those arrays small
+    group = max(1, _SEARCH_CELLS // max(len(hist_steps), 1))
+    out: list = []
+    for i in range(0, len(settings), group):
+        out += _lost_group(ev, settings[i : i + group], hist_steps, advance)
+    return out
+
+
+def _lost_group(ev, settings: list, hist_steps: list, advance) -> list:
+    n, m = len(ev.steps), len(settings)
+    scale = _f32(np.array([s["init_scale"] for s in settings], dtype=float))
+    growth = np.array([s["growth_factor"] for s in settings], dtype=float)
+    backoff = np.array([s["backoff_factor"] for s in settings], dtype=float)
+    interval = np.array([s["growth_interval"] for s in settings], dtype=np.int64)
+    tracker = np.zeros(m, dtype=np.int64)
+    n_skipped = np.zeros(m, dtype=np.int64)
+    column = {t: j for j, t in enumerate(hist_steps)}
+    under = np.full((m, len(hist_steps)), np.nan)
+    skipped_at = np.zeros((m, len(hist_steps)), dtype=bool)
+    rec, over, always, thr = ev.rec_scale, ev.rec_over, ev.always, ev.threshold
+    done = 0
+    for t in range(n):
+        at_rec, over_t = scale == rec[t], bool(over[t])
+        # simulate's cascade, branch for branch (the first that applies decides)
+        if always[t]:
+            skip = ~at_rec | over_t
+        elif ev.has_scaler and over_t:
+            skip = at_rec | (scale > rec[t]) | (scale > thr[t])
+        elif ev.has_scaler:
+            skip = ~at_rec & ~(scale < rec[t]) & (scale > thr[t])
+        else:
+            skip = np.where(at_rec, over_t, scale > thr[t])
+        j = column.get(t)
+        if j is not None:
+            skipped_at[:, j] = skip
+            for value in np.unique(scale):
+                under[scale == value, j] = shares(ev.hist[t], float(value))[0]
+        n_skipped += skip
+        tracker += 1
+        any_skip = skip.any()
+        if any_skip:
+            tracker[skip] = 0
+        grow = tracker >= interval  # never a skipped one: its tracker is 0 < interval
+        if grow.any():
+            grown = _f32(scale[grow] * growth[grow])
+            scale[grow] = np.where(np.isfinite(grown), grown, scale[grow])  # torch never grows the scale to inf
+            tracker[grow] = 0
+        if any_skip:
+            scale[skip] = _f32(scale[skip] * backoff[skip])
+        if advance is not None and m * (t + 1) // n > done:
+            advance(m * (t + 1) // n - done)
+            done = m * (t + 1) // n
+    return [lost_share(n, int(n_skipped[c]), nanmean(under[c][~skipped_at[c]])) for c in range(m)]
+
+
+def shares(hist: tuple, scale: float) -> tuple[float, float]:
+    """(share below 2^-14, share rounded to zero) of the elements at ``scale``: whole binades below 2^-14 and at or
+    below 2^-25 (edges of binades at power-of-two scales); at other scales a binade straddling a limit counts the
+    fraction below it, values taken as log-uniform inside it."""
+    lo, c = hist
+    total = c.sum()
+    if total <= 0 or scale <= 0:
+        return (math.nan, math.nan) if total <= 0 else (1.0, 1.0)
+    lo = lo + math.log2(scale)
+    return (
+        float((c * np.clip(_LOG2_NORMAL - lo, 0.0, 1.0)).sum() / total),
+        float((c * np.clip(_LOG2_FLUSH - lo, 0.0, 1.0)).sum() / total),
+    )
+
+
+def nanmean(a: np.ndarray) -> float:
+    a = a[~np.isnan(a)]
+    return float(a.mean()) if len(a) else math.nan

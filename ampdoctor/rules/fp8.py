@@ -1,0 +1,152 @@
+"""fp8-readiness (info): which layers would lose information if trained in FP8 with per-tensor delayed scaling (the
+Transformer Engine recipe), and which recipe settings would keep them; from the exponent histograms (ampdoctor.whatif).
+
+The HYBRID recipe casts forward tensors (activations, weights) to E4M3 and output gradients to E5M2. A site "loses
+information" when, at the median of its judged histogram steps (whatif.judged: clean, with a delayed scale resting on
+at least MIN_HELD amax values), at least MIN_LOST of its non-zero values certainly saturate or flush to zero (the lo
+end of whatif's interval: no guess about the binade a boundary cuts).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from .. import whatif as W
+from . import advice as A
+from .fix import code, text
+from .result import finding
+
+# 1% of a tensor's non-zero values clipped or zeroed: beyond the loss FP8's 3-bit (E4M3) rounding already brings
+# (relative error up to 6%), and well above the ~1e-5 a Gaussian tensor's tail below amax * 2^-18 holds.
+MIN_LOST = 0.01
+# Judged histogram steps a verdict needs: a median of one or two is a sample, not a site's behaviour.
+MIN_STEPS = 3
+KIND_FORMAT = {"act": "e4m3", "weight": "e4m3", "grad_out": "e5m2"}
+HISTORIES = (1, 16, 128, W.HISTORY)
+MARGINS = (0, 1, 2, 3, 4)
+
+
+def _lost(df, name: str) -> float:
+    d = W.judged(df)
+    if not len(d):
+        return float("nan")
+    return float(np.median(d[f"{name}_sat_lo"] + d[f"{name}_flush_lo"]))
+
+
+def _parts(df, name: str) -> tuple[float, float]:
+    d = W.judged(df)
+    return float(np.median(d[f"{name}_sat_lo"])), float(np.median(d[f"{name}_flush_lo"]))
+
+
+def assess(tr, kinds=("act", "grad_out"), min_lost: float = MIN_LOST) -> list[dict]:
+    """The sites that lose at least ``min_lost`` under the default recipe, with their best (format, history,
+    margin) and the share lost there."""
+    out = []
+    for kind in kinds:
+        inp = W.Inputs(tr, kind)
+        for s in inp.sites.itertuples():
+            name = KIND_FORMAT[kind]
+            base = W.site_whatif(tr, int(s.id), kind, inputs=inp)
+            if len(W.judged(base)) < MIN_STEPS:
+                continue
+            lost = _lost(base, name)
+            if not lost >= min_lost:
+                continue
+            sat, flush = _parts(base, name)
+            best = None
+            for h, m in itertools.product(HISTORIES, MARGINS):
+                df = W.site_whatif(tr, int(s.id), kind, history=h, margin=m, inputs=inp)
+                for fmt in ("e4m3", "e5m2"):
+                    v = _lost(df, fmt)
+                    key = (v, fmt != name, m, -h)  # least lost; then the recipe's own format, small margin
+                    if best is None or key < best[0]:
+                        best = (key, {"format": fmt, "history": h, "margin": m, "lost": v})
+            out.append(
+                {
+                    "path": s.path,
+                    "kind": kind,
+                    "format": name,
+                    "lost": lost,
+                    "saturated": sat,
+                    "flushed": flush,
+                    "best": best[1],
+                    "kept": best[1]["lost"] < min_lost,
+                }
+            )
+    return sorted(out, key=lambda r: -r["lost"])
+
+
+def _recipe(hist: int, margin: int, fmt: str) -> str:
+    return (
+        "from transformer_engine.common.recipe import DelayedScaling, Format\n"
+        f'recipe = DelayedScaling(fp8_format=Format.{fmt}, amax_history_len={hist}, amax_compute_algo="max", '
+        f"margin={margin})"
+    )
+
+
+def fp8_readiness(run, *, min_lost=MIN_LOST):
+    if run.findings_of("divergence"):
+        return None  # a run that blew up says nothing about the ranges FP8 would have to hold
+    rows = assess(run.trace, min_lost=min_lost)
+    if not rows:
+        return None
+    kept = [r for r in rows if r["kept"] and r["best"]["format"] == r["format"]]
+    swap = [r for r in rows if r["kept"] and r["best"]["format"] != r["format"]]
+    lost = [r for r in rows if not r["kept"]]
+    ev = {
+        "min_lost": min_lost,
+        "default_recipe": {"history": W.HISTORY, "margin": W.MARGIN, "format": "HYBRID"},
+        "layers": {
+            f"{r['path']} ({r['kind']})": {k: r[k] for k in ("format", "lost", "saturated", "flushed", "best")}
+            for r in rows
+        },
+    }
+    worst = rows[0]
+    summary = (
+        f"With per-tensor delayed scaling (amax over {W.HISTORY} steps, margin {W.MARGIN}), "
+        f"{len(rows)} site(s) would lose at least {A.pct(min_lost)} of their non-zero values in FP8; worst "
+        f"{worst['path']} ({worst['kind']}, {worst['format'].upper()}): {A.pct(worst['lost'])} "
+        f"({A.pct(worst['saturated'])} saturated, {A.pct(worst['flushed'])} flushed to zero)."
+    )
+    fix = []
+    if kept:
+        # the settings that keep the most of them, as one recipe (histories and margins are per recipe, not layer)
+        choice = max(
+            {(r["best"]["history"], r["best"]["margin"]) for r in kept},
+            key=lambda hm: sum(1 for r in kept if (r["best"]["history"], r["best"]["margin"]) == hm),
+        )
+        names = ", ".join(f"{r['path']} ({r['kind']})" for r in kept)
+        fix += [
+            text(
+                f"These recipe settings keep {names} (lost share at most "
+                f"{A.pct(max(r['best']['lost'] for r in kept))}):"
+            ),
+            code(_recipe(choice[0], choice[1], "HYBRID")),
+        ]
+    if swap:
+        fix.append(
+            text(
+                "These need E5M2's range, not E4M3's precision: "
+                + "; ".join(
+                    f"{r['path']} ({r['kind']}): {A.pct(r['best']['lost'])} lost in E5M2 with history "
+                    f"{r['best']['history']}, margin {r['best']['margin']}"
+                    for r in swap
+                )
+                + ". Transformer Engine casts forward tensors to E4M3 only: keep these layers out of "
+                "te.fp8_autocast (plain torch.nn modules in BF16)."
+            )
+        )
+    if lost:
+        fix.append(
+            text(
+                "No recipe keeps "
+                + ", ".join(f"{r['path']} ({r['kind']}, best {A.pct(r['best']['lost'])})" for r in lost)
+                + ": keep these layers in BF16/FP16 (outside te.fp8_autocast)."
+            )
+        )
+    layers = list(dict.fromkeys(r["path"] for r in rows))
+    return finding(
+        "info", "FP8 readiness: layers that would lose information", summary, layers=layers, evidence=ev, fix=fix
+    )

@@ -1,0 +1,88 @@
+"""The diagnosis of a multi-rank run: every rule over each rank's trace (one finding per rule and culprit, naming
+the ranks it fired on), then the rank rules (scope "ranks") once over all ranks together."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
+
+from ..severity import RANK
+from ..trace import Trace, TraceError
+from ..trace.run import RankRun
+from . import engine
+from .engine import Run
+from .result import Diagnosis, _py
+
+
+def reference_for(ref, rank: int):
+    """The reference trace for one rank: the same rank of a reference run, else its lowest rank."""
+    if isinstance(ref, RankRun):
+        return ref.traces.get(rank) or next(iter(ref))
+    return ref
+
+
+def diagnose_ranks(tr, ref, selected) -> list[Diagnosis]:
+    """Findings of a RankRun (or of one Trace against a reference run), worst first."""
+    if isinstance(tr, Trace):
+        rank = (tr.meta.get("run", {}) or {}).get("rank", 0)
+        ref = reference_for(ref, rank)
+        with tr.snapshot(), ref.snapshot() if ref is not None else contextlib.nullcontext():
+            return engine.diagnose_trace(tr, ref, selected)
+    per_trace = [(rule, over) for rule, over in selected if rule.scope == "trace"]
+    across = [(rule, over) for rule, over in selected if rule.scope == "ranks"]
+    with contextlib.ExitStack() as stack:
+        for t in list(tr) + ([] if ref is None else list(ref) if isinstance(ref, RankRun) else [ref]):
+            stack.enter_context(t.snapshot())
+        found: list[tuple[int, Diagnosis]] = []
+        runs: dict[int, Run] = {}
+        for rank, t in tr.items():
+            r_ref = reference_for(ref, rank)
+            run = runs[rank] = Run(t, Run(r_ref) if r_ref is not None else None)
+            if run.n_steps == 0:
+                continue
+            found += [(rank, d) for d in engine.diagnose_trace(t, r_ref, per_trace)]
+        if not any(run.n_steps for run in runs.values()):
+            raise TraceError(f"{tr.source}: no steps recorded in any rank; nothing to diagnose")
+        out = _merge(found)
+        for run in runs.values():
+            run.ranks = runs
+        first = runs[min(runs)]
+        for rule, over in across:
+            result = rule.check(first, **over)
+            for d in [] if result is None else result if isinstance(result, list) else [result]:
+                if d.evidence:  # DESIGN principle 4: no evidence, no finding
+                    out.append(replace(d, rule=rule.id, evidence=_py(d.evidence)))
+    order = {rule.id: i for i, (rule, _) in enumerate(selected)}
+    out.sort(key=lambda d: (-RANK[d.severity], order.get(d.rule, 0), d.ranks))
+    return out
+
+
+def rank_findings(rr: RankRun, rules: dict | None = None) -> list[Diagnosis]:
+    """Only the rank rules over a RankRun (the dashboard adds them to each rank's own findings)."""
+    selected = [(rule, over) for rule, over in engine.resolve_rules(rules) if rule.scope == "ranks"]
+    with contextlib.ExitStack() as stack:
+        for t in rr:
+            stack.enter_context(t.snapshot())
+        runs = {rank: Run(t) for rank, t in rr.items()}
+        for run in runs.values():
+            run.ranks = runs
+        out = []
+        for rule, over in selected:
+            result = rule.check(runs[min(runs)], **over)
+            for d in [] if result is None else result if isinstance(result, list) else [result]:
+                if d.evidence:
+                    out.append(replace(d, rule=rule.id, evidence=_py(d.evidence)))
+    return out
+
+
+def _merge(found: list[tuple[int, Diagnosis]]) -> list[Diagnosis]:
+    """One finding per rule, title and culprit layers: the worst rank's (lowest rank on a tie), naming every
+    rank it fired on; its evidence is that rank's, and says so."""
+    groups: dict[tuple, list[tuple[int, Diagnosis]]] = {}
+    for rank, d in found:
+        groups.setdefault((d.rule, d.title, tuple(map(str, d.layers))), []).append((rank, d))
+    out = []
+    for members in groups.values():
+        rank, d = max(members, key=lambda rd: (RANK[rd[1].severity], -rd[0]))
+        out.append(replace(d, ranks=sorted(r for r, _ in members), evidence={"evidence_from_rank": rank, **d.evidence}))
+    return out

@@ -1,0 +1,57 @@
+"""The one table of rules: stable id -> check function. Disable or re-threshold a rule by id:
+``ampdoctor.diagnose(path, rules={"grad-underflow": {"min_share": 0.05}, "amp-inactive": None})``."""
+
+from __future__ import annotations
+
+from . import (
+    convergence,
+    divergence,
+    dynamics,
+    fp8,
+    overflow,
+    policy,
+    precision,
+    ranks,
+    scaling,
+    throughput,
+    underflow,
+    validation,
+    weights,
+)
+from .result import Rule
+
+RULES = {
+    r.id: r
+    for r in (
+        Rule("divergence", divergence.divergence, "the optimisation blew up (learning rate), not the loss scale"),
+        Rule("init-scale-too-high", scaling.init_scale_too_high, "NaN/skipped steps early: the initial loss scale"),
+        Rule("forward-overflow", overflow.forward_overflow, "a module produced Inf/NaN in the forward pass"),
+        Rule("loss-scale-collapse", scaling.loss_scale_collapse, "the loss scale falls without recovery"),
+        Rule("grad-underflow", underflow.grad_underflow, "gradients lost to FP16 underflow"),
+        Rule("weights-nonfinite", weights.weights_nonfinite, "the optimizer step turned weights NaN/Inf"),
+        Rule("weight-update-lost", weights.weight_update_lost, "half-precision weights swallow small updates"),
+        Rule("grad-range-anomaly", weights.grad_range_anomaly, "a layer's gradients orders of magnitude off"),
+        Rule("precision-policy", policy.precision_policy, "loss/normalisation/softmax computed in half precision"),
+        Rule("amp-inactive", policy.amp_inactive, "AMP intended but not active"),
+        Rule("input-pipeline-bound", throughput.input_pipeline_bound, "data wait dominates the step time"),
+        Rule("late-degradation", dynamics.late_degradation, "a late loss trend break a loss-scaler dynamic explains"),
+        Rule("val-oscillation", validation.val_oscillation, "a validation metric oscillates beyond its trend"),
+        Rule(
+            "slow-convergence",
+            convergence.slow_convergence,
+            "slower than a reference run with nothing numeric to blame",
+        ),
+        Rule("precision-loss", precision.precision_loss, "a layer loses more precision than its size explains"),
+        Rule("fp16-readiness", underflow.fp16_readiness, "an FP32/BF16 run: would it survive FP16?"),
+        Rule(
+            "fp8-readiness",
+            fp8.fp8_readiness,
+            "which layers FP8 with delayed scaling would lose, which recipe keeps them",
+        ),
+        Rule("rank-nonfinite", ranks.rank_nonfinite, "NaN/Inf produced on some ranks only", scope="ranks"),
+        Rule("rank-scale-divergence", ranks.rank_scale_divergence, "the ranks' loss scales part ways", scope="ranks"),
+        Rule(
+            "rank-straggler", ranks.rank_straggler, "one rank's steps or data wait hold the others back", scope="ranks"
+        ),
+    )
+}

@@ -1,0 +1,243 @@
+"""Loss-scaler rules: init-scale-too-high, loss-scale-collapse."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import formats
+from . import advice as A
+from .fix import code, text
+from .result import finding
+
+# A GradScaler halves its scale once per overflowing step, so a run started at 2^16 whose gradients need 2^13
+# skips 3 steps while calibrating; PyTorch's own default skips "a handful". Five or more skips in the
+# calibration window means the start value was at least 2^5 = 32x too high.
+MIN_EARLY_SKIPS = 5
+# Calibration window: the first 100 steps (or the first 10% of a longer run) is where an init_scale shows.
+EARLY_STEPS = 100
+# Collapse: a scale of 1 or less means scaling does nothing any more (or shrinks gradients into underflow).
+COLLAPSE_SCALE = 1.0
+# "Halving without recovery": after calibration the scale ended at least 2^4 below its highest value ...
+COLLAPSE_HALVINGS = 4
+# ... while more than 5% of post-calibration steps were skipped (a healthy run: one per few hundred steps).
+MAX_SKIP_SHARE = 0.05
+
+
+def grad_out_peaks(run):
+    """(largest unscaled gradient per step in FP16 terms [n], clean-step mask), as the replay defines it (output and
+    parameter gradients; a returned loss's gradient w.r.t. itself is not one): replay.GradientPeaks."""
+    peaks = run.gradient_peaks
+    g = peaks.fp16_equivalent
+    clean = np.isfinite(g) & ~peaks.nonfinite & ~run.steps["skipped"].to_numpy(bool)
+    return g, clean
+
+
+def _observed_nonfinite(run) -> np.ndarray:
+    """Steps that observed their sites and held a NaN/Inf: the rows where a NaN peak is a value, not the NaN that
+    fills a step observed by the sentinel only."""
+    st = run.steps
+    return st["nonfinite"].to_numpy(bool) & (st["level"].fillna(0).to_numpy(float) >= 0)
+
+
+def forward_nonfinite_steps(run) -> set:
+    """Steps in which a forward output or the loss was non-finite (loss scaling cannot cause or fix these)."""
+    ev = run.events
+    steps = set(ev.loc[ev["phase"].isin(["fwd", "loss"]), "step"].astype(int))
+    acts = run.records("peak", "act")
+    if acts.shape[1]:
+        steps |= set(np.flatnonzero((~np.isfinite(acts)).any(axis=1) & _observed_nonfinite(run)).tolist())
+    loss = run.steps["loss"].to_numpy(float)
+    steps |= set(np.flatnonzero(~np.isfinite(loss) & ~np.isnan(loss)).tolist())
+    return steps
+
+
+def init_scale_too_high(run, *, min_skips=MIN_EARLY_SKIPS, early_steps=EARLY_STEPS):
+    if not (run.scaler_on and run.fp16):
+        return None
+    st = run.steps
+    window = max(int(early_steps), int(0.1 * len(st)))
+    early = st.iloc[:window]
+    skipped = early.loc[early["skipped"], "step"].astype(int).tolist()
+    if len(skipped) < min_skips:
+        return None
+    if forward_nonfinite_steps(run) & set(skipped):
+        return None  # the forward pass overflowed: a scale cannot be the cause
+    g, clean = grad_out_peaks(run)
+    if not clean.any():
+        return None
+    gmax = float(np.nanmax(g[clean]))
+    if not (gmax > 0) or gmax * A.SCALE_MARGIN > formats.FP16.max:
+        return None  # unscaled gradients do not fit FP16: not a scaling problem
+    scales = st.loc[st["step"].isin(skipped), "loss_scale"].to_numpy(float)
+    over = [s for s in scales if s * gmax > formats.FP16.max / 2]  # the scale alone pushed the max out of range
+    init = float(run.scaler.get("init_scale") or st["loss_scale"].iloc[0])
+    if not over or float(early["loss_scale_next"].iloc[-1]) >= init:
+        return None  # the scale ended the window no lower than it started: the skips are
+        # growth/overflow cycles (late-degradation), not a too-high start
+    if run.findings_of("divergence"):
+        return None  # the run diverged: the skips follow the blow-up, not the start value
+    sug = run.suggestion  # the replay's answer, so that this finding and `replay --suggest` agree
+    suggested = float(sug.settings["init_scale"])
+    if suggested >= init:
+        return None
+    return finding(
+        "warning",
+        "Initial loss scale too high",
+        f"{len(skipped)} of the first {len(early)} steps were skipped while the loss scale fell from {A.pow2(init)} "
+        f"to {A.pow2(float(st['loss_scale_next'].iloc[len(early) - 1]))}; the unscaled gradients peak at "
+        f"{A.fmt_num(gmax)}, so any scale above {A.pow2(formats.FP16.finite_limit / gmax)} overflows FP16.",
+        steps=run.step_range(skipped),
+        evidence={
+            "skipped_early": len(skipped),
+            "window": len(early),
+            "skipped_steps": skipped[:20],
+            "init_scale": init,
+            "max_unscaled_grad": gmax,
+            "fp16_max": formats.FP16.max,
+            "scale_at_skips": [float(s) for s in scales[:20]],
+            "suggested_init_scale": suggested,
+            "suggested_settings": sug.settings,
+            "replay_skipped": sug.replay.n_skipped,
+            "recorded_skipped": int(st["skipped"].sum()),
+        },
+        fix=[
+            text(
+                f"Start the scaler at {A.pow2(suggested)} (the replay of this run's gradients finds it loses "
+                f"the least: {sug.replay.n_skipped} skipped step(s) instead of {int(st['skipped'].sum())}; "
+                "`ampdoctor replay TRACE --suggest` shows the same):"
+            ),
+            code(suggestion_line(sug)),
+        ],
+    )
+
+
+def suggestion_line(sug) -> str:
+    """The replay's suggested GradScaler as a line to paste (the same code `replay --suggest` prints)."""
+    return "scaler = " + sug.code
+
+
+def nonfinite_origins(run, steps: list[int]) -> dict:
+    """Where the non-finite values of these steps came from: counts per origin class and culprit layer."""
+    ev = run.events
+    ev = ev[ev["step"].isin(steps)]
+    acts = run.records("peak", "act")
+    act_bad = (
+        set(np.flatnonzero((~np.isfinite(acts)).any(axis=1) & _observed_nonfinite(run)).tolist())
+        if acts.shape[1]
+        else set()
+    )
+    out = {"forward": {}, "loss": 0, "input": 0, "gradient": {}, "unknown": 0}
+    by_step = {int(s): g for s, g in ev.groupby("step")}
+    for s in steps:
+        g = by_step.get(int(s))
+        fwd = g[g["phase"] == "fwd"] if g is not None else None
+        if fwd is not None and len(fwd):
+            p = fwd["path"].iloc[0]
+            out["forward"][p] = out["forward"].get(p, 0) + 1
+        elif g is not None and (g["phase"] == "loss").any():
+            out["loss"] += 1
+        elif s in act_bad:
+            out["input"] += 1  # every module saw a non-finite input: the batch itself
+        elif g is not None and len(g):
+            p = g["path"].iloc[0]
+            out["gradient"][p] = out["gradient"].get(p, 0) + 1
+        else:
+            out["unknown"] += 1
+    return out
+
+
+def loss_scale_collapse(
+    run, *, collapse_scale=COLLAPSE_SCALE, halvings=COLLAPSE_HALVINGS, max_skip_share=MAX_SKIP_SHARE
+):
+    if not run.scaler_on or run.findings_of("divergence"):
+        return None  # a diverged run's scale falls because its values blew up: divergence
+    st = run.steps
+    nxt = st["loss_scale_next"].to_numpy(float)
+    cur = st["loss_scale"].to_numpy(float)
+    skipped = st["skipped"].to_numpy(bool)
+    if not np.isfinite(nxt).any() or not skipped.any():
+        return None
+    # the lowest scale a backoff produced: a run that simply starts at a low init_scale has not collapsed
+    lowest = float(np.nanmin(nxt[skipped])) if np.isfinite(nxt[skipped]).any() else float("inf")
+    clean = np.flatnonzero(~skipped)
+    after = clean[0] if len(clean) else 0  # calibration ends at the first step that went through
+    post = skipped[after:]
+    share = float(post.mean()) if len(post) else 0.0
+    peak_scale = float(np.nanmax(cur[after:])) if len(post) else float("nan")
+    end = float(nxt[-1])
+    collapsed = lowest <= collapse_scale
+    # Until one step has gone through, the scaler is still calibrating (a high init_scale halves for a dozen
+    # steps): a trace read live during those steps is init-scale-too-high's case, not a collapse.
+    sliding = len(clean) > 0 and share > max_skip_share and end <= peak_scale / 2.0**halvings
+    if not (collapsed or sliding):
+        return None
+    bad = st.loc[skipped, "step"].astype(int).tolist()
+    org = nonfinite_origins(run, bad)
+    # a module that only tipped another's near-limit values over: name the producer forward-overflow names
+    producer = {
+        t: d.evidence["module"]
+        for d in run.findings_of("forward-overflow")
+        for t in d.evidence.get("tipped_over_by", [])
+    }
+    merged: dict = {}
+    for p, n in org["forward"].items():
+        merged[producer.get(p, p)] = merged.get(producer.get(p, p), 0) + n
+    org["forward"] = merged
+    fwd = sorted(org["forward"].items(), key=lambda kv: -kv[1])
+    grad = sorted(org["gradient"].items(), key=lambda kv: -kv[1])
+    layers = [p for p, _ in fwd] + [p for p, _ in grad if p not in dict(fwd)]
+    if fwd and fwd[0][1] >= max(org["input"], org["loss"], 1):
+        cause = f"a forward overflow in {fwd[0][0]} ({fwd[0][1]} of the {len(bad)} skipped steps)"
+        fix = [
+            text(
+                "Fix the forward overflow (see the forward-overflow finding): run that module in FP32 or "
+                "rescale it, e.g."
+            ),
+            code(A.keep_fp32_line([fwd[0][0]])),
+        ]
+    elif org["input"] >= max(org["loss"], 1):
+        cause = f"non-finite input batches ({org['input']} of the {len(bad)} skipped steps had no finite module output)"
+        fix = [
+            text("Find and drop the bad samples; guard the loop:"),
+            code("if not torch.isfinite(x).all():", "    continue  # skip a corrupt batch instead of training on it"),
+        ]
+    elif org["loss"]:
+        cause = f"a non-finite loss from finite model outputs ({org['loss']} skipped steps)"
+        fix = [
+            text("Compute the loss in FP32 and guard its inputs (log of 0, division by 0):"),
+            code("loss = loss_fn(out.float(), y)"),
+        ]
+    elif grad:
+        cause = (
+            f"non-finite gradients first seen at {grad[0][0]} ({grad[0][1]} skipped steps) with finite forward values"
+        )
+        fix = [
+            text(
+                "These gradients overflow even at a small scale: look for a layer with exploding gradients "
+                "(see grad-range-anomaly), clip them, or compute that module in FP32:"
+            ),
+            code("scaler.unscale_(optimizer)", "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)"),
+        ]
+    else:
+        return None  # no recorded origin: no evidence to point at
+    severity = "critical" if collapsed or share > 0.5 else "warning"
+    return finding(
+        severity,
+        "Loss scale collapsed",
+        f"The loss scale fell to {A.fmt_num(lowest)} with {len(bad)} of {len(st)} steps skipped "
+        f"({A.pct(share)} after calibration); the non-finite values come from {cause}.",
+        layers=layers,
+        steps=run.step_range(bad),
+        evidence={
+            "lowest_scale": lowest,
+            "final_scale": end,
+            "skipped": len(bad),
+            "steps": len(st),
+            "skip_share_after_calibration": share,
+            "origins": {"forward": dict(fwd), "gradient": dict(grad), "input_batch": org["input"], "loss": org["loss"]},
+        },
+        fix=[
+            text("Lowering the scale does not help; remove the source of the non-finite values. " + fix[0].text),
+            *fix[1:],
+        ],
+    )

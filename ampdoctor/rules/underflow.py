@@ -1,0 +1,406 @@
+"""Gradient range rules: grad-underflow (FP16 run) and fp16-readiness (an FP32/BF16 run judged for FP16)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import formats
+from ..trace.schema import ROOT
+from . import advice as A
+from .fix import code, text
+from .result import finding
+from .scaling import grad_out_peaks, suggestion_line
+
+FP16 = formats.FP16
+# A value in FP16's subnormal range [2^-24, 2^-14) keeps fewer than 10 mantissa bits (relative error up to 50% at
+# the bottom) and the tail below it is flushed to zero: 1% of a layer's gradient elements there is material.
+MIN_SHARE = 0.01
+# A layer whose FP16 gradient is this share of exact zeros has vanished (everything flushed or masked).
+VANISHED_ZEROS = 0.999
+# The bottom three binades of the subnormal range, [2^-24, 2^-21): a gradient whose non-zero elements reach down
+# there has a tail below 2^-24 too (magnitudes spread smoothly over binades), so its zeros are flushed values.
+FLOOR_BINADES = 3
+# Flushing is material when it can cost the gradient more of its norm than FP16 already loses by rounding its
+# largest elements (unit roundoff u = 2^-11): a flushed element is below half the smallest subnormal (round to
+# nearest), so the lost share of the norm is at most 2^-25 * sqrt(flushed share) / rms (scaled rms, as recorded).
+# The logits of a healthy classifier hit this: classes with p ~ 1e-9 flush, costing ~1e-10 of the gradient's norm.
+MATERIAL_NORM_LOSS = 2.0 ** -(FP16.mantissa_bits + 1)
+
+
+def _clean_full_steps(run) -> np.ndarray:
+    st = run.steps
+    ok = ~st["skipped"].to_numpy(bool) & ~st["nonfinite"].to_numpy(bool)
+    fs = run.full_steps
+    return fs[ok[fs]] if len(fs) else fs
+
+
+def _layer(site) -> str:
+    return site.module if site.kind in ("param_grad", "weight", "update") else site.path
+
+
+def _is_container(path: str, paths) -> bool:
+    """A module whose output gradient is its last child's (the root included): counted once, at the child."""
+    return (path == ROOT and len(paths) > 1) or any(p.startswith(path + ".") for p in paths)
+
+
+@dataclass
+class Site:
+    """One FP16 gradient site's underflow evidence over the clean full-statistics steps."""
+
+    site: object  # the sites-table row
+    col: int  # its column in run.records(..., kind)
+    share: float  # median share of elements in the subnormal range
+    zeros: float  # median share of exact zeros
+    unscaled_max: float
+    floor: float = 0.0  # median share of non-zero elements in the bottom binades [2^-24, 2^-21)
+    dead: str = ""  # the all-zero forward output that explains an all-zero gradient (dead path)
+    rms: float = math.nan  # median RMS of the gradient as computed (scaled), over the same steps
+
+    @property
+    def layer(self) -> str:
+        return _layer(self.site)
+
+    @property
+    def vanished(self) -> bool:
+        return self.zeros >= VANISHED_ZEROS
+
+    @property
+    def flushed(self) -> float:
+        """Estimated share of elements flushed to zero: all of a vanished (not dead) gradient; else the tail below
+        2^-24, taken as no larger than the three binades above it hold (magnitudes thin out towards zero), and
+        never more than the zeros seen."""
+        if self.vanished and not self.dead:
+            return 1.0
+        return min(self.zeros, self.floor * (1.0 - self.zeros))
+
+    @property
+    def lost_norm(self) -> float:
+        """Upper bound on the share of the gradient's norm that flushing removes (1.0 when nothing bounds it)."""
+        if self.vanished and not self.dead:
+            return 1.0
+        if not (self.rms > 0):
+            return 1.0
+        return min(1.0, FP16.min_subnormal / 2 * math.sqrt(self.flushed) / self.rms)
+
+
+def underflow_sites(run, kinds=("grad_out", "param_grad")) -> list[Site]:
+    """Per FP16 gradient site (containers left out): subnormal, zero and bottom-binade shares over clean
+    full-statistics steps, and for an all-zero one the dead forward output that explains it, if any."""
+    steps = _clean_full_steps(run)
+    rows: list[Site] = []
+    if not len(steps):
+        return rows
+    for kind in kinds:
+        sites = run.sites(kind)
+        paths = set(sites["path"]) if kind == "grad_out" else set()
+        half = [
+            j
+            for j in np.flatnonzero(sites["dtype"].to_numpy() == "float16")
+            if not _is_container(sites["path"].iloc[j], paths) and str(sites["shape"].iloc[j]) != ""
+        ]
+        if not half:
+            continue
+        n = run.records("numel", kind)[np.ix_(steps, half)]
+        sub = run.records("fp16_sub", kind)[np.ix_(steps, half)]
+        zeros = run.records("zeros", kind)[np.ix_(steps, half)]
+        absmax = run.records("absmax", kind)[np.ix_(steps, half)]
+        scale = run.records("scale", kind)[np.ix_(steps, half)]
+        rms = run.records("rms", kind)[np.ix_(steps, half)]
+        with np.errstate(all="ignore"):
+            share, zshare = sub / n, zeros / n
+            unscaled = absmax / np.where(np.isfinite(scale) & (scale > 0), scale, 1.0)
+        for j, col in enumerate(half):
+            ok = np.isfinite(share[:, j])
+            if not ok.any():
+                continue
+            site = sites.iloc[col]
+            rows.append(
+                Site(
+                    site,
+                    int(col),
+                    float(np.median(share[ok, j])),
+                    float(np.median(zshare[ok, j])),
+                    float(np.nanmax(unscaled[:, j])) if np.isfinite(unscaled[:, j]).any() else math.nan,
+                    floor=_floor_share(run, kind, int(col), int(site["id"])),
+                    rms=float(np.nanmedian(rms[ok, j])) if np.isfinite(rms[ok, j]).any() else math.nan,
+                )
+            )
+    for r in rows:
+        if r.vanished:
+            r.dead = _dead_output(run, r.site)
+    return rows
+
+
+def _floor_share(run, kind: str, col: int, site_id: int) -> float:
+    """Median share of a site's non-zero elements in the bottom binades of FP16's subnormal range, as recorded."""
+    steps, counts = run.trace.hist(site_id)
+    if not len(steps):
+        return 0.0
+    lo = FP16.subnormal_exp + 127  # column of binade 2^-24
+    with np.errstate(all="ignore"):
+        share = counts[:, lo : lo + FLOOR_BINADES].sum(axis=1) / counts.sum(axis=1)
+    share = share[np.isfinite(share)]
+    return float(np.median(share)) if len(share) else 0.0
+
+
+def _dead_output(run, site) -> str:
+    """The forward output that is all zero on this gradient's path, e.g. a dead ReLU: its own module's, a module run
+    after it (the gradient flows back through that zero-masked output), or for a parameter gradient the module run
+    just before (its input). Then an all-zero gradient is masked, not flushed. "" when none is."""
+    acts = run.sites("act")
+    fs = _clean_full_steps(run)
+    if not len(acts) or not len(fs):
+        return ""
+    paths = acts["path"].tolist()
+    module = _layer(site)
+    if module not in paths:
+        return ""
+    i = paths.index(module)
+    with np.errstate(all="ignore"):
+        zshare = run.records("zeros", "act")[fs] / run.records("numel", "act")[fs]
+    order = ([i - 1] if site["kind"] == "param_grad" else []) + list(range(i, len(paths)))
+    for j in order:
+        if j < 0 or paths[j] == ROOT or _is_container(paths[j], [module]):
+            continue
+        col = zshare[:, j]
+        col = col[np.isfinite(col)]
+        if len(col) and float(np.median(col)) >= VANISHED_ZEROS:
+            return paths[j]
+    return ""
+
+
+def share_at(run, kind: str, col: int, site_id: int, target: float) -> float | None:
+    """Median share of a site's non-zero elements below the FP16 normal range had the loss scale been ``target``
+    (its histograms, shifted by target / the scale each row carried; exact for powers of two)."""
+    steps, counts = run.trace.hist(site_id)
+    if not len(steps):
+        return None
+    ok = ~run.steps["skipped"].to_numpy(bool)[steps] & ~run.steps["nonfinite"].to_numpy(bool)[steps]
+    if not ok.any():
+        return None
+    carried = run.records("scale", kind)[steps[ok], col]
+    carried = np.where(np.isfinite(carried) & (carried > 0), carried, 1.0)
+    shares = []
+    for row, c in zip(counts[ok], carried):
+        total = row.sum()
+        if total <= 0:
+            continue
+        cut = FP16.normal_exp - round(math.log2(target / c)) + 127  # column of 2^-14 at ``target``
+        shares.append(row[: max(cut, 0)].sum() / total)
+    return float(np.median(shares)) if shares else None
+
+
+def _severity(run, bad: list[Site], min_share: float, reachable: float) -> tuple[str, str]:
+    """(severity, why) from the evidence of material loss: gradients flushed (lost) rather than only imprecise, and
+    whether the scaler can still lift them (the scale's headroom) or only a change of precision can."""
+    if any(r.vanished and not r.dead for r in bad):
+        return "critical", "a layer's gradient is flushed to zero entirely: it receives no gradient at all"
+    if not run.scaler_on:
+        return "warning", "no loss scaler lifts them"
+    lost = [r for r in bad if r.flushed >= min_share]
+    if any(r.lost_norm >= MATERIAL_NORM_LOSS for r in lost):
+        return "warning", "part of them is flushed to zero (lost), not only imprecise"
+    if lost:
+        worst = max(lost, key=lambda r: r.lost_norm)
+        return "info", (
+            f"the flushed elements are too small to matter: at most {worst.lost_norm:.1e} of "
+            f"{worst.layer}'s gradient norm, less than FP16's rounding of its largest elements "
+            f"({MATERIAL_NORM_LOSS:.1e})"
+        )
+    # only subnormal: fewer mantissa bits for the smallest elements, nothing lost; the scaler lifts them as it grows
+    # unless the largest gradients cap the scale (then only FP32 for that layer or BF16 would)
+    stuck = [r for r in bad if (share_at(run, r.site["kind"], r.col, int(r.site["id"]), reachable) or 0.0) >= min_share]
+    if stuck:
+        return "info", (
+            f"nothing is flushed, only imprecise; even the largest scale the gradients allow "
+            f"({A.pow2(reachable)}) leaves {stuck[0].layer} partly subnormal"
+        )
+    return "info", (
+        f"nothing is flushed and the scaler's growth lifts them: the gradients allow a scale up to {A.pow2(reachable)}"
+    )
+
+
+def grad_underflow(run, *, min_share=MIN_SHARE):
+    if not run.fp16 or run.findings_of("divergence"):
+        return None  # a diverged run's gradients say nothing about its precision
+    rows = underflow_sites(run)
+    bad = sorted(
+        [r for r in rows if r.share >= min_share or (r.vanished and not r.dead)],
+        key=lambda r: (-(r.vanished and not r.dead), -r.share),
+    )
+    if not bad:
+        return None
+    layers = list(dict.fromkeys(r.layer for r in bad))
+    g, clean = grad_out_peaks(run)
+    gmax = float(np.nanmax(g[clean])) if (clean & np.isfinite(g)).any() else float("nan")
+    reachable = A.suggest_scale(gmax, margin=1.0)  # the largest power of two that keeps gmax under the max
+    steps = _clean_full_steps(run)
+    in_force = run.steps["loss_scale"].to_numpy(float)[steps] if run.scaler_on else np.ones(len(steps))
+    scale_now = float(np.nanmedian(in_force)) if len(in_force) else 1.0
+    init_rec = (
+        float(run.steps["loss_scale"].dropna().iloc[0])
+        if run.scaler_on and run.steps["loss_scale"].notna().any()
+        else 1.0
+    )
+    if run.scaler_on and scale_now < init_rec and run.findings_of("forward-overflow"):
+        return None  # the scale fell for a forward overflow: fix that first
+    severity, why = _severity(run, bad, min_share, reachable)
+    sug = run.suggestion  # the replay's answer: `replay --suggest` says the same
+    init, interval = float(sug.settings["init_scale"]), int(sug.settings["growth_interval"])
+    worst = bad[0]
+    per_layer = {f"{r.layer} ({r.site['kind']})": round(r.share, 4) for r in bad[:10]}
+    fix = _fix(run, sug, scale_now, worst.layer if "largest scale" in why else None)
+    vanished = [r.layer for r in bad if r.vanished and not r.dead]
+    dead = [f"{r.layer} (all zero because {r.dead} outputs only zeros)" for r in rows if r.vanished and r.dead]
+    return finding(
+        severity,
+        "Gradients lost to FP16 underflow",
+        f"{len(bad)} gradient site(s) keep at least {A.pct(min_share)} of their elements below the FP16 normal "
+        f"range (2^-14) at the loss scale in force ({A.pow2(scale_now)})"
+        + (f", {len(vanished)} of them flushed to zero entirely ({', '.join(vanished[:3])})" if vanished else "")
+        + f"; worst: {worst.layer} with {A.pct(1.0 if worst.vanished else worst.share)} "
+        f"{'flushed' if worst.vanished else 'subnormal or flushed'}. Severity: {why}.",
+        layers=layers,
+        steps=run.step_range(steps),
+        evidence={
+            "scale_in_force": scale_now,
+            "underflow_share": per_layer,
+            "min_share": min_share,
+            "zeros_share_worst": worst.zeros,
+            "flushed_share_worst": worst.flushed,
+            "lost_norm_bound_worst": worst.lost_norm,
+            "vanished": vanished,
+            "dead_not_underflow": dead,
+            "max_unscaled_grad": gmax,
+            "reachable_scale": reachable,
+            "suggested_scale": init,
+            "suggested_growth_interval": interval,
+            "severity_because": why,
+            "fp16_min_normal": FP16.min_normal,
+            "full_steps_used": len(steps),
+        },
+        fix=fix,
+    )
+
+
+def _fix(run, sug, scale_now: float, unliftable: str | None) -> list:
+    """The replay's scaler (the same line `replay --suggest` prints), FP32 for a layer no scale lifts, BF16."""
+    init, interval = float(sug.settings["init_scale"]), int(sug.settings["growth_interval"])
+    found = (
+        f"the replay of this run finds init_scale={A.pow2(init)}, growth_interval={interval} loses the least "
+        f"(`ampdoctor replay TRACE --suggest`)"
+    )
+    if not run.scaler_on:
+        fix = [
+            text(f"Enable dynamic loss scaling; {found}:"),
+            code(suggestion_line(sug), "scaler.scale(loss).backward()", "scaler.step(optimizer)", "scaler.update()"),
+        ]
+    elif init > scale_now:
+        fix = [
+            text(f"The scale in force ({A.pow2(scale_now)}) is lower than these gradients allow; {found}:"),
+            code(suggestion_line(sug)),
+        ]
+    elif _own_settings(run, sug):
+        fix = [
+            text(
+                f"This run's scaler (init_scale={A.pow2(init)}, growth_interval={interval}) is already the one "
+                "the replay of this run finds to lose the least (`ampdoctor replay TRACE --suggest`); no scaler "
+                "change helps:"
+            ),
+            code(suggestion_line(sug)),
+        ]
+    else:
+        fix = [text(f"No other scaler setting loses less: {found}:"), code(suggestion_line(sug))]
+    if unliftable:
+        fix = [
+            text(
+                f"Loss scaling cannot lift {unliftable} (its gradients span more range than FP16 holds): "
+                "compute it in FP32, or train in BF16:"
+            ),
+            code(A.keep_fp32_line([unliftable])),
+        ] + fix
+    return fix + A.bf16_note(run)
+
+
+def _own_settings(run, sug) -> bool:
+    """Whether the replay's suggestion is the scaler this run already has."""
+    own = run.config.get("scaler") or {}
+    keys = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+    return all(k in own and own[k] is not None and float(own[k]) == float(sug.settings[k]) for k in keys)
+
+
+def fp16_readiness(run, *, min_share=MIN_SHARE):
+    if run.fp16 or run.scaler_on or run.findings_of("divergence"):
+        return None  # an FP16 run speaks for itself; a scaler means amp-inactive;
+        # a diverged run would not train in any format
+    acts = run.sites("act")
+    peaks = run.records("peak", "act")
+    over = []
+    if peaks.shape[1]:
+        with np.errstate(all="ignore"):
+            mx = np.nanmax(np.where(np.isfinite(peaks), peaks, np.nan), axis=0)
+        for j in np.flatnonzero(FP16.overflows(mx)):  # rounds past 65504 in a cast (>= 65520)
+            over.append((acts["path"].iloc[j], float(mx[j]), int(FP16.overflows(peaks[:, j]).sum())))
+    # execution order (site order): the first module that overflows is where it starts, later ones inherit it;
+    # a container (the root included) that overflows only because a child does is left out
+    over_paths = [p for p, *_ in over]
+    inner = [o for o in over if not any(q != o[0] and (o[0] == ROOT or q.startswith(o[0] + ".")) for q in over_paths)]
+    gsites = run.sites("grad_out")
+    g, clean = grad_out_peaks(run)  # as the replay reads them: a returned loss's own gradient is not one
+    gmax = float(np.nanmax(g[clean])) if (clean & np.isfinite(g)).any() else float("nan")
+    sug = run.suggestion  # the replay of this run as if in FP16: `replay --suggest` says the same
+    scale = float(sug.settings["init_scale"])
+    under = []
+    paths = set(gsites["path"])
+    for j, site in enumerate(gsites.itertuples()):
+        if _is_container(site.path, paths) or str(site.shape) == "":
+            continue
+        share = share_at(run, "grad_out", j, int(site.id), scale)
+        if share is not None and share >= min_share:
+            under.append((site.path, share))
+    under.sort(key=lambda u: -u[1])
+    if not inner and not under:
+        return None
+    parts, fix = [], []
+    if inner:
+        parts.append(
+            f"{len(inner)} module(s) output values above the FP16 max (worst {inner[0][0]}: "
+            f"{A.fmt_num(inner[0][1])} on {inner[0][2]} steps)"
+        )
+        fix += [
+            text(f"Keep {', '.join(p for p, *_ in inner[:5])} in FP32 under FP16 autocast:"),
+            code(A.keep_fp32_line([p for p, *_ in inner[:5]])),
+        ]
+    if under:
+        parts.append(
+            f"at a loss scale of {A.pow2(scale)} {len(under)} gradient site(s) would keep at least "
+            f"{A.pct(min_share)} of their elements below the FP16 normal range (worst {under[0][0]}: "
+            f"{A.pct(under[0][1])})"
+        )
+    fix += [
+        text(
+            f"Start FP16 training with the scaler the replay of this run finds best (largest observed "
+            f"gradient {A.fmt_num(gmax)}; `ampdoctor replay TRACE --suggest` shows the same):"
+        ),
+        code(suggestion_line(sug)),
+    ]
+    if run.bf16_supported and run.compute_dtype != "bfloat16":
+        fix += [text("BF16 avoids both problems on this device:"), code(A.autocast_block(run, "bfloat16"))]
+    return finding(
+        "info",
+        "FP16 readiness",
+        "In FP16 this run would not train as is: " + "; ".join(parts) + ".",
+        layers=[p for p, *_ in inner] + [p for p, _ in under if p not in dict((q, 0) for q, *_ in inner)],
+        steps=[0, run.n_steps - 1],
+        evidence={
+            "overflow_modules": {p: {"max": m, "steps": n} for p, m, n in inner},
+            "fp16_max": FP16.max,
+            "suggested_scale": scale,
+            "max_grad": gmax,
+            "underflow_at_scale": {p: round(s, 4) for p, s in under[:10]},
+        },
+        fix=fix,
+    )

@@ -1,0 +1,314 @@
+"""Weight rules: weight-update-lost (half-precision weights swallow small updates), grad-range-anomaly (a layer's
+gradients orders of magnitude off, traced back to the weights whose scale is at fault)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import formats
+from ..trace.schema import ROOT
+from . import advice as A
+from .fix import code, text
+from .policy import NORM_TYPES
+from .result import finding
+
+# An update below half an ULP of its weight rounds back to the weight: the element did not move although its
+# gradient was non-zero. 10% of the parameters frozen that way is material; 90% means training has stalled.
+MIN_LOST_SHARE = 0.10
+STALLED_SHARE = 0.90
+# Default inits (kaiming/xavier/PyTorch's uniform) give a weight RMS within ~2x of 1/sqrt(fan_in); 1.5 decades
+# (~30x) off that cannot come from an init formula or from ordinary training drift.
+WEIGHT_DECADES = 1.5
+# Gradient RMS of weight matrices in a healthy net stays within a couple of decades across layers; a layer three
+# decades away from the median of the others is the "gradient of 1e8" of the troubleshooting table.
+GRAD_DECADES = 3.0
+NO_FAN_IN = NORM_TYPES + ("Embedding", "EmbeddingBag")
+
+
+def weight_update_lost(run, *, min_lost_share=MIN_LOST_SHARE, stalled_share=STALLED_SHARE):
+    w = run.sites("weight")
+    half = w[w["dtype"].isin(formats.REDUCED)]
+    if not len(half):
+        return None
+    up = run.sites("update")
+    pg = run.sites("param_grad")
+    upd_zero, upd_n = run.records("zeros", "update"), run.records("numel", "update")
+    g_zero, g_n = run.records("zeros", "param_grad"), run.records("numel", "param_grad")
+    g_rms = run.records("rms", "param_grad")
+    w_rms = run.records("rms", "weight")
+    skipped = run.steps["skipped"].to_numpy(bool)
+    lr = run.steps["lr"].to_numpy(float)
+    lost_total, n_total, per, steps_used = 0.0, 0.0, {}, set()
+    ratios = []
+    for _, site in half.iterrows():
+        ju = np.flatnonzero(up["path"].to_numpy() == site["path"])
+        jg = np.flatnonzero(pg["path"].to_numpy() == site["path"])
+        jw = int(np.flatnonzero(w["id"].to_numpy() == site["id"])[0])
+        if not len(ju) or not len(jg):
+            continue
+        ju, jg = int(ju[0]), int(jg[0])
+        rows = np.flatnonzero(np.isfinite(upd_n[:, ju]) & np.isfinite(g_n[:, jg]) & ~skipped)
+        if not len(rows):
+            continue
+        with np.errstate(all="ignore"):
+            moved_expected = 1.0 - g_zero[rows, jg] / g_n[rows, jg]  # elements with a non-zero gradient
+            frozen = upd_zero[rows, ju] / upd_n[rows, ju]
+        lost = np.clip(frozen - (1.0 - moved_expected), 0.0, 1.0)
+        numel = float(upd_n[rows[0], ju])
+        share = float(np.nanmean(lost))
+        per[site["path"]] = share
+        lost_total += share * numel
+        n_total += numel
+        steps_used.update(rows.tolist())
+        fmt = formats.get(site["dtype"])
+        wr = np.nanmedian(w_rms[rows, jw]) if np.isfinite(w_rms[rows, jw]).any() else np.nan
+        ur = np.nanmedian(lr[rows] * g_rms[rows, jg])
+        if np.isfinite(wr) and wr > 0 and np.isfinite(ur):
+            ratios.append(float(ur / (0.5 * fmt.ulp(wr))))
+    if not n_total:
+        return None
+    share = lost_total / n_total
+    if share < min_lost_share:
+        return None
+    worst = sorted(per.items(), key=lambda kv: -kv[1])
+    dtype = str(half["dtype"].mode().iloc[0])
+    severity = "critical" if share >= stalled_share else "warning"
+    lines = ["model.float()", _optimizer_line(run), A.autocast_block(run, dtype)]
+    if dtype == "float16":
+        lines += [A.scaler_line(run), "scaler.scale(loss).backward()", "scaler.step(optimizer)", "scaler.update()"]
+    fix = [
+        text("Keep the parameters in FP32 and let autocast compute in half precision (O1: FP32 master weights):"),
+        code(*lines),
+        text(
+            "Or keep an FP32 master copy (O2-style): step the optimizer on FP32 copies of the weights and copy "
+            "them back into the half-precision model after each step."
+        ),
+    ]
+    return finding(
+        severity,
+        "Weight updates lost to rounding",
+        f"Parameters are stored in {dtype} and {A.pct(share)} of their elements did not change although their "
+        f"gradient was non-zero: the updates are below half an ULP of the weights"
+        + (f" (median update/half-ULP ratio {A.fmt_num(float(np.median(ratios)))})" if ratios else "")
+        + ".",
+        layers=list(dict.fromkeys(p.rpartition(".")[0] or p for p, _ in worst)),
+        steps=run.step_range(steps_used),
+        evidence={
+            "param_dtype": dtype,
+            "lost_share": share,
+            "per_parameter": {p: round(s, 4) for p, s in worst[:10]},
+            "update_to_half_ulp": float(np.median(ratios)) if ratios else None,
+            "optimizer": (run.config.get("optimizer") or {}).get("class"),
+            "steps_measured": len(steps_used),
+        },
+        fix=fix,
+    )
+
+
+def _fan_in(shape: str) -> int | None:
+    try:
+        dims = [int(d) for d in str(shape).split("x")]
+    except ValueError:
+        return None
+    if len(dims) < 2:
+        return None
+    return int(np.prod(dims[1:]))
+
+
+def grad_range_anomaly(run, *, grad_decades=GRAD_DECADES, weight_decades=WEIGHT_DECADES):
+    pg = run.sites("param_grad")
+    types = run.module_types
+    mats = [(j, s) for j, s in enumerate(pg.itertuples()) if _fan_in(s.shape) and types.get(s.module) not in NO_FAN_IN]
+    if len(mats) < 3:
+        return None  # "the others" needs at least two other layers
+    st = run.steps
+    clean = ~st["skipped"].to_numpy(bool) & ~st["nonfinite"].to_numpy(bool)
+    fs = [s for s in run.full_steps if clean[s]]
+    if not fs:
+        return None
+    rms = run.records("rms", "param_grad")[np.ix_(fs, [j for j, _ in mats])]
+    with np.errstate(all="ignore"):
+        logr = np.log10(np.where(rms > 0, rms, np.nan))
+    has = np.isfinite(logr).any(axis=0)  # an all-NaN column would make nanmedian warn
+    g = np.full(logr.shape[1], np.nan)
+    g[has] = np.nanmedian(logr[:, has], axis=0)
+    ok = np.isfinite(g)
+    if ok.sum() < 3:
+        return None
+    med = float(np.median(g[ok]))
+    # each layer against the median of the *other* layers
+    idx = np.flatnonzero(ok)
+    dev = np.full(len(g), np.nan)
+    for i in idx:
+        dev[i] = g[i] - np.median(g[idx[idx != i]])
+    outliers = [(mats[i][1].path, float(dev[i]), float(10 ** g[i])) for i in idx if abs(dev[i]) >= grad_decades]
+    # weights whose scale is far from what their fan-in gives
+    w = run.sites("weight")
+    w_rms = run.records("rms", "weight")
+    faults = []
+    for j, s in enumerate(w.itertuples()):
+        fan = _fan_in(s.shape)
+        if not fan or types.get(s.module) in NO_FAN_IN:
+            continue
+        col = w_rms[:, j]
+        col = col[np.isfinite(col)]
+        if not len(col):
+            continue
+        ratio = float(col[0] * math.sqrt(fan))  # rms / (1/sqrt(fan_in)), at the first recorded step
+        if ratio > 0 and abs(math.log10(ratio)) >= weight_decades:
+            faults.append((s.path, ratio, float(col[0]), 1.0 / math.sqrt(fan), s.module))
+    if not outliers:
+        return None
+    faults.sort(key=lambda f: -abs(math.log10(f[1])))
+    outliers.sort(key=lambda o: -abs(o[1]))
+    layers = [f[4] for f in faults] + [p.rpartition(".")[0] or p for p, _, _ in outliers]
+    layers = list(dict.fromkeys(layers))
+    if faults:
+        path, ratio, wr, exp, mod = faults[0]
+        cause = (
+            f"the weights of {mod} are {A.fmt_num(ratio)}x the scale its fan-in gives "
+            f"(RMS {A.fmt_num(wr)} vs about {A.fmt_num(exp)})"
+        )
+        mods = list(dict.fromkeys(f[4] for f in faults))
+        fix = [
+            text(
+                f"Re-initialise {', '.join(mods)} (PyTorch's default for Linear/Conv is kaiming_uniform_ with "
+                "a=sqrt(5); use kaiming_normal_ before a ReLU):"
+            ),
+            code(
+                *[f"torch.nn.init.kaiming_uniform_({A.attr(f[0])}, a=math.sqrt(5))" for f in faults],
+                f'# or: torch.nn.init.kaiming_normal_({A.attr(path)}, nonlinearity="relu")',
+            ),
+        ]
+    else:
+        cause = "no weight is off its fan-in scale, so look at the inputs or a custom op in those layers"
+        fix = [
+            text("Clip gradients while you find the cause, and check the inputs of these layers:"),
+            code("torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)"),
+        ]
+    return finding(
+        "warning",
+        "Gradient range anomaly",
+        f"{len(outliers)} layer(s) have gradients at least {grad_decades:g} decades away from the other layers "
+        f"(worst {outliers[0][0]}: RMS {A.fmt_num(outliers[0][2])}, {outliers[0][1]:+.1f} decades); {cause}.",
+        layers=layers,
+        steps=run.step_range(fs),
+        evidence={
+            "grad_rms": {mats[i][1].path: float(10 ** g[i]) for i in np.flatnonzero(ok)},
+            "median_grad_rms": 10**med,
+            "outliers": {p: round(d, 2) for p, d, _ in outliers},
+            "weight_faults": {p: {"rms": wr, "fan_in_rms": exp, "ratio": ratio} for p, ratio, wr, exp, _ in faults},
+        },
+        fix=fix,
+    )
+
+
+# Optimizers whose update divides by sqrt(v) + eps: with eps rounded to 0 in the weights' format and v underflowed
+# (a gradient below ~2^-12 squares below FP16's 2^-24), the update is m / 0 = Inf, or 0 / 0 = NaN.
+EPS_OPTIMIZERS = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "SparseAdam")
+
+
+def _optimizer_line(run) -> str:
+    """The user's optimizer re-created over the (now FP32) parameters, with its recorded hyper-parameters."""
+    opt = run.config.get("optimizer") or {}
+    cls = opt.get("class") or "AdamW"
+    g = (opt.get("groups") or [{}])[0]
+    args = []
+    for key in ("lr", "betas", "eps", "weight_decay", "momentum"):
+        if key in g and g[key] is not None:
+            v = tuple(g[key]) if isinstance(g[key], list) else g[key]
+            args.append(f"{key}={v!r}")
+    return f"optimizer = torch.optim.{cls}(model.parameters(), {', '.join(args)})  # re-created over FP32 params"
+
+
+def weights_nonfinite(run):
+    ev = run.weight_events
+    if not len(ev):
+        return None
+    first = int(ev["step"].min())
+    params = list(dict.fromkeys(p for d in ev["data"] for p in d.get("params", [])))
+    count = max(int(d.get("count", 0)) for d in ev["data"])
+    st = run.steps
+    # the step's own gradients were finite and the step went through: the update itself made the NaN/Inf
+    idx = np.flatnonzero(st["step"].to_numpy(int) == first)
+    grads_finite = (
+        bool(len(idx)) and not bool(run.gradient_peaks.nonfinite[idx[0]]) and not bool(st["skipped"].iloc[idx[0]])
+    )
+    w = run.sites("weight")
+    dtypes = dict(zip(w["path"], w["dtype"]))
+    pdt = run.config.get("param_dtypes", {}) or {}
+    dtype = next((dtypes[p] for p in params if dtypes.get(p) in formats.REDUCED), None) or next(
+        (d for d in pdt if d in formats.REDUCED), None
+    )
+    opt = run.config.get("optimizer") or {}
+    cls = opt.get("class") or "the optimizer"
+    eps = (opt.get("groups") or [{}])[0].get("eps")
+    fmt = formats.get(dtype) if dtype else None
+    eps_lost = bool(fmt and cls in EPS_OPTIMIZERS and isinstance(eps, (int, float)) and eps <= fmt.min_subnormal / 2)
+    if not eps_lost and run.findings_of("divergence"):
+        return None  # weights that blew up with a diverging run: divergence's finding
+    why = (
+        f"{cls}'s eps={eps:g} rounds to 0 in {dtype} (its smallest subnormal is {A.fmt_num(fmt.min_subnormal)}), "
+        "so where the squared gradient underflows too its update divides by zero"
+        if eps_lost
+        else f"the {cls} update produced values the {dtype or 'parameter'} weights cannot hold"
+    )
+    if dtype:
+        ac = dtype if dtype in formats.REDUCED else "float16"
+        lines = ["model.float()", _optimizer_line(run)] + ([A.scaler_line(run)] if ac == "float16" else [])
+        lines += ["# and in the loop:", A.autocast_block(run, ac)]
+        if ac == "float16":
+            lines += ["scaler.scale(loss).backward()", "scaler.step(optimizer)", "scaler.update()"]
+        fix = [
+            text(
+                "Keep FP32 master weights: the optimizer updates FP32 parameters, autocast computes in "
+                f"{dtype} (tested fix):"
+            ),
+            code(*lines),
+        ]
+    else:
+        fix = [
+            text(
+                "The update itself overflowed the FP32 weights: lower the learning rate, and keep steps with "
+                "non-finite gradients out (a GradScaler skips them; without one, check before the step):"
+            ),
+            code(
+                "if all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None):",
+                "    optimizer.step()",
+            ),
+        ]
+    if eps_lost:
+        fix += [
+            text(
+                f"Or, keeping {dtype} weights, an eps the format holds as a normal number "
+                f"(>= {A.fmt_num(fmt.min_normal)}):"
+            ),
+            code("for group in optimizer.param_groups:", f'    group["eps"] = {_normal_eps(fmt):g}'),
+        ]
+    return finding(
+        "critical",
+        "The optimizer step made weights NaN/Inf",
+        f"After the optimizer step of step {first} {count} parameter tensor(s) held NaN/Inf"
+        + (" although that step's gradients were finite" if grads_finite else "")
+        + f": {why}. Every later forward pass computes with them.",
+        layers=list(dict.fromkeys(p.rpartition(".")[0] or ROOT for p in params)),
+        steps=[first, int(st["step"].iloc[-1])],
+        evidence={
+            "first_step": first,
+            "tensors": count,
+            "params": params[:20],
+            "param_dtype": dtype,
+            "optimizer": cls,
+            "eps": eps,
+            "eps_in_format": 0.0 if eps_lost else eps,
+            "gradients_finite": grads_finite,
+        },
+        fix=fix,
+    )
+
+
+def _normal_eps(fmt: formats.Format) -> float:
+    """The smallest power of ten at or above the format's smallest normal (FP16: 1e-4)."""
+    return 10.0 ** math.ceil(math.log10(fmt.min_normal))
