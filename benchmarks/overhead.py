@@ -129,7 +129,7 @@ def setup_ampdoctor(w, **options):
     doc = ampdoctor.attach(w.model, optimizer=w.opt, trace=w.trace, **options)
     w.step_hook = doc.log_loss
     w.settle = doc.flush
-    w.threads = [doc._live] if doc._live is not None else []
+    w.threads = [doc.live] if doc.live is not None else []
     return doc.close
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ..trace.vectors import Entry
+from ..trace.vectors import Entry, Phase, peak_block
 from . import stats as K
 
 SMALL_GRAD = 4096  # parameter gradients up to this size are stacked by size and reduced together
@@ -27,18 +27,11 @@ class PeakList:
     returns; stacked once at the step end (``aminmax(out=...)`` into a preallocated buffer measured ~5 µs slower
     per call inside a training loop than one stack of them all). ``n`` counts the values."""
 
-    def __init__(self, like: torch.Tensor, mode: str):
-        self.mode = mode
+    def __init__(self, like: torch.Tensor, block: str):
+        self.block_name = block
         self.device = like.device
         self.vals: list[torch.Tensor] = []
         self.n = 0
-
-    def add(self, t: torch.Tensor) -> int:
-        """[min, max] of a detached, non-empty tensor; returns its offset (one call per observed tensor)."""
-        n = self.n
-        self.vals.extend(torch.aminmax(t))
-        self.n = n + 2
-        return n
 
     def block(self) -> torch.Tensor:
         return torch.stack(self.vals)
@@ -52,8 +45,8 @@ class SlotBuffer:
     """Fixed [min, max] slots (one buffer per dtype and device) for tensors observed every step in the same order:
     the parameter gradients. Written in place by ``aminmax(out=...)``; lives as long as its plan."""
 
-    def __init__(self, dtype: torch.dtype, device: torch.device, mode: str, size: int):
-        self.mode = mode
+    def __init__(self, dtype: torch.dtype, device: torch.device, block: str, size: int):
+        self.block_name = block
         self.device = device
         self.buf = torch.zeros(size, dtype=dtype, device=device)  # empty gradients keep [0, 0]
         self.slots = self.buf.unbind()  # 0-d views, made once: indexing per call would cost more
@@ -163,7 +156,7 @@ class GradPlan:
         for _, p in params:
             slots[(p.dtype, p.device)] = slots.get((p.dtype, p.device), 0) + 2
         bufs = {
-            (dtype, device): SlotBuffer(dtype, device, f"g{dtype_name(dtype)}@{device}", size)
+            (dtype, device): SlotBuffer(dtype, device, peak_block(dtype_name(dtype), str(device), grads=True), size)
             for (dtype, device), size in slots.items()
         }
         where: dict[int, int] = {}
@@ -194,7 +187,8 @@ class GradPlan:
         self.entries = []
         for name, p in params:
             sid = site(name, p.grad)
-            self.entries.append(Entry(sid, "param", [(where[id(p)], bufs[(p.dtype, p.device)].mode, p.numel())]))
+            block = bufs[(p.dtype, p.device)].block_name
+            self.entries.append(Entry(sid, Phase.PARAM, [(where[id(p)], block, p.numel())]))
 
     def run(self) -> None:
         """Write this step's [min, max] of every gradient into the slots."""

@@ -7,20 +7,10 @@ from __future__ import annotations
 
 import math
 
-MODES = ("default", "debug")
+from .options import DEFAULT_CALIBRATION, DEFAULT_EVERY, DEFAULT_HIST_EVERY, DEFAULT_PEAK_EVERY, Mode, Observe
 
-# Cadence defaults, from benchmarks/overhead.py and the trace's own observer_time (2-core CPU, FP32, 1 thread): a step
-# with per-site peaks costs 0.4 ms on the small model (0.5 ms steps) and 3.1 ms on the reference one (35 ms steps),
-# a full-statistics step 2.3 ms and 24 ms. Peaks every 10th step add ~1% to the reference model (7% to the small
-# one) and full statistics every 100th <1% (5%); every other step pays only the sentinel (0.08 ms / 0.9 ms: reading
-# every gradient twice, for the norm and the peak). Sparser peaks (every 20th) miss the late-training gradient
-# trends the late-degradation rule reads in runs of a few hundred steps.
-DEFAULT_PEAK_EVERY = 10
-DEFAULT_EVERY = 100
-# The first steps are where "NaN early" lives (an init scale too high, an overflowing layer): observed in full.
-DEFAULT_CALIBRATION = 10
 # After an anomaly every step is observed in full until this many clean steps in a row: a fault that recurs within
-# them is localised to its module; a one-off anomaly leaves "origin unknown".
+# them is localised to its module (and a one-off one by the anomaly replay).
 CLEAN_RUN = 5
 # A gradient-norm spike: the norm above SPIKE_FACTOR times its running mean (an exponential average over ~1/ALPHA
 # clean steps), once that mean has seen SPIKE_WARMUP steps. A healthy run's norm moves by a few x over hundreds of
@@ -28,10 +18,16 @@ CLEAN_RUN = 5
 SPIKE_FACTOR = 10.0
 SPIKE_ALPHA = 0.1
 SPIKE_WARMUP = 5
+# A loss spike: the loss above its running mean by LOSS_SPIKE_SIGMAS running standard deviations and by a factor
+# LOSS_SPIKE_FACTOR (an exponential mean and variance over ~1/LOSS_ALPHA clean steps, after LOSS_WARMUP steps). A
+# noisy loss moves by a few sigma from batch to batch; six sigma and 1.5x is the jump a spike makes in a
+# practitioner's loss curve (a finite spike is where long runs start to go wrong).
+LOSS_SPIKE_SIGMAS = 6.0
+LOSS_SPIKE_FACTOR = 1.5
+LOSS_ALPHA = 0.05
+LOSS_WARMUP = 20
 
-# What a step observed of its sites ("n": none, the sentinel only; "p": peaks; "f": full statistics).
-NONE, PEAK, FULL = "n", "p", "f"
-# Why (the steps table's ``reason``).
+# Why a step observed what it did (the steps table's ``reason``).
 REASONS = ("sentinel", "sampled", "calibration", "anomaly", "debug")
 
 
@@ -41,11 +37,11 @@ class Cadence:
 
     def __init__(
         self,
-        mode: str = "default",
+        mode: Mode = Mode.DEFAULT,
         *,
         every: int = DEFAULT_EVERY,
         peak_every: int = DEFAULT_PEAK_EVERY,
-        hist_every: int = 200,
+        hist_every: int = DEFAULT_HIST_EVERY,
         calibration: int = DEFAULT_CALIBRATION,
         clean_run: int = CLEAN_RUN,
     ):
@@ -55,20 +51,23 @@ class Cadence:
         self._alarm = 0  # clean steps still to observe in full after the last anomaly
         self._norm_mean = None  # running mean of the gradient norm over clean steps
         self._norm_seen = 0
+        self._loss_mean = None  # running mean and variance of the loss over clean steps
+        self._loss_var = 0.0
+        self._loss_seen = 0
 
-    def plan(self, step: int) -> tuple[str, str, bool]:
+    def plan(self, step: int) -> tuple[Observe, str, bool]:
         """(what the step observes: NONE/PEAK/FULL, why, whether it stores histograms)."""
-        if self.mode == "debug":
-            return FULL, "debug", step % self.hist_every == 0
+        if self.mode is Mode.DEBUG:
+            return Observe.FULL, "debug", step % self.hist_every == 0
         if step < self.calibration:
-            return FULL, "calibration", True
+            return Observe.FULL, "calibration", True
         if self._alarm:
-            return FULL, "anomaly", True
+            return Observe.FULL, "anomaly", True
         if step % self.every == 0 or step % self.hist_every == 0:
-            return FULL, "sampled", step % self.hist_every == 0
+            return Observe.FULL, "sampled", step % self.hist_every == 0
         if step % self.peak_every == 0:
-            return PEAK, "sampled", False
-        return NONE, "sentinel", False
+            return Observe.PEAK, "sampled", False
+        return Observe.NONE, "sentinel", False
 
     def spike(self, grad_norm: float | None) -> bool:
         """Whether this (finite) gradient norm jumps far above its running mean; updates the mean otherwise."""
@@ -80,6 +79,36 @@ class Cadence:
         self._norm_mean = grad_norm if mean is None else mean + SPIKE_ALPHA * (grad_norm - mean)
         self._norm_seen += 1
         return False
+
+    def loss_spike(self, loss: float | None) -> bool:
+        """Whether this (finite, positive-trending) loss jumps far above its running mean; updates it otherwise."""
+        if loss is None or not math.isfinite(loss):
+            return False
+        mean, var = self._loss_mean, self._loss_var
+        if (
+            mean is not None
+            and self._loss_seen >= LOSS_WARMUP
+            and loss - mean > LOSS_SPIKE_SIGMAS * math.sqrt(var)
+            and loss > LOSS_SPIKE_FACTOR * mean > 0
+        ):
+            return True
+        if mean is None:
+            self._loss_mean = loss
+        else:
+            delta = loss - mean
+            self._loss_mean = mean + LOSS_ALPHA * delta
+            self._loss_var = (1 - LOSS_ALPHA) * (var + LOSS_ALPHA * delta * delta)
+        self._loss_seen += 1
+        return False
+
+    @property
+    def typical_loss(self) -> float | None:
+        return self._loss_mean
+
+    @property
+    def alarmed(self) -> bool:
+        """The flight recorder is on: the run has not been clean for CLEAN_RUN steps since the last anomaly."""
+        return self._alarm > 0
 
     def after(self, anomalous: bool) -> None:
         """A step ended: an anomaly (re)arms the flight recorder, a clean step counts down."""

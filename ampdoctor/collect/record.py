@@ -9,9 +9,9 @@ import weakref
 import numpy as np
 import torch
 
-from ..trace.vectors import Entry
-from . import buffers as B
-from . import stats as K
+from ..trace.vectors import EXTRAS_BLOCK, FULL_BLOCK, Entry, peak_block
+from . import buffers, stats
+from .options import Observe
 
 _NUMBERS = {float, int}
 
@@ -40,37 +40,42 @@ class StepRecord:
     def add_full(self, vec: torch.Tensor) -> int:
         off = self._full_len
         self._fulls.append(vec)
-        self._full_len += K.FULL_LEN
+        self._full_len += stats.FULL_LEN
         return off
 
     def add_extra(self, v) -> int:
         """A step figure: a float, or a 0-d tensor (read now if it is on the CPU, where that costs no sync)."""
-        if isinstance(v, torch.Tensor) and K.on_host(v):
+        if isinstance(v, torch.Tensor) and stats.on_host(v):
             v = v.item()
         self._extras.append(v)
         return len(self._extras) - 1
 
-    def _buffer(self, t: torch.Tensor) -> B.PeakList:
+    def _buffer(self, t: torch.Tensor) -> buffers.PeakList:
         buf = self._bufs.get(t.dtype)
         if buf is None or buf.device != t.device:
             key = t.dtype if buf is None else (t.dtype, t.device)  # a second device: its own buffer
             buf = self._bufs.get(key)
             if buf is None:
-                buf = self._bufs[key] = B.PeakList(
-                    t, "p" + B.dtype_name(t.dtype) + ("" if key is t.dtype else f"@{t.device}")
+                buf = self._bufs[key] = buffers.PeakList(
+                    t, peak_block(buffers.dtype_name(t.dtype), None if key is t.dtype else str(t.device))
                 )
         return buf
 
-    def observe(self, t: torch.Tensor, want: str) -> tuple[int, str, int]:
-        """Statistics of one tensor for this step ("p": peak, "f": full), computed once per tensor (a module's
+    def observe(self, t: torch.Tensor, want: Observe) -> tuple[int, str, int]:
+        """Statistics of one tensor for this step (a peak, or full statistics), computed once per tensor (a module's
         output is often the next module's input, and a container's output is its last child's)."""
         key = id(t)
         hit = self._seen.get(key)
-        if hit is not None and hit[0]() is t and hit[1] == t._version and (hit[2][1] == "f" or want == "p"):
+        if (
+            hit is not None
+            and hit[0]() is t
+            and hit[1] == t._version
+            and (hit[2][1] == FULL_BLOCK or want is Observe.PEAK)
+        ):
             return hit[2]
         n = t.numel()
-        if want == "f":
-            ref = (self.add_full(K.full(t)), "f", n)
+        if want is Observe.FULL:
+            ref = (self.add_full(stats.full(t)), FULL_BLOCK, n)
         else:  # PeakList.add inlined: two calls fewer per observed tensor
             d = t.detach()
             buf = self._bufs.get(d.dtype)
@@ -79,7 +84,7 @@ class StepRecord:
             off = buf.n
             buf.vals.extend(torch.aminmax(d if n else d.new_zeros(1)))
             buf.n = off + 2
-            ref = (off, buf.mode, n)
+            ref = (off, buf.block_name, n)
         self._seen[key] = (weakref.ref(t), t._version, ref)
         return ref
 
@@ -90,22 +95,22 @@ class StepRecord:
         blocks, bases, n = [], {}, 0
         for buf in [*self._bufs.values(), *grad_buffers]:
             if buf.n:
-                bases[buf.mode] = n
+                bases[buf.block_name] = n
                 blocks.append(buf.block())
                 n += buf.n
-        bases["f"] = n
-        bases["x"] = n + self._full_len
+        bases[FULL_BLOCK] = n
+        bases[EXTRAS_BLOCK] = n + self._full_len
         extras = self._extras
         if not blocks and not self._fulls and {type(e) for e in extras} <= _NUMBERS:
             return np.array(extras, dtype=np.float64), bases, False  # a sentinel step on the CPU: floats only
         on_cpu = (
-            all(K.on_host(b) for b in blocks)
-            and all(K.on_host(f) for f in self._fulls)
+            all(stats.on_host(b) for b in blocks)
+            and all(stats.on_host(f) for f in self._fulls)
             and not any(isinstance(e, torch.Tensor) for e in extras)
         )
         if on_cpu:  # already on the host: numpy copies, no torch op per block
             values = np.concatenate(
-                [B.host_float64(b) for b in blocks]
+                [buffers.host_float64(b) for b in blocks]
                 + [f.numpy() for f in self._fulls]
                 + [np.array(extras, dtype=np.float64)]
             )
@@ -126,6 +131,6 @@ class StepRecord:
             values = torch.cat(parts).cpu().numpy()  # cat copies: the peak buffers are reused next step
         bad = not np.isfinite(values[:n]).all()
         if self._fulls:
-            fulls = values[n : bases["x"]].reshape(-1, K.FULL_LEN)
-            bad = bad or bool(fulls[:, K.HEAD + K.KEY_INF :].any())
+            fulls = values[n : bases[EXTRAS_BLOCK]].reshape(-1, stats.FULL_LEN)
+            bad = bad or bool(fulls[:, stats.HEAD + stats.KEY_INF :].any())
         return values, bases, bad

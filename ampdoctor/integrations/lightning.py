@@ -58,17 +58,17 @@ class AmpDoctorCallback(Callback):
         """The loss Lightning backpropagates (divided by accumulate_grad_batches); with a GradScaler it is read in
         scaler.scale() instead."""
         doc = self.doctor
-        if doc is not None and (doc.scaler is None or not doc._scaler_enabled()):
+        if doc is not None and not doc.scaler_enabled:
             doc.log_loss(loss)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         doc = self.doctor
         if doc is None:
             return
-        if self._manual_steps and doc._boundary == "manual":
+        if self._manual_steps and doc.boundary == "manual":
             doc.step()
-        if doc.steps != self._steps_seen:  # an optimizer step ended: what Lightning logged for it
-            self._steps_seen = doc.steps
+        if doc.n_steps != self._steps_seen:  # an optimizer step ended: what Lightning logged for it
+            self._steps_seen = doc.n_steps
             self._metrics.send(doc, trainer.logged_metrics)
 
     def on_validation_end(self, trainer, pl_module):

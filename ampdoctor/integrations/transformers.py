@@ -40,7 +40,7 @@ class AmpDoctorCallback(TrainerCallback):
             model, optimizer=optimizer, trace=trace_path(self.trace, args.output_dir), **self.options
         )
         doc = self.doctor
-        if doc.active and (doc.scaler is None or not doc._scaler_enabled()):
+        if doc.active and not doc.scaler_enabled:
             # With a GradScaler the loss is read in scaler.scale(); without one, from the model's output.
             self._loss_hook = model.register_forward_hook(self._watch_loss)
 
@@ -61,7 +61,7 @@ class AmpDoctorCallback(TrainerCallback):
                 value = loss.detach()
                 loss.register_hook(lambda g: doc.log_loss(value.float() * g.float()))
         except Exception as exc:  # never break training: the Doctor warns once and stops
-            doc._fail(exc)
+            doc.fail(exc)
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         if self.doctor is not None:

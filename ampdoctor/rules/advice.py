@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from .. import formats
+from ..islands import code_line
 from ..lossscale import TORCH_DEFAULTS
 from ..trace.schema import ROOT
 from .fix import code, text
@@ -75,8 +76,7 @@ def attr(path: str) -> str:
 
 
 def keep_fp32_line(paths) -> str:
-    quoted = ", ".join(f'"{p}"' for p in paths)
-    return f"handle = ampdoctor.keep_fp32(model, {quoted})  # these modules compute in FP32 inside autocast"
+    return code_line(paths)
 
 
 def fmt_num(v: float) -> str:
