@@ -33,6 +33,11 @@ class StepBoundary:
         live = self._live
         if live is not None and live.halt is not None and not self._halted:
             self._halted = True  # raised once: a loop that catches it may go on
+            # -- issue 23 (on_halt): begin; a framework's callback stops the run its own way and checkpoints --
+            if self._on_halt is not None:
+                self._on_halt(live.halt)
+                return
+            # -- issue 23: end --
             raise TrainingHalted(live.halt)
 
     @G.guarded(timed=False)  # timed inside: the step's observer_time ends with its row

@@ -69,6 +69,8 @@ class Doctor(Callbacks, StepBoundary):
         log_every: int | None = None,
         rules: dict | None = None,
         probe_every: int | None = None,
+        export=None,  # issue 23: exporters (ampdoctor/export), started in _start, closed after the writer
+        on_halt=None,  # issue 23: called with the finding at the step boundary instead of raising TrainingHalted
     ):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"Argument model should be of type torch.nn.Module, but given {type(model)}")
@@ -102,6 +104,12 @@ class Doctor(Callbacks, StepBoundary):
         if on_finding is not None and not callable(on_finding):
             raise TypeError(f"Argument on_finding should be callable, but given {type(on_finding)}")
         check_severity("halt_on", halt_on)
+        # -- issue 23 (export, on_halt): begin --
+        if on_halt is not None and not callable(on_halt):
+            raise TypeError(f"Argument on_halt should be callable, but given {type(on_halt)}")
+        self._on_halt = on_halt
+        self._export = None  # the LiveExport thread (ampdoctor.export.start)
+        # -- issue 23: end --
         if rules is not None:
             from ..rules.engine import resolve_rules
 
@@ -167,6 +175,12 @@ class Doctor(Callbacks, StepBoundary):
             return
         try:
             self._start(live, on_finding, halt_on, log_every, rules)
+            # -- issue 23 (export): begin; sinks are made here, so a missing package fails attach --
+            if export is not None:
+                from ..export import start as start_export
+
+                self._export = start_export(export, self.path, findings=lambda: self.findings, rules=rules)
+            # -- issue 23: end --
         except BaseException:
             self._abort()
             raise
@@ -196,6 +210,8 @@ class Doctor(Callbacks, StepBoundary):
         self._handles.remove()
         if self._live is not None:
             self._live.stop()
+        if self._export is not None:  # issue 23
+            self._export.close()
         self._writer.close()
         for suffix in ("", "-wal", "-shm"):  # this Doctor's Writer created the file (it refuses an existing one)
             try:
@@ -408,6 +424,10 @@ class Doctor(Callbacks, StepBoundary):
             except Exception:
                 pass
             self._writer.close()
+            # -- issue 23 (export): begin; after the writer closed, so the last steps are in the file --
+            if self._export is not None:
+                self._export.close()
+            # -- issue 23: end --
             if self._writer.error is not None and not self._warned:
                 self._warned = True
                 warnings.warn(
