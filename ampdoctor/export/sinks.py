@@ -204,7 +204,7 @@ class WandB(Sink):
             for d in new:
                 if d.severity == "critical":
                     self.run.alert(
-                        title=f"ampdoctor: {T.headline(d)}"[:64],
+                        title=f"ampdoctor {d.rule}: {d.title}",
                         text=T.markdown(d),
                         level=self._wandb.AlertLevel.ERROR,
                         wait_duration=0,
