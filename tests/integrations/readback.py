@@ -27,7 +27,9 @@ def tb_scalars(acc, tag: str) -> dict:
 
 
 def tb_texts(acc, tag: str) -> list[tuple[int, str]]:
-    return [(e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(tag)]
+    """The text summaries under ``tag`` (torch's SummaryWriter.add_text stores them as ``<tag>/text_summary``)."""
+    tags = [t for t in acc.Tags()["tensors"] if t == tag or t == tag + "/text_summary"]
+    return [(e.step, e.tensor_proto.string_val[0].decode()) for t in tags for e in acc.Tensors(t)]
 
 
 def _wandb_chunks(path: str):

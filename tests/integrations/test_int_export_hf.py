@@ -68,8 +68,14 @@ def reported(tmp_path_factory):
         wandb.finish()
         client = mlflow_client()
         (run,) = mlflow_runs(client)
-        yield {"tmp": tmp, "logs": logs, "trace": ampdoctor.load(tmp / "out" / "ampdoctor.db"), "client": client,
-               "run": run, "wandb": wandb_run(str(tmp))}
+        yield {
+            "tmp": tmp,
+            "logs": logs,
+            "trace": ampdoctor.load(tmp / "out" / "ampdoctor.db"),
+            "client": client,
+            "run": run,
+            "wandb": wandb_run(str(tmp)),
+        }
 
 
 def exported_steps(n):
