@@ -145,6 +145,9 @@ def test_wandb_run_gets_figures_on_the_trainers_step_axis_a_findings_table_and_a
 def test_mlflow_run_gets_figures_at_the_trainers_steps_and_the_findings_artifact(reported):
     client, run = reported["client"], reported["run"]
     st, steps = expected(reported["trace"])
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "ampdoctor/skipped_total")] == [
+        float(st["skipped"][:s].sum()) for s in steps
+    ]
     hist = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "ampdoctor/loss")}
     assert sorted(hist) == steps
     trainer_steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
