@@ -18,7 +18,7 @@ from ampdoctor.cli import main
 from ampdoctor.export import CSV, StepRows, TensorBoard
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "integrations"))
-from readback import tb_scalars, tb_texts, tensorboard  # noqa: E402
+from readback import tb_scalars, tb_texts, tensorboard
 
 STEPS = 24
 

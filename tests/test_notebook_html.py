@@ -5,11 +5,11 @@ import html
 import re
 
 import pytest
+from ampdoctor.dashboards.report import finding_html
 from IPython.core.formatters import DisplayFormatter
 from runs import mlp, train
 
 import ampdoctor
-from ampdoctor.dashboards.report import finding_html
 from ampdoctor.notebook import Findings
 
 
