@@ -22,7 +22,6 @@ _LAZY = {
     "load": "ampdoctor.trace.run",
     "load_run": "ampdoctor.trace.run",
     "Diagnosis": "ampdoctor.rules",
-    "diagnose": "ampdoctor.rules",
     "keep_fp32": "ampdoctor.islands",
     "replay": "ampdoctor.lossscale",
 }
@@ -34,6 +33,19 @@ def __getattr__(name: str):
     value = getattr(importlib.import_module(_LAZY[name]), name)
     globals()[name] = value
     return value
+
+
+def diagnose(trace_or_path, reference=None, rules: dict | None = None) -> list:
+    """Run every registered rule over a trace (a Trace, a file, or a directory / glob of one run's ranks); findings
+    worst first, as a list that a notebook shows as finding cards.
+
+    ``reference``: an optional second trace (e.g. the same model in FP32) for the rules that compare.
+    ``rules``: ``{rule_id: {threshold: value}}`` to re-threshold a rule, ``{rule_id: None}`` to disable it.
+    """
+    from .notebook import Findings
+    from .rules import diagnose as _diagnose
+
+    return Findings(_diagnose(trace_or_path, reference=reference, rules=rules))
 
 
 def attach(
@@ -129,7 +141,14 @@ def attach(
         from .rules.engine import resolve_rules
 
         resolve_rules(rules)  # unknown ids or thresholds fail here, not in the live thread later
-    return Doctor(model, optimizer, scaler, trace, options, diagnose=_live_diagnose)
+    return Doctor(model, optimizer, scaler, trace, options, diagnose=_live_diagnose, exporter=_start_export)
+
+
+def _start_export(export, path: str, findings=None, rules=None):
+    """The exporters' thread for attach(export=...): made here, so that the training side never imports them."""
+    from .export import start
+
+    return start(export, path, findings=findings, rules=rules)
 
 
 def _live_diagnose(trace, rules=None):
@@ -137,6 +156,16 @@ def _live_diagnose(trace, rules=None):
     from .rules import diagnose
 
     return diagnose(trace, rules=rules)
+
+
+def auto(model, optimizer=None, scaler=None, **options):
+    """The no-code switch: ``attach(model, ...)`` when the environment says ``AMPDOCTOR=1`` (the AMPDOCTOR_TRACE,
+    _MODE, _EVERY, _HALT_ON, _LOG_EVERY, _LIVE, _EXPORT, _EXPORT_EVERY variables over ``options``), else a stand-in
+    with the Doctor's public methods that does nothing. One line in a script:
+    ``doctor = ampdoctor.auto(model, optimizer=opt, scaler=scaler)``."""
+    from .integrations.env import auto as _auto
+
+    return _auto(model, optimizer=optimizer, scaler=scaler, **options)
 
 
 def probe(model, batch, loss_fn=None, **options):
@@ -155,6 +184,7 @@ __all__ = [
     "TrainingHalted",
     "__version__",
     "attach",
+    "auto",
     "diagnose",
     "keep_fp32",
     "load",

@@ -101,7 +101,15 @@ def test_every_command_is_listed_importable_and_documented():
     (docs/cli.md) shows it."""
     readme = open(os.path.join(ROOT, "docs", "cli.md")).read()
     helped = run("--help")
-    assert helped.returncode == 0 and set(cli.COMMANDS) == {"info", "layers", "diagnose", "replay", "serve", "report"}
+    assert helped.returncode == 0 and set(cli.COMMANDS) == {
+        "info",
+        "layers",
+        "diagnose",
+        "replay",
+        "serve",
+        "report",
+        "export",
+    }
     for name in cli.COMMANDS:
         assert re.search(rf"^    {name} +\S", helped.stdout, re.M), f"{name} is not in --help"
         mod = cli.command_module(name)

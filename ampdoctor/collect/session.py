@@ -52,6 +52,7 @@ class Doctor:
         options: Options | None = None,
         *,
         diagnose: Callable | None = None,
+        exporter: Callable | None = None,
     ):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"Argument model should be of type torch.nn.Module, but given {type(model)}")
@@ -66,6 +67,8 @@ class Doctor:
         options = options if options is not None else Options()
         if options.wants_live and diagnose is None:
             raise ValueError("Argument diagnose should be the rules' entry point when the rules run live")
+        if options.export is not None and exporter is None:
+            raise ValueError("Argument exporter should start ampdoctor.export's thread when export= is given")
 
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.options = options
@@ -82,6 +85,7 @@ class Doctor:
         self._halted = False
         self._handles = hooks.Handles()
         self._live: LiveDiagnosis | None = None
+        self._export = None  # the exporters' thread (ampdoctor.export), with export=
         self._config_written = False
         self._cadence = Cadence(
             options.mode,
@@ -106,7 +110,7 @@ class Doctor:
             )
             return
         try:
-            self._build(diagnose)
+            self._build(diagnose, exporter)
         except BaseException:
             self._abort()
             raise
@@ -115,7 +119,7 @@ class Doctor:
                 f"ampdoctor: {requested} exists; writing this run's trace to {self.path}", RuntimeWarning, stacklevel=4
             )
 
-    def _build(self, diagnose: Callable | None) -> None:
+    def _build(self, diagnose: Callable | None, exporter: Callable | None) -> None:
         """The core, the hooks, the writer and live threads; _abort() undoes whatever part of it was done."""
         model, options = self.model, self.options
         put = self._put
@@ -179,6 +183,8 @@ class Doctor:
                 self.path, diagnose, on_finding=options.on_finding, halt_on=options.halt_on, rules=options.rules
             )
             self._live.start()
+        if options.export is not None:  # sinks made here: a bad spec or a missing package fails attach
+            self._export = exporter(options.export, self.path, findings=lambda: self.findings, rules=options.rules)
         if options.log_every is not None and not log.handlers and not logging.getLogger().handlers:
             handler = logging.StreamHandler()  # the summary is asked for: make sure it is seen
             handler.setFormatter(logging.Formatter("%(message)s"))
@@ -207,6 +213,8 @@ class Doctor:
         self._handles.remove()
         if self._live is not None:
             self._live.stop()
+        if self._export is not None:
+            self._export.close()
         self._writer.close()
         for suffix in ("", "-wal", "-shm"):  # this Doctor's Writer created the file (it refuses an existing one)
             try:
@@ -549,6 +557,8 @@ class Doctor:
             except Exception:
                 pass
             self._writer.close()
+            if self._export is not None:  # after the writer closed: the last steps are in the file
+                self._export.close()
             if self._writer.error is not None and not self._warned:
                 self._warned = True
                 warnings.warn(

@@ -82,6 +82,11 @@ class Replay:
             "estimated": int(self.estimated.sum()),
         }
 
+    def _repr_html_(self) -> str:  # notebooks: settings and outcome (ampdoctor/notebook.py)
+        from ..notebook import replay_html
+
+        return replay_html(self)
+
 
 def lost_share(n: int, n_skipped: int, mean_underflow: float) -> float:
     """``Replay.lost`` from its three numbers (``lost_many`` has no Replay to ask)."""

@@ -33,6 +33,11 @@ class Diagnosis:
     def to_dict(self) -> dict:
         return _plain(asdict(self))
 
+    def _repr_html_(self) -> str:  # notebooks: the report's finding card (ampdoctor/notebook.py)
+        from ..notebook import diagnosis_html
+
+        return diagnosis_html(self)
+
 
 def _py(v, json_safe: bool = False):
     """Copy with numpy scalars as Python numbers; ``json_safe`` also writes non-finite floats as strings."""

@@ -66,6 +66,11 @@ class RankRun:
     def __repr__(self) -> str:
         return f"RankRun({self.source!r}, ranks={self.ranks}, world_size={self.world_size})"
 
+    def _repr_html_(self) -> str:  # notebooks: the ranks side by side (ampdoctor/notebook.py)
+        from ..notebook import rankrun_html
+
+        return rankrun_html(self)
+
 
 def is_multi(spec) -> bool:
     """A directory, a glob pattern or a list of files (what ``load_run`` takes), as opposed to one trace file."""
