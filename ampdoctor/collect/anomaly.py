@@ -71,6 +71,12 @@ class Capture:
         self.calls = []
         self.batch_ids = []
 
+    def take(self) -> tuple[list[Call], list]:
+        """The finished step's calls and batch ids (kept by its InFlight until its verdict), and a fresh start."""
+        taken = (self.calls, self.batch_ids)
+        self.calls, self.batch_ids = [], []
+        return taken
+
     def on_call(self, args, kwargs, measure: bool) -> None:
         """The root's forward starts (training, grad enabled). ``measure``: also keep the batch's input peak for
         the run's usual magnitude (on steps that observe sites)."""
@@ -220,12 +226,13 @@ class Replayer:
         self.paths = {id(m): p for p, m in modules}
         self.replays = 0
         self.in_incident = 0
+        self.grads: list = []  # the last observed replay's parameter gradients (scaled), aligned with params
         self.healed: dict[str, object] = {}  # path -> islands handle
         self._confirmed: dict[str, set] = {}  # path -> steps whose replay confirmed keep_fp32(path) fixes it
 
     # -- when ---------------------------------------------------------------------------------------------------------
-    def wanted(self) -> bool:
-        return self.replays < MAX_REPLAYS and self.in_incident < MAX_REPLAYS_PER_INCIDENT and bool(self.capture.calls)
+    def wanted(self, calls: list | None) -> bool:
+        return self.replays < MAX_REPLAYS and self.in_incident < MAX_REPLAYS_PER_INCIDENT and bool(calls)
 
     def clean_again(self) -> None:
         """The flight recorder saw the run clean again: the next anomaly is a new incident."""
@@ -233,7 +240,15 @@ class Replayer:
 
     # -- the replay ---------------------------------------------------------------------------------------------------
     def run(
-        self, step: int, why: str, *, weights_changed: str | None, scale: float | None, observe_sites: bool = True
+        self,
+        step: int,
+        why: str,
+        calls: list[Call],
+        *,
+        batch_ids: list,
+        weights_changed: str | None,
+        scale: float | None,
+        observe_sites: bool = True,
     ) -> Replay:
         """Replay the step's micro-batches. ``weights_changed``: why the weights may differ from the step's (None:
         they are the same); ``observe_sites``: the step observed its sites in full itself (False) or not."""
@@ -242,7 +257,6 @@ class Replayer:
         t0 = time.perf_counter()
         self.replays += 1
         self.in_incident += 1
-        calls = list(self.capture.calls)
         result = Replay(step=step, why=why, exact=True)
         if self.model is None:
             result.exact, result.backward = False, False
@@ -262,7 +276,7 @@ class Replayer:
                 "the gradients reaching the model's outputs were not kept (larger than "
                 f"{SEED_KEEP_MAX:,} values, or no backward ran): forward replayed only"
             )
-        result.batch = self._fingerprint(calls)
+        result.batch = self._fingerprint(calls, batch_ids)
         # Two passes: one under the operation tracer, one observing every site in full (the observation's own
         # reductions would otherwise pass through the tracer).
         tracer = OpTracer(self.paths)
@@ -270,7 +284,7 @@ class Replayer:
             self._pass(calls, tracer=tracer)
         result.observed = observe_sites
         with self._isolated(), self.observe(observe_sites), others_hooks_off(self.model, self.ours()):
-            outputs_finite, finite, norm = self._pass(calls)
+            outputs_finite, finite, norm = self._pass(calls, keep_grads=observe_sites)
         result.exact = not result.not_exact
         result.grad_norm = norm
         result.outputs_finite = outputs_finite
@@ -288,10 +302,11 @@ class Replayer:
         return result
 
     def _pass(
-        self, calls: list[Call], *, tracer: OpTracer | None = None, scale_by: float = 1.0
+        self, calls: list[Call], *, tracer: OpTracer | None = None, scale_by: float = 1.0, keep_grads: bool = False
     ) -> tuple[bool, bool, float]:
         """Forward (and backward where seeds were kept) of every call: (the outputs finite, everything finite, norm
-        of the gradients)."""
+        of the gradients). ``keep_grads``: the parameters' gradients, summed over the calls, are left in
+        ``self.grads`` (as the step's .grad would hold them, still scaled)."""
         finite = outputs_finite = True
         leaves = [p for _, p in self.params]
         acc: list = [None] * len(leaves)  # the step's gradients, summed over its micro-batches as .grad would be
@@ -318,6 +333,8 @@ class Replayer:
                     ]
         sq = sum(float(a.double().square().sum()) for a in acc if a is not None and a.numel())
         norm = math.sqrt(sq) if sq == sq and sq != math.inf else sq
+        if keep_grads:
+            self.grads = acc
         return outputs_finite, finite and math.isfinite(norm), norm
 
     @contextlib.contextmanager
@@ -415,7 +432,7 @@ class Replayer:
         self.healed = {}
 
     # -- the batch ----------------------------------------------------------------------------------------------------
-    def _fingerprint(self, calls: list[Call]) -> dict:
+    def _fingerprint(self, calls: list[Call], batch_ids: list) -> dict:
         """Shape, dtype, content hash and peak of each input; the batch's peak against the run's usual one."""
         inputs = []
         top = 0.0
@@ -438,8 +455,8 @@ class Replayer:
         usual = self.capture.typical_peak()
         if usual and top:
             out.update(peak=top, usual_peak=usual, factor=top / usual, outlier=top / usual >= OUTLIER_FACTOR)
-        if self.capture.batch_ids:
-            out["ids"] = self.capture.batch_ids[:256]
+        if batch_ids:
+            out["ids"] = batch_ids[:256]
         return out
 
 

@@ -5,10 +5,9 @@ logged after ``optimizer.step()`` still joins it."""
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,9 +18,10 @@ from . import buffers, stats
 from .cadence import SPIKE_FACTOR, Cadence
 from .guards import Guard, finite_or_none, no_forward
 from .options import Observe
-from .record import StepRecord
+from .record import HostCopy, StepRecord
 from .sites import Sites
 from .state import StepState
+from .transfer import Transfer
 
 _LEVELS = {Observe.NONE: schema.LEVEL_SENTINEL, Observe.PEAK: schema.LEVEL_PEAK, Observe.FULL: schema.LEVEL_FULL}
 WARN_NO_FORWARD_AFTER = 3  # steps without a root forward (or begin_batch) before the run warns
@@ -62,6 +62,47 @@ class Verdict:
         return "grad_spike" if self.spike else "loss_spike"
 
 
+@dataclass
+class InFlight:
+    """A finished step whose figures are on their way to the host."""
+
+    state: StepState
+    skipped: bool | None
+    row: dict  # the steps-table fields known now (the packet's row once resolved)
+    entries: list
+    copy: HostCopy
+    offsets: dict  # where the step figures sit among the extras
+    scales: list  # [before, after] the scaler's update: floats, or device tensors read with the copy
+    scale_offs: list
+    calls: list | None = None  # what a replay of it needs (anomaly.Capture), kept until it is resolved
+    updates: int = 0  # optimizer updates applied before it started (a replay is exact while this holds)
+    late_loss: object = None  # a loss logged after its boundary (a float, or a Transfer of a device value)
+    packet: StepPacket | None = None
+    verdict: Verdict | None = None
+    batch_ids: list = field(default_factory=list)
+    closed: bool = False  # a later step has started: no loss can join it any more
+
+    @property
+    def has_loss(self) -> bool:
+        return self.offsets["loss"] is not None or self.late_loss is not None
+
+    def add_late_loss(self, loss) -> None:
+        """A loss logged after the step's boundary (``optimizer.step()`` came first): a device value is copied
+        asynchronously, like the step's figures."""
+        if isinstance(loss, torch.Tensor):
+            loss = Transfer(loss.detach().to(torch.float64).reshape(1)) if not stats.on_host(loss) else loss.item()
+        self.late_loss = loss
+
+    def late_loss_ready(self) -> bool:
+        return not isinstance(self.late_loss, Transfer) or self.late_loss.ready()
+
+    def take_late_loss(self) -> float | None:
+        v = self.late_loss
+        if isinstance(v, Transfer):
+            v = float(v.values()[0])
+        return None if v is None else float(v)
+
+
 class StepEnd:
     """Turns a finished StepState into a StepPacket and a Verdict. Given explicitly what it reads: the record, the
     sites, the trainable parameters, the cadence (spikes), the optimizer (learning rates) and scaler, the writer's
@@ -97,7 +138,6 @@ class StepEnd:
         self._half_params = any(p.dtype in (torch.float16, torch.bfloat16) for _, p in params)
         self._known_entries: list = []  # the entries of recent steps' distinct layouts, newest first
         self._bad_weights = 0
-        self.pending: StepPacket | None = None
         self.t_prev_end = time.perf_counter()
 
     def figures(self, state: StepState) -> tuple:
@@ -125,31 +165,31 @@ class StepEnd:
             state.spikes = (self.cadence.spike(norm), self.cadence.loss_spike(loss))
         return state.spikes
 
-    def close(self, state: StepState, skipped: bool | None, step_starts: int, device: str | None):
-        """The step ``state`` ended (``skipped``: known from the optimizer; None: to read from the loss scale).
-        Returns (packet, verdict); the packet is kept as ``pending`` until the next step starts."""
+    def close(self, state: StepState, skipped: bool | None, step_starts: int, device: str | None) -> InFlight:
+        """The step ``state`` ended (``skipped``: known from the optimizer; None: to read from the loss scale). Its
+        figures start their way to the host (read at once on the CPU); ``resolve`` turns them into the packet."""
         step, observe, rec = state.index, state.observe, self.record
         entries = rec.entries
         if observe is not Observe.NONE:
             self._observe_param_grads(observe, state, entries)
         norm, gmax = self.figures(state)
-        norm_off = rec.add_extra(norm) if norm is not None else None
-        max_off = rec.add_extra(gmax) if gmax is not None else None
+        offsets = {"norm": rec.add_extra(norm) if norm is not None else None}
+        offsets["max"] = rec.add_extra(gmax) if gmax is not None else None
         if step % self.weight_every == 0:
             for name, p in self.params:
                 sid = self.sites.param(name, "weight", p, step)
                 entries.append(Entry(sid, Phase.WEIGHT, [rec.observe(p.detach(), Observe.FULL)]))
-        loss_off = rec.add_extra(buffers.sum_losses(state.losses)) if state.losses else None
+        offsets["loss"] = rec.add_extra(buffers.sum_losses(state.losses)) if state.losses else None
         # Half-precision weights can turn NaN/Inf in an optimizer step from finite gradients (Adam's eps is 0 in
         # FP16): watched every step for them (one fused norm), on anomalous steps only for FP32 weights.
-        bad_w_off = rec.add_extra(buffers.count_nonfinite([p for _, p in self.params])) if self._half_params else None
+        nonfinite_weights = buffers.count_nonfinite([p for _, p in self.params]) if self._half_params else None
+        offsets["bad_weights"] = rec.add_extra(nonfinite_weights) if nonfinite_weights is not None else None
         scales = [state.scale_before, read_scale(self.scaler)] if self.scaler is not None else [None, None]
-        scale_offs = [rec.add_extra(v) if isinstance(v, torch.Tensor) else v for v in scales]
+        scale_offs = [rec.add_extra(v) if isinstance(v, torch.Tensor) else None for v in scales]
 
         plan = self._grad_plan
         grad_slots = plan.buffers if plan is not None and observe is Observe.PEAK else ()
-        values, bases, bad = rec.to_host(grad_slots)  # the step's one transfer
-        extra_base = bases[EXTRAS_BLOCK]
+        copy = rec.start_transfer(grad_slots)  # the step's one transfer
         # Same control flow as a recent step (the tiers alternate a few layouts): the writer reuses its Layout.
         same = next((e for e in self._known_entries if e == entries), None)
         if same is not None:
@@ -157,11 +197,6 @@ class StepEnd:
         else:
             self._known_entries.insert(0, entries)
             del self._known_entries[4:]
-
-        def pick(off):
-            return None if off is None else float(values[extra_base + off])
-
-        scale, scale_next = (pick(o) if isinstance(v, torch.Tensor) else v for o, v in zip(scale_offs, scales))
         # No forward of the attached module and no begin_batch() this step: when the data arrived is unknown, so
         # the data wait is left empty (a wait of the whole step would make the time rules blame the input pipeline).
         started = state.t_first is not None
@@ -176,14 +211,31 @@ class StepEnd:
             "peak_mem": int(torch.cuda.max_memory_allocated()) if device == "cuda" else None,
             "level": _LEVELS[observe] if not state.store_hist else schema.LEVEL_HIST,
             "reason": state.reason,
-            "grad_max": pick(max_off),
         }
-        loss, grad_norm = pick(loss_off), pick(norm_off)
+        return InFlight(state, skipped, row, entries, copy, offsets, scales, scale_offs)
+
+    def resolve(self, flight: InFlight) -> tuple[StepPacket, Verdict]:
+        """The step's values are on the host: its packet and the sentinel's verdict (spikes and weights checked,
+        their events sent). Called in step order."""
+        state = flight.state
+        step = state.index
+        values, bases, bad = flight.copy.result()
+        extra_base = bases[EXTRAS_BLOCK]
+
+        def pick(off):
+            return None if off is None else float(values[extra_base + off])
+
+        scale, scale_next = (v if o is None else pick(o) for o, v in zip(flight.scale_offs, flight.scales))
+        row = flight.row
+        row["grad_max"] = pick(flight.offsets["max"])
+        loss, grad_norm = pick(flight.offsets["loss"]), pick(flight.offsets["norm"])
+        skipped = flight.skipped
         if skipped is None:  # no optimizer to tell: a scale that backed off means the scaler skipped the step
             skipped = scale is not None and scale_next is not None and scale_next < scale
         nonfinite = bad or not (finite_or_none(grad_norm) and finite_or_none(row["grad_max"]) and finite_or_none(loss))
         verdict = Verdict(skipped=bool(skipped), nonfinite=nonfinite)
-        if verdict.anomalous or (bad_w_off is not None and pick(bad_w_off)):
+        bad_weights = pick(flight.offsets["bad_weights"])
+        if verdict.anomalous or bad_weights:
             verdict.weights_bad = self._check_weights(step)
         if not verdict.anomalous:  # (observed in full from the next step on; the spike itself is an event)
             verdict.spike, verdict.loss_spike = self._spikes(state, grad_norm, loss)
@@ -201,7 +253,7 @@ class StepEnd:
             row=row,
             values=values,
             bases=bases,
-            entries=entries,
+            entries=flight.entries,
             loss=loss,
             scale=scale,
             scale_next=scale_next,
@@ -210,45 +262,25 @@ class StepEnd:
             nonfinite=verdict.nonfinite,
             store_hist=state.store_hist,
         )
-        self.flush_pending()
-        self.pending = packet  # sent when the next step starts: a loss logged after opt.step() joins it
         return packet, verdict
 
-    def rebuild(self, state: StepState, packet: StepPacket) -> None:
-        """The step was replayed after its packet was made: the packet takes the replay's full observation of every
-        site (and the parameter gradients in full) in place of what the step itself observed."""
-        entries = self.record.entries
-        self._observe_param_grads(Observe.FULL, state, entries)
-        if state.index % self.weight_every == 0:
-            for name, p in self.params:
-                sid = self.sites.param(name, "weight", p, state.index)
-                entries.append(Entry(sid, Phase.WEIGHT, [self.record.observe(p.detach(), Observe.FULL)]))
-        values, bases, bad = self.record.to_host(())
+    def rebuild(self, packet: StepPacket, record: StepRecord, reason: str) -> None:
+        """The step was replayed: its packet takes the replay's full observation of every site in place of what the
+        step itself observed (``record``: the replay's own, holding its parameter gradients too)."""
+        entries = record.entries
+        values, bases, bad = record.start_transfer(()).result()
         packet.values, packet.bases, packet.entries = values, bases, entries
-        packet.row.update(level=schema.LEVEL_HIST, reason=state.reason)
+        packet.row.update(level=schema.LEVEL_HIST, reason=reason)
         packet.store_hist = True
         packet.nonfinite = packet.nonfinite or bad
 
-    def stamp(self, packet: StepPacket, observer_time: float) -> None:
+    def stamp(self, row: dict, observer_time: float) -> None:
         """The step spans from the end of the previous step's boundary work to the end of this one's, so the steps'
         times add up to the run's; observer_time is ampdoctor's share of it on the training thread."""
         end = time.perf_counter()
-        packet.row["step_time"] = end - self.t_prev_end
-        packet.row["observer_time"] = observer_time
+        row["step_time"] = end - self.t_prev_end
+        row["observer_time"] = observer_time
         self.t_prev_end = end
-
-    def flush_pending(self) -> None:
-        p = self.pending
-        if p is None:
-            return
-        self.pending = None
-        if p.late_loss is not None:
-            v = p.late_loss
-            p.loss = float(v.item() if isinstance(v, torch.Tensor) else v)
-            p.late_loss = None
-            if not math.isfinite(p.loss) and not p.nonfinite:
-                p.nonfinite = True
-        self.put(p)
 
     def _observe_param_grads(self, observe: Observe, state: StepState, entries: list) -> None:
         """Peaks (or full statistics) of every parameter gradient, in parameter order."""

@@ -27,6 +27,13 @@ LOSS_SPIKE_FACTOR = 1.5
 LOSS_ALPHA = 0.05
 LOSS_WARMUP = 20
 
+# The overhead budget (attach(budget=...)): ampdoctor's share of the step time, measured over windows of this many
+# steps outside the flight recorder, stretches the sampled tiers by 2x while above the budget (at most STRETCH_MAX,
+# peaks every 640 steps at the defaults) and relaxes them by 2x while below a third of it. The sentinel, the
+# calibration steps and the flight recorder are never stretched: they are what catches a fault.
+BUDGET_WINDOW = 50
+STRETCH_MAX = 64
+
 # Why a step observed what it did (the steps table's ``reason``).
 REASONS = ("sentinel", "sampled", "calibration", "anomaly", "debug")
 
@@ -51,6 +58,7 @@ class Cadence:
         self._alarm = 0  # clean steps still to observe in full after the last anomaly
         self._norm_mean = None  # running mean of the gradient norm over clean steps
         self._norm_seen = 0
+        self.stretch = 1  # the sampled tiers' intervals are multiplied by this (the overhead budget)
         self._loss_mean = None  # running mean and variance of the loss over clean steps
         self._loss_var = 0.0
         self._loss_seen = 0
@@ -63,9 +71,11 @@ class Cadence:
             return Observe.FULL, "calibration", True
         if self._alarm:
             return Observe.FULL, "anomaly", True
-        if step % self.every == 0 or step % self.hist_every == 0:
-            return Observe.FULL, "sampled", step % self.hist_every == 0
-        if step % self.peak_every == 0:
+        k = self.stretch
+        every, hist_every = self.every * k, self.hist_every * k
+        if step % every == 0 or step % hist_every == 0:
+            return Observe.FULL, "sampled", step % hist_every == 0
+        if step % (self.peak_every * k) == 0:
             return Observe.PEAK, "sampled", False
         return Observe.NONE, "sentinel", False
 
@@ -120,3 +130,44 @@ class Cadence:
     @property
     def typical_norm(self) -> float | None:
         return self._norm_mean
+
+
+class Budget:
+    """Keeps ampdoctor's measured share of the step time (its observer_time over the step time) under ``share`` by
+    stretching the cadence's sampled tiers; ``update`` says when it changed them."""
+
+    def __init__(self, share: float, cadence: Cadence):
+        self.share = share
+        self.cadence = cadence
+        self._observer = 0.0
+        self._total = 0.0
+        self._steps = 0
+
+    def update(self, observer_time: float, step_time: float, reason: str) -> dict | None:
+        """One finished step's times; at the end of a window, the new cadence (a dict for the trace) or None."""
+        if reason in ("anomaly", "calibration", "replay", "debug"):
+            return None  # never stretched, so not what the budget steers
+        self._observer += observer_time
+        self._total += step_time
+        self._steps += 1
+        if self._steps < BUDGET_WINDOW or self._total <= 0:
+            return None
+        measured = self._observer / self._total
+        self._observer = self._total = 0.0
+        self._steps = 0
+        c = self.cadence
+        before = c.stretch
+        if measured > self.share and c.stretch < STRETCH_MAX:
+            c.stretch *= 2
+        elif measured < self.share / 3 and c.stretch > 1:
+            c.stretch //= 2
+        if c.stretch == before:
+            return None
+        return {
+            "share": measured,
+            "budget": self.share,
+            "stretch": c.stretch,
+            "peak_every": c.peak_every * c.stretch,
+            "every": c.every * c.stretch,
+            "hist_every": c.hist_every * c.stretch,
+        }

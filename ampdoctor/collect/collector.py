@@ -240,8 +240,8 @@ class Collector:
 
     # -- the loss ------------------------------------------------------------------------------------------------
     def log_loss(self, loss, pending=None) -> None:
-        """A loss of this step (summed over micro-batches). ``pending``: the finished step's packet, when the loss
-        comes after the step boundary (``optimizer.step()`` before the loss was logged) and before the next step."""
+        """A loss of this step (summed over micro-batches). ``pending``: the finished step (boundary.InFlight) a loss
+        logged after its boundary (``optimizer.step()`` before the loss was logged) and before the next step joins."""
         if isinstance(loss, torch.Tensor):
             if self.facts.loss_dtype is None:
                 self.facts.loss_dtype = buffers.dtype_name(loss.dtype)
@@ -254,7 +254,7 @@ class Collector:
         state = self.state
         if len(state.losses) >= MAX_STEP_LOSSES:  # a step without an end: keep one running sum
             state.losses = [buffers.sum_losses(state.losses)]
-        if state.t_first is None and pending is not None and pending.loss is None:
-            pending.late_loss = loss  # logged after the optimizer step ended the step
+        if state.t_first is None and pending is not None and not pending.has_loss:
+            pending.add_late_loss(loss)  # logged after the optimizer step ended the step
         else:
             state.losses.append(loss)

@@ -12,6 +12,7 @@ import torch
 from ..trace.vectors import EXTRAS_BLOCK, FULL_BLOCK, Entry, peak_block
 from . import buffers, stats
 from .options import Observe
+from .transfer import Ready, Transfer
 
 _NUMBERS = {float, int}
 
@@ -88,10 +89,10 @@ class StepRecord:
         self._seen[key] = (weakref.ref(t), t._version, ref)
         return ref
 
-    def to_host(self, grad_buffers=()) -> tuple[np.ndarray, dict, bool]:
+    def start_transfer(self, grad_buffers=()) -> HostCopy:
         """Everything the step computed, in one transfer: [peaks per buffer | full vectors | extras] as float64
-        (``grad_buffers``: the parameter gradients' slots of a peaks step). Also says whether any observed value
-        was NaN/Inf (a NaN min/max, or a full vector's NaN/Inf count)."""
+        (``grad_buffers``: the parameter gradients' slots of a peaks step). On the CPU the values are read now; on an
+        accelerator the copy is issued and read later (transfer.py)."""
         blocks, bases, n = [], {}, 0
         for buf in [*self._bufs.values(), *grad_buffers]:
             if buf.n:
@@ -101,8 +102,9 @@ class StepRecord:
         bases[FULL_BLOCK] = n
         bases[EXTRAS_BLOCK] = n + self._full_len
         extras = self._extras
+        n_fulls = len(self._fulls)
         if not blocks and not self._fulls and {type(e) for e in extras} <= _NUMBERS:
-            return np.array(extras, dtype=np.float64), bases, False  # a sentinel step on the CPU: floats only
+            return HostCopy(Ready(np.array(extras, dtype=np.float64)), bases, n, 0)  # a sentinel step on the CPU
         on_cpu = (
             all(stats.on_host(b) for b in blocks)
             and all(stats.on_host(f) for f in self._fulls)
@@ -114,23 +116,42 @@ class StepRecord:
                 + [f.numpy() for f in self._fulls]
                 + [np.array(extras, dtype=np.float64)]
             )
-        else:
-            dev = next(t.device for t in [*blocks, *self._fulls, *extras] if isinstance(t, torch.Tensor))
-            parts = [b.to(dev, torch.float64) for b in blocks] + [f.to(dev) for f in self._fulls]
-            if extras:
-                parts.append(
-                    torch.stack(
-                        [
-                            e.to(dev, torch.float64).reshape(())
-                            if isinstance(e, torch.Tensor)
-                            else torch.tensor(float(e), dtype=torch.float64, device=dev)
-                            for e in extras
-                        ]
-                    )
+            return HostCopy(Ready(values), bases, n, n_fulls)
+        dev = next(t.device for t in [*blocks, *self._fulls, *extras] if isinstance(t, torch.Tensor))
+        parts = [b.to(dev, torch.float64) for b in blocks] + [f.to(dev) for f in self._fulls]
+        if extras:
+            parts.append(
+                torch.stack(
+                    [
+                        e.to(dev, torch.float64).reshape(())
+                        if isinstance(e, torch.Tensor)
+                        else torch.tensor(float(e), dtype=torch.float64, device=dev)
+                        for e in extras
+                    ]
                 )
-            values = torch.cat(parts).cpu().numpy()  # cat copies: the peak buffers are reused next step
+            )
+        return HostCopy(Transfer(torch.cat(parts)), bases, n, n_fulls)  # cat copies: the buffers are reused
+
+
+class HostCopy:
+    """A step's values on their way to the host, with where each block starts."""
+
+    def __init__(self, copy: Transfer | Ready, bases: dict, n_peaks: int, n_fulls: int):
+        self.copy = copy
+        self.bases = bases
+        self._n_peaks = n_peaks
+        self._n_fulls = n_fulls
+
+    def ready(self) -> bool:
+        return self.copy.ready()
+
+    def result(self) -> tuple[np.ndarray, dict, bool]:
+        """(values, bases, whether any observed value was NaN/Inf: a NaN min/max, or a full vector's NaN/Inf
+        count)."""
+        values = self.copy.values()
+        n = self._n_peaks
         bad = not np.isfinite(values[:n]).all()
-        if self._fulls:
-            fulls = values[n : bases[EXTRAS_BLOCK]].reshape(-1, stats.FULL_LEN)
+        if self._n_fulls:
+            fulls = values[n : self.bases[EXTRAS_BLOCK]].reshape(-1, stats.FULL_LEN)
             bad = bad or bool(fulls[:, stats.HEAD + stats.KEY_INF :].any())
-        return values, bases, bad
+        return values, self.bases, bad

@@ -12,21 +12,25 @@ entry from training runs under ``guards.guarded`` (never break training)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
+import math
 import os
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterator
 
 import torch
 
 from ..trace.messages import EventKind, EventMsg, MetaMsg, MetricMsg
+from ..trace.vectors import FULL_BLOCK, Entry, Phase
 from ..trace.writer import Writer
 from . import guards, hooks, meta, stats
 from .anomaly import Capture, Replay, Replayer
-from .boundary import StepEnd, read_scale
-from .cadence import Cadence
+from .boundary import InFlight, StepEnd, read_scale
+from .cadence import Budget, Cadence
 from .collector import Collector
 from .guards import Guard, guarded
 from .live import LiveDiagnosis, TrainingHalted
@@ -37,6 +41,10 @@ from .sites import Sites
 from .state import RunFacts, StepState
 
 log = logging.getLogger("ampdoctor")
+
+# Finished steps whose values may still be on their way from an accelerator before the oldest is waited for: the
+# verdict (and the flight recorder, the replay) comes at most this many steps late.
+MAX_IN_FLIGHT = 2
 
 
 class Doctor:
@@ -84,6 +92,11 @@ class Doctor:
         self._warned = False
         self._halted = False
         self._handles = hooks.Handles()
+        self._inflight: deque[InFlight] = deque()  # finished steps not yet sent to the writer, oldest first
+        self._updates = 0  # optimizer updates applied so far
+        self._replay_target: StepState | None = None
+        self._capture: Capture | None = None
+        self._replayer: Replayer | None = None
         self._live: LiveDiagnosis | None = None
         self._export = None  # the exporters' thread (ampdoctor.export), with export=
         self._config_written = False
@@ -94,6 +107,7 @@ class Doctor:
             hist_every=options.hist_every,
             calibration=options.calibration,
         )
+        self._budget = Budget(options.budget, self._cadence) if options.budget is not None else None
         requested = self.path = meta.trace_path(trace)
         guards.ATTACHED.claim(self, [*model.modules(), *(o for o in (optimizer, scaler) if o is not None)])
         try:
@@ -157,8 +171,6 @@ class Doctor:
         if options.probe_every:
             self._probe = StepProbe(self._modules, self._sites, put, self.guard.fail, options.probe_every)
             self._collector.probe = self._probe
-        self._capture: Capture | None = None
-        self._replayer: Replayer | None = None
         if options.replay:
             self._capture = Capture(self._device)
             self._replayer = Replayer(
@@ -223,32 +235,35 @@ class Doctor:
                 pass
         guards.ATTACHED.release(self)
 
-    # -- the step boundary --------------------------------------------------------------------------------------------
+    # -- the step boundary ---------------------------------------------------------------------------------------
     def _begin(self, index: int) -> None:
-        """Step ``index`` starts: a new state as the cadence plans it, and an empty memory for the replay."""
+        """Step ``index`` starts: a new state as the cadence plans it."""
         observe, reason, store_hist = self._cadence.plan(index)
-        if self._capture is not None:
-            self._capture.clear()
-        self._collector.begin(StepState(index, observe, reason, store_hist))
+        self._collector.begin(StepState(index, observe, reason, store_hist, updates=self._updates))
 
     def _on_step_start(self) -> None:
-        self._end.flush_pending()
+        """The next step's first forward: no loss can join the finished steps any more; send those resolved."""
+        for flight in self._inflight:
+            flight.closed = True
+        self._resolve(wait=False)
+        self._send()
 
     @guarded
     def _on_opt_pre(self, optimizer, args, kwargs) -> None:
         state = self._collector.state
-        if self._replayer is not None and self._replayer.wanted():
+        if self._replayer is not None and state.replay is None and self._replayer.wanted(self._capture.calls):
             # Before the update the weights are still the step's own: a replay now is exact (at the step end an
             # applied step's weights have moved). Only when the sentinel's figures are on the host already.
             verdict = self._end.early_verdict(state)
             if verdict is not None and verdict.anomalous:
-                self._replay(state, verdict.kind, weights_changed=None)
+                self._replay(state, verdict.kind, self._capture.calls, self._capture.batch_ids, moved=None)
         if state.index % self.options.weight_every == 0:
             self._collector.keep_weights()
 
     def _on_opt_post(self, optimizer, args, kwargs) -> None:
         if self.guard.off:
             return
+        self._updates += 1
         self._collector.state.opt_stepped = True
         self._collector.record_updates()
         if self._boundary is Boundary.OPTIMIZER:
@@ -267,7 +282,7 @@ class Doctor:
     def _after_scale(self, outputs) -> None:
         t = outputs if isinstance(outputs, torch.Tensor) else hooks.first_tensor(outputs)
         if t is not None:
-            self._collector.log_loss(t, self._end.pending)
+            self._collector.log_loss(t, self._last_flight())
         state = self._collector.state
         if state.scale_before is None:
             state.scale_before = read_scale(self.scaler)
@@ -312,30 +327,90 @@ class Doctor:
             raise RuntimeError(f"trace writer failed: {self._writer.error}")
         t0 = time.perf_counter()
         state, facts = self._collector.state, self._facts
-        packet, verdict = self._end.close(state, skipped, facts.step_starts, facts.device)
-        if verdict.anomalous and state.replay is None and self._replayer is not None and self._replayer.wanted():
-            if state.opt_stepped:
-                moved = "the optimizer had applied the step before its anomaly was known"
-            elif self._boundary is Boundary.MANUAL:
-                moved = "the step ended at doctor.step(), after the loop's own optimizer step"
-            else:
-                moved = None  # the scaler skipped the step: the weights are the step's own
-            observed_itself = state.observe is Observe.FULL
-            if self._replay(state, verdict.kind, weights_changed=moved) is not None and not observed_itself:
-                self._end.rebuild(state, packet)
+        flight = self._end.close(state, skipped, facts.step_starts, facts.device)
+        if self._capture is not None:
+            flight.calls, flight.batch_ids = self._capture.take()
+        flight.updates = state.updates
+        self._inflight.append(flight)
+        # On the CPU the values are here: the verdict now. On an accelerator, whatever finished copying; more than
+        # MAX_IN_FLIGHT steps behind, the oldest is waited for (memory and lateness stay bounded).
+        self._resolve(wait=len(self._inflight) > MAX_IN_FLIGHT)
         if self._probe is not None:
             self._probe.end(state.index)
         if not self._config_written:
             config = meta.config(self.model, self.optimizer, self.scaler, self._scaler_on, facts, self._boundary.value)
             self._put(MetaMsg("config", config))
             self._config_written = True
-        # The flight recorder: an anomaly seen now gets every site in full from the next step on, until a run of
-        # clean steps (the tensors of this one are gone; what it observed, or "origin unknown", is recorded).
+        self._begin(state.index + 1)
+        self._end.stamp(flight.row, self.guard.take_time() + (time.perf_counter() - t0))
+        if self._budget is not None:
+            row = flight.row
+            change = self._budget.update(row["observer_time"], row["step_time"], row["reason"])
+            if change is not None:
+                message = (
+                    f"ampdoctor cost {change['share']:.1%} of the steps against a budget of {change['budget']:.1%}: "
+                    f"peaks every {change['peak_every']}, full statistics every {change['every']} steps from now on"
+                )
+                self._put(EventMsg(state.index, EventKind.CADENCE, None, None, message, change))
+
+    def _last_flight(self):
+        """The finished step a loss logged now belongs to (after ``optimizer.step()``, before the next forward)."""
+        return self._inflight[-1] if self._inflight and not self._inflight[-1].closed else None
+
+    def _resolve(self, wait: bool) -> None:
+        """Verdicts for the finished steps whose values reached the host, in step order (``wait``: the oldest is
+        waited for). A verdict arms the flight recorder and may replay its step."""
+        for flight in self._inflight:
+            if flight.packet is not None:
+                continue
+            if not flight.copy.ready() and not wait:
+                break
+            wait = False
+            flight.packet, flight.verdict = self._end.resolve(flight)
+            self._after_verdict(flight)
+
+    def _after_verdict(self, flight: InFlight) -> None:
+        state, verdict, packet = flight.state, flight.verdict, flight.packet
+        replayer = self._replayer
+        if verdict.anomalous and state.replay is None and replayer is not None and replayer.wanted(flight.calls):
+            if self._updates != flight.updates:
+                moved = "the optimizer had applied an update since the step started when its anomaly was known"
+            elif self._boundary is Boundary.MANUAL:
+                moved = "the step ended after the loop's own optimizer step (doctor.step())"
+            else:
+                moved = None  # the scaler skipped it, and every step since: the weights are the step's own
+            self._replay(state, verdict.kind, flight.calls, flight.batch_ids, moved=moved)
+        if state.replay_record is not None:
+            self._end.rebuild(packet, state.replay_record, "replay")
+            state.replay_record = None
+        flight.calls = None  # (its batch, RNG states and output gradients are let go)
+        # The flight recorder: an anomaly seen now gets every site in full from the next step it can still plan,
+        # until a run of clean steps.
         self._cadence.after(verdict.anomalous)
         if self._replayer is not None and not self._cadence.alarmed:
             self._replayer.clean_again()
-        self._begin(state.index + 1)
-        self._end.stamp(packet, self.guard.take_time() + (time.perf_counter() - t0))
+
+    def _drain(self) -> None:
+        """Every finished step to the writer, waiting for what is still on its way (close())."""
+        for flight in self._inflight:
+            flight.closed = True
+        while any(f.packet is None for f in self._inflight):
+            self._resolve(wait=True)
+        self._send(final=True)
+
+    def _send(self, final: bool = False) -> None:
+        """Finished steps to the writer, in order: resolved, closed to late losses, their late loss on the host."""
+        while self._inflight:
+            flight = self._inflight[0]
+            if flight.packet is None or not flight.closed or not (final or flight.late_loss_ready()):
+                break
+            self._inflight.popleft()
+            packet = flight.packet
+            late = flight.take_late_loss()
+            if late is not None:
+                packet.loss = late
+                packet.nonfinite = packet.nonfinite or not math.isfinite(late)
+            self._put(packet)
 
     # -- the anomaly replay -------------------------------------------------------------------------------------------
     @guarded
@@ -353,41 +428,52 @@ class Doctor:
 
     @contextlib.contextmanager
     def _observing(self, full: bool) -> Iterator[None]:
-        """During a replay pass: every site observed in full into the step's record (``full``), or nothing. A full
-        observation stays the step's (its packet is made from it); a failed one leaves the step as it was."""
-        state, record = self._collector.state, self._record
-        saved = (state.observe, state.reason, state.store_hist)
-        if full:
-            record.drop_observations()
-            state.observe, state.reason, state.store_hist = Observe.FULL, "replay", True
-        else:
-            state.observe = Observe.NONE
-        self._collector.sync_hooks()
-        done = False
+        """During a replay pass: every site observed in full (``full``) into a record of the replay's own, or
+        nothing. The collector's current step is set aside meanwhile and put back, whatever happens."""
+        collector = self._collector
+        saved = (collector.state, collector.record)
+        target = self._replay_target
+        record = StepRecord()
+        observe = Observe.FULL if full else Observe.NONE
+        collector.state = dataclasses.replace(
+            target, observe=observe, reason="replay", store_hist=True, first_backward=False, look_at_autocast=False
+        )
+        collector.record = record
+        collector.sync_hooks()
         try:
             yield
-            done = True
+            if full:
+                target.replay_record = record
         finally:
-            if not full or not done:
-                state.observe, state.reason, state.store_hist = saved
-            if full and not done:
-                record.drop_observations()
-            self._collector.sync_hooks()
+            collector.state, collector.record = saved
+            collector.sync_hooks()
 
-    def _replay(self, state: StepState, why: str, *, weights_changed: str | None) -> Replay | None:
+    def _replay(self, state: StepState, why: str, calls: list, batch_ids: list, *, moved: str | None) -> Replay | None:
         """Replay the step, record what it found; a replay that fails is recorded as such and training goes on."""
         scale = state.scale_before
-        scale = float(scale) if scale is not None else None
+        scale = float(scale) if scale is not None else None  # (a device value: read on an anomalous step only)
+        full = state.observe is Observe.FULL  # it observed its sites itself
+        self._replay_target = state
         try:
-            full = state.observe is Observe.FULL and state.reason != "replay"  # it observed its sites itself
             result = self._replayer.run(
-                state.index, why, weights_changed=weights_changed, scale=scale, observe_sites=not full
+                state.index,
+                why,
+                calls,
+                batch_ids=batch_ids,
+                weights_changed=moved,
+                scale=scale,
+                observe_sites=not full,
             )
         except Exception as exc:
+            state.replay_record = None
             message = f"the replay of step {state.index} failed ({type(exc).__name__}: {exc})"
             self._put(EventMsg(state.index, EventKind.REPLAY, None, None, message, {"failed": str(exc)[:500]}))
             return None
+        finally:
+            self._replay_target = None
         state.replay = result
+        if state.replay_record is not None:
+            self._observe_replay_grads(state, state.replay_record, scale)
         self._put(EventMsg(state.index, EventKind.REPLAY, None, None, _replay_line(result), result.to_dict()))
         op = result.operation
         if op is not None:
@@ -401,12 +487,22 @@ class Doctor:
             )
         return result
 
+    def _observe_replay_grads(self, state: StepState, record: StepRecord, scale: float | None) -> None:
+        """The replayed parameter gradients into the replay's record, unscaled as the step's .grad was."""
+        inv = 1.0 / scale if self._scaler_on and scale else 1.0
+        for (name, _), g in zip(self._params, self._replayer.grads):
+            if g is None:
+                continue
+            g = g * inv if inv != 1.0 else g
+            sid = self._sites.param(name, "param_grad", g, state.index)
+            record.entries.append(Entry(sid, Phase.PARAM, [(record.add_full(stats.full(g)), FULL_BLOCK, g.numel())]))
+
     # -- public API ---------------------------------------------------------------------------------------------------
     @guarded
     def log_loss(self, loss) -> None:
         """The training loss of this step (tensor or float); summed over the step's micro-batches. Not needed with
         a GradScaler (``scaler.scale(loss)`` is read)."""
-        self._collector.log_loss(loss, self._end.pending)
+        self._collector.log_loss(loss, self._last_flight())
 
     def log_metric(self, name: str, value, step: int | None = None) -> None:
         """Any scalar, e.g. a validation metric; ``step`` defaults to the last completed step. A value that is not
@@ -549,7 +645,7 @@ class Doctor:
             self._live.stop()
         if self._writer is not None:
             try:
-                self._end.flush_pending()
+                self._drain()
             except Exception:
                 pass
             try:

@@ -30,7 +30,9 @@ class StepState:
     weights_before: list | None = None  # copies of the weights before the optimizer step (update steps only)
     figures: tuple | None = None  # the sentinel's (gradient norm, largest gradient), once computed
     spikes: tuple | None = None  # (gradient-norm spike, loss spike), once judged (the running means move once)
+    updates: int = 0  # optimizer updates applied before this step started (its replay is exact while unchanged)
     replay: Any = None  # the anomaly replay of this step, when one ran
+    replay_record: Any = None  # the replay's full observation of every site (a StepRecord), when it observed
 
 
 @dataclass
