@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from . import (
+    anomaly,
     convergence,
     divergence,
     dynamics,
@@ -26,6 +27,8 @@ RULES = {
         Rule("divergence", divergence.divergence, "the optimisation blew up (learning rate), not the loss scale"),
         Rule("init-scale-too-high", scaling.init_scale_too_high, "NaN/skipped steps early: the initial loss scale"),
         Rule("forward-overflow", overflow.forward_overflow, "a module produced Inf/NaN in the forward pass"),
+        Rule("outlier-batch", anomaly.outlier_batch, "one batch far beyond the usual inputs made a NaN/Inf or a spike"),
+        Rule("loss-spike", anomaly.loss_spike, "a finite loss or gradient-norm spike: the layers that jumped, and why"),
         Rule("loss-scale-collapse", scaling.loss_scale_collapse, "the loss scale falls without recovery"),
         Rule("grad-underflow", underflow.grad_underflow, "gradients lost to FP16 underflow"),
         Rule("weights-nonfinite", weights.weights_nonfinite, "the optimizer step turned weights NaN/Inf"),
