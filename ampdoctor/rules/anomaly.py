@@ -286,6 +286,35 @@ def _clip_fix(run, step: int) -> list:
     ]
 
 
+def healed(run):
+    """heal=True kept modules in FP32 during the run: each intervention, and the line that makes it permanent."""
+    ev = run.trace.events("heal")
+    found = []
+    for _, row in ev.iterrows():
+        data = row["data"] if isinstance(row["data"], dict) else {}
+        path = data.get("module")
+        if not path:
+            continue
+        step = int(row["step"])
+        confirmed = sorted(
+            r["step"] for r in replays(run) if any(c.get("modules") == [path] and c.get("finite") for c in r["checks"])
+        )
+        found.append(
+            finding(
+                "info",
+                f"{path} was kept in FP32 from step {step + 1} on (heal=True)",
+                f"ampdoctor kept {path} in FP32 from step {step + 1} to the end of the run: the replays of steps "
+                f"{', '.join(map(str, confirmed))} showed its forward overflow gone with that change. The run's later "
+                "steps ran with it; a new run does not, unless you keep it:",
+                layers=[path],
+                steps=[step + 1, run.n_steps - 1],
+                evidence={"module": path, "from_step": step + 1, "confirmed_on": confirmed},
+                fix=[code(A.keep_fp32_line([path]))],
+            )
+        )
+    return found
+
+
 def on_cuda_in_fp32(op: dict | None) -> bool:
     """Whether CUDA autocast would compute this operation in FP32 (a fault of its half-precision output seen on the
     CPU would not happen there)."""

@@ -29,6 +29,7 @@ RULES = {
         Rule("forward-overflow", overflow.forward_overflow, "a module produced Inf/NaN in the forward pass"),
         Rule("outlier-batch", anomaly.outlier_batch, "one batch far beyond the usual inputs made a NaN/Inf or a spike"),
         Rule("loss-spike", anomaly.loss_spike, "a finite loss or gradient-norm spike: the layers that jumped, and why"),
+        Rule("healed", anomaly.healed, "heal=True kept a module in FP32 during the run"),
         Rule("loss-scale-collapse", scaling.loss_scale_collapse, "the loss scale falls without recovery"),
         Rule("grad-underflow", underflow.grad_underflow, "gradients lost to FP16 underflow"),
         Rule("weights-nonfinite", weights.weights_nonfinite, "the optimizer step turned weights NaN/Inf"),
