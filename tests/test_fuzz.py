@@ -317,3 +317,168 @@ def test_in_a_real_process_with_memory_limited(tmp_path, base, sql, message):
     assert out.returncode == 0 and out.stdout.split() == ["[2,", "2,", "2,", "2,", "2]"], out.stderr[-2000:]
     lines = out.stderr.splitlines()
     assert len(lines) == 5 and all(line.startswith("ampdoctor") and message in line for line in lines), lines
+
+
+# -- values of the right type, out of range: the reader accepts or refuses them, no command raises --------------------
+INF, NAN = float("inf"), float("nan")
+SQL_NUMBERS = [  # SQL literals of numbers a column of numbers takes; 9e999 is SQLite's +Inf
+    "0",
+    "-1",
+    "-0.0",
+    "0.5",
+    "1e308",
+    "-1e308",
+    "5e-324",
+    "1e-300",
+    "9007199254740993",
+    "4611686018427387904",
+    "9223372036854775807",
+    "-9223372036854775808",
+    "9e999",
+    "-9e999",
+    "NULL",
+    "'nan'",
+    "'inf'",
+    "'-inf'",
+]
+SQL_INTEGERS = ["0", "-1", "1", "2147483648", "9007199254740993", "9223372036854775807", "-9223372036854775808"]
+SQL_TEXTS = [
+    "''",
+    "'x'",
+    "NULL",
+    "'(model)'",
+    "'float8_e4m3fn'",
+    "'bogus'",
+    "'[]'",
+    "'[-1]'",
+    "'[1e308]'",
+    "'['",
+    "'" + "a" * 5000 + "'",
+    "'0x0'",
+]
+PY_NUMBERS = [0, -1, 0.5, 2, 1e300, -1e308, 5e-324, INF, -INF, NAN, 2**63 - 1, -(2**63), 10**15, 10**30]
+PY_INTEGERS = [0, -1, 1, 2**31, 10**15, 2**63 - 1, -(2**63), 10**30]
+COLUMN_VALUES = {  # table -> {column: SQL literals}
+    "steps": {c: SQL_NUMBERS for c in NUMERIC["steps"] + ["grad_max", "observer_time"]}
+    | {
+        "lr": ["'[]'", "'[1e308]'", "'[-1]'", "'[0]'", "'[null]'", "'[1, 1e308, -1e308]'", "NULL"],
+        "reason": ["''", "NULL", "'bogus'", "'" + "r" * 5000 + "'"],
+    },
+    "stats": {c: [v for v in SQL_NUMBERS if v[0] != "'"] for c in NUMERIC["stats"]},
+    "metrics": {
+        "value": SQL_NUMBERS,
+        "time": [v for v in SQL_NUMBERS if v[0] != "'"],
+        "step": ["NULL", "0", "9223372036854775807"],
+        "name": ["''", "'x'", "'" + "m" * 5000 + "'"],
+    },
+    "sites": {
+        "module_type": SQL_TEXTS,
+        "dtype": SQL_TEXTS,
+        "shape": SQL_TEXTS,
+        "path": SQL_TEXTS[:2] + SQL_TEXTS[3:],
+        "module": SQL_TEXTS[:2] + SQL_TEXTS[3:],
+        "first_step": ["NULL", "-1", "0", "9223372036854775807"],
+    },
+    "events": {
+        "step": ["NULL", "0", "9223372036854775807"],
+        "site": ["NULL", "0"],
+        "phase": SQL_TEXTS,
+        "message": SQL_TEXTS,
+        "kind": ["'nonfinite'", "'nonfinite_unknown'", "'nonfinite_weights'", "'probe'", "''", "'bogus'"],
+        "data": [
+            "NULL",
+            "'{}'",
+            '\'{"value": ""}\'',
+            "'{\"after\": -1}'",
+            "'{\"after\": 9223372036854775807}'",
+            "'{\"count\": -1}'",
+            "'{\"count\": 0}'",
+            "'{\"count\": 9223372036854775807}'",
+            "'{\"params\": []}'",
+            "'{\"skipped\": 5}'",
+            '\'{"value": "-inf", "after": 0, "count": 2, "params": [""]}\'',
+        ],
+    },
+    "hists": {
+        "counts": ["zeroblob(2040)", "x'" + "ffffffffffffff3f" * 255 + "'", "x'0100000000000000'"],
+        "lo": ["-127", "127"],
+    },
+    "peaks": {
+        "data": [
+            "x''",
+            "x'0000807f'",
+            "x'0000c07f'",
+            "x'000080ff'",
+            "x'000080bf'",
+            "x'ffff7f7f'",
+            "x'01000000'",
+            "zeroblob(4000)",
+            "x'" + "0000807f" * 64 + "'",
+        ]
+    },
+}
+META_VALUES = {  # meta key -> {JSON path: Python values of the right type}
+    "run": {
+        "every": PY_INTEGERS,
+        "hist_every": PY_INTEGERS,
+        "weight_every": PY_INTEGERS,
+        "peak_every": PY_INTEGERS,
+        "rank": PY_INTEGERS,
+        "world_size": PY_INTEGERS,
+        "params": PY_INTEGERS,
+        "pid": PY_INTEGERS,
+        "threads": PY_INTEGERS,
+        "cpu_count": PY_INTEGERS + [None],
+        "calibration": PY_INTEGERS,
+        "started": PY_NUMBERS,
+        "capability": [[], [-1], [10**18, 0], [9, 0, 1]],
+        "model": ["", "x" * 5000],
+        "device": ["", "cuda:99", "meta"],
+        "mode": ["", "bogus", "debug"],
+        "device_name": [""],
+        "run_id": ["", None, 5],
+    },
+    "config": {
+        "scaler.growth_interval": [0, -1, 1, INF, NAN, 1e300, 0.5, 2**63 - 1, 10**30],
+        "scaler.growth_factor": [0.5, 1, 0, -2, INF, NAN, 1e300, 5e-324],
+        "scaler.backoff_factor": [2, 1, 0, -0.5, NAN, INF, 5e-324],
+        "scaler.init_scale": [INF, NAN, 0, -1, 5e-324, 1e300, 2**63 - 1],
+        "scaler.enabled": [False],
+        "scaler.class": ["", "ShardedGradScaler"],
+        "autocast.dtype": ["", "float8_e4m3fn", "bfloat16", "float64", None],
+        "autocast.device_type": ["", "xla", None],
+        "autocast.enabled": [False, True],
+        "param_dtypes": [{}, {"float16": -1}, {"float16": 10**30}, {"": 1}, {"bogus": 0}],
+        "module_param_dtypes": [{}, {"0": "bogus"}, {"": "float16"}],
+        "loss_dtype": ["", "float64", "int64", None],
+        "boundary": ["", "bogus"],
+        "optimizer.groups": [[], [{}], [{"lr": INF}], [{"lr": NAN}], [{"lr": -1}], [{"lr": 1e308}]],
+        "optimizer.class": [""],
+    },
+    "closed": {"steps": PY_INTEGERS, "time": PY_NUMBERS},
+}
+
+
+def out_of_range(c: sqlite3.Connection, rng: random.Random) -> str:
+    """Set one value to something of its column's type but out of its range; returns what it did."""
+    if rng.random() < 0.3:
+        key = rng.choice(list(META_VALUES))
+        path = rng.choice(list(META_VALUES[key]))
+        value = rng.choice(META_VALUES[key][path])
+        doc = json.loads(c.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()[0])
+        *parents, leaf = path.split(".")
+        node = doc
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+        c.execute("UPDATE meta SET value = ? WHERE key = ?", (json.dumps(doc), key))
+        return f"meta {key}.{path} = {json.dumps(value)[:40]}"
+    table = rng.choice(list(COLUMN_VALUES))
+    col = rng.choice(list(COLUMN_VALUES[table]))
+    value = rng.choice(COLUMN_VALUES[table][col])
+    where = _where(c, table, rng) if rng.random() < 0.7 else "1"  # one row, or every row
+    try:
+        c.execute(f"UPDATE {table} SET {col} = {value} WHERE {where}")
+    except sqlite3.IntegrityError:  # two sites of one path and kind: the format's own key refuses it
+        return out_of_range(c, rng)
+    return f"{table}.{col} = {value[:40]}" + (" (every row)" if where == "1" else "")

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
 
 from ..rules import diagnose
 from ..rules.registry import RULES
 from ..severity import SEVERITIES, at_least
-from .common import EXIT_FINDINGS, EXIT_OK, UsageError, evidence
+from ..trace.checks import invalid_settings_note
+from ..trace.run import RankRun, load
+from .common import EXIT_FINDINGS, EXIT_OK, UsageError, evidence, printable
 
 
 def add_arguments(parser) -> None:
@@ -33,7 +36,12 @@ def run(args) -> int:
     unknown = [r for r in args.disable if r not in RULES]
     if unknown:
         raise UsageError(f"ampdoctor diagnose: unknown rule id {unknown[0]!r}; known: {', '.join(RULES)}")
-    findings = diagnose(args.trace, reference=args.reference, rules={r: None for r in args.disable})
+    tr = load(args.trace)  # a file's Trace, or a directory's or glob's RankRun
+    for t in tr if isinstance(tr, RankRun) else [tr]:
+        note = invalid_settings_note(t.config)
+        if note:
+            print(printable(f"ampdoctor diagnose: note: {t.path}: {note}"), file=sys.stderr)
+    findings = diagnose(tr, reference=args.reference, rules={r: None for r in args.disable})
     if args.json:
         print(json.dumps([d.to_dict() for d in findings], indent=2))
     else:

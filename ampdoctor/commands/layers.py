@@ -35,7 +35,7 @@ def run(args) -> int:
         raise UsageError(f"{args.trace}: no step with full statistics yet")
     step = int(full[-1]) if args.step is None else args.step
     if step not in set(full.tolist()):
-        near = full[np.argmin(np.abs(full - step))]
+        near = min(full.tolist(), key=lambda s: abs(s - step))  # Python ints: --step may exceed an int64
         raise UsageError(
             f"step {step} has no full statistics; nearest full step: {near} "
             f"(full statistics every {tr.meta.get('run', {}).get('every', '?')} steps and at anomalies)"
@@ -64,7 +64,7 @@ def run(args) -> int:
             {
                 "order": j,
                 "path": site.path,
-                "type": site.module_type or "",
+                "type": site.module_type if isinstance(site.module_type, str) else "",  # NULL: pandas' NaN
                 "dtype": site.dtype,
                 **{f: cols[f][j] for f in fields},
                 "fp16_under": (cols["fp16_sub"][j] + cols["fp16_flush"][j]) / n if n else 0.0,

@@ -15,6 +15,8 @@ from ..trace import load
 from ..trace.run import is_multi, load_run
 from .common import EXIT_OK, UsageError
 
+MIN_POLL_S, MAX_POLL_S = 0.1, 86400.0  # below 0.1 s the page does little but poll; a day is "never"
+
 
 def add_arguments(parser) -> None:
     parser.add_argument(
@@ -62,8 +64,8 @@ def check(args):
         load(args.reference).close()
     if not 0 < args.port < 65536:
         raise UsageError(f"ampdoctor serve: --port {args.port}: not a port number")
-    if args.poll <= 0:
-        raise UsageError(f"ampdoctor serve: --poll {args.poll}: must be positive")
+    if not MIN_POLL_S <= args.poll <= MAX_POLL_S:  # NaN too
+        raise UsageError(f"ampdoctor serve: --poll {args.poll}: must be {MIN_POLL_S} to {MAX_POLL_S:g} seconds")
     for name in args.allow_host:
         if name.strip() != hosts.ANY and hosts.hostname(name) is None:
             raise UsageError(f"ampdoctor serve: --allow-host {name}: not a host name")
