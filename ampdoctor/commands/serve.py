@@ -73,6 +73,7 @@ def check(args):
 
 def run(args) -> int:
     check(args)
+    from ..dashboards import server
     from ..dashboards.app import create_app
 
     app = create_app(
@@ -82,6 +83,10 @@ def run(args) -> int:
         files=getattr(args, "files", None),
         host_policy=hosts.for_bind(args.host, tuple(args.allow_host)),
     )
+    try:
+        httpd = server.make_server(app, args.host, args.port)  # limits: dashboards/server.py
+    except server.ListenError as exc:
+        raise UsageError(f"ampdoctor serve: {exc}") from None
     if os.path.isdir(args.path) and not app.ampdoctor.runs():
         print(f"ampdoctor serve: no traces under {args.path} yet; they appear as training writes them", file=sys.stderr)
     if not is_loopback(args.host):
@@ -92,7 +97,10 @@ def run(args) -> int:
             file=sys.stderr,
         )
     shown = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"ampdoctor dashboard on http://{shown}:{args.port}/  (Ctrl+C to stop)", file=sys.stderr)
+    print(f"ampdoctor dashboard on http://{shown}:{httpd.port}/  (Ctrl+C to stop)", file=sys.stderr)
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per poll request
-    app.run(host=args.host, port=args.port, debug=False, use_reloader=False)
+    try:
+        httpd.serve_forever()
+    finally:
+        httpd.server_close()
     return EXIT_OK

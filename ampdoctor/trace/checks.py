@@ -35,19 +35,21 @@ INTEGER = "typeof({c}) = 'integer'"
 INTEGER_OR_NULL = "typeof({c}) IN ('integer', 'null')"
 TEXT = "typeof({c}) = 'text'"
 TEXT_OR_NULL = "typeof({c}) IN ('text', 'null')"
-# ranges: what the columns mean allows (a NaN is NULL or the writer's 'nan'; +Inf is 9e999 or 'inf')
-_NAN_OR = "({c} IS NULL OR {c} = 'nan' OR "
-FLAG = "({c} IS NULL OR {c} IN (0, 1))"
-LEVELS = (schema.LEVEL_SENTINEL, schema.LEVEL_PEAK, schema.LEVEL_FULL, schema.LEVEL_HIST)
-LEVEL = f"({{c}} IS NULL OR {{c}} IN ({', '.join(str(v) for v in LEVELS)}))"
-COUNT = "({c} IS NULL OR (typeof({c}) = 'integer' AND {c} >= 0))"
-WHOLE = "({c} IS NULL OR ({c} >= 0 AND {c} = CAST({c} AS INTEGER)))"  # an exact count stored as REAL
+# Types and ranges at once (one condition per column: the checks read every row). In SQLite a number compares
+# below any text or blob, so `x BETWEEN 0 AND 9e999` holds for numbers >= 0 only (9e999 is +Inf). A NaN is NULL or
+# the writer's 'nan'; +Inf is 9e999 or the writer's 'inf'.
 MAX_SECONDS = 1e9  # 31 years: no duration measured in a run is longer
 DURATIONS = ("step_time", "data_time", "observer_time")
+LEVELS = (schema.LEVEL_SENTINEL, schema.LEVEL_PEAK, schema.LEVEL_FULL, schema.LEVEL_HIST)
 STATS_COUNTS = tuple(f for f in schema.STATS_FIELDS if f not in ("absmax", "minabs", "mean", "rms"))
-DURATION = _NAN_OR + f"(typeof({{c}}) IN ('integer', 'real') AND {{c}} BETWEEN 0 AND {MAX_SECONDS:.0e}))"
-FINITE = _NAN_OR + "(typeof({c}) IN ('integer', 'real') AND abs({c}) <= 1.7976931348623157e308))"
-NON_NEGATIVE = "({c} IS NULL OR {c} IN ('nan', 'inf') OR (typeof({c}) IN ('integer', 'real') AND {c} >= 0))"
+FLAG = "({c} IN (0, 1) OR {c} IS NULL)"
+LEVEL = f"({{c}} IN ({', '.join(str(v) for v in LEVELS)}) OR {{c}} IS NULL)"
+COUNT = "((typeof({c}) = 'integer' AND {c} >= 0) OR {c} IS NULL)"
+WHOLE = "(({c} BETWEEN 0 AND 9e999 AND {c} = CAST({c} AS INTEGER)) OR {c} IS NULL)"  # an exact count as REAL
+DURATION = f"({{c}} BETWEEN 0 AND {MAX_SECONDS:.0e} OR {{c}} IS NULL OR {{c}} = 'nan')"
+FINITE = "({c} BETWEEN -1.7976931348623157e308 AND 1.7976931348623157e308 OR {c} IS NULL OR {c} = 'nan')"
+NON_NEGATIVE = "({c} BETWEEN 0 AND 9e999 OR {c} IS NULL OR {c} IN ('nan', 'inf'))"
+NON_NEGATIVE_NUMBER = "({c} BETWEEN 0 AND 9e999 OR {c} IS NULL)"
 JSON_NUMBERS = (
     "({c} IS NULL OR (typeof({c}) = 'text' AND json_valid({c}) AND json_type({c}) = 'array' AND NOT EXISTS "
     "(SELECT 1 FROM json_each({c}) WHERE type NOT IN ('integer', 'real', 'null'))))"
@@ -61,6 +63,19 @@ JSON_EVENT = (
     " AND coalesce(" + _TYPE.format(key="params") + ", 'array') = 'array'"
     " AND NOT EXISTS (SELECT 1 FROM json_each({c}, '$.params') WHERE type != 'text')))"
 )
+
+STEP_COLUMNS = {  # steps column -> (condition, what is wrong otherwise); any other column: NUMBER_OR_NAN
+    "lr": (JSON_NUMBERS, "not a JSON list of numbers"),
+    "reason": (TEXT_OR_NULL, "not text"),
+    "skipped": (FLAG, "not 0 or 1"),
+    "nonfinite": (FLAG, "not 0 or 1"),
+    "level": (LEVEL, f"not a level ({', '.join(map(str, LEVELS))})"),
+    **{c: (COUNT, "not a whole number >= 0") for c in ("samples", "microbatches", "peak_mem")},
+    **{c: (DURATION, f"not a duration (0 to {MAX_SECONDS:.0e} s)") for c in DURATIONS},
+    "time": (FINITE, "not a finite time"),
+    **{c: (NON_NEGATIVE, "not a number >= 0") for c in ("samples_per_s", "loss_scale", "loss_scale_next")},
+    **{c: (NON_NEGATIVE, "not a number >= 0") for c in ("grad_norm", "grad_max")},
+}
 
 
 def _rules(n_sites: int, n_steps: int) -> dict:
@@ -82,15 +97,9 @@ def _rules(n_sites: int, n_steps: int) -> dict:
             ("shape", TEXT_OR_NULL, "not text"),
             ("first_step", COUNT, "not a step"),
         ],
-        "steps": [(c, NUMBER_OR_NAN, "not a number") for c in schema.STEP_FIELDS if c not in ("step", "lr", "reason")]
-        + [("lr", JSON_NUMBERS, "not a JSON list of numbers"), ("reason", TEXT_OR_NULL, "not text")]
-        + [(c, FLAG, "not 0 or 1") for c in ("skipped", "nonfinite")]
-        + [("level", LEVEL, "not a level (-1, 0, 1, 2)")]
-        + [(c, COUNT, "not a whole number >= 0") for c in ("samples", "microbatches", "peak_mem")]
-        + [(c, DURATION, f"not a duration (0 to {MAX_SECONDS:.0e} s)") for c in DURATIONS]
-        + [("time", FINITE, "not a finite time")]
-        + [(c, NON_NEGATIVE, "negative") for c in ("samples_per_s", "loss_scale", "loss_scale_next")]
-        + [(c, NON_NEGATIVE, "negative") for c in ("grad_norm", "grad_max")],
+        "steps": [
+            (c, *(STEP_COLUMNS.get(c) or (NUMBER_OR_NAN, "not a number"))) for c in schema.STEP_FIELDS if c != "step"
+        ],
         "peaks": [
             ("step", recorded, "not a recorded step"),
             ("data", "typeof(data) = 'blob' AND length(data) % 4 = 0", "not float32 values"),
@@ -98,9 +107,9 @@ def _rules(n_sites: int, n_steps: int) -> dict:
         "stats": [
             ("step", recorded, "not a recorded step"),
             ("site", site, "not a site id"),
-            *[(c, NUMBER, "not a number") for c in ("scale", "calls") + schema.STATS_FIELDS],
-            *[(c, WHOLE, "not a whole number >= 0") for c in ("calls",) + STATS_COUNTS],
-            *[(c, NON_NEGATIVE, "negative") for c in ("scale", "absmax", "minabs", "rms")],
+            *[(c, WHOLE, "not a whole number >= 0") for c in ("calls", *STATS_COUNTS)],
+            *[(c, NON_NEGATIVE_NUMBER, "not a number >= 0") for c in ("scale", "absmax", "minabs", "rms")],
+            ("mean", NUMBER, "not a number"),
         ],
         "hists": [
             ("step", recorded, "not a recorded step"),
@@ -132,8 +141,7 @@ def _rules(n_sites: int, n_steps: int) -> dict:
             ("site", site, "not a site id"),
             *[(c, COUNT, "not a whole number >= 0") for c in ("calls", "k", "numel")],
             ("dtype", TEXT_OR_NULL, "not text"),
-            *[(c, NUMBER_OR_NAN, "not a number") for c in schema.PROBE_FIELDS],
-            *[(c, NON_NEGATIVE, "negative") for c in schema.PROBE_FIELDS],
+            *[(c, NON_NEGATIVE, "not a number >= 0") for c in schema.PROBE_FIELDS],
         ],
     }
 
