@@ -23,12 +23,20 @@ import sqlite3
 import threading
 import time
 import weakref
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING, Any, Union
 
+from flask import Response
 from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
+
+if TYPE_CHECKING:
+    import dash
+    from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
 
 from ampdoctor.trace import Trace, load
 
+_Request = Union[socket.socket, tuple[bytes, socket.socket]]  # what socketserver hands a handler
 MAX_BODY = 8 * 2**20  # bytes of a request body: a callback's inputs and state are kilobytes
 SOCKET_TIMEOUT_S = 20.0  # seconds a connection may stay silent while the server reads from it
 MAX_CONNECTIONS = 64  # connections served at once (each is a thread)
@@ -38,7 +46,7 @@ _PROGRESS_OPS = 10_000  # SQLite virtual-machine steps between two looks at the 
 
 
 # -- response headers ------------------------------------------------------------------------------------------------
-def content_security_policy(script_hashes: list[str]) -> str:
+def content_security_policy(script_hashes: Sequence[str]) -> str:
     """The pages' CSP: scripts, requests, fonts and images from this server only, the inline script Dash writes
     allowed by its hash; inline styles allowed (Dash's and plotly's components set them); framed by nobody."""
     return "; ".join(
@@ -57,7 +65,7 @@ def content_security_policy(script_hashes: list[str]) -> str:
     )
 
 
-def harden(app, max_body: int = MAX_BODY) -> None:
+def harden(app: dash.Dash, max_body: int = MAX_BODY) -> None:
     """Bound ``app``'s request bodies and add the security headers to every response (a dash.Dash app)."""
     headers = {
         "X-Frame-Options": "DENY",
@@ -69,7 +77,7 @@ def harden(app, max_body: int = MAX_BODY) -> None:
     app.server.wsgi_app = _ChunkedBodyLimit(app.server.wsgi_app, max_body, headers)
 
     @app.server.after_request
-    def _headers(response):
+    def _headers(response: Response) -> Response:
         for name, value in headers.items():
             response.headers.setdefault(name, value)
         return response
@@ -80,10 +88,10 @@ class _ChunkedBodyLimit:
     with its length; one longer is answered 413. (Flask's limit alone would cut it at ``max_body`` bytes and hand
     on the truncated JSON.)"""
 
-    def __init__(self, app, max_body: int, headers: dict):
+    def __init__(self, app: WSGIApplication, max_body: int, headers: dict):
         self.app, self.max_body, self.headers = app, max_body, headers
 
-    def __call__(self, environ: dict, start_response):
+    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         chunked = "chunked" in environ.get("HTTP_TRANSFER_ENCODING", "").lower()
         if chunked and not environ.get("CONTENT_LENGTH"):
             body = _read_at_most(environ["wsgi.input"], self.max_body + 1)
@@ -98,7 +106,7 @@ class _ChunkedBodyLimit:
         return self.app(environ, start_response)
 
 
-def _read_at_most(stream, n: int) -> bytes:
+def _read_at_most(stream: IO[bytes], n: int) -> bytes:
     out = bytearray()
     while len(out) < n:
         data = stream.read(min(n - len(out), 2**16))
@@ -126,7 +134,9 @@ class BoundedServer(ThreadedWSGIServer):
     """werkzeug's threaded server with at most ``max_connections`` connections (threads) at once; one more is
     answered 503 and closed without a thread."""
 
-    def __init__(self, host: str, port: int, app, max_connections: int = MAX_CONNECTIONS, timeout_s: float = 0):
+    def __init__(
+        self, host: str, port: int, app: WSGIApplication, max_connections: int = MAX_CONNECTIONS, timeout_s: float = 0
+    ):
         handler = type("Handler", (_Handler,), {"timeout": timeout_s or SOCKET_TIMEOUT_S})
         self._slots = threading.BoundedSemaphore(max_connections)
         super().__init__(host, port, app, handler)
@@ -143,7 +153,7 @@ class BoundedServer(ThreadedWSGIServer):
         except OSError as exc:
             raise ListenError(f"cannot listen on {self.host}:{self.port} ({exc.strerror or exc})") from None
 
-    def process_request(self, request, client_address) -> None:
+    def process_request(self, request: _Request, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
             _refuse(request)
             self.shutdown_request(request)
@@ -154,14 +164,16 @@ class BoundedServer(ThreadedWSGIServer):
             self._slots.release()
             raise
 
-    def process_request_thread(self, request, client_address) -> None:
+    def process_request_thread(self, request: _Request, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
             self._slots.release()
 
 
-def _refuse(request: socket.socket) -> None:
+def _refuse(request: _Request) -> None:
+    if not isinstance(request, socket.socket):
+        return
     body = b"ampdoctor: too many connections at once; try again\n"
     try:
         request.settimeout(1.0)
@@ -173,9 +185,12 @@ def _refuse(request: socket.socket) -> None:
         pass
 
 
-def make_server(app, host: str, port: int, **limits) -> BoundedServer:
-    """The server ``ampdoctor serve`` runs ``app`` (a dash.Dash) on; ListenError when it cannot listen."""
-    return BoundedServer(host, port, app.server, **limits)
+def make_server(
+    app: dash.Dash, host: str, port: int, max_connections: int = MAX_CONNECTIONS, timeout_s: float = 0
+) -> BoundedServer:
+    """The server ``ampdoctor serve`` runs ``app`` on (``timeout_s`` 0: SOCKET_TIMEOUT_S); ListenError when it
+    cannot listen."""
+    return BoundedServer(host, port, app.server, max_connections, timeout_s)
 
 
 # -- traces that change under the server -----------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import textwrap
@@ -14,7 +15,7 @@ from ..trace.run import RankRun, load
 from .common import EXIT_FINDINGS, EXIT_OK, UsageError, evidence, printable
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", nargs="+", help="trace file (.db), or a directory, glob or files of one run's ranks")
     parser.add_argument(
         "--reference",
@@ -32,7 +33,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--disable", nargs="+", action="extend", default=[], metavar="ID", help="rule ids to leave out")
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     unknown = [r for r in args.disable if r not in RULES]
     if unknown:
         raise UsageError(f"ampdoctor diagnose: unknown rule id {unknown[0]!r}; known: {', '.join(RULES)}")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import numpy as np
@@ -13,7 +14,7 @@ from .common import EXIT_OK, UsageError, fmt, share
 SORT_KEYS = ("order", "absmax", "minabs", "mean", "rms", "fp16_under", "fp16_over", "zeros", "nonfinite")
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", help="trace file (.db)")
     parser.add_argument("--step", type=int, default=None, help="step (default: the last with full statistics)")
     parser.add_argument("--kind", default="grad_out", choices=["act", "grad_out", "param_grad", "weight", "update"])
@@ -25,7 +26,7 @@ def add_arguments(parser) -> None:
     )
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     tr = load(args.trace)
     if args.probe:
         return _run_probe(tr, args)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
+import pandas as pd
 
 from ..lossscale import TORCH_DEFAULTS, gradscaler_code, replay, suggest
 from ..trace import load
@@ -10,7 +13,7 @@ from ..trace.checks import invalid_settings_note, scaler_setting_problem
 from .common import EXIT_OK, UsageError, exact, pct, ranges
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", help="trace file (.db)")
     parser.add_argument(
         "--init-scale",
@@ -62,7 +65,7 @@ def _settings_line(s: dict) -> str:
     )
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     tr = load(args.trace)
     if not tr.n_steps:
         raise UsageError(f"{args.trace}: the trace has no steps yet")
@@ -152,7 +155,7 @@ def _at_scale_one(tr) -> float:
     return float(u.mean()) if len(u) else float("nan")
 
 
-def _recorded_notes(config: dict, st) -> list[str]:
+def _recorded_notes(config: dict, st: pd.DataFrame) -> list[str]:
     """What of the run's own settings the replay could not take from the trace (replaced by torch's defaults)."""
     notes = [invalid_settings_note(config)]
     first = st["loss_scale"].dropna()

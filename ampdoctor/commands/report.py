@@ -3,6 +3,7 @@ run())."""
 
 from __future__ import annotations
 
+import argparse
 import os
 
 from ..trace import load
@@ -11,7 +12,7 @@ from .common import EXIT_OK, UsageError
 from .output import atomic_write, check_output
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "trace",
         metavar="TRACE",
@@ -26,7 +27,7 @@ def add_arguments(parser) -> None:
     )
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from ..dashboards.report import STAGES, write_report
@@ -56,7 +57,7 @@ def _inputs(traces: list, reference: str | None) -> list:
     return [*traces, *([reference] if reference else [])]
 
 
-def _run_ranks(args) -> int:
+def _run_ranks(args: argparse.Namespace) -> int:
     """The report of a multi-rank run: its ranks side by side and the findings naming them."""
     from ..dashboards.rank_views import default_output, write_rank_report
 

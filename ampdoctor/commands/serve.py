@@ -5,6 +5,7 @@ Dash and plotly load inside run(): `ampdoctor --help` and this module's import s
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
@@ -18,7 +19,7 @@ from .common import EXIT_OK, UsageError
 MIN_POLL_S, MAX_POLL_S = 0.1, 86400.0  # below 0.1 s the page does little but poll; a day is "never"
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "path",
         metavar="TRACE_OR_DIR",
@@ -44,7 +45,7 @@ def add_arguments(parser) -> None:
     )
 
 
-def check(args):
+def check(args: argparse.Namespace) -> None:
     """Validate the arguments: a missing path or a bad trace is a one-line error (exit 2)."""
     if len(args.path) == 1:
         args.path = args.path[0]
@@ -71,7 +72,7 @@ def check(args):
             raise UsageError(f"ampdoctor serve: --allow-host {name}: not a host name")
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     check(args)
     from ..dashboards import server
     from ..dashboards.app import create_app

@@ -8,6 +8,7 @@ import json
 import math
 import numbers
 import sqlite3
+from typing import Any
 
 from . import schema
 
@@ -311,7 +312,7 @@ def _name(spec) -> str:
     return spec if isinstance(spec, str) else "a list" if isinstance(spec, list) else "an object"
 
 
-def meta_value(key: str, text: str):
+def meta_value(key: str, text: str) -> Any:
     """One meta entry, parsed and checked; in ``config``, a scaler setting out of range is moved aside as unknown
     (``scaler_setting_problem``)."""
     v = parse_json(text, f"meta {key!r}")
@@ -332,20 +333,20 @@ SCALER_SETTINGS = {  # setting -> what it must be: what torch's update rule need
 }
 
 
-def scaler_setting_problem(key: str, value) -> str | None:
+def scaler_setting_problem(key: str, value: object) -> str | None:
     """What is wrong with ``value`` as the GradScaler setting ``key`` ("a number > 1.0"), or None when it is one
     the loss-scale replay can run with. One definition for the trace reader and the replay's arguments."""
-    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return SCALER_SETTINGS[key]
     if key == "growth_interval":
-        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
-        if ok and value > INT64_MAX:
-            return "at most 2^63-1 (an int64)"
-        return None if ok else SCALER_SETTINGS[key]
-    ok = real and {
-        "init_scale": lambda v: 0 < v < math.inf,
-        "growth_factor": lambda v: 1 < v < math.inf,
-        "backoff_factor": lambda v: 0 < v < 1,
-    }[key](value)
+        if not isinstance(value, numbers.Integral) or int(value) < 1:
+            return SCALER_SETTINGS[key]
+        return "at most 2^63-1 (an int64)" if int(value) > INT64_MAX else None
+    try:
+        v = float(value)
+    except OverflowError:  # an integer beyond any float (a JSON literal of 400 digits)
+        return SCALER_SETTINGS[key]
+    ok = {"init_scale": 0 < v < math.inf, "growth_factor": 1 < v < math.inf, "backoff_factor": 0 < v < 1}[key]
     return None if ok else SCALER_SETTINGS[key]
 
 
