@@ -53,8 +53,9 @@ def run(args) -> int:
     if sc:
         settings = ", ".join(f"{k} {sc[k]}" for k in ("growth_factor", "backoff_factor", "growth_interval") if k in sc)
         print(f"scaler     {sc.get('class')} ({'enabled' if sc.get('enabled') else 'disabled'}; {settings})")
-        if invalid_settings_note(cfg):
-            print(f"note       {invalid_settings_note(cfg)}")
+        note = invalid_settings_note(cfg)  # settings out of range: taken as unknown by the reader
+        if note:
+            print(f"note       {note}")
         scales = steps["loss_scale"].dropna()
         if len(scales):
             # "last" is the scale in force at the last step, as the report says; the update after it is named apart
