@@ -1,7 +1,7 @@
 """The dashboard's limits: what one request may cost, what the pages may do in a browser, and traces that change
 under the server.
 
-- HTTP: request bodies up to MAX_BODY (413 beyond: a 300 MB JSON body no longer takes 1.5 GB), a socket timeout on
+- HTTP: request bodies up to MAX_BODY (413 beyond: a 300 MB JSON body took the server to 1.6 GB), a socket timeout on
   every connection (a client that stops sending is dropped) and at most MAX_CONNECTIONS connections at once (one
   thread each; further ones are answered 503 at once, no thread started).
 - Headers: the pages show local data, so no other site may frame them (``X-Frame-Options``, CSP
@@ -41,7 +41,7 @@ MAX_BODY = 8 * 2**20  # bytes of a request body: a callback's inputs and state a
 SOCKET_TIMEOUT_S = 20.0  # seconds a connection may stay silent while the server reads from it
 MAX_CONNECTIONS = 64  # connections served at once (each is a thread)
 QUERY_BUDGET_S = 30.0  # SQLite time one request may spend in one trace
-REVALIDATE_S = 60.0  # a trace that only grows (the same file, longer) is checked again at most this often
+REVALIDATE_S = 60.0  # a trace changed in place (a live one grows all the time) is checked again at most this often
 _PROGRESS_OPS = 10_000  # SQLite virtual-machine steps between two looks at the clock (~0.1-1 ms)
 
 
