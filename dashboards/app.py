@@ -120,7 +120,7 @@ class Context:
                 tr = None
             if tr is None:
                 try:
-                    tr = server.open_trace(run.path)  # server.py: each request's queries bounded in time
+                    tr = server.open_trace(run.path)  # server.py: each query bounded in time
                 except TraceError:
                     return None
             held[run.path] = tr

@@ -9,7 +9,7 @@ under the server.
   script Dash writes, by its hash), sniff a type or learn the URL (``Referrer-Policy``).
 - Traces: a served file replaced by rename (``rsync``, ``cp`` + ``mv``) or rewritten in place is opened and checked
   again; its schema changed under an open connection (a table replaced by a view) is noticed by SQLite's schema
-  cookie and checked again; and every request's SQLite time on a trace is bounded (QUERY_BUDGET_S), so a query that
+  cookie and checked again; and every SQL statement on a trace is bounded in time (QUERY_LIMIT_S), so a query that
   would never end is interrupted and the page says so.
 """
 
@@ -40,7 +40,7 @@ _Request = Union[socket.socket, tuple[bytes, socket.socket]]  # what socketserve
 MAX_BODY = 8 * 2**20  # bytes of a request body: a callback's inputs and state are kilobytes
 SOCKET_TIMEOUT_S = 20.0  # seconds a connection may stay silent while the server reads from it
 MAX_CONNECTIONS = 64  # connections served at once (each is a thread)
-QUERY_BUDGET_S = 30.0  # SQLite time one request may spend in one trace
+QUERY_LIMIT_S = 60.0  # seconds one SQL statement on a trace may run (one of a 10^6-step trace takes a few)
 REVALIDATE_S = 60.0  # a trace changed in place (a live one grows all the time) is checked again at most this often
 _PROGRESS_OPS = 10_000  # SQLite virtual-machine steps between two looks at the clock (~0.1-1 ms)
 
@@ -220,33 +220,39 @@ class _Guard:
     identity: Identity | None  # the file's when it was checked
     schema: int  # SQLite's schema cookie then
     checked_at: float
-    deadline: float = math.inf  # this request's SQLite time ends here
+    limit_s: float  # the longest a statement may run
+    started: float = math.inf  # when the statement running now started
+
+    def started_now(self, _sql: str) -> None:
+        self.started = time.monotonic()
+
+    def too_long(self) -> bool:
+        return time.monotonic() - self.started > self.limit_s
 
 
 _GUARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Trace -> _Guard
 
 
-def open_trace(path: str, budget_s: float = QUERY_BUDGET_S) -> Trace:
-    """``ampdoctor.load(path)`` (checked), its file identity and schema noted, its queries bounded from now on by
-    ``budget_s`` seconds (and by as much again from each ``renew``)."""
+def open_trace(path: str, limit_s: float = QUERY_LIMIT_S) -> Trace:
+    """``ampdoctor.load(path)`` (checked), its file identity and schema noted, and each of its statements from now
+    on interrupted after ``limit_s`` seconds (a TraceError: the view says so)."""
     before = Identity.of(path)
     tr = load(path)
-    guard = _Guard(before, _schema_cookie(tr), time.monotonic(), time.monotonic() + budget_s)
+    guard = _Guard(before, _schema_cookie(tr), time.monotonic(), limit_s)
     _GUARDS[tr] = guard
-    # the reader has no public handle on its connection: its queries are bounded here, where the server needs it
-    tr._conn.set_progress_handler(lambda: time.monotonic() > guard.deadline, _PROGRESS_OPS)
+    # the reader has no public handle on its connection: its statements are timed here, where the server needs it
+    tr._conn.set_trace_callback(guard.started_now)  # called as each statement starts
+    tr._conn.set_progress_handler(guard.too_long, _PROGRESS_OPS)  # called as it runs; True interrupts it
     return tr
 
 
-def renew(tr: Trace, budget_s: float = QUERY_BUDGET_S) -> bool:
+def renew(tr: Trace) -> bool:
     """A request takes an open trace from the pool: False when it no longer reads what was checked (the file was
     replaced or is gone, its schema changed, or it changed and was last checked REVALIDATE_S ago or more: a live
-    trace grows all the time); else True, and the request's queries on it end after ``budget_s`` seconds (an
-    interrupted query is a TraceError)."""
+    trace grows all the time); the caller then opens it anew."""
     guard = _GUARDS.get(tr)
     if guard is None:
         return True
-    guard.deadline = time.monotonic() + budget_s
     now = Identity.of(tr.path)
     if guard.identity is None or not guard.identity.same_file(now) or _schema_cookie(tr) != guard.schema:
         return False
