@@ -3,7 +3,7 @@ working tree's, side by side in one run (these machines are noisy: compare the r
 
 The trace is generated with plain SQL (a valid trace, every row as the writer lays it out): STEPS steps, SITES sites
 per kind, full statistics every FULL_EVERY steps, peaks every PEAK_EVERY steps. Run:
-    .venv/bin/python benchmarks/trace_checks.py [--steps 1000000] [--sites 1000] [--base HEAD~1] [--repeat 3]
+    .venv/bin/python benchmarks/trace_checks.py [--steps 1000000] [--sites 1000] [--base 75e4ff3] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -88,7 +88,9 @@ def main() -> None:
     ap.add_argument("--sites", type=int, default=1000)
     ap.add_argument("--full-every", type=int, default=1000)
     ap.add_argument("--peak-every", type=int, default=100)
-    ap.add_argument("--base", default="HEAD~1", help="git revision whose checks.py to compare with")
+    ap.add_argument(
+        "--base", default="75e4ff3", help="git revision whose checks.py to compare with (default: before ranges)"
+    )
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     path = os.path.join(tempfile.mkdtemp(), "long.db")
