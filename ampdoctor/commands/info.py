@@ -7,6 +7,7 @@ import numpy as np
 
 from ..precision_label import describe_precision
 from ..trace import load
+from ..trace.checks import invalid_settings_note
 from ..trace.observation import cost_line, observation_line
 from ..trace.run import is_multi, load_run
 from .common import EXIT_OK, approx, fmt, ranges
@@ -52,6 +53,9 @@ def run(args) -> int:
     if sc:
         settings = ", ".join(f"{k} {sc[k]}" for k in ("growth_factor", "backoff_factor", "growth_interval") if k in sc)
         print(f"scaler     {sc.get('class')} ({'enabled' if sc.get('enabled') else 'disabled'}; {settings})")
+        note = invalid_settings_note(cfg)  # settings out of range: taken as unknown by the reader
+        if note:
+            print(f"note       {note}")
         scales = steps["loss_scale"].dropna()
         if len(scales):
             # "last" is the scale in force at the last step, as the report says; the update after it is named apart
@@ -122,7 +126,9 @@ def info_ranks(spec: str) -> int:
             f"{describe_precision(cfg)}"
         )
         if rr.missing:
-            print(f"missing    no trace for rank(s) {', '.join(map(str, rr.missing))}")
+            spans, n = rr.missing, rr.n_missing
+            shown = ", ".join(map(str, spans[:12])) + (" ..." if len(spans) > 12 else "")
+            print(f"missing    no trace for rank(s) {shown}" + (f" ({n:,} ranks)" if n > len(spans) else ""))
         print(
             f"{'rank':>4s} {'steps':>6s} {'skipped':>8s} {'non-finite':>10s} {'scale last':>10s} "
             f"{'step time':>10s} {'data wait':>10s} {'loss last':>10s}  host / trace"

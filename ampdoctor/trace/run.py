@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+from dataclasses import dataclass
 
 from .files import SIDE_FILES
 from .reader import Trace
@@ -18,6 +19,23 @@ from .schema import TraceError
 TRACE_EXT = (".db", ".sqlite", ".sqlite3", ".trace")
 _GLOB = re.compile(r"[*?\[]")
 _RANK_DIGITS = re.compile(r"(rank)?\d+$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Span:
+    """Ranks ``first`` to ``last``, both included."""
+
+    first: int
+    last: int
+
+    def __len__(self) -> int:
+        return self.last - self.first + 1
+
+    def __contains__(self, rank: object) -> bool:
+        return isinstance(rank, int) and self.first <= rank <= self.last
+
+    def __str__(self) -> str:
+        return str(self.first) if self.first == self.last else f"{self.first}-{self.last}"
 
 
 class RankRun:
@@ -33,9 +51,20 @@ class RankRun:
         return list(self.traces)
 
     @property
-    def missing(self) -> list[int]:
-        """Ranks of the world that have no trace here (a rank that never attached, or a file left out)."""
-        return [r for r in range(self.world_size) if r not in self.traces]
+    def missing(self) -> list[Span]:
+        """Ranks of the world that have no trace here (a rank that never attached, or a file left out), as runs of
+        consecutive ranks: ``str`` of each is ``5`` or ``2-9``. One run more than there are traces at most: a world
+        size of 10^15 in a crafted file costs what a world of 2 does."""
+        out, start = [], 0
+        for r in [*self.traces, self.world_size]:  # ranks in order (the dict is sorted), then the world's end
+            if r > start:
+                out.append(Span(start, r - 1))
+            start = r + 1
+        return out
+
+    @property
+    def n_missing(self) -> int:
+        return sum(len(s) for s in self.missing)
 
     @property
     def paths(self) -> dict[int, str]:
