@@ -32,6 +32,11 @@ def first_at_or_below(curve: np.ndarray, level: float) -> int | None:
     return int(hit[0]) if len(hit) else None
 
 
+def material(own, underflow) -> bool:
+    """Suppression (registry): gradient underflow beyond advice (warning or critical) explains slow convergence."""
+    return underflow.severity != "info"
+
+
 def slow_convergence(run, *, ratio=SLOW_RATIO, max_skip_share=MAX_SKIP_SHARE, alpha=ALPHA):
     ref = run.reference
     if ref is None:
@@ -42,9 +47,6 @@ def slow_convergence(run, *, ratio=SLOW_RATIO, max_skip_share=MAX_SKIP_SHARE, al
         return None
     if run.steps["skipped"].mean() > max_skip_share or not np.isfinite(a).all():
         return None  # skipped or non-finite steps explain it: other rules cover that
-    # through the engine: the user's thresholds for grad-underflow (or its being disabled) apply here too
-    if any(d.severity != "info" for d in run.findings_of("grad-underflow")):
-        return None  # material underflow explains it: fix that first
     if precision.measured_culprits(run):
         return None  # a layer measured losing precision explains it (precision-loss)
     sa, sb = smooth(a), smooth(b)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 
 from .. import formats
 from ..trace.schema import ROOT
@@ -21,7 +23,18 @@ def _looks_like_attention(path: str, mtype: str) -> bool:
     return "attn" in text or "attention" in text
 
 
-def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
+@dataclass
+class Origins:
+    """The forward overflows of a run traced back to the module that produced the values (shared through
+    ``Run.overflow_origins``: loss-scale-collapse counts a tipping module's steps as its producer's)."""
+
+    events: pd.DataFrame  # the forward non-finite events (phase "fwd"), less those of weights an update made NaN
+    counts: pd.DataFrame  # per module: how many steps, first and last step (most steps first)
+    culprit: str  # the producer behind the most overflowing steps
+    tipped: list[str]  # modules that only tipped the culprit's near-limit values over
+
+
+def origins(run) -> Origins | None:
     ev = run.events
     fwd = ev[ev["phase"] == "fwd"]
     wev = run.weight_events
@@ -31,22 +44,31 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
         first = int(wev["step"].min())
         owners = {p.rpartition(".")[0] or ROOT for d in wev["data"] for p in d.get("params", [])}
         fwd = fwd[~((fwd["step"] > first) & fwd["path"].isin(owners))]
-    if len(fwd) < min_steps:
+    if not len(fwd):
         return None
-    for d in run.findings_of("divergence"):
-        if (
-            d.evidence["first_nonfinite_step"] is not None
-            and int(fwd["step"].min()) >= d.evidence["first_nonfinite_step"]
-        ):
-            return None  # activations that blew up with a diverging run: divergence's finding
     counts = (
         fwd.groupby("path")["step"].agg(["count", "min", "max"]).sort_values(["count", "min"], ascending=[False, True])
     )
-    acts = run.sites("act")
-    peaks = run.records("peak", "act")
     # The module whose outputs approached the limit, not the last straw: when the modules just before the first
     # overflowing one already ran within a binade of the max, the earliest of them produced the values.
-    culprit, tipped = _producer(acts, peaks, counts, formats.FP16.max)
+    culprit, tipped = _producer(run.sites("act"), run.records("peak", "act"), counts, formats.FP16.max)
+    return Origins(fwd, counts, culprit, tipped)
+
+
+def after_blowup(own, divergence) -> bool:
+    """Suppression (registry): an overflow that starts at or after the first non-finite step of a diverged run is
+    the blow-up's symptom, divergence's finding."""
+    first = divergence.evidence.get("first_nonfinite_step")
+    return first is not None and own.evidence["first_overflow_step"] >= first
+
+
+def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
+    o = run.overflow_origins
+    if o is None or len(o.events) < min_steps:
+        return None
+    fwd, counts, culprit, tipped = o.events, o.counts, o.culprit, o.tipped
+    acts = run.sites("act")
+    peaks = run.records("peak", "act")
     steps = fwd["step"].astype(int).tolist()
     own = fwd.loc[fwd["path"].isin([culprit] + tipped), "step"].astype(int).tolist()
     counts = counts.drop(index=[p for p in tipped if p in counts.index])
@@ -95,7 +117,7 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
                 "# or use torch.nn.functional.scaled_dot_product_attention(q, k, v)",
             ),
         ]
-    weights = _weight_fault(run, culprit)
+    weights = next((w for p, w in run.weight_faults.items() if w["module"] == culprit), None)
     if weights:
         fixes = [
             text(
@@ -133,6 +155,7 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
             "dtype": dtype,
             "steps_affected": len(set(own)),
             "first_step": min(own),
+            "first_overflow_step": min(steps),
             "value": value,
             "max_finite_output": last_finite,
             "max_finite_step": peak_step,
@@ -182,12 +205,3 @@ def _producer(acts, peaks, counts, limit: float) -> tuple[str, list]:
         if str(p) != culprit and origin(str(p)) == culprit and not culprit.startswith(str(p) + ".")
     ]
     return culprit, tipped
-
-
-def _weight_fault(run, module: str) -> dict | None:
-    """grad-range-anomaly's evidence that this module's weights are far off their fan-in scale (through the engine)."""
-    for d in run.findings_of("grad-range-anomaly"):
-        for path, w in d.evidence.get("weight_faults", {}).items():
-            if path.rpartition(".")[0] == module:
-                return w
-    return None

@@ -74,8 +74,6 @@ def init_scale_too_high(run, *, min_skips=MIN_EARLY_SKIPS, early_steps=EARLY_STE
     if not over or float(early["loss_scale_next"].iloc[-1]) >= init:
         return None  # the scale ended the window no lower than it started: the skips are
         # growth/overflow cycles (late-degradation), not a too-high start
-    if run.findings_of("divergence"):
-        return None  # the run diverged: the skips follow the blow-up, not the start value
     sug = run.suggestion  # the replay's answer, so that this finding and `replay --suggest` agree
     suggested = float(sug.settings["init_scale"])
     if suggested >= init:
@@ -149,8 +147,8 @@ def nonfinite_origins(run, steps: list[int]) -> dict:
 def loss_scale_collapse(
     run, *, collapse_scale=COLLAPSE_SCALE, halvings=COLLAPSE_HALVINGS, max_skip_share=MAX_SKIP_SHARE
 ):
-    if not run.scaler_on or run.findings_of("divergence"):
-        return None  # a diverged run's scale falls because its values blew up: divergence
+    if not run.scaler_on:
+        return None
     st = run.steps
     nxt = st["loss_scale_next"].to_numpy(float)
     cur = st["loss_scale"].to_numpy(float)
@@ -174,11 +172,8 @@ def loss_scale_collapse(
     bad = st.loc[skipped, "step"].astype(int).tolist()
     org = nonfinite_origins(run, bad)
     # a module that only tipped another's near-limit values over: name the producer forward-overflow names
-    producer = {
-        t: d.evidence["module"]
-        for d in run.findings_of("forward-overflow")
-        for t in d.evidence.get("tipped_over_by", [])
-    }
+    o = run.overflow_origins
+    producer = {t: o.culprit for t in o.tipped} if o is not None else {}
     merged: dict = {}
     for p, n in org["forward"].items():
         merged[producer.get(p, p)] = merged.get(producer.get(p, p), 0) + n

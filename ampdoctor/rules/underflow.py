@@ -224,8 +224,8 @@ def _severity(run, bad: list[Site], min_share: float, reachable: float) -> tuple
 
 
 def grad_underflow(run, *, min_share=MIN_SHARE):
-    if not run.fp16 or run.findings_of("divergence"):
-        return None  # a diverged run's gradients say nothing about its precision
+    if not run.fp16:
+        return None
     rows = underflow_sites(run)
     bad = sorted(
         [r for r in rows if r.share >= min_share or (r.vanished and not r.dead)],
@@ -245,8 +245,6 @@ def grad_underflow(run, *, min_share=MIN_SHARE):
         if run.scaler_on and run.steps["loss_scale"].notna().any()
         else 1.0
     )
-    if run.scaler_on and scale_now < init_rec and run.findings_of("forward-overflow"):
-        return None  # the scale fell for a forward overflow: fix that first
     severity, why = _severity(run, bad, min_share, reachable)
     sug = run.suggestion  # the replay's answer: `replay --suggest` says the same
     init, interval = float(sug.settings["init_scale"]), int(sug.settings["growth_interval"])
@@ -267,6 +265,8 @@ def grad_underflow(run, *, min_share=MIN_SHARE):
         steps=run.step_range(steps),
         evidence={
             "scale_in_force": scale_now,
+            "initial_scale": init_rec,
+            "scale_fell": bool(run.scaler_on and scale_now < init_rec),
             "underflow_share": per_layer,
             "min_share": min_share,
             "zeros_share_worst": worst.zeros,
@@ -284,6 +284,12 @@ def grad_underflow(run, *, min_share=MIN_SHARE):
         },
         fix=fix,
     )
+
+
+def scale_fell(own, overflow) -> bool:
+    """Suppression (registry): a scale that fell below its start because of a forward overflow holds the gradients
+    low; fix the overflow first, the underflow may be gone with it."""
+    return bool(own.evidence.get("scale_fell"))
 
 
 def _fix(run, sug, scale_now: float, unliftable: str | None) -> list:
@@ -333,9 +339,8 @@ def _own_settings(run, sug) -> bool:
 
 
 def fp16_readiness(run, *, min_share=MIN_SHARE):
-    if run.fp16 or run.scaler_on or run.findings_of("divergence"):
-        return None  # an FP16 run speaks for itself; a scaler means amp-inactive;
-        # a diverged run would not train in any format
+    if run.fp16 or run.scaler_on:
+        return None  # an FP16 run speaks for itself; a scaler means amp-inactive
     acts = run.sites("act")
     peaks = run.records("peak", "act")
     over = []

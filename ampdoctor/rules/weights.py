@@ -144,24 +144,11 @@ def grad_range_anomaly(run, *, grad_decades=GRAD_DECADES, weight_decades=WEIGHT_
     for i in idx:
         dev[i] = g[i] - np.median(g[idx[idx != i]])
     outliers = [(mats[i][1].path, float(dev[i]), float(10 ** g[i])) for i in idx if abs(dev[i]) >= grad_decades]
-    # weights whose scale is far from what their fan-in gives
-    w = run.sites("weight")
-    w_rms = run.records("rms", "weight")
-    faults = []
-    for j, s in enumerate(w.itertuples()):
-        fan = _fan_in(s.shape)
-        if not fan or types.get(s.module) in NO_FAN_IN:
-            continue
-        col = w_rms[:, j]
-        col = col[np.isfinite(col)]
-        if not len(col):
-            continue
-        ratio = float(col[0] * math.sqrt(fan))  # rms / (1/sqrt(fan_in)), at the first recorded step
-        if ratio > 0 and abs(math.log10(ratio)) >= weight_decades:
-            faults.append((s.path, ratio, float(col[0]), 1.0 / math.sqrt(fan), s.module))
+    faults = [
+        (p, w["ratio"], w["rms"], w["fan_in_rms"], w["module"]) for p, w in weight_faults(run, weight_decades).items()
+    ]
     if not outliers:
         return None
-    faults.sort(key=lambda f: -abs(math.log10(f[1])))
     outliers.sort(key=lambda o: -abs(o[1]))
     layers = [f[4] for f in faults] + [p.rpartition(".")[0] or p for p, _, _ in outliers]
     layers = list(dict.fromkeys(layers))
@@ -203,6 +190,30 @@ def grad_range_anomaly(run, *, grad_decades=GRAD_DECADES, weight_decades=WEIGHT_
         },
         fix=fix,
     )
+
+
+def weight_faults(run, weight_decades: float = WEIGHT_DECADES) -> dict:
+    """Weight matrices whose RMS at their first record is at least ``weight_decades`` off 1/sqrt(fan_in), worst
+    first: parameter path -> {"rms", "fan_in_rms", "ratio", "module"} (shared as ``Run.weight_faults``)."""
+    w = run.sites("weight")
+    w_rms = run.records("rms", "weight")
+    types = run.module_types
+    faults = []
+    for j, s in enumerate(w.itertuples()):
+        fan = _fan_in(s.shape)
+        if not fan or types.get(s.module) in NO_FAN_IN:
+            continue
+        col = w_rms[:, j]
+        col = col[np.isfinite(col)]
+        if not len(col):
+            continue
+        ratio = float(col[0] * math.sqrt(fan))  # rms / (1/sqrt(fan_in)), at the first recorded step
+        if ratio > 0 and abs(math.log10(ratio)) >= weight_decades:
+            faults.append(
+                (s.path, {"rms": float(col[0]), "fan_in_rms": 1.0 / math.sqrt(fan), "ratio": ratio, "module": s.module})
+            )
+    faults.sort(key=lambda f: -abs(math.log10(f[1]["ratio"])))
+    return dict(faults)
 
 
 # Optimizers whose update divides by sqrt(v) + eps: with eps rounded to 0 in the weights' format and v underflowed
@@ -247,8 +258,6 @@ def weights_nonfinite(run):
     eps = (opt.get("groups") or [{}])[0].get("eps")
     fmt = formats.get(dtype) if dtype else None
     eps_lost = bool(fmt and cls in EPS_OPTIMIZERS and isinstance(eps, (int, float)) and eps <= fmt.min_subnormal / 2)
-    if not eps_lost and run.findings_of("divergence"):
-        return None  # weights that blew up with a diverging run: divergence's finding
     why = (
         f"{cls}'s eps={eps:g} rounds to 0 in {dtype} (its smallest subnormal is {A.fmt_num(fmt.min_subnormal)}), "
         "so where the squared gradient underflows too its update divides by zero"
@@ -303,10 +312,17 @@ def weights_nonfinite(run):
             "optimizer": cls,
             "eps": eps,
             "eps_in_format": 0.0 if eps_lost else eps,
+            "eps_lost": eps_lost,
             "gradients_finite": grads_finite,
         },
         fix=fix,
     )
+
+
+def eps_not_lost(own, divergence) -> bool:
+    """Suppression (registry): weights that blew up with a diverged run are divergence's finding, unless an eps lost
+    to the format explains them (then the update divides by zero whatever the learning rate)."""
+    return not own.evidence.get("eps_lost")
 
 
 def _normal_eps(fmt: formats.Format) -> float:
