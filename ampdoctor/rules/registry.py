@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 from . import (
+    clipping,
     convergence,
     divergence,
+    division,
     dynamics,
     fp8,
+    lossfn,
     overflow,
     policy,
     precision,
@@ -34,13 +37,28 @@ RULES = {
             "forward-overflow",
             overflow.forward_overflow,
             "a module produced Inf/NaN in the forward pass",
-            suppressed_by=suppressed_by("divergence", when=overflow.after_blowup),
+            suppressed_by=suppressed_by("divergence", when=overflow.after_blowup)
+            + suppressed_by("division-by-zero", when=division.same_module),
+        ),
+        Rule(
+            "division-by-zero",
+            division.division_by_zero,
+            "NaN/Inf from a denominator the format rounded to 0 (a normalisation's eps lost)",
+            suppressed_by=suppressed_by("divergence"),
+        ),
+        Rule(
+            "loss-nonfinite",
+            lossfn.loss_nonfinite,
+            "the loss function produced NaN/Inf from finite model outputs",
+            suppressed_by=suppressed_by("divergence"),
         ),
         Rule(
             "loss-scale-collapse",
             scaling.loss_scale_collapse,
             "the loss scale falls without recovery",
-            suppressed_by=suppressed_by("divergence"),  # a diverged run's scale falls because its values blew up
+            suppressed_by=suppressed_by("divergence")  # a diverged run's scale falls because its values blew up
+            + suppressed_by("loss-nonfinite", when=lossfn.collapse_from_loss)
+            + suppressed_by("division-by-zero", when=division.same_module),
         ),
         Rule(
             "grad-underflow",
@@ -49,6 +67,7 @@ RULES = {
             suppressed_by=suppressed_by("divergence")  # a diverged run's gradients say nothing about its precision
             + suppressed_by("forward-overflow", when=underflow.scale_fell),
         ),
+        Rule("clip-before-unscale", clipping.clip_before_unscale, "gradient clipping applied to the scaled gradients"),
         Rule(
             "weights-nonfinite",
             weights.weights_nonfinite,
@@ -66,7 +85,8 @@ RULES = {
             "slow-convergence",
             convergence.slow_convergence,
             "slower than a reference run with nothing numeric to blame",
-            suppressed_by=suppressed_by("grad-underflow", when=convergence.material),
+            suppressed_by=suppressed_by("grad-underflow", when=convergence.material)
+            + suppressed_by("clip-before-unscale"),  # a higher learning rate does not undo 1/scale
         ),
         Rule("precision-loss", precision.precision_loss, "a layer loses more precision than its size explains"),
         Rule(

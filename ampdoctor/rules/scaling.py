@@ -114,8 +114,26 @@ def suggestion_line(sug) -> str:
     return "scaler = " + sug.code
 
 
+def output_gradient_steps(run) -> set:
+    """Steps whose loss was finite but whose first non-finite value was the first gradient of the backward pass (the
+    loss's gradient w.r.t. the model's output: no finite gradient came before it). The loss function's own backward
+    made it, e.g. log's 1/p at a probability rounded to 0."""
+    ev = run.events
+    bwd = ev[ev["phase"] == "bwd"]
+    if not len(bwd):
+        return set()
+    acts = set(run.sites("act")["id"].astype(int))
+    loss = dict(zip(run.steps["step"].astype(int), run.steps["loss"].to_numpy(float)))
+    return {
+        int(s)
+        for s, d in zip(bwd["step"], bwd["data"])
+        if isinstance(d, dict) and d.get("after") in acts and np.isfinite(loss.get(int(s), np.nan))
+    }
+
+
 def nonfinite_origins(run, steps: list[int]) -> dict:
-    """Where the non-finite values of these steps came from: counts per origin class and culprit layer."""
+    """Where the non-finite values of these steps came from: counts per origin class and culprit layer ("loss": the
+    loss function, its value or its gradient w.r.t. the model's output, from finite model outputs)."""
     ev = run.events
     ev = ev[ev["step"].isin(steps)]
     acts = run.records("peak", "act")
@@ -126,13 +144,14 @@ def nonfinite_origins(run, steps: list[int]) -> dict:
     )
     out = {"forward": {}, "loss": 0, "input": 0, "gradient": {}, "unknown": 0}
     by_step = {int(s): g for s, g in ev.groupby("step")}
+    at_output = output_gradient_steps(run)
     for s in steps:
         g = by_step.get(int(s))
         fwd = g[g["phase"] == "fwd"] if g is not None else None
         if fwd is not None and len(fwd):
             p = fwd["path"].iloc[0]
             out["forward"][p] = out["forward"].get(p, 0) + 1
-        elif g is not None and (g["phase"] == "loss").any():
+        elif g is not None and ((g["phase"] == "loss").any() or int(s) in at_output):
             out["loss"] += 1
         elif s in act_bad:
             out["input"] += 1  # every module saw a non-finite input: the batch itself
@@ -181,38 +200,57 @@ def loss_scale_collapse(
     fwd = sorted(org["forward"].items(), key=lambda kv: -kv[1])
     grad = sorted(org["gradient"].items(), key=lambda kv: -kv[1])
     layers = [p for p, _ in fwd] + [p for p, _ in grad if p not in dict(fwd)]
+    setup = A.Setup.of(run)
     if fwd and fwd[0][1] >= max(org["input"], org["loss"], 1):
+        origin = "forward"
         cause = f"a forward overflow in {fwd[0][0]} ({fwd[0][1]} of the {len(bad)} skipped steps)"
         fix = [
             text(
                 "Fix the forward overflow (see the forward-overflow finding): run that module in FP32 or "
                 "rescale it, e.g."
             ),
-            code(A.keep_fp32_line([fwd[0][0]])),
+            *A.keep_fp32(setup, [fwd[0][0]]),
         ]
     elif org["input"] >= max(org["loss"], 1):
+        origin = "input"
         cause = f"non-finite input batches ({org['input']} of the {len(bad)} skipped steps had no finite module output)"
         fix = [
-            text("Find and drop the bad samples; guard the loop:"),
-            code("if not torch.isfinite(x).all():", "    continue  # skip a corrupt batch instead of training on it"),
+            text(
+                "Find and drop the bad samples; until then skip a corrupt batch instead of training on it (`loader` "
+                "stands for your data loader, yielding (x, y) pairs):"
+            ),
+            code(
+                "def finite_batches(batches):",
+                "    for x, y in batches:",
+                "        if torch.isfinite(x).all():",
+                "            yield x, y",
+                "",
+                "",
+                "loader = finite_batches(loader)",
+            ),
         ]
     elif org["loss"]:
-        cause = f"a non-finite loss from finite model outputs ({org['loss']} skipped steps)"
-        fix = [
-            text("Compute the loss in FP32 and guard its inputs (log of 0, division by 0):"),
-            code("loss = loss_fn(out.float(), y)"),
-        ]
+        origin = "loss"
+        cause = (
+            f"the loss function (its value, or its gradient w.r.t. the model's output) from finite model outputs "
+            f"({org['loss']} skipped steps)"
+        )
+        fix = [text("Compute the loss in FP32 and guard its inputs (log of 0, division by 0):"), A.loss_in_fp32(setup)]
     elif grad:
+        origin = "gradient"
         cause = (
             f"non-finite gradients first seen at {grad[0][0]} ({grad[0][1]} skipped steps) with finite forward values"
         )
+        module = grad[0][0] if grad[0][0] in set(run.sites("act")["path"]) else grad[0][0].rpartition(".")[0]
         fix = [
             text(
                 "These gradients overflow even at a small scale: look for a layer with exploding gradients "
-                "(see grad-range-anomaly), clip them, or compute that module in FP32:"
+                "(see grad-range-anomaly) and clip them:"
             ),
-            code("scaler.unscale_(optimizer)", "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)"),
+            code(*A.clip_lines(setup)),
         ]
+        if module and module in set(run.sites("act")["path"]):
+            fix += [text(f"or compute {module} in FP32:"), *A.keep_fp32(setup, [module])]
     else:
         return None  # no recorded origin: no evidence to point at
     severity = "critical" if collapsed or share > 0.5 else "warning"
@@ -230,6 +268,8 @@ def loss_scale_collapse(
             "steps": len(st),
             "skip_share_after_calibration": share,
             "origins": {"forward": dict(fwd), "gradient": dict(grad), "input_batch": org["input"], "loss": org["loss"]},
+            "cause_origin": origin,
+            "cause_module": fwd[0][0] if origin == "forward" else None,
         },
         fix=[
             text("Lowering the scale does not help; remove the source of the non-finite values. " + fix[0].text),
