@@ -36,6 +36,7 @@ class Setup:
     hyper: dict = field(default_factory=dict)  # HYPER values of its first parameter group
     bf16_supported: bool = True
     capability: tuple | None = None
+    module_dtypes: dict = field(default_factory=dict)  # module path -> the dtype its own parameters are stored in
 
     @classmethod
     def of(cls, run) -> Setup:
@@ -53,6 +54,7 @@ class Setup:
             hyper={k: group[k] for k in HYPER if group.get(k) is not None},
             bf16_supported=run.bf16_supported,
             capability=run.capability,
+            module_dtypes=dict(cfg.get("module_param_dtypes") or {}),
         )
 
     @property
@@ -131,13 +133,14 @@ def backward_lines(setup: Setup, scaler: bool) -> list[str]:
     return ["loss.backward()", "optimizer.step()"]
 
 
-def master_weights(setup: Setup, dtype: str | None = None) -> Part:
+def master_weights(setup: Setup, dtype: str | None = None, scaler: str | None = None) -> Part:
     """FP32 parameters, the optimizer re-created over them, autocast computing in ``dtype`` (default: the run's
-    compute dtype), a GradScaler for FP16; then one step of the loop, as it reads from now on."""
+    compute dtype), a GradScaler for FP16 (``scaler``: its line, e.g. the replay's); then one step of the loop, as it
+    reads from now on."""
     dtype = dtype or setup.compute
     lines = ["model.float()", optimizer_line(setup)]
     if dtype == "float16":
-        lines.append(f'scaler = torch.amp.GradScaler("{dev(setup)}")')
+        lines.append(scaler or f'scaler = torch.amp.GradScaler("{dev(setup)}")')
     lines += ["# and in the loop:", autocast_block(setup, dtype), *backward_lines(setup, dtype == "float16")]
     return code(*lines)
 
@@ -156,6 +159,30 @@ def keep_fp32(setup: Setup, paths) -> list[Part]:
             code(line, *master_weights(setup).text.splitlines()),
         ]
     return [code(line)]
+
+
+def fp32_island(setup: Setup, paths) -> list[Part]:
+    """Modules whose outputs are small (a normalisation) computed in FP32: inside autocast their parameters in FP32
+    and keep_fp32; in a half-precision model without autocast their parameters in FP32 with their inputs cast up and
+    their outputs cast back to the model's dtype (O2-style FP32 normalisation layers)."""
+    mods = ", ".join(attr(p) for p in paths)
+    if setup.autocast is None and setup.half_params:
+        back = "half" if setup.param_dtype == "float16" else "bfloat16"
+        return [
+            code(
+                "def inputs_to_fp32(m, args):",
+                "    return tuple(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)",
+                "",
+                "",
+                f"for m in ({mods},):",
+                "    m.float()",
+                "    m.register_forward_pre_hook(inputs_to_fp32)",
+                f"    m.register_forward_hook(lambda m, args, out: out.{back}())",
+            )
+        ]
+    # .float() converts parameters and buffers (a BatchNorm's running statistics); a no-op where they are FP32
+    lines = [f"for m in ({mods},):", "    m.float()"] if len(paths) > 1 else [f"{attr(paths[0])}.float()"]
+    return [code(*lines, keep_fp32_line(paths))]
 
 
 def loss_in_fp32(setup: Setup) -> Part:

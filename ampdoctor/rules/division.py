@@ -91,7 +91,7 @@ def division_by_zero(run, *, min_headroom_binades=MIN_HEADROOM_BINADES, critical
             f"Compute {path} in FP32 (there its eps holds and a zero row normalises to 0; its output stays FP32 for "
             "the modules after it):"
         ),
-        *A.keep_fp32(setup, [path]),
+        *A.fp32_island(setup, [path]),
     ]
     if mtype in NORM_TYPES:
         fix += [

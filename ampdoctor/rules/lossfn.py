@@ -23,6 +23,9 @@ FP16 = formats.FP16
 LOG_FLUSH_GAP = 25 * math.log(2.0)
 # Critical when at least this share of the steps lost to it (half the updates gone).
 CRITICAL_SHARE = 0.5
+# A gradient at the output that overflows while the scaler calibrates (before the first step that went through) is
+# the scale's, not the loss function's; after it, one such step can be a growth attempt: two make a pattern.
+MIN_GRADIENT_STEPS = 2
 
 
 def collapse_from_loss(own, theirs) -> bool:
@@ -34,6 +37,11 @@ def loss_nonfinite(run, *, critical_share=CRITICAL_SHARE):
     ev = run.events
     value = sorted(set(ev.loc[ev["phase"] == "loss", "step"].astype(int)))
     grad = sorted(output_gradient_steps(run) - set(value))
+    clean = np.flatnonzero(~run.steps["skipped"].to_numpy(bool))
+    calibrated = int(run.steps["step"].iloc[clean[0]]) if len(clean) else None
+    grad = [s for s in grad if calibrated is not None and s > calibrated]
+    if len(grad) < MIN_GRADIENT_STEPS:
+        grad = []
     if not value and not grad:
         return None
     steps = value + grad

@@ -11,7 +11,7 @@ import pandas as pd
 from .. import formats
 from ..trace.schema import ROOT
 from . import advice as A
-from .fix import code, text
+from .fix import text
 from .result import finding
 
 # Critical when at least this share of steps had a non-finite forward: the run is then mostly skipped or NaN.
@@ -94,29 +94,23 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
     value = fwd["data"].iloc[0].get("value", "inf")
     others = [str(p) for p in counts.index]
     where = culprit if not others else f"{culprit} (and {', '.join(others)}, which overflowed too)"
+    setup = A.Setup.of(run)
     fixes = [
         text(
             f"Run {where} in FP32 inside autocast (loss scaling cannot fix a forward overflow; its FP32 "
             "output also keeps the modules after it from overflowing):"
         ),
-        code(
-            A.keep_fp32_line([culprit] + others),
-            "# or, by hand, inside its forward:",
-            f'with torch.autocast(device_type="{A.dev(run)}", enabled=False):',
-            "    out = self.block(x.float())",
-        ),
+        *A.keep_fp32(setup, [culprit] + others),
     ]
     if _looks_like_attention(culprit, mtype):
-        fixes += [
+        fixes.append(
             text(
-                "Scale the attention scores by 1/sqrt(d) (its absence is the usual cause), on q before the "
-                "product, since q @ k^T itself overflows:"
-            ),
-            code(
-                "scores = (q / math.sqrt(q.shape[-1])) @ k.transpose(-2, -1)",
-                "# or use torch.nn.functional.scaled_dot_product_attention(q, k, v)",
-            ),
-        ]
+                f"Or scale the attention scores by 1/sqrt(d) in {mtype}'s forward (its absence is the usual cause), on "
+                "the query before the product, since q @ k^T itself overflows: scores = (q / math.sqrt(q.shape[-1])) "
+                "@ k.transpose(-2, -1) (q, k: its query and key tensors), or use "
+                "torch.nn.functional.scaled_dot_product_attention(q, k, v)."
+            )
+        )
     weights = next((w for p, w in run.weight_faults.items() if w["module"] == culprit), None)
     if weights:
         fixes = [
@@ -126,11 +120,22 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
                 "the weights (a change of the model) removes the cause."
             )
         ] + fixes
-    if dtype == "float16" and run.bf16_supported:
-        fixes += [
-            text("Or train in BF16 (same exponent range as FP32; this device supports it):"),
-            code(A.autocast_block(run, "bfloat16")),
-        ]
+    if dtype == "float16":
+        fixes += A.bf16_note(setup)
+    # Evidence that the updates, not the format, drove the values there, short of deciding it (divergence decides
+    # where it is decisive and hides this finding): say so, and do not call the range the cause with certainty.
+    b = run.blowup
+    doubt = b.partial if b is not None and not b.decisive and min(own) >= b.first_step else []
+    if doubt:
+        severity = "warning"
+        fixes = [
+            text(
+                "Not certain this is a range problem: "
+                + "; ".join(doubt)
+                + ". If the same run in FP32 (or BF16) does not learn either, the learning rate is the cause: lower "
+                "it instead (see the divergence rule)."
+            )
+        ] + fixes
     headroom = fmt.max / last_finite if last_finite else None
     if last_finite:
         peak_text = (
@@ -146,7 +151,7 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
         f"Forward overflow in {culprit}",
         f"{culprit} ({mtype}, {dtype}) {'produced values at the edge of the range' if tipped else 'produced ' + value}"
         f" from finite inputs: {len(set(own))} of {run.n_steps} steps overflowed there (first at step {min(own)})"
-        f"{tip}; {peak_text}.",
+        f"{tip}; {peak_text}." + (f" Unsure: {'; '.join(doubt)}." if doubt else ""),
         layers=[culprit] + tipped + others,
         steps=run.step_range(steps),
         evidence={
@@ -165,6 +170,7 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
             "nonfinite_losses": loss_bad,
             "tipped_over_by": tipped,
             "other_modules": {str(k): int(v) for k, v in counts["count"].items()},
+            "doubt": doubt,
         },
         fix=fixes,
     )

@@ -299,7 +299,17 @@ def _fix(run, sug, scale_now: float, unliftable: str | None) -> list:
         f"the replay of this run finds init_scale={A.pow2(init)}, growth_interval={interval} loses the least "
         f"(`ampdoctor replay TRACE --suggest`)"
     )
-    if not run.scaler_on:
+    setup = A.Setup.of(run)
+    if setup.half_params:
+        fix = [
+            text(
+                f"This run keeps its parameters in {setup.param_dtype} (model.half()), where a GradScaler cannot help: "
+                'it refuses FP16 gradients ("Attempting to unscale FP16 gradients"). Keep FP32 parameters, let '
+                f"autocast compute in FP16 and scale the loss; {found}:"
+            ),
+            A.master_weights(setup, "float16", scaler=suggestion_line(sug)),
+        ]
+    elif not run.scaler_on:
         fix = [
             text(f"Enable dynamic loss scaling; {found}:"),
             code(suggestion_line(sug), "scaler.scale(loss).backward()", "scaler.step(optimizer)", "scaler.update()"),
@@ -326,9 +336,9 @@ def _fix(run, sug, scale_now: float, unliftable: str | None) -> list:
                 f"Loss scaling cannot lift {unliftable} (its gradients span more range than FP16 holds): "
                 "compute it in FP32, or train in BF16:"
             ),
-            code(A.keep_fp32_line([unliftable])),
+            *A.keep_fp32(setup, [unliftable]),
         ] + fix
-    return fix + A.bf16_note(run)
+    return fix + A.bf16_note(setup)
 
 
 def _own_settings(run, sug) -> bool:

@@ -11,7 +11,7 @@ from .. import formats
 from ..trace.schema import ROOT
 from . import advice as A
 from . import precision
-from .fix import code, text
+from .fix import text
 from .policy import NORM_TYPES
 from .result import finding
 
@@ -215,24 +215,13 @@ def val_oscillation(
     else:
         how = f"a log dispersion of {ev['log_dispersion']:.2f} around its Theil-Sen trend"
     lo, hi = ev["late_range"]
-    bn = [p for p in paths if run.module_types.get(p, "") in BATCHNORM_TYPES]
-    lines = (
-        [
-            "for m in model.modules():",
-            "    if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):",
-            "        m.float()",
-        ]
-        if bn
-        else []
-    )
-    lines += [f"{A.attr(p)}.float()" for p in paths if p not in bn] + [A.keep_fp32_line(paths)]
     fix = [
         text(
             "Keep these layers in FP32: their parameters and (BatchNorm) the running mean/variance that eval "
             "mode normalises with, whose every update (1-m)*r + m*batch rounds in half precision, and their "
-            "inputs cast to FP32 inside autocast:"
+            "inputs cast to FP32:"
         ),
-        code(*lines),
+        *A.fp32_island(A.Setup.of(run), paths),
     ]
     return finding(
         "warning",

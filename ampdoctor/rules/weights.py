@@ -75,12 +75,9 @@ def weight_update_lost(run, *, min_lost_share=MIN_LOST_SHARE, stalled_share=STAL
     worst = sorted(per.items(), key=lambda kv: -kv[1])
     dtype = str(half["dtype"].mode().iloc[0])
     severity = "critical" if share >= stalled_share else "warning"
-    lines = ["model.float()", _optimizer_line(run), A.autocast_block(run, dtype)]
-    if dtype == "float16":
-        lines += [A.scaler_line(run), "scaler.scale(loss).backward()", "scaler.step(optimizer)", "scaler.update()"]
     fix = [
         text("Keep the parameters in FP32 and let autocast compute in half precision (O1: FP32 master weights):"),
-        code(*lines),
+        A.master_weights(A.Setup.of(run), dtype),
         text(
             "Or keep an FP32 master copy (O2-style): step the optimizer on FP32 copies of the weights and copy "
             "them back into the half-precision model after each step."
@@ -165,6 +162,8 @@ def grad_range_anomaly(run, *, grad_decades=GRAD_DECADES, weight_decades=WEIGHT_
                 "a=sqrt(5); use kaiming_normal_ before a ReLU):"
             ),
             code(
+                "import math",
+                "",
                 *[f"torch.nn.init.kaiming_uniform_({A.attr(f[0])}, a=math.sqrt(5))" for f in faults],
                 f'# or: torch.nn.init.kaiming_normal_({A.attr(path)}, nonlinearity="relu")',
             ),
@@ -173,7 +172,7 @@ def grad_range_anomaly(run, *, grad_decades=GRAD_DECADES, weight_decades=WEIGHT_
         cause = "no weight is off its fan-in scale, so look at the inputs or a custom op in those layers"
         fix = [
             text("Clip gradients while you find the cause, and check the inputs of these layers:"),
-            code("torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)"),
+            code(*A.clip_lines(A.Setup.of(run))),
         ]
     return finding(
         "warning",
@@ -221,19 +220,6 @@ def weight_faults(run, weight_decades: float = WEIGHT_DECADES) -> dict:
 EPS_OPTIMIZERS = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "SparseAdam")
 
 
-def _optimizer_line(run) -> str:
-    """The user's optimizer re-created over the (now FP32) parameters, with its recorded hyper-parameters."""
-    opt = run.config.get("optimizer") or {}
-    cls = opt.get("class") or "AdamW"
-    g = (opt.get("groups") or [{}])[0]
-    args = []
-    for key in ("lr", "betas", "eps", "weight_decay", "momentum"):
-        if key in g and g[key] is not None:
-            v = tuple(g[key]) if isinstance(g[key], list) else g[key]
-            args.append(f"{key}={v!r}")
-    return f"optimizer = torch.optim.{cls}(model.parameters(), {', '.join(args)})  # re-created over FP32 params"
-
-
 def weights_nonfinite(run):
     ev = run.weight_events
     if not len(ev):
@@ -266,16 +252,12 @@ def weights_nonfinite(run):
     )
     if dtype:
         ac = dtype if dtype in formats.REDUCED else "float16"
-        lines = ["model.float()", _optimizer_line(run)] + ([A.scaler_line(run)] if ac == "float16" else [])
-        lines += ["# and in the loop:", A.autocast_block(run, ac)]
-        if ac == "float16":
-            lines += ["scaler.scale(loss).backward()", "scaler.step(optimizer)", "scaler.update()"]
         fix = [
             text(
                 "Keep FP32 master weights: the optimizer updates FP32 parameters, autocast computes in "
                 f"{dtype} (tested fix):"
             ),
-            code(*lines),
+            A.master_weights(A.Setup.of(run), ac),
         ]
     else:
         fix = [
