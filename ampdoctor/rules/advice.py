@@ -215,8 +215,10 @@ def lower_lr(run, lr: float | None, new_lr: float | None, warmup: int, adaptive:
             + " (call scheduler.step() after every optimizer step)"
         ),
         code(
-            "for group in optimizer.param_groups:",
-            f'    group["lr"] = {new_lr:g}  # was {lr:.3g}' if new_lr else f'    group["lr"] /= {10:g}',
+            "for group in optimizer.param_groups:  # (initial_lr: what a scheduler, yours or this one, starts from)",
+            f'    group["lr"] = group["initial_lr"] = {new_lr:g}  # was {lr:.3g}'
+            if new_lr
+            else '    group["lr"] = group["initial_lr"] = group.get("initial_lr", group["lr"]) / 10',
             f"scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / {warmup}))",
         ),
     ]

@@ -33,6 +33,14 @@ def collapse_from_loss(own, theirs) -> bool:
     return own.evidence.get("cause_origin") == "loss"
 
 
+def skips_from_loss(own, theirs) -> bool:
+    """Suppression (registry): early skips that are, for the most part, the loss function's overflows (its gradient
+    at the model's output), not a too-high initial scale: they recur at every scale the scaler falls to."""
+    skipped = set(own.evidence.get("skipped_steps", []))
+    ours = set(theirs.evidence.get("loss_value_steps", [])) | set(theirs.evidence.get("output_gradient_steps", []))
+    return bool(skipped) and 2 * len(skipped & ours) >= len(skipped & set(theirs.evidence.get("observed_bad", [])))
+
+
 def loss_nonfinite(run, *, critical_share=CRITICAL_SHARE):
     ev = run.events
     value = sorted(set(ev.loc[ev["phase"] == "loss", "step"].astype(int)))
@@ -72,6 +80,7 @@ def loss_nonfinite(run, *, critical_share=CRITICAL_SHARE):
         steps=run.step_range(steps),
         evidence={
             "loss_value_steps": value[:20],
+            "observed_bad": _observed_bad(run)[:200],
             "output_gradient_steps": grad[:20],
             "steps_lost": lost,
             "share_lost": share,
@@ -89,11 +98,19 @@ def loss_nonfinite(run, *, critical_share=CRITICAL_SHARE):
     )
 
 
+def _observed_bad(run) -> list[int]:
+    """Skipped or non-finite steps that observed their sites (their origin is known)."""
+    st = run.steps
+    bad = st["skipped"].to_numpy(bool) | st["nonfinite"].to_numpy(bool)
+    seen = st["level"].fillna(-1).to_numpy(float) >= 0
+    return st.loc[bad & seen, "step"].astype(int).tolist()
+
+
 def _output(run, steps: list[int]) -> dict:
     """The model's output on those steps: path, dtype, largest |value|, share of exact zeros, a probability?"""
     acts = run.sites("act")
     paths = acts["path"].tolist()
-    out = {"path": None, "dtype": None, "peak": None, "zeros": None, "probability": False, "loss": None}
+    out = {"path": None, "dtype": None, "peak": None, "zeros": None, "probability": False, "loss": None, "total": None}
     loss = run.steps.set_index("step")["loss"]
     fin = [float(loss[s]) for s in steps if s in loss.index and np.isfinite(loss[s])]
     out["loss"] = fin[0] if fin else None
@@ -111,6 +128,12 @@ def _output(run, steps: list[int]) -> dict:
     zeros = run.records("zeros", "act")[rows, j] if rows else np.zeros(0)
     numel = run.records("numel", "act")[rows, j] if rows else np.zeros(0)
     mean = run.records("mean", "act")[rows, j] if rows else np.zeros(0)
+    with np.errstate(all="ignore"):
+        total = np.abs(mean) * numel
+    total = total[np.isfinite(total)]
+    out["total"] = float(total.max()) if len(total) else None
+    out["numel"] = float(np.nanmax(numel)) if np.isfinite(numel).any() else None
+    out["mean"] = float(np.nanmax(np.abs(mean))) if np.isfinite(mean).any() else None
     vals = np.concatenate([peak[np.isfinite(peak)], absmax[np.isfinite(absmax)]])
     out["peak"] = float(vals.max()) if len(vals) else None
     with np.errstate(all="ignore"):
@@ -142,6 +165,19 @@ def _mechanism(run, setup, out: dict, loss_dtype, value: list, grad: list) -> tu
     """(mechanism, the evidence that decided it, sure?, fix parts)."""
     half_out = out["dtype"] in formats.REDUCED
     peak = out["peak"]
+    total = out.get("total")
+    if value and (loss_dtype in formats.REDUCED or half_out) and total is not None and total > FP16.max:
+        mech = (
+            f"A sum over the model's output in {loss_dtype if loss_dtype in formats.REDUCED else out['dtype']} "
+            f"overflows: {out['numel']:.0f} elements with a mean magnitude of {A.fmt_num(out['mean'])} add up to "
+            f"about {A.fmt_num(total)}, past the FP16 max {A.fmt_num(FP16.max)} (a Dice or IoU loss sums every "
+            "pixel), and inf / inf is NaN"
+        )
+        decided = (
+            f"the loss itself was non-finite from finite outputs, and their sum ({A.fmt_num(total)}) does not fit "
+            "FP16 while each of them does"
+        )
+        return mech, decided, True, [text("Compute the loss in FP32 from the model output:"), A.loss_in_fp32(setup)]
     if out["probability"] and half_out:
         module = out["module"]
         mech = (

@@ -31,7 +31,8 @@ RULES = {
             "init-scale-too-high",
             scaling.init_scale_too_high,
             "NaN/skipped steps early: the initial loss scale",
-            suppressed_by=suppressed_by("divergence"),  # the skips follow the blow-up, not the start value
+            suppressed_by=suppressed_by("divergence")  # the skips follow the blow-up, not the start value
+            + suppressed_by("loss-nonfinite", when=lossfn.skips_from_loss),
         ),
         Rule(
             "forward-overflow",

@@ -312,7 +312,13 @@ def _fix(run, sug, scale_now: float, unliftable: str | None) -> list:
     elif not run.scaler_on:
         fix = [
             text(f"Enable dynamic loss scaling; {found}:"),
-            code(suggestion_line(sug), "scaler.scale(loss).backward()", "scaler.step(optimizer)", "scaler.update()"),
+            code(
+                suggestion_line(sug),
+                "# and in the loop:",
+                "scaler.scale(loss).backward()",
+                "scaler.step(optimizer)",
+                "scaler.update()",
+            ),
         ]
     elif init > scale_now:
         fix = [
