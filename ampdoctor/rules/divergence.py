@@ -432,8 +432,9 @@ def divergence(
         + ")"
     )
     factor = LR_FACTOR
-    if b is not None and b.update_ratio is not None and b.update_ratio > TARGET_UPDATE_RATIO * LR_FACTOR:
-        factor = b.update_ratio / TARGET_UPDATE_RATIO  # size the cut by the update measured: ~1% of the weights
+    ratio = _ratio_at(run, b, lr)
+    if ratio is not None and ratio > TARGET_UPDATE_RATIO * LR_FACTOR:
+        factor = ratio / TARGET_UPDATE_RATIO  # size the cut by the update measured: ~1% of the weights a step
     new_lr = _round_down(lr / factor) if lr else None
     range_note = (
         "; in FP32 or BF16 it would not learn either: a wider format only moves the NaN"
@@ -466,6 +467,17 @@ def divergence(
         },
         fix=A.lower_lr(run, lr, new_lr, WARMUP_STEPS, adaptive=opt in ADAPTIVE),
     )
+
+
+def _ratio_at(run, b: Blowup | None, lr: float | None) -> float | None:
+    """The update-to-weight ratio measured at its step, scaled to the learning rate in force at the blow-up (a
+    warm-up's first step ran at a fraction of it; the update is proportional to the learning rate)."""
+    if b is None or b.update_ratio is None or not lr:
+        return None
+    lrs = run.steps["lr"].to_numpy(float)
+    at = np.flatnonzero(run.steps["step"].to_numpy(int) == b.update_step)
+    then = float(lrs[at[0]]) if len(at) and math.isfinite(lrs[at[0]]) and lrs[at[0]] > 0 else lr
+    return b.update_ratio * lr / then
 
 
 def _lr_before(run, t: dict) -> float | None:

@@ -93,3 +93,11 @@ def sequences(n, batch=8, seq=16, vocab=64, seed=1):
 
 def lm_loss(out, y):
     return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def noise_tokens(n, batch=8, seq=16, vocab=64, seed=1):
+    """Random tokens: nothing to learn beyond chance (ln vocab)."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        t = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+        yield t[:, :-1], t[:, 1:]
