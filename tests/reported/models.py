@@ -101,3 +101,47 @@ def noise_tokens(n, batch=8, seq=16, vocab=64, seed=1):
     for _ in range(n):
         t = torch.randint(0, vocab, (batch, seq + 1), generator=g)
         yield t[:, :-1], t[:, 1:]
+
+
+class Attention(nn.Module):
+    """``scale``: "before" scales q by 1/sqrt(d) before the product, "after" scales the product (q @ k^T itself can
+    overflow FP16 first), None leaves it out."""
+
+    def __init__(self, d, scale="before"):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.scale = scale
+
+    def forward(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        if self.scale == "before":
+            q = q / math.sqrt(q.shape[-1])
+        s = q @ k.transpose(-2, -1)
+        if self.scale == "after":
+            s = s / math.sqrt(q.shape[-1])
+        return self.o(torch.softmax(s, dim=-1) @ v)
+
+
+class TokenClassifier(nn.Module):
+    """Embedding (scaled, as sqrt(d)-style embedding scales do), attention without a norm before it, mean pool."""
+
+    def __init__(self, vocab=50, d=32, classes=2, scale="before", emb_scale=30.0, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(vocab, d)
+        self.emb_scale = emb_scale
+        self.attn = Attention(d, scale)
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, tokens):
+        x = self.emb(tokens) * self.emb_scale
+        return self.head(self.ln(x + self.attn(x)).mean(1))
+
+
+def token_classes(n, batch=16, seq=12, vocab=50, seed=1):
+    """Two classes: which half of the vocabulary a sequence draws more tokens from."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        x = torch.randint(0, vocab, (batch, seq), generator=g)
+        yield x, ((x < vocab // 2).sum(1) * 2 > seq).long()
