@@ -145,3 +145,25 @@ def token_classes(n, batch=16, seq=12, vocab=50, seed=1):
     for _ in range(n):
         x = torch.randint(0, vocab, (batch, seq), generator=g)
         yield x, ((x < vocab // 2).sum(1) * 2 > seq).long()
+
+
+class PixelSegmenter(nn.Module):
+    """A per-pixel classifier (a 1x1-convolution network, written with Linear) ending in a Sigmoid."""
+
+    def __init__(self, d_in=4, width=8, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.body = nn.Sequential(nn.Linear(d_in, width), nn.ReLU(), nn.Linear(width, 1))
+        self.sigmoid = nn.Sigmoid()
+
+    def forward(self, x):
+        return self.sigmoid(self.body(x).squeeze(-1))
+
+
+def masks(n, batch=64, pixels=4096, d_in=4, seed=1):
+    """Segmentation masks (70% foreground) a linear function of the pixel features predicts."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(d_in, generator=g)
+    for _ in range(n):
+        x = torch.randn(batch, pixels, d_in, generator=g)
+        yield x, (x @ w > -0.5).float()

@@ -31,10 +31,13 @@ class Script:
     def with_fix(self, part: str, role: str) -> Script:
         """This script with one printed code part pasted in as printed: ``role`` is where its text says it goes
         ("setup": before the loop, after the script's own set-up; "forward"/"backward": in place of that part;
+        "step": in place of both;
         "setup+step" / "setup+backward": split at its "# and in the loop:" line, the lines before it set-up, the
         lines after it in place of the step's forward and backward / of its backward)."""
         if role == "setup":
             return replace(self, setup=self.setup + "\n" + part)
+        if role == "step":  # a whole step: forward, backward and optimizer step
+            return replace(self, forward=part, backward="")
         if role in ("setup+step", "setup+backward"):
             before, _, step = part.partition(LOOP_MARK)
             assert step, f"no {LOOP_MARK!r} line in the printed part"
