@@ -82,6 +82,8 @@ def suggest_scale(max_unscaled: float, fmt: formats.Format = formats.FP16, margi
 
 def pow2(x: float) -> str:
     """512.0 -> '512.0', 2**20 -> '2.0**20' (readable scale values)."""
+    if not math.isfinite(x):
+        return repr(float(x))
     e = math.log2(x) if x > 0 else 0
     return f"{x:.1f}" if x < 2**17 or e != int(e) else f"2.0**{int(e)}"
 

@@ -93,10 +93,15 @@ class Run:
 
     @cached_property
     def suggestion(self):
-        """replay.suggest over this run: the scaler settings every rule that suggests a scale quotes."""
+        """replay.suggest over this run: the scaler settings every rule that suggests a scale quotes; None when the
+        replay cannot start from the scaler settings the trace records (out of range: a rule that needs it then
+        has no evidence, and says nothing)."""
         from ..lossscale import suggest
 
-        return suggest(self.trace)
+        try:
+            return suggest(self.trace)
+        except (ValueError, OverflowError, TypeError):
+            return None
 
     # -- tables --------------------------------------------------------------------------------------------------
     @cached_property

@@ -70,11 +70,15 @@ def init_scale_too_high(run, *, min_skips=MIN_EARLY_SKIPS, early_steps=EARLY_STE
         return None  # unscaled gradients do not fit FP16: not a scaling problem
     scales = st.loc[st["step"].isin(skipped), "loss_scale"].to_numpy(float)
     over = [s for s in scales if s * gmax > formats.FP16.max / 2]  # the scale alone pushed the max out of range
-    init = float(run.scaler.get("init_scale") or st["loss_scale"].iloc[0])
+    recorded = run.scaler.get("init_scale")
+    first = float(st["loss_scale"].iloc[0])
+    init = float(recorded) if isinstance(recorded, (int, float)) and 0 < recorded < float("inf") else first
     if not over or float(early["loss_scale_next"].iloc[-1]) >= init:
         return None  # the scale ended the window no lower than it started: the skips are
         # growth/overflow cycles (late-degradation), not a too-high start
     sug = run.suggestion  # the replay's answer, so that this finding and `replay --suggest` agree
+    if sug is None:
+        return None  # the replay cannot start from the recorded scaler settings
     suggested = float(sug.settings["init_scale"])
     if suggested >= init:
         return None

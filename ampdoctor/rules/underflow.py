@@ -247,6 +247,8 @@ def grad_underflow(run, *, min_share=MIN_SHARE):
     )
     severity, why = _severity(run, bad, min_share, reachable)
     sug = run.suggestion  # the replay's answer: `replay --suggest` says the same
+    if sug is None:
+        return None  # the replay cannot start from the recorded scaler settings: no scale to quote
     init, interval = float(sug.settings["init_scale"]), int(sug.settings["growth_interval"])
     worst = bad[0]
     per_layer = {f"{r.layer} ({r.site['kind']})": round(r.share, 4) for r in bad[:10]}
@@ -373,6 +375,8 @@ def fp16_readiness(run, *, min_share=MIN_SHARE):
     g, clean = grad_out_peaks(run)  # as the replay reads them: a returned loss's own gradient is not one
     gmax = float(np.nanmax(g[clean])) if (clean & np.isfinite(g)).any() else float("nan")
     sug = run.suggestion  # the replay of this run as if in FP16: `replay --suggest` says the same
+    if sug is None:
+        return None
     scale = float(sug.settings["init_scale"])
     under = []
     paths = set(gsites["path"])
