@@ -151,6 +151,8 @@ def keep_fp32(setup: Setup, paths) -> list[Part]:
     """Run ``paths`` in FP32 inside autocast; a run without autocast (half-precision parameters) first moves to FP32
     master weights with autocast, since keep_fp32 changes nothing outside an autocast region."""
     line = keep_fp32_line(paths)
+    if setup.autocast is None and not setup.half_params:
+        return [code(line, *_fp16_loop(setup))]  # an FP32 run: for when it trains in FP16 autocast
     if setup.autocast is None and setup.half_params:
         return [
             text(
@@ -184,7 +186,18 @@ def fp32_island(setup: Setup, paths) -> list[Part]:
         ]
     # .float() converts parameters and buffers (a BatchNorm's running statistics); a no-op where they are FP32
     lines = [f"for m in ({mods},):", "    m.float()"] if len(paths) > 1 else [f"{attr(paths[0])}.float()"]
-    return [code(*lines, keep_fp32_line(paths))]
+    loop = _fp16_loop(setup) if setup.autocast is None else []
+    return [code(*lines, keep_fp32_line(paths), *loop)]
+
+
+def _fp16_loop(setup: Setup) -> list[str]:
+    """For an FP32 run (no autocast): the FP16 autocast step with a GradScaler that keep_fp32 takes effect in."""
+    return [
+        f'scaler = torch.amp.GradScaler("{dev(setup)}")',
+        "# and in the loop:",
+        autocast_block(setup, "float16"),
+        *backward_lines(setup, True),
+    ]
 
 
 def loss_in_fp32(setup: Setup) -> Part:
@@ -208,7 +221,7 @@ def clip_lines(setup: Setup, max_norm: float = 1.0) -> list[str]:
 
 def lower_lr(run, lr: float | None, new_lr: float | None, warmup: int, adaptive: bool) -> list[Part]:
     """A lower learning rate and a warm-up (and, for an optimizer whose step follows the gradient, clipping)."""
-    setup = Setup.of(run)
+    setup = run if isinstance(run, Setup) else Setup.of(run)
     opt = setup.optimizer or "the optimizer"
     fix = [
         text(

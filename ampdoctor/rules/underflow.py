@@ -395,25 +395,34 @@ def fp16_readiness(run, *, min_share=MIN_SHARE):
             f"{len(inner)} module(s) output values above the FP16 max (worst {inner[0][0]}: "
             f"{A.fmt_num(inner[0][1])} on {inner[0][2]} steps)"
         )
-        fix += [
-            text(f"Keep {', '.join(p for p, *_ in inner[:5])} in FP32 under FP16 autocast:"),
-            code(A.keep_fp32_line([p for p, *_ in inner[:5]])),
-        ]
     if under:
         parts.append(
             f"at a loss scale of {A.pow2(scale)} {len(under)} gradient site(s) would keep at least "
             f"{A.pct(min_share)} of their elements below the FP16 normal range (worst {under[0][0]}: "
             f"{A.pct(under[0][1])})"
         )
-    fix += [
+    setup = A.Setup.of(run)
+    keep = [A.keep_fp32_line([p for p, *_ in inner[:5]])] if inner else []
+    fix = [
         text(
-            f"Start FP16 training with the scaler the replay of this run finds best (largest observed "
-            f"gradient {A.fmt_num(gmax)}; `ampdoctor replay TRACE --suggest` shows the same):"
+            "To train in FP16: "
+            + (f"keep {', '.join(p for p, *_ in inner[:5])} in FP32 under FP16 autocast, and " if inner else "")
+            + f"start with the scaler the replay of this run finds best (largest observed gradient "
+            f"{A.fmt_num(gmax)}; `ampdoctor replay TRACE --suggest` shows the same):"
         ),
-        code(suggestion_line(sug)),
+        code(
+            *keep,
+            suggestion_line(sug),
+            "# and in the loop:",
+            A.autocast_block(setup, "float16"),
+            *A.backward_lines(setup, True),
+        ),
     ]
     if run.bf16_supported and run.compute_dtype != "bfloat16":
-        fix += [text("BF16 avoids both problems on this device:"), code(A.autocast_block(run, "bfloat16"))]
+        fix += [
+            text("BF16 avoids both problems on this device:"),
+            code(A.autocast_block(run, "bfloat16"), *A.backward_lines(setup, False)),
+        ]
     return finding(
         "info",
         "FP16 readiness",
