@@ -165,9 +165,11 @@ def _division(run, acts, j: int, i: int | None, steps: list[int], min_headroom: 
     n_nan, n_inf, zeros = float(nan.sum()), float(inf.sum()), float(in_zeros.sum())
     pos = in_min[np.isfinite(in_min) & (in_min > 0)]
     smallest = float(pos.min()) if len(pos) else math.nan
-    if n_nan > 0 and n_inf == 0 and zeros > 0 and (nan <= in_zeros * 1.0001 + 0.5).all():
+    # a normalisation keeps its input's shape: its NaN can then sit exactly where its input held zeros
+    same_shape = bool((rec("numel", j) == rec("numel", i)).all())
+    if same_shape and n_nan > 0 and n_inf == 0 and zeros > 0 and (nan <= in_zeros * 1.0001 + 0.5).all():
         kind = "0/0"
-    elif n_inf > 0 and math.isfinite(smallest) and smallest * smallest < fmt.min_subnormal / 2:
+    elif same_shape and n_inf > 0 and math.isfinite(smallest) and smallest * smallest < fmt.min_subnormal / 2:
         kind = "x/0"
     elif _normalisation(acts, j):
         kind = "other"
