@@ -47,7 +47,7 @@ class Setup:
         group = (opt.get("groups") or [{}])[0] or {}
         return cls(
             device=run.device,
-            param_dtype=max(counts, key=counts.get) if counts else "float32",
+            param_dtype=max(counts, key=lambda k: counts[k]) if counts else "float32",
             autocast=ac.get("dtype") if ac.get("enabled") and ac.get("dtype") in formats.REDUCED else None,
             scaler=run.scaler_on,
             optimizer=opt.get("class"),
@@ -302,7 +302,7 @@ def keep_fp32_line(paths) -> str:
     return f"handle = ampdoctor.keep_fp32(model, {quoted})  # these modules compute in FP32 inside autocast"
 
 
-def fmt_num(v: float) -> str:
+def fmt_num(v: float | None) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     if v == 0:

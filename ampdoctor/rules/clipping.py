@@ -6,12 +6,17 @@ max_norm, on every step."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from . import advice as A
 from .divergence import ADAPTIVE
 from .fix import code, text
-from .result import finding
+from .result import Diagnosis, finding
+
+if TYPE_CHECKING:
+    from .engine import Run
 
 # clip_grad_norm_ scales the gradients by max_norm / (norm + 1e-6): the clipped norm is max_norm to ~1e-6 relative,
 # and the recorded norm carries float32 rounding (~1e-7). The norms of gradients no clip touched vary between
@@ -29,7 +34,7 @@ MIN_SCALE = 16.0
 PLAUSIBLE_MAX_NORM = (1e-2, 1e3)
 
 
-def clip_before_unscale(run, *, tolerance=TOLERANCE, min_share=MIN_SHARE):
+def clip_before_unscale(run: Run, *, tolerance: float = TOLERANCE, min_share: float = MIN_SHARE) -> Diagnosis | None:
     if not run.scaler_on:
         return None
     st = run.steps

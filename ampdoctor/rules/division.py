@@ -6,6 +6,7 @@ overflow: FP32 for that module, or an eps the format holds, removes it (forward-
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -14,7 +15,10 @@ from ..trace.schema import ROOT
 from . import advice as A
 from .fix import code, text
 from .policy import NORM_TYPES
-from .result import finding
+from .result import Diagnosis, finding
+
+if TYPE_CHECKING:
+    from .engine import Run
 
 # A module whose finite outputs stayed 8 binades (256x) under its format's max did not overflow them.
 MIN_HEADROOM_BINADES = 8.0
@@ -31,7 +35,9 @@ def same_module(own, division) -> bool:
     return division.evidence["module"] in (own.evidence.get("module"), own.evidence.get("cause_module"))
 
 
-def division_by_zero(run, *, min_headroom_binades=MIN_HEADROOM_BINADES, critical_share=CRITICAL_SHARE):
+def division_by_zero(
+    run: Run, *, min_headroom_binades: float = MIN_HEADROOM_BINADES, critical_share: float = CRITICAL_SHARE
+) -> Diagnosis | None:
     o = run.overflow_origins
     if o is None:
         return None
@@ -140,7 +146,7 @@ def _input_of(paths: list[str], j: int) -> int | None:
     return None
 
 
-def _division(run, acts, j: int, i: int | None, steps: list[int], min_headroom: float) -> dict | None:
+def _division(run: Run, acts, j: int, i: int | None, steps: list[int], min_headroom: float) -> dict | None:
     """The evidence that module ``j`` divided by 0 on ``steps`` (full statistics), or None."""
     rows = [s for s in steps if s in set(run.full_steps.tolist())]
     if not rows or i is None:

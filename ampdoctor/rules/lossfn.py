@@ -6,16 +6,20 @@ loss scale cannot help (the loss-scale-collapse it causes is suppressed by this 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import formats
 from ..trace.schema import ROOT
 from . import advice as A
-from .fix import code, text
+from .fix import Part, code, text
 from .policy import SOFTMAX_TYPES
-from .result import finding
+from .result import Diagnosis, finding
 from .scaling import output_gradient_steps
+
+if TYPE_CHECKING:
+    from .engine import Run
 
 FP16 = formats.FP16
 # softmax rounds a probability to 0 in FP16 below half the smallest subnormal, 2^-25: a logit that far below the
@@ -41,7 +45,7 @@ def skips_from_loss(own, theirs) -> bool:
     return bool(skipped) and 2 * len(skipped & ours) >= len(skipped & set(theirs.evidence.get("observed_bad", [])))
 
 
-def loss_nonfinite(run, *, critical_share=CRITICAL_SHARE):
+def loss_nonfinite(run: Run, *, critical_share: float = CRITICAL_SHARE) -> Diagnosis | None:
     ev = run.events
     value = sorted(set(ev.loc[ev["phase"] == "loss", "step"].astype(int)))
     grad = sorted(output_gradient_steps(run) - set(value))
@@ -98,7 +102,7 @@ def loss_nonfinite(run, *, critical_share=CRITICAL_SHARE):
     )
 
 
-def _observed_bad(run) -> list[int]:
+def _observed_bad(run: Run) -> list[int]:
     """Skipped or non-finite steps that observed their sites (their origin is known)."""
     st = run.steps
     bad = st["skipped"].to_numpy(bool) | st["nonfinite"].to_numpy(bool)
@@ -106,11 +110,19 @@ def _observed_bad(run) -> list[int]:
     return st.loc[bad & seen, "step"].astype(int).tolist()
 
 
-def _output(run, steps: list[int]) -> dict:
+def _output(run: Run, steps: list[int]) -> dict:
     """The model's output on those steps: path, dtype, largest |value|, share of exact zeros, a probability?"""
     acts = run.sites("act")
     paths = acts["path"].tolist()
-    out = {"path": None, "dtype": None, "peak": None, "zeros": None, "probability": False, "loss": None, "total": None}
+    out: dict[str, Any] = {
+        "path": None,
+        "dtype": None,
+        "peak": None,
+        "zeros": None,
+        "probability": False,
+        "loss": None,
+        "total": None,
+    }
     loss = run.steps.set_index("step")["loss"]
     fin = [float(loss[s]) for s in steps if s in loss.index and np.isfinite(loss[s])]
     out["loss"] = fin[0] if fin else None
@@ -161,7 +173,7 @@ def _last_leaf(paths: list[str], acts) -> str | None:
     return None
 
 
-def _mechanism(run, setup, out: dict, loss_dtype, value: list, grad: list) -> tuple[str, str, bool, list]:
+def _mechanism(run: Run, setup, out: dict, loss_dtype, value: list, grad: list) -> tuple[str, str, bool, list]:
     """(mechanism, the evidence that decided it, sure?, fix parts)."""
     half_out = out["dtype"] in formats.REDUCED
     peak = out["peak"]
@@ -263,7 +275,7 @@ def _squares_overflow(peak: float) -> bool:
     return peak * peak > FP16.max
 
 
-def _cross_entropy(setup) -> object:
+def _cross_entropy(setup: A.Setup) -> Part:
     if setup.autocast is not None:
         return code(
             f'with torch.autocast(device_type="{A.dev(setup)}", dtype=torch.{setup.autocast}):',

@@ -4,6 +4,7 @@ it (typically normalisation layers whose running statistics are kept in half pre
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -13,7 +14,10 @@ from . import advice as A
 from . import precision
 from .fix import text
 from .policy import NORM_TYPES
-from .result import finding
+from .result import Diagnosis, finding
+
+if TYPE_CHECKING:
+    from .engine import Run
 
 BATCHNORM_TYPES = ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm")
 
@@ -178,14 +182,14 @@ def _compare(run, name, late_share, min_ratio, alpha, min_dispersion, min_sign_c
 
 
 def val_oscillation(
-    run,
+    run: Run,
     *,
-    late_share=LATE_SHARE,
-    min_ratio=MIN_RATIO,
-    alpha=ALPHA,
-    min_dispersion=MIN_DISPERSION,
-    min_sign_changes=MIN_SIGN_CHANGES,
-):
+    late_share: float = LATE_SHARE,
+    min_ratio: float = MIN_RATIO,
+    alpha: float = ALPHA,
+    min_dispersion: float = MIN_DISPERSION,
+    min_sign_changes: float = MIN_SIGN_CHANGES,
+) -> Diagnosis | None:
     m = run.metrics
     if not len(m):
         return None

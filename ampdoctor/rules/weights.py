@@ -4,6 +4,7 @@ gradients orders of magnitude off, traced back to the weights whose scale is at 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -12,7 +13,10 @@ from ..trace.schema import ROOT
 from . import advice as A
 from .fix import code, text
 from .policy import NORM_TYPES
-from .result import finding
+from .result import Diagnosis, finding
+
+if TYPE_CHECKING:
+    from .engine import Run
 
 # An update below half an ULP of its weight rounds back to the weight: the element did not move although its
 # gradient was non-zero. 10% of the parameters frozen that way is material; 90% means training has stalled.
@@ -27,7 +31,9 @@ GRAD_DECADES = 3.0
 NO_FAN_IN = NORM_TYPES + ("Embedding", "EmbeddingBag")
 
 
-def weight_update_lost(run, *, min_lost_share=MIN_LOST_SHARE, stalled_share=STALLED_SHARE):
+def weight_update_lost(
+    run: Run, *, min_lost_share: float = MIN_LOST_SHARE, stalled_share: float = STALLED_SHARE
+) -> Diagnosis | None:
     w = run.sites("weight")
     half = w[w["dtype"].isin(formats.REDUCED)]
     if not len(half):
@@ -114,7 +120,9 @@ def _fan_in(shape: str) -> int | None:
     return int(np.prod(dims[1:]))
 
 
-def grad_range_anomaly(run, *, grad_decades=GRAD_DECADES, weight_decades=WEIGHT_DECADES):
+def grad_range_anomaly(
+    run: Run, *, grad_decades: float = GRAD_DECADES, weight_decades: float = WEIGHT_DECADES
+) -> Diagnosis | None:
     pg = run.sites("param_grad")
     types = run.module_types
     mats = [(j, s) for j, s in enumerate(pg.itertuples()) if _fan_in(s.shape) and types.get(s.module) not in NO_FAN_IN]
@@ -191,7 +199,7 @@ def grad_range_anomaly(run, *, grad_decades=GRAD_DECADES, weight_decades=WEIGHT_
     )
 
 
-def weight_faults(run, weight_decades: float = WEIGHT_DECADES) -> dict:
+def weight_faults(run: Run, weight_decades: float = WEIGHT_DECADES) -> dict:
     """Weight matrices whose RMS at their first record is at least ``weight_decades`` off 1/sqrt(fan_in), worst
     first: parameter path -> {"rms", "fan_in_rms", "ratio", "module"} (shared as ``Run.weight_faults``)."""
     w = run.sites("weight")
@@ -220,7 +228,7 @@ def weight_faults(run, weight_decades: float = WEIGHT_DECADES) -> dict:
 EPS_OPTIMIZERS = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "SparseAdam")
 
 
-def weights_nonfinite(run):
+def weights_nonfinite(run: Run) -> Diagnosis | None:
     ev = run.weight_events
     if not len(ev):
         return None
