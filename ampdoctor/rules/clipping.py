@@ -30,8 +30,10 @@ MIN_STEPS = 10
 # Below a scale of 16 the updates shrink by less than that: not what stalls a run.
 MIN_SCALE = 16.0
 # With the scale constant the product alone cannot tell max_norm = c (clipping the scaled gradients) from
-# max_norm = c / scale (clipping unscaled ones at a tiny threshold); people set max_norm between 0.01 and 1000.
+# max_norm = c / scale (clipping unscaled ones at a tiny threshold); people set max_norm between 0.01 and 1000, and
+# no one clips at 1e-4 (that is 1.0 / 2^13 and below: what a max_norm of ~1 over a scale of 2^13 or more leaves).
 PLAUSIBLE_MAX_NORM = (1e-2, 1e3)
+IMPLAUSIBLE_APPLIED = 1e-4
 
 
 def clip_before_unscale(run: Run, *, tolerance: float = TOLERANCE, min_share: float = MIN_SHARE) -> Diagnosis | None:
@@ -55,7 +57,7 @@ def clip_before_unscale(run: Run, *, tolerance: float = TOLERANCE, min_share: fl
     applied = norm[ok][at]
     followed = len(np.unique(scales)) >= 2  # the scale changed and the applied norm followed 1 / scale
     lo, hi = PLAUSIBLE_MAX_NORM
-    if not followed and not (lo <= max_norm <= hi and float(np.median(applied)) < lo):
+    if not followed and not (lo <= max_norm <= hi and float(np.median(applied)) < IMPLAUSIBLE_APPLIED):
         return None  # a constant norm at a constant scale that a plausible max_norm does not explain either way
     shown = float(f"{max_norm:.3g}")
     opt = (run.config.get("optimizer") or {}).get("class") or "the optimizer"

@@ -69,14 +69,17 @@ class Run:
         return out
 
     def shown_findings(self, rule: Rule) -> list[Diagnosis]:
-        """A rule's findings less those a rule it is ``suppressed_by`` explains (that rule computed, shown or not)."""
+        """A rule's findings less those a rule it is ``suppressed_by`` explains (that rule computed, shown or not).
+        A rule hidden whatever it finds (an unconditional suppressor found something) is not run for display."""
+        if any(s.when is None and self.findings_of(s.by) for s in rule.suppressed_by):
+            return []
         return [
             d
             for d in self.findings_of(rule.id)
             if not any(s.hides(d, self.findings_of(s.by)) for s in rule.suppressed_by)
         ]
 
-    def threshold(self, rule_id: str, name: str):
+    def threshold(self, rule_id: str, name: str) -> float:
         """A rule's threshold as the user set it (else its default): evidence shared through the Run honours it."""
         entry = self._selected.get(rule_id)
         rule = entry.rule if entry is not None else registry.RULES[rule_id]
