@@ -6,17 +6,12 @@ max_norm, on every step."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from . import advice as A
 from .divergence import ADAPTIVE
 from .fix import code, text
-from .result import Diagnosis, finding
-
-if TYPE_CHECKING:
-    from .engine import Run
+from .result import Diagnosis, RunView, finding
 
 # clip_grad_norm_ scales the gradients by max_norm / (norm + 1e-6): the clipped norm is max_norm to ~1e-6 relative,
 # and the recorded norm carries float32 rounding (~1e-7). The norms of gradients no clip touched vary between
@@ -36,7 +31,9 @@ PLAUSIBLE_MAX_NORM = (1e-2, 1e3)
 IMPLAUSIBLE_APPLIED = 1e-4
 
 
-def clip_before_unscale(run: Run, *, tolerance: float = TOLERANCE, min_share: float = MIN_SHARE) -> Diagnosis | None:
+def clip_before_unscale(
+    run: RunView, *, tolerance: float = TOLERANCE, min_share: float = MIN_SHARE
+) -> Diagnosis | None:
     if not run.scaler_on:
         return None
     st = run.steps

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import pandas as pd
 
 from . import precision
 from .fix import code, text
-from .result import Diagnosis, finding
+from .result import Diagnosis, RunView, finding
 from .scaling import MAX_SKIP_SHARE
-
-if TYPE_CHECKING:
-    from .engine import Run
 
 # Steps needed to reach the same loss: 1.5x the reference's is beyond run-to-run noise of a small seed-matched run
 # and is what "clearly slower" means in the troubleshooting table.
@@ -43,7 +38,7 @@ def material(own, underflow) -> bool:
 
 
 def slow_convergence(
-    run: Run, *, ratio: float = SLOW_RATIO, max_skip_share: float = MAX_SKIP_SHARE, alpha: float = ALPHA
+    run: RunView, *, ratio: float = SLOW_RATIO, max_skip_share: float = MAX_SKIP_SHARE, alpha: float = ALPHA
 ) -> Diagnosis | None:
     ref = run.reference
     if ref is None:

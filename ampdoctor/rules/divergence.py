@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -16,12 +15,9 @@ import pandas as pd
 from .. import formats
 from ..trace.schema import ROOT
 from . import advice as A
-from .result import Diagnosis, finding
+from .result import Diagnosis, RunView, finding
 from .scaling import forward_nonfinite_steps, nonfinite_origins
 from .weights import NO_FAN_IN, _fan_in
-
-if TYPE_CHECKING:
-    from .engine import Run
 
 FP16 = formats.FP16
 
@@ -79,7 +75,7 @@ NO_PROGRESS = 0.9
 MIN_FLAT_STEPS = 10
 
 
-def _bad(run: Run) -> np.ndarray:
+def _bad(run: RunView) -> np.ndarray:
     st = run.steps
     loss = st["loss"].to_numpy(float)
     bad = st["skipped"].to_numpy(bool) | st["nonfinite"].to_numpy(bool)
@@ -88,7 +84,7 @@ def _bad(run: Run) -> np.ndarray:
     return bad
 
 
-def trend(run: Run, window=WINDOW) -> dict | None:
+def trend(run: RunView, window=WINDOW) -> dict | None:
     """Loss and gradient-norm trend from the start to shortly after the first non-finite step, or None."""
     st = run.steps
     bad = _bad(run)
@@ -170,7 +166,7 @@ class Blowup:
 
 
 def blowup(
-    run: Run,
+    run: RunView,
     max_update_ratio: float = MAX_UPDATE_RATIO,
     jump_binades: float = JUMP_BINADES,
     growth_binades: float = GROWTH_BINADES,
@@ -217,7 +213,7 @@ def blowup(
     return b
 
 
-def _update_ratio(run: Run, first: int, b: Blowup) -> None:
+def _update_ratio(run: RunView, first: int, b: Blowup) -> None:
     """Largest update / weight scale over the weight matrices at the recorded update steps before ``first``."""
     ups, ws = run.sites("update"), run.sites("weight")
     if not len(ups):
@@ -244,11 +240,11 @@ def _update_ratio(run: Run, first: int, b: Blowup) -> None:
         b.update_ratio, b.update_param, b.update_step = best
 
 
-def _observed(run: Run) -> np.ndarray:
+def _observed(run: RunView) -> np.ndarray:
     return run.steps["level"].fillna(-1).to_numpy(float) >= 0
 
 
-def _jump(run: Run, first: int, bad: np.ndarray, b: Blowup) -> None:
+def _jump(run: RunView, first: int, bad: np.ndarray, b: Blowup) -> None:
     """Largest move of an output peak between two consecutive observed steps up to ``first``; into a non-finite
     peak on the first bad step, the headroom it had (a lower bound). Only a move the later steps kept counts."""
     acts = run.sites("act")
@@ -290,7 +286,7 @@ def _kept(col: np.ndarray, rows: np.ndarray, at: int, value: float) -> bool:
     return not len(later) or all((not np.isfinite(v)) or v >= value / 4 for v in later)
 
 
-def _flat_and_growth(run: Run, first: int, b: Blowup) -> None:
+def _flat_and_growth(run: RunView, first: int, b: Blowup) -> None:
     """Did the loss make progress before ``first``; how much did the output peaks grow meanwhile."""
     loss = run.steps["loss"].to_numpy(float)[:first]
     fin = loss[np.isfinite(loss)]
@@ -317,7 +313,7 @@ def _flat_and_growth(run: Run, first: int, b: Blowup) -> None:
         b.growth, b.growth_site, b.growth_steps = best
 
 
-def finite_blowup(run: Run) -> dict | None:
+def finite_blowup(run: RunView) -> dict | None:
     """A run that diverged without a single non-finite value (FP32 and BF16 hold a blown-up loss): its loss over
     the second half of the run stayed at FINITE_RISE x where it started. None otherwise."""
     st = run.steps
@@ -349,7 +345,7 @@ def finite_blowup(run: Run) -> dict | None:
     }
 
 
-def _overflow_growth(run: Run, bad: np.ndarray, first: int, end: int) -> float:
+def _overflow_growth(run: RunView, bad: np.ndarray, first: int, end: int) -> float:
     """A lower bound on how much the largest gradient grew: a step whose gradients overflowed at scale S held a
     gradient >= 65504 / S, against the largest gradient of the clean steps before the first non-finite one (the
     replay's definition of the largest unscaled gradient). NaN without a scaler or a clean start."""
@@ -379,7 +375,7 @@ def _reference_diverged(ref, min_loss_rise: float) -> bool | None:
 
 
 def divergence(
-    run: Run,
+    run: RunView,
     *,
     min_loss_rise: float = MIN_LOSS_RISE,
     min_norm_growth: float = MIN_NORM_GROWTH,
@@ -478,7 +474,7 @@ def divergence(
     )
 
 
-def _ratio_at(run: Run, b: Blowup | None, lr: float | None) -> float | None:
+def _ratio_at(run: RunView, b: Blowup | None, lr: float | None) -> float | None:
     """The update-to-weight ratio measured at its step, scaled to the learning rate in force at the blow-up (a
     warm-up's first step ran at a fraction of it; the update is proportional to the learning rate)."""
     if b is None or b.update_ratio is None or not lr:
@@ -489,7 +485,7 @@ def _ratio_at(run: Run, b: Blowup | None, lr: float | None) -> float | None:
     return b.update_ratio * lr / then
 
 
-def _lr_before(run: Run, t: dict) -> float | None:
+def _lr_before(run: RunView, t: dict) -> float | None:
     """The learning rate in force when the run blew up (the last one logged before the blow-up step)."""
     lrs = run.steps["lr"].to_numpy(float)
     at = min(int(np.searchsorted(run.steps["step"].to_numpy(int), t["blowup_step"])), len(lrs) - 1)

@@ -6,7 +6,6 @@ overflow: FP32 for that module, or an eps the format holds, removes it (forward-
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -15,10 +14,7 @@ from ..trace.schema import ROOT
 from . import advice as A
 from .fix import code, text
 from .policy import NORM_TYPES
-from .result import Diagnosis, finding
-
-if TYPE_CHECKING:
-    from .engine import Run
+from .result import Diagnosis, RunView, finding
 
 # A module whose finite outputs stayed 8 binades (256x) under its format's max did not overflow them.
 MIN_HEADROOM_BINADES = 8.0
@@ -36,7 +32,7 @@ def same_module(own, division) -> bool:
 
 
 def division_by_zero(
-    run: Run, *, min_headroom_binades: float = MIN_HEADROOM_BINADES, critical_share: float = CRITICAL_SHARE
+    run: RunView, *, min_headroom_binades: float = MIN_HEADROOM_BINADES, critical_share: float = CRITICAL_SHARE
 ) -> Diagnosis | None:
     o = run.overflow_origins
     if o is None:
@@ -146,7 +142,7 @@ def _input_of(paths: list[str], j: int) -> int | None:
     return None
 
 
-def _division(run: Run, acts, j: int, i: int | None, steps: list[int], min_headroom: float) -> dict | None:
+def _division(run: RunView, acts, j: int, i: int | None, steps: list[int], min_headroom: float) -> dict | None:
     """The evidence that module ``j`` divided by 0 on ``steps`` (full statistics), or None."""
     rows = [s for s in steps if s in set(run.full_steps.tolist())]
     if not rows or i is None:

@@ -6,7 +6,7 @@ loss scale cannot help (the loss-scale-collapse it causes is suppressed by this 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -15,11 +15,8 @@ from ..trace.schema import ROOT
 from . import advice as A
 from .fix import Part, code, text
 from .policy import SOFTMAX_TYPES
-from .result import Diagnosis, finding
+from .result import Diagnosis, RunView, finding
 from .scaling import output_gradient_steps
-
-if TYPE_CHECKING:
-    from .engine import Run
 
 FP16 = formats.FP16
 # softmax rounds a probability to 0 in FP16 below half the smallest subnormal, 2^-25: a logit that far below the
@@ -45,7 +42,7 @@ def skips_from_loss(own, theirs) -> bool:
     return bool(skipped) and 2 * len(skipped & ours) >= len(skipped & set(theirs.evidence.get("observed_bad", [])))
 
 
-def loss_nonfinite(run: Run, *, critical_share: float = CRITICAL_SHARE) -> Diagnosis | None:
+def loss_nonfinite(run: RunView, *, critical_share: float = CRITICAL_SHARE) -> Diagnosis | None:
     ev = run.events
     value = sorted(set(ev.loc[ev["phase"] == "loss", "step"].astype(int)))
     grad = sorted(output_gradient_steps(run) - set(value))
@@ -102,7 +99,7 @@ def loss_nonfinite(run: Run, *, critical_share: float = CRITICAL_SHARE) -> Diagn
     )
 
 
-def _observed_bad(run: Run) -> list[int]:
+def _observed_bad(run: RunView) -> list[int]:
     """Skipped or non-finite steps that observed their sites (their origin is known)."""
     st = run.steps
     bad = st["skipped"].to_numpy(bool) | st["nonfinite"].to_numpy(bool)
@@ -110,7 +107,7 @@ def _observed_bad(run: Run) -> list[int]:
     return st.loc[bad & seen, "step"].astype(int).tolist()
 
 
-def _output(run: Run, steps: list[int]) -> dict:
+def _output(run: RunView, steps: list[int]) -> dict:
     """The model's output on those steps: path, dtype, largest |value|, share of exact zeros, a probability?"""
     acts = run.sites("act")
     paths = acts["path"].tolist()
@@ -173,7 +170,7 @@ def _last_leaf(paths: list[str], acts) -> str | None:
     return None
 
 
-def _mechanism(run: Run, setup, out: dict, loss_dtype, value: list, grad: list) -> tuple[str, str, bool, list]:
+def _mechanism(run: RunView, setup, out: dict, loss_dtype, value: list, grad: list) -> tuple[str, str, bool, list]:
     """(mechanism, the evidence that decided it, sure?, fix parts)."""
     half_out = out["dtype"] in formats.REDUCED
     peak = out["peak"]

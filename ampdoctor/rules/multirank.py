@@ -66,7 +66,9 @@ def rank_findings(rr: RankRun, rules: dict | None = None) -> list[Diagnosis]:
     with contextlib.ExitStack() as stack:
         for t in rr:
             stack.enter_context(t.snapshot())
-        return worst_first(_across({rank: Run(t) for rank, t in rr.items()}, selected))
+        return worst_first(
+            _across({rank: Run(t) for rank, t in rr.items()}, selected), {s.rule.id: i for i, s in enumerate(selected)}
+        )
 
 
 def _merge(found: list[tuple[int, Diagnosis]]) -> list[Diagnosis]:

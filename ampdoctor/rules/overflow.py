@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -13,10 +12,7 @@ from .. import formats
 from ..trace.schema import ROOT
 from . import advice as A
 from .fix import text
-from .result import Diagnosis, finding
-
-if TYPE_CHECKING:
-    from .engine import Run
+from .result import Diagnosis, RunView, finding
 
 # Critical when at least this share of steps had a non-finite forward: the run is then mostly skipped or NaN.
 CRITICAL_SHARE = 0.5
@@ -38,7 +34,7 @@ class Origins:
     tipped: list[str]  # modules that only tipped the culprit's near-limit values over
 
 
-def origins(run: Run) -> Origins | None:
+def origins(run: RunView) -> Origins | None:
     ev = run.events
     fwd = ev[ev["phase"] == "fwd"]
     wev = run.weight_events
@@ -66,7 +62,7 @@ def after_blowup(own, divergence) -> bool:
     return first is not None and own.evidence["first_overflow_step"] >= first
 
 
-def forward_overflow(run: Run, *, min_steps: int = 1, critical_share: float = CRITICAL_SHARE) -> Diagnosis | None:
+def forward_overflow(run: RunView, *, min_steps: int = 1, critical_share: float = CRITICAL_SHARE) -> Diagnosis | None:
     o = run.overflow_origins
     if o is None or len(o.events) < min_steps:
         return None

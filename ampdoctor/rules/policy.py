@@ -3,17 +3,12 @@ half precision)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from .. import formats
 from . import advice as A
 from .fix import code, text
-from .result import Diagnosis, finding
-
-if TYPE_CHECKING:
-    from .engine import Run
+from .result import Diagnosis, RunView, finding
 
 NORM_TYPES = (
     "BatchNorm1d",
@@ -39,7 +34,7 @@ def _reduced_acts(run):
     return acts[acts["dtype"].isin(formats.REDUCED)]
 
 
-def amp_inactive(run: Run) -> Diagnosis | None:
+def amp_inactive(run: RunView) -> Diagnosis | None:
     ac = run.autocast
     if not (run.scaler_on or ac.get("enabled")):
         return None  # no sign that AMP was intended
@@ -85,7 +80,7 @@ def amp_inactive(run: Run) -> Diagnosis | None:
     )
 
 
-def precision_policy(run: Run, *, min_softmax_underflow: float = MIN_SOFTMAX_UNDERFLOW) -> Diagnosis | None:
+def precision_policy(run: RunView, *, min_softmax_underflow: float = MIN_SOFTMAX_UNDERFLOW) -> Diagnosis | None:
     items = []  # (layer, what, evidence, fix)
     loss_dtype = run.config.get("loss_dtype")
     if loss_dtype in formats.REDUCED:

@@ -8,12 +8,16 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
 from ..severity import RANK, SEVERITIES
 from . import fix as F
+
+# What a rule reads: the engine's Run (engine.py). Rule modules cannot import the engine (it imports them through the
+# registry), so their ``run`` parameters are annotated with this name.
+RunView = Any
 
 
 @dataclass
@@ -126,11 +130,10 @@ def finding(
 
 
 def worst_first(findings: list[Diagnosis], order: dict[str, int] | None = None) -> list[Diagnosis]:
-    """The one order of findings everywhere: severity (critical first), then the rule's place in the registry (or
-    ``order``), then the ranks concerned. Stable: findings of one rule keep the order the rule gave them."""
-    from . import registry  # (registry imports the rule modules, which import this module)
-
-    order = order if order is not None else {rid: i for i, rid in enumerate(registry.RULES)}
+    """The one order of findings everywhere: severity (critical first), then the rule's place in ``order`` (the
+    registry's, as the engine passes it), then the ranks concerned. Stable: findings of one rule keep the order the
+    rule gave them."""
+    order = order or {}
     return sorted(findings, key=lambda d: (-RANK.get(d.severity, -1), order.get(d.rule, len(order)), d.ranks))
 
 

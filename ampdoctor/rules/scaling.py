@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from .. import formats
 from . import advice as A
 from .fix import code, text
-from .result import Diagnosis, finding
-
-if TYPE_CHECKING:
-    from .engine import Run
+from .result import Diagnosis, RunView, finding
 
 # A GradScaler halves its scale once per overflowing step, so a run started at 2^16 whose gradients need 2^13
 # skips 3 steps while calibrating; PyTorch's own default skips "a handful". Five or more skips in the
@@ -28,7 +23,7 @@ COLLAPSE_HALVINGS = 4
 MAX_SKIP_SHARE = 0.05
 
 
-def grad_out_peaks(run: Run):
+def grad_out_peaks(run: RunView):
     """(largest unscaled gradient per step in FP16 terms [n], clean-step mask), as the replay defines it (output and
     parameter gradients; a returned loss's gradient w.r.t. itself is not one): replay.GradientPeaks."""
     peaks = run.gradient_peaks
@@ -37,14 +32,14 @@ def grad_out_peaks(run: Run):
     return g, clean
 
 
-def _observed_nonfinite(run: Run) -> np.ndarray:
+def _observed_nonfinite(run: RunView) -> np.ndarray:
     """Steps that observed their sites and held a NaN/Inf: the rows where a NaN peak is a value, not the NaN that
     fills a step observed by the sentinel only."""
     st = run.steps
     return st["nonfinite"].to_numpy(bool) & (st["level"].fillna(0).to_numpy(float) >= 0)
 
 
-def forward_nonfinite_steps(run: Run) -> set:
+def forward_nonfinite_steps(run: RunView) -> set:
     """Steps in which a forward output or the loss was non-finite (loss scaling cannot cause or fix these)."""
     ev = run.events
     steps = set(ev.loc[ev["phase"].isin(["fwd", "loss"]), "step"].astype(int))
@@ -57,7 +52,7 @@ def forward_nonfinite_steps(run: Run) -> set:
 
 
 def init_scale_too_high(
-    run: Run, *, min_skips: float = MIN_EARLY_SKIPS, early_steps: float = EARLY_STEPS
+    run: RunView, *, min_skips: float = MIN_EARLY_SKIPS, early_steps: float = EARLY_STEPS
 ) -> Diagnosis | None:
     if not (run.scaler_on and run.fp16):
         return None
@@ -125,7 +120,7 @@ def suggestion_line(sug) -> str:
     return "scaler = " + sug.code
 
 
-def output_gradient_steps(run: Run) -> set:
+def output_gradient_steps(run: RunView) -> set:
     """Steps whose loss was finite but whose first non-finite value was the first gradient of the backward pass (the
     loss's gradient w.r.t. the model's output: no finite gradient came before it). The loss function's own backward
     made it, e.g. log's 1/p at a probability rounded to 0."""
@@ -142,7 +137,7 @@ def output_gradient_steps(run: Run) -> set:
     }
 
 
-def nonfinite_origins(run: Run, steps: list[int]) -> dict:
+def nonfinite_origins(run: RunView, steps: list[int]) -> dict:
     """Where the non-finite values of these steps came from: counts per origin class and culprit layer ("loss": the
     loss function, its value or its gradient w.r.t. the model's output, from finite model outputs)."""
     ev = run.events
@@ -175,7 +170,7 @@ def nonfinite_origins(run: Run, steps: list[int]) -> dict:
 
 
 def loss_scale_collapse(
-    run: Run,
+    run: RunView,
     *,
     collapse_scale: float = COLLAPSE_SCALE,
     halvings: float = COLLAPSE_HALVINGS,

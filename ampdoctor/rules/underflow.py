@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -12,11 +11,8 @@ from .. import formats
 from ..trace.schema import ROOT
 from . import advice as A
 from .fix import code, text
-from .result import Diagnosis, finding
+from .result import Diagnosis, RunView, finding
 from .scaling import grad_out_peaks, suggestion_line
-
-if TYPE_CHECKING:
-    from .engine import Run
 
 FP16 = formats.FP16
 # A value in FP16's subnormal range [2^-24, 2^-14) keeps fewer than 10 mantissa bits (relative error up to 50% at
@@ -227,7 +223,7 @@ def _severity(run, bad: list[Site], min_share: float, reachable: float) -> tuple
     )
 
 
-def grad_underflow(run: Run, *, min_share: float = MIN_SHARE) -> Diagnosis | None:
+def grad_underflow(run: RunView, *, min_share: float = MIN_SHARE) -> Diagnosis | None:
     if not run.fp16:
         return None
     rows = underflow_sites(run)
@@ -298,7 +294,7 @@ def scale_fell(own, overflow) -> bool:
     return bool(own.evidence.get("scale_fell"))
 
 
-def _fix(run: Run, sug, scale_now: float, unliftable: str | None) -> list:
+def _fix(run: RunView, sug, scale_now: float, unliftable: str | None) -> list:
     """The replay's scaler (the same line `replay --suggest` prints), FP32 for a layer no scale lifts, BF16."""
     init, interval = float(sug.settings["init_scale"]), int(sug.settings["growth_interval"])
     found = (
@@ -360,7 +356,7 @@ def _own_settings(run, sug) -> bool:
     return all(k in own and own[k] is not None and float(own[k]) == float(sug.settings[k]) for k in keys)
 
 
-def fp16_readiness(run: Run, *, min_share: float = MIN_SHARE) -> Diagnosis | None:
+def fp16_readiness(run: RunView, *, min_share: float = MIN_SHARE) -> Diagnosis | None:
     if run.fp16 or run.scaler_on:
         return None  # an FP16 run speaks for itself; a scaler means amp-inactive
     acts = run.sites("act")

@@ -4,7 +4,6 @@ it (typically normalisation layers whose running statistics are kept in half pre
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -14,10 +13,7 @@ from . import advice as A
 from . import precision
 from .fix import text
 from .policy import NORM_TYPES
-from .result import Diagnosis, finding
-
-if TYPE_CHECKING:
-    from .engine import Run
+from .result import Diagnosis, RunView, finding
 
 BATCHNORM_TYPES = ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm")
 
@@ -182,7 +178,7 @@ def _compare(run, name, late_share, min_ratio, alpha, min_dispersion, min_sign_c
 
 
 def val_oscillation(
-    run: Run,
+    run: RunView,
     *,
     late_share: float = LATE_SHARE,
     min_ratio: float = MIN_RATIO,

@@ -4,7 +4,6 @@ gradients orders of magnitude off, traced back to the weights whose scale is at 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -13,10 +12,7 @@ from ..trace.schema import ROOT
 from . import advice as A
 from .fix import code, text
 from .policy import NORM_TYPES
-from .result import Diagnosis, finding
-
-if TYPE_CHECKING:
-    from .engine import Run
+from .result import Diagnosis, RunView, finding
 
 # An update below half an ULP of its weight rounds back to the weight: the element did not move although its
 # gradient was non-zero. 10% of the parameters frozen that way is material; 90% means training has stalled.
@@ -32,7 +28,7 @@ NO_FAN_IN = NORM_TYPES + ("Embedding", "EmbeddingBag")
 
 
 def weight_update_lost(
-    run: Run, *, min_lost_share: float = MIN_LOST_SHARE, stalled_share: float = STALLED_SHARE
+    run: RunView, *, min_lost_share: float = MIN_LOST_SHARE, stalled_share: float = STALLED_SHARE
 ) -> Diagnosis | None:
     w = run.sites("weight")
     half = w[w["dtype"].isin(formats.REDUCED)]
@@ -121,7 +117,7 @@ def _fan_in(shape: str) -> int | None:
 
 
 def grad_range_anomaly(
-    run: Run, *, grad_decades: float = GRAD_DECADES, weight_decades: float = WEIGHT_DECADES
+    run: RunView, *, grad_decades: float = GRAD_DECADES, weight_decades: float = WEIGHT_DECADES
 ) -> Diagnosis | None:
     pg = run.sites("param_grad")
     types = run.module_types
@@ -199,7 +195,7 @@ def grad_range_anomaly(
     )
 
 
-def weight_faults(run: Run, weight_decades: float = WEIGHT_DECADES) -> dict:
+def weight_faults(run: RunView, weight_decades: float = WEIGHT_DECADES) -> dict:
     """Weight matrices whose RMS at their first record is at least ``weight_decades`` off 1/sqrt(fan_in), worst
     first: parameter path -> {"rms", "fan_in_rms", "ratio", "module"} (shared as ``Run.weight_faults``)."""
     w = run.sites("weight")
@@ -228,7 +224,7 @@ def weight_faults(run: Run, weight_decades: float = WEIGHT_DECADES) -> dict:
 EPS_OPTIMIZERS = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "SparseAdam")
 
 
-def weights_nonfinite(run: Run) -> Diagnosis | None:
+def weights_nonfinite(run: RunView) -> Diagnosis | None:
     ev = run.weight_events
     if not len(ev):
         return None
