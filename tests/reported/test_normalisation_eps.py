@@ -108,10 +108,10 @@ def test_zero_rows_divided_by_a_norm_rounded_to_zero(tmp, norm, out_dtype, eps_t
 @pytest.mark.parametrize(
     "norm", [lambda: L2Norm(eps=1e-4), lambda: BertLayerNorm(D, fp32=True)], ids=["normalize-1e-4", "layernorm-fp32"]
 )
-def test_known_fix_control_is_quiet(tmp, norm):
+def test_known_fix_control_is_quiet(tmp, norm, request):
     """The fixes the threads settled on: eps=1e-4 for F.normalize (FP16 holds it, and 1/eps fits its backward),
     the variance and division in FP32 for the LayerNorm."""
-    path, res = fit(tmp, "norm-eps-ok", norm())
+    path, res = fit(tmp, f"control-{request.node.callspec.id}", norm())
     assert res.finite and res.improved(0.9)
     assert serious(diagnose(path)[1]) == []
 
