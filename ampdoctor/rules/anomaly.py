@@ -34,6 +34,15 @@ NEAR_LIMIT_BINADES = 1.0
 INCIDENT_GAP = 5
 
 
+def within_steps(own, outlier) -> bool:
+    """Suppression (registry): every step another finding concerns is the outlier batch's step."""
+    return (
+        bool(own.steps)
+        and bool(outlier.steps)
+        and outlier.steps[0] <= own.steps[0] <= own.steps[-1] <= outlier.steps[-1]
+    )
+
+
 def replays(run) -> list[dict]:
     """The replay events' data, one per replayed step (the anomalies the default tiers would have lost)."""
     if "_replays" not in run.__dict__:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 
 from .. import formats
 from ..trace.schema import ROOT
 from . import advice as A
-from .fix import code, text
-from .result import finding
+from .fix import text
+from .result import Diagnosis, RunView, finding
 
 # Critical when at least this share of steps had a non-finite forward: the run is then mostly skipped or NaN.
 CRITICAL_SHARE = 0.5
@@ -21,7 +23,18 @@ def _looks_like_attention(path: str, mtype: str) -> bool:
     return "attn" in text or "attention" in text
 
 
-def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
+@dataclass
+class Origins:
+    """The forward overflows of a run traced back to the module that produced the values (shared through
+    ``Run.overflow_origins``: loss-scale-collapse counts a tipping module's steps as its producer's)."""
+
+    events: pd.DataFrame  # the forward non-finite events (phase "fwd"), less those of weights an update made NaN
+    counts: pd.DataFrame  # per module: how many steps, first and last step (most steps first)
+    culprit: str  # the producer behind the most overflowing steps
+    tipped: list[str]  # modules that only tipped the culprit's near-limit values over
+
+
+def origins(run: RunView) -> Origins | None:
     ev = run.events
     fwd = ev[ev["phase"] == "fwd"]
     wev = run.weight_events
@@ -31,22 +44,31 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
         first = int(wev["step"].min())
         owners = {p.rpartition(".")[0] or ROOT for d in wev["data"] for p in d.get("params", [])}
         fwd = fwd[~((fwd["step"] > first) & fwd["path"].isin(owners))]
-    if len(fwd) < min_steps:
+    if not len(fwd):
         return None
-    for d in run.findings_of("divergence"):
-        if (
-            d.evidence["first_nonfinite_step"] is not None
-            and int(fwd["step"].min()) >= d.evidence["first_nonfinite_step"]
-        ):
-            return None  # activations that blew up with a diverging run: divergence's finding
     counts = (
         fwd.groupby("path")["step"].agg(["count", "min", "max"]).sort_values(["count", "min"], ascending=[False, True])
     )
-    acts = run.sites("act")
-    peaks = run.records("peak", "act")
     # The module whose outputs approached the limit, not the last straw: when the modules just before the first
     # overflowing one already ran within a binade of the max, the earliest of them produced the values.
-    culprit, tipped = _producer(acts, peaks, counts, formats.FP16.max)
+    culprit, tipped = _producer(run.sites("act"), run.records("peak", "act"), counts, formats.FP16.max)
+    return Origins(fwd, counts, culprit, tipped)
+
+
+def after_blowup(own, divergence) -> bool:
+    """Suppression (registry): an overflow that starts at or after the first non-finite step of a diverged run is
+    the blow-up's symptom, divergence's finding."""
+    first = divergence.evidence.get("first_nonfinite_step")
+    return first is not None and own.evidence["first_overflow_step"] >= first
+
+
+def forward_overflow(run: RunView, *, min_steps: int = 1, critical_share: float = CRITICAL_SHARE) -> Diagnosis | None:
+    o = run.overflow_origins
+    if o is None or len(o.events) < min_steps:
+        return None
+    fwd, counts, culprit, tipped = o.events, o.counts, o.culprit, o.tipped
+    acts = run.sites("act")
+    peaks = run.records("peak", "act")
     steps = fwd["step"].astype(int).tolist()
     own = fwd.loc[fwd["path"].isin([culprit] + tipped), "step"].astype(int).tolist()
     counts = counts.drop(index=[p for p in tipped if p in counts.index])
@@ -72,30 +94,24 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
     value = fwd["data"].iloc[0].get("value", "inf")
     others = [str(p) for p in counts.index]
     where = culprit if not others else f"{culprit} (and {', '.join(others)}, which overflowed too)"
+    setup = A.Setup.of(run)
     fixes = [
         text(
             f"Run {where} in FP32 inside autocast (loss scaling cannot fix a forward overflow; its FP32 "
             "output also keeps the modules after it from overflowing):"
         ),
-        code(
-            A.keep_fp32_line([culprit] + others),
-            "# or, by hand, inside its forward:",
-            f'with torch.autocast(device_type="{A.dev(run)}", enabled=False):',
-            "    out = self.block(x.float())",
-        ),
+        *A.keep_fp32(setup, [culprit] + others),
     ]
     if _looks_like_attention(culprit, mtype):
-        fixes += [
+        fixes.append(
             text(
-                "Scale the attention scores by 1/sqrt(d) (its absence is the usual cause), on q before the "
-                "product, since q @ k^T itself overflows:"
-            ),
-            code(
-                "scores = (q / math.sqrt(q.shape[-1])) @ k.transpose(-2, -1)",
-                "# or use torch.nn.functional.scaled_dot_product_attention(q, k, v)",
-            ),
-        ]
-    weights = _weight_fault(run, culprit)
+                f"Or scale the attention scores by 1/sqrt(d) in {mtype}'s forward (its absence is the usual cause), on "
+                "the query before the product, since q @ k^T itself overflows: scores = (q / math.sqrt(q.shape[-1])) "
+                "@ k.transpose(-2, -1) (q, k: its query and key tensors), or use "
+                "torch.nn.functional.scaled_dot_product_attention(q, k, v)."
+            )
+        )
+    weights = next((w for p, w in run.weight_faults.items() if w["module"] == culprit), None)
     if weights:
         fixes = [
             text(
@@ -104,11 +120,22 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
                 "the weights (a change of the model) removes the cause."
             )
         ] + fixes
-    if dtype == "float16" and run.bf16_supported:
-        fixes += [
-            text("Or train in BF16 (same exponent range as FP32; this device supports it):"),
-            code(A.autocast_block(run, "bfloat16")),
-        ]
+    if dtype == "float16":
+        fixes += A.bf16_note(setup)
+    # Evidence that the updates, not the format, drove the values there, short of deciding it (divergence decides
+    # where it is decisive and hides this finding): say so, and do not call the range the cause with certainty.
+    b = run.blowup
+    doubt = b.partial if b is not None and not b.decisive and min(own) >= b.first_step else []
+    if doubt:
+        severity = "warning"
+        fixes = [
+            text(
+                "Not certain this is a range problem: "
+                + "; ".join(doubt)
+                + ". If the same run in FP32 (or BF16) does not learn either, the learning rate is the cause: lower "
+                "it instead (see the divergence rule)."
+            )
+        ] + fixes
     headroom = fmt.max / last_finite if last_finite else None
     if last_finite:
         peak_text = (
@@ -124,7 +151,7 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
         f"Forward overflow in {culprit}",
         f"{culprit} ({mtype}, {dtype}) {'produced values at the edge of the range' if tipped else 'produced ' + value}"
         f" from finite inputs: {len(set(own))} of {run.n_steps} steps overflowed there (first at step {min(own)})"
-        f"{tip}; {peak_text}.",
+        f"{tip}; {peak_text}." + (f" Unsure: {'; '.join(doubt)}." if doubt else ""),
         layers=[culprit] + tipped + others,
         steps=run.step_range(steps),
         evidence={
@@ -133,6 +160,7 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
             "dtype": dtype,
             "steps_affected": len(set(own)),
             "first_step": min(own),
+            "first_overflow_step": min(steps),
             "value": value,
             "max_finite_output": last_finite,
             "max_finite_step": peak_step,
@@ -142,6 +170,7 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
             "nonfinite_losses": loss_bad,
             "tipped_over_by": tipped,
             "other_modules": {str(k): int(v) for k, v in counts["count"].items()},
+            "doubt": doubt,
         },
         fix=fixes,
     )
@@ -182,12 +211,3 @@ def _producer(acts, peaks, counts, limit: float) -> tuple[str, list]:
         if str(p) != culprit and origin(str(p)) == culprit and not culprit.startswith(str(p) + ".")
     ]
     return culprit, tipped
-
-
-def _weight_fault(run, module: str) -> dict | None:
-    """grad-range-anomaly's evidence that this module's weights are far off their fan-in scale (through the engine)."""
-    for d in run.findings_of("grad-range-anomaly"):
-        for path, w in d.evidence.get("weight_faults", {}).items():
-            if path.rpartition(".")[0] == module:
-                return w
-    return None
