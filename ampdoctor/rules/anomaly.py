@@ -82,14 +82,11 @@ def checked_fixes(run, replay: dict) -> list:
                 f"Checked on step {step} (the step replayed with this change): finite with {keep['modules'][0]} "
                 "in FP32:"
             ),
-            code(A.keep_fp32_line(keep["modules"])),
+            *A.keep_fp32(A.Setup.of(run), keep["modules"]),
         ]
-    bf16 = passed(replay, "bf16")
-    if bf16 is not None and run.bf16_supported:
-        parts += [
-            text(f"Checked on step {step}: finite in BF16 (FP32's exponent range, no loss scaling needed):"),
-            code(A.autocast_block(run, "bfloat16"), "loss.backward()  # no GradScaler"),
-        ]
+    note = A.bf16_note(A.Setup.of(run)) if passed(replay, "bf16") is not None else []
+    if note:
+        parts += [text(f"Checked on step {step}: finite in BF16 (FP32's exponent range, no loss scaling):"), *note[1:]]
     scale = passed(replay, "loss_scale")
     if scale is not None:
         parts += [

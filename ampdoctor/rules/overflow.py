@@ -11,6 +11,7 @@ import pandas as pd
 from .. import formats
 from ..trace.schema import ROOT
 from . import advice as A
+from . import anomaly
 from .fix import text
 from .result import Diagnosis, RunView, finding
 
@@ -32,6 +33,7 @@ class Origins:
     counts: pd.DataFrame  # per module: how many steps, first and last step (most steps first)
     culprit: str  # the producer behind the most overflowing steps
     tipped: list[str]  # modules that only tipped the culprit's near-limit values over
+    operations: list = None  # the replays' operations (dicts with their producers) on these steps, if any
 
 
 def origins(run: RunView) -> Origins | None:
@@ -51,8 +53,28 @@ def origins(run: RunView) -> Origins | None:
     )
     # The module whose outputs approached the limit, not the last straw: when the modules just before the first
     # overflowing one already ran within a binade of the max, the earliest of them produced the values.
-    culprit, tipped = _producer(run.sites("act"), run.records("peak", "act"), counts, formats.FP16.max)
-    return Origins(fwd, counts, culprit, tipped)
+    acts = run.sites("act")
+    culprit, tipped = _producer(acts, run.records("peak", "act"), counts, formats.FP16.max)
+    # Where a replay traced the step down to its operations, they decide: a value made inside a module's own forward
+    # is that module's, whatever child carried it out (the module walk only sees module outputs).
+    steps = set(fwd["step"].astype(int))
+    ops = [r for r in anomaly.replays(run) if r["step"] in steps and (r.get("operation") or {}).get("phase") == "fwd"]
+    if ops:
+        paths = set(acts["path"])
+        made = [_observed(anomaly.where_made(r)["module"], paths) for r in ops]
+        culprit = max(set(made), key=made.count)
+        seen = {_observed(r["operation"]["module"], paths) for r in ops} - {culprit}
+        tipped = [p for p in seen if not culprit.startswith(p + ".") and p != ROOT]
+    return Origins(fwd, counts, culprit, tipped, ops)
+
+
+def _observed(path: str, paths: set) -> str:
+    """The module itself when observed, else its nearest observed ancestor (the root at worst)."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) in paths:
+            return ".".join(parts[:i])
+    return ROOT
 
 
 def after_blowup(own, divergence) -> bool:
@@ -95,13 +117,16 @@ def forward_overflow(run: RunView, *, min_steps: int = 1, critical_share: float 
     others = [str(p) for p in counts.index]
     where = culprit if not others else f"{culprit} (and {', '.join(others)}, which overflowed too)"
     setup = A.Setup.of(run)
-    fixes = [
-        text(
-            f"Run {where} in FP32 inside autocast (loss scaling cannot fix a forward overflow; its FP32 "
-            "output also keeps the modules after it from overflowing):"
-        ),
-        *A.keep_fp32(setup, [culprit] + others),
-    ]
+    ops = o.operations or []
+    fixes, checked = _checked_fixes(run, ops, culprit)
+    if not checked.get("keep_fp32_failed"):
+        fixes += [
+            text(
+                f"Run {where} in FP32 inside autocast (loss scaling cannot fix a forward overflow; its FP32 "
+                "output also keeps the modules after it from overflowing):"
+            ),
+            *A.keep_fp32(setup, [culprit] + others),
+        ]
     if _looks_like_attention(culprit, mtype):
         fixes.append(
             text(
@@ -120,7 +145,7 @@ def forward_overflow(run: RunView, *, min_steps: int = 1, critical_share: float 
                 "the weights (a change of the model) removes the cause."
             )
         ] + fixes
-    if dtype == "float16":
+    if dtype == "float16" and "bf16" not in checked:
         fixes += A.bf16_note(setup)
     # Evidence that the updates, not the format, drove the values there, short of deciding it (divergence decides
     # where it is decisive and hides this finding): say so, and do not call the range the cause with certainty.
@@ -146,12 +171,14 @@ def forward_overflow(run: RunView, *, min_steps: int = 1, critical_share: float 
     else:
         peak_text = f"it never produced a finite output (the {fmt.name.upper()} max is {A.fmt_num(fmt.max)})"
     tip = f"; {', '.join(tipped)} then tipped those values over the max" if tipped else ""
+    op = anomaly.where_made(ops[0]) if ops else None
+    made_by = f" ({op['op']} at {op['line']})" if op is not None and op.get("line") else ""
     return finding(
         severity,
         f"Forward overflow in {culprit}",
         f"{culprit} ({mtype}, {dtype}) {'produced values at the edge of the range' if tipped else 'produced ' + value}"
-        f" from finite inputs: {len(set(own))} of {run.n_steps} steps overflowed there (first at step {min(own)})"
-        f"{tip}; {peak_text}." + (f" Unsure: {'; '.join(doubt)}." if doubt else ""),
+        f"{made_by} from finite inputs: {len(set(own))} of {run.n_steps} steps overflowed there "
+        f"(first at step {min(own)}){tip}; {peak_text}." + (f" Unsure: {'; '.join(doubt)}." if doubt else ""),
         layers=[culprit] + tipped + others,
         steps=run.step_range(steps),
         evidence={
@@ -171,9 +198,49 @@ def forward_overflow(run: RunView, *, min_steps: int = 1, critical_share: float 
             "tipped_over_by": tipped,
             "other_modules": {str(k): int(v) for k, v in counts["count"].items()},
             "doubt": doubt,
+            "operation": op,
+            "checks": checked.get("all", []),
         },
         fix=fixes,
     )
+
+
+def _checked_fixes(run: RunView, ops: list, culprit: str) -> tuple[list, dict]:
+    """What the replays tried on the failing steps: the fixes that removed the NaN/Inf there (printed first, each
+    with its step), and which ones did not (keep_fp32_failed: keep_fp32 of the culprit is then not printed as the
+    fix; "bf16" in the dict: BF16 was tried, so its untested note is not added)."""
+    out: dict = {"all": [c for r in ops for c in r.get("checks", [])]}
+    fixes: list = []
+    for r in ops:
+        keep = anomaly.passed(r, "keep_fp32")
+        if keep is not None and "keep" not in out:
+            out["keep"] = keep
+            fixes += [
+                text(
+                    f"Checked on step {r['step']} (the step replayed with this change): finite with "
+                    f"{keep['modules'][0]} in FP32:"
+                ),
+                *A.keep_fp32(A.Setup.of(run), keep["modules"]),
+            ]
+        tried = anomaly.failed(r, "keep_fp32")
+        if tried and keep is None:
+            out["keep_fp32_failed"] = True
+            fixes.append(
+                text(
+                    f"Keeping {', '.join(t['modules'][0] for t in tried)} in FP32 was tried on step {r['step']} and "
+                    "did not remove the NaN/Inf (the next module casts the values back to half precision, or they "
+                    "are beyond any format's reach)."
+                )
+            )
+        bf16 = [c for c in r.get("checks", []) if c.get("fix") == "bf16"]
+        if bf16 and "bf16" not in out:
+            out["bf16"] = bf16[0]["finite"]
+            note = A.bf16_note(A.Setup.of(run)) if bf16[0]["finite"] else []
+            if note:
+                fixes += [text(f"Checked on step {r['step']}: finite in BF16 (FP32's exponent range):"), *note[1:]]
+    if out.get("keep") is not None:
+        out.pop("keep_fp32_failed", None)
+    return fixes, out
 
 
 def _producer(acts, peaks, counts, limit: float) -> tuple[str, list]:
