@@ -32,6 +32,9 @@ NEAR_LIMIT_BINADES = 1.0
 # Replays this few steps apart belong to one incident (the flight recorder's clean run is 5 steps): one finding, at
 # the step where it began.
 INCIDENT_GAP = 5
+# A gradient-norm spike (with no loss spike) is a finding only when the loss felt it: within INCIDENT_GAP steps the
+# loss rose this many times its median before (or went non-finite).
+HARM_FACTOR = 1.5
 
 
 def within_steps(own, outlier) -> bool:
@@ -180,7 +183,9 @@ def outlier_batch(run, *, min_factor=OUTLIER_FACTOR, guard_factor=GUARD_FACTOR):
     return found
 
 
-def loss_spike(run, *, jump_binades=JUMP_BINADES, near_limit=NEAR_LIMIT_BINADES, min_factor=OUTLIER_FACTOR):
+def loss_spike(
+    run, *, jump_binades=JUMP_BINADES, near_limit=NEAR_LIMIT_BINADES, min_factor=OUTLIER_FACTOR, harm_factor=HARM_FACTOR
+):
     found = []
     last = -INCIDENT_GAP - 1
     for r in replays(run):
@@ -196,13 +201,15 @@ def loss_spike(run, *, jump_binades=JUMP_BINADES, near_limit=NEAR_LIMIT_BINADES,
         step = r["step"]
         if step >= run.n_steps:
             continue
-        jumped, limits = _jumps(run, step, jump_binades, near_limit)
-        numerical = bool(limits)
         st = run.steps
         row = st.iloc[step]
         loss_before = st["loss"].iloc[max(0, step - 20) : step].to_numpy(float)
         loss_before = loss_before[np.isfinite(loss_before)]
         base = float(np.median(loss_before)) if len(loss_before) else math.nan
+        if r["why"] == "grad_spike" and not _hurt(st, step, base, harm_factor):
+            continue  # a gradient-norm spike the loss did not feel (early training moves fast): no finding
+        jumped, limits = _jumps(run, step, jump_binades, near_limit)
+        numerical = bool(limits)
         what = (
             f"the loss jumped to {row['loss']:.4g} ({row['loss'] / base:.3g}x its recent median)"
             if r["why"] == "loss_spike" and base > 0
@@ -243,6 +250,13 @@ def loss_spike(run, *, jump_binades=JUMP_BINADES, near_limit=NEAR_LIMIT_BINADES,
             )
         )
     return found
+
+
+def _hurt(st, step: int, base: float, factor: float) -> bool:
+    after = st["loss"].iloc[step : step + INCIDENT_GAP + 1].to_numpy(float)
+    if not len(after) or not base > 0:
+        return False
+    return bool((~np.isfinite(after)).any() or after.max() >= factor * base)
 
 
 def _jumps(run, step: int, jump_binades: float, near_limit: float) -> tuple[list, list]:

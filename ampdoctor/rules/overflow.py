@@ -93,6 +93,8 @@ def forward_overflow(run: RunView, *, min_steps: int = 1, critical_share: float 
     peaks = run.records("peak", "act")
     steps = fwd["step"].astype(int).tolist()
     own = fwd.loc[fwd["path"].isin([culprit] + tipped), "step"].astype(int).tolist()
+    if not own:  # the replays found the values made inside a module the module walk did not name: its steps
+        own = sorted({int(r["step"]) for r in o.operations or []} or set(fwd["step"].astype(int)))
     counts = counts.drop(index=[p for p in tipped if p in counts.index])
     if culprit in counts.index:
         counts = counts.drop(index=culprit)

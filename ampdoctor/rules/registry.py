@@ -44,12 +44,7 @@ RULES = {
             + suppressed_by("outlier-batch", when=anomaly.within_steps),  # the batch, not the layer
         ),
         Rule("outlier-batch", anomaly.outlier_batch, "one batch far beyond the usual inputs made a NaN/Inf or a spike"),
-        Rule(
-            "loss-spike",
-            anomaly.loss_spike,
-            "a finite loss or gradient-norm spike: the layers that jumped, and why",
-            suppressed_by=suppressed_by("divergence"),
-        ),
+        Rule("loss-spike", anomaly.loss_spike, "a finite loss or gradient-norm spike: the layers that jumped, and why"),
         Rule("healed", anomaly.healed, "heal=True kept a module in FP32 during the run"),
         Rule(
             "division-by-zero",
