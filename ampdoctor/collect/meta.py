@@ -74,7 +74,7 @@ def run_meta(model: torch.nn.Module, options: Options, cadence: Cadence) -> dict
         "started": time.time(),
         "model": type(model).__name__,
         "device": dev,
-        "params": int(sum(p.numel() for p in model.parameters())),
+        "params": sharded.param_count(model),  # (FSDP: the whole model, not this rank's shards)
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "mode": options.mode.value,

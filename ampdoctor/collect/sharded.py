@@ -12,6 +12,7 @@ configuration (``config``)."""
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -359,3 +360,17 @@ def is_unit(module: torch.nn.Module) -> bool:
     """An FSDP unit (``fully_shard``-ed module or FSDP1 wrapper): calling its forward again gathers its parameters
     from the other ranks, so the probe never recomputes it."""
     return type(module).__name__ == "FullyShardedDataParallel" or hasattr(module, "_get_fsdp_state")
+
+
+def param_count(model: torch.nn.Module) -> int:
+    """The model's parameter count, sharded parameters counted whole (an FSDP1 rank holds pieces of flat ones)."""
+    orig = _orig_pieces(model) if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()) else {}
+    total = 0
+    for name, p in model.named_parameters():
+        if _is_flat(p):
+            total += int(sum(p._numels))
+        elif name in orig:
+            total += math.prod(orig[name][1])
+        else:
+            total += p.numel()  # (a DTensor's numel is the whole tensor's)
+    return int(total)
