@@ -28,11 +28,14 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, MixedPrecisionPolicy, fully_shard
 
 import ampdoctor
 
 WEIGHT_EVERY = 4
+COMPARED = ("bf16", "fsdp1", "fsdp1orig", "hsdp")
+SHORT = {"lonely": 6, "hsdp": 8, "fsdp1orig": 8, "fp16": 8, "fp16fixed": 8}  # steps of the phases that need fewer
 
 
 def stats(t: torch.Tensor) -> dict:
@@ -81,9 +84,16 @@ def build(phase: str, args) -> tuple[torch.nn.Module, dict]:
         torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)
     )
     ns: dict = {"torch": torch}
-    if phase == "fsdp1":
+    if phase in ("fsdp1", "fsdp1orig"):
         mp = MixedPrecision(param_dtype=torch.bfloat16)
-        return FullyShardedDataParallel(model, mixed_precision=mp, device_id=torch.device("cpu")), ns
+        orig = phase == "fsdp1orig"
+        return FullyShardedDataParallel(
+            model, mixed_precision=mp, device_id=torch.device("cpu"), use_orig_params=orig
+        ), ns
+    if phase == "hsdp":  # two replicas of one shard each: a rank's shard is the whole tensor, held twice
+        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+        fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        return model, ns
     if phase in ("fixed", "fp16fixed") and args.policy_code:
         exec(compile(open(args.policy_code).read(), args.policy_code, "exec"), ns)
         mp = ns["mp_policy"]
@@ -100,6 +110,12 @@ def build(phase: str, args) -> tuple[torch.nn.Module, dict]:
 
 def whole(model: torch.nn.Module, phase: str, grads: bool) -> dict:
     """name -> the whole tensor (every rank takes part: FSDP's collectives, in the training script)."""
+    if phase == "fsdp1orig":
+        with FullyShardedDataParallel.summon_full_params(model, with_grads=grads):
+            return {
+                n: (None if (p.grad if grads else p) is None else (p.grad if grads else p).detach().clone())
+                for n, p in model.named_parameters()
+            }
     if phase != "fsdp1":
         out = {}
         for name, p in model.named_parameters():
@@ -107,16 +123,15 @@ def whole(model: torch.nn.Module, phase: str, grads: bool) -> dict:
             out[name] = None if t is None else t.full_tensor().detach().clone()
         return out
     out = {}
-    for name, flat in model.named_parameters():  # a flat parameter: gather the padded shards, cut, split
+    for flat in model.parameters():  # a flat parameter: gather the padded shards, cut, split
         t = flat.grad if grads else flat.detach()
         if t is None:
             continue
         parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, t.contiguous())
         full = torch.cat(parts)[: sum(flat._numels)]
-        prefix = name[: -len("_flat_param")]
         for fqn, piece, shape in zip(flat._fqns, full.split(list(flat._numels)), flat._shapes):
-            out[prefix + fqn] = piece.reshape(shape).clone()
+            out[fqn] = piece.reshape(shape).clone()
     return out
 
 
@@ -128,7 +143,7 @@ def train(phase: str, out: str, args, rank: int) -> None:
         exec(compile(open(args.scaler_code).read(), args.scaler_code, "exec"), ns)
         scaler = ns["scaler"]
     step_code = compile(open(args.step_code).read(), args.step_code, "exec") if scaler is not None else None
-    steps = 6 if phase == "lonely" else args.steps
+    steps = SHORT.get(phase, args.steps)
     batches = data(steps, rank, args, fault=phase == "bf16")
     ref: dict = {"steps": {}}
     doctor = None
@@ -151,7 +166,7 @@ def train(phase: str, out: str, args, rank: int) -> None:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e30)
             if not torch.isfinite(norm.full_tensor() if hasattr(norm, "full_tensor") else norm):
                 opt.zero_grad(set_to_none=True)  # a non-finite step: its gradients are dropped
-        if phase not in ("bf16", "fsdp1"):  # the phases whose statistics the test compares
+        if phase not in COMPARED:  # the phases whose statistics the test compares
             opt.step()
             continue
         before = whole(model, phase, grads=False) if step % WEIGHT_EVERY == 0 else None
@@ -184,7 +199,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--fault-rank", type=int, default=1)
     ap.add_argument("--nan-steps", type=int, nargs="*", default=[5, 13])
-    ap.add_argument("--phases", nargs="+", default=["bf16", "fp16", "fsdp1", "lonely"])
+    ap.add_argument("--phases", nargs="+", default=["bf16", "fp16", "fsdp1", "fsdp1orig", "hsdp", "lonely"])
     ap.add_argument("--policy-code", default=None, help="phases fixed/fp16fixed: code that defines mp_policy")
     ap.add_argument("--scaler-code", default=None, help="phase fp16fixed: code that defines scaler")
     ap.add_argument("--step-code", default=None, help="phase fp16fixed: the lines from backward() to update()")

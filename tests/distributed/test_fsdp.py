@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sqlite3
 import subprocess
 import sys
 
@@ -22,7 +23,8 @@ pytestmark = pytest.mark.slow  # two torchrun launches
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "fsdp_train.py")
-STEPS = 20
+STEPS = 20  # fsdp_train.py's default; its short phases:
+SHORT = {"fp16": 8, "fsdp1orig": 8, "hsdp": 8, "lonely": 6, "fp16fixed": 8}
 NAN_STEPS = [5, 13]  # fsdp_train.py's defaults: the steps rank 1 gets a corrupt sample
 SHARDED = ("param_grad", "weight", "update")
 REF_KIND = {"param_grad": "grad", "weight": "weight", "update": "update"}
@@ -75,10 +77,10 @@ def run2(run1, found, tmp_path_factory):
 def test_every_rank_records_every_step_and_its_shards(run1):
     out, proc = run1
     assert "collection stopped" not in proc.stderr and "Traceback" not in proc.stderr
-    for phase in ("bf16", "fp16", "fsdp1"):
+    for phase in ("bf16", "fp16", "fsdp1", "fsdp1orig", "hsdp"):
         for r in (0, 1):
             assert json.load(open(out / f"active-{phase}-{r}.json")) is True
-            assert ampdoctor.load(out / f"{phase}-{r}.db").n_steps == STEPS
+            assert ampdoctor.load(out / f"{phase}-{r}.db").n_steps == SHORT.get(phase, STEPS)
     # what each shard is: placements, mesh, this rank's share; Linear(32, 1)'s one row lives on rank 0 only
     for r in (0, 1):
         sh = ampdoctor.load(out / f"bf16-{r}.db").meta["sharding"]
@@ -103,56 +105,87 @@ def test_a_rank_observed_alone_runs_no_collective(run1):
     out, _ = run1
     assert not (out / "lonely-0.db").exists() and json.load(open(out / "active-lonely-1.json")) is True
     tr = ampdoctor.load(out / "lonely-1.db")
-    assert tr.n_steps == 6 and len(tr.full_steps()) == 6
+    assert tr.n_steps == SHORT["lonely"] and len(tr.full_steps()) == SHORT["lonely"]
     skipped = tr.events("probe")["data"].iloc[0]["skipped"]
     assert {"0", "2", "4", "(model)"} <= set(skipped)  # FSDP units are never recomputed
 
 
-@pytest.mark.parametrize("phase", ["bf16", "fsdp1"])
+@pytest.mark.parametrize("phase", ["bf16", "fsdp1", "fsdp1orig", "hsdp"])
 def test_combined_statistics_equal_the_whole_tensors(run1, phase):
+    """FSDP2, FSDP1 (flat parameters; original parameters) and HSDP (two replicas: one copy counts)."""
     out, _ = run1
     ref = json.load(open(out / f"ref-{phase}.json"))["steps"]
     rr = ampdoctor.load_run(str(out / f"{phase}-*.db"))
     assert rr.sharded and not rr.combined.incomplete
-    view = rr.views()[0]
-    st = view.steps()
-    for s in range(STEPS):
-        r = ref[str(s)]
-        if r["grad_norm"] is None:  # the loop dropped the gradients of a non-finite step
-            assert s in NAN_STEPS and phase == "bf16" and np.isnan(st["grad_norm"][s])
-            continue
-        assert st["grad_norm"][s] == pytest.approx(r["grad_norm"], rel=1e-5)
-        assert st["grad_max"][s] == r["grad_max"]  # a max of float32 values: exact
-        assert st["grad_norm_shard"][s] < st["grad_norm"][s]  # a rank's own figure is its shard's
     compared = peaks = 0
-    for kind in SHARDED:
-        paths = view.sites(kind)["path"].tolist()
-        rec = {f: view.records(f, kind) for f in (*COUNTS, "absmax", "minabs", "mean", "rms", "peak")}
-        hists = {path: view.hist(path, kind) for path in paths}
+    for view in rr.views().values():
+        st = view.steps()
         for s, r in ref.items():
-            whole = r.get(REF_KIND[kind], {})
             s = int(s)
-            for j, path in enumerate(paths):
-                if path not in whole or np.isnan(rec["numel"][s, j]):
-                    continue  # not recorded (weights every 4th step), or a rank had no full statistics
-                w = whole[path]
-                got = {f: rec[f][s, j] for f in rec}
-                for f in COUNTS:
-                    assert got[f] == w[f], (phase, kind, path, s, f)
-                assert got["absmax"] == w["absmax"]
-                if not np.isnan(got["peak"]):  # (a step of a rank that observed no site has no peaks row)
-                    assert got["peak"] == w["absmax"]
-                    peaks += 1
-                assert got["rms"] == pytest.approx(w["norm"] / math.sqrt(w["numel"]), rel=1e-5)
-                assert got["mean"] == pytest.approx(w["sum"] / w["numel"], abs=1e-6 * max(w["absmax"], 1e-30))
-                low = min((int(k) for k in w["hist"]), default=None)
-                assert got["minabs"] == (2.0**low if low is not None else 0.0)
-                steps, counts = hists[path]
-                if s in steps:
-                    row = counts[list(steps).index(s)]
-                    assert {str(b - 127): int(c) for b, c in enumerate(row) if c} == w["hist"]
-                compared += 1
-    assert compared >= 100 and peaks >= 50  # every kind at several steps
+            if r["grad_norm"] is None:  # the loop dropped the gradients of a non-finite step
+                assert s in NAN_STEPS and phase == "bf16" and np.isnan(st["grad_norm"][s])
+                continue
+            assert st["grad_norm"][s] == pytest.approx(r["grad_norm"], rel=1e-5)
+            assert st["grad_max"][s] == r["grad_max"]  # a max of float32 values: exact
+            if phase != "hsdp":  # (an HSDP rank holds a whole copy)
+                assert st["grad_norm_shard"][s] < st["grad_norm"][s]  # a rank's own figure is its shard's
+        for kind in SHARDED:
+            paths = view.sites(kind)["path"].tolist()
+            rec = {f: view.records(f, kind) for f in (*COUNTS, "absmax", "minabs", "mean", "rms", "peak")}
+            hists = {path: view.hist(path, kind) for path in paths}
+            for s, r in ref.items():
+                whole = r.get(REF_KIND[kind], {})
+                s = int(s)
+                for j, path in enumerate(paths):
+                    name = path.replace("_fsdp_wrapped_module.", "")  # (FSDP1's prefix)
+                    if name not in whole or np.isnan(rec["numel"][s, j]):
+                        continue  # not recorded (weights every 4th step), or a rank had no full statistics
+                    w = whole[name]
+                    got = {f: rec[f][s, j] for f in rec}
+                    for f in COUNTS:
+                        assert got[f] == w[f], (phase, kind, path, s, f)
+                    assert got["absmax"] == w["absmax"]
+                    if not np.isnan(got["peak"]):  # (a step of a rank that observed no site has no peaks row)
+                        assert got["peak"] == w["absmax"]
+                        peaks += 1
+                    assert got["rms"] == pytest.approx(w["norm"] / math.sqrt(w["numel"]), rel=1e-5)
+                    assert got["mean"] == pytest.approx(w["sum"] / w["numel"], abs=1e-6 * max(w["absmax"], 1e-30))
+                    low = min((int(k) for k in w["hist"]), default=None)
+                    assert got["minabs"] == (2.0**low if low is not None else 0.0)
+                    steps, counts = hists[path]
+                    if s in steps:
+                        row = counts[list(steps).index(s)]
+                        assert {str(b - 127): int(c) for b, c in enumerate(row) if c} == w["hist"]
+                    compared += 1
+    assert compared >= 40 and peaks >= 20  # every kind at several steps
+
+
+def test_a_missing_rank_leaves_figures_missing_never_partial(run1):
+    out, _ = run1
+    ref = json.load(open(out / "ref-bf16.json"))["steps"]["0"]
+    rr = ampdoctor.load_run([str(out / "bf16-0.db")])
+    assert rr.missing == [1] and rr.combined.incomplete == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    view = rr.views()[0]
+    assert view.steps()["grad_norm"].isna().all()  # the whole model's norm needs every shard
+    numel = dict(zip(view.sites("param_grad")["path"], view.records("numel", "param_grad")[0]))
+    assert np.isnan(numel["0.weight"]) and numel["4.weight"] == 32  # 4.weight lives on rank 0 alone
+    rms = dict(zip(view.sites("param_grad")["path"], view.records("rms", "param_grad")[0]))
+    assert rms["4.weight"] == pytest.approx(ref["grad"]["4.weight"]["norm"] / math.sqrt(32), rel=1e-5)
+
+
+def test_one_rank_alone_says_it_is_a_shard(run1, capsys, tmp_path):
+    out, _ = run1
+    assert cli(["diagnose", str(out / "bf16-1.db")]) == 1
+    note = capsys.readouterr().out.splitlines()[-1]
+    assert note.startswith(f"note: {out / 'bf16-1.db'} is one rank of an FSDP run") and "bf16-*.db" in note
+    bad = tmp_path / "bad.db"  # a sharding entry that is not one: one line, exit 2
+    bad.write_bytes((out / "bf16-1.db").read_bytes())
+    with sqlite3.connect(bad) as conn:
+        conn.execute("UPDATE meta SET value = ? WHERE key = 'sharding'", (json.dumps({"engine": 3}),))
+    conn.close()
+    assert cli(["info", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "corrupt trace (meta sharding.engine is 3, not text)" in err
 
 
 def test_rank_rules_name_the_faulty_rank(found):
@@ -214,7 +247,7 @@ def test_fp16_without_a_sharded_scaler_and_its_fix(found, run2):
     out, _ = run2
     for r in (0, 1):
         tr = ampdoctor.load(out / f"fp16fixed-{r}.db")
-        assert tr.n_steps == STEPS and tr.config["scaler"]["class"] == "ShardedGradScaler"
+        assert tr.n_steps == SHORT["fp16fixed"] and tr.config["scaler"]["class"] == "ShardedGradScaler"
         assert tr.steps()["loss_scale"].notna().all()  # the loss scale is read from the scaler every step
     fixed = {d.rule for d in ampdoctor.diagnose(str(out / "fp16fixed-*.db"))}
     assert "fsdp-fp16-scaler" not in fixed and "rank-scale-divergence" not in fixed
