@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import ItemsView, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import pandas as pd
@@ -25,8 +26,15 @@ from . import checks
 from .reader import Trace
 from .schema import HIST_HI, HIST_LO, TraceError
 
-if TYPE_CHECKING:
-    from .run import RankRun
+
+class Ranks(Protocol):
+    """What Combined reads of a run (run.RankRun, which imports this module)."""
+
+    def items(self) -> ItemsView[int, Trace]: ...
+    def __getitem__(self, rank: int) -> Trace: ...
+    def __iter__(self) -> Iterator[Trace]: ...
+    def __len__(self) -> int: ...
+
 
 SHARDED_KINDS = ("param_grad", "weight", "update")
 # statistics that add across shards; the others: absmax (max), minabs (min), mean and rms (through numel)
@@ -96,7 +104,7 @@ class Combined:
     """The shards of a RankRun's ranks combined (``RankRun.combined``). Arrays are indexed by step (row i is step i, up
     to the longest rank's last step); a cell a contributing shard lacks is missing (NaN; -1 for peaks)."""
 
-    def __init__(self, rr: RankRun):
+    def __init__(self, rr: Ranks):
         self.rr = rr
         self.shardings = {rank: sharding_of(tr) for rank, tr in rr.items()}
         self.engine = next((s.engine for s in self.shardings.values() if s is not None), None)
