@@ -62,9 +62,11 @@ class LocalParam:
         return local(t)
 
     @property
-    def grad(self) -> torch.Tensor | None:
+    def grad(self) -> torch.Tensor | None:  # read every step by the sentinel: kept short
         g = self.param.grad
-        return None if g is None else self._view(g)
+        if g is None:
+            return None
+        return getattr(g, "_local_tensor", g) if type(self) is LocalParam else self._view(g)
 
     def detach(self) -> torch.Tensor:
         return self._view(self.param).detach()
