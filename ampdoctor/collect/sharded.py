@@ -11,8 +11,8 @@ configuration (``config``)."""
 
 from __future__ import annotations
 
-import functools
 import math
+import sys
 
 import torch
 
@@ -21,15 +21,10 @@ from .buffers import dtype_name
 SHARDED_KINDS = ("param_grad", "weight", "update")  # the sites whose tensors are shards
 
 
-@functools.cache
 def _dtensor_type() -> type | None:
-    if not torch.distributed.is_available():
-        return None
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # an older torch: no DTensor, no FSDP2
-        return None
-    return DTensor
+    """DTensor, once torch.distributed.tensor is imported (no DTensor exists before; importing it costs ~0.1 s)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return getattr(mod, "DTensor", None) if mod is not None else None
 
 
 def is_dtensor(t) -> bool:
@@ -156,7 +151,15 @@ def _orig_pieces(model: torch.nn.Module) -> dict[str, tuple]:
 
 def local_params(model: torch.nn.Module, params: list[tuple[str, torch.nn.Parameter]]) -> list:
     """The trainable parameters as the observer reads them: a sharded one as its local shard (LocalParam), an FSDP1
-    flat parameter as its original parameters' pieces (FlatPiece); the list itself when nothing is sharded."""
+    flat parameter as its original parameters' pieces (FlatPiece); the list itself when nothing is sharded (or when
+    FSDP's internals are not what this reads: then the first DTensor stops collection with one warning)."""
+    try:
+        return _local_params(model, params)
+    except Exception:
+        return params
+
+
+def _local_params(model: torch.nn.Module, params: list[tuple[str, torch.nn.Parameter]]) -> list:
     orig = _orig_pieces(model) if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()) else {}
     if not orig and not any(is_dtensor(p) or _is_flat(p) for _, p in params):
         return params
@@ -210,13 +213,22 @@ def _fsdp1_spec(model: torch.nn.Module, flat) -> dict:
     inter = getattr(unit, "_inter_node_pg", None)  # HYBRID_SHARD: the shard is replicated across nodes
     replica = d.get_rank(inter) if inter is not None else 0
     strategy = getattr(getattr(unit, "sharding_strategy", None), "name", None)
+    if strategy == "NO_SHARD":  # every rank holds all of it: one copy counts
+        shards, replica = 1, _world()[0]
     return {"placements": [f"flat ({strategy})" if strategy else "flat"], "shards": shards, "replica": replica}
 
 
 def describe(model: torch.nn.Module, params: list) -> dict | None:
-    """The ``sharding`` meta entry: which parameters are sharded and how, or None when none is. ``params`` maps a
-    name to [spec index, numel of this rank's shard, the whole tensor's shape]; specs are shared by the parameters
-    sharded alike (one or a few per model)."""
+    """The ``sharding`` meta entry: which parameters are sharded and how, or None when none is (or it cannot be
+    read: the ranks' traces are then read apart, never combined). ``params`` maps a name to [spec index, numel of
+    this rank's shard, the whole tensor's shape]; specs are shared by the parameters sharded alike."""
+    try:
+        return _describe(model, params)
+    except Exception:
+        return None
+
+
+def _describe(model: torch.nn.Module, params: list) -> dict | None:
     named = [(n, p) for n, p in params if isinstance(p, LocalParam)]
     if not named:
         return None
