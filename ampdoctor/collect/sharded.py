@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from .buffers import dtype_name
-
-SHARDED_KINDS = ("param_grad", "weight", "update")  # the sites whose tensors are shards
 
 
 def _dtensor_type() -> type | None:
@@ -27,7 +27,7 @@ def _dtensor_type() -> type | None:
     return getattr(mod, "DTensor", None) if mod is not None else None
 
 
-def is_dtensor(t) -> bool:
+def is_dtensor(t: object) -> bool:
     cls = _dtensor_type()
     return cls is not None and isinstance(t, cls)
 
@@ -36,11 +36,12 @@ def local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's shard on this rank (no communication; no autograd node), any other tensor as it is."""
     if is_dtensor(t):
         inner = getattr(t, "_local_tensor", None)  # to_local() would add an autograd node per call
-        return inner if inner is not None else t.to_local()
+        out: torch.Tensor = inner if inner is not None else t.to_local()  # type: ignore[attr-defined]
+        return out
     return t
 
 
-def _is_flat(p) -> bool:
+def _is_flat(p: object) -> bool:
     return bool(getattr(p, "_is_flat_param", False)) and hasattr(p, "_shard_param_infos")
 
 
@@ -112,7 +113,7 @@ class FlatPiece(LocalParam):
         return self.shape_
 
 
-def _flat_pieces(name: str, flat) -> list[tuple[str, FlatPiece]]:
+def _flat_pieces(name: str, flat: Any) -> list[tuple[str, FlatPiece]]:
     prefix = name[: -len("_flat_param")] if name.endswith("_flat_param") else ""
     out = []
     for fqn, shape, info in zip(flat._fqns, flat._shapes, flat._shard_param_infos):
@@ -127,7 +128,7 @@ class OrigPiece(LocalParam):
 
     __slots__ = ("flat", "shape_")
 
-    def __init__(self, param: torch.nn.Parameter, flat, shape: list[int]):
+    def __init__(self, param: torch.nn.Parameter, flat: Any, shape: list[int]):
         super().__init__(param)
         self.flat, self.shape_ = flat, shape
 
@@ -136,9 +137,9 @@ class OrigPiece(LocalParam):
         return self.shape_
 
 
-def _orig_pieces(model: torch.nn.Module) -> dict[str, tuple]:
+def _orig_pieces(model: torch.nn.Module) -> dict[str, tuple[Any, list[int]]]:
     """FSDP1 units with ``use_orig_params=True``: parameter name -> (its unit's flat parameter, its whole shape)."""
-    out: dict[str, tuple] = {}
+    out: dict[str, tuple[Any, list[int]]] = {}
     for path, m in model.named_modules():
         flat = getattr(m, "_flat_param", None)
         if flat is None or not getattr(m, "_use_orig_params", False) or not _is_flat(flat):
@@ -149,7 +150,7 @@ def _orig_pieces(model: torch.nn.Module) -> dict[str, tuple]:
     return out
 
 
-def local_params(model: torch.nn.Module, params: list[tuple[str, torch.nn.Parameter]]) -> list:
+def local_params(model: torch.nn.Module, params: list[tuple[str, torch.nn.Parameter]]) -> list[tuple[str, Any]]:
     """The trainable parameters as the observer reads them: a sharded one as its local shard (LocalParam), an FSDP1
     flat parameter as its original parameters' pieces (FlatPiece); the list itself when nothing is sharded (or when
     FSDP's internals are not what this reads: then the first DTensor stops collection with one warning)."""
@@ -159,11 +160,11 @@ def local_params(model: torch.nn.Module, params: list[tuple[str, torch.nn.Parame
         return params
 
 
-def _local_params(model: torch.nn.Module, params: list[tuple[str, torch.nn.Parameter]]) -> list:
+def _local_params(model: torch.nn.Module, params: list[tuple[str, torch.nn.Parameter]]) -> list[tuple[str, Any]]:
     orig = _orig_pieces(model) if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()) else {}
     if not orig and not any(is_dtensor(p) or _is_flat(p) for _, p in params):
         return params
-    out: list = []
+    out: list[tuple[str, Any]] = []
     for name, p in params:
         if _is_flat(p):
             out += _flat_pieces(name, p)
@@ -184,7 +185,7 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _dtensor_spec(p) -> dict:
+def _dtensor_spec(p: Any) -> dict[str, Any]:
     """Placements, mesh and this rank's coordinate; ``shards``: how many distinct pieces the ranks hold; ``replica``:
     which copy of its piece this rank holds (0 counts when the ranks are combined: HSDP replicates the shards)."""
     mesh = p.device_mesh
@@ -205,7 +206,7 @@ def _dtensor_spec(p) -> dict:
     }
 
 
-def _fsdp1_spec(model: torch.nn.Module, flat) -> dict:
+def _fsdp1_spec(model: torch.nn.Module, flat: Any) -> dict[str, Any]:
     unit = next((m for m in model.modules() if getattr(m, "_flat_param", None) is flat), None)
     pg = getattr(unit, "process_group", None)
     d = torch.distributed
@@ -218,7 +219,7 @@ def _fsdp1_spec(model: torch.nn.Module, flat) -> dict:
     return {"placements": [f"flat ({strategy})" if strategy else "flat"], "shards": shards, "replica": replica}
 
 
-def describe(model: torch.nn.Module, params: list) -> dict | None:
+def describe(model: torch.nn.Module, params: list[tuple[str, Any]]) -> dict[str, Any] | None:
     """The ``sharding`` meta entry: which parameters are sharded and how, or None when none is (or it cannot be
     read: the ranks' traces are then read apart, never combined). ``params`` maps a name to [spec index, numel of
     this rank's shard, the whole tensor's shape]; specs are shared by the parameters sharded alike."""
@@ -228,15 +229,15 @@ def describe(model: torch.nn.Module, params: list) -> dict | None:
         return None
 
 
-def _describe(model: torch.nn.Module, params: list) -> dict | None:
+def _describe(model: torch.nn.Module, params: list[tuple[str, Any]]) -> dict[str, Any] | None:
     named = [(n, p) for n, p in params if isinstance(p, LocalParam)]
     if not named:
         return None
-    specs: list[dict] = []
+    specs: list[dict[str, Any]] = []
     keys: dict[str, int] = {}
-    table: dict[str, list] = {}
+    table: dict[str, list[Any]] = {}
     engine = "fsdp1" if any(isinstance(p, (FlatPiece, OrigPiece)) for _, p in named) else "fsdp2"
-    by_flat: dict[int, dict] = {}  # an FSDP1 unit's spec, once per flat parameter
+    by_flat: dict[int, dict[str, Any]] = {}  # an FSDP1 unit's spec, once per flat parameter
     for n, p in named:
         flat = p.param if isinstance(p, FlatPiece) else p.flat if isinstance(p, OrigPiece) else None
         if flat is not None:
@@ -263,11 +264,11 @@ def _describe(model: torch.nn.Module, params: list) -> dict | None:
 
 
 # -- FSDP's mixed precision ------------------------------------------------------------------------------------------
-def _name(dtype) -> str | None:
+def _name(dtype: object) -> str | None:
     return dtype_name(dtype) if isinstance(dtype, torch.dtype) else None
 
 
-def _unit_params(unit: torch.nn.Module, is_unit) -> list[torch.nn.Parameter]:
+def _unit_params(unit: Any, is_unit: Callable[[torch.nn.Module], bool]) -> list[torch.nn.Parameter]:
     """The parameters a unit manages: those of its subtree outside nested units."""
     out, stack = list(unit.parameters(recurse=False)), list(unit.children())
     while stack:
@@ -279,7 +280,9 @@ def _unit_params(unit: torch.nn.Module, is_unit) -> list[torch.nn.Parameter]:
     return out
 
 
-def _effective(param_dtype, reduce_dtype, params) -> tuple[str | None, str | None]:
+def _effective(
+    param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, params: list[Any]
+) -> tuple[str | None, str | None]:
     """(compute dtype, reduce dtype) as FSDP applies a policy: no param_dtype computes in the parameters' own dtype;
     no reduce_dtype reduces in the compute dtype."""
     orig = next((p.dtype for p in params if p.is_floating_point()), None)
@@ -288,7 +291,7 @@ def _effective(param_dtype, reduce_dtype, params) -> tuple[str | None, str | Non
     return _name(compute), _name(reduce)
 
 
-def _fsdp2_units(model: torch.nn.Module) -> dict:
+def _fsdp2_units(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:
@@ -314,12 +317,13 @@ def _fsdp2_units(model: torch.nn.Module) -> dict:
     return units
 
 
-def _fsdp1_units(model: torch.nn.Module) -> tuple[dict, dict]:
+def _fsdp1_units(model: torch.nn.Module) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     except ImportError:
         return {}, {}
-    units, extra = {}, {}
+    units: dict[str, dict[str, Any]] = {}
+    extra: dict[str, Any] = {}
     for path, m in model.named_modules():
         if not isinstance(m, FSDP):
             continue
@@ -345,12 +349,13 @@ def _fsdp1_units(model: torch.nn.Module) -> tuple[dict, dict]:
     return units, extra
 
 
-def config(model: torch.nn.Module) -> dict | None:
+def config(model: torch.nn.Module) -> dict[str, Any] | None:
     """FSDP's mixed-precision configuration (config ``fsdp``): per unit (the module given to ``fully_shard`` /
     ``FullyShardedDataParallel``), its policy as given and the dtypes FSDP computes and reduces in; None without
     FSDP. Read from FSDP's state (private attributes; a torch that moved them records nothing)."""
     try:
-        units, extra, engine = _fsdp2_units(model), {}, "fsdp2"
+        extra: dict[str, Any] = {}
+        units, engine = _fsdp2_units(model), "fsdp2"
         if not units:
             (units, extra), engine = _fsdp1_units(model), "fsdp1"
     except Exception:
@@ -382,7 +387,7 @@ def param_count(model: torch.nn.Module) -> int:
     total = 0
     for name, p in model.named_parameters():
         if _is_flat(p):
-            total += int(sum(p._numels))
+            total += int(sum(p._numels))  # type: ignore[attr-defined]
         elif name in orig:
             total += math.prod(orig[name][1])
         else:

@@ -68,7 +68,7 @@ def report(path: str, findings) -> str:
     return "\n".join(lines)
 
 
-def shard_note(spec) -> str | None:
+def shard_note(spec: str | list[str]) -> str | None:
     """For one rank's trace of an FSDP run: the rules judged that rank's shards, and how to judge the whole tensors."""
     if is_multi(spec):
         return None

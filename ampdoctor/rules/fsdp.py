@@ -8,10 +8,15 @@ unit, and reduces the gradients in its own dtype):
 
 from __future__ import annotations
 
+from typing import Any
+
 from .. import formats
 from . import advice as A
-from .fix import code, text
-from .result import finding
+from .fix import Part, code, text
+from .result import Diagnosis, finding
+
+Run = Any  # engine.Run (not imported: the engine imports the rules through the registry)
+Unit = dict[str, Any]  # one unit's entry of config.fsdp.units
 
 # A reduction over N ranks rounds each value up to N-1 times in the reduce dtype (a ring reduce-scatter adds one
 # rank's piece per hop), on top of the rounding of each rank's gradient to it. With one rank nothing is reduced.
@@ -19,7 +24,7 @@ MIN_WORLD_SIZE = 2
 SHARDED_SCALER = "ShardedGradScaler"
 
 
-def _fsdp(run) -> dict:
+def _fsdp(run: Run) -> dict[str, Any]:
     cfg = run.config.get("fsdp")
     return cfg if isinstance(cfg, dict) and isinstance(cfg.get("units"), dict) else {}
 
@@ -28,7 +33,7 @@ def _torch(dtype: str | None) -> str:
     return f"torch.{dtype}" if dtype else "None"
 
 
-def _policy_call(engine: str, unit: dict, reduce_dtype: str | None) -> str:
+def _policy_call(engine: str, unit: Unit, reduce_dtype: str | None) -> str:
     """The unit's policy as recorded, with ``reduce_dtype`` in place of its own: the constructor call to paste."""
     args = [f"param_dtype={_torch(unit.get('param_dtype'))}", f"reduce_dtype={_torch(reduce_dtype)}"]
     if engine == "fsdp1":
@@ -48,9 +53,9 @@ def _policy_call(engine: str, unit: dict, reduce_dtype: str | None) -> str:
     return f"MixedPrecisionPolicy({', '.join(args)})"
 
 
-def _policy_fix(engine: str, units: dict, fixed: list[str], reduce_dtype: str) -> list:
+def _policy_fix(engine: str, units: dict[str, Unit], fixed: list[str], reduce_dtype: str) -> list[Part]:
     """One policy per distinct policy of the units to fix (the units sharing it listed), each as printed code."""
-    groups: dict[tuple, list[str]] = {}
+    groups: dict[tuple[tuple[str, Any], ...], list[str]] = {}
     for path, u in units.items():
         key = tuple(sorted((k, v) for k, v in u.items() if k not in ("compute", "reduce", "params")))
         groups.setdefault(key, []).append(path)
@@ -81,7 +86,7 @@ def _units(paths: list[str]) -> str:
     return ("unit " if len(paths) == 1 else "units ") + shown
 
 
-def fsdp_reduce_dtype(run, *, min_world_size=MIN_WORLD_SIZE):
+def fsdp_reduce_dtype(run: Run, *, min_world_size: int = MIN_WORLD_SIZE) -> Diagnosis | None:
     cfg = _fsdp(run)
     units = cfg.get("units", {})
     world = int(cfg.get("world_size") or run.info.get("world_size") or 1)
@@ -144,7 +149,7 @@ def fsdp_reduce_dtype(run, *, min_world_size=MIN_WORLD_SIZE):
     )
 
 
-def fsdp_fp16_scaler(run):
+def fsdp_fp16_scaler(run: Run) -> Diagnosis | None:
     cfg = _fsdp(run)
     units = cfg.get("units", {})
     fp16 = {p: u for p, u in units.items() if u.get("compute") == "float16" and u.get("params")}

@@ -17,7 +17,7 @@ import contextlib
 import math
 from collections.abc import ItemsView, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import pandas as pd
@@ -52,8 +52,8 @@ class Sharding:
     parameter name (spec index, numel of this rank's shard, the whole tensor's shape)."""
 
     engine: str
-    specs: list
-    params: dict
+    specs: list[dict[str, Any]]
+    params: dict[str, list[Any]]
 
     def replica(self, name: str) -> int:
         return int(self.specs[self.params[name][0]]["replica"])
@@ -109,7 +109,7 @@ class Combined:
         self.shardings = {rank: sharding_of(tr) for rank, tr in rr.items()}
         self.engine = next((s.engine for s in self.shardings.values() if s is not None), None)
         self.n_steps = max((tr.n_steps for tr in rr), default=0)
-        self._cache: dict = {}
+        self._cache: dict[object, Any] = {}
         names = sorted({n for s in self.shardings.values() if s is not None for n in s.params})
         # per parameter: the ranks whose shard counts (copy 0, not empty), and whether they make up the whole tensor
         self.contributors: dict[str, list[int]] = {}
@@ -156,7 +156,8 @@ class Combined:
             if not self.sentinel_complete:
                 norm[:], peak[:] = np.nan, np.nan
             self._cache["grad"] = (norm, peak)
-        return self._cache["grad"]
+        out: tuple[np.ndarray, np.ndarray] = self._cache["grad"]
+        return out
 
     # -- per-site statistics -----------------------------------------------------------------------------------------
     def records(self, field: str, kind: str) -> tuple[dict[str, int], np.ndarray]:
@@ -165,7 +166,8 @@ class Combined:
         key = (field, kind)
         if key not in self._cache:
             self._cache[key] = self._combine(field, kind)
-        return self._cache[key]
+        out: tuple[dict[str, int], np.ndarray] = self._cache[key]
+        return out
 
     def _rank_columns(self, kind: str) -> dict[int, dict[str, int]]:
         """Per rank: the column of each contributing site in that rank's ``records(..., kind)``."""
@@ -179,14 +181,13 @@ class Combined:
         paths = sorted(self.contributors) if kind in SHARDED_KINDS else []
         col = {p: j for j, p in enumerate(paths)}
         n, k = self.n_steps, len(paths)
-        need = np.array([len(self.contributors[p]) for p in paths], dtype=np.int64)
-        seen = np.zeros((n, k), dtype=np.int64)
+        need = np.array([len(self.contributors[p]) for p in paths], dtype=np.int32)
+        seen = np.zeros((n, k), dtype=np.int32)
         peak = field == "peak"
-        acc = np.zeros((n, k)) if field not in ("minabs", "absmax") else np.full((n, k), -math.inf)
-        if field == "minabs":
-            acc[:] = math.inf
-        weight = np.zeros((n, k))  # numel, for mean and rms
-        nan_seen = np.zeros((n, k), dtype=bool)  # a peak that held a NaN
+        start = {"minabs": math.inf, "absmax": -math.inf}.get(field, 0.0)
+        acc = np.full((n, k), start)
+        weight = np.zeros((n, k)) if field in ("mean", "rms") else None  # numel, for mean and rms
+        nan_seen = np.zeros((n, k), dtype=bool) if peak else None  # a peak that held a NaN
         for r, cols in self._rank_columns(kind).items():
             if not cols:
                 continue
@@ -201,8 +202,10 @@ class Combined:
                 num = np.where(present, num, 0.0)
                 v = np.where(present, vals, 0.0)
                 acc[:, dst] += v * num if field == "mean" else v * v * num
+                assert weight is not None
                 weight[:, dst] += num
             elif peak:
+                assert nan_seen is not None
                 nan_seen[:, dst] |= present & np.isnan(vals)
                 acc[:, dst] = np.maximum(acc[:, dst], np.where(present & ~np.isnan(vals), vals, 0.0))
             elif field == "absmax":
@@ -214,13 +217,13 @@ class Combined:
             seen[:, dst] += present
         complete = seen == need[None, :]
         with np.errstate(invalid="ignore", divide="ignore"):
-            if field == "mean":
+            if weight is not None:
                 acc = np.where(weight > 0, acc / np.where(weight > 0, weight, 1.0), 0.0)
-            elif field == "rms":
-                acc = np.where(weight > 0, np.sqrt(acc / np.where(weight > 0, weight, 1.0)), 0.0)
+                if field == "rms":
+                    acc = np.sqrt(acc)
         if field == "minabs":
             acc[np.isinf(acc)] = 0.0
-        if peak:
+        if nan_seen is not None:
             acc[nan_seen] = np.nan
             acc[~complete] = -1.0
         else:
@@ -291,7 +294,7 @@ class ShardView(Trace):
         pass
 
     @contextlib.contextmanager
-    def snapshot(self):
+    def snapshot(self) -> Iterator[ShardView]:
         with self._own.snapshot():
             yield self
 
@@ -306,6 +309,8 @@ class ShardView(Trace):
     def sites(self, kind: str | None = None) -> pd.DataFrame:
         sites = self._own.sites(kind)
         sh = self._combined.shardings[self.rank]
+        if sh is None:
+            return sites
         whole = [
             sh.whole_shape(p) if k in SHARDED_KINDS and p in sh.params else s
             for p, k, s in zip(sites["path"], sites["kind"], sites["shape"])
