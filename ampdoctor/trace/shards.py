@@ -5,7 +5,8 @@ Under FSDP each rank records its own shard of every parameter, of its gradient a
 meta ``sharding``). What needs the whole tensor combines exactly across the shards: counts (numel, NaN, Inf, zeros,
 the FP16/BF16 overflow, subnormal and flush counts) and histograms add; peaks and abs maxima take the max (a NaN
 wins); the smallest magnitude takes the min; norms are the root of the summed squares (rms and mean through numel).
-The sentinel's gradient norm is each rank's shards' norm, combined the same way; its largest gradient the max. One
+The sentinel's gradient norm is each rank's shards' norm, combined the same way; its largest gradient the max (a
+parameter no FSDP unit manages is each rank's own, unreduced: each rank's copy counts once there). One
 copy of each shard counts (``replica`` 0: HSDP replicates the shards). A statistic that a shard's trace lacks (a
 rank without a trace, a step one rank did not observe) is missing, never a partial figure. Activations and output
 gradients are not shards (each rank computed them on its own batch): they stay per rank.
