@@ -11,7 +11,7 @@ from ..rules import diagnose
 from ..rules.registry import RULES
 from ..severity import SEVERITIES, at_least
 from ..trace.checks import invalid_settings_note
-from ..trace.run import RankRun, load
+from ..trace.run import RankRun, is_multi, load, run_pattern
 from .common import EXIT_FINDINGS, EXIT_OK, UsageError, evidence, printable
 
 
@@ -47,6 +47,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps([d.to_dict() for d in findings], indent=2))
     else:
         print(report(args.trace, findings))
+        note = shard_note(args.trace)
+        if note:
+            print(note)
     return EXIT_FINDINGS if any(at_least(d.severity, args.fail_on) for d in findings) else EXIT_OK
 
 
@@ -70,3 +73,18 @@ def report(path: str, findings) -> str:
         lines.append("  fix:")
         lines += ["    " + ln for part in d.fix for ln in part.text.splitlines()]  # code as printed, 4 in
     return "\n".join(lines)
+
+
+def shard_note(spec: str | list[str]) -> str | None:
+    """For one rank's trace of an FSDP run: the rules judged that rank's shards, and how to judge the whole tensors."""
+    if is_multi(spec):
+        return None
+    path = spec[0] if isinstance(spec, list) else spec
+    with load(path) as tr:
+        if "sharding" not in tr.meta:
+            return None
+    return (
+        f"\nnote: {path} is one rank of an FSDP run: its gradient norm and parameter-gradient, weight and update "
+        f"statistics are this rank's shard's, and the rules above judged those; the whole tensors: "
+        f"ampdoctor diagnose '{run_pattern(path)}'"
+    )

@@ -91,6 +91,11 @@ def pow2(x: float) -> str:
 
 def scaler_line(run, **settings) -> str:
     args = "".join(f", {k}={pow2(v) if k == 'init_scale' else v}" for k, v in settings.items())
+    if run.config.get("fsdp"):  # FSDP: a GradScaler would judge this rank's shard alone (rules/fsdp.py)
+        return (
+            "from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler\n"
+            f'scaler = ShardedGradScaler("{dev(run)}"{args})'
+        )
     return f'scaler = torch.amp.GradScaler("{dev(run)}"{args})'
 
 

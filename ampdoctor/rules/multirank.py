@@ -36,7 +36,7 @@ def diagnose_ranks(tr, ref, selected: list[Selected]) -> list[Diagnosis]:
             stack.enter_context(t.snapshot())
         found: list[tuple[int, Diagnosis]] = []
         runs: dict[int, Run] = {}
-        for rank, t in tr.items():
+        for rank, t in tr.views().items():  # FSDP: the whole tensors in place of each rank's shards
             r_ref = reference_for(ref, rank)
             run = runs[rank] = Run(t, Run(r_ref) if r_ref is not None else None)
             if run.n_steps == 0:
@@ -66,8 +66,10 @@ def rank_findings(rr: RankRun, rules: dict | None = None) -> list[Diagnosis]:
     with contextlib.ExitStack() as stack:
         for t in rr:
             stack.enter_context(t.snapshot())
+        views = rr.views()  # FSDP: the whole tensors in place of each rank's shards
         return worst_first(
-            _across({rank: Run(t) for rank, t in rr.items()}, selected), {s.rule.id: i for i, s in enumerate(selected)}
+            _across({rank: Run(t) for rank, t in views.items()}, selected),
+            {s.rule.id: i for i, s in enumerate(selected)},
         )
 
 

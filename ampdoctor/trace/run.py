@@ -15,6 +15,7 @@ from .files import SIDE_FILES
 from .reader import Trace
 from .reader import load as load_trace
 from .schema import TraceError
+from .shards import Combined
 
 TRACE_EXT = (".db", ".sqlite", ".sqlite3", ".trace")
 _GLOB = re.compile(r"[*?\[]")
@@ -45,6 +46,7 @@ class RankRun:
         self.source = source
         self.traces = dict(sorted(traces.items()))
         self.world_size = world_size
+        self._combined: Combined | None = None
 
     @property
     def ranks(self) -> list[int]:
@@ -85,6 +87,25 @@ class RankRun:
     def close(self) -> None:
         for tr in self.traces.values():
             tr.close()
+
+    # -- a sharded run (FSDP): the whole tensors from the ranks' shards (shards.py) ---------------------------------
+    @property
+    def combined(self) -> Combined:
+        """The ranks' shards combined (FSDP): whole-tensor statistics of the parameters, their gradients and
+        updates, and the whole model's gradient norm; ``combined.sharded`` is False for an unsharded run."""
+        if self._combined is None:
+            self._combined = Combined(self)
+        return self._combined
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the ranks hold shards of the parameters (FSDP): then a rank's own trace shows its shard."""
+        return self.combined.sharded
+
+    def views(self) -> dict[int, Trace]:
+        """Each rank's trace as the rules read it: under FSDP with the whole tensors in place of its shards
+        (shards.ShardView), else the trace itself."""
+        return {rank: self.combined.view(rank) for rank in self.traces}
 
     def __enter__(self):
         return self
