@@ -21,7 +21,7 @@ import pandas as pd
 from .. import formats
 from ..trace import Trace, TraceError
 from . import registry
-from .result import Diagnosis, Rule, _py, rule_error, worst_first
+from .result import Diagnosis, Rule, python_values, rule_error, worst_first
 
 
 class Selected(NamedTuple):
@@ -278,7 +278,7 @@ def run_rule(rule: Rule, run: Run, over: dict) -> tuple[list[Diagnosis], Diagnos
     try:
         result = rule.check(run, **over)
         found = [] if result is None else (result if isinstance(result, list) else [result])
-        return [replace(d, rule=rule.id, evidence=_py(d.evidence)) for d in found if d.evidence], None
+        return [replace(d, rule=rule.id, evidence=python_values(d.evidence)) for d in found if d.evidence], None
     except Exception as exc:  # any error of one rule is reported, and the others run
         return [], rule_error(rule, exc)
 

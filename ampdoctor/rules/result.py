@@ -44,12 +44,12 @@ class Diagnosis:
         return diagnosis_html(self)
 
 
-def _py(v, json_safe: bool = False):
+def python_values(v, json_safe: bool = False):
     """Copy with numpy scalars as Python numbers; ``json_safe`` also writes non-finite floats as strings."""
     if isinstance(v, dict):
-        return {str(k): _py(x, json_safe) for k, x in v.items()}
+        return {str(k): python_values(x, json_safe) for k, x in v.items()}
     if isinstance(v, (list, tuple, np.ndarray)):
-        return [_py(x, json_safe) for x in v]
+        return [python_values(x, json_safe) for x in v]
     if isinstance(v, np.bool_):
         return bool(v)
     if isinstance(v, np.integer):
@@ -61,7 +61,7 @@ def _py(v, json_safe: bool = False):
 
 
 def _plain(v):
-    return _py(v, json_safe=True)
+    return python_values(v, json_safe=True)
 
 
 @dataclass(frozen=True)
