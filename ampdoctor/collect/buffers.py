@@ -69,12 +69,13 @@ class SlotBuffer:
 
 
 class GradFigures:
-    """(global L2 norm, largest |g|) over the parameter gradients: the sentinel's every-step figures. One fused
-    ``_foreach_norm`` for the norm; the peak by a fused inf-norm on an accelerator, and on the CPU (where an inf-norm
-    is a scalar loop, ~40x slower) by one ``aminmax`` per gradient in a comprehension (no Python function call each),
-    or, for many small gradients, one ``aminmax`` and one dot product of their concatenation. How to reduce is decided
-    once per set of gradients (layout, device, sizes do not change between steps): reading a tensor attribute costs
-    ~0.3 us, which per gradient and step would be most of a sentinel step on a CPU."""
+    """(global L2 norm, largest |g|) over the parameter gradients: the sentinel's every-step figures. On the CPU, one
+    native read of every gradient once the kernels are loaded (stats.native(); float32/bf16/fp16 gradients). Else
+    one fused ``_foreach_norm`` for the norm; the peak by a fused inf-norm on an accelerator, and on the CPU (where
+    an inf-norm is a scalar loop, ~40x slower) by one ``aminmax`` per gradient in a comprehension (no Python
+    function call each), or, for many small gradients, one ``aminmax`` and one dot product of their concatenation.
+    How to reduce is decided once per set of gradients (layout, device, sizes do not change between steps): reading
+    a tensor attribute costs ~0.3 us, which per gradient and step would be most of a sentinel step on a CPU."""
 
     def __init__(self):
         self._key = None
@@ -85,6 +86,8 @@ class GradFigures:
         self.host = K.on_host(grads[0]) and len({g.device for g in grads}) == 1
         self.cat = self.host and sum([dense_values(g).numel() for g in grads]) < CAT_PER_GRAD * len(grads)
         self.float32 = not self.sparse and all(g.dtype == torch.float32 for g in grads)
+        kinds = [K.native_kind(g.dtype) for g in grads]
+        self.kinds = np.array(kinds, dtype=np.int64) if self.host and None not in kinds else None
 
     def __call__(self, params: list[tuple[str, torch.nn.Parameter]]) -> tuple:
         """Floats on the CPU, else 0-d device tensors that join the step's one transfer; (None, None) without
@@ -96,6 +99,10 @@ class GradFigures:
             self._plan(grads)
         if self.sparse:
             grads = [dense_values(g) for g in grads]
+        if self.kinds is not None:
+            k = K.native()
+            if k is not None:
+                return K.grad_norm_peak(k, grads, self.kinds)
         with torch.no_grad():  # float32 results: an FP16 gradient's norm may exceed 65504 while its values do not
             if self.cat:  # one copy and three reductions beat ~2.5 us of dispatch per small gradient
                 if self.float32:  # numpy concatenates the views ~10 us faster than torch.cat (no dispatch)
