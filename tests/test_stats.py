@@ -597,3 +597,28 @@ def test_sentinel_native_figures_of_sparse_and_mixed_gradients():
     norm, peak = GradFigures()(params)
     dense = torch.cat([(p.grad.to_dense() if p.grad.is_sparse else p.grad).double().reshape(-1) for _, p in params])
     assert norm == pytest.approx(dense.norm().item(), rel=1e-12) and peak == dense.abs().max().item()
+
+
+def test_sentinel_checks_dtype_and_device_on_every_step(monkeypatch):
+    """The kernel reads numel values of the planned kind from each pointer: a gradient whose dtype changes between
+    steps (model.half()) is read as what it now is, and one the kernel does not read (float64) goes to the torch
+    path, never through the native read."""
+    from ampdoctor.collect.buffers import GradFigures
+
+    _kernels()
+    params = _grad_params(torch.float32)[:2]
+    figures = GradFigures()
+    assert figures(params) == pytest.approx(_float64_figures(params), rel=1e-12)
+    for _, p in params:  # what model.half() does to a parameter and its gradient
+        grad = p.grad.half()
+        p.grad = None
+        p.data = p.data.half()
+        p.grad = grad
+    assert figures(params) == pytest.approx(_float64_figures(params), rel=1e-12)
+    for _, p in params:
+        grad = p.grad.double() * 1e200
+        p.grad = None
+        p.data = p.data.double()
+        p.grad = grad
+    assert K.grad_norm_peak(K.native(), [p.grad for _, p in params]) is None
+    assert figures(params) == pytest.approx(_float64_figures(params), rel=1e-6)

@@ -204,19 +204,18 @@ def _strided_dims(x: torch.Tensor) -> np.ndarray:
     return np.array([m[0] for m in merged] + [m[1] for m in merged], dtype=np.int64)
 
 
-def native_kind(dtype: torch.dtype) -> int | None:
-    """The native kernels' code for a dtype they read (float32, bf16, fp16), else None."""
-    return _KIND.get(dtype)
-
-
-def grad_norm_peak(k: ModuleType, grads: list[torch.Tensor], kinds: np.ndarray) -> tuple[float, float]:
-    """(global L2 norm, largest |g|) of CPU gradients (float32/bf16/fp16, one kind each) in one native read. A
-    gradient whose values are not one dense block (a strided view) is copied first: norm and peak do not depend
-    on the order of the values, but the kernel reads numel values from the data pointer."""
-    grads = [g if g.is_contiguous() or _dense(g) else g.contiguous() for g in grads]
+def grad_norm_peak(k: ModuleType, grads: list[torch.Tensor]) -> tuple[float, float] | None:
+    """(global L2 norm, largest |g|) of CPU gradients in one native read; None where one is of a dtype the kernel
+    does not read (or not on the CPU). Dtype, device and layout are checked on every call, as the kernel reads
+    numel values from each data pointer: a gradient whose values are not one dense block (a strided view) is
+    copied first (norm and peak do not depend on the order of the values)."""
+    kinds = [_KIND.get(g.dtype, -1) if g.is_cpu else -1 for g in grads]
+    if -1 in kinds:
+        return None
+    grads = [g if g.is_contiguous() or _dense(g) else g.contiguous() for g in grads]  # (kept alive until read)
     addrs = np.array([g.data_ptr() for g in grads], dtype=np.int64)
     counts = np.array([g.numel() for g in grads], dtype=np.int64)
-    return k.norm_peak(addrs, counts, kinds)
+    return k.norm_peak(addrs, counts, np.array(kinds, dtype=np.int64))
 
 
 def _dense(g: torch.Tensor) -> bool:
