@@ -103,10 +103,10 @@ class GradFigures:
         if self.sparse:
             grads = [dense_values(g) for g in grads]
         if self.host:
-            k = K.native()
-            figures = K.grad_norm_peak(k, grads) if k is not None else None
-            if figures is not None:
-                return figures
+            kernels = K.native()
+            read = K.grad_norm_peak(kernels, grads) if kernels is not None else None
+            if read is not None:
+                return read
         wide = self.wide
         with torch.no_grad():
             if self.cat:  # one copy and three reductions beat ~2.5 us of dispatch per small gradient

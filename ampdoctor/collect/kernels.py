@@ -16,6 +16,8 @@ user-wide cache directory; in memory only where neither is writable): stats.nati
 thread.
 """
 
+# mypy: disable-error-code="call-arg,var-annotated"
+# (numba's intrinsics and jitted functions are typed by numba at compile time, not by mypy)
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -56,53 +58,53 @@ def _jit(sig: str) -> Callable[[Callable], Any]:
 
 # -- reading memory at an address, and float32 bits as a float -------------------------------------------------------
 @intrinsic
-def _i32_at(typingctx, addr):  # type: ignore[no-untyped-def]
+def _i32_at(typingctx: Any, addr: Any) -> tuple:
     sig = types.CPointer(types.int32)(types.int64)
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
 
     return sig, codegen
 
 
 @intrinsic
-def _u16_at(typingctx, addr):  # type: ignore[no-untyped-def]
+def _u16_at(typingctx: Any, addr: Any) -> tuple:
     sig = types.CPointer(types.uint16)(types.int64)
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
 
     return sig, codegen
 
 
 @intrinsic
-def _f32(typingctx, bits):  # type: ignore[no-untyped-def]
+def _f32(typingctx: Any, bits: Any) -> tuple:
     sig = types.float32(types.int32)
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         return builder.bitcast(args[0], ir.FloatType())
 
     return sig, codegen
 
 
 @intrinsic
-def _bits(typingctx, value):  # type: ignore[no-untyped-def]
+def _bits(typingctx: Any, value: Any) -> tuple:
     sig = types.int32(types.float32)
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         return builder.bitcast(args[0], ir.IntType(32))
 
     return sig, codegen
 
 
 @njit(inline="always")  # (inlined into the entry points: one compilation each)
-def _from_bf16(h):  # type: ignore[no-untyped-def]
+def _from_bf16(h: int) -> int:
     """float32 bit pattern (int32) of a bf16 value given as its 16 bits: its top half."""
     return np.int32(h) << 16
 
 
 @njit(inline="always")  # (inlined into the entry points: one compilation each)
-def _from_fp16(h):  # type: ignore[no-untyped-def]
+def _from_fp16(h: int) -> int:
     """float32 bit pattern (int32) of an fp16 value given as its 16 bits, as torch's ``.float()`` gives it. No
     branches (the loop vectorizes): every case computed, one selected."""
     h = np.int32(h)
@@ -116,7 +118,7 @@ def _from_fp16(h):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always")  # (inlined into the entry points: one compilation each)
-def _chunk(w, lo, hi, edges, acc, state):  # type: ignore[no-untyped-def]
+def _chunk(w: np.ndarray, lo: int, hi: int, edges: np.ndarray, acc: np.ndarray, state: np.ndarray) -> None:
     """Add the float32 bit patterns w[lo:hi] to a partial state: sum and sum of squares (acc), histogram, finite
     abs max and the counts inside the edges' keys (state). Three loops over the chunk, which stays in L1 cache."""
     hist = state[S_HIST:]
@@ -161,7 +163,17 @@ def _chunk(w, lo, hi, edges, acc, state):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always")  # (inlined into the entry points: one compilation each)
-def _run(addr, start, count, stride, kind, edges, acc, state, scratch):  # type: ignore[no-untyped-def]
+def _run(
+    addr: int,
+    start: int,
+    count: int,
+    stride: int,
+    kind: int,
+    edges: np.ndarray,
+    acc: np.ndarray,
+    state: np.ndarray,
+    scratch: np.ndarray,
+) -> None:
     """count values from element ``start`` of the tensor at addr, ``stride`` elements apart."""
     for lo in range(0, count, CHUNK):
         k = min(CHUNK, count - lo)
@@ -186,7 +198,7 @@ def _run(addr, start, count, stride, kind, edges, acc, state, scratch):  # type:
 
 
 @njit(inline="always")  # (inlined into the entry points: one compilation each)
-def _finish(acc, state, edges, out):  # type: ignore[no-untyped-def]
+def _finish(acc: np.ndarray, state: np.ndarray, edges: np.ndarray, out: np.ndarray) -> None:
     s = q = 0.0
     m = 0
     for r in range(acc.shape[0]):
@@ -218,13 +230,22 @@ def _finish(acc, state, edges, out):  # type: ignore[no-untyped-def]
 
 
 @_jit("void(float64[:, ::1], int64[:, ::1], int32[::1], float64[::1])")
-def finish(acc, state, edges, out):  # type: ignore[no-untyped-def]
+def finish(acc: np.ndarray, state: np.ndarray, edges: np.ndarray, out: np.ndarray) -> None:
     """Merge partial states (rows) into a full-statistics vector: [sum, norm, edge counts, absmax, histogram]."""
     _finish(acc, state, edges, out)
 
 
 @_jit("void(int64, int64, int64, int64[::1], int32[::1], float64[:, ::1], int64[:, ::1], float64[::1])")
-def full(addr, count, kind, dims, edges, acc, state, out):  # type: ignore[no-untyped-def]
+def full(
+    addr: int,
+    count: int,
+    kind: int,
+    dims: np.ndarray,
+    edges: np.ndarray,
+    acc: np.ndarray,
+    state: np.ndarray,
+    out: np.ndarray,
+) -> None:
     """Full statistics of the tensor at addr: ``count`` contiguous values (``dims`` empty), or a strided tensor
     (``dims``: its shape, then its strides in elements, the innermost dimension last). Written to ``out`` when
     ``acc`` has no rows; else added to the partial state acc[0], state[0] (``finish`` merges partial states)."""
@@ -256,7 +277,7 @@ def full(addr, count, kind, dims, edges, acc, state, out):  # type: ignore[no-un
 
 # -- the sentinel: global gradient norm and peak -------------------------------------------------------------------
 @_jit("UniTuple(float64, 2)(int64[::1], int64[::1], int64[::1])")
-def norm_peak(addrs, counts, kinds):  # type: ignore[no-untyped-def]
+def norm_peak(addrs: np.ndarray, counts: np.ndarray, kinds: np.ndarray) -> tuple[float, float]:
     """(L2 norm, largest |x|) over contiguous tensors (address, number of values, kind each), in one read: the sum
     of squares in float64, the peak as the largest |x| bit pattern, so that a NaN anywhere makes both NaN and an
     Inf (no NaN) both Inf."""

@@ -140,7 +140,9 @@ def _self_check(k: ModuleType) -> None:
     x = torch.tensor([0.0, -1e-40, 3e-8, 2.0**-25, 1.5, -65519.0, 70000.0, 3.4e38, math.inf, math.nan] * 50)
     for dtype in _KIND:
         t = x.to(dtype)
-        got, want = _full_native(k, t).numpy(), _full_cpu(t).numpy()
+        vec = _full_native(k, t)
+        assert vec is not None  # (every kind it checks is one it reads)
+        got, want = vec.numpy(), _full_cpu(t).numpy()
         if not np.array_equal(got[I_EDGES:], want[I_EDGES:]) or not np.allclose(
             got[:I_EDGES], want[:I_EDGES], rtol=1e-6, equal_nan=True
         ):
@@ -181,9 +183,9 @@ def _full_split(k: ModuleType, x: torch.Tensor, kind: int, out: np.ndarray) -> N
     acc, state = np.zeros((2, 2)), np.zeros((2, k.STATE_LEN), dtype=np.int64)
     if _pool is None or _pool_pid != os.getpid():  # (a forked child has the pool object but not its thread)
         _pool, _pool_pid = ThreadPoolExecutor(1, thread_name_prefix="ampdoctor-stats"), os.getpid()
-    args = (_CONTIGUOUS, _EDGES)
-    other = _pool.submit(k.full, addr + half * x.element_size(), n - half, kind, *args, acc[1:], state[1:], out)
-    k.full(addr, half, kind, *args, acc[:1], state[:1], out)
+    second = addr + half * x.element_size()
+    other = _pool.submit(k.full, second, n - half, kind, _CONTIGUOUS, _EDGES, acc[1:], state[1:], out)
+    k.full(addr, half, kind, _CONTIGUOUS, _EDGES, acc[:1], state[:1], out)
     other.result()
     k.finish(acc, state, _EDGES, out)
 
