@@ -85,8 +85,8 @@ def full(x: torch.Tensor) -> torch.Tensor:
 
 
 # -- the native kernels (kernels.py, numba) ------------------------------------------------------------------------
-# Loaded on first use in a background thread: numba compiles them (~4 s of CPU the first time on a machine, then
-# cached on disk) or loads them from its cache (~1.5 s of CPU, most of it importing numba), while the torch/numpy
+# Loaded on first use in a background thread: numba compiles them (7-9 s of CPU the first time on a machine, then
+# cached on disk) or loads them from its cache (1.0-1.4 s of CPU, most of it importing numba), while the torch/numpy
 # kernels serve. AMPDOCTOR_NATIVE=0 keeps them off. Their results are checked against _full_cpu once after loading;
 # a kernel that disagrees is never used.
 NATIVE = os.environ.get("AMPDOCTOR_NATIVE", "1") != "0"
@@ -98,8 +98,8 @@ load_info: dict = {}  # how the load went: seconds, error (for tests, the benchm
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # kernels.F32, BF16, F16
 _EDGES = np.array(EDGE_BITS, dtype=np.int32)
 # A contiguous tensor of at least PAR_MIN values is split in two halves, one read on a helper thread (the kernels
-# release the GIL). Measured on 2 cores (benchmarks/README.md): below ~1M values the hand-over costs more than it
-# saves.
+# release the GIL), meant for an idle second core. On the shared 2-core machine of session 8 it did not pay at 0.5M-8M
+# values (the other core was busy); an idle machine to measure the threshold on was not available.
 PAR_MIN = 1 << 21
 _pool: ThreadPoolExecutor | None = None
 _pool_pid = 0
