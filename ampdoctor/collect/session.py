@@ -137,6 +137,7 @@ class Doctor:
         """The core, the hooks, the writer and live threads; _abort() undoes whatever part of it was done."""
         model, options = self.model, self.options
         put = self._put
+        stats.native()  # the native kernels start loading now, beside the first (calibration) steps
         # FSDP: a sharded parameter is read as this rank's shard (collect/sharded.py), never gathered
         self._params = sharded.local_params(model, [(n, p) for n, p in model.named_parameters() if p.requires_grad])
         self._record = StepRecord()

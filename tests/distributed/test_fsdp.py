@@ -164,7 +164,12 @@ def test_a_missing_rank_leaves_figures_missing_never_partial(run1):
     out, _ = run1
     ref = json.load(open(out / "ref-bf16.json"))["steps"]["0"]
     rr = ampdoctor.load_run([str(out / "bf16-0.db")])
-    assert list(map(str, rr.missing)) == ["1"] and rr.combined.incomplete == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert list(map(str, rr.missing)) == ["1"] and rr.combined.incomplete == [
+        "0.bias",
+        "0.weight",
+        "2.bias",
+        "2.weight",
+    ]
     view = rr.views()[0]
     assert view.steps()["grad_norm"].isna().all()  # the whole model's norm needs every shard
     numel = dict(zip(view.sites("param_grad")["path"], view.records("numel", "param_grad")[0]))
