@@ -32,6 +32,10 @@ NEAR_LIMIT_BINADES = 1.0
 # Replays this few steps apart belong to one incident (the flight recorder's clean run is 5 steps): one finding, at
 # the step where it began.
 INCIDENT_GAP = 5
+# A spike with no numerical cause, that the run shook off (the median loss of the INCIDENT_GAP steps after it back
+# under HARM_FACTOR times the median before), is the data's ordinary noise (a hard batch late in training), not a
+# finding, unless the loss jumped at least LASTING_FACTOR times: a batch that far off is broken even if survived.
+LASTING_FACTOR = 100.0
 # A gradient-norm spike (with no loss spike) is a finding only when the loss felt it: within INCIDENT_GAP steps the
 # loss rose this many times its median before (or went non-finite).
 HARM_FACTOR = 1.5
@@ -43,6 +47,19 @@ def within_steps(own, outlier) -> bool:
         bool(own.steps)
         and bool(outlier.steps)
         and outlier.steps[0] <= own.steps[0] <= own.steps[-1] <= outlier.steps[-1]
+    )
+
+
+def batches_collapsed_scale(own, collapse) -> bool:
+    """Suppression (registry): an outlier batch with NaN/Inf inputs on a step of a loss-scale collapse that the
+    non-finite input batches explain: one incident of a pattern the collapse already names (and fixes for every
+    batch)."""
+    first, last = (collapse.steps or [None, None])[0], (collapse.steps or [None, None])[-1]
+    return (
+        collapse.evidence.get("cause_origin") == "input"
+        and bool(own.evidence.get("nonfinite_inputs"))
+        and first is not None
+        and first <= own.evidence["step"] <= last
     )
 
 
@@ -74,26 +91,35 @@ def op_text(op: dict) -> str:
     return f"{op['op']} in {op['module']} ({op['dtype']}){line}"
 
 
+def keep_checked(step: int, keep: dict) -> str:
+    """What a passed keep_fp32 check says (the scale its backward needed, when below the step's)."""
+    backoff = (
+        f" (its backward at a loss scale of {keep['at_scale']:g}, which the GradScaler backs off to in a few skipped "
+        "steps)"
+        if keep.get("at_scale")
+        else ""
+    )
+    module = keep["modules"][0]
+    return f"Checked on step {step} (the step replayed with this change): finite with {module} in FP32{backoff}:"
+
+
 def checked_fixes(run, replay: dict) -> list:
     """The precision fixes the replay tried and that removed the NaN/Inf on the replayed step, as fix parts."""
     step = replay["step"]
     parts = []
     keep = passed(replay, "keep_fp32")
     if keep is not None:
-        parts += [
-            text(
-                f"Checked on step {step} (the step replayed with this change): finite with {keep['modules'][0]} "
-                "in FP32:"
-            ),
-            *A.keep_fp32(A.Setup.of(run), keep["modules"]),
-        ]
+        parts += [text(keep_checked(step, keep)), *A.keep_fp32(A.Setup.of(run), keep["modules"])]
     note = A.bf16_note(A.Setup.of(run)) if passed(replay, "bf16") is not None else []
     if note:
-        parts += [text(f"Checked on step {step}: finite in BF16 (FP32's exponent range, no loss scaling):"), *note[1:]]
+        lead = "Or, checked" if parts else "Checked"  # an alternative to the fix before it
+        parts += [text(f"{lead} on step {step}: finite in BF16 (FP32's exponent range, no loss scaling):"), *note[1:]]
     scale = passed(replay, "loss_scale")
     if scale is not None:
         parts += [
-            text(f"Checked on step {step}: finite at a loss scale of {scale['scale']:g}:"),
+            text(
+                f"{'Or, checked' if parts else 'Checked'} on step {step}: finite at a loss scale of {scale['scale']:g}:"
+            ),
             code(A.scaler_line(run, init_scale=scale["scale"])),
         ]
     return parts
@@ -210,6 +236,9 @@ def loss_spike(
             continue  # a gradient-norm spike the loss did not feel (early training moves fast): no finding
         jumped, limits = _jumps(run, step, jump_binades, near_limit)
         numerical = bool(limits)
+        jump = row["loss"] / base if base > 0 and np.isfinite(row["loss"]) else math.inf
+        if not numerical and jump < LASTING_FACTOR and _shaken_off(st, step, base, harm_factor):
+            continue
         what = (
             f"the loss jumped to {row['loss']:.4g} ({row['loss'] / base:.3g}x its recent median)"
             if r["why"] == "loss_spike" and base > 0
@@ -257,6 +286,13 @@ def _hurt(st, step: int, base: float, factor: float) -> bool:
     if not len(after) or not base > 0:
         return False
     return bool((~np.isfinite(after)).any() or after.max() >= factor * base)
+
+
+def _shaken_off(st, step: int, base: float, factor: float) -> bool:
+    after = st["loss"].iloc[step + 1 : step + 1 + INCIDENT_GAP].to_numpy(float)
+    if len(after) < INCIDENT_GAP or not base > 0 or not np.isfinite(after).all():
+        return False  # the run ended there, or went non-finite: not shaken off
+    return bool(np.median(after) < factor * base)
 
 
 def _jumps(run, step: int, jump_binades: float, near_limit: float) -> tuple[list, list]:

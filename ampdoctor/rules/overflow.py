@@ -121,7 +121,8 @@ def forward_overflow(run: RunView, *, min_steps: int = 1, critical_share: float 
     setup = A.Setup.of(run)
     ops = o.operations or []
     fixes, checked = _checked_fixes(run, ops, culprit)
-    if not checked.get("keep_fp32_failed"):
+    kept = set(checked["keep"]["modules"]) if checked.get("keep") else set()
+    if not checked.get("keep_fp32_failed") and not kept >= {culprit, *others}:  # not printed twice
         fixes += [
             text(
                 f"Run {where} in FP32 inside autocast (loss scaling cannot fix a forward overflow; its FP32 "
@@ -217,13 +218,7 @@ def _checked_fixes(run: RunView, ops: list, culprit: str) -> tuple[list, dict]:
         keep = anomaly.passed(r, "keep_fp32")
         if keep is not None and "keep" not in out:
             out["keep"] = keep
-            fixes += [
-                text(
-                    f"Checked on step {r['step']} (the step replayed with this change): finite with "
-                    f"{keep['modules'][0]} in FP32:"
-                ),
-                *A.keep_fp32(A.Setup.of(run), keep["modules"]),
-            ]
+            fixes += [text(anomaly.keep_checked(r["step"], keep)), *A.keep_fp32(A.Setup.of(run), keep["modules"])]
         tried = anomaly.failed(r, "keep_fp32")
         if tried and keep is None:
             out["keep_fp32_failed"] = True
@@ -239,7 +234,8 @@ def _checked_fixes(run: RunView, ops: list, culprit: str) -> tuple[list, dict]:
             out["bf16"] = bf16[0]["finite"]
             note = A.bf16_note(A.Setup.of(run)) if bf16[0]["finite"] else []
             if note:
-                fixes += [text(f"Checked on step {r['step']}: finite in BF16 (FP32's exponent range):"), *note[1:]]
+                lead = "Or, checked" if out.get("keep") else "Checked"  # an alternative to the FP32 module
+                fixes += [text(f"{lead} on step {r['step']}: finite in BF16 (FP32's exponent range):"), *note[1:]]
     if out.get("keep") is not None:
         out.pop("keep_fp32_failed", None)
     return fixes, out

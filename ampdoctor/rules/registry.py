@@ -44,7 +44,12 @@ RULES = {
             + suppressed_by("division-by-zero", when=division.same_module)
             + suppressed_by("outlier-batch", when=anomaly.within_steps),  # the batch, not the layer
         ),
-        Rule("outlier-batch", anomaly.outlier_batch, "one batch far beyond the usual inputs made a NaN/Inf or a spike"),
+        Rule(
+            "outlier-batch",
+            anomaly.outlier_batch,
+            "one batch far beyond the usual inputs made a NaN/Inf or a spike",
+            suppressed_by=suppressed_by("loss-scale-collapse", when=anomaly.batches_collapsed_scale),
+        ),
         Rule("loss-spike", anomaly.loss_spike, "a finite loss or gradient-norm spike: the layers that jumped, and why"),
         Rule("healed", anomaly.healed, "heal=True kept a module in FP32 during the run"),
         Rule(
