@@ -133,7 +133,7 @@ def test_a_product_made_inside_a_module_is_its_fault_and_an_unhelpful_keep_fp32_
     assert d.evidence["operation"]["op"] == "aten::mul" and "self.up(x) * self.gate(x)" in d.summary
     assert not any("keep_fp32" in c for c in _codes(d))  # tried on the step, did not help: not printed
     texts = " ".join(p.text for p in d.fix if p.kind == "text")
-    assert "Keeping 2 in FP32 was tried on step" in texts and "finite in BF16" in texts
+    assert "Keeping 2 and 3 in FP32 was tried on step" in texts and "finite in BF16" in texts
     # the BF16 fix, applied as printed (its autocast dtype), trains without a NaN
     bf16 = next(c for c in _codes(d) if "bfloat16" in c)
     assert "torch.bfloat16" in bf16

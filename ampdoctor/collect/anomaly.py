@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .. import islands
-from ..trace.schema import ROOT
+from ..trace.schema import ROOT, observed_ancestor
 from . import hooks
 from .ops import OpTracer
 from .recompute import rng_get, rng_set
@@ -40,6 +40,8 @@ MAX_REPLAYS_PER_INCIDENT = 2  # anomalous steps replayed until the run is clean 
 MAX_REPLAYS = 32  # per run: a run whose every step is broken does not pay a replay per step
 TYPICAL_KEPT = 64  # recent input peaks the "usual" magnitude of the batches is the median of
 OUTLIER_FACTOR = 8.0  # a batch whose inputs are this many times the usual peak is an outlier batch
+# A keep_fp32 fix grows by the modules that still overflow after it, up to this many modules in all.
+ISLAND_GROWTH = 4
 HASH_BYTES_MAX = 1 << 26  # inputs larger than this are fingerprinted by shape, dtype and magnitudes only
 
 
@@ -368,10 +370,11 @@ class Replayer:
         fwd = result.operation is not None and result.operation.get("phase") == "fwd"
         if origin is not None and fwd and origin != ROOT:
             for path in dict.fromkeys([origin, *_outer(origin, self.paths.values())]):
-                check = {"fix": "keep_fp32", "modules": [path], **self._try_scaled(calls, scale, keep=[path])}
+                check = self._island(calls, scale, path)
                 checks.append(check)
                 if check["finite"]:
-                    self._confirm(path, result.step)
+                    for kept in check["modules"]:
+                        self._confirm(kept, result.step)
                     break
         ac = next((c.autocast for c in calls if c.autocast), None)
         if ac is not None and ac[1] == torch.float16 and _bf16_ok(ac[0]):
@@ -383,6 +386,30 @@ class Replayer:
                 if check["finite"]:
                     break
         return checks
+
+    def _island(self, calls: list[Call], scale: float | None, path: str) -> dict:
+        """keep_fp32 of ``path`` tried on the step; where the forward still makes a NaN/Inf, in a module after it
+        (values beyond FP16 that the next module casts back), the island grows by the module that made it, up to
+        ISLAND_GROWTH modules: the fix printed is the island that removed the NaN/Inf on the step."""
+        island = [path]
+        while True:
+            check = {"fix": "keep_fp32", "modules": list(island), **self._try_scaled(calls, scale, keep=island)}
+            if check["finite"] or check.get("forward_finite") is not False or len(island) >= ISLAND_GROWTH:
+                return check
+            tracer = OpTracer(self.paths)
+            with self._isolated(), self.observe(False), others_hooks_off(self.model, self.ours()):
+                handle = islands.keep_fp32(self.model, *island)
+                try:
+                    self._pass(calls, tracer=tracer)
+                except Exception:
+                    return check
+                finally:
+                    handle.remove()
+            made = tracer.first
+            nxt = observed_ancestor(made.module, set(self.paths.values())) if made is not None else ROOT
+            if made is None or made.phase != "fwd" or nxt == ROOT or any(_within(nxt, p) for p in island):
+                return check  # nothing new to keep in FP32: the island cannot help
+            island.append(nxt)
 
     def _try_scaled(self, calls: list[Call], scale: float | None, **change) -> dict:
         """A forward fix tried on the step: where its forward is finite but its backward overflows at the step's loss
@@ -479,6 +506,10 @@ class Replayer:
 def _origin_module(result: Replay) -> str | None:
     chain = [*result.producers, result.operation] if result.operation else []
     return chain[0]["module"] if chain else None
+
+
+def _within(path: str, outer: str) -> bool:
+    return path == outer or path.startswith(outer + ".") or outer == ROOT
 
 
 def _outer(path: str, paths) -> list[str]:

@@ -29,6 +29,7 @@ from ..formats import get as get_format
 from ..trace.schema import ROOT
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_THIS_FILE = os.path.abspath(__file__)
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 # Operations that only move or view values: they cannot make a value, only pass one on.
 _PASS_ON = {"view", "_unsafe_view", "reshape", "expand", "t", "transpose", "permute", "clone", "contiguous",
@@ -84,11 +85,15 @@ class OpRecord:
 
 
 def user_line() -> str | None:
-    """The innermost frame of the caller's code: outside torch and outside ampdoctor."""
+    """The innermost frame of the user's code inside the model's forward (or backward): outside torch, and below
+    ampdoctor's replay, which called the model. None where only torch's own modules ran (an nn.Sequential): the
+    line that called the replay (``optimizer.step()``) did not make the value."""
     for frame in reversed(traceback.extract_stack()[:-2]):
         path = os.path.abspath(frame.filename)
-        if path.startswith((_TORCH_DIR, _PACKAGE_DIR)) or "<frozen" in path:
-            continue
+        if path == _THIS_FILE or path.startswith(_TORCH_DIR) or "<frozen" in path:
+            continue  # the tracer itself, torch's modules and dispatch
+        if path.startswith(_PACKAGE_DIR):
+            return None
         code = (frame.line or "").strip()
         return f"{os.path.basename(path)}:{frame.lineno} in {frame.name}: {code}"[:300]
     return None

@@ -99,8 +99,8 @@ def keep_checked(step: int, keep: dict) -> str:
         if keep.get("at_scale")
         else ""
     )
-    module = keep["modules"][0]
-    return f"Checked on step {step} (the step replayed with this change): finite with {module} in FP32{backoff}:"
+    modules = " and ".join(keep["modules"])
+    return f"Checked on step {step} (the step replayed with this change): finite with {modules} in FP32{backoff}:"
 
 
 def checked_fixes(run, replay: dict) -> list:

@@ -245,8 +245,10 @@ def _observed(run: RunView) -> np.ndarray:
 
 
 def _jump(run: RunView, first: int, bad: np.ndarray, b: Blowup) -> None:
-    """Largest move of an output peak between two consecutive observed steps up to ``first``; into a non-finite
-    peak on the first bad step, the headroom it had (a lower bound). Only a move the later steps kept counts."""
+    """Largest move of an output peak between two consecutive observed steps up to ``first`` (into a non-finite peak
+    on the first bad step: the headroom it had, a lower bound). The module named is the first, in execution order,
+    whose move on that step was at least half the largest: the modules after it carried its values. Only a move the
+    later steps kept counts."""
     acts = run.sites("act")
     pk = run.records("peak", "act")
     if not pk.shape[1]:
@@ -258,6 +260,7 @@ def _jump(run: RunView, first: int, bad: np.ndarray, b: Blowup) -> None:
         if c != a + 1 or c > first:
             continue
         prev, now = pk[a], pk[c]
+        moves: list[tuple[float, str, float]] = []  # (move, path, previous peak) in execution order
         for j in range(pk.shape[1]):
             path = str(acts["path"].iloc[j])
             if not (np.isfinite(prev[j]) and prev[j] > 0):
@@ -273,11 +276,17 @@ def _jump(run: RunView, first: int, bad: np.ndarray, b: Blowup) -> None:
                 move = math.log2(fmt.max / prev[j])
             else:
                 continue
-            key = (move, path != ROOT)
-            if best is None or key > best[0]:
-                best = (key, path, int(run.steps["step"].iloc[c]), float(prev[j]))
+            moves.append((move, path, float(prev[j])))
+        if not moves:
+            continue
+        top = max(m for m, _, _ in moves)
+        inner = [m for m in moves if m[1] != ROOT] or moves
+        move, path, before = next(m for m in inner if m[0] >= top / 2 or m[0] == top) if top > 0 else max(moves)
+        key = (top, path != ROOT)
+        if best is None or key > best[0]:
+            best = (key, path, int(run.steps["step"].iloc[c]), before, move)
     if best is not None:
-        (b.jump, _), b.jump_site, b.jump_step, b.jump_from = best
+        _, b.jump_site, b.jump_step, b.jump_from, b.jump = best
 
 
 def _kept(col: np.ndarray, rows: np.ndarray, at: int, value: float) -> bool:

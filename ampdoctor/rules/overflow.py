@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from .. import formats
-from ..trace.schema import ROOT
+from ..trace.schema import ROOT, observed_ancestor
 from . import advice as A
 from . import anomaly
 from .fix import text
@@ -61,20 +61,11 @@ def origins(run: RunView) -> Origins | None:
     ops = [r for r in anomaly.replays(run) if r["step"] in steps and (r.get("operation") or {}).get("phase") == "fwd"]
     if ops:
         paths = set(acts["path"])
-        made = [_observed(anomaly.where_made(r)["module"], paths) for r in ops]
+        made = [observed_ancestor(anomaly.where_made(r)["module"], paths) for r in ops]
         culprit = max(set(made), key=made.count)
-        seen = {_observed(r["operation"]["module"], paths) for r in ops} - {culprit}
+        seen = {observed_ancestor(r["operation"]["module"], paths) for r in ops} - {culprit}
         tipped = [p for p in seen if not culprit.startswith(p + ".") and p != ROOT]
     return Origins(fwd, counts, culprit, tipped, ops)
-
-
-def _observed(path: str, paths: set) -> str:
-    """The module itself when observed, else its nearest observed ancestor (the root at worst)."""
-    parts = path.split(".")
-    for i in range(len(parts), 0, -1):
-        if ".".join(parts[:i]) in paths:
-            return ".".join(parts[:i])
-    return ROOT
 
 
 def after_blowup(own, divergence) -> bool:
@@ -220,14 +211,18 @@ def _checked_fixes(run: RunView, ops: list, culprit: str) -> tuple[list, dict]:
             out["keep"] = keep
             fixes += [text(anomaly.keep_checked(r["step"], keep)), *A.keep_fp32(A.Setup.of(run), keep["modules"])]
         tried = anomaly.failed(r, "keep_fp32")
-        if tried and keep is None:
+        if tried and keep is None and not out.get("keep_fp32_failed"):  # said once, at the first step tried
             out["keep_fp32_failed"] = True
+            kept = "; ".join(" and ".join(t["modules"]) for t in tried)
+            why = (
+                "the forward was finite then, but the backward through the half-precision modules overflowed even "
+                "at a loss scale 2^16 times lower"
+                if tried[-1].get("forward_finite")
+                else "the modules after them cast the values back to half precision, or they are beyond any "
+                "format's reach"
+            )
             fixes.append(
-                text(
-                    f"Keeping {', '.join(t['modules'][0] for t in tried)} in FP32 was tried on step {r['step']} and "
-                    "did not remove the NaN/Inf (the next module casts the values back to half precision, or they "
-                    "are beyond any format's reach)."
-                )
+                text(f"Keeping {kept} in FP32 was tried on step {r['step']} and did not remove the NaN/Inf ({why}).")
             )
         bf16 = [c for c in r.get("checks", []) if c.get("fix") == "bf16"]
         if bf16 and "bf16" not in out:

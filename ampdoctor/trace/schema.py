@@ -53,6 +53,17 @@ PROBE_FIELDS = ("rel_err", "max_err", "ref_norm", "ref_absmax")  # probes table 
 OPTIONAL_TABLES = ("probes",)  # added after the first traces were written: a trace without them still reads
 KINDS = ("act", "grad_out", "param_grad", "weight", "update")
 ROOT = "(model)"  # how the root module is named in site paths
+
+
+def observed_ancestor(path: str, paths: set) -> str:
+    """The module itself when among the observed ``paths``, else its nearest observed ancestor (the root at worst)."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) in paths:
+            return ".".join(parts[:i])
+    return ROOT
+
+
 # the binades a histogram row can hold: e = -127 also takes every non-zero |x| < 2^-126 (FP32 subnormals), 127 is
 # FP32's largest binade; column j of a histogram is binade HIST_LO + j
 HIST_LO, HIST_HI = -127, 127

@@ -23,7 +23,7 @@ def test_hostile_names_are_text_in_the_browser_and_bad_input_is_a_message(dash_d
     time.sleep(0.5)
     assert fetched == []
     card = dash_duo.find_element(".finding").text
-    assert f"Run ![t](http://localhost:{port}/md)<a href='http://localhost:{port}/a'>a</a><b>B</b>" in card
+    assert f"finite with ![t](http://localhost:{port}/md)<a href='http://localhost:{port}/a'>a</a><b>B</b>" in card
     assert dash_duo.find_elements(f"#{ids.PAGE} img") == [] and dash_duo.find_elements(".finding a[href^=http]") == []
 
     # the heat map's row labels: the name as written, not a link, not bold
