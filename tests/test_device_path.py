@@ -5,54 +5,19 @@ themselves unfinished for a step (transfer.EMULATED_LAG), and every host read of
 (on an accelerator each would be a device sync)."""
 
 import os
-import traceback
+import sys
 
 import numpy as np
 import pytest
-import torch
 from anomaly_models import OUTLIER_STEP, classifier
 from anomaly_models import train as train_classifier
 from runs import mlp, train
-from torch.overrides import TorchFunctionMode
 
 import ampdoctor
 from ampdoctor.collect import stats, transfer
 
-_PACKAGE = os.path.dirname(ampdoctor.__file__)
-_TORCH = os.path.dirname(torch.__file__)
-_READS = {
-    torch.Tensor.item,
-    torch.Tensor.tolist,
-    torch.Tensor.numpy,
-    torch.Tensor.cpu,
-    torch.Tensor.__float__,
-    torch.Tensor.__int__,
-    torch.Tensor.__bool__,
-    torch.Tensor.__index__,
-}
-
-
-class HostReads(TorchFunctionMode):
-    """Counts the reads of tensor values on the host that ampdoctor's own code makes (torch's, e.g. GradScaler's
-    found-inf check, and the training loop's are not ampdoctor's), per step."""
-
-    def __init__(self):
-        super().__init__()
-        self.by_step: dict[int, int] = {}
-        self.step = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _READS and not transfer.READING[0] and self._from_ampdoctor():
-            self.by_step[self.step] = self.by_step.get(self.step, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-    @staticmethod
-    def _from_ampdoctor() -> bool:
-        for frame in reversed(traceback.extract_stack()[:-2]):
-            if frame.filename.startswith(_TORCH):
-                continue
-            return frame.filename.startswith(_PACKAGE)
-        return False
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from hostsync import HostReads  # (the counter benchmarks/device_check.py uses too)
 
 
 @pytest.fixture
