@@ -71,10 +71,10 @@ def caller(frame: FrameType | None) -> tuple[str, FrameType | None]:
 
 
 class Counts:
-    """Calls per party and step; ``step`` is set by the loop before each step."""
+    """Calls per party and step; ``step`` is set by the loop before each step (-1: before the loop)."""
 
     def __init__(self) -> None:
-        self.step = 0
+        self.step = -1
         self.counts: dict[str, dict[int, int]] = {p: defaultdict(int) for p in PARTIES}
         self.where: dict[str, dict[str, int]] = {p: defaultdict(int) for p in PARTIES}  # "file:line" -> calls
 
