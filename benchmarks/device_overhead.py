@@ -71,7 +71,8 @@ def gpt2(device: str, small: bool):
 
     torch.manual_seed(0)
     if small:
-        cfg, shape = GPT2Config(vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=2), (4, 16)
+        cfg = GPT2Config(vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+        shape = (4, 16)
     else:
         cfg, shape = GPT2Config(n_positions=256, n_embd=768, n_layer=12, n_head=12), (8, 256)
     model = GPT2LMHeadModel(cfg)
@@ -262,9 +263,12 @@ class Local:
         self.w = None
 
 
-def measure(model: str, precision: str, *, device: str, small: bool, rounds: int, block_s: float) -> dict:
-    """Every variant on one model and precision: rows of ratios, or the errors of the variants that failed."""
-    make = Proc if device == "cuda" and not small else Local
+def measure(
+    model: str, precision: str, *, device: str, small: bool, rounds: int, block_s: float, processes: bool
+) -> dict:
+    """Every variant on one model and precision (``processes``: each in its own process): rows of ratios, or the
+    errors of the variants that failed."""
+    make = Proc if processes else Local
     workers = [make(model, v, precision, device, small) for v in VARIANTS]
     errors: dict[str, str] = {}
     live = []
@@ -357,14 +361,23 @@ def targets(rows: list[dict]) -> list[str]:
 
 
 def section(s, sec) -> None:
-    make = "its own process" if s.device == "cuda" and not s.small else "one process, interleaved"
+    processes = s.device == "cuda" and not s.small
+    make = "its own process" if processes else "one process, interleaved"
     sec.note(f"each variant in {make}; {s.rounds} rounds of ~{s.block_s:g} s of bare training per block")
     for model in MODELS:
         for precision in PRECISIONS:
             if precision == "bf16" and s.device == "cuda" and not torch.cuda.is_bf16_supported():
                 continue
             t0 = time.perf_counter()
-            res = measure(model, precision, device=s.device, small=s.small, rounds=s.rounds, block_s=s.block_s)
+            res = measure(
+                model,
+                precision,
+                device=s.device,
+                small=s.small,
+                rounds=s.rounds,
+                block_s=s.block_s,
+                processes=processes,
+            )
             show(model, precision, res, sec.say)
             rows = res["rows"]
             finite = all(math.isfinite(r["ratio_med"]) and r["ratio_med"] > 0 for r in rows)

@@ -115,15 +115,21 @@ class SyncWarnings(Counts):
         self._catch = warnings.catch_warnings()
         self._catch.__enter__()
         warnings.filterwarnings("always", message=f".*{SYNC_WARNING}")
-        shown = warnings.showwarning
+        # Shown warnings reach warnings._showwarnmsg_impl unless showwarning was replaced (logging.captureWarnings):
+        # the sync warnings are taken there, every other warning goes where it went before.
+        before_impl, before_show = warnings._showwarnmsg_impl, warnings.showwarning
+        original = warnings._showwarning_orig
 
-        def show(message, category, filename, lineno, file=None, line=None):
-            if SYNC_WARNING in str(message):
+        def impl(msg: warnings.WarningMessage) -> None:
+            if SYNC_WARNING in str(msg.message):
                 self.add(sys._getframe(1))
+            elif before_show is not original:
+                before_show(msg.message, msg.category, msg.filename, msg.lineno, msg.file, msg.line)
             else:
-                shown(message, category, filename, lineno, file, line)
+                before_impl(msg)
 
-        warnings.showwarning = show
+        warnings.showwarning = original
+        warnings._showwarnmsg_impl = impl
         self._mode = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("warn")
         return self
