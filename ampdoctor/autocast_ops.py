@@ -176,7 +176,7 @@ def observe(op: str, device_type: str, dtype: str = "bfloat16") -> str | None:
     low, f32 = getattr(torch, dtype), torch.float32
     expr = SAMPLES[op]
 
-    def run(dx, dy):
+    def run(dx: torch.dtype, dy: torch.dtype) -> torch.dtype:
         g = torch.Generator().manual_seed(0)
         names = {
             "x": torch.randn(4, 8, generator=g).to(device_type, dx),
@@ -185,7 +185,8 @@ def observe(op: str, device_type: str, dtype: str = "bfloat16") -> str | None:
             "i": torch.tensor([0, 3, 1, 2], device=device_type),
         }
         with torch.autocast(device_type, dtype=low):
-            return eval(expr, {"torch": torch, "F": F, **names}).dtype
+            out: torch.dtype = eval(expr, {"torch": torch, "F": F, **names}).dtype
+        return out
 
     wide = run(f32, f32)
     if wide == low:

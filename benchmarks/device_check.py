@@ -40,6 +40,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -237,7 +238,7 @@ def accelerator_path_on_cpu() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def transfer_waits(counter) -> Iterator[dict]:
+def transfer_waits(counter: Any) -> Iterator[dict]:
     """CUDA: count the step-figure copies read before their event completed (a wait in cudaEventSynchronize, which
     set_sync_debug_mode does not report): at most MAX_IN_FLIGHT steps stay in flight before the oldest is waited
     for."""
@@ -246,7 +247,7 @@ def transfer_waits(counter) -> Iterator[dict]:
     waits: dict[int, int] = {}
     original = transfer.Transfer.values
 
-    def values(self):
+    def values(self: transfer.Transfer) -> Any:
         event = getattr(self, "_event", None)
         if event is not None and not event.query():
             waits[counter.step] = waits.get(counter.step, 0) + 1

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from torch import nn
@@ -75,7 +77,7 @@ def wide_run(device: str, path: str) -> tuple[list, list]:
     grads: list[torch.Tensor] = []
     model[0].register_forward_hook(lambda m, a, o: acts.append(o.detach().clone()))
 
-    def on_output(m, a, o):
+    def on_output(m: nn.Module, a: tuple, o: torch.Tensor) -> None:
         o.register_hook(lambda g: grads.append(g.detach().clone()))
 
     model[1].register_forward_hook(on_output)
@@ -95,7 +97,7 @@ def wide_run(device: str, path: str) -> tuple[list, list]:
     return acts, grads
 
 
-def compare(df, tensors: list, stored: np.ndarray, name: str) -> tuple[int, int, int, list]:
+def compare(df: Any, tensors: list, stored: np.ndarray, name: str) -> tuple[int, int, int, list]:
     """Per histogram step, the saturated and flushed counts of real casts against ampdoctor's [lo, hi]: (compared,
     exact intervals, values really lost in all, misses)."""
     compared = exact = lost = 0
@@ -118,7 +120,8 @@ def compare(df, tensors: list, stored: np.ndarray, name: str) -> tuple[int, int,
     return compared, exact, int(lost), misses
 
 
-def section(s, sec) -> None:
+def section(s: Any, sec: Any) -> None:
+    """The section (``s``: device_check's Setup, ``sec`` its Section)."""
     device = s.device
     for name, dt in DTYPES.items():
         y = boundary_values(name)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -69,7 +70,9 @@ def scale_output_peak(model: nn.Module, path: str, peak: float, x: torch.Tensor)
     return model
 
 
-def classes(n: int, batch: int = 32, d_in: int = 16, k: int = 10, seed: int = 1, outlier: dict | None = None):
+def classes(
+    n: int, batch: int = 32, d_in: int = 16, k: int = 10, seed: int = 1, outlier: dict | None = None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(x, y) per step, drawn on the CPU (the same batches on every device); ``outlier``: step -> factor."""
     g = torch.Generator().manual_seed(seed)
     for step in range(n):
@@ -80,7 +83,7 @@ def classes(n: int, batch: int = 32, d_in: int = 16, k: int = 10, seed: int = 1,
         yield x, y
 
 
-def regression(n: int, batch: int = 32, d_in: int = 32, seed: int = 1):
+def regression(n: int, batch: int = 32, d_in: int = 32, seed: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(d_in, 1, generator=g) / math.sqrt(d_in)
     for _ in range(n):
@@ -183,7 +186,7 @@ VOCAB, SEQ, BATCH = 128, 8, 4
 HF_CADENCE = {"every": 2, "hist_every": 2, "weight_every": 2}  # dense cadence for short runs (as tests/hf does)
 
 
-def gpt2(seed: int = 0, **over) -> nn.Module:
+def gpt2(seed: int = 0, **over: Any) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
@@ -191,7 +194,7 @@ def gpt2(seed: int = 0, **over) -> nn.Module:
     return GPT2LMHeadModel(GPT2Config(**{**cfg, **over}))
 
 
-def tokens(n: int, seed: int = 1, batch: int = BATCH, seq: int = SEQ):
+def tokens(n: int, seed: int = 1, batch: int = BATCH, seq: int = SEQ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     for _ in range(n):
         ids = torch.randint(1, VOCAB, (batch, seq), generator=g)

@@ -31,6 +31,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -47,7 +48,7 @@ MODELS = ("reference", "gpt2")
 PRECISIONS = ("fp16", "bf16")
 
 
-def reference(device: str, small: bool):
+def reference(device: str, small: bool) -> tuple:
     if small:
         torch.manual_seed(0)
         layers: list[torch.nn.Module] = []
@@ -60,13 +61,13 @@ def reference(device: str, small: bool):
     g = torch.Generator().manual_seed(1)
     batch = (torch.randn(*xs, generator=g).to(device), torch.randn(*ys, generator=g).to(device))
 
-    def forward(m, x, y):
+    def forward(m: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.mse_loss(m(x).float(), y)
 
     return model.to(device), batch, forward, torch.optim.SGD
 
 
-def gpt2(device: str, small: bool):
+def gpt2(device: str, small: bool) -> tuple:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
@@ -79,7 +80,7 @@ def gpt2(device: str, small: bool):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, shape, generator=g).to(device)
 
-    def forward(m, ids, labels):
+    def forward(m: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return m(input_ids=ids, labels=labels).loss
 
     return model.to(device), (ids, ids), forward, torch.optim.AdamW
@@ -88,7 +89,7 @@ def gpt2(device: str, small: bool):
 BUILD = {"reference": reference, "gpt2": gpt2}
 
 
-def setup_ampdoctor(w: Worker, **options):
+def setup_ampdoctor(w: Worker, **options: Any) -> Callable[[], None]:
     w.trace_dir = tempfile.mkdtemp(prefix="ampdoctor-overhead-")
     doc = ampdoctor.attach(
         w.model, optimizer=w.opt, scaler=w.scaler, trace=os.path.join(w.trace_dir, "t.db"), **options
@@ -360,7 +361,8 @@ def targets(rows: list[dict]) -> list[str]:
     return out
 
 
-def section(s, sec) -> None:
+def section(s: Any, sec: Any) -> None:
+    """The section: every model and precision measured (``s``: device_check's Setup, ``sec`` its Section)."""
     processes = s.device == "cuda" and not s.small
     make = "its own process" if processes else "one process, interleaved"
     sec.note(f"each variant in {make}; {s.rounds} rounds of ~{s.block_s:g} s of bare training per block")

@@ -22,6 +22,7 @@ import sys
 import warnings
 from collections import defaultdict
 from types import FrameType
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -89,9 +90,6 @@ class Counts:
         """ampdoctor's calls per step."""
         return self.counts[AMPDOCTOR]
 
-    def per_step(self, who: str, steps) -> dict[int, int]:
-        return {s: self.counts[who].get(s, 0) for s in steps}
-
 
 class HostReads(TorchFunctionMode, Counts):
     """Counts the reads of tensor values on the host, per party and step. A read of a finished transfer's host memory
@@ -101,7 +99,7 @@ class HostReads(TorchFunctionMode, Counts):
         TorchFunctionMode.__init__(self)
         Counts.__init__(self)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func in READS and not transfer.READING[0]:
             self.add(sys._getframe(1))
         return func(*args, **(kwargs or {}))
@@ -134,6 +132,6 @@ class SyncWarnings(Counts):
         torch.cuda.set_sync_debug_mode("warn")
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         torch.cuda.set_sync_debug_mode(self._mode)
         self._catch.__exit__(*exc)
