@@ -109,6 +109,7 @@ class Section:
             self.check(what, False, f"{type(exc).__name__}: {exc} ({os.path.basename(where.filename)}:{where.lineno})")
 
 
+BUDGET_S = 480.0  # the whole check, on one GPU
 LOG: list[str] = []  # the printed report
 _FOUND: dict[str, list] = {}  # trace -> its findings (diagnosed once)
 # ampdoctor's warnings that it stopped observing, or wrote an incomplete trace: a section with one fails
@@ -661,6 +662,8 @@ def main(argv: list[str] | None = None) -> int:
     for sec in sections:
         say(f"  {'PASS' if sec.passed else 'FAIL'}  {sec.number}. {sec.title} ({sec.seconds:.1f} s)")
     say(f"  {sum(x.passed for x in sections)} of {len(sections)} sections passed in {total:.0f} s; {report}")
+    if device == "cuda" and len(wanted) == len(SECTIONS) and not args.small and total > BUDGET_S:
+        say(f"  (over the {BUDGET_S / 60:.0f}-minute budget of one GPU check: the slowest sections are above)")
     result = {
         "environment": env,
         "small": args.small,

@@ -44,6 +44,8 @@ import ampdoctor  # noqa: E402
 
 WARMUP_STEPS = 12  # ampdoctor's 10 calibration steps and the first sampled ones
 WARMUP_SMALL = 2  # --small: the figures only show that it runs
+MIN_ROUNDS = 3  # rounds always run (unless fewer are asked for) ...
+MAX_S = 75.0  # ... before a model and precision's time is up: 4 of them keep the section under ~5 minutes
 MODELS = ("reference", "gpt2")
 PRECISIONS = ("fp16", "bf16")
 
@@ -265,10 +267,20 @@ class Local:
 
 
 def measure(
-    model: str, precision: str, *, device: str, small: bool, rounds: int, block_s: float, processes: bool
+    model: str,
+    precision: str,
+    *,
+    device: str,
+    small: bool,
+    rounds: int,
+    block_s: float,
+    processes: bool,
+    max_s: float = MAX_S,
 ) -> dict:
     """Every variant on one model and precision (``processes``: each in its own process): rows of ratios, or the
-    errors of the variants that failed."""
+    errors of the variants that failed. Past ``max_s`` seconds (set-up included), no new round starts once
+    MIN_ROUNDS are done."""
+    t_start = time.perf_counter()
     make = Proc if processes else Local
     workers = [make(model, v, precision, device, small) for v in VARIANTS]
     errors: dict[str, str] = {}
@@ -292,7 +304,11 @@ def measure(
     n = max(3, round(block_s / probe)) if math.isfinite(probe) and probe > 0 else 3
     times: dict[str, list[float]] = {w.variant: [] for w in live}
     order = random.Random(0)
+    done = 0
     for _ in range(rounds):
+        if done >= MIN_ROUNDS and time.perf_counter() - t_start > max_s:
+            break  # (the whole check must stay under 8 minutes on one GPU)
+        done += 1
         for w in order.sample(live, len(live)):
             if w.variant in errors:
                 continue
@@ -311,7 +327,7 @@ def measure(
         if w.variant in errors or len(times[w.variant]) != len(base):
             continue
         end = ends[w.variant]
-        per = [t + end.get("close_s", 0.0) / (rounds * n) for t in times[w.variant]]
+        per = [t + end.get("close_s", 0.0) / (done * n) for t in times[w.variant]]
         rows.append(
             {
                 "variant": w.variant,
@@ -323,7 +339,7 @@ def measure(
                 **end,
             }
         )
-    return {"rows": rows, "errors": errors, "steps_per_block": n, "rounds": rounds}
+    return {"rows": rows, "errors": errors, "steps_per_block": n, "rounds": done}
 
 
 def show(model: str, precision: str, res: dict, say: Callable[[str], None]) -> None:
