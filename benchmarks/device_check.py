@@ -315,7 +315,19 @@ def host_syncs(s: Setup, sec: Section) -> None:
             f"(anomalies at {sorted(bad)})"
             + (f"; waits for an unfinished copy: {sum(waits.values())}" if waits else "")
         )
+        on_cuda = getattr(counter, "on_cuda", None)  # (the CPU run: calls that would synchronize on CUDA)
+        if on_cuda is not None:
+            calls = {t: on_cuda.counts[AMPDOCTOR].get(t, 0) for t in clean}
+            if any(calls.values()):
+                kinds_seen = sorted({kinds[int(st.loc[t, "level"])] for t, n in calls.items() if n})
+                where = ", ".join(f"{w} ({n})" for w, n in on_cuda.where[AMPDOCTOR].items())
+                sec.note(
+                    f"{precision}: on CUDA ampdoctor would also wait for the device {sum(calls.values())} times on "
+                    f"clean {' and '.join(kinds_seen)} steps, in calls whose output size depends on the values "
+                    f"(not host reads; section 3 on a GPU counts them): {where}"
+                )
         sec.data[precision] = {
+            "cuda_sync_calls": dict(on_cuda.counts[AMPDOCTOR]) if on_cuda is not None else None,
             "clean_steps": clean,
             "ampdoctor_by_step": dict(counter.counts[AMPDOCTOR]),
             "scaler_per_step": per[SCALER],

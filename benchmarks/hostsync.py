@@ -46,6 +46,19 @@ READS = {
     torch.Tensor.__bool__,
     torch.Tensor.__index__,
 }
+# Calls whose output size depends on the values: on CUDA they wait for the device (torch.bincount reads the input's
+# min and max on the host), though no value reaches Python.
+CUDA_SYNCS = {
+    torch.bincount,
+    torch.Tensor.bincount,
+    torch.nonzero,
+    torch.Tensor.nonzero,
+    torch.masked_select,
+    torch.Tensor.masked_select,
+    torch.unique,
+    torch.Tensor.unique,
+    torch.repeat_interleave,
+}
 SYNC_WARNING = "synchronizing CUDA operation"  # c10::cuda::warn_or_error_on_sync's message
 
 
@@ -93,16 +106,29 @@ class Counts:
 
 class HostReads(TorchFunctionMode, Counts):
     """Counts the reads of tensor values on the host, per party and step. A read of a finished transfer's host memory
-    (``transfer.READING``) is no device read and is left out."""
+    (``transfer.READING``) is no device read and is left out. Apart, in ``on_cuda``: the calls that read no value on
+    the host but synchronize on CUDA (an output whose size depends on the values: ``bincount``, ``nonzero``, boolean
+    indexing...), which a CPU run cannot see otherwise."""
 
     def __init__(self) -> None:
         TorchFunctionMode.__init__(self)
         Counts.__init__(self)
+        self.on_cuda = Counts()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func in READS and not transfer.READING[0]:
-            self.add(sys._getframe(1))
+        if func in READS:
+            if not transfer.READING[0]:
+                self.add(sys._getframe(1))
+        elif func in CUDA_SYNCS or (func is torch.Tensor.__getitem__ and _boolean_index(args)):
+            self.on_cuda.step = self.step
+            self.on_cuda.add(sys._getframe(1))
         return func(*args, **(kwargs or {}))
+
+
+def _boolean_index(args: tuple) -> bool:
+    index = args[1] if len(args) > 1 else None
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in parts)
 
 
 class SyncWarnings(Counts):
