@@ -153,7 +153,7 @@ def bit_identical(s: Setup, sec: Section) -> None:
     for precision in ("fp16", "bf16"):
         for mode in ("default", "debug"):
             path = s.trace(f"identical-{precision}-{mode}")
-            attach = {"live": False, **({"mode": "debug"} if mode == "debug" else {})}
+            attach = {"mode": "debug"} if mode == "debug" else {}
             runs = []
             for trace in (None, path):
                 data = M.classes(steps, outlier={M.OUTLIER_STEP: spike})
@@ -268,7 +268,7 @@ def host_syncs(s: Setup, sec: Section) -> None:
     import ampdoctor
 
     steps = 40 if s.small else 80
-    opts = {"calibration": 2, "peak_every": 3, "every": 7, "hist_every": 14, "live": False}
+    opts = {"calibration": 2, "peak_every": 3, "every": 7, "hist_every": 14}
     how = "set_sync_debug_mode('warn')" if s.device == "cuda" else "host reads, accelerator path emulated"
     sec.note(f"counted by {how}; the loop calls loss.item() every 10th step (a logging loop's own sync)")
     for precision in ("fp16", "bf16"):
@@ -462,7 +462,7 @@ def fault_outlier(s: Setup, sec: Section) -> None:
     keep = KEEP_FP32
     path = s.trace("fault-outlier")
     data = M.classes(45, outlier={M.OUTLIER_STEP: M.OUTLIER})
-    M.train(M.scale_output_peak(M.net(), M.BIG, 256.0, x0), data, device=dev, trace=path, attach={"live": False})
+    M.train(M.scale_output_peak(M.net(), M.BIG, 256.0, x0), data, device=dev, trace=path)
     tr = ampdoctor.load(path)
     st = tr.steps().set_index("step")
     row = st.loc[M.OUTLIER_STEP]
@@ -502,7 +502,6 @@ def fault_outlier(s: Setup, sec: Section) -> None:
             data,
             device=dev,
             trace=fixed,
-            attach={"live": False},
             setup=applying(line[0]),
         )
         st2 = ampdoctor.load(fixed).steps().set_index("step")

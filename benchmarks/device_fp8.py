@@ -91,7 +91,7 @@ def wide_run(device: str, path: str) -> tuple[list, list]:
         loss_fn=M.mse,
         lr=0.0,
         trace=path,
-        attach={"every": 1, "hist_every": 1, "live": False},
+        attach={"every": 1, "hist_every": 1},
         scaler_kw={"init_scale": 1024.0, "growth_interval": 2},
     )
     return acts, grads

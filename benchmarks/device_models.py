@@ -137,11 +137,11 @@ def train(
     forward: Callable | None = None,
 ) -> Run:
     """A plain loop on ``device``: autocast in ``precision`` (FP16 with a GradScaler), ampdoctor attached when ``trace``
-    is given. The batches are moved to the device before the loop and the losses are read once at the end, so the
-    loop itself never syncs unless ``item_every`` asks for a ``loss.item()`` every so many steps (as logging loops
-    do). ``setup(ns)`` may replace ns["model"], ns["optimizer"], ns["scaler"] (how a printed fix is applied as
-    printed); ``on_step(step)`` runs before each step and once after the last (step = the number of steps);
-    ``forward(model, x, y)``, when given, returns the loss."""
+    is given (``attach``: its options; the live rules off unless asked for). The batches are moved to the device
+    before the loop and the losses are read once at the end, so the loop itself never syncs unless ``item_every``
+    asks for a ``loss.item()`` every so many steps (as logging loops do). ``setup(ns)`` may replace ns["model"],
+    ns["optimizer"], ns["scaler"] (how a printed fix is applied as printed); ``on_step(step)`` runs before each step
+    and once after the last (step = the number of steps); ``forward(model, x, y)``, when given, returns the loss."""
     model = model.to(device)
     batches = [(x.to(device), y.to(device)) for x, y in data]
     if optimizer == "adamw":
@@ -154,7 +154,8 @@ def train(
     if setup is not None:
         setup(ns)
     model, opt, scaler = ns["model"], ns["optimizer"], ns["scaler"]
-    doctor = ampdoctor.attach(model, optimizer=opt, scaler=scaler, trace=trace, **(attach or {})) if trace else None
+    options = {"live": False, **(attach or {})}  # (the checks diagnose the trace afterwards)
+    doctor = ampdoctor.attach(model, optimizer=opt, scaler=scaler, trace=trace, **options) if trace else None
     losses = []
     with doctor if doctor is not None else contextlib.nullcontext():
         for step, (x, y) in enumerate(batches):
