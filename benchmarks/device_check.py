@@ -1,6 +1,6 @@
 """One command that checks ampdoctor on an accelerator: ``benchmarks/device_check.py [--device cuda|cpu] [--small]
 [--out DIR]``. Under 8 minutes on one GPU; ``--device cpu --small`` runs every section small (tests/test_device_check.py
-runs it so, in seconds), so the script is known to work before a GPU is lent.
+runs it so, in about half a minute), so the script is known to work before a GPU is lent.
 
 Sections (each timed, each one pass/fail line; a failure in one does not stop the others):
 1. Bit-identical training with and without ampdoctor: FP16 + GradScaler and BF16, a model with Dropout and BatchNorm,
@@ -184,7 +184,8 @@ def bit_identical(s: Setup, sec: Section) -> None:
                 what += f", scale {got.scaler.get_scale():g} {'equal' if scale else 'DIFFERS'} ({skipped} skipped)"
             what += f"; replays at steps {sorted(set(replays['step']))}"
             ok = state and losses and scale and len(st) == steps and M.OUTLIER_STEP in set(replays["step"])
-            sec.check(f"{precision} {mode}", ok, what)
+            label = {"fp16": "FP16 + GradScaler", "bf16": "BF16"}[precision]
+            sec.check(f"{label}, {'debug mode' if mode == 'debug' else 'default tiers'}", ok, what)
 
 
 # -- 2. autocast op lists ---------------------------------------------------------------------------------------------
@@ -623,14 +624,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.out and os.path.exists(os.path.join(args.out, f"{name}.json")):
         print(f"device_check: {os.path.join(args.out, name)}.json exists; give another --out (nothing is overwritten)")
         return 2
-    if args.device == "cuda":  # before CUDA starts: cuBLAS reads it when it creates its handle (deterministic GEMMs)
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         print(f"device_check: --device cuda, but this torch ({torch.__version__}) sees no CUDA device")
         return 2
+    if device == "cuda":  # before any GEMM: cuBLAS reads it when it creates its handle (deterministic GEMMs)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     out = args.out or os.path.join("runs", f"device_check-{device}{'-small' if args.small else ''}")
     report = os.path.join(out, f"{name}.json")
     if os.path.exists(report):
