@@ -93,3 +93,35 @@ def _cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def test_sync_warnings_are_charged_to_their_caller_and_other_warnings_pass(monkeypatch):
+    """The CUDA counter (set_sync_debug_mode's warnings), run here with the mode switch stubbed out: a sync warning
+    raised while ampdoctor's code runs is ampdoctor's, one raised by the loop the loop's; any other warning is shown
+    as before; the warning filters are put back."""
+    import warnings
+
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import hostsync
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    ns = {"warnings": warnings}
+    code = "def sync():\n    warnings.warn('called a synchronizing CUDA operation (Triggered internally)')\n"
+    exec(compile(code, os.path.join(hostsync._PACKAGE, "collect", "stats.py"), "exec"), ns)
+    filters = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        with hostsync.SyncWarnings() as counter:
+            counter.step = 4
+            ns["sync"]()
+            ns["sync"]()
+            warnings.warn("called a synchronizing CUDA operation", stacklevel=1)  # (this test: the loop)
+            warnings.warn("something else", stacklevel=1)
+    assert dict(counter.counts["ampdoctor"]) == {4: 2} and dict(counter.counts["loop"]) == {4: 1}
+    assert list(counter.where["ampdoctor"]) == ["stats.py:2 in sync"]
+    assert [str(w.message) for w in shown] == ["something else"]
+    assert modes == ["warn", 0] and warnings.filters == filters
