@@ -87,9 +87,13 @@ def train(
     optimizer: str = "sgd",
     clip: float | None = None,
     before=None,
+    lr_spike: dict | None = None,
+    guard=None,
     **options,
 ):
-    """FP16 + GradScaler (or bf16 / fp32 autocast-free); returns (model, losses, scaler)."""
+    """FP16 + GradScaler (or bf16 / fp32 autocast-free); returns (model, losses, scaler). ``lr_spike``: step ->
+    factor the learning rate is multiplied by for that step only (a scheduler's bug); ``guard(x)``: a batch it
+    refuses is skipped (the loop's own data check)."""
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}[precision]
     if optimizer == "adam":
         opt = torch.optim.Adam(model.parameters(), lr=lr)
@@ -100,8 +104,13 @@ def train(
         before(model)
     doctor = ampdoctor.attach(model, optimizer=opt, scaler=scaler, trace=trace, **options) if trace else None
     losses = []
+    base_lr = lr
     try:
-        for x, y in batches(steps, outlier):
+        for step, (x, y) in enumerate(batches(steps, outlier)):
+            if guard is not None and not guard(x):
+                continue
+            for group in opt.param_groups:
+                group["lr"] = base_lr * (lr_spike or {}).get(step, 1.0)
             with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
                 loss = loss_of(model, model(x), y)
             if doctor is not None and precision != "fp16":

@@ -98,6 +98,9 @@ def test_heal_keeps_a_run_with_a_recurring_overflow_going(trace_path):
     later = [s for s in outliers if s > healed_at]
     assert later and not st.loc[later, "nonfinite"].any() and not st.loc[later, "skipped"].any()
     assert all(math.isfinite(v) for v in losses[healed_at + 1 :])
+    d = {x.rule: x for x in ampdoctor.diagnose(trace_path)}["healed"]
+    assert d.layers == ["2"] and d.evidence["from_step"] == healed_at + 1 and len(d.evidence["confirmed_on"]) >= 2
+    assert d.fix[0].text.startswith('handle = ampdoctor.keep_fp32(model, "2")')
     # without heal, the same run keeps skipping those steps
     _, _, _ = train(classifier(), 80, outlier=outliers, trace=trace_path + "2", live=False)
     st2 = ampdoctor.load(trace_path + "2").steps().set_index("step")

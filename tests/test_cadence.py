@@ -256,6 +256,9 @@ def test_time_rules_judge_the_step_net_of_ampdoctor(trace_path):
         )
         return model, torch.optim.SGD(model.parameters(), lr=1e-3)
 
+    from ampdoctor.collect import stats
+
+    stats.native(wait=True)  # the kernels' one-time load (seconds of CPU at a run's start) is not what is timed here
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # no intra-op thread pool to wait on a loaded machine's other core
     try:

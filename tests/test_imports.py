@@ -141,7 +141,13 @@ def test_offline_side_never_reaches_torch():
 # The one-way flow, collect -> trace -> rules -> views: the modules of each layer import only from the layers before
 # it (and from the neutral modules every layer may use: number formats, severities, the precision bound, the FP32
 # islands' code line). The whole graph counts, function-level imports included.
-NEUTRAL = ("ampdoctor.formats", "ampdoctor.severity", "ampdoctor.roundoff", "ampdoctor.islands")
+NEUTRAL = (
+    "ampdoctor.formats",
+    "ampdoctor.severity",
+    "ampdoctor.roundoff",
+    "ampdoctor.islands",
+    "ampdoctor.autocast_ops",
+)
 # A Trace, a Diagnosis or a Replay shown in a notebook hands its display to the notebook views (_repr_html_, imported
 # when a notebook asks): the one way up the flow, for display only.
 DISPLAY = ("ampdoctor.notebook",)

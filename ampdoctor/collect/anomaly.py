@@ -316,6 +316,8 @@ class Replayer:
             with torch.enable_grad(), ac, tracer if tracer is not None else contextlib.nullcontext():
                 out = self.model(*call.args, **call.kwargs)
                 outs = hooks.float_tensors(out)
+                if tracer is not None:
+                    tracer.reached(outs)
                 finite = finite and all(_finite(t) for t in outs)
                 outputs_finite = finite
                 pairs = [(outs[i], g) for i, g in sorted(call.seeds.items()) if i < len(outs) and outs[i].requires_grad]
@@ -328,6 +330,8 @@ class Replayer:
                         [g * scale_by if scale_by != 1.0 else g for _, g in pairs],
                         allow_unused=True,
                     )
+                    if tracer is not None:
+                        tracer.reached(grads)
                     acc = [
                         a if g is None else (g.detach() if a is None else a + g.detach()) for a, g in zip(acc, grads)
                     ]
@@ -364,14 +368,14 @@ class Replayer:
         fwd = result.operation is not None and result.operation.get("phase") == "fwd"
         if origin is not None and fwd and origin != ROOT:
             for path in dict.fromkeys([origin, *_outer(origin, self.paths.values())]):
-                check = {"fix": "keep_fp32", "modules": [path], **self._try(calls, keep=[path])}
+                check = {"fix": "keep_fp32", "modules": [path], **self._try_scaled(calls, scale, keep=[path])}
                 checks.append(check)
                 if check["finite"]:
                     self._confirm(path, result.step)
                     break
         ac = next((c.autocast for c in calls if c.autocast), None)
         if ac is not None and ac[1] == torch.float16 and _bf16_ok(ac[0]):
-            checks.append({"fix": "bf16", **self._try(calls, dtype=torch.bfloat16)})
+            checks.append({"fix": "bf16", **self._try_scaled(calls, scale, dtype=torch.bfloat16)})
         if not fwd and result.backward and result.seeds_finite and scale:
             for k in (4, 8, 12, 16):  # the scale divided by 2^k
                 check = {"fix": "loss_scale", "scale": scale * 2.0**-k, **self._try(calls, scale_by=2.0**-k)}
@@ -379,6 +383,18 @@ class Replayer:
                 if check["finite"]:
                     break
         return checks
+
+    def _try_scaled(self, calls: list[Call], scale: float | None, **change) -> dict:
+        """A forward fix tried on the step: where its forward is finite but its backward overflows at the step's loss
+        scale, the scale the GradScaler backs off to (a few skipped steps, as with any fix) is tried too; the check
+        passes there and says at which scale."""
+        check = self._try(calls, **change)
+        if check.get("forward_finite") and check.get("backward_finite") is False and scale:
+            for k in (1, 4, 8, 12, 16):
+                lower = self._try(calls, scale_by=2.0**-k, **change)
+                if lower["finite"]:
+                    return {**lower, "at_scale": scale * 2.0**-k}
+        return check
 
     def _try(self, calls: list[Call], *, keep=(), dtype=None, scale_by: float = 1.0) -> dict:
         """One variant of the step, on the same inputs: its forward finite, its backward finite?"""

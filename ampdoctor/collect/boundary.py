@@ -54,12 +54,13 @@ class Verdict:
 
     @property
     def kind(self) -> str:
-        """The anomaly, most serious first: "nonfinite", "skipped", "grad_spike", "loss_spike"."""
+        """The anomaly, most serious first: "nonfinite", "skipped", "loss_spike" (the one a practitioner sees in the
+        loss curve), "grad_spike"."""
         if self.nonfinite:
             return "nonfinite"
         if self.skipped:
             return "skipped"
-        return "grad_spike" if self.spike else "loss_spike"
+        return "loss_spike" if self.loss_spike else "grad_spike"
 
 
 @dataclass

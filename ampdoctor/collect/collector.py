@@ -52,7 +52,7 @@ class Collector:
         self.record = record
         self.facts = facts
         self.params = params
-        self.state: StepState | None = None
+        self.state = StepState(0, Observe.NONE, "sentinel", False)  # (the Doctor begins step 0 at once)
         self.probe = None  # a StepProbe when attach(probe_every=...)
         self.on_root_call: Callable | None = None  # (args, kwargs) of the step's root forwards (the anomaly replay)
         self.paused = False  # a replay is running: its root forwards are not micro-batches
@@ -147,7 +147,7 @@ class Collector:
         if type(output) is torch.Tensor:  # the common case: one tensor out, one in
             if not output.is_floating_point():
                 return
-            tensors = (output,)
+            tensors: tuple | list = (output,)
         else:
             tensors = hooks.float_tensors(output)
             if not tensors:

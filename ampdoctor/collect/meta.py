@@ -11,6 +11,7 @@ import warnings
 import torch
 
 from ..trace.schema import ROOT
+from . import sharded
 from .buffers import dtype_name
 from .cadence import Cadence
 from .options import Options
@@ -73,7 +74,7 @@ def run_meta(model: torch.nn.Module, options: Options, cadence: Cadence) -> dict
         "started": time.time(),
         "model": type(model).__name__,
         "device": dev,
-        "params": int(sum(p.numel() for p in model.parameters())),
+        "params": sharded.param_count(model),  # (FSDP: the whole model, not this rank's shards)
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "mode": options.mode.value,
@@ -118,6 +119,9 @@ def config(model: torch.nn.Module, optimizer, scaler, scaler_enabled: bool, fact
         # where step timing comes from: the root forward, begin_batch() calls, or nowhere (no data wait)
         "step_start": "begin_batch" if facts.external_batches else ("forward" if facts.step_starts else None),
     }
+    fsdp = sharded.config(model)  # FSDP's mixed precision: its policy per unit, the dtypes it computes and reduces in
+    if fsdp is not None:
+        cfg["fsdp"] = fsdp
     if optimizer is not None:
         groups = [{k: plain(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         cfg["optimizer"] = {"class": type(optimizer).__name__, "groups": groups}

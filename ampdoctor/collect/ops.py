@@ -1,9 +1,13 @@
 """The operation behind a non-finite value, found on a replayed step: every aten operation the forward and backward
-run passes through a dispatch mode, which checks its outputs. The first operation whose output holds a NaN/Inf
-while its inputs were finite is where the value was made; when its inputs were already within a binade of the
-format's max, the operation that produced those inputs made the values and this one only tipped them over (the
-walk goes back while that holds). Each is named with the module it ran in (the innermost module being executed,
-forward or backward), its dtype, its inputs' magnitudes and the line of user code that called it.
+run passes through a dispatch mode, which checks its outputs. An operation whose output holds a NaN/Inf while its
+inputs were finite made one; the values it made are followed (an operation fed a followed NaN/Inf that outputs
+one passes it on), and the one that counts is the first whose NaN/Inf reached the step's results (the model's
+outputs, the gradients). A NaN/Inf a model makes on purpose and then absorbs (T5's ``log(0)`` before a cast to
+integers, an attention mask's ``-inf`` before a softmax) is therefore passed over. When the inputs of the operation
+that counts were already within a binade of the format's max, the operation that produced those inputs made the
+values and this one only tipped them over (the walk goes back while that holds). Each is named with the module it
+ran in (the innermost module being executed, forward or backward), its dtype, its inputs' magnitudes and the line of
+user code that called it.
 
 Only replays run this (a check per operation costs a reduction, and on an accelerator a host read); the training
 steps themselves never do."""
@@ -33,6 +37,7 @@ _PASS_ON = {"view", "_unsafe_view", "reshape", "expand", "t", "transpose", "perm
 # Operations that return memory they have not filled (empty_like, a resize): their outputs hold whatever was there.
 _UNFILLED = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "empty_permuted")
 KEPT_OPS = 200_000  # operations remembered for the walk back (metadata only, ~200 bytes each)
+MAX_CANDIDATES = 64  # operations making a NaN/Inf from finite inputs, followed at once
 
 
 @dataclass
@@ -107,16 +112,19 @@ def _peak(t: torch.Tensor) -> float:
 
 
 class OpTracer(TorchDispatchMode):
-    """A dispatch mode that finds the first operation making a NaN/Inf from finite inputs (``first``) and the chain of
-    operations that produced the values it overflowed (``chain``: producer first). ``paused`` lets ampdoctor's own
-    observation hooks run their reductions unseen."""
+    """A dispatch mode that finds the operation making the NaN/Inf that reached the step's results (``first``, once
+    ``reached`` was told the results) and the chain of operations that produced the values it overflowed (``chain``:
+    producer first). ``paused`` lets ampdoctor's own observation hooks run their reductions unseen."""
 
     def __init__(self, paths: dict[int, str]):
         super().__init__()
         self.paused = False
         self.count = 0
-        self.first: OpRecord | None = None
-        self.chain: list[OpRecord] = []
+        # operations that made a NaN/Inf from finite inputs, in order, each with its chain (producer first)
+        self.candidates: list[tuple[OpRecord, list[OpRecord]]] = []
+        self._reached: set[int] = set()  # candidates whose NaN/Inf reached a result
+        # id(non-finite output) -> (weakref to it, the candidate it descends from): the NaN/Inf followed
+        self._taint: dict[int, tuple] = {}
         self._tracker = _PathTracker(paths)
         # id(output) -> (weakref to it, what made it): only outputs of at least REMEMBER_ABOVE (rare in a healthy
         # net), held weakly: the replay keeps alive nothing the training step would not.
@@ -132,9 +140,29 @@ class OpTracer(TorchDispatchMode):
         finally:
             self._tracker.__exit__(*exc)
 
+    @property
+    def first(self) -> OpRecord | None:
+        """The operation that counts: the first whose NaN/Inf reached a result; where none was seen reaching one (a
+        result outside what ``reached`` was told), the first that made one."""
+        pick = min(self._reached) if self._reached else 0
+        return self.candidates[pick][0] if self.candidates else None
+
+    @property
+    def chain(self) -> list[OpRecord]:
+        pick = min(self._reached) if self._reached else 0
+        return self.candidates[pick][1] if self.candidates else []
+
+    def reached(self, tensors) -> None:
+        """``tensors`` are results of the step (the model's outputs, the parameters' gradients): the candidates whose
+        NaN/Inf they carry count."""
+        for t in tensors:
+            hit = self._taint.get(id(t)) if isinstance(t, torch.Tensor) else None
+            if hit is not None and hit[0]() is t:
+                self._reached.add(hit[1])
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self.paused or self.first is not None:
+        if self.paused or len(self.candidates) >= MAX_CANDIDATES:
             return out
         try:
             self._look(func, args, kwargs or {}, out)
@@ -158,41 +186,59 @@ class OpTracer(TorchDispatchMode):
         ins = [t for t in _tensors((args, kwargs)) if t.is_floating_point()]
         module, phase = self._tracker.where()
         if not math.isfinite(top):
-            if all(math.isfinite(_peak(t)) for t in ins):
+            bad = [t for t in outs if not math.isfinite(_peak(t))]
+            followed = [hit[1] for t in ins if (hit := self._taint.get(id(t))) is not None and hit[0]() is t]
+            if followed:  # a NaN/Inf passed on (its own input may be the output, in place)
+                self._follow(bad, min(followed))
+            elif all(math.isfinite(_peak(t)) for t in ins):
                 record = _record(name, module, phase, outs[0], ins, index)
                 record.line = user_line()
-                self.first = record
-                self.chain = self._walk_back(ins, _limit(outs[0].dtype)) + [record]
+                self.candidates.append((record, self._walk_back(ins, _limit(outs[0].dtype)) + [record]))
+                self._follow(bad, len(self.candidates) - 1)
             return
         if len(self._made) < KEPT_OPS:
+            # What made this output, resolved now while its inputs are alive (a view's source is often freed at
+            # once): an operation that only moves values stands for the one that made its large input.
+            parents = [self._made[id(t)][1] for t in ins if id(t) in self._made and self._made[id(t)][0]() is t]
             short = name.rsplit("::", 1)[-1].split(".")[0]
-            line = user_line() if short not in _PASS_ON else None
-            made = (index, name, module, phase, line, weakref.ref(outs[0]), [weakref.ref(t) for t in ins])
+            if short in _PASS_ON and len(parents) == 1:
+                made = parents[0]
+            else:
+                record = _record(name, module, phase, outs[0], ins, index)
+                record.line = user_line() if short not in _PASS_ON else None
+                made = _Made(record, top, parents, short in _PASS_ON)
             for t in outs:
                 self._made[id(t)] = (weakref.ref(t), made)
+
+    def _follow(self, tensors: list[torch.Tensor], candidate: int) -> None:
+        for t in tensors:
+            self._taint[id(t)] = (weakref.ref(t), candidate)
 
     def _walk_back(self, ins: list[torch.Tensor], limit: float) -> list[OpRecord]:
         """The operations that made the inputs of the bad one, while those inputs ran within a binade of ``limit``
         (producer first). Operations that only move values (views, copies, casts) are passed through."""
         chain: list[OpRecord] = []
-        frontier = [t for t in ins if _peak(t) >= limit / 2]
+        frontier = [hit[1] for t in ins if (hit := self._made.get(id(t))) is not None and hit[0]() is t]
         seen: set[int] = set()
         while frontier and len(chain) < 32:
-            t = frontier.pop(0)
-            hit = self._made.get(id(t))
-            if hit is None or hit[0]() is not t or id(t) in seen:
+            made = frontier.pop(0)
+            if id(made) in seen or made.peak < limit / 2:
                 continue
-            seen.add(id(t))
-            index, name, module, phase, line, out_ref, in_refs = hit[1]
-            op_ins = [x for x in (r() for r in in_refs) if x is not None]
-            out = out_ref()
-            short = name.rsplit("::", 1)[-1].split(".")[0]
-            if short not in _PASS_ON and out is not None:
-                record = _record(name, module, phase, out, op_ins, index)
-                record.line = line
-                chain.insert(0, record)
-            frontier += [x for x in op_ins if _peak(x) >= limit / 2]
+            seen.add(id(made))
+            if not made.passes_on:
+                chain.insert(0, made.record)
+            frontier += made.parents
         return chain
+
+
+@dataclass
+class _Made:
+    """What made a large output: the operation, the output's peak, and what made its own large inputs."""
+
+    record: OpRecord
+    peak: float
+    parents: list
+    passes_on: bool
 
 
 def _record(name: str, module: str, phase: str, out: torch.Tensor, ins: list, index: int) -> OpRecord:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import roundoff
-from . import hooks
+from . import hooks, sharded
 
 HALF = (torch.float16, torch.bfloat16)
 # Modules whose output element depends on one input element (up to a few constants): no accumulation, k = 1.
@@ -249,7 +249,7 @@ class Recorder:
             call.skipped = "modifies its input in place (the inputs it started from are gone)"
         elif (changed := _changed_state(frame.state, module)) is not None:
             call.skipped = f"keeps state in its tensor attribute {changed!r} (a second run would change it)"
-        elif mtype in _COMMUNICATING:
+        elif mtype in _COMMUNICATING or sharded.is_unit(module):
             call.skipped = "distributed wrapper (its forward communicates with the other ranks)"
         elif any(isinstance(t.grad_fn, torch.autograd.function.BackwardCFunction) for t in outs):
             call.skipped = "custom autograd Function (its forward may assume the half-precision dtype)"

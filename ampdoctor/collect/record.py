@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..trace.vectors import EXTRAS_BLOCK, FULL_BLOCK, Entry, peak_block
-from . import buffers, stats
+from . import buffers, sharded, stats
 from .options import Observe
 from .transfer import Ready, Transfer
 
@@ -65,6 +65,8 @@ class StepRecord:
     def observe(self, t: torch.Tensor, want: Observe) -> tuple[int, str, int]:
         """Statistics of one tensor for this step (a peak, or full statistics), computed once per tensor (a module's
         output is often the next module's input, and a container's output is its last child's)."""
+        if type(t) is not torch.Tensor and sharded.is_dtensor(t):  # its shard: never a collective (sharded.py)
+            t = sharded.local(t)
         key = id(t)
         hit = self._seen.get(key)
         if (

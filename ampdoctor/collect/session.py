@@ -27,7 +27,7 @@ import torch
 from ..trace.messages import EventKind, EventMsg, MetaMsg, MetricMsg
 from ..trace.vectors import FULL_BLOCK, Entry, Phase
 from ..trace.writer import Writer
-from . import guards, hooks, meta, stats
+from . import guards, hooks, meta, sharded, stats
 from .anomaly import Capture, Replay, Replayer
 from .boundary import InFlight, StepEnd, read_scale
 from .cadence import Budget, Cadence
@@ -137,7 +137,9 @@ class Doctor:
         """The core, the hooks, the writer and live threads; _abort() undoes whatever part of it was done."""
         model, options = self.model, self.options
         put = self._put
-        self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        stats.native()  # the native kernels start loading now, beside the first (calibration) steps
+        # FSDP: a sharded parameter is read as this rank's shard (collect/sharded.py), never gathered
+        self._params = sharded.local_params(model, [(n, p) for n, p in model.named_parameters() if p.requires_grad])
         self._record = StepRecord()
         self._sites = Sites(model, put)
         self._facts = RunFacts()
@@ -189,6 +191,9 @@ class Doctor:
         self._writer.log_every = options.log_every
         self._writer.start()
         put(MetaMsg("run", meta.run_meta(model, options, self._cadence)))
+        sharding = sharded.describe(model, self._params)  # which parameters are shards, for trace/shards.py
+        if sharding is not None:
+            put(MetaMsg("sharding", sharding))
         self._install()
         if options.wants_live:
             self._live = LiveDiagnosis(

@@ -110,8 +110,8 @@ class LoggerExport:
 
 
 def doctor_rules(doctor):
-    live = getattr(doctor, "_live", None)
-    return getattr(live, "rules", None)
+    options = getattr(doctor, "options", None)
+    return getattr(options, "rules", None)
 
 
 def halt_line(finding, how: str) -> str:

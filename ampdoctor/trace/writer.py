@@ -394,12 +394,20 @@ class Writer(threading.Thread):
 
         Forward: the first module (in completion order) whose output is non-finite while all of its inputs were
         finite; a child that merely received a non-finite input is not the origin. Backward: the first output
-        gradient (in the order autograd produced them) that is non-finite, after a finite one.
+        gradient (in the order autograd produced them) that is non-finite, after a finite one. A non-finite loss
+        from finite module outputs is named before the backward pass: the gradients it seeds are its consequence.
         """
         worst = np.full(len(p.entries), -1.0)
         np.maximum.at(worst, owner, peaks)
         prev_site = None
         for phase in (Phase.FWD, Phase.BWD, Phase.PARAM):
+            if (
+                phase == Phase.BWD
+                and p.loss is not None
+                and not _finite(p.loss)
+                and all(_finite(float(worst[i])) for i, e in enumerate(p.entries) if e.phase == Phase.FWD)
+            ):
+                break  # finite forward outputs and a non-finite loss: the loss event below
             for i, e in enumerate(p.entries):
                 if e.phase != phase:
                     continue
