@@ -46,19 +46,63 @@ READS = {
     torch.Tensor.__bool__,
     torch.Tensor.__index__,
 }
-# Calls whose output size depends on the values: on CUDA they wait for the device (torch.bincount reads the input's
-# min and max on the host), though no value reaches Python.
+# Calls that read no value in Python but wait for the device on CUDA: an output whose size depends on the values
+# (torch.bincount reads the input's min and max on the host, nonzero counts the non-zeros), a boolean index (a nonzero
+# inside), a result Python receives as a bool, a tensor made from host data on the device (``torch.tensor(v,
+# device=...)``: a copy from pageable memory, which CUDA follows with a stream synchronize).
 CUDA_SYNCS = {
     torch.bincount,
     torch.Tensor.bincount,
     torch.nonzero,
     torch.Tensor.nonzero,
+    torch.argwhere,
+    torch.Tensor.argwhere,
     torch.masked_select,
     torch.Tensor.masked_select,
     torch.unique,
     torch.Tensor.unique,
-    torch.repeat_interleave,
+    torch.unique_consecutive,
+    torch.Tensor.unique_consecutive,
+    torch.equal,
+    torch.Tensor.equal,
+    torch.allclose,
+    torch.Tensor.allclose,
+    torch.is_nonzero,
+    torch.Tensor.is_nonzero,
 }
+# ... and these only with some arguments (see syncs_on_cuda)
+_INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.index_put_, torch.Tensor.index_put}
+_REPEAT = {torch.repeat_interleave, torch.Tensor.repeat_interleave}
+_HISTC = {torch.histc, torch.Tensor.histc}
+_FROM_HOST = {torch.tensor, torch.as_tensor}
+
+
+def syncs_on_cuda(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a call that reads no value on the host waits for the device on CUDA (see CUDA_SYNCS)."""
+    if func in CUDA_SYNCS:
+        return True
+    if func in _INDEXING:
+        index = args[1] if len(args) > 1 else kwargs.get("indices")
+        parts = index if isinstance(index, (tuple, list)) else (index,)
+        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in parts)
+    if func is torch.where:  # where(condition) is nonzero(condition, as_tuple=True)
+        return len(args) + len(kwargs) == 1
+    if func in _REPEAT:  # the output's size is the sum of the repeats, unless output_size gives it
+        if func is torch.repeat_interleave and len(args) + len(kwargs) == 1:  # repeat_interleave(repeats)
+            return True
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+        given = args[3] if len(args) > 3 else kwargs.get("output_size")
+        return isinstance(repeats, torch.Tensor) and given is None
+    if func in _FROM_HOST:  # host data copied to a device: a pageable copy, then a stream synchronize, on CUDA
+        data = args[0] if args else kwargs.get("data")
+        return kwargs.get("device") is not None and not isinstance(data, torch.Tensor)
+    if func in _HISTC:  # min == max (the default 0, 0): the range is read from the values
+        lo = args[3] if len(args) > 3 else kwargs.get("min", 0)
+        hi = args[4] if len(args) > 4 else kwargs.get("max", 0)
+        return lo == hi
+    return False
+
+
 SYNC_WARNING = "synchronizing CUDA operation"  # c10::cuda::warn_or_error_on_sync's message
 
 
@@ -107,8 +151,8 @@ class Counts:
 class HostReads(TorchFunctionMode, Counts):
     """Counts the reads of tensor values on the host, per party and step. A read of a finished transfer's host memory
     (``transfer.READING``) is no device read and is left out. Apart, in ``on_cuda``: the calls that read no value on
-    the host but synchronize on CUDA (an output whose size depends on the values: ``bincount``, ``nonzero``, boolean
-    indexing...), which a CPU run cannot see otherwise."""
+    the host but synchronize on CUDA (``syncs_on_cuda``: an output whose size depends on the values, ``bincount``,
+    ``nonzero``, boolean indexing...), which a CPU run cannot see otherwise."""
 
     def __init__(self) -> None:
         TorchFunctionMode.__init__(self)
@@ -119,16 +163,10 @@ class HostReads(TorchFunctionMode, Counts):
         if func in READS:
             if not transfer.READING[0]:
                 self.add(sys._getframe(1))
-        elif func in CUDA_SYNCS or (func is torch.Tensor.__getitem__ and _boolean_index(args)):
+        elif syncs_on_cuda(func, args, kwargs or {}):
             self.on_cuda.step = self.step
             self.on_cuda.add(sys._getframe(1))
         return func(*args, **(kwargs or {}))
-
-
-def _boolean_index(args: tuple) -> bool:
-    index = args[1] if len(args) > 1 else None
-    parts = index if isinstance(index, tuple) else (index,)
-    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in parts)
 
 
 class SyncWarnings(Counts):
