@@ -319,14 +319,16 @@ def host_syncs(s: Setup, sec: Section) -> None:
         on_cuda = getattr(counter, "on_cuda", None)  # (the CPU run: calls that would synchronize on CUDA)
         if on_cuda is not None:
             calls = {t: on_cuda.counts[AMPDOCTOR].get(t, 0) for t in clean}
-            if any(calls.values()):
-                kinds_seen = sorted({kinds[int(st.loc[t, "level"])] for t, n in calls.items() if n})
-                where = ", ".join(f"{w} ({n})" for w, n in on_cuda.where[AMPDOCTOR].items())
-                sec.note(
-                    f"{precision}: on CUDA ampdoctor would also wait for the device {sum(calls.values())} times on "
-                    f"clean {' and '.join(kinds_seen)} steps, in calls whose output size depends on the values "
-                    f"(not host reads; section 3 on a GPU counts them): {where}"
-                )
+            kinds_seen = sorted({kinds[int(st.loc[t, "level"])] for t, n in calls.items() if n})
+            where = ", ".join(f"{w} ({n})" for w, n in on_cuda.where[AMPDOCTOR].items())
+            sec.check(
+                f"{precision}: ampdoctor's calls that wait for the device on CUDA without a host read (bincount, "
+                f"nonzero, boolean indexing, host data put on the device...) on {len(clean)} clean steps: none",
+                enough and not any(calls.values()),
+                f"{sum(calls.values())} on clean {' and '.join(kinds_seen)} steps; made at {where}"
+                if any(calls.values())
+                else f"all calls of the run: {where or 'none'}",
+            )
         sec.data[precision] = {
             "cuda_sync_calls": dict(on_cuda.counts[AMPDOCTOR]) if on_cuda is not None else None,
             "clean_steps": clean,
