@@ -454,8 +454,8 @@ def fault_init_scale(s: Setup, sec: Section) -> None:
 
 
 def fault_outlier(s: Setup, sec: Section) -> None:
-    """A one-off outlier batch on a sentinel-only step: replayed exactly, its operation and batch found; the printed
-    keep_fp32 line applied as printed."""
+    """A one-off outlier batch on a sentinel-only step: replayed exactly, its operation and batch found, an
+    outlier-batch finding; its printed keep_fp32 line (checked on the replayed step) applied as printed."""
     import device_models as M
 
     import ampdoctor
@@ -495,7 +495,9 @@ def fault_outlier(s: Setup, sec: Section) -> None:
         bool(batch.get("outlier")) and batch.get("factor", 0) >= 100,
         f"factor {batch.get('factor', float('nan')):.0f}",
     )
-    d = by_rule(path).get("forward-overflow")
+    rules = by_rule(path)
+    d = rules.get("outlier-batch")  # (it suppresses forward-overflow on its step: the batch explains the overflow)
+    sec.check("the finding: outlier-batch", d is not None, str(sorted(rules)))
     line = code_lines(d.recommendation, keep) if d else []
     if line:
         fixed = s.trace("fault-outlier-fixed")
@@ -513,7 +515,9 @@ def fault_outlier(s: Setup, sec: Section) -> None:
             not st2.loc[M.OUTLIER_STEP, "nonfinite"] and not st2["skipped"].loc[M.OUTLIER_STEP :].any(),
         )
     else:
-        sec.check("a fix is printed for it (forward-overflow's keep_fp32 line)", False, str(sorted(by_rule(path))))
+        sec.check(
+            "a fix checked on the step is printed for it (outlier-batch's keep_fp32 line)", False, str(sorted(rules))
+        )
 
 
 def hf(s: Setup, sec: Section) -> None:
