@@ -9,8 +9,9 @@ Sections (each timed, each one pass/fail line; a failure in one does not stop th
 2. Autocast op lists per device: every op sample of ampdoctor/autocast_ops.py run under the device's autocast (FP16,
    BF16) shows the rule the lists give.
 3. Host syncs per step: on CUDA with ``torch.cuda.set_sync_debug_mode("warn")``, on the CPU by counting host reads
-   with the accelerator path emulated; ampdoctor's own per clean step (expected: none on sentinel and sampled steps),
-   the GradScaler's and the loop's apart.
+   with the accelerator path emulated, and the calls that wait for the device on CUDA without a host read (bincount,
+   nonzero, boolean indexing, host data put on the device: hostsync.syncs_on_cuda); ampdoctor's own per clean step
+   (expected: none on sentinel and sampled steps), the GradScaler's and the loop's apart.
 4. Fault scenarios that do not depend on the CPU's autocast lists (a Linear's FP16 overflow, an initial scale too
    high, a one-off outlier batch on a sentinel-only step, replayed and traced to its operation), each printed fix
    applied as printed; a tiny GPT-2 from a config, healthy in FP16 and BF16 and with a scaled attention weight.
