@@ -57,8 +57,8 @@ def test_every_section_passes_on_the_cpu(small_cpu_run):
 
 def test_the_sections_measure_what_they_say(small_cpu_run):
     """The figures behind the pass lines: replays ran in the bit-identical runs, the GradScaler's one read per step
-    and the loop's own reads are told apart from ampdoctor's, the overhead table has every variant on both models and
-    precisions, the FP8 comparison lost values to compare."""
+    and the loop's own reads are told apart from ampdoctor's, no call that waits on CUDA, the overhead table has
+    every variant on both models and precisions, the FP8 comparison lost values to compare."""
     _, out = small_cpu_run
     sections = {s["number"]: s for s in json.load(open(out / "device_check.json"))["sections"]}
     assert all("replays at steps" in c["detail"] and "37" in c["detail"] for c in sections[1]["checks"])
@@ -66,6 +66,13 @@ def test_the_sections_measure_what_they_say(small_cpu_run):
     assert syncs["fp16"]["scaler_per_step"] == 1.0 and syncs["bf16"]["scaler_per_step"] == 0.0
     assert 0 < syncs["fp16"]["loop_per_step"] < 1  # loss.item() every 10th step (and nothing else)
     assert len(syncs["fp16"]["clean_steps"]) >= 20
+    # none of ampdoctor's calls that would wait for the device on CUDA (bincount, nonzero, boolean indexing...) on a
+    # clean step, full-statistics and histogram steps included: checked per precision, and the figures agree
+    waits = [c for c in sections[3]["checks"] if "wait for the device on CUDA" in c["name"]]
+    assert [c["name"][:5] for c in waits] == ["fp16:", "bf16:"] and all(c["ok"] for c in waits)
+    for precision in ("fp16", "bf16"):
+        calls = {int(t): n for t, n in syncs[precision]["cuda_sync_calls"].items()}
+        assert not any(calls.get(t, 0) for t in syncs[precision]["clean_steps"])
     overhead = sections[5]["data"]
     assert set(overhead) == {"reference-fp16", "reference-bf16", "gpt2-fp16", "gpt2-bf16"}
     for res in overhead.values():
