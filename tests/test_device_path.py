@@ -5,7 +5,7 @@ themselves unfinished for a step (transfer.EMULATED_LAG), and every host read of
 (on an accelerator each would be a device sync)."""
 
 import os
-import traceback
+import sys
 
 import numpy as np
 import pytest
@@ -13,46 +13,13 @@ import torch
 from anomaly_models import OUTLIER_STEP, classifier
 from anomaly_models import train as train_classifier
 from runs import mlp, train
-from torch.overrides import TorchFunctionMode
 
 import ampdoctor
-from ampdoctor.collect import stats, transfer
+from ampdoctor.collect import buffers, stats, transfer
+from ampdoctor.collect.record import StepRecord
 
-_PACKAGE = os.path.dirname(ampdoctor.__file__)
-_TORCH = os.path.dirname(torch.__file__)
-_READS = {
-    torch.Tensor.item,
-    torch.Tensor.tolist,
-    torch.Tensor.numpy,
-    torch.Tensor.cpu,
-    torch.Tensor.__float__,
-    torch.Tensor.__int__,
-    torch.Tensor.__bool__,
-    torch.Tensor.__index__,
-}
-
-
-class HostReads(TorchFunctionMode):
-    """Counts the reads of tensor values on the host that ampdoctor's own code makes (torch's, e.g. GradScaler's
-    found-inf check, and the training loop's are not ampdoctor's), per step."""
-
-    def __init__(self):
-        super().__init__()
-        self.by_step: dict[int, int] = {}
-        self.step = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _READS and not transfer.READING[0] and self._from_ampdoctor():
-            self.by_step[self.step] = self.by_step.get(self.step, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-    @staticmethod
-    def _from_ampdoctor() -> bool:
-        for frame in reversed(traceback.extract_stack()[:-2]):
-            if frame.filename.startswith(_TORCH):
-                continue
-            return frame.filename.startswith(_PACKAGE)
-        return False
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from hostsync import HostReads  # (the counter benchmarks/device_check.py uses too)
 
 
 @pytest.fixture
@@ -85,7 +52,64 @@ def test_no_host_read_on_a_clean_step(trace_path, device_path, precision):
     clean = [s for s in range(3, 30) if not bad & set(range(s - 3, s + 1))]
     assert len(clean) > 15 and set(st.loc[clean, "reason"]) >= {"sentinel", "sampled"}
     assert {s: counter.by_step.get(s, 0) for s in clean} == dict.fromkeys(clean, 0)
+    # nor a call that reads nothing on the host but waits for the device on CUDA (bincount, nonzero, a boolean index,
+    # host data put on the device...): the full-statistics and histogram steps too
+    assert {s: counter.on_cuda.by_step.get(s, 0) for s in clean} == dict.fromkeys(clean, 0)
+    assert {st.loc[s, "level"] for s in clean} >= {-1, 0, 1, 2}  # sentinel, peaks, full statistics, histograms
     assert st["step"].tolist() == list(range(30))  # every step written, in order, all of them resolved
+
+
+def test_the_step_transfer_puts_host_numbers_on_the_device_without_a_copy(device_path):
+    """A step figure that is a Python number among device figures (a float loss beside a device one, a norm of no
+    gradient values) joins the transfer by a fill on the device, not a copy of host memory (which CUDA follows with
+    a stream synchronize); the values arrive exactly."""
+    rec = StepRecord()
+    for v in (torch.tensor(2.5, dtype=torch.float64), 0.1, 3, torch.tensor(-1.0)):
+        rec.add_extra(v)
+    counter = HostReads()
+    with counter:
+        copy = rec.start_transfer()
+        loss = buffers.sum_losses([torch.tensor(0.5), 0.25])
+    assert dict(counter.on_cuda.counts["ampdoctor"]) == {} and dict(counter.by_step) == {}
+    values, _, bad = copy.result()
+    assert values.tolist() == [2.5, 0.1, 3.0, -1.0] and not bad
+    assert isinstance(loss, torch.Tensor) and loss.item() == 0.75
+
+
+def test_the_counter_sees_the_calls_that_wait_on_cuda():
+    """The CPU-side counter of calls that synchronize on CUDA without a host read: each kind is counted, and the
+    fixed-size forms that do not wait are not."""
+    x = torch.tensor([0.0, 1.0, 2.0, 0.0])
+    mask, idx = x > 0, torch.tensor([1, 2])
+    waits = [
+        lambda: torch.bincount(idx),
+        lambda: x.nonzero(),
+        lambda: torch.where(mask),
+        lambda: x[mask],
+        lambda: x.__setitem__(mask, torch.tensor([5.0, 6.0])),
+        lambda: x.masked_select(mask),
+        lambda: torch.unique(x),
+        lambda: torch.equal(x, x),
+        lambda: torch.repeat_interleave(x, idx.repeat(2)),
+        lambda: torch.histc(x, bins=4),
+        lambda: torch.tensor([1.0], device=x.device),
+    ]
+    free = [
+        lambda: torch.zeros(3, dtype=torch.int64).scatter_add_(0, idx, torch.ones_like(idx)),
+        lambda: torch.where(mask, x, 0.0),
+        lambda: x.masked_fill(mask, 1.0),
+        lambda: x[idx],
+        lambda: torch.repeat_interleave(x, idx.repeat(2), output_size=6),
+        lambda: torch.histc(x, bins=4, min=0, max=4),
+        lambda: torch.full((), 1.0, device=x.device),
+        lambda: torch.bucketize(x, idx),
+    ]
+    for calls, expected in ((waits, 1), (free, 0)):
+        for i, call in enumerate(calls):
+            counter = HostReads()
+            with counter:
+                call()
+            assert sum(counter.on_cuda.counts["loop"].values()) == expected, (expected, i)
 
 
 def test_late_verdicts_record_what_the_host_path_records(tmp_path, device_path, monkeypatch):

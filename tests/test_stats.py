@@ -148,6 +148,60 @@ def test_edge_counts_of_dense_random_values_near_the_midpoints(kernel):
         assert st[f] == ref[f], f
 
 
+def _full_device_bincount(x: torch.Tensor) -> torch.Tensor:
+    """The device kernel as it was before its histograms got a fixed size (``torch.bincount``, which syncs on CUDA):
+    the reference its counts must equal bit for bit."""
+    xf = x.detach().float()
+    bits = xf.view(torch.int32) & 0x7FFFFFFF
+    hist = torch.bincount(bits >> V.KEY_SHIFT, minlength=V.HIST_KEYS)
+    finite = torch.where(bits < 0x7F800000, bits, 0)
+    absmax = finite.amax().view(torch.float32) if bits.numel() else xf.new_zeros(())
+    e = torch.frexp(absmax)[1].clamp(min=-126)
+    xs = xf * torch.ldexp(torch.ones_like(absmax), -e)
+    sum_norm = torch.stack((xs.sum(), torch.linalg.vector_norm(xs))).double() * torch.exp2(e.double())
+    idx = torch.bucketize(bits, torch.tensor(V.EDGE_BITS, dtype=torch.int32), out_int32=True)
+    edges = torch.bincount(idx, minlength=len(V.EDGE_BITS) + 1)[:-1].cumsum(0)
+    head = torch.cat((sum_norm, edges.to(torch.float64), absmax.to(torch.float64).reshape(1)))
+    return torch.cat((head, hist.to(torch.float64)))
+
+
+def _every_float32_edge_pattern() -> torch.Tensor:
+    """FP32 bit patterns at every place a count changes: both zeros, the smallest and largest subnormals, the
+    smallest normal, the largest finite value, inf, NaNs (quiet, signalling, all-ones payload), every rounding edge
+    ampdoctor counts at and its neighbours, the first and last pattern of every histogram key; with either sign."""
+    pats = [0, 1, 2, 0x007FFFFF, 0x00800000, 0x00800001, 0x7F7FFFFE, 0x7F7FFFFF, 0x7F800000]
+    pats += [0x7F800001, 0x7FA00000, 0x7FC00000, 0x7FFFFFFF]
+    pats += [b + d for b in V.EDGE_BITS for d in (-2, -1, 0, 1, 2) if 0 <= b + d <= 0x7FFFFFFF]
+    pats += [k << V.KEY_SHIFT for k in range(V.HIST_KEYS)] + [((k + 1) << V.KEY_SHIFT) - 1 for k in range(V.HIST_KEYS)]
+    g = torch.Generator().manual_seed(5)
+    pats += torch.randint(0, 2**31, (20000,), generator=g).tolist()  # random patterns, every key and sign
+    a = np.array(pats, dtype=np.int64)
+    return torch.from_numpy(np.concatenate([a, a | 0x80000000]).astype(np.uint32).view(np.int32).copy())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_device_kernel_counts_equal_bincount_bit_for_bit(dtype):
+    """The device kernel's fixed-size histograms (no host sync on CUDA) against torch.bincount's and numpy's: the
+    same vector element for element, NaN where NaN, for every 16-bit pattern of FP16 / BF16 (subnormals, zeros, inf,
+    NaNs) and for FP32 patterns at every edge and key boundary; also a 0-d, an empty and a strided tensor."""
+    if dtype == torch.float32:
+        x = _every_float32_edge_pattern().view(torch.float32)
+    else:
+        x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    cases = [x, x[::3], x.reshape(-1, 2).t(), x[7], x[:0], planted(dtype)]
+    for t in cases:
+        got, want = K._full_device(t.reshape(-1)).numpy(), _full_device_bincount(t.reshape(-1)).numpy()
+        assert got.dtype == want.dtype and got.shape == want.shape == (V.FULL_LEN,)
+        assert np.array_equal(got, want, equal_nan=True)
+        bits = t.float().reshape(-1).numpy().view(np.int32) & 0x7FFFFFFF  # numpy: |x|'s float32 bit patterns
+        hist = np.bincount(bits >> V.KEY_SHIFT, minlength=V.HIST_KEYS)
+        assert np.array_equal(got[V.HEAD :], hist) and hist.sum() == t.numel()
+        edges = [np.count_nonzero(bits <= b) for b in V.EDGE_BITS]
+        assert np.array_equal(got[V.I_EDGES : V.I_EDGES + len(edges)], edges)
+    if dtype == torch.float32:
+        assert K._full_device(x).numpy()[V.HEAD :].min() > 0  # every key was hit
+
+
 def test_mean_rms_and_bf16_counts_on_finite_tensor():
     x = torch.linspace(-3, 5, 1001)
     st, _ = V.derive(K.full(x).numpy(), x.numel())

@@ -236,7 +236,7 @@ def sum_losses(losses: list):
     parts = [
         v.to(dev, torch.float64)
         if isinstance(v, torch.Tensor)
-        else torch.tensor(float(v), dtype=torch.float64, device=dev)
+        else torch.full((), float(v), dtype=torch.float64, device=dev)  # a fill: no host copy
         for v in losses
     ]
     return torch.stack(parts).sum()

@@ -127,7 +127,7 @@ class StepRecord:
                     [
                         e.to(dev, torch.float64).reshape(())
                         if isinstance(e, torch.Tensor)
-                        else torch.tensor(float(e), dtype=torch.float64, device=dev)
+                        else torch.full((), float(e), dtype=torch.float64, device=dev)  # a fill: no host copy
                         for e in extras
                     ]
                 )

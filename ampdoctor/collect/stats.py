@@ -9,9 +9,9 @@ of it). Peaks ([min, max]) are one ``aminmax`` per tensor, taken in buffers.py.
 
 Three implementations give the same vector: on the CPU the native one-pass kernel (kernels.py, numba: one read of
 the tensor, contiguous or strided) once it is loaded, and until then, or without numba, ``_full_cpu`` (torch and
-numpy passes); on an accelerator ``_full_device`` (device ops, no host read). Their counts, histogram and abs max
-are identical; sum and norm agree to rounding (the native kernel sums in float64, ``_full_cpu`` in float32 where
-that cannot overflow).
+numpy passes); on an accelerator ``_full_device`` (device ops of fixed output sizes: no host read, no sync). Their
+counts, histogram and abs max are identical; sum and norm agree to rounding (the native kernel sums in float64,
+``_full_cpu`` in float32 where that cannot overflow).
 """
 
 from __future__ import annotations
@@ -235,17 +235,28 @@ def _edge_table(device: torch.device) -> torch.Tensor:
     return torch.tensor(EDGE_BITS, dtype=torch.int32, device=device)
 
 
+def _counts(keys: torch.Tensor, size: int) -> torch.Tensor:
+    """How many of ``keys`` (int64, each in [0, size)) equal each of 0..size-1, as int64: a histogram of fixed size.
+    Not ``torch.bincount``, which sizes its output from the values (on CUDA it reads the keys' min and max on the host:
+    a device sync per call). Integer atomics add exactly, in any order, and torch keeps them under
+    ``use_deterministic_algorithms`` for integer tensors (no sort-based fallback)."""
+    out = torch.zeros(size, dtype=torch.int64, device=keys.device)
+    return out.scatter_add_(0, keys, torch.ones((), dtype=torch.int64, device=keys.device).expand(keys.shape))
+
+
 def _edge_counts(bits: torch.Tensor) -> torch.Tensor:
     """How many |x| (float32 bit patterns) lie at or below each edge: one bucketize pass (exact, NaN-safe)."""
-    idx = torch.bucketize(bits, _edge_table(bits.device), out_int32=True)  # edge[i-1] < bits <= edge[i]
-    return torch.bincount(idx, minlength=len(EDGE_BITS) + 1)[:-1].cumsum(0)
+    idx = torch.bucketize(bits, _edge_table(bits.device))  # edge[i-1] < bits <= edge[i]: 0..len(EDGE_BITS)
+    return _counts(idx, len(EDGE_BITS) + 1)[:-1].cumsum(0)
 
 
 def _full_device(x: torch.Tensor) -> torch.Tensor:
-    """Accelerator version: a fixed sequence of device ops, no value read on the host (no sync)."""
+    """Accelerator version: a fixed sequence of device ops of fixed output sizes, no value read on the host (no
+    sync)."""
     xf = _as_float32(x)
     bits = xf.view(torch.int32) & 0x7FFFFFFF  # |x| as float32 bits
-    hist = torch.bincount(bits >> _SHIFT, minlength=HIST_KEYS)
+    # keys 0..511: bits is non-negative below 2^31, so bits >> 22 (the top 9 bits) is below HIST_KEYS
+    hist = _counts((bits >> _SHIFT).long(), HIST_KEYS)
     finite = torch.where(bits < _INF_BITS, bits, 0)
     absmax = finite.amax().view(torch.float32) if bits.numel() else xf.new_zeros(())
     # Sum and norm of x * 2^-e (absmax ~ 2^e), times 2^e: in float32 the squares of x itself overflow above
