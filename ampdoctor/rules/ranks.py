@@ -224,14 +224,15 @@ def rank_straggler(run, *, min_lag_share=MIN_LAG_SHARE, slow_ratio=SLOW_RATIO, w
     if len(med) < 2:
         return None
     step_all = float(np.median([m["step"] for m in med.values()]))
-    data_lag, step_ratio = {}, {}
+    data_lag, step_ratio, compute_lag = {}, {}, {}
     for r, m in med.items():
         others = [o for q, o in med.items() if q != r]
         data_lag[r] = m["data"] - float(np.median([o["data"] for o in others]))
         step_ratio[r] = m["step"] / max(float(np.median([o["step"] for o in others])), 1e-9)
-    worst = max(data_lag, key=data_lag.get)  # a late input pipeline first: it explains the rest
+        compute_lag[r] = (m["step"] - m["data"]) - float(np.median([o["step"] - o["data"] for o in others]))
+    worst = max(data_lag, key=data_lag.get)  # a late input pipeline first, where it explains the lag
     kind, lag = "data", data_lag[worst]
-    if lag < min_lag_share * step_all:
+    if lag < min_lag_share * step_all or lag < compute_lag[worst]:  # (a slow rank's data wait moves by noise too)
         worst = max(step_ratio, key=step_ratio.get)
         kind, lag = "compute", step_ratio[worst] - 1
         if step_ratio[worst] < slow_ratio:
