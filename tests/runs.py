@@ -112,9 +112,12 @@ def live_tensors(before=()) -> list:
     their ids cannot be reused by new ones meanwhile)."""
     import gc
     import warnings
+    import weakref
 
     gc.collect()
     old = {id(t) for t in before}
     with warnings.catch_warnings():  # isinstance() on torch.distributed's deprecated aliases warns
         warnings.simplefilter("ignore")
-        return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and id(o) not in old]
+        # (a dead weak proxy some library left in gc's lists raises on isinstance: a proxy is not a tensor)
+        objs = [o for o in gc.get_objects() if not isinstance(o, weakref.ProxyTypes)]
+        return [o for o in objs if isinstance(o, torch.Tensor) and id(o) not in old]

@@ -96,4 +96,16 @@ def offline_backends(folder):
         mp.setenv("WANDB_DISABLE_GIT", "true")
         mp.setenv("MLFLOW_TRACKING_URI", f"file://{folder}/mlruns")
         mp.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store behind this switch
-        yield
+        # both packages keep process-wide state past the environment (W&B its settings and folder, MLflow the
+        # tracking URI a callback set): reset it, so that one test's run does not land in another's folder
+        import mlflow
+        import wandb
+
+        wandb.teardown()
+        mlflow.set_tracking_uri(f"file://{folder}/mlruns")
+        try:
+            yield
+        finally:
+            while mlflow.active_run() is not None:
+                mlflow.end_run()
+            wandb.teardown()
