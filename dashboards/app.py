@@ -9,8 +9,12 @@ is ever joined to a file system path.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from urllib.parse import urlencode
@@ -22,9 +26,10 @@ from flask import Response, request
 
 from ampdoctor.trace import TraceError, load
 
-from . import catalog, diagnosis, hosts, ids, ranks
+from . import cache, catalog, diagnosis, hosts, ids, jobs, ranks, series
 from .pages import compare, formats, layer, layers, overview, precision, whatif
-from .pages.common import href, parse_search
+from .pages import ranks as ranks_page
+from .pages.common import href, parse_search, status_line
 
 PAGES = {  # path -> (nav label, module)
     "/": ("Overview", overview),
@@ -34,40 +39,32 @@ PAGES = {  # path -> (nav label, module)
     "/whatif": ("What-if", whatif),
     "/formats": ("Formats", formats),
     "/compare": ("Compare", compare),
+    "/ranks": ("Ranks", ranks_page),
 }
 REFERENCE_KEY = "reference"
 MAX_IDLE = 8  # open connections kept per trace file between requests
 FINDINGS_EVERY_S = 5.0  # a growing trace is diagnosed again at most this often (a big run takes seconds)
-_CSS = {
-    "page": {
-        "fontFamily": "system-ui, -apple-system, Segoe UI, Roboto, sans-serif",
-        "margin": "0 auto",
-        "maxWidth": "1300px",
-        "padding": "0.5em 1.5em",
-        "color": "#222",
-    },
-    "nav": {
-        "display": "flex",
-        "gap": "1.2em",
-        "alignItems": "center",
-        "borderBottom": "1px solid #ddd",
-        "paddingBottom": "0.5em",
-        "marginBottom": "0.8em",
-        "flexWrap": "wrap",
-    },
-    "error": {"color": "#d62728", "fontWeight": "bold"},
-}
+SYNC_SUMMARY_STEPS = 50_000  # a run this short is summarised inside the request; a longer one in the background
 _log = logging.getLogger(__name__)
 
 
 class Context:
-    """What one app serves: the runs under its root, opened traces, and results cached per trace length.
+    """What one app serves: the runs under its root, opened traces, results cached per trace length, and the work
+    that runs in the background (diagnoses, step summaries, long heat maps) with its state.
 
     Flask answers requests on several threads and a Trace (one SQLite connection, its snapshot a transaction) is
     not for sharing: a request borrows one Trace per file from a pool and gives it back when it ends (release).
+    A background job opens its own.
     """
 
-    def __init__(self, root: str, reference: str | None = None, poll_ms: int = 1500, files: set | None = None):
+    def __init__(
+        self,
+        root: str,
+        reference: str | None = None,
+        poll_ms: int = 1500,
+        files: set | None = None,
+        diagnose_in: str = "process",
+    ):
         self.root = os.path.realpath(root)
         self.reference_path = reference
         self.poll_ms = poll_ms
@@ -76,9 +73,12 @@ class Context:
         self._local = threading.local()  # .held: path -> Trace borrowed by this thread
         self._cache: dict = {}
         self._runs: tuple[float, dict] = (0.0, {})
-        self._findings: dict = {}  # run key -> (steps, time, (findings, error))
         self.files = files  # a glob or list of one run's files: only these are served
         self._rank_meta: dict = {}  # path -> (rank, world size) from the trace's metadata
+        self.jobs = jobs.Jobs(workers=2)
+        self.diagnose_in = diagnose_in  # "process" (default: the server stays responsive) or "thread"
+        self._summaries: dict = {}  # path -> series.StepSummary
+        self._diagnosed: dict = {}  # run key -> (version, time.monotonic() the version was asked for)
 
     def runs(self) -> dict:
         """Traces under the root (rescanned at most every second, so new runs show up)."""
@@ -103,6 +103,13 @@ class Context:
     def default_key(self) -> str | None:
         runs = self.runs()
         return next(iter(runs), None)
+
+    def peers(self, key: str) -> dict:
+        """rank -> run key of every rank of the run ``key`` belongs to ({} for a run of one trace)."""
+        me = self.resolve(key)
+        if me is None or me.rank is None:
+            return {}
+        return {r.rank: k for k, r in self.runs().items() if r.group == me.group and r.rank is not None}
 
     def trace(self, key):
         """This thread's open Trace of a run key, or None (unknown key or unreadable file)."""
@@ -139,13 +146,17 @@ class Context:
         for tr in surplus:
             tr.close()
 
+    def n_steps(self, key) -> int:
+        """Steps of a run now (a primary-key look-up: cheap at every poll, unlike count(*))."""
+        tr = self.trace(key)
+        return 0 if tr is None else series.n_steps(tr)
+
     def cached(self, key: str, what, fn):
-        """``fn()`` computed once per (run, trace length, what): a live trace invalidates itself as it grows."""
+        """``fn(trace)`` computed once per (run, trace length, what): a live trace invalidates itself as it grows."""
         tr = self.trace(key)
         if tr is None:
             return None
-        n = tr.n_steps
-        k = (key, n, what)
+        k = (key, series.n_steps(tr), what)
         with self._lock:
             if k in self._cache:
                 return self._cache[k]
@@ -156,32 +167,173 @@ class Context:
             self._cache[k] = value
         return value
 
+    def background(self, key: str, what, fn, wait: float = 1.0) -> jobs.State:
+        """``fn(trace)`` for the run ``key`` at its current length, computed in the background on a trace of its
+        own; waits up to ``wait`` s (a short job shows at once). The state says whether the value is current."""
+        run = self.resolve(key)
+        n = self.n_steps(key)
+
+        def work():
+            with load(run.path) as tr:
+                return fn(tr)
+
+        return self.jobs.get((key, what), n, work, wait=wait)
+
+    # -- the step summary of a run: every step, in buckets ---------------------------------------------------------
+    def summary(self, key: str) -> tuple[series.StepSummary | None, jobs.State | None]:
+        """The run's step summary when it covers the run (else what it has so far), and the state of its build:
+        built in the request for a short run, in the background (and kept on disk) for a long one."""
+        run = self.resolve(key)
+        tr = self.trace(key)
+        if run is None or tr is None:
+            return None, None
+        n = series.n_steps(tr)
+        with self._lock:
+            sm = self._summaries.get(run.path)
+        if sm is None:
+            sm = _load_summary(tr) or series.StepSummary()
+            with self._lock:
+                sm = self._summaries.setdefault(run.path, sm)
+        behind = n - sm.n_buckets * series.BUCKET
+        if behind < series.BUCKET:
+            return sm, None
+        if behind <= SYNC_SUMMARY_STEPS:
+            with self._lock:  # one thread tops it up; another request draws what is there
+                busy = getattr(sm, "_busy", False)
+                sm._busy = True
+            if not busy:
+                try:
+                    sm.update(tr)
+                finally:
+                    sm._busy = False
+            return sm, None
+
+        def build(t):
+            sm.update(t)
+            _save_summary(t, sm)
+            return sm.n_buckets
+
+        state = self.background(key, "summary", build, wait=0.0)
+        return sm, state
+
+    def steps(self, key: str, x0=None, x1=None, max_points: int = series.MAX_POINTS) -> series.StepSeries | None:
+        """The step figures of [x0, x1] of a run, for its charts (see series.read)."""
+        tr = self.trace(key)
+        if tr is None:
+            return None
+        sm, _ = self.summary(key)
+        return series.read(tr, x0, x1, max_points, sm)
+
+    # -- the diagnosis ---------------------------------------------------------------------------------------------
     def findings(self, key: str) -> list:
         return self.findings_and_error(key)[0]
 
-    def findings_and_error(self, key: str) -> tuple[list, str | None]:
+    def findings_and_error(self, key: str, wait: float = 30.0) -> tuple[list, str | None]:
         """The run's findings, worst first, and None; or [] and the error when a rule failed on this snapshot of
-        a live trace (the next poll tries again): someone else's rule never breaks the page.
-
-        While a trace grows the rules run again at most every FINDINGS_EVERY_S seconds, not on every poll.
-        """
-        tr = self.trace(key)
-        if tr is None:
+        a live trace (the next poll tries again): someone else's rule never breaks the page. Waits up to ``wait``
+        s for a diagnosis in progress (the views use diagnosis_state, which does not wait)."""
+        st = self.diagnosis_state(key, wait=wait)
+        if st is None:
             return [], None
-        n = tr.n_steps
-        with self._lock:
-            last = self._findings.get(key)
-        if last is not None and (last[0] == n or time.monotonic() - last[1] < FINDINGS_EVERY_S):
-            return last[2]
+        if st.error and not st.current:
+            return [], st.error
+        return list(st.value or []), None
+
+    def diagnosis_state(self, key: str, wait: float = 0.0) -> jobs.State | None:
+        """The state of the run's diagnosis (its findings as ``value``): from the cache on disk when this content
+        was diagnosed before, else computed in the background. While a trace grows it is diagnosed again at
+        most every FINDINGS_EVERY_S seconds; the previous findings stay on the page meanwhile."""
+        run = self.resolve(key)
+        tr = self.trace(key)
+        if run is None or tr is None:
+            return None
+        if series.n_steps(tr) == 0:
+            return jobs.State(value=[], current=True)
         ref = self.trace(REFERENCE_KEY) if self.reference_path and key != REFERENCE_KEY else None
-        try:
-            found = diagnosis.findings(tr, ref) + ranks.group_findings(self, key)  # + the run's rank rules
-            result = (sorted(found, key=lambda d: diagnosis.SEVERITY_ORDER.get(d.severity, 3)), None)
-        except Exception as exc:
-            result = ([], f"{type(exc).__name__}: {exc}")
+        peers = {r: self.resolve(k).path for r, k in self.peers(key).items()}
+        peer_traces = [self.trace(k) for k in self.peers(key).values()]
+        version = cache.key("findings", tr, ref, *peer_traces, extra=sorted(peers.items()))
         with self._lock:
-            self._findings[key] = (n, time.monotonic(), result)
-        return result
+            last = self._diagnosed.get(key)
+            if last is not None and last[0] != version and time.monotonic() - last[1] < FINDINGS_EVERY_S:
+                version = last[0]  # a live trace: the same version until FINDINGS_EVERY_S have passed
+            else:
+                self._diagnosed[key] = (version, time.monotonic())
+        spec = {
+            "trace": run.path,
+            "reference": os.path.realpath(self.reference_path) if ref is not None else None,
+            "peers": {str(r): p for r, p in peers.items()},
+            "group": run.group,
+        }
+
+        def work():
+            found = cache.load_json(version)
+            if found is None:
+                found = _diagnose(spec, self.diagnose_in)
+                if found.get("error") is None:
+                    cache.save_json(version, found)
+            if found.get("error"):
+                raise RuntimeError(found["error"])
+            return [diagnosis.from_dict(d) for d in found["findings"]]
+
+        return self.jobs.get((key, "findings"), version, work, wait=wait)
+
+    def generation(self) -> int:
+        """Bumped whenever background work ends: views that show its results redraw."""
+        return self.jobs.generation
+
+
+def _diagnose(spec: dict, where: str) -> dict:
+    """Run diagjob over ``spec``: in a process of its own (the default), or in this thread."""
+    from . import diagjob
+
+    if where == "thread":
+        return diagjob.run(spec)
+    with tempfile.TemporaryDirectory(prefix="ampdoctor-diag-") as d:
+        spec = dict(spec, out=os.path.join(d, "result.json"))
+        with open(os.path.join(d, "spec.json"), "w", encoding="utf-8") as f:
+            json.dump(spec, f)
+        proc = subprocess.run(
+            [sys.executable, "-m", "ampdoctor.dashboards.diagjob", os.path.join(d, "spec.json")],
+            capture_output=True,
+            text=True,
+        )
+        try:
+            with open(spec["out"], encoding="utf-8") as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            tail = (proc.stderr or "").strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+            return {"findings": [], "error": f"the diagnosis process ended without a result ({tail[0][:200]})"}
+
+
+def _summary_name(tr) -> str:
+    return f"steps-{cache.identity(tr)}-"
+
+
+def _load_summary(tr) -> series.StepSummary | None:
+    """The longest summary of this run kept on disk that is still a prefix of the trace."""
+    prefix = _summary_name(tr)
+    best = None
+    for name in cache.prefix_files(prefix, "npz"):
+        try:
+            done = int(name[len(prefix) :])
+        except ValueError:
+            continue
+        if done <= series.n_steps(tr) and (best is None or done > best):
+            best = done
+    if best is None:
+        return None
+    arrays = cache.load_arrays(prefix + str(best))
+    return series.StepSummary.from_arrays(arrays, tr) if arrays else None
+
+
+def _save_summary(tr, sm: series.StepSummary) -> None:
+    prefix = _summary_name(tr)
+    done = sm.n_buckets * series.BUCKET
+    if cache.save_arrays(prefix + str(done), sm.to_arrays()):
+        for name in cache.prefix_files(prefix, "npz"):
+            if name != prefix + str(done):
+                cache.remove(name, "npz")
 
 
 def run_options(ctx: Context) -> list[dict]:
@@ -199,24 +351,24 @@ def header(ctx: Context, pathname: str, run: str | None):
             label,
             href=href(path, run),
             id=f"nav-{path.strip('/') or 'overview'}",
-            style={"fontWeight": "bold" if path == pathname else "normal"},
+            className="nav-link current" if path == pathname else "nav-link",
         )
         for path, (label, _) in PAGES.items()
-        if label
+        if label and (path != "/ranks" or (run and len(ctx.peers(run)) > 1))
     ]
     return html.Div(
         [
-            html.B("ampdoctor"),
+            html.B("ampdoctor", className="brand"),
             *links,
             html.Div(
                 dcc.Dropdown(
                     id=ids.RUN_PICKER, options=run_options(ctx), value=run, clearable=False, placeholder="no traces yet"
                 ),
-                style={"minWidth": "320px", "marginLeft": "auto"},
+                className="run-picker",
             ),
         ],
         id=ids.NAV,
-        style=_CSS["nav"],
+        className="nav",
     )
 
 
@@ -266,10 +418,11 @@ def create_app(
     poll_ms: int = 1500,
     files=None,
     host_policy: hosts.HostPolicy | None = None,
+    diagnose_in: str = "process",
 ) -> dash.Dash:
     """A Dash app serving the traces at or under ``root`` (nothing else on the file system; only ``files``, real
     paths, when given), to requests for the host names of ``host_policy`` (default: loopback names only)."""
-    ctx = Context(root, reference, poll_ms, files)
+    ctx = Context(root, reference, poll_ms, files, diagnose_in)
     policy = host_policy or hosts.HostPolicy()
     app = dash.Dash(
         __name__,
@@ -284,13 +437,17 @@ def create_app(
     app.layout = html.Div(
         [
             dcc.Location(id=ids.URL, refresh="callback-nav"),
+            # the view's own settings (kind, statistic, zoom, what-if values) are written here: into the address
+            # bar and the history, without a navigation (refresh=False), so that a URL restores the view
+            dcc.Location(id=ids.URL_STATE, refresh=False),
             dcc.Interval(id=ids.POLL, interval=poll_ms),
             dcc.Store(id=ids.VERSION),
             html.Div(id=ids.HEADER),
-            html.Div(id=ids.ERROR, style=_CSS["error"]),
+            html.Div(id=ids.STATUS, className="status"),
+            html.Div(id=ids.ERROR, className="page-error"),
             html.Div(id=ids.PAGE),
         ],
-        style=_CSS["page"],
+        className="page",
     )
 
     @app.server.before_request
@@ -346,8 +503,20 @@ def create_app(
         tr = ctx.trace(run)
         if tr is None:
             return dash.no_update
-        new = {"run": run, "n": tr.n_steps}
+        new = {"run": run, "n": series.n_steps(tr), "g": ctx.generation()}
         return dash.no_update if new == old else new
+
+    @app.callback(
+        Output(ids.STATUS, "children"),
+        Input(ids.POLL, "n_intervals"),
+        Input(ids.URL, "search"),
+    )
+    def _status(_, search):
+        """What is being computed in the background for this run, and for how long ("diagnosing: 3 s")."""
+        run = parse_search(search).get("run") or ctx.default_key()
+        if ctx.resolve(run) is None or ctx.trace(run) is None:
+            return None
+        return status_line(ctx, run)
 
     @app.callback(
         Output(ids.RUN_PICKER, "options"),
