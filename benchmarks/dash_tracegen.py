@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from ampdoctor.trace import schema  # noqa: E402
+from ampdoctor.trace import schema
 
 PEAK_EVERY, EVERY, HIST_EVERY, CALIBRATION = 10, 100, 200, 10
 CHUNK = 20_000  # steps per transaction

@@ -9,12 +9,8 @@ is ever joined to a file system path.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from urllib.parse import urlencode
@@ -273,7 +269,7 @@ class Context:
                 if found.get("error") is None:
                     cache.save_json(version, found)
             if found.get("error"):
-                raise RuntimeError(found["error"])
+                raise jobs.Failed(found["error"])
             return [diagnosis.from_dict(d) for d in found["findings"]]
 
         return self.jobs.get((key, "findings"), version, work, wait=wait)
@@ -283,27 +279,42 @@ class Context:
         return self.jobs.generation
 
 
+_POOL: list = []  # the process that diagnoses, shared by every app of this process (created on first use)
+_POOL_LOCK = threading.Lock()
+
+
+def _pool():
+    """One worker process for diagnoses (spawned once: its imports are paid once, not per diagnosis; replaced
+    after 20 diagnoses, or when it died)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with _POOL_LOCK:
+        if not _POOL:
+            ctx = multiprocessing.get_context("spawn")
+            _POOL.append(ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=20))
+        return _POOL[0]
+
+
 def _diagnose(spec: dict, where: str) -> dict:
-    """Run diagjob over ``spec``: in a process of its own (the default), or in this thread."""
+    """Run diagjob over ``spec``: in the diagnosis process (the default), or in this thread."""
+    from concurrent.futures.process import BrokenProcessPool
+
     from . import diagjob
 
     if where == "thread":
         return diagjob.run(spec)
-    with tempfile.TemporaryDirectory(prefix="ampdoctor-diag-") as d:
-        spec = dict(spec, out=os.path.join(d, "result.json"))
-        with open(os.path.join(d, "spec.json"), "w", encoding="utf-8") as f:
-            json.dump(spec, f)
-        proc = subprocess.run(
-            [sys.executable, "-m", "ampdoctor.dashboards.diagjob", os.path.join(d, "spec.json")],
-            capture_output=True,
-            text=True,
-        )
-        try:
-            with open(spec["out"], encoding="utf-8") as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            tail = (proc.stderr or "").strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
-            return {"findings": [], "error": f"the diagnosis process ended without a result ({tail[0][:200]})"}
+    pool = _pool()
+    try:
+        return pool.submit(diagjob.run, spec).result()
+    except BrokenProcessPool:  # the process died (out of memory, killed): the next diagnosis gets a new one
+        with _POOL_LOCK:
+            if _POOL and _POOL[0] is pool:
+                _POOL.clear()
+        return {
+            "findings": [],
+            "error": "the diagnosis process died (out of memory?); it runs again as the trace grows",
+        }
 
 
 def _summary_name(tr) -> str:

@@ -119,6 +119,10 @@ def _rank(d) -> int | None:
     return int(ranks[0]) if ranks else None
 
 
+def _ranks_of(d) -> tuple:
+    return tuple(("rank", int(r)) for r in getattr(d, "ranks", None) or [])
+
+
 def _sel(layers) -> tuple:
     return tuple(("sel", p) for p in list(layers)[:20])
 
@@ -253,7 +257,7 @@ def links(d) -> list[Link]:
         if layers:
             out.append(layer_link(d, layers[0]))
     elif rule == "rank-scale-divergence":
-        out.append(Link("Loss scale per rank", "/ranks", (("stat", "loss_scale"), *z), None))
+        out.append(Link("Loss scale per rank", "/ranks", (("stat", "loss_scale"), *_ranks_of(d), *z), None))
     elif rule == "rank-straggler":
         what = "data_time" if "data" in str(getattr(d, "title", "")).lower() else "step_time"
         out.append(

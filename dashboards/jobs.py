@@ -30,6 +30,10 @@ class State:
         return 0.0 if self.since is None else time.monotonic() - self.since
 
 
+class Failed(Exception):
+    """A job that failed and says why in its message (shown as is, without the exception's type)."""
+
+
 class Jobs:
     """A small pool of background workers and the latest result of every job, by key."""
 
@@ -71,6 +75,8 @@ class Jobs:
     def _run(self, key, version, fn) -> None:
         try:
             value, error = fn(), None
+        except Failed as exc:
+            value, error = None, str(exc)
         except Exception as exc:
             value, error = None, f"{type(exc).__name__}: {exc}"
         with self._lock:

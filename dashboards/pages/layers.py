@@ -160,6 +160,12 @@ def matches(labels: list[str], q: str) -> np.ndarray:
     return np.array([q in p.lower() for p in labels], bool)
 
 
+def selected(label: str, sel, params: bool = False) -> bool:
+    """Is a row one of the layers a link outlines: the layer itself, or (rows of parameters) a parameter of that
+    module."""
+    return label in sel or (params and any(label.rpartition(".")[0] == p for p in sel))
+
+
 def grouped(m: matrix.LayerMatrix, depth: int) -> matrix.LayerMatrix:
     """Rows merged by the first ``depth`` parts of their path (the worst of each group per column), labelled
     "prefix.* (n layers)"; a group of one keeps its layer."""
@@ -222,6 +228,7 @@ def update(ctx, kind, stat, sort, q, group, scale, only, page, version, zoom, se
     r = zoom_range(zoom)
     m, state = get_matrix(ctx, run, kind, stat, r)
     sel = set(parse_all(search, "sel"))
+    params = kind in ("param_grad", "weight", "update")
     keep = matches(m.labels, q)
     if "nonzero" in (only or []):
         keep &= np.nan_to_num(m.worst, nan=0.0, posinf=1.0) > 0
@@ -235,7 +242,8 @@ def update(ctx, kind, stat, sort, q, group, scale, only, page, version, zoom, se
         )
     order = [i for i in g.order(sort) if keep[i]]
     if sel and sort == "worst":  # the layers a finding names first
-        order = [i for i in order if g.labels[i] in sel] + [i for i in order if g.labels[i] not in sel]
+        first = [i for i in order if selected(g.labels[i], sel, params)]
+        order = first + [i for i in order if i not in set(first)]
     options, page, words = pager_options(page, len(order), PER_PAGE)
     rows = order[(page - 1) * PER_PAGE : page * PER_PAGE]
     share = matrix.STATS[stat].share
@@ -246,7 +254,12 @@ def update(ctx, kind, stat, sort, q, group, scale, only, page, version, zoom, se
     elif state is not None and not state.current and state.running:
         stat_note = f"; updating ({state.elapsed():.0f} s)"
     fig = figures.layer_heatmap(
-        g, rows, scale=scale, highlight=sel, x_range=r, uirevision=uirevision(run, PAGE, kind, stat, scale)
+        g,
+        rows,
+        scale=scale,
+        highlight={g.labels[i] for i in rows if selected(g.labels[i], sel, params)},
+        x_range=r,
+        uirevision=uirevision(run, PAGE, kind, stat, scale),
     )
     if m.preview:
         figures.note(fig, f"preview: {m.values.shape[1]} of {m.recorded:,} recorded steps")
@@ -268,7 +281,7 @@ def update(ctx, kind, stat, sort, q, group, scale, only, page, version, zoom, se
                         className="num",
                     ),
                 ],
-                className="highlight" if lab in sel else None,
+                className="highlight" if selected(lab, sel, params) else None,
             )
         )
     total = len(m.labels)

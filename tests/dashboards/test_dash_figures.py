@@ -234,7 +234,7 @@ def test_site_series_and_histogram_match_the_reader(traces):
     tr = ampdoctor.load(traces / "fp16_under.db")
     site = int(tr.sites("grad_out")["id"].iloc[1])
     col = list(tr.sites("grad_out")["id"]).index(site)
-    x, y, bad = matrix.site_series(tr, site, "absmax_log2")
+    x, y, _ = matrix.site_series(tr, site, "absmax_log2")
     peak = tr.records("peak", "grad_out")[:, col]
     np.testing.assert_allclose(y, peak[x])
     x, y, _ = matrix.site_series(tr, site, "fp16_under")
