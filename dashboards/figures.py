@@ -280,6 +280,8 @@ def loss_scale_figure(s: StepSeries, highlight=None, x_range=None, uirevision=No
         return empty(title, "no loss scaler in this run", uirevision)
     fig = go.Figure(layout=_layout(title, uirevision, xaxis=dict(title="step"), yaxis=dict(title="loss scale")))
     x, y = _values(s, "loss_scale")
+    if s.scale_after is not None and len(x):  # the scale the last step's update left, at the right edge
+        x, y = np.append(x.astype(float), s.x1 + 0.5), np.append(y, s.scale_after)
     with np.errstate(divide="ignore", invalid="ignore"):
         ly = np.where(y > 0, np.log2(np.where(y > 0, y, 1.0)), np.nan)
     fig.add_scatter(

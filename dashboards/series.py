@@ -59,6 +59,7 @@ class StepSeries:
     n_skipped: int = 0
     n_nonfinite: int = 0
     preview: bool = False  # evenly spaced steps only, while the summary is being built
+    scale_after: float | None = None  # the loss scale the last step of the run left (its update), when in range
 
     def envelope(self, col: str) -> tuple[np.ndarray, np.ndarray]:
         """(x, y) of a line that passes through each bucket's minimum and maximum (the raw values when exact)."""
@@ -106,10 +107,15 @@ def read(tr, x0=None, x1=None, max_points: int = MAX_POINTS, summary: StepSummar
         return StepSeries(0, -1, 0, True, empty, empty, *({c: np.array([]) for c in COLUMNS} for _ in range(3)))
     a, b = clip_range(n, x0, x1)
     if b - a + 1 <= max_points:
-        return _exact(tr, a, b, n)
-    if summary is not None and summary.n_buckets * BUCKET > a:
-        return summary.view(tr, a, b, n, max_points)
-    return _preview(tr, a, b, n, max_points)
+        s = _exact(tr, a, b, n)
+    elif summary is not None and summary.n_buckets * BUCKET > a:
+        s = summary.view(tr, a, b, n, max_points)
+    else:
+        s = _preview(tr, a, b, n, max_points)
+    if b == n - 1:  # GradScaler's update after the last step: the lowest scale of a collapse is often that one
+        after = sql(tr, f"SELECT {_FINITE.format(c='loss_scale_next')} FROM steps WHERE step = ?", (b,))
+        s.scale_after = float(after[0][0]) if after and after[0][0] is not None else None
+    return s
 
 
 def _select(tr, where: str, args) -> np.ndarray:
