@@ -107,7 +107,8 @@ def generate(path: str, n_steps: int, n_sites: int, seed: int = 0) -> str:
     lo = np.floor(base).astype(int) - 20
     pool = [np.bincount(rng.integers(0, 20, 4096), minlength=20).astype("<i8").tobytes() for _ in range(64)]
     scale, good = 65536.0, 0
-    skip_at = set(rng.choice(np.arange(100, n_steps), size=max(1, n_steps // 5000), replace=False).tolist())
+    late = np.arange(min(100, n_steps // 2), n_steps)  # a few skipped steps after the calibration
+    skip_at = set(rng.choice(late, size=max(1, n_steps // 5000), replace=False).tolist()) if len(late) else set()
     burst = (n_steps * 2 // 3, n_steps * 2 // 3 + 5)  # five non-finite steps
     spike = n_steps // 3
     t = 0.0

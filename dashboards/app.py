@@ -9,6 +9,7 @@ is ever joined to a file system path.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -279,42 +280,68 @@ class Context:
         return self.jobs.generation
 
 
-_POOL: list = []  # the process that diagnoses, shared by every app of this process (created on first use)
-_POOL_LOCK = threading.Lock()
+class _Worker:
+    """The process that diagnoses (diagjob), shared by every app of this process: started on first use, its
+    imports paid once; replaced after MAX_TASKS diagnoses (memory a long run left behind) or when it died."""
+
+    MAX_TASKS = 20
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc = None
+        self._done = 0
+
+    def run(self, spec: dict) -> dict:
+        import subprocess
+        import sys
+
+        with self._lock:  # one diagnosis at a time: the rules use a core, the server needs the other
+            if self._proc is None or self._proc.poll() is not None or self._done >= self.MAX_TASKS:
+                self._stop()
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-m", "ampdoctor.dashboards.diagjob"],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    text=True,
+                    bufsize=1,
+                )
+                self._done = 0
+            try:
+                self._proc.stdin.write(json.dumps(spec) + "\n")
+                self._proc.stdin.flush()
+                line = self._proc.stdout.readline()
+            except OSError:
+                line = ""
+            if not line:
+                self._stop()
+                return {
+                    "findings": [],
+                    "error": "the diagnosis process died (out of memory?); it runs again as the trace grows",
+                }
+            self._done += 1
+            return json.loads(line)
+
+    def _stop(self) -> None:
+        if self._proc is not None:
+            try:
+                self._proc.stdin.close()
+                self._proc.wait(timeout=5)
+            except Exception:
+                self._proc.kill()
+            self._proc = None
 
 
-def _pool():
-    """One worker process for diagnoses (spawned once: its imports are paid once, not per diagnosis; replaced
-    after 20 diagnoses, or when it died)."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    with _POOL_LOCK:
-        if not _POOL:
-            ctx = multiprocessing.get_context("spawn")
-            _POOL.append(ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=20))
-        return _POOL[0]
+_WORKER = _Worker()
 
 
 def _diagnose(spec: dict, where: str) -> dict:
     """Run diagjob over ``spec``: in the diagnosis process (the default), or in this thread."""
-    from concurrent.futures.process import BrokenProcessPool
-
     from . import diagjob
 
     if where == "thread":
         return diagjob.run(spec)
-    pool = _pool()
-    try:
-        return pool.submit(diagjob.run, spec).result()
-    except BrokenProcessPool:  # the process died (out of memory, killed): the next diagnosis gets a new one
-        with _POOL_LOCK:
-            if _POOL and _POOL[0] is pool:
-                _POOL.clear()
-        return {
-            "findings": [],
-            "error": "the diagnosis process died (out of memory?); it runs again as the trace grows",
-        }
+    return _WORKER.run(spec)
 
 
 def _summary_name(tr) -> str:

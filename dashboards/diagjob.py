@@ -1,9 +1,11 @@
-"""The dashboard's diagnosis of one run, in a process of its own: ``python -m ampdoctor.dashboards.diagjob SPEC``.
+"""The dashboard's diagnoses, in a process of their own: ``python -m ampdoctor.dashboards.diagjob``.
 
 A separate process keeps the server answering while the rules run (they hold the GIL for seconds on a long run),
-and a diagnosis that runs out of memory or crashes ends that process, not the dashboard. SPEC is a JSON file
-{"trace", "reference", "peers": {rank: path}, "group", "out"}; the result is written to "out" as JSON:
-{"findings": [Diagnosis.to_dict(), ...], "error": null | "Type: message", "seconds": s}.
+and a diagnosis that runs out of memory or crashes ends that process, not the dashboard. The process reads one
+JSON spec a line on stdin, {"trace", "reference", "peers": {rank: path}, "group"}, and answers each with one JSON
+line on stdout: {"findings": [Diagnosis.to_dict(), ...], "error": null | "Type: message", "seconds": s}. (Not
+multiprocessing: its spawned workers import the parent's main script again, which a script serving the dashboard
+without a ``__main__`` guard would not survive.)
 """
 
 from __future__ import annotations
@@ -39,17 +41,23 @@ def run(spec: dict) -> dict:
         return {"findings": [], "error": f"{type(exc).__name__}: {exc}", "seconds": time.perf_counter() - t0}
 
 
-def main(argv: list[str]) -> int:
-    with open(argv[0], encoding="utf-8") as f:
-        spec = json.load(f)
-    result = run(spec)
-    out = spec["out"]
-    tmp = out + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(result, f)
-    os.replace(tmp, out)
+def main() -> int:
+    """Answer specs until stdin closes. Anything the rules print goes to stderr: stdout carries the answers."""
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
+    sys.stdout = sys.stderr
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            spec = json.loads(line)
+        except ValueError as exc:
+            result = {"findings": [], "error": f"bad request ({exc})", "seconds": 0.0}
+        else:
+            result = run(spec)
+        answers.write(json.dumps(result) + "\n")
+        answers.flush()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

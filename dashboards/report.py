@@ -103,8 +103,9 @@ def finding_html(d, anchor: str = "", links: list | None = None) -> str:
     shown = "".join(
         f'<a class="evidence-link" href="#{html.escape(fid)}">{html.escape(lab)}</a>' for lab, fid in links or []
     )
+    aid = f' id="{html.escape(anchor)}"' if anchor else ""
     return (
-        f'<div class="finding {sev}"{f" id={anchor!r}" if anchor else ""}><div><span class="sev">{sev}</span>'
+        f'<div class="finding {sev}"{aid}><div><span class="sev">{sev}</span>'
         f'<span class="rule">{html.escape(str(d.rule))}</span>{_ranks(d)}</div><h3>{html.escape(str(d.title))}</h3>'
         f"<p>{html.escape(str(getattr(d, 'summary', '') or ''))}</p>"
         f"<p><b>Layers:</b> {html.escape(layers)} {html.escape(span)}</p>"
@@ -193,7 +194,7 @@ def key_figures(tr, found: list, figs: Figures) -> dict:
     s = series.read(tr, summary=_summary(tr))
     where = {("/", k): v for k, v in _step_figures(tr, figs, s).items()}
     named = {str(p) for d in found for p in d.layers or []}
-    views = [data.default_view(tr, found)]
+    views = [data.default_view(tr, found), ("grad_out", "absmax_log2"), ("act", "absmax_log2")]
     for d in found:
         for link in evidence.links(d):
             p = dict(link.params)
@@ -202,7 +203,7 @@ def key_figures(tr, found: list, figs: Figures) -> dict:
     have = set(tr.sites()["kind"])
     paths = None
     for kind, stat in views:
-        if kind not in have or stat not in matrix.STATS:
+        if kind not in have or stat not in matrix.STATS or ("/layers", kind, stat) in where:
             continue
         m = matrix.layer_matrix(tr, kind, stat)
         rows, chosen = _report_rows(m, named, paths)
