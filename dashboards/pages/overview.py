@@ -149,6 +149,7 @@ def charts(ctx, version, zoom, smoothing, log_y, metric, search):
         return {}, {}, {}, {}, {}
     r = zoom_range(zoom)
     s = ctx.steps(run, *(r or (None, None)))
+    r = r or ((s.x0, s.x1) if s.n else None)  # the same step axis on every chart, zoomed or not
     hl = highlight(parse_search(search))
     smoothing = max(0.0, min(0.99, number(smoothing, SMOOTHING)))
     rev = uirevision(run, PAGE)

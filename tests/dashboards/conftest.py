@@ -157,7 +157,7 @@ class Browser:
     def open(self, url: str) -> None:
         self.driver.get(url)
 
-    def wait(self, condition, timeout: float = 20.0, what: str = ""):
+    def wait(self, condition, timeout: float = 30.0, what: str = ""):
         """Poll ``condition()`` (JS errors and missing elements count as not yet) until it is truthy."""
         import time
 

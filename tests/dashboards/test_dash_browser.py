@@ -4,6 +4,7 @@ What-if steppers, no cloud upload and no console error on any page, data downloa
 
 import importlib.util
 import os
+import re
 import threading
 import time
 from urllib.parse import parse_qs, urlparse
@@ -50,24 +51,27 @@ def test_linked_zoom_survives_live_updates_and_goes_into_the_url(browser, tmp_pa
     (TensorBoard keeps it; the old dashboard reset [10, 40] to [0, 224] within 2.5 s), the URL carries it."""
     url = browser.serve(create_app(str(tmp_path), poll_ms=500))
 
-    def slow_batches():
-        for batch in runs.batches(60):
-            time.sleep(0.12)
+    done = threading.Event()
+
+    def slow_batches():  # as slow as a real run until the test has seen what it needs
+        for batch in runs.batches(400):
+            if not done.is_set():
+                time.sleep(0.05)
             yield batch
 
     t = threading.Thread(
         target=runs.train,
         args=(runs.mlp(),),
         daemon=True,
-        kwargs=dict(steps=60, precision="fp16", trace=str(tmp_path / "live.db"), data=slow_batches()),
+        kwargs=dict(steps=400, precision="fp16", trace=str(tmp_path / "live.db"), data=slow_batches()),
     )
     t.start()
     try:
         browser.open(f"{url}/")
         steps = browser.wait(
-            lambda: int(browser.text(f"#{ids.STEP_COUNT}").split()[0]) >= 25 and browser.text(f"#{ids.STEP_COUNT}"),
-            timeout=40,
-            what="25 steps",
+            lambda: int(browser.text(f"#{ids.STEP_COUNT}").split()[0]) >= 22 and browser.text(f"#{ids.STEP_COUNT}"),
+            timeout=60,
+            what="22 steps",
         )
         browser.wait(lambda: browser.figure(ids.LOSS_GRAPH), what="the loss chart")
         browser.driver.execute_script("window.__marker = 'not reloaded'")
@@ -77,7 +81,7 @@ def test_linked_zoom_survives_live_updates_and_goes_into_the_url(browser, tmp_pa
         assert browser.wait(lambda: _query(browser).get("x0") == "5" and _query(browser))["x1"] == "20"
         n0 = int(steps.split()[0])
         browser.wait(
-            lambda: int(browser.text(f"#{ids.STEP_COUNT}").split()[0]) >= n0 + 10, timeout=30, what="10 more steps"
+            lambda: int(browser.text(f"#{ids.STEP_COUNT}").split()[0]) >= n0 + 5, timeout=60, what="5 more steps"
         )
         time.sleep(1.2)  # two more polls
         assert [_range(browser, g) for g in STEP_CHARTS] == [[4.5, 20.5]] * 4
@@ -87,6 +91,7 @@ def test_linked_zoom_survives_live_updates_and_goes_into_the_url(browser, tmp_pa
         browser.wait(lambda: _range(browser, ids.SCALE_GRAPH)[1] > 21, what="zoom reset")
         assert "x0" not in browser.wait(lambda: "x0" not in _query(browser) and _query(browser))
     finally:
+        done.set()
         t.join(60)
     assert browser.errors() == []
 
@@ -253,3 +258,70 @@ def test_traversal_attempt_shows_unknown_run(traces, browser):
     browser.wait(lambda: browser.css("#unknown-run"), what="unknown run")
     assert "fp16_bad" not in browser.text(f"#{ids.PAGE}")
     assert browser.errors() == []
+
+
+def test_heatmap_click_opens_the_layer_and_the_run_picker_switches_runs(site, browser):
+    """A click on the heat map's top row opens that layer with the statistic shown; the picker opens the same
+    view of another run (a layer detail goes to its overview: site ids differ between runs)."""
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    browser.open(f"{site}/layers?run=fp16_under.db&kind=grad_out&stat=fp16_under")
+    fig = browser.wait(lambda: browser.figure(ids.LAYERS_HEATMAP), what="heat map")
+    top = fig["data"][0]["y"][0]
+    drag = browser.wait(lambda: browser.css(f"#{ids.LAYERS_HEATMAP} .nsewdrag")[0], what="plot area")
+    rows = len(fig["data"][0]["y"])
+    # Plotly turns a click into clickData after a hover: move there, rest, move a pixel, click
+    ActionChains(browser.driver).move_to_element(drag).perform()
+    time.sleep(0.3)
+    ActionChains(browser.driver).move_by_offset(
+        2, -drag.size["height"] // 2 + drag.size["height"] // (2 * rows)
+    ).perform()
+    time.sleep(0.3)
+    ActionChains(browser.driver).click().perform()
+    browser.wait(lambda: browser.text("#layer-name") == f"{top} · output gradients", what="the layer")
+    assert _query(browser)["stat"] == "fp16_under"
+    fig = browser.wait(lambda: browser.figure(ids.LAYER_SERIES), what="its chart")
+    assert "FP16 underflow share" in fig["layout"]["title"]
+    browser.driver.execute_script("window.__marker = 1")
+    browser.open(f"{site}/?run=fp16_under.db")
+    browser.wait(lambda: browser.css(f"#{ids.RUN_PICKER}"), what="picker")
+    browser.css(f"#{ids.RUN_PICKER}")[0].click()
+    option = browser.wait(
+        lambda: next(o for o in browser.css("[role=option]") if o.text.strip() == "bf16"), what="the bf16 option"
+    )
+    option.click()
+    browser.wait(lambda: "bf16.db" in browser.text("#summary-table"), what="the other run")
+    assert urlparse(browser.driver.current_url).path == "/" and _query(browser)["run"] == "bf16.db"
+    assert browser.errors() == []
+
+
+def test_dark_mode_follows_the_system(site, browser):
+    """With the system in dark mode the page and the charts' text turn light on dark; back in light mode, dark on
+    light."""
+
+    def emulate(value):
+        browser.driver.execute_cdp_cmd(
+            "Emulation.setEmulatedMedia", {"features": [{"name": "prefers-color-scheme", "value": value}]}
+        )
+
+    def colours():
+        return browser.driver.execute_script(
+            "var b = getComputedStyle(document.body).backgroundColor;"
+            "var t = document.querySelector('#overview-loss .main-svg .gtitle');"
+            "return [b, t ? getComputedStyle(t).fill : null];"
+        )
+
+    def level(rgb):
+        return sum(int(v) for v in re.findall(r"\d+", rgb)[:3]) / 3
+
+    try:
+        emulate("dark")
+        browser.open(f"{site}/?run=fp16_bad.db")
+        browser.wait(lambda: browser.figure(ids.LOSS_GRAPH), what="chart")
+        bg, title = browser.wait(lambda: colours()[1] and colours(), what="colours")
+        assert level(bg) < 60 and level(title) > 180
+        emulate("light")
+        bg, title = colours()
+        assert level(bg) > 200 and level(title) < 120
+    finally:
+        emulate("")
