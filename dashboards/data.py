@@ -361,9 +361,12 @@ def default_format(tr) -> str:
     return "bf16" if compute_dtype(tr) == "bfloat16" else "fp16"
 
 
-def formats_rows(table: pd.DataFrame, by: str = "fp16") -> list[dict]:
+def formats_rows(table, by: str = "fp16") -> list[dict]:
     """Per site: the share of non-zero values each format would lose (saturated or flushed; FP8 with Transformer
-    Engine's default delayed scaling) and the headroom, worst in format ``by`` first (every site: the page pages)."""
+    Engine's default delayed scaling) and the headroom, worst in format ``by`` first (every site: the page pages).
+    ``table``: format_table()'s, or a trace."""
+    if not isinstance(table, pd.DataFrame):
+        table = format_table(table)
     if not len(table):
         return []
     table = table.sort_values(f"{by}_lost", ascending=False, na_position="last", kind="stable")
@@ -391,11 +394,13 @@ def formats_rows(table: pd.DataFrame, by: str = "fp16") -> list[dict]:
     ]
 
 
-def formats_shares(table: pd.DataFrame, by: str = "fp16", max_rows: int = 40, only=()) -> tuple[list, dict]:
+def formats_shares(table, by: str = "fp16", max_rows: int = 40, only=()) -> tuple[list, dict]:
     """(labels, {format: lost shares}) of the sites worst in format ``by`` (and the ``only`` layers when given),
-    for the formats bar chart."""
+    for the formats bar chart. ``table``: format_table()'s, or a trace (it is computed)."""
     from ampdoctor import whatif
 
+    if not isinstance(table, pd.DataFrame):
+        table = format_table(table)
     if not len(table):
         return [], {}
     if only:

@@ -254,8 +254,16 @@ def _preview_note(fig, s: StepSeries):
 
 
 # -- overview --------------------------------------------------------------------------------------------------
-def loss_figure(s: StepSeries, smoothing=0.6, log_y=False, highlight=None, x_range=None, uirevision=None):
-    """Loss over steps: raw (faint) and smoothed, skipped and non-finite steps as bands, log-y on request."""
+def _as_series(s, **columns) -> StepSeries:
+    """A StepSeries, or one made from a notebook's arrays (steps first, then the columns by name)."""
+    from .series import from_arrays
+
+    return s if isinstance(s, StepSeries) else from_arrays(s, **columns)
+
+
+def loss_figure(s, smoothing=0.6, log_y=False, highlight=None, x_range=None, uirevision=None):
+    """Loss over steps: raw (faint) and smoothed, skipped and non-finite steps as bands, log-y on request.
+    ``s``: a series.StepSeries (series.from_arrays makes one of a notebook's arrays)."""
     title = "Loss"
     if not s.n:
         return empty(title, "no steps recorded yet", uirevision)
@@ -272,9 +280,12 @@ def loss_figure(s: StepSeries, smoothing=0.6, log_y=False, highlight=None, x_ran
     return _preview_note(fig, s)
 
 
-def loss_scale_figure(s: StepSeries, highlight=None, x_range=None, uirevision=None):
-    """The loss scale in force on a log2 axis; skipped steps (each halves it) and a scale of 0 as bands."""
+def loss_scale_figure(s, scale=None, skipped=None, highlight=None, x_range=None, uirevision=None):
+    """The loss scale in force on a log2 axis; skipped steps (each halves it) and a scale of 0 as bands. ``s``: a
+    series.StepSeries, or the steps with ``scale`` and ``skipped`` as arrays (a notebook's DataFrame columns)."""
     title = "Loss scale"
+    if not isinstance(s, StepSeries):
+        s = _as_series(s, loss_scale=scale, skipped=skipped, nonfinite=np.zeros(len(s), bool))
     sc_hi = s.hi.get("loss_scale")
     if not s.n or sc_hi is None or (not np.any(np.isfinite(sc_hi) & (sc_hi > 0)) and not s.scale_zero):
         return empty(title, "no loss scaler in this run", uirevision)
@@ -786,9 +797,10 @@ def probe_error_figure(series: dict, bounds: dict, highlight=(), title: str = "P
     return fig if any_data else empty(title, "no probe results: attach(..., probe_every=N) records them")
 
 
-def formats_figure(labels, lost: dict, by: str, title: str | None = None, highlight=()):
+def formats_figure(labels, lost: dict, by: str | None = None, title: str | None = None, highlight=()):
     """Grouped bars: per site, the share of its non-zero values each format would saturate or flush, the sites
     ranked by the format ``by``; when no site loses anything in any format, a sentence instead of empty axes."""
+    by = by or next(iter(lost), "")
     title = title or f"Share of non-zero values lost per format (worst in {by} first)"
     if not len(labels):
         return empty(title, "no exponent histograms recorded yet")

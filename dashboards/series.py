@@ -74,6 +74,27 @@ class StepSeries:
         return x, y
 
 
+def from_arrays(steps, **columns) -> StepSeries:
+    """An exact StepSeries from arrays (a notebook's DataFrame columns): ``loss``, ``loss_scale``, ..., and the
+    ``skipped`` / ``nonfinite`` flags."""
+    x = np.asarray(steps, dtype=np.int64)
+    n = len(x)
+    cols = {c: np.full(n, np.nan) for c in COLUMNS}
+    for c in COLUMNS:
+        if c in columns and columns[c] is not None:
+            v = np.asarray(columns[c], dtype=float)
+            cols[c] = np.where(np.isfinite(v), v, np.nan)
+    skipped = np.asarray(columns.get("skipped", np.zeros(n)), dtype=bool)
+    loss = np.asarray(columns.get("loss", np.zeros(n)), dtype=float)
+    bad = np.asarray(columns.get("nonfinite", ~np.isfinite(loss)), dtype=bool)
+    s = StepSeries(int(x[0]) if n else 0, int(x[-1]) if n else -1, n, True, x, np.ones(n, np.int64), cols, cols, cols)
+    s.skipped, s.nonfinite = intervals(x, skipped), intervals(x, bad)
+    sc = cols["loss_scale"]
+    s.scale_zero = intervals(x, ~np.isnan(sc) & (sc <= 0))
+    s.n_skipped, s.n_nonfinite = int(skipped.sum()), int(bad.sum())
+    return s
+
+
 def clip_range(n: int, x0=None, x1=None) -> tuple[int, int]:
     """A step range inside [0, n - 1] (the whole run when not given or not numbers)."""
     a = _int(x0, 0)
