@@ -37,12 +37,45 @@ def run(spec: dict) -> dict:
                 found += rank_findings(RankRun(spec.get("group") or "", traces, max(traces) + 1))
         found = sorted(found, key=lambda d: diagnosis.SEVERITY_ORDER.get(d.severity, 3))
         return {"findings": [d.to_dict() for d in found], "error": None, "seconds": time.perf_counter() - t0}
+    except MemoryError:
+        return {
+            "findings": [],
+            "error": "MemoryError: the rules ran out of memory on this trace",
+            "seconds": time.perf_counter() - t0,
+        }
     except Exception as exc:  # one line for the page; the server goes on
         return {"findings": [], "error": f"{type(exc).__name__}: {exc}", "seconds": time.perf_counter() - t0}
 
 
+def _limit_memory() -> None:
+    """``AMPDOCTOR_DIAGNOSIS_MEMORY_MB``: the most address space this process may take; past it the rules get a
+    MemoryError (one line on the page) instead of the machine running out."""
+    mb = os.environ.get("AMPDOCTOR_DIAGNOSIS_MEMORY_MB", "")
+    if mb.isdigit() and int(mb) > 0:
+        import resource
+
+        limit = int(mb) * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def _exit_with_parent() -> None:
+    """End this process when the server that started it is gone (killed mid-diagnosis, its pipe is not read)."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def main() -> int:
     """Answer specs until stdin closes. Anything the rules print goes to stderr: stdout carries the answers."""
+    _limit_memory()
+    _exit_with_parent()
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
     sys.stdout = sys.stderr
     for line in sys.stdin:

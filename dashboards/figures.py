@@ -431,9 +431,16 @@ def layer_heatmap(
         z=z.astype(np.float32),
         colorscale="Viridis" if m.stat in ("absmax_log2", "rms_log2") else "Reds",
         **zrange,
-        colorbar=dict(title=dict(text=text(unit), side="right"), thickness=12),
+        colorbar=dict(
+            title=dict(text=text(unit), side="right"),
+            thickness=12,
+            tickformat=".3~%" if m.share and scale != "log" else None,
+        ),
         hoverongaps=False,
-        hovertemplate="%{y}<br>step %{x}<br>" + text(unit) + " %{z:.4g}<extra></extra>",
+        hovertemplate="%{y}<br>step %{x}<br>"
+        + text(unit)
+        + (" %{z:.4~%}" if m.share and scale != "log" else " %{z:.4g}")
+        + "<extra></extra>",
         meta={"stat": m.stat, "kind": m.kind},
     )
     # NaN/Inf cells in black where there is no value to colour (a count of Infs keeps its colour)
@@ -525,10 +532,11 @@ def exponent_hist_figure(
         layout=_layout(
             title,
             uirevision,
-            height=380,
+            height=440,
             hovermode="closest",
             xaxis=dict(title="step"),
             yaxis=dict(title="binade (log2 |x|)"),
+            margin=dict(l=70, r=20, t=40, b=110),
         )
     )
     fig.add_heatmap(
@@ -536,7 +544,16 @@ def exponent_hist_figure(
         y=binades[rows],
         z=z.astype(np.float32),
         colorscale="Blues",
-        colorbar=dict(title=dict(text="log10 count", side="right"), thickness=12),
+        # below the plot: the histogram's step axis then spans the same width as the chart above it
+        colorbar=dict(
+            title=dict(text="log10 count", side="top"),
+            thickness=10,
+            orientation="h",
+            y=-0.32,
+            len=0.4,
+            x=1,
+            xanchor="right",
+        ),
         hoverongaps=False,
         hovertemplate="step %{x}<br>2^%{y}<br>10^%{z:.2f} values<extra></extra>",
     )
@@ -593,6 +610,7 @@ def site_stat_figure(
     extra=None,
     uirevision=None,
     note_text: str | None = None,
+    share: bool = False,
 ) -> go.Figure:
     """One statistic of one site over the steps that recorded it (points joined across the unrecorded steps in
     between), the steps where it held NaN/Inf as bands, format limits (FP16 max) as lines. ``extra``: more
@@ -608,6 +626,9 @@ def site_stat_figure(
         layout=_layout(title, uirevision, xaxis=dict(title="step"), yaxis=dict(title=text(stat_label)), height=320)
     )
     hover = "%{fullData.name}: 2^%{y:.2f}<extra></extra>" if log2 else "%{fullData.name}: %{y:.4g}<extra></extra>"
+    if share:
+        hover = "%{fullData.name}: %{y:.4~%}<extra></extra>"
+        fig.update_yaxes(tickformat=".3~%")
     fig.add_scatter(
         x=x,
         y=y,

@@ -92,6 +92,10 @@ class LayerMatrix:
         return STATS[self.stat].label
 
     @property
+    def share(self) -> bool:
+        return STATS[self.stat].share
+
+    @property
     def kind_label(self) -> str:
         return KIND_LABELS.get(self.kind, self.kind)
 

@@ -229,7 +229,9 @@ def key_figures(tr, found: list, figs: Figures) -> dict:
             limits = []
             if stat == "absmax_log2" and site["kind"] in ("act", "grad_out"):
                 limits = [("FP16 max 65504", float(np.log2(65504.0)))]
-            fig = figures.site_stat_figure(spec.label, x, y, spec.log2, bad, limits, label, evidence.span(d))
+            fig = figures.site_stat_figure(
+                spec.label, x, y, spec.log2, bad, limits, label, evidence.span(d), share=spec.share
+            )
             where[("/layer", p["path"], p.get("kind"), stat)] = figs.add(
                 _fid("layer", site["path"], site["kind"], stat), label, fig
             )

@@ -137,6 +137,7 @@ def update(ctx, version, search, stat="absmax_log2", zoom=None):
         highlight=hl,
         x_range=shown,
         uirevision=rev,
+        share=spec.share,
     )
     hs, counts = matrix.site_hist(tr, sid, *(r or (None, None)))
     scales = None

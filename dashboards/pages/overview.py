@@ -64,7 +64,7 @@ def layout(ctx, run: str, query: dict):
                                 max=0.99,
                                 step=0.01,
                                 value=max(0.0, min(0.99, smooth)),
-                                marks={0: "0", 0.6: "0.6", 0.9: "0.9", 0.99: "0.99"},
+                                marks={0: "0", 0.6: "0.6", 0.9: "0.9"},
                                 tooltip={"placement": "bottom"},
                             ),
                         ],
@@ -155,7 +155,7 @@ def charts(ctx, version, zoom, smoothing, log_y, metric, search):
     rev = uirevision(run, PAGE)
     out = [
         figures.loss_figure(s, smoothing, "log" in (log_y or []), hl, r, rev),
-        figures.loss_scale_figure(s, hl, r, rev),
+        figures.loss_scale_figure(s, highlight=hl, x_range=r, uirevision=rev),
         figures.grad_norm_figure(s, smoothing, hl, r, rev),
         figures.step_time_figure(s, hl, r, rev),
     ]

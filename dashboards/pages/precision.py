@@ -15,7 +15,7 @@ from .common import pager, pager_options, parse_all, run_of, table, write_state
 from .layers import matches
 
 PAGE = "/precision"
-PER_PAGE = 100
+PER_PAGE = 50
 
 
 def layout(ctx, run: str, query: dict):
@@ -100,8 +100,8 @@ def update(ctx, q, only, page, version, search):
     )
     keep = matches([r["module"] for r in rows], q)
     shown = [r for r, k in zip(rows, keep) if k and ("flagged" not in (only or []) or r["verdict"] not in ("ok",))]
-    if sel:
-        shown = [r for r in shown if r["module"] in sel] + [r for r in shown if r["module"] not in sel]
+    # the modules a link names first, then the ones a finding names, then the rest (model order within each)
+    shown = sorted(shown, key=lambda r: (r["module"] not in sel, r["verdict"] == "ok"))
     options, page, words = pager_options(page, len(shown), PER_PAGE)
     part = shown[(page - 1) * PER_PAGE : page * PER_PAGE]
     return (
