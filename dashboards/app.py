@@ -75,6 +75,8 @@ class Context:
         self.jobs = jobs.Jobs(workers=2)
         self.diagnose_in = diagnose_in  # "process" (default: the server stays responsive) or "thread"
         self._summaries: dict = {}  # path -> series.StepSummary
+        self._checked: dict = {}  # path -> (a Trace opened with the reader's checks, (device, inode) of its file)
+        self._opening: dict = {}  # path -> Lock held while the file is first opened
         self._diagnosed: dict = {}  # run key -> (version, time.monotonic() the version was asked for)
 
     def runs(self) -> dict:
@@ -120,12 +122,37 @@ class Context:
                 idle = self._idle.get(run.path)
                 tr = idle.pop() if idle else None
             if tr is None:
-                try:
-                    tr = load(run.path)
-                except TraceError:
+                tr = self._open(run.path)
+                if tr is None:
                     return None
             held[run.path] = tr
         return tr
+
+    def _open(self, path: str):
+        """A new Trace of ``path``: checked by the reader the first time this process opens the file, a plain new
+        connection afterwards while it is the same file (device and inode), or None when it cannot be read."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        ident = (st.st_dev, st.st_ino)
+        with self._lock:
+            opening = self._opening.setdefault(path, threading.Lock())
+        with opening:  # the first visit's callbacks arrive together: one of them checks the file, the rest reuse it
+            with self._lock:
+                known = self._checked.get(path)
+            if known is not None and known[1] == ident:
+                try:
+                    return series.reopen(known[0])
+                except TraceError:
+                    return None
+            try:
+                tr = load(path)
+            except TraceError:
+                return None
+            with self._lock:
+                self._checked[path] = (tr, ident)
+            return tr
 
     def _held(self) -> dict:
         if not hasattr(self._local, "held"):
@@ -171,8 +198,13 @@ class Context:
         n = self.n_steps(key)
 
         def work():
-            with load(run.path) as tr:
+            tr = self._open(run.path)
+            if tr is None:
+                raise jobs.Failed(f"{run.key} could not be opened as a trace")
+            try:
                 return fn(tr)
+            finally:
+                tr.close()
 
         return self.jobs.get((key, what), n, work, wait=wait)
 

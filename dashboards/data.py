@@ -276,6 +276,22 @@ def scaler_settings(tr) -> dict:
     return out
 
 
+def recorded_scale(tr) -> dict:
+    """The run's own loss scale and skipped steps, as whatif() returns them with nothing simulated yet (drawn at
+    once while the replay runs in the background)."""
+    rows = sql(tr, f"SELECT step, {_finite_sql('loss_scale')}, ifnull(skipped, 0) != 0 FROM steps ORDER BY step")
+    rec = np.array(rows, dtype=float).reshape(-1, 3)
+    return {
+        "steps": rec[:, 0].astype(np.int64),
+        "recorded": rec[:, 1],
+        "recorded_skipped": rec[:, 2] > 0,
+        "simulated": np.full(len(rec), np.nan),
+        "simulated_skipped": np.zeros(len(rec), bool),
+        "settings": scaler_settings(tr),
+        "engine": "replaying",
+    }
+
+
 def whatif(tr, init_scale=None, growth_factor=None, backoff_factor=None, growth_interval=None) -> dict:
     """Recorded vs simulated loss scale and skipped steps for other scaler settings."""
     args = {

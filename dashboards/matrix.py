@@ -162,9 +162,12 @@ def layer_matrix(
     edges = _edges(steps, max_cols)  # bin j holds steps[edges[j]:edges[j+1]]
     vals = np.full((len(ids), len(edges)), -np.inf)
     bad = np.zeros((len(ids), len(edges)), dtype=bool)
-    if len(steps):
+    sampled = preview and total > len(steps)
+    if len(steps) and src == "stats" and not sampled and len(steps) * len(ids) > SQL_ROWS:
+        _stat_bins(tr, ids, steps, edges, STATS[stat], vals, bad)
+    elif len(steps):
         reader = _peak_chunks if src == "peaks" else _stat_chunks
-        for st, col, v, nf in reader(tr, ids, steps, STATS[stat], sampled=preview and total > len(steps)):
+        for st, col, v, nf in reader(tr, ids, steps, STATS[stat], sampled=sampled):
             k = np.searchsorted(steps[edges], st, side="right") - 1
             ok = np.isfinite(v)
             np.maximum.at(vals, (col[ok], k[ok]), v[ok])
@@ -185,6 +188,31 @@ def _edges(steps: np.ndarray, max_cols: int) -> np.ndarray:
 
 
 _CHUNK_ROWS = 200_000
+SQL_ROWS = 1_000_000  # past this many rows a matrix is reduced in SQLite, bin by bin, not row by row in Python
+
+
+def _stat_bins(tr, ids: np.ndarray, steps: np.ndarray, edges: np.ndarray, stat: Stat, vals, bad) -> None:
+    """Each bin's worst value per site computed by SQLite (one query per bin over its step range, in the stats
+    table's key order): the rows never cross into Python. Fills ``vals`` and ``bad`` in place."""
+    lo, hi = int(ids.min()), int(ids.max())
+    starts = steps[edges]
+    ends = np.append(steps[edges[1:]] - 1, steps[-1])
+    finite = f"CASE WHEN abs({stat.expr}) <= 1.7e308 THEN {stat.expr} END"
+    query = (
+        f"SELECT site, max({finite}), max({BAD}) FROM stats WHERE step BETWEEN ? AND ? AND site BETWEEN ? AND ? "
+        "GROUP BY site"
+    )
+    for j, (a, b) in enumerate(zip(starts.tolist(), ends.tolist())):
+        rows = sql(tr, query, (a, b, lo, hi))
+        if not rows:
+            continue
+        arr = np.array(rows, dtype=float).reshape(-1, 3)
+        col = np.minimum(np.searchsorted(ids, arr[:, 0].astype(np.int64)), len(ids) - 1)
+        keep = ids[col] == arr[:, 0]
+        v = arr[keep, 1]
+        ok = np.isfinite(v)
+        vals[col[keep][ok], j] = v[ok]
+        bad[col[keep], j] = arr[keep, 2] > 0
 
 
 def _stat_chunks(tr, ids: np.ndarray, steps: np.ndarray, stat: Stat, sampled: bool):

@@ -33,6 +33,23 @@ def sql(tr, query: str, args=()) -> list:
         raise TraceError(f"{tr.path}: corrupt or unreadable trace ({exc})") from None
 
 
+def reopen(tr):
+    """Another read-only connection to the file ``tr`` has open, without the reader's checks again: they read every
+    table (seconds on a long run) and were done when ``tr`` was opened. The caller makes sure it is still the same
+    file (app.Context compares device and inode); the reader has no such call yet (trace/ is another branch's)."""
+    import copy
+
+    from ampdoctor.trace import files
+
+    clone = copy.copy(tr)
+    try:
+        clone._conn, _app_id, _version = files.connect(tr.path)
+    except (sqlite3.DatabaseError, OSError) as exc:
+        raise TraceError(f"{tr.path}: corrupt or unreadable trace ({exc})") from None
+    clone._snapshot_depth = 0
+    return clone
+
+
 def n_steps(tr) -> int:
     """Steps recorded (the step ids are dense from 0: the reader checks it when it opens a file)."""
     row = sql(tr, "SELECT max(step) FROM steps")[0][0]

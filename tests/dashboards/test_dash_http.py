@@ -231,12 +231,12 @@ def test_bad_input_is_a_message_on_the_page(traces, hostile, serve):
 
 def test_a_failing_callback_says_so_on_the_page(traces, serve, monkeypatch):
     """Whatever else raises in a callback reaches the page as a message, not as a 500 without one."""
-    from ampdoctor.dashboards import data
+    from ampdoctor.dashboards import figures
 
     def broken(*args, **kwargs):
         raise RuntimeError("replay exploded")
 
-    monkeypatch.setattr(data, "whatif", broken)
+    monkeypatch.setattr(figures, "whatif_figure", broken)
     srv = serve(create_app(str(traces)))
     status, resp = srv.callback(f"{ids.WHATIF_SUMMARY}.children", {f"{ids.URL}.search": "?run=fp16_bad.db"})
     assert status == 200 and resp[ids.ERROR]["children"] == (

@@ -107,8 +107,12 @@ def test_a_long_heat_map_is_read_in_chunks_with_a_preview_first(long_run, monkey
     tr = ampdoctor.load(long_run)
     monkeypatch.setattr(matrix, "_CHUNK_ROWS", 500)  # many small reads: the same matrix
     chunked = matrix.layer_matrix(tr, "act", "fp16_under")
+    monkeypatch.setattr(matrix, "SQL_ROWS", 0)  # reduced in SQLite, bin by bin: the same matrix
+    in_sql = matrix.layer_matrix(tr, "act", "fp16_under")
     monkeypatch.undo()
     whole = matrix.layer_matrix(tr, "act", "fp16_under")
     np.testing.assert_array_equal(chunked.values, whole.values)
+    np.testing.assert_array_equal(in_sql.values, whole.values)
+    np.testing.assert_array_equal(in_sql.nonfinite, whole.nonfinite)
     preview = matrix.layer_matrix(tr, "act", "fp16_under", preview=True)
     assert preview.preview and preview.values.shape[1] <= matrix.PREVIEW_COLS < whole.recorded
