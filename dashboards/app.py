@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import urlencode
 
 import dash
@@ -27,6 +28,9 @@ from . import cache, catalog, diagnosis, hosts, ids, jobs, ranks, series
 from .pages import compare, formats, layer, layers, overview, precision, whatif
 from .pages import ranks as ranks_page
 from .pages.common import href, parse_search, status_line
+
+if TYPE_CHECKING:
+    from ampdoctor.trace import Trace
 
 PAGES = {  # path -> (nav label, module)
     "/": ("Overview", overview),
@@ -90,7 +94,7 @@ class Context:
                 self._runs = (time.monotonic(), runs)
         return runs
 
-    def resolve(self, key) -> catalog.Run | None:
+    def resolve(self, key: Any) -> catalog.Run | None:
         """The run a browser-supplied key names, or None: only keys of runs() (and the reference) exist."""
         if not isinstance(key, str):
             return None
@@ -110,7 +114,7 @@ class Context:
             return {}
         return {r.rank: k for k, r in self.runs().items() if r.group == me.group and r.rank is not None}
 
-    def trace(self, key):
+    def trace(self, key: Any) -> Any:
         """This thread's open Trace of a run key, or None (unknown key or unreadable file)."""
         run = self.resolve(key)
         if run is None:
@@ -128,7 +132,7 @@ class Context:
             held[run.path] = tr
         return tr
 
-    def _open(self, path: str):
+    def _open(self, path: str) -> Any:
         """A new Trace of ``path``: checked by the reader the first time this process opens the file, a plain new
         connection afterwards while it is the same file (device and inode), or None when it cannot be read."""
         try:
@@ -170,12 +174,12 @@ class Context:
         for tr in surplus:
             tr.close()
 
-    def n_steps(self, key) -> int:
+    def n_steps(self, key: Any) -> int:
         """Steps of a run now (a primary-key look-up: cheap at every poll, unlike count(*))."""
         tr = self.trace(key)
         return 0 if tr is None else series.n_steps(tr)
 
-    def cached(self, key: str, what, fn):
+    def cached(self, key: str, what: Any, fn: Callable) -> Any:
         """``fn(trace)`` computed once per (run, trace length, what): a live trace invalidates itself as it grows."""
         tr = self.trace(key)
         if tr is None:
@@ -191,13 +195,13 @@ class Context:
             self._cache[k] = value
         return value
 
-    def background(self, key: str, what, fn, wait: float = 1.0) -> jobs.State:
+    def background(self, key: str, what: Any, fn: Callable, wait: float = 1.0) -> jobs.State:
         """``fn(trace)`` for the run ``key`` at its current length, computed in the background on a trace of its
         own; waits up to ``wait`` s (a short job shows at once). The state says whether the value is current."""
         run = self.resolve(key)
         n = self.n_steps(key)
 
-        def work():
+        def work() -> Any:
             tr = self._open(run.path)
             if tr is None:
                 raise jobs.Failed(f"{run.key} could not be opened as a trace")
@@ -237,7 +241,7 @@ class Context:
                     sm._busy = False
             return sm, None
 
-        def build(t):
+        def build(t: Trace) -> Any:
             sm.update(t)
             _save_summary(t, sm)
             return sm.n_buckets
@@ -245,7 +249,9 @@ class Context:
         state = self.background(key, "summary", build, wait=0.0)
         return sm, state
 
-    def steps(self, key: str, x0=None, x1=None, max_points: int = series.MAX_POINTS) -> series.StepSeries | None:
+    def steps(
+        self, key: str, x0: Any = None, x1: Any = None, max_points: int = series.MAX_POINTS
+    ) -> series.StepSeries | None:
         """The step figures of [x0, x1] of a run, for its charts (see series.read)."""
         tr = self.trace(key)
         if tr is None:
@@ -295,7 +301,7 @@ class Context:
             "group": run.group,
         }
 
-        def work():
+        def work() -> Any:
             found = cache.load_json(version)
             if found is None:
                 found = _diagnose(spec, self.diagnose_in)
@@ -376,11 +382,11 @@ def _diagnose(spec: dict, where: str) -> dict:
     return _WORKER.run(spec)
 
 
-def _summary_name(tr) -> str:
+def _summary_name(tr: Trace) -> str:
     return f"steps-{cache.identity(tr)}-"
 
 
-def _load_summary(tr) -> series.StepSummary | None:
+def _load_summary(tr: Trace) -> series.StepSummary | None:
     """The longest summary of this run kept on disk that is still a prefix of the trace."""
     prefix = _summary_name(tr)
     best = None
@@ -397,7 +403,7 @@ def _load_summary(tr) -> series.StepSummary | None:
     return series.StepSummary.from_arrays(arrays, tr) if arrays else None
 
 
-def _save_summary(tr, sm: series.StepSummary) -> None:
+def _save_summary(tr: Trace, sm: series.StepSummary) -> None:
     prefix = _summary_name(tr)
     done = sm.n_buckets * series.BUCKET
     if cache.save_arrays(prefix + str(done), sm.to_arrays()):
@@ -415,7 +421,7 @@ def run_options(ctx: Context) -> list[dict]:
     return options
 
 
-def header(ctx: Context, pathname: str, run: str | None):
+def header(ctx: Context, pathname: str, run: str | None) -> Any:
     links = [
         dcc.Link(
             label,
@@ -442,7 +448,7 @@ def header(ctx: Context, pathname: str, run: str | None):
     )
 
 
-def render(ctx: Context, pathname: str | None, search: str | None):
+def render(ctx: Context, pathname: str | None, search: str | None) -> Any:
     """(header, page) for a URL. Unknown runs and pages get a message, never a file system lookup."""
     pathname = pathname or "/"
     query = parse_search(search)
@@ -486,7 +492,7 @@ def create_app(
     root: str,
     reference: str | None = None,
     poll_ms: int = 1500,
-    files=None,
+    files: Any = None,
     host_policy: hosts.HostPolicy | None = None,
     diagnose_in: str = "process",
 ) -> dash.Dash:
@@ -521,7 +527,7 @@ def create_app(
     )
 
     @app.server.before_request
-    def _check_host():
+    def _check_host() -> Any:
         ok = policy.allows(request.host)
         if ok:
             return None
@@ -535,7 +541,7 @@ def create_app(
         )
 
     @app.server.teardown_request
-    def _release(_exc):
+    def _release(_exc: Any) -> Any:
         ctx.release()
 
     @app.callback(
@@ -545,7 +551,7 @@ def create_app(
         Input(ids.URL, "pathname"),
         Input(ids.URL, "search"),
     )
-    def _route(pathname, search):
+    def _route(pathname: str | None, search: str | None) -> Any:
         return (*render(ctx, pathname, search), None)
 
     @app.callback(
@@ -556,7 +562,7 @@ def create_app(
         State(ids.URL, "search"),
         prevent_initial_call=True,
     )
-    def _pick(run, pathname, search):
+    def _pick(run: Any, pathname: str | None, search: str | None) -> Any:
         if not run or parse_search(search).get("run") == run:
             return dash.no_update, dash.no_update
         # the same view of the other run; a layer detail goes to the overview (site ids differ between runs)
@@ -568,7 +574,7 @@ def create_app(
         State(ids.URL, "search"),
         State(ids.VERSION, "data"),
     )
-    def _poll(_, search, old):
+    def _poll(_: Any, search: str | None, old: Any) -> Any:
         run = parse_search(search).get("run") or ctx.default_key()
         tr = ctx.trace(run)
         if tr is None:
@@ -581,7 +587,7 @@ def create_app(
         Input(ids.POLL, "n_intervals"),
         Input(ids.URL, "search"),
     )
-    def _status(_, search):
+    def _status(_: Any, search: str | None) -> Any:
         """What is being computed in the background for this run, and for how long ("diagnosing: 3 s")."""
         run = parse_search(search).get("run") or ctx.default_key()
         if ctx.resolve(run) is None or ctx.trace(run) is None:
@@ -596,7 +602,7 @@ def create_app(
         State(ids.URL, "search"),
         prevent_initial_call=True,
     )
-    def _new_runs(_, options, search):
+    def _new_runs(_: Any, options: Any, search: str | None) -> Any:
         """Traces that appear under the root join the picker; the first one opens if none was shown yet."""
         new = run_options(ctx)
         if new == (options or []):
@@ -608,7 +614,8 @@ def create_app(
         module.register(app, ctx)
 
     @app.server.errorhandler(DependencyException)
-    def _unknown_file(_):  # a made-up component-suite path ("../..."): not found, not a 500 with a traceback
+    def _unknown_file(_: Any) -> tuple[str, int]:
+        # a made-up component-suite path ("../..."): not found, not a 500 with a traceback
         return "not found", 404
 
     return app

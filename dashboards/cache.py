@@ -14,12 +14,16 @@ import hashlib
 import json
 import os
 import tempfile
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from ampdoctor import __version__
 
 from .series import sql
+
+if TYPE_CHECKING:
+    from ampdoctor.trace import Trace
 
 FORMAT = 1  # bump when what is cached changes shape
 
@@ -38,7 +42,7 @@ def cache_dir() -> str | None:
     return path if os.access(path, os.W_OK | os.X_OK) else None
 
 
-def identity(tr) -> str:
+def identity(tr: Trace) -> str:
     """Which run a file holds: its real path and the run's recorded start (another run written to the same path
     later is another identity)."""
     run = tr.meta.get("run", {}) or {}
@@ -46,7 +50,7 @@ def identity(tr) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
-def fingerprint(tr) -> list:
+def fingerprint(tr: Trace) -> list:
     """What the trace holds now, cheaply: the last row or key of every table (primary-key look-ups, no scans).
     Any new step, statistic, event, metric or probe changes it."""
     out: list = []
@@ -70,7 +74,7 @@ def fingerprint(tr) -> list:
     return out
 
 
-def key(what: str, *traces, extra=None) -> str:
+def key(what: str, *traces: Any, extra: Any = None) -> str:
     """The cache key of ``what`` computed from ``traces`` (their identity and content) by this ampdoctor."""
     parts = [what, __version__, FORMAT, extra]
     for tr in traces:
@@ -83,7 +87,7 @@ def _path(name: str, ext: str) -> str | None:
     return None if d is None else os.path.join(d, f"{name}.{ext}")
 
 
-def _write(path: str, write) -> bool:
+def _write(path: str, write: Callable) -> bool:
     """Write through a temporary file in the same directory, then rename: a reader never sees half a file."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
     try:
@@ -97,7 +101,7 @@ def _write(path: str, write) -> bool:
         return False
 
 
-def load_json(name: str):
+def load_json(name: str) -> Any:
     path = _path(name, "json")
     if path is None:
         return None
@@ -108,7 +112,7 @@ def load_json(name: str):
         return None
 
 
-def save_json(name: str, value) -> bool:
+def save_json(name: str, value: Any) -> bool:
     path = _path(name, "json")
     if path is None:
         return False

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -23,6 +24,10 @@ from ampdoctor.trace.schema import ROOT
 from . import matrix
 from .series import n_steps, sql
 
+if TYPE_CHECKING:
+    from ampdoctor.rules.result import Diagnosis
+    from ampdoctor.trace import Trace
+
 KINDS = matrix.KINDS
 STATS = {k: s.label for k, s in matrix.STATS.items()}
 
@@ -32,7 +37,7 @@ def _finite_sql(c: str) -> str:
     return f"CASE WHEN typeof({c}) IN ('integer','real') AND abs({c}) <= 1.7e308 THEN {c} END"
 
 
-def run_summary(tr) -> list[tuple[str, str]]:
+def run_summary(tr: Trace) -> list[tuple[str, str]]:
     """(label, value) rows: steps, model, precision configuration with observed dtypes, scaler, skips, what was
     observed and what observing cost. Aggregates in SQLite: a million steps cost one scan."""
     meta, cfg = tr.meta, tr.config
@@ -106,7 +111,7 @@ def run_summary(tr) -> list[tuple[str, str]]:
     return rows
 
 
-def _observation_line(tr, meta: dict) -> str:
+def _observation_line(tr: Trace, meta: dict) -> str:
     """Which steps observed what (the same line as ``ampdoctor info``), from counts per level and reason."""
     run = meta.get("run", {}) or {}
     mode = run.get("mode")
@@ -131,14 +136,14 @@ def _observation_line(tr, meta: dict) -> str:
     return "; ".join(parts) or "-"
 
 
-def compute_dtype(tr) -> str | None:
+def compute_dtype(tr: Trace) -> str | None:
     """The reduced dtype the run computed in, as the rules judge it (rules.engine.Run.compute_dtype)."""
     from ampdoctor.rules.engine import Run
 
     return Run(tr).compute_dtype
 
 
-def default_view(tr, found: list | None = None) -> tuple[str, str]:
+def default_view(tr: Trace, found: list | None = None) -> tuple[str, str]:
     """(kind, statistic) the Layers page opens with: the view of the first finding that names layers, else what
     matters in the run's precision (FP16: output-gradient underflow; BF16 and FP32: log2 abs max, whose range
     both formats hold); never an FP16 statistic on a run that has no FP16 in it."""
@@ -158,7 +163,7 @@ def default_view(tr, found: list | None = None) -> tuple[str, str]:
     return kind, "absmax_log2"
 
 
-def site_info(tr, site_id: int) -> dict | None:
+def site_info(tr: Trace, site_id: int) -> dict | None:
     s = tr.sites()
     row = s[s["id"] == site_id]
     if not len(row):
@@ -166,7 +171,7 @@ def site_info(tr, site_id: int) -> dict | None:
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.iloc[0].to_dict().items()}
 
 
-def find_site(tr, path: str, kind: str | None) -> dict | None:
+def find_site(tr: Trace, path: str, kind: str | None) -> dict | None:
     """The site of a layer path (a module or a parameter) and kind; the closest one when that kind was not
     recorded for it (a parameter of the module, another kind), None when the layer is not in the trace."""
     s = tr.sites()
@@ -194,7 +199,7 @@ def allocation(module_type: str, compute: str | None) -> str:
     return "follows its input"
 
 
-def precision_rows(tr, found: list | None) -> list[dict]:
+def precision_rows(tr: Trace, found: list | None) -> list[dict]:
     """The run module by module (plus the loss and the weight update): type, what the allocation asks, the dtypes
     it computed and kept, and the verdict: exactly the findings that name the module (the rules' judgement, never
     one of this page's own). ``found`` None: the diagnosis is not done yet."""
@@ -206,12 +211,12 @@ def precision_rows(tr, found: list | None) -> list[dict]:
     compute = compute_dtype(tr)
     modules = set(act["path"])
 
-    def names(d, path: str) -> bool:  # the module itself, or one of its parameters (not a child module)
+    def names(d: Diagnosis, path: str) -> bool:  # the module itself, or one of its parameters (not a child module)
         return any(
             str(p) == path or (str(p) not in modules and str(p).rpartition(".")[0] == path) for p in d.layers or ()
         )
 
-    def verdict(ds) -> str:
+    def verdict(ds: Any) -> str:
         if found is None:
             return "diagnosing…"
         return "; ".join(f"{d.rule}: {d.title}" for d in ds) or "ok"
@@ -262,7 +267,7 @@ def precision_rows(tr, found: list | None) -> list[dict]:
 
 
 # -- what-if -----------------------------------------------------------------------------------------------------
-def scaler_settings(tr) -> dict:
+def scaler_settings(tr: Trace) -> dict:
     """The scaler's recorded settings, PyTorch GradScaler defaults for what was not recorded."""
     sc = tr.config.get("scaler") or {}
     out = dict(TORCH_DEFAULTS)
@@ -276,7 +281,7 @@ def scaler_settings(tr) -> dict:
     return out
 
 
-def recorded_scale(tr) -> dict:
+def recorded_scale(tr: Trace) -> dict:
     """The run's own loss scale and skipped steps, as whatif() returns them with nothing simulated yet (drawn at
     once while the replay runs in the background)."""
     rows = sql(tr, f"SELECT step, {_finite_sql('loss_scale')}, ifnull(skipped, 0) != 0 FROM steps ORDER BY step")
@@ -292,7 +297,13 @@ def recorded_scale(tr) -> dict:
     }
 
 
-def whatif(tr, init_scale=None, growth_factor=None, backoff_factor=None, growth_interval=None) -> dict:
+def whatif(
+    tr: Trace,
+    init_scale: Any = None,
+    growth_factor: Any = None,
+    backoff_factor: Any = None,
+    growth_interval: Any = None,
+) -> dict:
     """Recorded vs simulated loss scale and skipped steps for other scaler settings."""
     args = {
         "init_scale": init_scale,
@@ -327,7 +338,7 @@ def whatif(tr, init_scale=None, growth_factor=None, backoff_factor=None, growth_
 
 
 # -- compare -----------------------------------------------------------------------------------------------------
-def compare_layers(tr_a, tr_b, stat: str = "absmax_log2", kind: str = "grad_out") -> pd.DataFrame:
+def compare_layers(tr_a: Trace, tr_b: Trace, stat: str = "absmax_log2", kind: str = "grad_out") -> pd.DataFrame:
     """Per layer (matched by path): the mean of ``stat`` over the recorded steps in both runs and the difference
     b - a (output-gradient abs max unscaled, so that runs with different loss scales compare)."""
     out = []
@@ -364,20 +375,20 @@ def compare_layers(tr_a, tr_b, stat: str = "absmax_log2", kind: str = "grad_out"
 FORMAT_NAMES = {"fp16": "FP16", "bf16": "BF16", "e4m3": "E4M3", "e5m2": "E5M2"}
 
 
-def format_table(tr) -> pd.DataFrame:
+def format_table(tr: Trace) -> pd.DataFrame:
     """Per site (activations, output gradients), what each format would lose (ampdoctor.whatif.formats_table)."""
     from ampdoctor import whatif
 
     return whatif.formats_table(tr)
 
 
-def default_format(tr) -> str:
+def default_format(tr: Trace) -> str:
     """The format the Formats page ranks by: the one the run computes in (FP16 or BF16), else FP16 (what an FP32
     run would move to first)."""
     return "bf16" if compute_dtype(tr) == "bfloat16" else "fp16"
 
 
-def formats_rows(table, by: str = "fp16") -> list[dict]:
+def formats_rows(table: Any, by: str = "fp16") -> list[dict]:
     """Per site: the share of non-zero values each format would lose (saturated or flushed; FP8 with Transformer
     Engine's default delayed scaling) and the headroom, worst in format ``by`` first (every site: the page pages).
     ``table``: format_table()'s, or a trace."""
@@ -387,10 +398,10 @@ def formats_rows(table, by: str = "fp16") -> list[dict]:
         return []
     table = table.sort_values(f"{by}_lost", ascending=False, na_position="last", kind="stable")
 
-    def pct(v):
+    def pct(v: Any) -> Any:
         return "–" if v != v else f"{100 * v:.3g}%"
 
-    def binades(v):
+    def binades(v: Any) -> Any:
         return "–" if v != v else f"{v:.1f}"
 
     return [
@@ -410,7 +421,7 @@ def formats_rows(table, by: str = "fp16") -> list[dict]:
     ]
 
 
-def formats_shares(table, by: str = "fp16", max_rows: int = 40, only=()) -> tuple[list, dict]:
+def formats_shares(table: Any, by: str = "fp16", max_rows: int = 40, only: Any = ()) -> tuple[list, dict]:
     """(labels, {format: lost shares}) of the sites worst in format ``by`` (and the ``only`` layers when given),
     for the formats bar chart. ``table``: format_table()'s, or a trace (it is computed)."""
     from ampdoctor import whatif
@@ -426,7 +437,7 @@ def formats_shares(table, by: str = "fp16", max_rows: int = 40, only=()) -> tupl
     return labels, {n.upper(): table[f"{n}_lost"].to_numpy(float) for n in whatif.FORMATS}
 
 
-def probe_series(tr, max_layers: int = 12, include=()) -> tuple[dict, dict, list[dict]]:
+def probe_series(tr: Trace, max_layers: int = 12, include: Any = ()) -> tuple[dict, dict, list[dict]]:
     """Probe error over steps: ({layer: (steps, rel_err)}, {layer: sqrt(k)*u bound}, per-layer verdicts), the
     named layers and the largest ratios first (and the ``include`` layers, whatever their rank)."""
     from ampdoctor.rules import precision

@@ -4,6 +4,7 @@ parts, the layers and ranks they name. No plotly, no dash: the dashboard pages a
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -11,6 +12,9 @@ from ampdoctor.rules import diagnose as _diagnose
 from ampdoctor.rules import fix as F
 from ampdoctor.rules.result import Diagnosis
 from ampdoctor.severity import WORST_FIRST
+
+if TYPE_CHECKING:
+    from ampdoctor.trace import Trace
 
 SEVERITY_ORDER = WORST_FIRST
 
@@ -110,7 +114,7 @@ LABELS = {
 _MAX_ITEMS = 8
 
 
-def findings(tr, reference=None) -> list:
+def findings(tr: Trace, reference: Trace | None = None) -> list:
     """The diagnosis of a trace, worst first; [] when no step is recorded yet."""
     if tr.n_steps == 0:
         return []
@@ -131,7 +135,7 @@ def from_dict(d: dict) -> Diagnosis:
     )
 
 
-def finding_mentions(d, path: str) -> bool:
+def finding_mentions(d: Diagnosis, path: str) -> bool:
     """Does finding ``d`` name layer ``path`` (a module path, or a parameter of that module)?"""
     for layer in getattr(d, "layers", None) or ():
         layer = str(layer)
@@ -140,12 +144,12 @@ def finding_mentions(d, path: str) -> bool:
     return False
 
 
-def fix_parts(d) -> list[tuple[str, str]]:
+def fix_parts(d: Diagnosis) -> list[tuple[str, str]]:
     """A finding's fix as ("text" | "code", text) parts, as the rule wrote them (code runs as printed)."""
     return [(p.kind, p.text) for p in F.of(getattr(d, "fix", None) or getattr(d, "recommendation", "") or "")]
 
 
-def label(key) -> str:
+def label(key: Any) -> str:
     """An evidence key as a reader calls it (``max_unscaled_grad`` -> "largest unscaled gradient")."""
     k = str(key)
     if k in LABELS:
@@ -154,7 +158,7 @@ def label(key) -> str:
     return words[:1].upper() + words[1:] if words and k.islower() else k
 
 
-def _short(v) -> str:
+def _short(v: Any) -> str:
     if isinstance(v, (bool, np.bool_)):
         return "yes" if v else "no"
     if v is None:
@@ -172,7 +176,7 @@ def _short(v) -> str:
     return str(v)
 
 
-def _empty(v) -> bool:
+def _empty(v: Any) -> bool:
     if v is None:
         return True
     if isinstance(v, (list, tuple, dict, str)) and not v:
@@ -180,7 +184,7 @@ def _empty(v) -> bool:
     return isinstance(v, float) and math.isnan(v)
 
 
-def evidence_items(d) -> list[tuple[str, str]]:
+def evidence_items(d: Diagnosis) -> list[tuple[str, str]]:
     """A finding's evidence as (label, short text) rows: human labels, numbers to 4 digits, long lists and maps cut
     at 8 items with the total; values that are absent (None, empty) are left out rather than shown as "None"."""
     out = []
@@ -203,13 +207,13 @@ def evidence_items(d) -> list[tuple[str, str]]:
     return out
 
 
-def ranks_label(d) -> str:
+def ranks_label(d: Diagnosis) -> str:
     """ "rank 1" / "ranks 0, 1" for a finding of a multi-rank run, "" for one trace."""
     ranks = list(getattr(d, "ranks", None) or [])
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else ""
 
 
-def steps_label(d) -> str:
+def steps_label(d: Diagnosis) -> str:
     steps = list(getattr(d, "steps", None) or [])
     if len(steps) != 2:
         return ""

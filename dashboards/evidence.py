@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ampdoctor.rules.result import Diagnosis
 
 
 @dataclass(frozen=True)
@@ -29,7 +33,7 @@ class Link:
         return [(k, str(v)) for k, v in self.params if v is not None]
 
 
-def span(d) -> tuple[int, int] | None:
+def span(d: Diagnosis) -> tuple[int, int] | None:
     """The finding's [first, last] step, or None."""
     steps = list(getattr(d, "steps", None) or [])
     if len(steps) != 2:
@@ -38,7 +42,7 @@ def span(d) -> tuple[int, int] | None:
     return (a, b) if a <= b else (b, a)
 
 
-def zoom(d, pad: float = 0.25, least: int = 10) -> tuple:
+def zoom(d: Diagnosis, pad: float = 0.25, least: int = 10) -> tuple:
     """URL parameters that zoom to the finding's steps (padded on both sides) and outline them."""
     s = span(d)
     if s is None:
@@ -48,7 +52,7 @@ def zoom(d, pad: float = 0.25, least: int = 10) -> tuple:
     return (("x0", max(0, a - p)), ("x1", b + p), ("hl", f"{a}-{b}"))
 
 
-def _fmt_stat(dtype, over: bool) -> str:
+def _fmt_stat(dtype: Any, over: bool) -> str:
     """The statistic that shows an overflow (or underflow) in the format a site computed in."""
     bf = dtype == "bfloat16"
     return ("bf16_over" if bf else "fp16_over") if over else ("bf16_under" if bf else "fp16_under")
@@ -71,7 +75,7 @@ LAYER_VIEWS = {
 }
 
 
-def layer_link(d, layer: str) -> Link:
+def layer_link(d: Diagnosis, layer: str) -> Link:
     """The view of one layer a finding names: its activations, output gradients or parameter gradients with the
     statistic the rule judged, zoomed to the finding's steps, on the rank the finding is about."""
     ev = getattr(d, "evidence", None) or {}
@@ -114,16 +118,16 @@ _STAT_WORDS = {
 }
 
 
-def _rank(d) -> int | None:
+def _rank(d: Diagnosis) -> int | None:
     ranks = list(getattr(d, "ranks", None) or [])
     return int(ranks[0]) if ranks else None
 
 
-def _ranks_of(d) -> tuple:
+def _ranks_of(d: Diagnosis) -> tuple:
     return tuple(("rank", int(r)) for r in getattr(d, "ranks", None) or [])
 
 
-def _sel(layers) -> tuple:
+def _sel(layers: Any) -> tuple:
     return tuple(("sel", p) for p in list(layers)[:20])
 
 
@@ -143,7 +147,7 @@ def whatif_params(settings: dict) -> tuple:
     return tuple(out)
 
 
-def links(d) -> list[Link]:
+def links(d: Diagnosis) -> list[Link]:
     """The views that prove finding ``d``, the most telling first."""
     ev = getattr(d, "evidence", None) or {}
     rule = getattr(d, "rule", "")
@@ -270,7 +274,7 @@ def links(d) -> list[Link]:
     return out
 
 
-def culprit_links(d) -> list[Link]:
+def culprit_links(d: Diagnosis) -> list[Link]:
     """One link per layer the finding names (the view of that layer its rule judged), in the finding's order."""
     if d.rule in ("precision-policy",):
         return [Link(p, "/precision", (("sel", p), ("only", 1)), _rank(d), p) for p in d.layers]

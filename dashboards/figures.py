@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import html
 import math
+from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
@@ -66,13 +67,13 @@ _LAYOUT = dict(
 )
 
 
-def text(name) -> str:
+def text(name: Any) -> str:
     """``name`` as plotly shows it literally: ``<``, ``>`` and ``&`` as entities (plotly.js turns them back into
     characters), so a layer called ``<a href=...>`` is a label, not a link."""
     return html.escape(str(name), quote=False)
 
 
-def _layout(title: str, uirevision=None, **kw) -> dict:
+def _layout(title: str, uirevision: Any = None, **kw: Any) -> dict:
     out = dict(_LAYOUT, **kw)
     out["title"] = dict(_LAYOUT["title"], text=text(title))
     if uirevision is not None:
@@ -82,12 +83,12 @@ def _layout(title: str, uirevision=None, **kw) -> dict:
     return out
 
 
-def _finite(y):
+def _finite(y: Any) -> Any:
     y = np.asarray(y, dtype=float)
     return np.where(np.isfinite(y), y, np.nan)
 
 
-def empty(title: str, note: str, uirevision=None) -> go.Figure:
+def empty(title: str, note: str, uirevision: Any = None) -> go.Figure:
     """A figure that says why it has nothing to draw (never empty axes)."""
     fig = go.Figure(layout=_layout(title, uirevision, height=220))
     fig.add_annotation(text=text(note), showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5)
@@ -121,7 +122,7 @@ def _log2_ticks(lo: float, hi: float) -> dict:
 
 
 # -- the pieces every step chart has ---------------------------------------------------------------------------
-def band_trace(name: str, spans, color: str, count: int | None = None) -> go.Scatter | None:
+def band_trace(name: str, spans: Any, color: str, count: int | None = None) -> go.Scatter | None:
     """Steps [(first, last), ...] as shaded vertical bands over the whole height: one filled trace on a hidden
     0..1 axis (thousands of bands stay one trace; a legend click hides them). ``meta`` marks it as a band."""
     if not spans:
@@ -146,7 +147,7 @@ def band_trace(name: str, spans, color: str, count: int | None = None) -> go.Sca
     )
 
 
-def _finish(fig: go.Figure, bands, highlight=None, x_range=None) -> go.Figure:
+def _finish(fig: go.Figure, bands: Any, highlight: Any = None, x_range: Any = None) -> go.Figure:
     """Bands on the hidden overlay axis, the finding's steps outlined, the shared zoom applied."""
     for name, spans, color, count in bands:
         tr = band_trace(name, spans, color, count)
@@ -173,7 +174,7 @@ def _finish(fig: go.Figure, bands, highlight=None, x_range=None) -> go.Figure:
     return fig
 
 
-def _integer_steps(fig: go.Figure, x_range=None) -> None:
+def _integer_steps(fig: go.Figure, x_range: Any = None) -> None:
     """Steps are whole numbers: a short range gets a tick per step, never "0.5"."""
     xs = [
         v
@@ -188,7 +189,18 @@ def _integer_steps(fig: go.Figure, x_range=None) -> None:
     fig.update_xaxes(tickformat=",d")
 
 
-def _line(fig, name, x, y, color, smoothing=0.0, smooth_from=None, shape="linear", log_hover=False, dash=None):
+def _line(
+    fig: Any,
+    name: Any,
+    x: Any,
+    y: Any,
+    color: str,
+    smoothing: Any = 0.0,
+    smooth_from: Any = None,
+    shape: str = "linear",
+    log_hover: bool = False,
+    dash: Any = None,
+) -> Any:
     """A raw line, faint under its smoothed line when ``smoothing`` > 0 (TensorBoard's convention). The smoothed
     line is computed over ``smooth_from`` = (x, y, steps per point) when given (a downsampled range: the bucket
     means), else over the raw points."""
@@ -219,7 +231,7 @@ def _line(fig, name, x, y, color, smoothing=0.0, smooth_from=None, shape="linear
         )
 
 
-def _smooth_source(s: StepSeries, col: str, positive: bool = False):
+def _smooth_source(s: StepSeries, col: str, positive: bool = False) -> Any:
     """What a smoothed line averages: the exact values, or each bucket's mean placed at its middle."""
     if s.exact:
         return None
@@ -229,7 +241,7 @@ def _smooth_source(s: StepSeries, col: str, positive: bool = False):
     return s.x + (s.width - 1) / 2, y, s.width
 
 
-def _step_bands(s: StepSeries, skipped=True, nonfinite=True, zero=False) -> list:
+def _step_bands(s: StepSeries, skipped: Any = True, nonfinite: Any = True, zero: bool = False) -> list:
     out = []
     if skipped:
         out.append(("skipped steps", s.skipped, BAND_COLORS["skipped"], s.n_skipped))
@@ -240,12 +252,12 @@ def _step_bands(s: StepSeries, skipped=True, nonfinite=True, zero=False) -> list
     return out
 
 
-def _values(s: StepSeries, col: str):
+def _values(s: StepSeries, col: str) -> Any:
     """(x, y) to draw of one column: the envelope of a downsampled range, the values of an exact one."""
     return s.envelope(col)
 
 
-def _preview_note(fig, s: StepSeries):
+def _preview_note(fig: Any, s: StepSeries) -> Any:
     if s.preview:
         note(fig, f"preview: {len(s.x):,} of {s.x1 - s.x0 + 1:,} steps while every step is summarised")
     elif not s.exact:
@@ -254,14 +266,16 @@ def _preview_note(fig, s: StepSeries):
 
 
 # -- overview --------------------------------------------------------------------------------------------------
-def _as_series(s, **columns) -> StepSeries:
+def _as_series(s: Any, **columns: Any) -> StepSeries:
     """A StepSeries, or one made from a notebook's arrays (steps first, then the columns by name)."""
     from .series import from_arrays
 
     return s if isinstance(s, StepSeries) else from_arrays(s, **columns)
 
 
-def loss_figure(s, smoothing=0.6, log_y=False, highlight=None, x_range=None, uirevision=None):
+def loss_figure(
+    s: Any, smoothing: Any = 0.6, log_y: Any = False, highlight: Any = None, x_range: Any = None, uirevision: Any = None
+) -> Any:
     """Loss over steps: raw (faint) and smoothed, skipped and non-finite steps as bands, log-y on request.
     ``s``: a series.StepSeries (series.from_arrays makes one of a notebook's arrays)."""
     title = "Loss"
@@ -280,7 +294,9 @@ def loss_figure(s, smoothing=0.6, log_y=False, highlight=None, x_range=None, uir
     return _preview_note(fig, s)
 
 
-def loss_scale_figure(s, scale=None, skipped=None, highlight=None, x_range=None, uirevision=None):
+def loss_scale_figure(
+    s: Any, scale: Any = None, skipped: Any = None, highlight: Any = None, x_range: Any = None, uirevision: Any = None
+) -> Any:
     """The loss scale in force on a log2 axis; skipped steps (each halves it) and a scale of 0 as bands. ``s``: a
     series.StepSeries, or the steps with ``scale`` and ``skipped`` as arrays (a notebook's DataFrame columns)."""
     title = "Loss scale"
@@ -310,7 +326,9 @@ def loss_scale_figure(s, scale=None, skipped=None, highlight=None, x_range=None,
     return _preview_note(fig, s)
 
 
-def grad_norm_figure(s: StepSeries, smoothing=0.6, highlight=None, x_range=None, uirevision=None):
+def grad_norm_figure(
+    s: StepSeries, smoothing: Any = 0.6, highlight: Any = None, x_range: Any = None, uirevision: Any = None
+) -> Any:
     """The whole model's gradient norm (unscaled) on a log axis."""
     title = "Gradient norm"
     y = s.hi.get("grad_norm")
@@ -331,7 +349,7 @@ def grad_norm_figure(s: StepSeries, smoothing=0.6, highlight=None, x_range=None,
     return _preview_note(fig, s)
 
 
-def step_time_figure(s: StepSeries, highlight=None, x_range=None, uirevision=None):
+def step_time_figure(s: StepSeries, highlight: Any = None, x_range: Any = None, uirevision: Any = None) -> Any:
     """Step time split into compute and data wait (means per bucket: the two are stacked and must align)."""
     title = "Step time: compute and data wait"
     st, dt = s.mean.get("step_time"), s.mean.get("data_time")
@@ -365,7 +383,9 @@ def step_time_figure(s: StepSeries, highlight=None, x_range=None, uirevision=Non
     return _preview_note(fig, s)
 
 
-def metric_figure(name: str, x, y, smoothing=0.6, highlight=None, x_range=None, uirevision=None):
+def metric_figure(
+    name: str, x: Any, y: Any, smoothing: Any = 0.6, highlight: Any = None, x_range: Any = None, uirevision: Any = None
+) -> Any:
     """A scalar the run logged (log_metric: a validation loss, an accuracy) over steps."""
     title = f"Metric: {name}"
     x, y = np.asarray(x), _finite(y)
@@ -378,14 +398,14 @@ def metric_figure(name: str, x, y, smoothing=0.6, highlight=None, x_range=None, 
 
 # -- layers ----------------------------------------------------------------------------------------------------
 def layer_heatmap(
-    m,
-    rows=None,
+    m: Any,
+    rows: Any = None,
     title: str | None = None,
     scale: str = "linear",
-    highlight=(),
-    x_range=None,
+    highlight: Any = (),
+    x_range: Any = None,
     max_cells: int = MAX_CELLS,
-    uirevision=None,
+    uirevision: Any = None,
 ) -> go.Figure:
     """Layer x step heat map of a matrix.LayerMatrix: rows in ``rows`` order (every one labelled: the page shows
     a page of rows at a time), steps binned with the worst value kept, non-finite cells drawn black on top, the
@@ -479,7 +499,7 @@ def layer_heatmap(
     return fig
 
 
-def bin_columns(values, x, max_cols: int, how: str = "max"):
+def bin_columns(values: Any, x: Any, max_cols: int, how: str = "max") -> Any:
     """Bin the columns of ``values`` [rows x len(x)] into at most ``max_cols``: (first x of each bin, binned).
 
     ``how`` = "max" (worst value in the bin, NaN ignored) or "sum".
@@ -499,16 +519,16 @@ def bin_columns(values, x, max_cols: int, how: str = "max"):
 
 
 def exponent_hist_figure(
-    steps,
-    counts,
-    scales=None,
+    steps: Any,
+    counts: Any,
+    scales: Any = None,
     kind: str = "",
     title: str | None = None,
     lo: int = -127,
     max_cols: int = 600,
-    x_range=None,
-    highlight=None,
-    uirevision=None,
+    x_range: Any = None,
+    highlight: Any = None,
+    uirevision: Any = None,
 ) -> go.Figure:
     """Exponent histogram over steps (binade x step, log10 counts) with the FP16 and BF16 ranges as bands.
 
@@ -599,16 +619,16 @@ def exponent_hist_figure(
 
 def site_stat_figure(
     stat_label: str,
-    x,
-    y,
+    x: Any,
+    y: Any,
     log2: bool = False,
-    nonfinite=(),
-    limits=(),
+    nonfinite: Any = (),
+    limits: Any = (),
     title: str | None = None,
-    highlight=None,
-    x_range=None,
-    extra=None,
-    uirevision=None,
+    highlight: Any = None,
+    x_range: Any = None,
+    extra: Any = None,
+    uirevision: Any = None,
     note_text: str | None = None,
     share: bool = False,
 ) -> go.Figure:
@@ -673,7 +693,7 @@ def site_stat_figure(
 
 
 # -- what-if / compare / ranks ----------------------------------------------------------------------------------
-def whatif_figure(r: dict, highlight=None, x_range=None, uirevision=None) -> go.Figure:
+def whatif_figure(r: dict, highlight: Any = None, x_range: Any = None, uirevision: Any = None) -> go.Figure:
     """Recorded against simulated loss scale (log2), the skipped steps of each as bands."""
     title = "Loss scale: recorded and simulated"
     steps = np.asarray(r["steps"])
@@ -712,7 +732,7 @@ def whatif_figure(r: dict, highlight=None, x_range=None, uirevision=None) -> go.
     return _finish(fig, bands, highlight, x_range)
 
 
-def compare_loss_figure(runs, smoothing=0.6, x_range=None, uirevision=None) -> go.Figure:
+def compare_loss_figure(runs: Any, smoothing: Any = 0.6, x_range: Any = None, uirevision: Any = None) -> go.Figure:
     """``runs``: list of (name, StepSeries). A run without a finite loss is named in a note, its non-finite steps
     drawn as bands: it is never silently missing."""
     title = "Loss: run and reference"
@@ -731,7 +751,9 @@ def compare_loss_figure(runs, smoothing=0.6, x_range=None, uirevision=None) -> g
     return fig
 
 
-def compare_layers_figure(labels, a, b, names=("run", "reference"), stat_label: str = "", title=None) -> go.Figure:
+def compare_layers_figure(
+    labels: Any, a: Any, b: Any, names: Any = ("run", "reference"), stat_label: str = "", title: Any = None
+) -> go.Figure:
     """Per-layer mean statistic of two runs side by side, and their difference."""
     title = title or f"Per-layer {stat_label}: mean over steps"
     if not len(labels):
@@ -753,7 +775,15 @@ def compare_layers_figure(labels, a, b, names=("run", "reference"), stat_label: 
     return fig
 
 
-def ranks_figure(series, title: str, y_title: str, log2: bool = False, highlight=None, x_range=None, ranks=()):
+def ranks_figure(
+    series: Any,
+    title: str,
+    y_title: str,
+    log2: bool = False,
+    highlight: Any = None,
+    x_range: Any = None,
+    ranks: Any = (),
+) -> Any:
     """``series``: list of (rank, StepSeries or (steps, values)); one line per rank, the ``ranks`` a finding
     names drawn thick."""
     palette = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
@@ -779,7 +809,9 @@ def ranks_figure(series, title: str, y_title: str, log2: bool = False, highlight
 
 
 # -- formats ------------------------------------------------------------------------------------------------------
-def probe_error_figure(series: dict, bounds: dict, highlight=(), title: str = "Probe: relative error against FP32"):
+def probe_error_figure(
+    series: dict, bounds: dict, highlight: Any = (), title: str = "Probe: relative error against FP32"
+) -> Any:
     """Per layer, its norm-wise relative error at each probed step (log10) and its sqrt(k)*u bound (dotted); the
     ``highlight`` layers drawn thick."""
     fig = go.Figure(
@@ -818,7 +850,9 @@ def probe_error_figure(series: dict, bounds: dict, highlight=(), title: str = "P
     return fig if any_data else empty(title, "no probe results: attach(..., probe_every=N) records them")
 
 
-def formats_figure(labels, lost: dict, by: str | None = None, title: str | None = None, highlight=()):
+def formats_figure(
+    labels: Any, lost: dict, by: str | None = None, title: str | None = None, highlight: Any = ()
+) -> Any:
     """Grouped bars: per site, the share of its non-zero values each format would saturate or flush, the sites
     ranked by the format ``by``; when no site loses anything in any format, a sentence instead of empty axes."""
     by = by or next(iter(lost), "")

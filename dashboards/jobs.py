@@ -8,6 +8,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, Callable
 
 
 @dataclass
@@ -16,7 +17,7 @@ class State:
     earlier version), whether that value is current, since when the current version is being computed, and the
     error of the last attempt."""
 
-    value: object = None
+    value: Any = None
     current: bool = False
     since: float | None = None  # time.monotonic() when the running job started
     error: str | None = None
@@ -37,7 +38,7 @@ class Failed(Exception):
 class Jobs:
     """A small pool of background workers and the latest result of every job, by key."""
 
-    def __init__(self, workers: int = 2, on_done=None) -> None:
+    def __init__(self, workers: int = 2, on_done: Any = None) -> None:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ampdoctor-view")
         self._lock = threading.Lock()
         self._state: dict = {}  # key -> State
@@ -45,7 +46,7 @@ class Jobs:
         self._on_done = on_done  # called with the key when a job ends (the views poll for it)
         self.generation = 0  # bumped whenever a job ends
 
-    def get(self, key, version, fn, wait: float = 0.0) -> State:
+    def get(self, key: Any, version: Any, fn: Callable, wait: float = 0.0) -> State:
         """The state of job ``key`` at ``version``; starts ``fn()`` in the background when that version has not
         been computed and is not being computed. Waits up to ``wait`` seconds for it first (a quick job then
         shows at once, with no "computing" flash)."""
@@ -67,12 +68,12 @@ class Jobs:
             st = self._state[key]
             return State(st.value, st.current and st.version == version, st.since, st.error, st.version)
 
-    def peek(self, key) -> State | None:
+    def peek(self, key: Any) -> State | None:
         with self._lock:
             st = self._state.get(key)
             return None if st is None else State(st.value, st.current, st.since, st.error, st.version)
 
-    def _run(self, key, version, fn) -> None:
+    def _run(self, key: Any, version: Any, fn: Callable) -> None:
         try:
             value, error = fn(), None
         except Failed as exc:

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ampdoctor.trace.schema import LEVEL_HIST
 
 from .series import clip_range, n_steps, sql
+
+if TYPE_CHECKING:
+    from ampdoctor.trace import Trace
 
 KIND_LABELS = {
     "act": "activations",
@@ -107,7 +111,7 @@ class LayerMatrix:
         return np.arange(len(self.labels))
 
 
-def recorded_steps(tr, what: str, a: int = 0, b: int | None = None) -> np.ndarray:
+def recorded_steps(tr: Trace, what: str, a: int = 0, b: int | None = None) -> np.ndarray:
     """Steps of [a, b] that recorded ``what``: "stats" (full statistics), "peaks" or "hists"."""
     b = n_steps(tr) - 1 if b is None else b
     if what == "peaks":
@@ -124,7 +128,7 @@ def recorded_steps(tr, what: str, a: int = 0, b: int | None = None) -> np.ndarra
     return steps
 
 
-def cost(tr, kind: str, stat: str, x0=None, x1=None) -> int:
+def cost(tr: Trace, kind: str, stat: str, x0: Any = None, x1: Any = None) -> int:
     """Rows a matrix of [x0, x1] reads (what decides between reading it now and in the background)."""
     n = n_steps(tr)
     if not n:
@@ -137,7 +141,7 @@ def cost(tr, kind: str, stat: str, x0=None, x1=None) -> int:
 
 
 def layer_matrix(
-    tr, kind: str, stat: str, x0=None, x1=None, max_cols: int = MAX_COLS, preview: bool = False
+    tr: Trace, kind: str, stat: str, x0: Any = None, x1: Any = None, max_cols: int = MAX_COLS, preview: bool = False
 ) -> LayerMatrix:
     """``stat`` of every site of ``kind`` over [x0, x1] (the whole run by default), binned to ``max_cols``
     columns (worst kept). ``preview``: at most PREVIEW_COLS evenly chosen recorded steps, for the first paint of
@@ -191,7 +195,9 @@ _CHUNK_ROWS = 200_000
 SQL_ROWS = 1_000_000  # past this many rows a matrix is reduced in SQLite, bin by bin, not row by row in Python
 
 
-def _stat_bins(tr, ids: np.ndarray, steps: np.ndarray, edges: np.ndarray, stat: Stat, vals, bad) -> None:
+def _stat_bins(
+    tr: Trace, ids: np.ndarray, steps: np.ndarray, edges: np.ndarray, stat: Stat, vals: np.ndarray, bad: np.ndarray
+) -> None:
     """Each bin's worst value per site computed by SQLite (one query per bin over its step range, in the stats
     table's key order): the rows never cross into Python. Fills ``vals`` and ``bad`` in place."""
     lo, hi = int(ids.min()), int(ids.max())
@@ -215,7 +221,7 @@ def _stat_bins(tr, ids: np.ndarray, steps: np.ndarray, edges: np.ndarray, stat: 
         bad[col[keep], j] = arr[keep, 2] > 0
 
 
-def _stat_chunks(tr, ids: np.ndarray, steps: np.ndarray, stat: Stat, sampled: bool):
+def _stat_chunks(tr: Trace, ids: np.ndarray, steps: np.ndarray, stat: Stat, sampled: bool) -> Any:
     """(steps, site columns, values, NaN/Inf held) of the stats rows of ``steps``, a few hundred thousand rows at
     a time; only the rows of ``ids``'s sites (one kind) are kept."""
     lo, hi = int(ids.min()), int(ids.max())
@@ -239,7 +245,7 @@ def _stat_chunks(tr, ids: np.ndarray, steps: np.ndarray, stat: Stat, sampled: bo
         yield arr[keep, 0].astype(np.int64), col[keep], arr[keep, 2], arr[keep, 3] > 0
 
 
-def _peak_chunks(tr, ids: np.ndarray, steps: np.ndarray, stat: Stat, sampled: bool):
+def _peak_chunks(tr: Trace, ids: np.ndarray, steps: np.ndarray, stat: Stat, sampled: bool) -> Any:
     """The peaks rows of ``steps`` (one float32 per site id; negative: not observed that step)."""
     per = 2000
     for i in range(0, len(steps), per):
@@ -267,7 +273,7 @@ def _peak_chunks(tr, ids: np.ndarray, steps: np.ndarray, stat: Stat, sampled: bo
 
 
 # -- one site --------------------------------------------------------------------------------------------------
-def site_series(tr, site_id: int, stat: str, x0=None, x1=None, max_points: int = 4000):
+def site_series(tr: Trace, site_id: int, stat: str, x0: Any = None, x1: Any = None, max_points: int = 4000) -> Any:
     """(steps, values, NaN/Inf steps as [(first, last)]) of one site's ``stat`` over [x0, x1], at most
     ``max_points`` recorded steps (evenly chosen when there are more: their extremes are in the heat map's
     bins). Values are the raw statistic (the figure takes log2 where the statistic says so)."""
@@ -308,7 +314,7 @@ def site_series(tr, site_id: int, stat: str, x0=None, x1=None, max_points: int =
     return x, np.where(np.isfinite(y), y, np.nan), intervals(x, bad)
 
 
-def site_hist(tr, site_id: int, x0=None, x1=None, max_rows: int = 2000):
+def site_hist(tr: Trace, site_id: int, x0: Any = None, x1: Any = None, max_rows: int = 2000) -> Any:
     """(steps, counts[steps x 255]) of one site's exponent histograms over [x0, x1] (evenly chosen steps when
     there are more than ``max_rows``): looked up by step, never a scan of the whole histograms table."""
     from ampdoctor.trace.schema import HIST_HI, HIST_LO
@@ -343,7 +349,7 @@ def site_hist(tr, site_id: int, x0=None, x1=None, max_rows: int = 2000):
     return np.array(out_steps, dtype=np.int64), np.vstack(counts)
 
 
-def fmt(v, share: bool = False) -> str:
+def fmt(v: Any, share: bool = False) -> str:
     """A number as the tables show it: never cut (4 significant digits, a share as a percentage)."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "–"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 import os
+from typing import TYPE_CHECKING, Any
 
 from ampdoctor.rules import diagnose
 from ampdoctor.trace.run import run_pattern
@@ -12,10 +13,13 @@ from ampdoctor.trace.run import run_pattern
 from . import catalog, figures, series
 from .report import Figures, finding_html, page
 
+if TYPE_CHECKING:
+    from ampdoctor.trace import Trace
+
 MAX_RANK_LINES = 16  # more lines than this are unreadable; the table still lists every rank
 
 
-def rank_rows(rr) -> list[dict]:
+def rank_rows(rr: Any) -> list[dict]:
     """One row per rank: steps, skipped, non-finite steps, last loss scale, median step time and data wait."""
     rows = []
     for rank, tr in rr.items():
@@ -37,12 +41,12 @@ def rank_rows(rr) -> list[dict]:
     return rows
 
 
-def rank_figures(rr) -> list:
+def rank_figures(rr: Any) -> list:
     """Loss, loss scale (log2), step time and data wait of every rank (the first MAX_RANK_LINES), one figure each,
     from each rank's downsampled steps (extremes kept)."""
     per = [(rank, series.read(tr, summary=_summary(tr))) for rank, tr in list(rr.items())[:MAX_RANK_LINES]]
 
-    def lines(col):
+    def lines(col: str) -> Any:
         return [(rank, *s.envelope(col)) for rank, s in per]
 
     return [
@@ -53,7 +57,7 @@ def rank_figures(rr) -> list:
     ]
 
 
-def _summary(tr):
+def _summary(tr: Trace) -> Any:
     sm = series.StepSummary()
     sm.update(tr)
     return sm
@@ -65,7 +69,7 @@ def _table(rows: list[dict]) -> str:
     return f'<table class="data-table"><tr>{head}</tr>{body}</table>'
 
 
-def build_rank_report(rr, reference=None) -> str:
+def build_rank_report(rr: Any, reference: Trace | None = None) -> str:
     """The report of a multi-rank run as one HTML string: ranks, findings (naming their ranks), figures."""
     found = diagnose(rr, reference=reference) if any(tr.n_steps for tr in rr) else []
     fhtml = "\n".join(finding_html(d) for d in found) or "<p>No findings: nothing in these traces trips a rule.</p>"
@@ -86,7 +90,7 @@ def build_rank_report(rr, reference=None) -> str:
     )
 
 
-def default_output(rr) -> str:
+def default_output(rr: Any) -> str:
     """``runs/exp-0.db, runs/exp-1.db`` -> ``runs/exp-ranks.html``."""
     stem = os.path.splitext(rr[rr.ranks[0]].path)[0]
     base = catalog.RANK_SUFFIX.sub("", stem)
@@ -94,7 +98,7 @@ def default_output(rr) -> str:
     return (base or stem) + "-ranks.html"
 
 
-def write_rank_report(rr, out: str, reference=None) -> str:
+def write_rank_report(rr: Any, out: str, reference: Trace | None = None) -> str:
     text = build_rank_report(rr, reference)
     with open(out, "w", encoding="utf-8") as f:
         f.write(text)

@@ -6,10 +6,14 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from ampdoctor.rules.multirank import rank_findings
 from ampdoctor.trace import TraceError, load
 from ampdoctor.trace.run import RankRun
+
+if TYPE_CHECKING:
+    from .app import Context
 
 _TRAILING_NUMBER = re.compile(r"[._-]?\d+$")
 
@@ -48,7 +52,7 @@ def with_ranks(runs: dict, cache: dict, files: set | None = None) -> dict:
     return out
 
 
-def group_findings(ctx, key: str) -> list:
+def group_findings(ctx: Context, key: str) -> list:
     """The rank rules over the ranks of the run ``key`` belongs to ([] for a run of one rank)."""
     me = ctx.resolve(key)
     if me is None or me.rank is None:

@@ -16,6 +16,7 @@ import html
 import json
 import os
 import re
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import plotly.io as pio
@@ -24,6 +25,10 @@ from plotly.offline import get_plotlyjs
 from ampdoctor import __version__
 
 from . import data, diagnosis, evidence, figures, matrix, series
+
+if TYPE_CHECKING:
+    from ampdoctor.rules.result import Diagnosis
+    from ampdoctor.trace import Trace
 
 _ASSETS = os.path.join(os.path.dirname(__file__), "assets")
 _CSS_EXTRA = """
@@ -78,7 +83,7 @@ def _loader() -> str:
 </script>""".replace("CONFIG", config)
 
 
-def fix_html(d) -> str:
+def fix_html(d: Diagnosis) -> str:
     """A finding's fix: code parts in <pre>, text parts as paragraphs with `code` spans; everything escaped."""
     out = []
     for kind, chunk in diagnosis.fix_parts(d):
@@ -93,7 +98,7 @@ def fix_html(d) -> str:
     return "\n".join(out)
 
 
-def finding_html(d, anchor: str = "", links: list | None = None) -> str:
+def finding_html(d: Diagnosis, anchor: str = "", links: list | None = None) -> str:
     """A finding as HTML: severity, rule, title, summary, layers and steps, evidence rows, the figures of this
     report that show it (``links``: (label, figure id)), the fix."""
     sev = html.escape(str(getattr(d, "severity", "info")))
@@ -115,7 +120,7 @@ def finding_html(d, anchor: str = "", links: list | None = None) -> str:
     )
 
 
-def _ranks(d) -> str:
+def _ranks(d: Diagnosis) -> str:
     """ " · rank 1" for a finding of a multi-rank run."""
     label = diagnosis.ranks_label(d)
     return f" · {html.escape(label)}" if label else ""
@@ -143,14 +148,14 @@ class Figures:
     def __init__(self) -> None:
         self.items: list[tuple[str, str, str]] = []  # (id, title, JSON)
 
-    def add(self, fid: str, title: str, fig) -> str:
+    def add(self, fid: str, title: str, fig: Any) -> str:
         if any(f == fid for f, _, _ in self.items):
             return fid
         j = pio.to_json(fig, validate=False, engine="json")
         self.items.append((fid, title, j))
         return fid
 
-    def html(self, ids_=None) -> str:
+    def html(self, ids_: Any = None) -> str:
         out = []
         for fid, _title, j in self.items:
             if ids_ is not None and fid not in ids_:
@@ -164,11 +169,11 @@ class Figures:
         return "\n".join(out)
 
 
-def _fid(*parts) -> str:
+def _fid(*parts: Any) -> str:
     return "fig-" + re.sub(r"[^A-Za-z0-9_-]+", "-", "-".join(str(p) for p in parts)).strip("-")[:80]
 
 
-def _step_figures(tr, figs: Figures, s) -> dict:
+def _step_figures(tr: Trace, figs: Figures, s: Any) -> dict:
     """Loss, loss scale, gradient norm, step time: page "/" of the dashboard."""
     return {
         "loss": figs.add("fig-loss", "Loss", figures.loss_figure(s)),
@@ -189,7 +194,7 @@ def _report_rows(m: matrix.LayerMatrix, named: set, paths: list | None) -> list:
     return [index[p] for p in paths if p in index], paths
 
 
-def key_figures(tr, found: list, figs: Figures) -> dict:
+def key_figures(tr: Trace, found: list, figs: Figures) -> dict:
     """Every figure the findings point to, plus the run's own: {(page, key): figure id}."""
     s = series.read(tr, summary=_summary(tr))
     where = {("/", k): v for k, v in _step_figures(tr, figs, s).items()}
@@ -238,7 +243,7 @@ def key_figures(tr, found: list, figs: Figures) -> dict:
     return where
 
 
-def _summary(tr) -> series.StepSummary | None:
+def _summary(tr: Trace) -> series.StepSummary | None:
     if series.n_steps(tr) <= series.MAX_POINTS:
         return None
     sm = series.StepSummary()
@@ -246,7 +251,7 @@ def _summary(tr) -> series.StepSummary | None:
     return sm
 
 
-def _link_targets(d, where: dict) -> list[tuple[str, str]]:
+def _link_targets(d: Diagnosis, where: dict) -> list[tuple[str, str]]:
     """(label, figure id) of the report's figures that show finding ``d``'s evidence."""
     out = []
     for link in evidence.links(d) + evidence.culprit_links(d)[:1]:
@@ -277,7 +282,7 @@ def _link_targets(d, where: dict) -> list[tuple[str, str]]:
     return out
 
 
-def formats_section(tr, found: list) -> str:
+def formats_section(tr: Trace, found: list) -> str:
     """Formats: the probe's error against FP32 over the steps, and what each format would lose per site."""
     sel = [str(p) for d in found if d.rule in ("precision-loss", "fp8-readiness", "fp16-readiness") for p in d.layers]
     series_, bounds, verdicts = data.probe_series(tr, include=sel)
@@ -306,7 +311,7 @@ def formats_section(tr, found: list) -> str:
     )
 
 
-def precision_section(tr, found: list) -> str:
+def precision_section(tr: Trace, found: list) -> str:
     rows = data.precision_rows(tr, found)
     flagged = [r for r in rows if r["verdict"] != "ok"]
     return (
@@ -323,7 +328,7 @@ def precision_section(tr, found: list) -> str:
 STAGES = ("diagnosis", "figures", "precision map", "formats", "comparison")
 
 
-def build_report(tr, reference=None, progress=None) -> str:
+def build_report(tr: Trace, reference: Trace | None = None, progress: Any = None) -> str:
     """The report as one HTML string; ``progress(stage)``, when given, is called as each of STAGES starts."""
     stage = progress or (lambda name: None)
     stage("diagnosis")
@@ -404,7 +409,7 @@ def page(title: str, found: list, body: str, facts: str = "") -> str:
 """
 
 
-def write_report(tr, out: str, reference=None, progress=None) -> str:
+def write_report(tr: Trace, out: str, reference: Trace | None = None, progress: Any = None) -> str:
     text = build_report(tr, reference, progress)
     with open(out, "w", encoding="utf-8") as f:
         f.write(text)

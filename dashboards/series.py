@@ -14,10 +14,14 @@ from __future__ import annotations
 import math
 import sqlite3
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ampdoctor.trace import TraceError
+
+if TYPE_CHECKING:
+    from ampdoctor.trace import Trace
 
 MAX_POINTS = 4000  # per line: 2,000 buckets of (min, max) when a range is longer
 # the columns the step charts draw (steps table); finite values only, NaN/Inf/NULL become NaN
@@ -25,7 +29,7 @@ COLUMNS = ("loss", "loss_scale", "grad_norm", "step_time", "data_time", "samples
 _FINITE = "CASE WHEN typeof({c}) IN ('integer', 'real') AND abs({c}) <= 1.7976931348623157e308 THEN {c} END"
 
 
-def sql(tr, query: str, args=()) -> list:
+def sql(tr: Trace, query: str, args: Any = ()) -> list:
     """Rows of a query on a trace, its errors as one-line TraceErrors (as the reader's own queries)."""
     try:
         return tr._conn.execute(query, args).fetchall()
@@ -33,7 +37,7 @@ def sql(tr, query: str, args=()) -> list:
         raise TraceError(f"{tr.path}: corrupt or unreadable trace ({exc})") from None
 
 
-def reopen(tr):
+def reopen(tr: Trace) -> Any:
     """Another read-only connection to the file ``tr`` has open, without the reader's checks again: they read every
     table (seconds on a long run) and were done when ``tr`` was opened. The caller makes sure it is still the same
     file (app.Context compares device and inode); the reader has no such call yet (trace/ is another branch's)."""
@@ -50,7 +54,7 @@ def reopen(tr):
     return clone
 
 
-def n_steps(tr) -> int:
+def n_steps(tr: Trace) -> int:
     """Steps recorded (the step ids are dense from 0: the reader checks it when it opens a file)."""
     row = sql(tr, "SELECT max(step) FROM steps")[0][0]
     return 0 if row is None else int(row) + 1
@@ -91,7 +95,7 @@ class StepSeries:
         return x, y
 
 
-def from_arrays(steps, **columns) -> StepSeries:
+def from_arrays(steps: Any, **columns: Any) -> StepSeries:
     """An exact StepSeries from arrays (a notebook's DataFrame columns): ``loss``, ``loss_scale``, ..., and the
     ``skipped`` / ``nonfinite`` flags."""
     x = np.asarray(steps, dtype=np.int64)
@@ -112,7 +116,7 @@ def from_arrays(steps, **columns) -> StepSeries:
     return s
 
 
-def clip_range(n: int, x0=None, x1=None) -> tuple[int, int]:
+def clip_range(n: int, x0: Any = None, x1: Any = None) -> tuple[int, int]:
     """A step range inside [0, n - 1] (the whole run when not given or not numbers)."""
     a = _int(x0, 0)
     b = _int(x1, n - 1)
@@ -120,7 +124,7 @@ def clip_range(n: int, x0=None, x1=None) -> tuple[int, int]:
     return (a, b) if a <= b else (b, a)
 
 
-def _int(v, default: int) -> int:
+def _int(v: Any, default: int) -> int:
     try:
         f = float(v)
     except (TypeError, ValueError):
@@ -128,7 +132,7 @@ def _int(v, default: int) -> int:
     return math.floor(f) if math.isfinite(f) else default
 
 
-def _col(v) -> float:
+def _col(v: Any) -> float:
     if v is None:
         return math.nan
     if isinstance(v, str):
@@ -136,7 +140,9 @@ def _col(v) -> float:
     return float(v)
 
 
-def read(tr, x0=None, x1=None, max_points: int = MAX_POINTS, summary: StepSummary | None = None) -> StepSeries:
+def read(
+    tr: Trace, x0: Any = None, x1: Any = None, max_points: int = MAX_POINTS, summary: StepSummary | None = None
+) -> StepSeries:
     """The step figures of [x0, x1] (the whole run by default) within ``max_points`` points per line: exact when
     the range fits, else from ``summary`` (buckets of every step), else a sampled preview (``preview``)."""
     n = n_steps(tr)
@@ -156,7 +162,7 @@ def read(tr, x0=None, x1=None, max_points: int = MAX_POINTS, summary: StepSummar
     return s
 
 
-def _select(tr, where: str, args) -> np.ndarray:
+def _select(tr: Trace, where: str, args: Any) -> np.ndarray:
     """[rows x (step, skipped, non-finite, *COLUMNS)] float64: finite values, NaN for NaN/Inf/NULL."""
     have = {r[1] for r in sql(tr, "PRAGMA table_info(steps)")}
     cols = [_FINITE.format(c=c) if c in have else "NULL" for c in COLUMNS]
@@ -181,11 +187,11 @@ def _from_rows(arr: np.ndarray, a: int, b: int, n: int, exact: bool = True) -> S
     return s
 
 
-def _exact(tr, a: int, b: int, n: int) -> StepSeries:
+def _exact(tr: Trace, a: int, b: int, n: int) -> StepSeries:
     return _from_rows(_select(tr, "step BETWEEN ? AND ? ORDER BY step", (a, b)), a, b, n)
 
 
-def _preview(tr, a: int, b: int, n: int, max_points: int) -> StepSeries:
+def _preview(tr: Trace, a: int, b: int, n: int, max_points: int) -> StepSeries:
     """Evenly spaced steps of [a, b] (rowid look-ups: fast on any length) while the summary is being built: not
     every spike is there yet, and the views say so."""
     steps = np.unique(np.linspace(a, b, max_points).astype(np.int64))
@@ -217,7 +223,7 @@ class StepSummary:
     def n_buckets(self) -> int:
         return len(self.lo)
 
-    def update(self, tr, limit: int | None = None) -> int:
+    def update(self, tr: Trace, limit: int | None = None) -> int:
         """Summarise the complete buckets written since the last call (at most ``limit`` steps); returns how many
         steps are summarised. A file whose summarised part changed (another run at the same path) starts over."""
         n = n_steps(tr)
@@ -255,7 +261,7 @@ class StepSummary:
         return {"lo": self.lo, "hi": self.hi, "sum": self.sum, "cnt": self.cnt, "flags": self.flags, "key": key}
 
     @classmethod
-    def from_arrays(cls, arrays: dict, tr) -> StepSummary | None:
+    def from_arrays(cls, arrays: dict, tr: Trace) -> StepSummary | None:
         """A summary read back from disk, when it still describes the start of ``tr`` (else None)."""
         k = len(COLUMNS)
         try:
@@ -275,7 +281,7 @@ class StepSummary:
         sm.lo, sm.hi, sm.sum, sm.cnt, sm.flags, sm.key = lo, hi, tot, cnt, flags, last
         return sm
 
-    def view(self, tr, a: int, b: int, n: int, max_points: int) -> StepSeries:
+    def view(self, tr: Trace, a: int, b: int, n: int, max_points: int) -> StepSeries:
         """[a, b] in at most ``max_points // 2`` groups of whole buckets; steps past the summary read exactly."""
         done = self.n_buckets * BUCKET
         i0, i1 = a // BUCKET, min(b, done - 1) // BUCKET
@@ -329,7 +335,7 @@ def _merge(iv: list) -> list:
     return out
 
 
-def _last_key(tr, step: int) -> tuple | None:
+def _last_key(tr: Trace, step: int) -> tuple | None:
     rows = sql(tr, "SELECT step, time, loss_scale FROM steps WHERE step = ?", (step,))
     return tuple(rows[0]) if rows else None
 
@@ -345,7 +351,7 @@ def intervals(x: np.ndarray, flag: np.ndarray, ends: np.ndarray | None = None) -
     return [(int(x[i]), int(ends[j])) for i, j in zip(starts, stops)]
 
 
-def smooth(y: np.ndarray, weight: float, width=None) -> np.ndarray:
+def smooth(y: np.ndarray, weight: float, width: Any = None) -> np.ndarray:
     """TensorBoard's smoothing: an exponential moving average, debiased at the start, NaN points skipped.
 
     ``weight`` is per step; a point that stands for ``width`` steps (a bucket) weighs ``weight ** width``.
@@ -365,13 +371,15 @@ def smooth(y: np.ndarray, weight: float, width=None) -> np.ndarray:
     return out
 
 
-def metric_names(tr) -> list[str]:
+def metric_names(tr: Trace) -> list[str]:
     """Names of the scalars the run logged (log_metric), most frequent first."""
     rows = sql(tr, "SELECT name, count(*) FROM metrics GROUP BY name ORDER BY count(*) DESC, name")
     return [str(r[0]) for r in rows if isinstance(r[0], str)]
 
 
-def metric(tr, name: str, x0=None, x1=None, max_points: int = MAX_POINTS) -> tuple[np.ndarray, np.ndarray]:
+def metric(
+    tr: Trace, name: str, x0: Any = None, x1: Any = None, max_points: int = MAX_POINTS
+) -> tuple[np.ndarray, np.ndarray]:
     """(steps, values) of one logged metric in [x0, x1], thinned to ``max_points`` with each bucket's extremes."""
     n = n_steps(tr)
     a, b = clip_range(max(n, 1), x0, x1) if (x0 is not None or x1 is not None) else (0, 2**62)
@@ -387,7 +395,7 @@ def metric(tr, name: str, x0=None, x1=None, max_points: int = MAX_POINTS) -> tup
     return downsample(x, y, max_points)
 
 
-def downsample(x, y, max_points: int = MAX_POINTS):
+def downsample(x: Any, y: Any, max_points: int = MAX_POINTS) -> Any:
     """At most ``max_points`` points of (x, y): the min and the max of each bucket, in x order (NaN gaps kept)."""
     x, y = np.asarray(x), np.asarray(y, dtype=float)
     n = len(y)

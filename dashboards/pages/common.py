@@ -5,11 +5,19 @@ from __future__ import annotations
 
 import math
 import re
+from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import parse_qs, urlencode
 
 from dash import dcc, html
 
 from .. import diagnosis, evidence, figures, ids
+
+if TYPE_CHECKING:
+    import dash
+
+    from ampdoctor.rules.result import Diagnosis
+
+    from ..app import Context
 
 SEVERITY_COLORS = {"critical": "#d62728", "warning": "#ff7f0e", "info": "#1f77b4"}
 GRAPH_CONFIG = figures.GRAPH_CONFIG
@@ -27,20 +35,20 @@ def parse_all(search: str | None, key: str) -> list[str]:
     return parse_qs((search or "").lstrip("?")).get(key, [])
 
 
-def href(path: str, run: str | None, params=(), **kw) -> str:
+def href(path: str, run: str | None, params: Any = (), **kw: Any) -> str:
     """``path?run=...&...``: ``params`` as (key, value) pairs (keys may repeat), then ``kw``; None values left out."""
     pairs = ([("run", run)] if run else []) + list(params) + list(kw.items())
     pairs = [(k, v) for k, v in pairs if v is not None and v != ""]
     return path + ("?" + urlencode(pairs) if pairs else "")
 
 
-def run_of(ctx, search: str | None) -> str | None:
+def run_of(ctx: Context, search: str | None) -> str | None:
     """The run key a request is about (the URL's, else the first run); None when it names no served trace."""
     run = parse_search(search).get("run") or ctx.default_key()
     return run if ctx.resolve(run) is not None else None
 
 
-def number(v, default=None):
+def number(v: Any, default: Any = None) -> Any:
     """A URL parameter as a finite float, else ``default``."""
     try:
         f = float(v)
@@ -70,12 +78,12 @@ def zoom_store(page: str, query: dict) -> dcc.Store:
     return dcc.Store(id=ids.ZOOMS[page], data={"x0": r[0], "x1": r[1]} if r else None)
 
 
-def zoom_pairs(zoom) -> list:
+def zoom_pairs(zoom: Any) -> list:
     r = zoom_range(zoom)
     return [("x0", r[0]), ("x1", r[1])] if r else []
 
 
-def link_zoom(app, page: str, reset_id: str | None = None) -> None:
+def link_zoom(app: dash.Dash, page: str, reset_id: str | None = None) -> None:
     """Zooming any step chart of ``page`` zooms them all (a double click resets): a clientside callback
     (assets/ampdoctor.js) writes the page's zoom store, which the page's figure callbacks take as input."""
     from dash import ClientsideFunction, Input, Output, State
@@ -92,7 +100,7 @@ def link_zoom(app, page: str, reset_id: str | None = None) -> None:
     )
 
 
-def write_state(app, inputs: list, pairs_fn, keep=("hl", "sel")) -> None:
+def write_state(app: dash.Dash, inputs: list, pairs_fn: Callable, keep: tuple = ("hl", "sel")) -> None:
     """Keep the address bar in step with a view: ``pairs_fn(run, *values)`` -> the view's URL parameters; the
     ``keep`` parameters of the link that opened the view (a finding's steps and layers) stay."""
     from dash import Output, State
@@ -103,7 +111,7 @@ def write_state(app, inputs: list, pairs_fn, keep=("hl", "sel")) -> None:
         State(ids.URL, "search"),
         prevent_initial_call=True,
     )
-    def _state(*args):
+    def _state(*args: Any) -> Any:
         *values, search = args
         run = parse_search(search).get("run")
         q = parse_qs((search or "").lstrip("?"))
@@ -111,7 +119,7 @@ def write_state(app, inputs: list, pairs_fn, keep=("hl", "sel")) -> None:
         return state_search(run, list(pairs_fn(run, *values)) + kept)
 
 
-def zoom_range(zoom) -> tuple[int, int] | None:
+def zoom_range(zoom: Any) -> tuple[int, int] | None:
     if not isinstance(zoom, dict):
         return None
     a, b = number(zoom.get("x0")), number(zoom.get("x1"))
@@ -120,19 +128,19 @@ def zoom_range(zoom) -> tuple[int, int] | None:
     return (math.floor(min(a, b)), math.ceil(max(a, b)))
 
 
-def state_search(run: str | None, pairs) -> str:
+def state_search(run: str | None, pairs: Any) -> str:
     """The address bar's query for a view: the run, then the view's settings in a fixed order."""
     return "?" + urlencode([("run", run)] + [(k, v) for k, v in pairs if v is not None and v != ""]) if run else ""
 
 
-def uirevision(run, *parts) -> str:
+def uirevision(run: Any, *parts: Any) -> str:
     """One value per view: while it stays the same, the browser keeps the user's zoom and legend toggles on
     every figure the server sends again (live updates)."""
     return "|".join(str(p) for p in (run, *parts))
 
 
 # -- pieces of a page ------------------------------------------------------------------------------------------
-def graph(id_: str, **kw) -> html.Div:
+def graph(id_: str, **kw: Any) -> html.Div:
     """A chart with a "CSV" button that downloads what it shows (in the browser, from the figure's data)."""
     return html.Div(
         [
@@ -145,7 +153,9 @@ def graph(id_: str, **kw) -> html.Div:
     )
 
 
-def table(rows: list[dict], id_=None, bad_col: str | None = "verdict", highlight=(), key_col: str | None = None):
+def table(
+    rows: list[dict], id_: Any = None, bad_col: str | None = "verdict", highlight: Any = (), key_col: str | None = None
+) -> Any:
     """A data table with a "CSV" button; rows whose ``key_col`` is in ``highlight`` are outlined."""
     if not rows:
         return html.P("nothing recorded", id=id_) if id_ else html.P("nothing recorded")
@@ -181,7 +191,7 @@ def prose(text: str) -> list:
     return paras
 
 
-def status_line(ctx, run: str):
+def status_line(ctx: Context, run: str) -> Any:
     """What runs in the background for this run, in words and seconds; the last error when it failed."""
     parts = []
     st = ctx.diagnosis_state(run)
@@ -197,18 +207,18 @@ def status_line(ctx, run: str):
     return parts or None
 
 
-def _resolve(ctx, run: str, link: evidence.Link) -> str:
+def _resolve(ctx: Context, run: str, link: evidence.Link) -> str:
     """The run key a link opens: the finding's own run, or the trace of the rank it names."""
     if link.rank is None:
         return run
     return ctx.peers(run).get(link.rank, run)
 
 
-def link_href(ctx, run: str, link: evidence.Link) -> str:
+def link_href(ctx: Context, run: str, link: evidence.Link) -> str:
     return href(link.page, _resolve(ctx, run, link), link.query())
 
 
-def finding_card(d, run: str, ctx, layer_links: bool = True):
+def finding_card(d: Diagnosis, run: str, ctx: Context, layer_links: bool = True) -> Any:
     """A finding: severity, rule, title, summary, its layers and steps as links to the views that show them, the
     evidence rows (labelled), the views that prove it, and the fix (code copyable)."""
     sev = str(getattr(d, "severity", "info"))
@@ -291,7 +301,7 @@ def pager(id_: str, page: int = 1) -> dcc.Dropdown:
     )
 
 
-def pager_options(page, total: int, per: int) -> tuple[list, int, str]:
+def pager_options(page: Any, total: int, per: int) -> tuple[list, int, str]:
     """(options, the page shown, "51-100 of 1,000"): nothing is cut without saying so."""
     pages = max(1, -(-total // per))
     page = min(max(1, int(number(page, 1))), pages)

@@ -4,23 +4,29 @@ per-layer statistic differences of this run and a reference (or another run)."""
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, Any
 
 from dash import Input, Output, State, dcc, html
 
 from .. import catalog, data, figures, ids, matrix
 from .common import graph, link_zoom, run_of, uirevision, write_state, zoom_pairs, zoom_range, zoom_store
 
+if TYPE_CHECKING:
+    import dash
+
+    from ..app import Context
+
 PAGE = "/compare"
 
 
-def _choices(ctx, run):
+def _choices(ctx: Context, run: Any) -> list:
     opts = [{"label": catalog.run_label(r), "value": k} for k, r in ctx.runs().items() if k != run]
     if ctx.reference_path and run != "reference":
         opts.insert(0, {"label": "reference: " + os.path.basename(ctx.reference_path), "value": "reference"})
     return opts
 
 
-def layout(ctx, run: str, query: dict):
+def layout(ctx: Context, run: str, query: dict) -> Any:
     opts = _choices(ctx, run)
     if not opts:
         return html.Div(
@@ -69,7 +75,7 @@ def layout(ctx, run: str, query: dict):
     )
 
 
-def update(ctx, other, stat, version, search, zoom=None):
+def update(ctx: Context, other: Any, stat: Any, version: Any, search: str | None, zoom: Any = None) -> Any:
     """The callback's work, as a plain function (the tests call it on every kind of trace)."""
     run = run_of(ctx, search)
     a, b = (ctx.trace(run) if run else None), ctx.trace(other)
@@ -85,7 +91,7 @@ def update(ctx, other, stat, version, search, zoom=None):
     )
 
 
-def register(app, ctx) -> None:
+def register(app: dash.Dash, ctx: Context) -> None:
     @app.callback(
         Output(ids.COMPARE_LOSS, "figure"),
         Output(ids.COMPARE_LAYERS, "figure"),
@@ -95,7 +101,7 @@ def register(app, ctx) -> None:
         State(ids.URL, "search"),
         Input(ids.ZOOMS[PAGE], "data"),
     )
-    def _update(other, stat, version, search, zoom):
+    def _update(other: Any, stat: Any, version: Any, search: str | None, zoom: Any) -> Any:
         return update(ctx, other, stat, version, search, zoom)
 
     link_zoom(app, PAGE)

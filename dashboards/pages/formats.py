@@ -4,17 +4,24 @@ Both are read in the background on a long run; the page says so meanwhile."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from dash import Input, Output, State, dcc, html
 
 from .. import data, figures, ids
 from .common import graph, pager, pager_options, parse_all, run_of, table, write_state
 from .layers import matches
 
+if TYPE_CHECKING:
+    import dash
+
+    from ..app import Context
+
 PAGE = "/formats"
 PER_PAGE = 100
 
 
-def layout(ctx, run: str, query: dict):
+def layout(ctx: Context, run: str, query: dict) -> Any:
     by = query.get("fmt") if query.get("fmt") in data.FORMAT_NAMES else data.default_format(ctx.trace(run))
     return html.Div(
         [
@@ -72,7 +79,7 @@ def layout(ctx, run: str, query: dict):
     )
 
 
-def update(ctx, by, q, page, version, search):
+def update(ctx: Context, by: Any, q: Any, page: Any, version: Any, search: str | None) -> Any:
     """(verdict, probe figure, shares figure, table, pager options): the callback's work (the tests call it)."""
     run = run_of(ctx, search)
     tr = ctx.trace(run) if run else None
@@ -124,7 +131,7 @@ def update(ctx, by, q, page, version, search):
     return verdict, probe_fig, fig, listing, options
 
 
-def register(app, ctx) -> None:
+def register(app: dash.Dash, ctx: Context) -> None:
     @app.callback(
         Output(ids.FORMATS_VERDICT, "children"),
         Output(ids.FORMATS_PROBE, "figure"),
@@ -137,7 +144,7 @@ def register(app, ctx) -> None:
         Input(ids.VERSION, "data"),
         State(ids.URL, "search"),
     )
-    def _update(*args):
+    def _update(*args: Any) -> Any:
         return update(ctx, *args)
 
     write_state(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
 from dash import Input, Output, State, dcc, html
@@ -28,10 +29,15 @@ from .common import (
     zoom_store,
 )
 
+if TYPE_CHECKING:
+    import dash
+
+    from ..app import Context
+
 PAGE = "/layer"
 
 
-def _site(ctx, run, search):
+def _site(ctx: Context, run: Any, search: str | None) -> Any:
     """(trace, site info) for the URL's site (an id, or a path and kind), or (trace, None)."""
     tr = ctx.trace(run) if run else None
     q = parse_search(search)
@@ -46,7 +52,7 @@ def _site(ctx, run, search):
     return tr, None
 
 
-def layout(ctx, run: str, query: dict):
+def layout(ctx: Context, run: str, query: dict) -> Any:
     stat = query.get("stat") if query.get("stat") in matrix.STATS else "absmax_log2"
     return html.Div(
         [
@@ -78,7 +84,7 @@ def layout(ctx, run: str, query: dict):
     )
 
 
-def update(ctx, version, search, stat="absmax_log2", zoom=None):
+def update(ctx: Context, version: Any, search: str | None, stat: Any = "absmax_log2", zoom: Any = None) -> Any:
     """(title, histogram, series, findings): the callback's work, as a plain function (the tests call it)."""
     run = run_of(ctx, search)
     tr, site = _site(ctx, run, search)
@@ -162,7 +168,7 @@ def update(ctx, version, search, stat="absmax_log2", zoom=None):
     return title, hist, fig, cards
 
 
-def register(app, ctx) -> None:
+def register(app: dash.Dash, ctx: Context) -> None:
     @app.callback(
         Output(ids.LAYER_TITLE, "children"),
         Output(ids.LAYER_HIST, "figure"),
@@ -173,7 +179,7 @@ def register(app, ctx) -> None:
         Input(ids.ZOOMS[PAGE], "data"),
         State(ids.URL, "search"),
     )
-    def _update(version, stat, zoom, search):
+    def _update(version: Any, stat: Any, zoom: Any, search: str | None) -> Any:
         return update(ctx, version, search, stat, zoom)
 
     link_zoom(app, PAGE, ids.RESET_ZOOM + "-layer")
@@ -185,7 +191,7 @@ def register(app, ctx) -> None:
         State(ids.URL, "search"),
         prevent_initial_call=True,
     )
-    def _state(stat, zoom, search):
+    def _state(stat: Any, zoom: Any, search: str | None) -> Any:
         q = parse_qs((search or "").lstrip("?"))
         run = (q.get("run") or [None])[0]
         keep = [(k, q[k][0]) for k in ("site", "path", "kind") if k in q]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import html as html_lib
 import re
+from typing import TYPE_CHECKING, Any
 
 import dash
 import numpy as np
@@ -28,17 +29,22 @@ from .common import (
     zoom_store,
 )
 
+if TYPE_CHECKING:
+    from ampdoctor.trace import Trace
+
+    from ..app import Context
+
 PAGE = "/layers"
 PER_PAGE = 50
 SCALES = {"linear": "linear", "log": "log", "clip": "linear, outliers clipped"}
 
 
-def kinds_of(tr) -> list[str]:
+def kinds_of(tr: Trace) -> list[str]:
     have = set(tr.sites()["kind"])
     return [k for k in matrix.KINDS if k in have] or ["act"]
 
 
-def layout(ctx, run: str, query: dict):
+def layout(ctx: Context, run: str, query: dict) -> Any:
     tr = ctx.trace(run)
     st = ctx.diagnosis_state(run)
     d_kind, d_stat = data.default_view(tr, st.value if st is not None and st.value else None)
@@ -140,7 +146,7 @@ def layout(ctx, run: str, query: dict):
     )
 
 
-def _control(label, component, wide=False):
+def _control(label: Any, component: Any, wide: bool = False) -> Any:
     return html.Div([html.Label(label), component], className="control wide" if wide else "control")
 
 
@@ -160,7 +166,7 @@ def matches(labels: list[str], q: str) -> np.ndarray:
     return np.array([q in p.lower() for p in labels], bool)
 
 
-def selected(label: str, sel, params: bool = False) -> bool:
+def selected(label: str, sel: Any, params: bool = False) -> bool:
     """Is a row one of the layers a link outlines: the layer itself, or (rows of parameters) a parameter of that
     module."""
     return label in sel or (params and any(label.rpartition(".")[0] == p for p in sel))
@@ -204,7 +210,7 @@ def grouped(m: matrix.LayerMatrix, depth: int) -> matrix.LayerMatrix:
     return g
 
 
-def get_matrix(ctx, run: str, kind: str, stat: str, r) -> tuple[matrix.LayerMatrix, object]:
+def get_matrix(ctx: Context, run: str, kind: str, stat: str, r: Any) -> tuple[matrix.LayerMatrix, object]:
     """The matrix of a range: read now when it is small, else a preview now and the whole in the background."""
     tr = ctx.trace(run)
     x0, x1 = r or (None, None)
@@ -219,7 +225,20 @@ def get_matrix(ctx, run: str, kind: str, stat: str, r) -> tuple[matrix.LayerMatr
     return prev, state
 
 
-def update(ctx, kind, stat, sort, q, group, scale, only, page, version, zoom, search):
+def update(
+    ctx: Context,
+    kind: Any,
+    stat: Any,
+    sort: Any,
+    q: Any,
+    group: Any,
+    scale: Any,
+    only: Any,
+    page: Any,
+    version: Any,
+    zoom: Any,
+    search: str | None,
+) -> Any:
     """(heat map, list, count, pager options, page): the callback's work, as a plain function (tests call it)."""
     run = run_of(ctx, search)
     tr = ctx.trace(run) if run else None
@@ -291,7 +310,7 @@ def update(ctx, kind, stat, sort, q, group, scale, only, page, version, zoom, se
     return fig, listing, count, options, page
 
 
-def open_clicked(ctx, click, kind, stat, search):
+def open_clicked(ctx: Context, click: Any, kind: Any, stat: Any, search: str | None) -> Any:
     """(pathname, search) of the row a heat map click names (its label, as figures.text shows it): a layer opens
     its detail, a group narrows the list to it."""
     run = run_of(ctx, search)
@@ -308,7 +327,7 @@ def open_clicked(ctx, click, kind, stat, search):
     return "/layer", href("", run, [("site", site), ("stat", stat)])
 
 
-def register(app, ctx) -> None:
+def register(app: dash.Dash, ctx: Context) -> None:
     inputs = [
         Input(ids.LAYERS_KIND, "value"),
         Input(ids.LAYERS_STAT, "value"),
@@ -330,7 +349,7 @@ def register(app, ctx) -> None:
         Input(ids.ZOOMS[PAGE], "data"),
         State(ids.URL, "search"),
     )
-    def _update(*args):
+    def _update(*args: Any) -> Any:
         return update(ctx, *args)[:4]
 
     @app.callback(
@@ -343,7 +362,7 @@ def register(app, ctx) -> None:
         Input(ids.LAYERS_SORT, "value"),
         prevent_initial_call=True,
     )
-    def _first_page(*_):  # another selection starts at its first page
+    def _first_page(*_: Any) -> Any:  # another selection starts at its first page
         return 1
 
     @app.callback(
@@ -355,12 +374,14 @@ def register(app, ctx) -> None:
         State(ids.URL, "search"),
         prevent_initial_call=True,
     )
-    def _click(click, kind, stat, search):
+    def _click(click: Any, kind: Any, stat: Any, search: str | None) -> Any:
         return open_clicked(ctx, click, kind, stat, search)
 
     link_zoom(app, PAGE)
 
-    def pairs(run, kind, stat, sort, q, group, scale, only, page, zoom):
+    def pairs(
+        run: Any, kind: Any, stat: Any, sort: Any, q: Any, group: Any, scale: Any, only: Any, page: Any, zoom: Any
+    ) -> Any:
         out = [("kind", kind), ("stat", stat)]
         out += [("sort", sort)] if sort != "worst" else []
         out += [("q", q)] if q else []

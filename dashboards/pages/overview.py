@@ -4,6 +4,8 @@ the zoom stays."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from dash import Input, Output, State, dcc, html
 
 from .. import catalog, data, figures, ids, series
@@ -23,11 +25,16 @@ from .common import (
     zoom_store,
 )
 
+if TYPE_CHECKING:
+    import dash
+
+    from ..app import Context
+
 PAGE = "/"
 SMOOTHING = 0.6  # TensorBoard's default
 
 
-def layout(ctx, run: str, query: dict):
+def layout(ctx: Context, run: str, query: dict) -> Any:
     others = _ranks(ctx, run)
     tr = ctx.trace(run)
     metrics = ctx.cached(run, "metric-names", series.metric_names) if tr is not None else []
@@ -102,16 +109,16 @@ def layout(ctx, run: str, query: dict):
     )
 
 
-def _ranks(ctx, run: str) -> list:
+def _ranks(ctx: Context, run: str) -> list:
     me = ctx.resolve(run)
     return [r for r in ctx.runs().values() if me and me.rank is not None and r.group == me.group and r.key != run]
 
 
-def summary_table(rows):
+def summary_table(rows: Any) -> Any:
     return html.Table([html.Tr([html.Th(k), html.Td(v)]) for k, v in rows], id="summary-table", className="summary")
 
 
-def update(ctx, version, search):
+def update(ctx: Context, version: Any, search: str | None) -> Any:
     """Step count, run summary and the findings (the callback's work, as a plain function for the tests)."""
     run = run_of(ctx, search)
     tr = ctx.trace(run)
@@ -141,7 +148,7 @@ def update(ctx, version, search):
     )
 
 
-def charts(ctx, version, zoom, smoothing, log_y, metric, search):
+def charts(ctx: Context, version: Any, zoom: Any, smoothing: Any, log_y: Any, metric: Any, search: str | None) -> Any:
     """The step charts for the zoomed range (the callback's work, as a plain function for the tests)."""
     run = run_of(ctx, search)
     tr = ctx.trace(run)
@@ -167,7 +174,7 @@ def charts(ctx, version, zoom, smoothing, log_y, metric, search):
     return tuple(out)
 
 
-def register(app, ctx) -> None:
+def register(app: dash.Dash, ctx: Context) -> None:
     @app.callback(
         Output(ids.STEP_COUNT, "children"),
         Output(ids.SUMMARY, "children"),
@@ -175,7 +182,7 @@ def register(app, ctx) -> None:
         Input(ids.VERSION, "data"),
         State(ids.URL, "search"),
     )
-    def _update(*args):
+    def _update(*args: Any) -> Any:
         return update(ctx, *args)
 
     @app.callback(
@@ -191,12 +198,12 @@ def register(app, ctx) -> None:
         Input(ids.METRIC_PICK, "value"),
         State(ids.URL, "search"),
     )
-    def _charts(*args):
+    def _charts(*args: Any) -> Any:
         return charts(ctx, *args)
 
     link_zoom(app, PAGE, ids.RESET_ZOOM)
 
-    def pairs(run, zoom, smoothing, log_y, metric):
+    def pairs(run: Any, zoom: Any, smoothing: Any, log_y: Any, metric: Any) -> Any:
         out = zoom_pairs(zoom)
         if smoothing is not None and abs(float(smoothing) - SMOOTHING) > 1e-9:
             out.append(("smooth", f"{float(smoothing):g}"))

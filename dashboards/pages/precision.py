@@ -5,6 +5,7 @@ Summary counts first, then the modules (search, the flagged ones only, a page at
 from __future__ import annotations
 
 from collections import Counter
+from typing import TYPE_CHECKING, Any
 
 from dash import Input, Output, State, dcc, html
 
@@ -14,11 +15,16 @@ from .. import data, ids
 from .common import pager, pager_options, parse_all, run_of, table, write_state
 from .layers import matches
 
+if TYPE_CHECKING:
+    import dash
+
+    from ..app import Context
+
 PAGE = "/precision"
 PER_PAGE = 50
 
 
-def layout(ctx, run: str, query: dict):
+def layout(ctx: Context, run: str, query: dict) -> Any:
     tr = ctx.trace(run)
     only = query.get("only") in ("1", "true", "flagged")
     return html.Div(
@@ -62,7 +68,7 @@ def layout(ctx, run: str, query: dict):
     )
 
 
-def update(ctx, q, only, page, version, search):
+def update(ctx: Context, q: Any, only: Any, page: Any, version: Any, search: str | None) -> Any:
     """(summary, table): the callback's work, as a plain function (the tests call it)."""
     run = run_of(ctx, search)
     tr = ctx.trace(run) if run else None
@@ -115,7 +121,7 @@ def update(ctx, q, only, page, version, search):
     )
 
 
-def register(app, ctx) -> None:
+def register(app: dash.Dash, ctx: Context) -> None:
     @app.callback(
         Output(ids.PRECISION_SUMMARY, "children"),
         Output(ids.PRECISION_TABLE + "-wrap", "children"),
@@ -126,7 +132,7 @@ def register(app, ctx) -> None:
         Input(ids.VERSION, "data"),
         State(ids.URL, "search"),
     )
-    def _update(*args):
+    def _update(*args: Any) -> Any:
         return update(ctx, *args)[:3]
 
     @app.callback(
@@ -135,7 +141,7 @@ def register(app, ctx) -> None:
         Input(ids.PRECISION_ONLY, "value"),
         prevent_initial_call=True,
     )
-    def _first_page(*_):
+    def _first_page(*_: Any) -> Any:
         return 1
 
     write_state(

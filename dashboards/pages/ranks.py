@@ -3,6 +3,8 @@ evidence (a rank whose loss scale parts ways, a straggler's step time or data wa
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from dash import Input, Output, State, dcc, html
 
 from .. import figures, ids, rank_views, series
@@ -20,6 +22,11 @@ from .common import (
     zoom_store,
 )
 
+if TYPE_CHECKING:
+    import dash
+
+    from ..app import Context
+
 PAGE = "/ranks"
 STATS = {
     "loss": ("Loss per rank", "loss", False),
@@ -30,7 +37,7 @@ STATS = {
 }
 
 
-def layout(ctx, run: str, query: dict):
+def layout(ctx: Context, run: str, query: dict) -> Any:
     stat = query.get("stat") if query.get("stat") in STATS else "loss"
     return html.Div(
         [
@@ -59,7 +66,7 @@ def layout(ctx, run: str, query: dict):
     )
 
 
-def update(ctx, stat, version, search, zoom=None):
+def update(ctx: Context, stat: Any, version: Any, search: str | None, zoom: Any = None) -> Any:
     """(figure, table): the callback's work, as a plain function (the tests call it)."""
     run = run_of(ctx, search)
     peers = ctx.peers(run) if run else {}
@@ -83,7 +90,7 @@ def update(ctx, stat, version, search, zoom=None):
     return fig, table(rank_views.rank_rows(traces), ids.RANKS_TABLE, bad_col=None)
 
 
-def register(app, ctx) -> None:
+def register(app: dash.Dash, ctx: Context) -> None:
     @app.callback(
         Output(ids.RANKS_GRAPH, "figure"),
         Output(ids.RANKS_TABLE + "-wrap", "children"),
@@ -92,7 +99,7 @@ def register(app, ctx) -> None:
         State(ids.URL, "search"),
         Input(ids.ZOOMS[PAGE], "data"),
     )
-    def _update(stat, version, search, zoom):
+    def _update(stat: Any, version: Any, search: str | None, zoom: Any) -> Any:
         return update(ctx, stat, version, search, zoom)
 
     link_zoom(app, PAGE)

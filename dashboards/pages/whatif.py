@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import math
 import re
+from typing import TYPE_CHECKING, Any
 
 import dash
 from dash import Input, Output, State, dcc, html
 
 from .. import data, evidence, figures, ids
 from .common import graph, link_href, link_zoom, run_of, uirevision, write_state, zoom_range, zoom_store
+
+if TYPE_CHECKING:
+    from ..app import Context
 
 PAGE = "/whatif"
 # (component id, label, replay argument, URL parameter, whether it doubles and halves)
@@ -27,7 +31,7 @@ _INPUTS = (
 FORWARD_RULES = ("forward-overflow", "divergence", "weights-nonfinite", "rank-nonfinite")
 
 
-def _shown(v) -> str:
+def _shown(v: Any) -> str:
     """A setting as its box shows it: whole numbers without a decimal point, others to 6 digits."""
     if v is None:
         return ""
@@ -35,7 +39,7 @@ def _shown(v) -> str:
     return f"{int(f)}" if f.is_integer() and abs(f) < 1e15 else f"{f:.6g}"
 
 
-def parse(v):
+def parse(v: Any) -> Any:
     """A box's text as a number: 65536, 6.5e4, 2^16 or 2**16; None for an empty box; the text itself when it is
     not a number (the page then says so)."""
     if v is None or (isinstance(v, str) and not v.strip()):
@@ -52,7 +56,7 @@ def parse(v):
         return text
 
 
-def layout(ctx, run: str, query: dict):
+def layout(ctx: Context, run: str, query: dict) -> Any:
     cfg = data.scaler_settings(ctx.trace(run))
     boxes = []
     for id_, label, key, param, steps in _INPUTS:
@@ -93,7 +97,7 @@ _VALID = {
 }
 
 
-def settings(init, interval, growth, backoff) -> tuple[dict, str | None]:
+def settings(init: Any, interval: Any, growth: Any, backoff: Any) -> tuple[dict, str | None]:
     """The boxes' values as replay arguments (None: the run's own), or an error message for the page."""
     given = {"init_scale": init, "growth_interval": interval, "growth_factor": growth, "backoff_factor": backoff}
     labels = {key: label for _, label, key, _, _ in _INPUTS}
@@ -110,7 +114,7 @@ def settings(init, interval, growth, backoff) -> tuple[dict, str | None]:
     return out, None
 
 
-def step(value, factor: float, whole: bool):
+def step(value: Any, factor: float, whole: bool) -> Any:
     """A box's value doubled or halved (a whole number stays whole and at least 1); unchanged when not a number."""
     v = parse(value)
     if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
@@ -121,7 +125,7 @@ def step(value, factor: float, whole: bool):
     return _shown(out)
 
 
-def forward_note(ctx, run: str, found: list):
+def forward_note(ctx: Context, run: str, found: list) -> Any:
     """The callout for a run whose NaN/Inf come from the forward pass: changing the scale cannot help."""
     causes = [d for d in found if d.rule in FORWARD_RULES]
     for d in found:
@@ -145,7 +149,7 @@ def forward_note(ctx, run: str, found: list):
     )
 
 
-def suggestions(ctx, run: str, found: list) -> list:
+def suggestions(ctx: Context, run: str, found: list) -> list:
     """One link per scaler setting a finding suggests: the page with those values filled in."""
     out = []
     for d in found:
@@ -160,7 +164,16 @@ def suggestions(ctx, run: str, found: list) -> list:
     return out
 
 
-def update(ctx, init, interval, growth, backoff, version, search, zoom=None):
+def update(
+    ctx: Context,
+    init: Any,
+    interval: Any,
+    growth: Any,
+    backoff: Any,
+    version: Any,
+    search: str | None,
+    zoom: Any = None,
+) -> Any:
     """(figure, summary, note, suggestions): the callback's work, as a plain function (the tests call it)."""
     run = run_of(ctx, search)
     tr = ctx.trace(run) if run else None
@@ -193,7 +206,7 @@ def update(ctx, init, interval, growth, backoff, version, search, zoom=None):
     return fig, text, note, sug
 
 
-def register(app, ctx) -> None:
+def register(app: dash.Dash, ctx: Context) -> None:
     @app.callback(
         Output(ids.WHATIF_GRAPH, "figure"),
         Output(ids.WHATIF_SUMMARY, "children"),
@@ -204,7 +217,9 @@ def register(app, ctx) -> None:
         State(ids.URL, "search"),
         Input(ids.ZOOMS[PAGE], "data"),
     )
-    def _update(init, interval, growth, backoff, version, search, zoom):
+    def _update(
+        init: Any, interval: Any, growth: Any, backoff: Any, version: Any, search: str | None, zoom: Any
+    ) -> Any:
         return update(ctx, init, interval, growth, backoff, version, search, zoom)
 
     for id_, _, key, _, steps in _INPUTS:
@@ -219,7 +234,7 @@ def register(app, ctx) -> None:
             State(id_, "value"),
             prevent_initial_call=True,
         )
-        def _step(_d, _h, value, _whole=whole, _id=id_):
+        def _step(_d: Any, _h: Any, value: Any, _whole: bool = whole, _id: str = id_) -> Any:
             up = dash.ctx.triggered_id == _id + "-double"
             return step(value, 2.0 if up else 0.5, _whole)
 
