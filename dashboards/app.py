@@ -22,9 +22,9 @@ from dash import Input, Output, State, dcc, html
 from dash.exceptions import DependencyException
 from flask import Response, request
 
-from ampdoctor.trace import TraceError, load
+from ampdoctor.trace import TraceError
 
-from . import cache, catalog, diagnosis, hosts, ids, jobs, ranks, series
+from . import cache, catalog, diagnosis, hosts, ids, jobs, ranks, series, server
 from .pages import compare, formats, layer, layers, overview, precision, whatif
 from .pages import ranks as ranks_page
 from .pages.common import href, parse_search, status_line
@@ -79,7 +79,8 @@ class Context:
         self.jobs = jobs.Jobs(workers=2)
         self.diagnose_in = diagnose_in  # "process" (default: the server stays responsive) or "thread"
         self._summaries: dict = {}  # path -> series.StepSummary
-        self._checked: dict = {}  # path -> (a Trace opened with the reader's checks, (device, inode) of its file)
+        self._topping_up: set = set()  # paths whose summary a request is updating now
+        self._checked: dict = {}  # path -> the Trace last opened with the reader's checks (reopened for each thread)
         self._opening: dict = {}  # path -> Lock held while the file is first opened
         self._diagnosed: dict = {}  # run key -> (version, time.monotonic() the version was asked for)
 
@@ -125,6 +126,9 @@ class Context:
             with self._lock:
                 idle = self._idle.get(run.path)
                 tr = idle.pop() if idle else None
+            if tr is not None and not server.renew(tr):  # server.py: replaced or changed, so opened and checked anew
+                tr.close()
+                tr = None
             if tr is None:
                 tr = self._open(run.path)
                 if tr is None:
@@ -132,31 +136,28 @@ class Context:
             held[run.path] = tr
         return tr
 
-    def _open(self, path: str) -> Any:
-        """A new Trace of ``path``: checked by the reader the first time this process opens the file, a plain new
-        connection afterwards while it is the same file (device and inode), or None when it cannot be read."""
-        try:
-            st = os.stat(path)
-        except OSError:
-            return None
-        ident = (st.st_dev, st.st_ino)
+    def _open(self, path: str) -> Trace | None:
+        """A new Trace of ``path`` (each statement bounded in time: server.py): checked by the reader the first time
+        this process opens the file, a plain new connection afterwards while server.renew holds (the same file and
+        schema; a file that changed is checked again at most every REVALIDATE_S), or None when it cannot be read."""
         with self._lock:
             opening = self._opening.setdefault(path, threading.Lock())
         with opening:  # the first visit's callbacks arrive together: one of them checks the file, the rest reuse it
             with self._lock:
                 known = self._checked.get(path)
-            if known is not None and known[1] == ident:
-                try:
-                    return series.reopen(known[0])
-                except TraceError:
-                    return None
             try:
-                tr = load(path)
+                tr = server.reopen(known) if known is not None else None
+                if tr is not None:
+                    return tr
+                checked = server.open_trace(path)
+                tr = server.reopen(checked)  # the checked one stays a template, never used by two threads
             except TraceError:
                 return None
             with self._lock:
-                self._checked[path] = (tr, ident)
-            return tr
+                self._checked[path] = checked
+            if known is not None:
+                known.close()
+            return tr or checked
 
     def _held(self) -> dict:
         if not hasattr(self._local, "held"):
@@ -184,7 +185,8 @@ class Context:
         tr = self.trace(key)
         if tr is None:
             return None
-        k = (key, series.n_steps(tr), what)
+        # server.py: a file replaced by another is another trace
+        k = (key, server.generation(tr), series.n_steps(tr), what)
         with self._lock:
             if k in self._cache:
                 return self._cache[k]
@@ -232,13 +234,14 @@ class Context:
             return sm, None
         if behind <= SYNC_SUMMARY_STEPS:
             with self._lock:  # one thread tops it up; another request draws what is there
-                busy = getattr(sm, "_busy", False)
-                sm._busy = True
+                busy = run.path in self._topping_up
+                self._topping_up.add(run.path)
             if not busy:
                 try:
                     sm.update(tr)
                 finally:
-                    sm._busy = False
+                    with self._lock:
+                        self._topping_up.discard(run.path)
             return sm, None
 
         def build(t: Trace) -> Any:
@@ -510,6 +513,7 @@ def create_app(
         on_error=_failed,
     )
     app.ampdoctor = ctx
+    server.harden(app)  # server.py: request size limit, security headers
     app.layout = html.Div(
         [
             dcc.Location(id=ids.URL, refresh="callback-nav"),

@@ -18,7 +18,7 @@ from ampdoctor.lossscale import TORCH_DEFAULTS
 from ampdoctor.lossscale import replay as _replay
 from ampdoctor.precision_label import describe_precision
 from ampdoctor.rules.policy import NORM_TYPES, SOFTMAX_TYPES
-from ampdoctor.trace.observation import _LEVEL_NAMES
+from ampdoctor.trace.observation import LEVEL_NAMES
 from ampdoctor.trace.schema import ROOT
 
 from . import matrix
@@ -126,7 +126,7 @@ def _observation_line(tr: Trace, meta: dict) -> str:
         parts.append(f"mode {mode} ({cadence})")
     levels = sql(tr, "SELECT level, count(*) FROM steps WHERE level IS NOT NULL GROUP BY level ORDER BY level DESC")
     if levels:
-        parts.append(", ".join(f"{_LEVEL_NAMES.get(lv, lv)} {c:,}" for lv, c in levels))
+        parts.append(", ".join(f"{LEVEL_NAMES.get(lv, lv)} {c:,}" for lv, c in levels))
     have = {r[1] for r in sql(tr, "PRAGMA table_info(steps)")}
     if "reason" in have:
         why = sql(tr, "SELECT reason, count(*) FROM steps WHERE reason IS NOT NULL GROUP BY reason ORDER BY 2 DESC")

@@ -35,7 +35,7 @@ def run(spec: dict) -> dict:
             traces = {r: load(p) for r, p in peers.items()}
             if all(t.n_steps for t in traces.values()):
                 found += rank_findings(RankRun(spec.get("group") or "", traces, max(traces) + 1))
-        found = sorted(found, key=lambda d: diagnosis.SEVERITY_ORDER.get(d.severity, 3))
+        found = diagnosis.worst_first(found)
         return {"findings": [d.to_dict() for d in found], "error": None, "seconds": time.perf_counter() - t0}
     except MemoryError:
         return {

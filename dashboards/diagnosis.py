@@ -11,12 +11,9 @@ import numpy as np
 from ampdoctor.rules import diagnose as _diagnose
 from ampdoctor.rules import fix as F
 from ampdoctor.rules.result import Diagnosis
-from ampdoctor.severity import WORST_FIRST
 
 if TYPE_CHECKING:
     from ampdoctor.trace import Trace
-
-SEVERITY_ORDER = WORST_FIRST
 
 # evidence keys the rules write -> what a reader calls them (the rest: underscores to spaces, first letter up)
 LABELS = {
@@ -119,7 +116,17 @@ def findings(tr: Trace, reference: Trace | None = None) -> list:
     if tr.n_steps == 0:
         return []
     out = list(_diagnose(tr, reference=reference) if reference is not None else _diagnose(tr))
-    return sorted(out, key=lambda d: SEVERITY_ORDER.get(getattr(d, "severity", "info"), 3))
+    return worst_first(out)
+
+
+def worst_first(found: list) -> list:
+    """Findings in the rules package's one order (result.worst_first: severity, then the registry's order of the
+    rules, then the ranks): a rank's own findings and the rank rules' sort together as ``ampdoctor diagnose``
+    sorts them."""
+    from ampdoctor.rules.engine import resolve_rules
+    from ampdoctor.rules.result import worst_first as rules_worst_first
+
+    return rules_worst_first(found, {s.rule.id: i for i, s in enumerate(resolve_rules(None))})
 
 
 def from_dict(d: dict) -> Diagnosis:

@@ -32,26 +32,9 @@ _FINITE = "CASE WHEN typeof({c}) IN ('integer', 'real') AND abs({c}) <= 1.797693
 def sql(tr: Trace, query: str, args: Any = ()) -> list:
     """Rows of a query on a trace, its errors as one-line TraceErrors (as the reader's own queries)."""
     try:
-        return tr._conn.execute(query, args).fetchall()
+        return tr.connection.execute(query, args).fetchall()
     except sqlite3.DatabaseError as exc:
         raise TraceError(f"{tr.path}: corrupt or unreadable trace ({exc})") from None
-
-
-def reopen(tr: Trace) -> Any:
-    """Another read-only connection to the file ``tr`` has open, without the reader's checks again: they read every
-    table (seconds on a long run) and were done when ``tr`` was opened. The caller makes sure it is still the same
-    file (app.Context compares device and inode); the reader has no such call yet (trace/ is another branch's)."""
-    import copy
-
-    from ampdoctor.trace import files
-
-    clone = copy.copy(tr)
-    try:
-        clone._conn, _app_id, _version = files.connect(tr.path)
-    except (sqlite3.DatabaseError, OSError) as exc:
-        raise TraceError(f"{tr.path}: corrupt or unreadable trace ({exc})") from None
-    clone._snapshot_depth = 0
-    return clone
 
 
 def n_steps(tr: Trace) -> int:
