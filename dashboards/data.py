@@ -250,6 +250,24 @@ def precision_rows(tr: Trace, found: list | None) -> list[dict]:
                 "verdict": verdict([d for d in found or [] if "(loss)" in (d.evidence or {})]),
             }
         )
+    units = (cfg.get("fsdp") or {}).get("units") or {} if isinstance(cfg.get("fsdp"), dict) else {}
+    if isinstance(units, dict) and units:  # FSDP: each unit's MixedPrecisionPolicy as recorded
+        if ROOT_UNIT in units:
+            rows.insert(
+                0,
+                {
+                    "module": ROOT_UNIT,
+                    "type": "FSDP root unit",
+                    "allocation": "–",
+                    "forward": "–",
+                    "backward": "–",
+                    "parameters": "–",
+                    "verdict": verdict([d for d in found or [] if names(d, ROOT_UNIT)]),
+                },
+            )
+        for row in rows:
+            u = units.get(row["module"])
+            row["FSDP policy"] = _fsdp_policy(u) if isinstance(u, dict) else "–"
     params = cfg.get("param_dtypes", {}) or {}
     if params:
         rows.append(
@@ -264,6 +282,19 @@ def precision_rows(tr: Trace, found: list | None) -> list[dict]:
             }
         )
     return rows
+
+
+ROOT_UNIT = "(model)"  # the FSDP unit of the root module, as the trace's config names it
+
+
+def _fsdp_policy(u: dict) -> str:
+    """An FSDP unit's policy in a cell: "param float16 · reduce float16 (reduce_dtype unset) · 1,234 parameters"."""
+    out = [f"param {u.get('param_dtype') or 'float32'}", f"reduce {u.get('reduce') or u.get('reduce_dtype') or '?'}"]
+    if u.get("reduce") and not u.get("reduce_dtype"):
+        out[-1] += " (reduce_dtype unset)"
+    if isinstance(u.get("params"), int):
+        out.append(f"{u['params']:,} parameters")
+    return " · ".join(out)
 
 
 # -- what-if -----------------------------------------------------------------------------------------------------

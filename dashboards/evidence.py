@@ -11,6 +11,7 @@ statistic, ``path`` (+``kind``) a layer, ``sel`` the layers outlined (repeatable
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -72,7 +73,13 @@ LAYER_VIEWS = {
     "fp16-readiness": ("act", "absmax_log2"),
     "fp8-readiness": ("act", "absmax_log2"),
     "rank-nonfinite": ("act", "nonfinite"),
+    "outlier-batch": ("act", "absmax_log2"),
+    "loss-spike": ("grad_out", "absmax_log2"),
+    "healed": ("act", "nonfinite"),
+    "division-by-zero": ("act", "nonfinite"),
+    "loss-nonfinite": ("act", "absmax_log2"),
 }
+_KIND_SUFFIX = re.compile(r"^(.*) \((act|grad_out|param_grad|weight|update)\)$")  # "2.fc (grad_out)"
 
 
 def layer_link(d: Diagnosis, layer: str) -> Link:
@@ -80,8 +87,13 @@ def layer_link(d: Diagnosis, layer: str) -> Link:
     statistic the rule judged, zoomed to the finding's steps, on the rank the finding is about."""
     ev = getattr(d, "evidence", None) or {}
     kind, stat = LAYER_VIEWS.get(d.rule, ("act", "absmax_log2"))
+    named = _KIND_SUFFIX.match(layer)
+    if named:  # a layer named with its kind (loss-spike's jumped sites)
+        layer, kind = named.group(1), named.group(2)
     if d.rule == "forward-overflow":
         stat = _fmt_stat(ev.get("dtype"), over=True)
+    elif d.rule == "outlier-batch" and isinstance(ev.get("operation"), dict):
+        stat = "nonfinite"  # the batch made a NaN/Inf (the operation that did is in the evidence): the module's count
     elif d.rule == "loss-scale-collapse":
         grad = ((ev.get("origins") or {}).get("gradient") or {}) if isinstance(ev.get("origins"), dict) else {}
         if layer in grad:
@@ -269,6 +281,47 @@ def links(d: Diagnosis) -> list[Link]:
                 "Step time per rank" if what == "step_time" else "Data wait per rank", "/ranks", (("stat", what),), None
             )
         )
+    elif rule == "outlier-batch":
+        op = ev.get("operation") if isinstance(ev.get("operation"), dict) else {}
+        module = str(op.get("module") or (layers[0] if layers else ""))
+        if module:
+            out.append(layer_link(d, module))
+        out.append(Link("Loss and loss scale at the batch", "/", z, rank))
+    elif rule == "loss-spike":
+        out.append(Link("Loss around the spike (log scale)", "/", (*z, ("logy", 1)), rank))
+        if layers:
+            out.append(layer_link(d, layers[0]))
+    elif rule == "healed":
+        module = str(ev.get("module") or (layers[0] if layers else ""))
+        span_ = span(d)
+        if module and span_ is not None:  # from the steps whose replays confirmed the fix to the end of the run
+            first = min([span_[0], *(int(s) for s in ev.get("confirmed_on") or [])])
+            params = (("path", module), ("kind", "act"), ("stat", "nonfinite"), ("x0", max(0, first - 5)))
+            params += (("x1", span_[1] + 5), ("hl", f"{span_[0]}-{span_[1]}"))
+            label = f"{module}: NaN/Inf of its activations before and after it was kept in FP32"
+            out.append(Link(label, "/layer", params, rank, module))
+    elif rule == "division-by-zero":
+        module = str(ev.get("module") or (layers[0] if layers else ""))
+        if module:
+            out.append(layer_link(d, module))
+        if ev.get("input_module"):
+            out.append(
+                Link(
+                    f"{ev['input_module']}: zero share of its activations (the rows it hands over)",
+                    "/layer",
+                    (("path", ev["input_module"]), ("kind", "act"), ("stat", "zeros"), *z),
+                    rank,
+                    str(ev["input_module"]),
+                )
+            )
+    elif rule == "loss-nonfinite":
+        out.append(Link("Loss: the non-finite steps", "/", z, rank))
+        if layers:
+            out.append(layer_link(d, layers[0]))
+    elif rule == "clip-before-unscale":
+        out.append(Link("Gradient norm: the clipped norm follows 1/scale", "/", (*z, ("chart", "norm")), rank))
+    elif rule in ("fsdp-reduce-dtype", "fsdp-fp16-scaler"):
+        out.append(Link("Precision map: FSDP's policy per unit", "/precision", (*_sel(layers), ("only", 1)), rank))
     elif z:
         out.append(Link("Steps of the finding", "/", z, rank))
     return out
@@ -276,7 +329,7 @@ def links(d: Diagnosis) -> list[Link]:
 
 def culprit_links(d: Diagnosis) -> list[Link]:
     """One link per layer the finding names (the view of that layer its rule judged), in the finding's order."""
-    if d.rule in ("precision-policy",):
+    if d.rule in ("precision-policy", "fsdp-reduce-dtype", "fsdp-fp16-scaler"):
         return [Link(p, "/precision", (("sel", p), ("only", 1)), _rank(d), p) for p in d.layers]
     if d.rule in ("precision-loss", "fp8-readiness"):
         return [Link(p, "/formats", (("sel", p),), _rank(d), p) for p in d.layers]

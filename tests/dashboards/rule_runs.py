@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import os
+import subprocess
 import sys
 import time
 
@@ -14,6 +15,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "scenarios"))
 sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.join(HERE, "..", "reported"))
 
 import fault_runs as F  # noqa: E402
 import probe_models as P  # noqa: E402
@@ -163,6 +165,90 @@ def _val_reference(p):
     F.fit(v.model(), v.tabular(v.STEPS), v.STEPS, p, precision="fp32", lr=0.05, on_step=v.validate(None))
 
 
+def _outlier(p):
+    """tests/test_anomaly_rules.py's run: one batch 16x the usual peak overflows an exp in FP16."""
+    from anomaly_models import OUTLIER_STEP, classifier
+    from anomaly_models import train as train_anomaly
+
+    train_anomaly(classifier(), 50, outlier={OUTLIER_STEP: 16.0}, trace=p, live=False)
+
+
+def _spike(p):
+    """tests/test_anomaly_rules.py's run: a batch whose targets are 1000x off at step 43 (a finite loss spike)."""
+    import test_anomaly_rules
+
+    test_anomaly_rules._regression(p, 43)
+
+
+def _healed(p):
+    """tests/test_anomaly.py's run: an outlier every 7 steps, heal=True keeps the exp head in FP32."""
+    from anomaly_models import classifier
+    from anomaly_models import train as train_anomaly
+
+    train_anomaly(classifier(), 80, outlier={s: 28.0 for s in range(15, 80, 7)}, trace=p, heal=True, live=False)
+
+
+def _division(p):
+    """tests/reported/test_normalisation_eps.py: F.normalize's eps rounded to 0 in FP16, padding rows 0/0."""
+    import test_normalisation_eps as m
+    from script import Script, run
+
+    run(Script(m.SETUP), m.Encoder(m.L2Norm()), m.tokens(m.STEPS), m.STEPS, p, loss_fn=m.ce)
+
+
+def _loss_overflow(p):
+    """tests/reported/test_loss_overflow.py: a Dice loss summed in FP16 overflows from finite outputs."""
+    import models
+    import test_loss_overflow as m
+    from script import Script, run
+
+    run(Script(m.SETUP), models.PixelSegmenter(), models.masks(m.STEPS), m.STEPS, p, loss_fn=m.dice)
+
+
+def _clip(p):
+    """tests/reported/test_clip_before_unscale.py: clip_grad_norm_ on the scaled gradients (no unscale_)."""
+    import models
+    import test_clip_before_unscale as m
+    from script import run
+
+    loss = lambda o, y: torch.nn.functional.cross_entropy(o.float(), y)  # noqa: E731
+    run(m.script(10, m.BAD), models.mlp(), models.classes(m.STEPS), m.STEPS, p, loss_fn=loss)
+
+
+_BACKGROUND: dict = {}  # directory -> the torchrun process writing it
+
+
+def _launch_fsdp(out: str) -> subprocess.Popen:
+    """tests/distributed/fsdp_train.py under torchrun, 2 ranks (gloo): FSDP2 reducing in BF16 (phase bf16) and
+    computing in FP16 without a ShardedGradScaler (phase fp16); {phase}-{rank}.db in ``out``."""
+    os.makedirs(out, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    script = os.path.join(HERE, "..", "distributed", "fsdp_train.py")
+    args = ["--out", out, "--steps", "6", "--phases", "bf16", "fp16"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen([*cmd, script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def start_background(root: str) -> None:
+    """Start the slow runs (torchrun's) at once, so that they train while the other tests run."""
+    d = os.path.join(root, "fsdp")
+    if d not in _BACKGROUND and not os.path.exists(os.path.join(d, "fp16-1.db")):
+        _BACKGROUND[d] = _launch_fsdp(d)
+
+
+def _settle(directory: str) -> None:
+    proc = _BACKGROUND.pop(directory, None)
+    if proc is not None:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+
+
+def _fsdp(p):
+    d = os.path.dirname(p)
+    _BACKGROUND.setdefault(d, _launch_fsdp(d))
+    _settle(d)
+
+
 class Slow(torch.nn.Module):
     def forward(self, x):
         time.sleep(0.1)
@@ -230,6 +316,14 @@ RUNS = [
         ("val_fp32.db", lambda p: _val_reference(p)),
         ["val-oscillation"],
     ),
+    ("anomaly", "outlier.db", _outlier, None, ["outlier-batch"]),
+    ("anomaly", "spike.db", _spike, None, ["loss-spike"]),
+    ("anomaly", "healed.db", _healed, None, ["healed"]),
+    ("reported", "division.db", _division, None, ["division-by-zero"]),
+    ("reported", "dice.db", _loss_overflow, None, ["loss-nonfinite"]),
+    ("reported", "clipped.db", _clip, None, ["clip-before-unscale"]),
+    ("fsdp", "bf16-1.db", _fsdp, None, ["fsdp-reduce-dtype"]),
+    ("fsdp", "fp16-1.db", _fsdp, None, ["fsdp-fp16-scaler"]),
     (
         "ranks-nan",
         "r-1.db",
@@ -271,6 +365,7 @@ def build(root: str, only=None) -> dict:
             if not os.path.exists(ref_path):
                 ref[1](ref_path)
         path = os.path.join(d, name)
+        _settle(d)  # a run started in the background ends first
         if not os.path.exists(path):
             make(path)
         for rule in rules:

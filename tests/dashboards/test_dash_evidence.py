@@ -12,7 +12,7 @@ from urllib.parse import parse_qs, urlparse
 import numpy as np
 import pytest
 import rule_runs
-from ampdoctor.dashboards import ids
+from ampdoctor.dashboards import evidence, ids, matrix
 from ampdoctor.dashboards.app import create_app
 
 import ampdoctor
@@ -23,29 +23,42 @@ pytestmark = pytest.mark.browser
 
 @pytest.fixture(scope="session")
 def rule_sites(tmp_path_factory, browser):
-    """The runs (rule_runs.RUNS) served: one app for the runs without a reference, one per reference; every
-    diagnosis started at once, so that the tests find it done (or nearly)."""
+    """rule -> its run (rule_runs.RUNS) served, trained on first use (each test pays for its own run; torchrun's
+    FSDP runs start in the background once the first is served): one app for the runs without a reference, one per
+    reference; the diagnosis started as soon as the run is served."""
     root = str(tmp_path_factory.mktemp("rules"))
-    where = rule_runs.build(root)
     apps: dict = {}
-    out = {}
-    for rule, (directory, name, ref) in where.items():
+    out: dict = {}
+
+    def site(rule):
+        if rule in out:
+            return out[rule]
+        directory, name, ref = rule_runs.build(root, only=[rule])[rule]
         key = ref or root
         if key not in apps:
-            app = create_app(os.path.dirname(directory) if ref is None else directory, reference=ref)
+            app = create_app(root if ref is None else directory, reference=ref)
             apps[key] = (app, browser.serve(app))
         app, url = apps[key]
-        run = os.path.relpath(os.path.join(directory, name), app.ampdoctor.root).replace(os.sep, "/")
-        out[rule] = (url, run, app.ampdoctor, os.path.join(directory, name), ref)
-    for _, run, ctx, _, _ in out.values():
+        ctx = app.ampdoctor
+        run = os.path.relpath(os.path.join(directory, name), ctx.root).replace(os.sep, "/")
+        deadline = time.monotonic() + 10
+        while run not in ctx.runs() and time.monotonic() < deadline:  # the app rescans its root every second
+            time.sleep(0.1)
         ctx.diagnosis_state(run)  # starts it in the background
         ctx.release()
-    return out
+        out[rule] = (url, run, ctx, os.path.join(directory, name), ref)
+        if len(out) == 1:  # after the first test's own run (the first page load is the slowest): torchrun's
+            rule_runs.start_background(root)
+        return out[rule]
+
+    return site
 
 
 def _finding(rule, path, ref):
     """The finding as the rules make it (what the page must show evidence of)."""
-    if rule.startswith("rank-"):
+    if rule.startswith("fsdp-"):  # the run's ranks together, as the dashboard diagnoses a rank
+        found = ampdoctor.diagnose(path.rsplit("-", 1)[0] + "-*.db", reference=ref)
+    elif rule.startswith("rank-"):
         found = ampdoctor.diagnose(os.path.dirname(path), reference=ref)
     else:
         found = ampdoctor.diagnose(path, reference=ref)
@@ -251,6 +264,80 @@ def check_rank_straggler(b, d):
     assert max(med, key=med.get) == slow
 
 
+def _layer_series(b, d, module):
+    """The layer page of ``module``'s activations the finding's first link opened: (figure, x, y of its statistic)."""
+    link = evidence.links(d)[0]
+    stat = dict(link.params)["stat"]
+    fig = b.wait(lambda: b.figure(ids.LAYER_SERIES), what="layer series")
+    assert b.text("#layer-name") == f"{module} · activations"
+    x, y = _series(fig, matrix.STATS[stat].label)
+    return fig, x, y
+
+
+def check_outlier_batch(b, d):
+    step = d.steps[0]
+    fig, x, y = _layer_series(b, d, d.evidence["operation"]["module"])
+    assert "NaN/Inf" in fig["layout"]["title"]  # the operation made a NaN/Inf on that batch
+    at = y[list(x).index(step)]
+    assert at > 0 and at == np.nanmax(y)  # on that step, and on no other the chart shows more
+    assert _covers(_bands(fig, "NaN/Inf recorded"), [step])
+    assert _bands(fig, "finding") == [tuple(d.steps)]
+
+
+def check_loss_spike(b, d):
+    fig = _overview_finding(b, d, ids.LOSS_GRAPH)
+    assert fig["layout"]["yaxis"]["type"] == "log"
+    x, y = _series(fig, "loss")
+    step = d.steps[0]
+    assert y[list(x).index(step)] >= 10 * np.nanmedian(y[x < step])  # the spike, against the steps before it
+
+
+def check_healed(b, d):
+    fig, _, _ = _layer_series(b, d, d.evidence["module"])
+    bands = _bands(fig, "NaN/Inf recorded")
+    assert _covers(bands, d.evidence["confirmed_on"])  # the overflows whose replays confirmed the fix
+    assert all(last < d.evidence["from_step"] for _, last in bands)  # none once it was kept in FP32
+
+
+def check_division_by_zero(b, d):
+    first = d.evidence["first_step"]
+    fig, x, y = _layer_series(b, d, d.evidence["module"])
+    assert "NaN/Inf" in fig["layout"]["title"] and y[list(x).index(first)] > 0
+    assert _covers(_bands(fig, "NaN/Inf recorded"), [first])
+
+
+def check_loss_nonfinite(b, d):
+    fig = _overview_finding(b, d, ids.LOSS_GRAPH)
+    assert _covers(_bands(fig, "non-finite steps"), d.evidence["loss_value_steps"])
+
+
+def check_clip_before_unscale(b, d):
+    fig = b.wait(lambda: b.figure(ids.NORM_GRAPH), what="gradient norm chart")
+    _, y = _series(fig, "gradient norm")
+    assert np.nanmedian(y) == pytest.approx(d.evidence["applied_norm_median"], rel=1e-3)  # max_norm / scale
+    assert _bands(fig, "finding") == [tuple(d.steps)]
+
+
+def _fsdp_units(b, d, rule):
+    rows = b.wait(lambda: _table(b, ids.PRECISION_TABLE), what="precision table")
+    shown = {r["module"]: r for r in rows}
+    for unit in d.layers:
+        assert rule in shown[unit]["verdict"] and shown[unit]["_highlight"]
+    return shown
+
+
+def check_fsdp_reduce_dtype(b, d):
+    shown = _fsdp_units(b, d, "fsdp-reduce-dtype")
+    for unit, u in d.evidence["units"].items():
+        assert f"reduce {u['reduce']}" in shown[unit]["FSDP policy"]
+
+
+def check_fsdp_fp16_scaler(b, d):
+    shown = _fsdp_units(b, d, "fsdp-fp16-scaler")
+    for unit in d.evidence["units"]:
+        assert "param float16" in shown[unit]["FSDP policy"]
+
+
 CHECKS = {
     name[len("check_") :].replace("_", "-"): fn for name, fn in dict(globals()).items() if name.startswith("check_")
 }
@@ -262,7 +349,7 @@ def test_every_rule_has_a_check():
 
 @pytest.mark.parametrize("rule", list(RULES))
 def test_a_findings_evidence_link_opens_the_view_that_proves_it(rule, rule_sites, browser):
-    url, run, _, path, ref = rule_sites[rule]
+    url, run, _, path, ref = rule_sites(rule)
     d = _finding(rule, path, ref)
     browser.open(f"{url}/?run={run}")
     # the card's first evidence link, clicked as a user does (a dcc.Link: no page reload)

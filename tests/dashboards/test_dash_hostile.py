@@ -16,13 +16,16 @@ def test_hostile_names_are_text_in_the_browser_and_bad_input_is_a_message(browse
     port, fetched = tracker
     base = browser.serve(create_app(str(path.parent), poll_ms=1000))
 
-    # the forward-overflow finding names the layer in its recommendation: as text, no image fetched
+    # the forward-overflow finding names the layer in its title, summary and fix: as text, no image fetched
     browser.open(f"{base}/?run=hostile.db")
-    browser.wait(lambda: "in FP32 inside autocast" in browser.text(".finding"), timeout=60, what="the finding")
-    time.sleep(0.5)
+    shown = f"![t](http://localhost:{port}/md)<a href='http://localhost:{port}/a'>a</a><b>B</b>"
+    card = browser.wait(
+        lambda: next((c.text for c in browser.css(".finding") if "Forward overflow in" in c.text), None),
+        timeout=60,
+        what="the forward-overflow finding",
+    )
+    assert f"Forward overflow in {shown}" in card and f"Keeping {shown} in FP32 was tried" in card
     assert fetched == []
-    card = browser.text(".finding")
-    assert f"Run ![t](http://localhost:{port}/md)<a href='http://localhost:{port}/a'>a</a><b>B</b>" in card
     assert browser.css(f"#{ids.PAGE} img") == [] and browser.css(".finding a[href^=http]") == []
 
     # the heat map's row labels: the name as written, not a link, not bold
