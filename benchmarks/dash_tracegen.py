@@ -157,7 +157,7 @@ def generate(path: str, n_steps: int, n_sites: int, seed: int = 0) -> str:
             if lv >= schema.LEVEL_FULL:
                 e = base + rng.normal(0, 0.3, n_sites)
                 am = 2.0**e
-                under = np.clip((-14 - (e - 12)) / 12, 0, 1) * 4096
+                under = np.round(np.clip((-14 - (e - 12)) / 12, 0, 1) * 4096)  # counts are whole numbers
                 z = np.zeros(n_sites)
                 cols = (
                     np.full(n_sites, s),
@@ -173,8 +173,8 @@ def generate(path: str, n_steps: int, n_sites: int, seed: int = 0) -> str:
                     z,
                     am / 8,
                     z,
-                    under * 0.8,
-                    under * 0.2,
+                    np.round(under * 0.8),
+                    under - np.round(under * 0.8),
                     z,
                     z,
                     z,

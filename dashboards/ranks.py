@@ -1,19 +1,13 @@
 """The dashboard's view of distributed runs: per-rank traces grouped by the rank in their metadata (also when the
-file name carries only a number, as ``{rank}`` makes it), and the rank rules' findings of a run's group."""
+file name carries only a number, as ``{rank}`` makes it); the rank rules run with the diagnosis (diagjob)."""
 
 from __future__ import annotations
 
 import os
 import re
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
-from ampdoctor.rules.multirank import rank_findings
 from ampdoctor.trace import TraceError, load
-from ampdoctor.trace.run import RankRun
-
-if TYPE_CHECKING:
-    from .app import Context
 
 _TRAILING_NUMBER = re.compile(r"[._-]?\d+$")
 
@@ -50,17 +44,3 @@ def with_ranks(runs: dict, cache: dict, files: set | None = None) -> dict:
                 run = replace(run, group=stem[: m.start()] or stem, rank=meta[0])
         out[key] = run
     return out
-
-
-def group_findings(ctx: Context, key: str) -> list:
-    """The rank rules over the ranks of the run ``key`` belongs to ([] for a run of one rank)."""
-    me = ctx.resolve(key)
-    if me is None or me.rank is None:
-        return []
-    peers = {r.rank: r for k, r in ctx.runs().items() if r.group == me.group and r.rank is not None}
-    if len(peers) < 2:
-        return []
-    traces = {rank: ctx.trace(r.key) for rank, r in peers.items()}
-    if any(t is None or not t.n_steps for t in traces.values()):
-        return []
-    return rank_findings(RankRun(me.group, traces, max(traces) + 1))

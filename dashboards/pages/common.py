@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
     from ampdoctor.rules.result import Diagnosis
 
-    from ..app import Context
+    from ..context import Context
 
 SEVERITY_COLORS = {"critical": "#d62728", "warning": "#ff7f0e", "info": "#1f77b4"}
 GRAPH_CONFIG = figures.GRAPH_CONFIG

@@ -14,7 +14,7 @@ from .common import graph, link_zoom, run_of, uirevision, write_state, zoom_pair
 if TYPE_CHECKING:
     import dash
 
-    from ..app import Context
+    from ..context import Context
 
 PAGE = "/compare"
 

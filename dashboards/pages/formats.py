@@ -15,7 +15,7 @@ from .layers import matches
 if TYPE_CHECKING:
     import dash
 
-    from ..app import Context
+    from ..context import Context
 
 PAGE = "/formats"
 PER_PAGE = 100

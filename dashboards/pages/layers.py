@@ -32,7 +32,7 @@ from .common import (
 if TYPE_CHECKING:
     from ampdoctor.trace import Trace
 
-    from ..app import Context
+    from ..context import Context
 
 PAGE = "/layers"
 PER_PAGE = 50

@@ -28,7 +28,7 @@ from .common import (
 if TYPE_CHECKING:
     import dash
 
-    from ..app import Context
+    from ..context import Context
 
 PAGE = "/"
 SMOOTHING = 0.6  # TensorBoard's default

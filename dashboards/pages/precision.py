@@ -18,7 +18,7 @@ from .layers import matches
 if TYPE_CHECKING:
     import dash
 
-    from ..app import Context
+    from ..context import Context
 
 PAGE = "/precision"
 PER_PAGE = 50

@@ -25,7 +25,7 @@ from .common import (
 if TYPE_CHECKING:
     import dash
 
-    from ..app import Context
+    from ..context import Context
 
 PAGE = "/ranks"
 STATS = {

@@ -17,7 +17,7 @@ from .. import data, evidence, figures, ids
 from .common import graph, link_href, link_zoom, run_of, uirevision, write_state, zoom_range, zoom_store
 
 if TYPE_CHECKING:
-    from ..app import Context
+    from ..context import Context
 
 PAGE = "/whatif"
 # (component id, label, replay argument, URL parameter, whether it doubles and halves)

@@ -82,7 +82,7 @@ def test_step_summary_is_kept_on_disk_and_checked_against_the_trace(long_run, tm
     """A long run's summary is built in the background (the charts show a preview meanwhile), saved, and read back
     by the next server; a summary that does not describe the file is not used."""
     monkeypatch.setenv("AMPDOCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr("ampdoctor.dashboards.app.SYNC_SUMMARY_STEPS", 1000)
+    monkeypatch.setattr("ampdoctor.dashboards.context.SYNC_SUMMARY_STEPS", 1000)
     ctx = create_app(str(long_run.parent), diagnose_in="thread").ampdoctor
     s = ctx.steps("long.db")
     assert s.preview  # at once: a preview, not an empty page
