@@ -96,10 +96,16 @@ def test_linked_zoom_survives_live_updates_and_goes_into_the_url(browser, tmp_pa
     assert browser.errors() == []
 
 
+def _drawn(browser, graph_id):
+    """The figure of ``graph_id`` once it has data (a page draws an empty one while its data is on the way)."""
+    fig = browser.figure(graph_id)
+    return fig if fig and fig["data"] else None
+
+
 def test_a_url_restores_a_view(site, browser):
     """Kind, statistic, search, colour scale, zoom, smoothing and log-y come back from the address alone."""
     browser.open(f"{site}/layers?run=fp16_under.db&kind=act&stat=zeros&q=2&scale=log")
-    fig = browser.wait(lambda: browser.figure(ids.LAYERS_HEATMAP), what="heat map")
+    fig = browser.wait(lambda: _drawn(browser, ids.LAYERS_HEATMAP), what="heat map")
     assert fig["layout"]["title"] == "zero share: activations"
     assert "log10" in browser.driver.execute_script(
         "return document.querySelector('#layers-heatmap .js-plotly-plot').data[0].colorbar.title.text"
@@ -115,7 +121,7 @@ def test_a_url_restores_a_view(site, browser):
     assert _query(browser)["stat"] == "zeros" and _query(browser)["kind"] == "act"
     again = browser.driver.current_url
     browser.open(again)
-    fig = browser.wait(lambda: browser.figure(ids.LAYERS_HEATMAP), what="heat map")
+    fig = browser.wait(lambda: _drawn(browser, ids.LAYERS_HEATMAP), what="heat map")
     assert all("1" in lab for lab in fig["data"][0]["y"]) and fig["layout"]["title"] == "zero share: activations"
     # the overview: zoom, smoothing, log-y
     browser.open(f"{site}/?run=fp16_bad.db&x0=3&x1=12&smooth=0.9&logy=1")
