@@ -55,7 +55,6 @@ class Context:
         self.diagnose_in = diagnose_in  # "process" (default: the server stays responsive) or "thread"
         self._summaries: dict = {}  # path -> series.StepSummary
         self._topping_up: set = set()  # paths whose summary a request is updating now
-        self._checked: dict = {}  # path -> the Trace last opened with the reader's checks (reopened for each thread)
         self._opening: dict = {}  # path -> Lock held while the file is first opened
         self._diagnosed: dict = {}  # run key -> (version, time.monotonic() the version was asked for)
 
@@ -112,27 +111,16 @@ class Context:
         return tr
 
     def _open(self, path: str) -> Trace | None:
-        """A new Trace of ``path`` (each statement bounded in time: server.py): checked by the reader the first time
-        this process opens the file, a plain new connection afterwards while server.renew holds (the same file and
-        schema; a file that changed is checked again at most every REVALIDATE_S), or None when it cannot be read."""
+        """A new Trace of ``path`` on a connection of its own (each statement bounded in time: server.py), reopened
+        from the one this process checked (server.check: the reader's checks run once per file, again when the
+        file was replaced or changed REVALIDATE_S ago), or None when it cannot be read."""
         with self._lock:
             opening = self._opening.setdefault(path, threading.Lock())
         with opening:  # the first visit's callbacks arrive together: one of them checks the file, the rest reuse it
-            with self._lock:
-                known = self._checked.get(path)
             try:
-                tr = server.reopen(known) if known is not None else None
-                if tr is not None:
-                    return tr
-                checked = server.open_trace(path)
-                tr = server.reopen(checked)  # the checked one stays a template, never used by two threads
+                return server.open_checked(path)
             except TraceError:
                 return None
-            with self._lock:
-                self._checked[path] = checked
-            if known is not None:
-                known.close()
-            return tr or checked
 
     def _held(self) -> dict:
         if not hasattr(self._local, "held"):

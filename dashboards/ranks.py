@@ -7,7 +7,9 @@ import os
 import re
 from dataclasses import replace
 
-from ampdoctor.trace import TraceError, load
+from ampdoctor.trace import TraceError
+
+from . import server
 
 _TRAILING_NUMBER = re.compile(r"[._-]?\d+$")
 
@@ -16,11 +18,9 @@ def _rank_meta(path: str, cache: dict) -> tuple[int, int] | None:
     """(rank, world size) from a trace's metadata, read once per file; None when unreadable or not distributed."""
     if path not in cache:
         try:
-            tr = load(path)
-            try:
-                run = tr.meta.get("run", {}) or {}
-            finally:
-                tr.close()
+            run = server.checked_meta(path).get("run") or {}  # checked once; the first request reuses it
+            if not isinstance(run, dict) or not run:
+                return None  # a trace just created: its run entry is not written yet; asked again at the next scan
             rank, world = run.get("rank"), run.get("world_size")
             ok = isinstance(rank, int) and isinstance(world, int) and world > 1
             cache[path] = (rank, world) if ok else None

@@ -241,14 +241,43 @@ def open_trace(path: str, limit_s: float = QUERY_LIMIT_S) -> Trace:
     return _guarded(tr, _Guard(before, _schema_cookie(tr), time.monotonic(), limit_s))
 
 
-def reopen(tr: Trace) -> Trace | None:
-    """Another connection to the file of ``tr`` (opened by open_trace), with the same limits and without the reader's
-    checks again (they read every table: seconds on a long run), while renew(tr) holds; None when the file must be
-    opened and checked anew. TraceError when it cannot be opened."""
-    guard = _GUARDS.get(tr)
-    if guard is None or not renew(tr):
-        return None
-    return _guarded(tr.reopen(), replace(guard, started=math.inf))
+_TEMPLATES: dict = {}  # real path -> the Trace this process last opened and checked there (used under the lock only)
+_TEMPLATES_LOCK = threading.Lock()
+
+
+def _template(real: str) -> Trace:
+    """The checked Trace of ``real`` while renew holds, else one opened and checked now (the caller holds the lock,
+    so a replaced one is closed while nobody reads it: no descriptor is left on a replaced file)."""
+    tr = _TEMPLATES.get(real)
+    if tr is not None and renew(tr):
+        return tr
+    new = open_trace(real)
+    if tr is not None:
+        tr.close()
+    _TEMPLATES[real] = new
+    return new
+
+
+def check(path: str) -> None:
+    """Check the trace at ``path`` (TraceError when it cannot be read) and keep it: the reader's checks (seconds on a
+    long run) run once per file per process however many parts ask (the command's argument check, the rank scan,
+    the first request), and again when the file was replaced or changed REVALIDATE_S ago."""
+    with _TEMPLATES_LOCK:
+        _template(os.path.realpath(path))
+
+
+def checked_meta(path: str) -> dict:
+    """The metadata of the checked trace at ``path`` (see check)."""
+    with _TEMPLATES_LOCK:
+        return _template(os.path.realpath(path)).meta
+
+
+def open_checked(path: str) -> Trace:
+    """A Trace of ``path`` on a connection of its own (for one thread at a time), with the limits of open_trace,
+    reopened from the checked one (see check) without the reader's checks again."""
+    with _TEMPLATES_LOCK:
+        tr = _template(os.path.realpath(path))
+        return _guarded(tr.reopen(), replace(_GUARDS[tr], started=math.inf))
 
 
 def _guarded(tr: Trace, guard: _Guard) -> Trace:
