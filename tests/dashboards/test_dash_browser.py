@@ -53,18 +53,23 @@ def test_linked_zoom_survives_live_updates_and_goes_into_the_url(browser, tmp_pa
 
     done = threading.Event()
 
-    def slow_batches():  # as slow as a real run until the test has seen what it needs
+    class Enough(Exception):
+        pass
+
+    def slow_batches():  # as slow as a real run until the test has seen what it needs; then the run stops
         for batch in runs.batches(400):
-            if not done.is_set():
-                time.sleep(0.05)
+            if done.is_set():
+                raise Enough
+            time.sleep(0.05)
             yield batch
 
-    t = threading.Thread(
-        target=runs.train,
-        args=(runs.mlp(),),
-        daemon=True,
-        kwargs=dict(steps=400, precision="fp16", trace=str(tmp_path / "live.db"), data=slow_batches()),
-    )
+    def live_run():
+        try:
+            runs.train(runs.mlp(), steps=400, precision="fp16", trace=str(tmp_path / "live.db"), data=slow_batches())
+        except Enough:
+            pass
+
+    t = threading.Thread(target=live_run, daemon=True)
     t.start()
     try:
         browser.open(f"{url}/")
@@ -83,7 +88,10 @@ def test_linked_zoom_survives_live_updates_and_goes_into_the_url(browser, tmp_pa
         browser.wait(
             lambda: int(browser.text(f"#{ids.STEP_COUNT}").split()[0]) >= n0 + 5, timeout=60, what="5 more steps"
         )
-        time.sleep(1.2)  # two more polls
+        n1 = int(browser.text(f"#{ids.STEP_COUNT}").split()[0])
+        browser.wait(  # and one more poll with new steps after that: the zoom is checked after live updates
+            lambda: int(browser.text(f"#{ids.STEP_COUNT}").split()[0]) > n1, timeout=60, what="one more update"
+        )
         assert [_range(browser, g) for g in STEP_CHARTS] == [[4.5, 20.5]] * 4
         assert browser.driver.execute_script("return window.__marker") == "not reloaded"
         # the whole run again: every chart, and the URL
