@@ -1,62 +1,62 @@
-"""Trace -> plain arrays and rows for the views: no plotly, no dash, no torch.
+"""Trace -> plain rows and arrays for the views: no plotly, no dash, no torch.
 
 The figure builders (figures.py) take what these functions return; the dashboard pages and the HTML report both
-call them, so the two always show the same numbers.
+call them, so the two always show the same numbers. Per-step series are in series.py, per-layer statistics in
+matrix.py; everything here reads the trace with aggregates or small tables (no whole steps table in memory).
 """
 
 from __future__ import annotations
 
 import math
 import os
-import re
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
-from ampdoctor import formats
 from ampdoctor.lossscale import TORCH_DEFAULTS
 from ampdoctor.lossscale import replay as _replay
 from ampdoctor.precision_label import describe_precision
-from ampdoctor.trace.observation import cost_line, observation_line
+from ampdoctor.rules.policy import NORM_TYPES, SOFTMAX_TYPES
+from ampdoctor.trace.observation import LEVEL_NAMES
 from ampdoctor.trace.schema import ROOT
 
-KINDS = ("act", "grad_out", "param_grad")
-# heat map statistic id -> label; for every one of them the worst value of a layer is the largest
-STATS = {
-    "fp16_under": "FP16 underflow share",
-    "fp16_over": "FP16 overflow count",
-    "absmax_log2": "log2 abs max",
-    "zeros": "zero share",
-    "nonfinite": "NaN/Inf count",
-}
-# the layer types the recommended allocation keeps in FP32 (normalisation, softmax, losses) and the ones that
-# should compute in FP16/BF16 (the matrix multiplies and convolutions that make mixed precision fast)
-_FP32_TYPES = re.compile(r"Norm|Softmax|Loss|Softmin")
-_HALF_TYPES = re.compile(
-    r"^(Linear|Bilinear|LazyLinear|Conv\w*|LazyConv\w*|MultiheadAttention|LSTM|GRU|RNN|"
-    r"TransformerEncoderLayer|TransformerDecoderLayer)$"
-)
+from . import matrix
+from .series import n_steps, sql
+
+if TYPE_CHECKING:
+    from ampdoctor.rules.result import Diagnosis
+    from ampdoctor.trace import Trace
+
+KINDS = matrix.KINDS
+STATS = {k: s.label for k, s in matrix.STATS.items()}
 
 
 # -- summary ----------------------------------------------------------------------------------------------------
-def run_summary(tr) -> list[tuple[str, str]]:
-    """(label, value) rows: steps, model, precision configuration with observed dtypes, scaler, skips."""
+def _finite_sql(c: str) -> str:
+    return f"CASE WHEN typeof({c}) IN ('integer','real') AND abs({c}) <= 1.7e308 THEN {c} END"
+
+
+def run_summary(tr: Trace) -> list[tuple[str, str]]:
+    """(label, value) rows: steps, model, precision configuration with observed dtypes, scaler, skips, what was
+    observed and what observing cost. Aggregates in SQLite: a million steps cost one scan."""
     meta, cfg = tr.meta, tr.config
-    run = meta.get("run", {})
-    steps = tr.steps()
+    run = meta.get("run", {}) or {}
+    n = n_steps(tr)
     sites = tr.sites()
     rows = [
         ("trace", os.path.basename(tr.path)),
-        ("steps", f"{len(steps)}" + ("" if "closed" in meta else " (run still writing)")),
+        ("steps", f"{n:,}" + ("" if "closed" in meta else " (run still writing)")),
         ("model", f"{run.get('model', '?')} ({run.get('params', 0):,} parameters) on {run.get('device', '?')}"),
         ("precision", describe_precision(cfg)),
     ]
     if len(sites):
-        for kind in ("act", "grad_out", "param_grad"):
+        for kind in KINDS:
             d = sites[sites["kind"] == kind].groupby("dtype").size().to_dict()
             if d:
-                rows.append((f"{kind} dtypes", ", ".join(f"{k} ({v})" for k, v in sorted(d.items()))))
+                rows.append(
+                    (f"{matrix.KIND_LABELS[kind]}: dtypes", ", ".join(f"{k} ({v})" for k, v in sorted(d.items())))
+                )
     if cfg.get("param_dtypes"):
         rows.append(("parameters", ", ".join(f"{k} ({v:,})" for k, v in cfg["param_dtypes"].items())))
     sc = cfg.get("scaler")
@@ -69,124 +69,101 @@ def run_summary(tr) -> list[tuple[str, str]]:
         rows.append(("scaler", f"{sc.get('class')} ({'enabled' if sc.get('enabled') else 'disabled'}; {settings})"))
     else:
         rows.append(("scaler", "none"))
-    if len(steps):
-        n_skip = int(steps["skipped"].sum())
-        n_bad = int(steps["nonfinite"].sum())
-        rows.append(("skipped steps", f"{n_skip} ({100.0 * n_skip / len(steps):.1f}%)"))
-        rows.append(("non-finite steps", str(n_bad)))
-        scales = steps["loss_scale"].dropna()
-        if len(scales):
+    if n:
+        fl, fs = _finite_sql("loss"), _finite_sql("loss_scale")
+        agg = sql(
+            tr,
+            f"SELECT sum(ifnull(skipped, 0) != 0), sum(ifnull(nonfinite, 0) != 0), min({fs}), max({fs}), "
+            f"count({fs}), sum(CASE WHEN {_finite_sql('observer_time')} IS NOT NULL AND "
+            f"{_finite_sql('step_time')} IS NOT NULL THEN step_time END), "
+            f"sum(CASE WHEN {_finite_sql('step_time')} IS NOT NULL THEN {_finite_sql('observer_time')} END) "
+            "FROM steps",
+        )[0]
+        n_skip, n_bad = int(agg[0] or 0), int(agg[1] or 0)
+        rows.append(("skipped steps", f"{n_skip:,} ({100.0 * n_skip / n:.1f}%)"))
+        rows.append(("non-finite steps", f"{n_bad:,}"))
+        if agg[4]:
+            first = sql(tr, f"SELECT {fs} FROM steps WHERE {fs} IS NOT NULL ORDER BY step LIMIT 1")[0][0]
+            last = sql(tr, f"SELECT {fs} FROM steps WHERE {fs} IS NOT NULL ORDER BY step DESC LIMIT 1")[0][0]
+            rows.append(("loss scale", f"{first:g} at start, {last:g} last, range {agg[2]:g} .. {agg[3]:g}"))
+        first = sql(tr, f"SELECT {fl} FROM steps WHERE {fl} IS NOT NULL ORDER BY step LIMIT 1")
+        last = sql(tr, f"SELECT {fl} FROM steps WHERE {fl} IS NOT NULL ORDER BY step DESC LIMIT 1")
+        if first and last:
+            rows.append(("loss", f"{first[0][0]:.4g} -> {last[0][0]:.4g}"))
+        rows.append(("observed", _observation_line(tr, meta)))
+        if agg[5] and agg[6] is not None and agg[5] > 0:
             rows.append(
                 (
-                    "loss scale",
-                    f"{scales.iloc[0]:g} at start, {scales.iloc[-1]:g} last, "
-                    f"range {scales.min():g} .. {scales.max():g}",
+                    "overhead",
+                    f"ampdoctor cost {100 * agg[6] / agg[5]:.1f}% of this run ({agg[6]:.3g} s of {agg[5]:.3g} s "
+                    "on the training thread)",
                 )
             )
-        loss = steps["loss"].replace([np.inf, -np.inf], np.nan).dropna()
-        if len(loss):
-            rows.append(("loss", f"{loss.iloc[0]:.4g} -> {loss.iloc[-1]:.4g}"))
-    rows.append(("observed", observation_line(meta, steps)))
-    cost = cost_line(steps)
-    if cost:
-        rows.append(("overhead", cost))
-    ev = tr.events("nonfinite")
-    if len(ev):
-        e = ev.iloc[0]
-        where = f"{e['path']} ({e['site_kind']})" if isinstance(e["path"], str) else "the loss"
-        rows.append(("first non-finite", f"step {int(e['step'])}: {where}, {e['phase']} phase"))
+    ev = sql(
+        tr,
+        "SELECT e.step, s.path, s.kind, e.phase FROM events e LEFT JOIN sites s ON s.id = e.site "
+        "WHERE e.kind = 'nonfinite' ORDER BY e.id LIMIT 1",
+    )
+    if ev:
+        step, path, kind, phase = ev[0]
+        where = f"{path} ({kind})" if isinstance(path, str) else "the loss"
+        rows.append(("first non-finite", f"step {step}: {where}, {phase} phase"))
     return rows
 
 
-# -- layers ------------------------------------------------------------------------------------------------------
-@dataclass
-class LayerMatrix:
-    """A statistic of every site of one kind: ``values[site, step]`` at ``steps``; ``worst`` per site."""
-
-    stat: str
-    kind: str
-    steps: np.ndarray
-    site_ids: np.ndarray
-    labels: list
-    types: list
-    values: np.ndarray
-    worst: np.ndarray = field(init=False)
-
-    def __post_init__(self):
-        v = np.where(np.isfinite(self.values), self.values, np.nan)
-        self.worst = np.array([np.nanmax(r) if np.isfinite(r).any() else np.nan for r in v], dtype=float)
-
-    def order(self, by: str = "order") -> np.ndarray:
-        """Row order: as recorded (forward order) or worst value first."""
-        if by == "worst":
-            key = np.where(np.isnan(self.worst), -np.inf, self.worst)
-            return np.argsort(-key, kind="stable")
-        return np.arange(len(self.labels))
-
-
-def layer_matrix(tr, stat: str = "fp16_under", kind: str = "grad_out", unscale: bool = False) -> LayerMatrix:
-    """``stat`` of every site of ``kind`` over steps. grad_out values are recorded scaled by the loss scale (as
-    FP16 holds them, which is what overflow and underflow are about); ``unscale`` divides abs max by the scale in
-    force, to compare runs with different scales or none."""
-    if stat not in STATS:
-        raise ValueError(f"Argument stat should be one of {', '.join(STATS)}, but given {stat!r}")
-    sites = tr.sites(kind)
-    if stat == "absmax_log2":  # peaks exist at every step
-        peak = tr.records("peak", kind)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            vals = np.log2(peak)
-        vals[~np.isfinite(vals)] = np.nan
-        steps = np.arange(len(vals))
-        if unscale and kind == "grad_out":
-            scale = tr.steps()["loss_scale"].to_numpy(dtype=float)[: len(vals)]
-            shift = np.where(np.isfinite(scale) & (scale > 0), np.log2(np.where(scale > 0, scale, 1.0)), 0.0)
-            vals = vals - shift[:, None]
-    else:
-        steps = tr.full_steps()
-        steps = steps[steps < tr.n_steps]
-
-        def rec(f):
-            return tr.records(f, kind)[steps]
-
-        with np.errstate(divide="ignore", invalid="ignore"):
-            if stat == "fp16_under":
-                vals = (rec("fp16_sub") + rec("fp16_flush")) / rec("numel")
-            elif stat == "zeros":
-                vals = rec("zeros") / rec("numel")
-            elif stat == "fp16_over":
-                vals = rec("fp16_over")
-            else:
-                vals = rec("nan") + rec("inf")
-    labels = [str(p) for p in sites["path"]]
-    types = [t if isinstance(t, str) else "" for t in sites["module_type"]]
-    return LayerMatrix(
-        stat,
-        kind,
-        np.asarray(steps),
-        sites["id"].to_numpy(),
-        labels,
-        types,
-        np.asarray(vals, dtype=float).T.reshape(len(labels), len(steps)),
-    )
+def _observation_line(tr: Trace, meta: dict) -> str:
+    """Which steps observed what (the same line as ``ampdoctor info``), from counts per level and reason."""
+    run = meta.get("run", {}) or {}
+    mode = run.get("mode")
+    parts = []
+    if mode is not None:
+        cadence = (
+            f"peaks every {run.get('peak_every')}, full every {run.get('every')}, first "
+            f"{run.get('calibration')} in full"
+            if mode == "default"
+            else "every site, every step"
+        )
+        parts.append(f"mode {mode} ({cadence})")
+    levels = sql(tr, "SELECT level, count(*) FROM steps WHERE level IS NOT NULL GROUP BY level ORDER BY level DESC")
+    if levels:
+        parts.append(", ".join(f"{LEVEL_NAMES.get(lv, lv)} {c:,}" for lv, c in levels))
+    have = {r[1] for r in sql(tr, "PRAGMA table_info(steps)")}
+    if "reason" in have:
+        why = sql(tr, "SELECT reason, count(*) FROM steps WHERE reason IS NOT NULL GROUP BY reason ORDER BY 2 DESC")
+        why = [(k, v) for k, v in why if k != "sentinel"]
+        if why:
+            parts.append("why: " + ", ".join(f"{k} {v:,}" for k, v in why))
+    return "; ".join(parts) or "-"
 
 
-def layer_series(tr, site_id: int, kind: str) -> dict:
-    """abs max (every step), RMS (full steps) and the run's gradient norm, for one site."""
-    sites = tr.sites(kind)
-    j = int(np.flatnonzero(sites["id"].to_numpy() == site_id)[0])
-    peak = tr.records("peak", kind)[:, j]
-    full = tr.full_steps()
-    full = full[full < tr.n_steps]
-    rms = tr.records("rms", kind)[full, j] if len(full) else np.array([])
-    st = tr.steps()
-    return {
-        "absmax": (np.arange(len(peak)), peak),
-        "rms": (full, rms),
-        "grad_norm": (st["step"].to_numpy(), st["grad_norm"].to_numpy()),
-    }
+def compute_dtype(tr: Trace) -> str | None:
+    """The reduced dtype the run computed in, as the rules judge it (rules.engine.Run.compute_dtype)."""
+    from ampdoctor.rules.engine import Run
+
+    return Run(tr).compute_dtype
 
 
-def site_info(tr, site_id: int) -> dict | None:
+def default_view(tr: Trace, found: list | None = None) -> tuple[str, str]:
+    """(kind, statistic) the Layers page opens with: the view of the first finding that names layers, else what
+    matters in the run's precision (FP16: output-gradient underflow; BF16 and FP32: log2 abs max, whose range
+    both formats hold); never an FP16 statistic on a run that has no FP16 in it."""
+    from . import evidence
+
+    for d in found or []:
+        if d.layers and d.rule in evidence.LAYER_VIEWS:
+            link = evidence.layer_link(d, str(d.layers[0]))
+            p = dict(link.params)
+            if p.get("kind") in KINDS and p.get("stat") in STATS:
+                return p["kind"], p["stat"]
+    have = set(tr.sites()["kind"])
+    dtype = compute_dtype(tr)
+    if dtype == "float16" and "grad_out" in have:
+        return "grad_out", "fp16_under"
+    kind = "grad_out" if "grad_out" in have else next((k for k in KINDS if k in have), "act")
+    return kind, "absmax_log2"
+
+
+def site_info(tr: Trace, site_id: int) -> dict | None:
     s = tr.sites()
     row = s[s["id"] == site_id]
     if not len(row):
@@ -194,139 +171,230 @@ def site_info(tr, site_id: int) -> dict | None:
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.iloc[0].to_dict().items()}
 
 
-# -- precision map -----------------------------------------------------------------------------------------------
-def precision_rows(tr) -> list[dict]:
-    """The recommended allocation against what the run did, module by module, plus loss and weight update.
+def find_site(tr: Trace, path: str, kind: str | None) -> dict | None:
+    """The site of a layer path (a module or a parameter) and kind; the closest one when that kind was not
+    recorded for it (a parameter of the module, another kind), None when the layer is not in the trace."""
+    s = tr.sites()
+    order = [kind] if kind else []
+    order += [k for k in ("act", "grad_out", "param_grad", "update", "weight") if k not in order]
+    for k in order:
+        for col in ("path", "module"):
+            hit = s[(s[col] == path) & (s["kind"] == k)]
+            if len(hit):
+                return site_info(tr, int(hit["id"].iloc[0]))
+    return None
 
-    Recommended (the guide's table): matmuls/convolutions forward and backward in FP16/BF16; normalisation,
-    softmax and the loss in FP32; weights kept and updated in FP32 (master weights).
-    """
+
+# -- precision map -----------------------------------------------------------------------------------------------
+def allocation(module_type: str, compute: str | None) -> str:
+    """What the recommended allocation asks of a module type, in the words of the rule that judges it
+    (precision-policy: normalisation keeps its parameters and statistics in FP32, softmax runs in FP32 when its
+    outputs underflow; matrix multiplies and convolutions are what computes in half precision)."""
+    if module_type in NORM_TYPES:
+        return "parameters and statistics in FP32"
+    if module_type in SOFTMAX_TYPES:
+        return "FP32 if its outputs underflow"
+    if module_type.startswith(("Linear", "Conv", "LazyLinear", "LazyConv", "Bilinear", "MultiheadAttention")):
+        return compute or "float16/bfloat16"
+    return "follows its input"
+
+
+def precision_rows(tr: Trace, found: list | None) -> list[dict]:
+    """The run module by module (plus the loss and the weight update): type, what the allocation asks, the dtypes
+    it computed and kept, and the verdict: exactly the findings that name the module (the rules' judgement, never
+    one of this page's own). ``found`` None: the diagnosis is not done yet."""
     cfg = tr.config
-    ac = cfg.get("autocast", {}) or {}
-    reduced = ac.get("dtype") if ac.get("enabled") else None
     sites = tr.sites()
     act = sites[sites["kind"] == "act"]
-    grad = sites[sites["kind"] == "grad_out"].set_index("path")["dtype"].to_dict()
+    grad = sites[sites["kind"] == "grad_out"].drop_duplicates("path").set_index("path")["dtype"].to_dict()
     pdt = cfg.get("module_param_dtypes", {}) or {}
-    half = reduced or "float16/bfloat16"
+    compute = compute_dtype(tr)
+    modules = set(act["path"])
+
+    def names(d: Diagnosis, path: str) -> bool:  # the module itself, or one of its parameters (not a child module)
+        return any(
+            str(p) == path or (str(p) not in modules and str(p).rpartition(".")[0] == path) for p in d.layers or ()
+        )
+
+    def verdict(ds: Any) -> str:
+        if found is None:
+            return "diagnosing…"
+        return "; ".join(f"{d.rule}: {d.title}" for d in ds) or "ok"
+
     rows = []
     for s in act.itertuples():
-        mtype = s.module_type if isinstance(s.module_type, str) else ""
         if s.path == ROOT:
             continue
-        if _FP32_TYPES.search(mtype):
-            rec = "float32"
-        elif _HALF_TYPES.match(mtype):
-            rec = half
-        else:
-            rec = "follows input"
-        observed = s.dtype or "?"
-        param = pdt.get(s.path, "-")
-        verdict = "ok"
-        if rec == "float32" and observed in formats.REDUCED:
-            verdict = "should run in FP32"
-        elif rec not in ("float32", "follows input") and observed == "float32":
-            verdict = "runs in FP32 (no speed-up)"
-        if param in formats.REDUCED:
-            verdict = "weights in half precision" if verdict == "ok" else verdict + "; weights in half precision"
+        mtype = s.module_type if isinstance(s.module_type, str) else ""
         rows.append(
             {
                 "module": s.path,
                 "type": mtype,
-                "recommended": rec,
-                "forward": observed,
-                "backward": grad.get(s.path, "-"),
-                "weights": param,
-                "verdict": verdict,
+                "allocation": allocation(mtype, compute),
+                "forward": s.dtype or "?",
+                "backward": grad.get(s.path, "–"),
+                "parameters": pdt.get(s.path, "–"),
+                "verdict": verdict([d for d in found or [] if names(d, s.path)]),
             }
         )
     loss = cfg.get("loss_dtype")
     if loss:
         rows.append(
             {
-                "module": "loss",
+                "module": "(loss)",
                 "type": "",
-                "recommended": "float32",
+                "allocation": "FP32",
                 "forward": loss,
-                "backward": "-",
-                "weights": "-",
-                "verdict": "ok" if loss == "float32" else "should be FP32",
+                "backward": "–",
+                "parameters": "–",
+                "verdict": verdict([d for d in found or [] if "(loss)" in (d.evidence or {})]),
             }
         )
+    units = (cfg.get("fsdp") or {}).get("units") or {} if isinstance(cfg.get("fsdp"), dict) else {}
+    if isinstance(units, dict) and units:  # FSDP: each unit's MixedPrecisionPolicy as recorded
+        if ROOT_UNIT in units:
+            rows.insert(
+                0,
+                {
+                    "module": ROOT_UNIT,
+                    "type": "FSDP root unit",
+                    "allocation": "–",
+                    "forward": "–",
+                    "backward": "–",
+                    "parameters": "–",
+                    "verdict": verdict([d for d in found or [] if names(d, ROOT_UNIT)]),
+                },
+            )
+        for row in rows:
+            u = units.get(row["module"])
+            row["FSDP policy"] = _fsdp_policy(u) if isinstance(u, dict) else "–"
     params = cfg.get("param_dtypes", {}) or {}
     if params:
-        upd = ", ".join(sorted(params))
         rows.append(
             {
-                "module": "weight update",
+                "module": "(weight update)",
                 "type": (cfg.get("optimizer") or {}).get("class", ""),
-                "recommended": "float32",
-                "forward": "-",
-                "backward": "-",
-                "weights": upd,
-                "verdict": "ok" if set(params) == {"float32"} else "keep FP32 master weights",
+                "allocation": "FP32 master weights",
+                "forward": "–",
+                "backward": "–",
+                "parameters": ", ".join(sorted(params)),
+                "verdict": verdict([d for d in found or [] if d.rule in ("weight-update-lost", "weights-nonfinite")]),
             }
         )
     return rows
 
 
+ROOT_UNIT = "(model)"  # the FSDP unit of the root module, as the trace's config names it
+
+
+def _fsdp_policy(u: dict) -> str:
+    """An FSDP unit's policy in a cell: "param float16 · reduce float16 (reduce_dtype unset) · 1,234 parameters"."""
+    out = [f"param {u.get('param_dtype') or 'float32'}", f"reduce {u.get('reduce') or u.get('reduce_dtype') or '?'}"]
+    if u.get("reduce") and not u.get("reduce_dtype"):
+        out[-1] += " (reduce_dtype unset)"
+    if isinstance(u.get("params"), int):
+        out.append(f"{u['params']:,} parameters")
+    return " · ".join(out)
+
+
 # -- what-if -----------------------------------------------------------------------------------------------------
-def scaler_settings(tr) -> dict:
+def scaler_settings(tr: Trace) -> dict:
     """The scaler's recorded settings, PyTorch GradScaler defaults for what was not recorded."""
     sc = tr.config.get("scaler") or {}
     out = dict(TORCH_DEFAULTS)
     for k in out:
         if isinstance(sc.get(k), (int, float)):
             out[k] = sc[k]
-    st = tr.steps()
-    if len(st) and not math.isnan(st["loss_scale"].iloc[0]) and "init_scale" not in sc:
-        out["init_scale"] = float(st["loss_scale"].iloc[0])
+    if "init_scale" not in sc or not isinstance(sc.get("init_scale"), (int, float)):
+        first = sql(tr, f"SELECT {_finite_sql('loss_scale')} FROM steps WHERE step = 0")
+        if first and first[0][0] is not None:
+            out["init_scale"] = float(first[0][0])
     return out
 
 
-def whatif(tr, init_scale=None, growth_factor=None, backoff_factor=None, growth_interval=None) -> dict:
+def recorded_scale(tr: Trace) -> dict:
+    """The run's own loss scale and skipped steps, as whatif() returns them with nothing simulated yet (drawn at
+    once while the replay runs in the background)."""
+    rows = sql(tr, f"SELECT step, {_finite_sql('loss_scale')}, ifnull(skipped, 0) != 0 FROM steps ORDER BY step")
+    rec = np.array(rows, dtype=float).reshape(-1, 3)
+    return {
+        "steps": rec[:, 0].astype(np.int64),
+        "recorded": rec[:, 1],
+        "recorded_skipped": rec[:, 2] > 0,
+        "simulated": np.full(len(rec), np.nan),
+        "simulated_skipped": np.zeros(len(rec), bool),
+        "settings": scaler_settings(tr),
+        "engine": "replaying",
+    }
+
+
+def whatif(
+    tr: Trace,
+    init_scale: Any = None,
+    growth_factor: Any = None,
+    backoff_factor: Any = None,
+    growth_interval: Any = None,
+) -> dict:
     """Recorded vs simulated loss scale and skipped steps for other scaler settings."""
-    cfg = scaler_settings(tr)
     args = {
         "init_scale": init_scale,
         "growth_factor": growth_factor,
         "backoff_factor": backoff_factor,
         "growth_interval": growth_interval,
     }
-    used = {k: (cfg[k] if v is None else v) for k, v in args.items()}
-    used["growth_interval"] = max(1, int(used["growth_interval"]))
-    st = tr.steps()
-    if not len(st):
+    n = n_steps(tr)
+    rows = sql(
+        tr,
+        f"SELECT step, {_finite_sql('loss_scale')}, ifnull(skipped, 0) != 0 FROM steps ORDER BY step",
+    )
+    rec = np.array(rows, dtype=float).reshape(-1, 3)
+    if not n:
         sim_scales, sim_skipped, engine = np.array([]), np.array([], bool), "nothing to replay yet"
+        used = scaler_settings(tr)
     else:  # settings left at None: the replay keeps the run's own (and its scaler state)
         r = _replay(tr, **{k: (int(v) if k == "growth_interval" else v) for k, v in args.items() if v is not None})
         sim_scales, sim_skipped = np.asarray(r.scales, float), np.asarray(r.skipped, bool)
         used = dict(r.settings)
         engine = "ampdoctor.lossscale"
-    n = min(len(st), len(sim_scales))  # a live trace may have grown between the reads
-    st, sim_scales, sim_skipped = st.iloc[:n], sim_scales[:n], sim_skipped[:n]
+    m = min(len(rec), len(sim_scales)) if n else 0  # a live trace may have grown between the reads
     return {
-        "steps": st["step"].to_numpy(),
-        "recorded": st["loss_scale"].to_numpy(dtype=float),
-        "recorded_skipped": st["skipped"].to_numpy(bool),
-        "simulated": sim_scales,
-        "simulated_skipped": sim_skipped,
+        "steps": rec[:m, 0].astype(np.int64),
+        "recorded": rec[:m, 1],
+        "recorded_skipped": rec[:m, 2] > 0,
+        "simulated": sim_scales[:m],
+        "simulated_skipped": sim_skipped[:m],
         "settings": used,
         "engine": engine,
     }
 
 
 # -- compare -----------------------------------------------------------------------------------------------------
-def compare_layers(tr_a, tr_b, stat: str = "absmax_log2", kind: str = "grad_out") -> pd.DataFrame:
-    """Per layer (matched by path): the mean of ``stat`` over steps in both runs and the difference b - a
-    (gradient abs max unscaled, so runs with different loss scales compare)."""
+def compare_layers(tr_a: Trace, tr_b: Trace, stat: str = "absmax_log2", kind: str = "grad_out") -> pd.DataFrame:
+    """Per layer (matched by path): the mean of ``stat`` over the recorded steps in both runs and the difference
+    b - a (output-gradient abs max unscaled, so that runs with different loss scales compare)."""
     out = []
     for tr in (tr_a, tr_b):
-        lm = layer_matrix(tr, stat, kind, unscale=True)
+        m = matrix.layer_matrix(tr, kind, stat, max_cols=400)
+        v = m.values
+        if stat == "absmax_log2" and kind == "grad_out" and len(m.steps):
+            sc = np.array(
+                [
+                    r[0] if r[0] is not None else np.nan
+                    for r in sql(
+                        tr,
+                        f"SELECT {_finite_sql('loss_scale')} FROM steps WHERE step IN "
+                        f"({','.join(map(str, m.steps.tolist()))}) ORDER BY step",
+                    )
+                ],
+                dtype=float,
+            )
+            if len(sc) == v.shape[1]:
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    v = v - np.where(sc > 0, np.log2(np.where(sc > 0, sc, 1.0)), 0.0)[None, :]
         with np.errstate(all="ignore"):
-            v = np.where(np.isfinite(lm.values), lm.values, np.nan)
             means = [np.nanmean(r) if np.isfinite(r).any() else np.nan for r in v]
-        out.append(pd.Series(means, index=lm.labels, dtype=float))
+        out.append(pd.Series(means, index=m.labels, dtype=float))
+    out = [s[~s.index.duplicated()] for s in out]
     df = pd.DataFrame({"a": out[0], "b": out[1]}).dropna(how="all")  # a layer with no value in either run goes
     order = dict.fromkeys([*out[0].index, *out[1].index])  # this run's layer order, then the other's
     df = df.loc[[p for p in order if p in df.index]]
@@ -335,29 +403,45 @@ def compare_layers(tr_a, tr_b, stat: str = "absmax_log2", kind: str = "grad_out"
 
 
 # -- formats: the FP8/FP16/BF16 what-if and the precision-loss probe --------------------------------------------
-def formats_rows(tr, max_rows: int = 200) -> list[dict]:
-    """Per site (activations, output gradients): the share of non-zero values each format would lose (saturated or
-    flushed; FP8 with Transformer Engine's default delayed scaling) and the FP16 headroom, worst E4M3 first."""
+FORMAT_NAMES = {"fp16": "FP16", "bf16": "BF16", "e4m3": "E4M3", "e5m2": "E5M2"}
+
+
+def format_table(tr: Trace) -> pd.DataFrame:
+    """Per site (activations, output gradients), what each format would lose (ampdoctor.whatif.formats_table)."""
     from ampdoctor import whatif
 
-    table = whatif.formats_table(tr)
+    return whatif.formats_table(tr)
+
+
+def default_format(tr: Trace) -> str:
+    """The format the Formats page ranks by: the one the run computes in (FP16 or BF16), else FP16 (what an FP32
+    run would move to first)."""
+    return "bf16" if compute_dtype(tr) == "bfloat16" else "fp16"
+
+
+def formats_rows(table: Any, by: str = "fp16") -> list[dict]:
+    """Per site: the share of non-zero values each format would lose (saturated or flushed; FP8 with Transformer
+    Engine's default delayed scaling) and the headroom, worst in format ``by`` first (every site: the page pages).
+    ``table``: format_table()'s, or a trace."""
+    if not isinstance(table, pd.DataFrame):
+        table = format_table(table)
     if not len(table):
         return []
-    table = table.sort_values("e4m3_lost", ascending=False, na_position="last").head(max_rows)
+    table = table.sort_values(f"{by}_lost", ascending=False, na_position="last", kind="stable")
 
-    def pct(v):
-        return "-" if v != v else f"{100 * v:.2f}%"
+    def pct(v: Any) -> Any:
+        return "–" if v != v else f"{100 * v:.3g}%"
 
-    def binades(v):
-        return "-" if v != v else f"{v:.1f}"
+    def binades(v: Any) -> Any:
+        return "–" if v != v else f"{v:.1f}"
 
     return [
         {
             "layer": r.path,
-            "kind": r.kind,
+            "kind": matrix.KIND_LABELS.get(r.kind, r.kind),
             "dtype": r.dtype,
             "FP16 headroom (binades)": binades(r.fp16_headroom),
-            "BF16 headroom": binades(r.bf16_headroom),
+            "BF16 headroom (binades)": binades(r.bf16_headroom),
             "span (binades)": binades(r.span),
             "FP16 lost": pct(r.fp16_lost),
             "BF16 lost": pct(r.bf16_lost),
@@ -368,28 +452,33 @@ def formats_rows(tr, max_rows: int = 200) -> list[dict]:
     ]
 
 
-def formats_shares(tr, max_rows: int = 40) -> tuple[list, dict]:
-    """(labels, {format: lost shares}) of the sites worst in E4M3, for the formats bar chart."""
+def formats_shares(table: Any, by: str = "fp16", max_rows: int = 40, only: Any = ()) -> tuple[list, dict]:
+    """(labels, {format: lost shares}) of the sites worst in format ``by`` (and the ``only`` layers when given),
+    for the formats bar chart. ``table``: format_table()'s, or a trace (it is computed)."""
     from ampdoctor import whatif
 
-    table = whatif.formats_table(tr)
+    if not isinstance(table, pd.DataFrame):
+        table = format_table(table)
     if not len(table):
         return [], {}
-    table = table.sort_values("e4m3_lost", ascending=False, na_position="last").head(max_rows)
-    labels = [f"{p} ({k})" for p, k in zip(table["path"], table["kind"])]
+    if only:
+        table = table[table["path"].isin(only)]
+    table = table.sort_values(f"{by}_lost", ascending=False, na_position="last", kind="stable").head(max_rows)
+    labels = [f"{p} ({matrix.KIND_LABELS.get(k, k)})" for p, k in zip(table["path"], table["kind"])]
     return labels, {n.upper(): table[f"{n}_lost"].to_numpy(float) for n in whatif.FORMATS}
 
 
-def probe_series(tr, max_layers: int = 12) -> tuple[dict, dict, list[dict]]:
+def probe_series(tr: Trace, max_layers: int = 12, include: Any = ()) -> tuple[dict, dict, list[dict]]:
     """Probe error over steps: ({layer: (steps, rel_err)}, {layer: sqrt(k)*u bound}, per-layer verdicts), the
-    named layers and the largest ratios first."""
+    named layers and the largest ratios first (and the ``include`` layers, whatever their rank)."""
     from ampdoctor.rules import precision
     from ampdoctor.rules.engine import Run as _DiagRun
 
     verdicts = precision.layer_verdicts(_DiagRun(tr))
     pr = tr.probes()
     series, bounds = {}, {}
-    for v in verdicts[:max_layers]:
+    shown = verdicts[:max_layers] + [v for v in verdicts[max_layers:] if v["path"] in include]
+    for v in shown:
         g = pr[pr["path"] == v["path"]]
         series[v["path"]] = (g["step"].to_numpy(), g["rel_err"].to_numpy(float))
         bounds[v["path"]] = v["bound"]

@@ -5,21 +5,21 @@ from __future__ import annotations
 
 import html
 import os
-
-import numpy as np
-import plotly.graph_objects as go
+from typing import TYPE_CHECKING, Any
 
 from ampdoctor.rules import diagnose
 from ampdoctor.trace.run import run_pattern
 
-from . import catalog, figures
-from .report import _fig, finding_html, page
+from . import catalog, figures, series
+from .report import Figures, finding_html, page
+
+if TYPE_CHECKING:
+    from ampdoctor.trace import Trace
 
 MAX_RANK_LINES = 16  # more lines than this are unreadable; the table still lists every rank
-_PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 
 
-def rank_rows(rr) -> list[dict]:
+def rank_rows(rr: Any) -> list[dict]:
     """One row per rank: steps, skipped, non-finite steps, last loss scale, median step time and data wait."""
     rows = []
     for rank, tr in rr.items():
@@ -41,55 +41,46 @@ def rank_rows(rr) -> list[dict]:
     return rows
 
 
-def ranks_figure(series, title: str, y_title: str, log2: bool = False) -> go.Figure:
-    """``series``: list of (rank, steps, values); one line per rank (the first MAX_RANK_LINES)."""
-    fig = go.Figure(layout=dict(figures._LAYOUT, title=title, xaxis_title="step", yaxis_title=y_title))
-    for i, (rank, steps, values) in enumerate(series[:MAX_RANK_LINES]):
-        y = np.asarray(values, dtype=float)
-        if log2:
-            y = np.where(np.isfinite(y) & (y > 0), np.log2(np.where(y > 0, y, 1.0)), np.nan)
-        x, yy = figures.downsample(np.asarray(steps), figures._finite(y))
-        fig.add_scatter(
-            x=x,
-            y=yy,
-            mode="lines",
-            name=f"rank {rank}",
-            line=dict(color=_PALETTE[i % len(_PALETTE)], shape="hv" if log2 else "linear"),
-        )
-    return fig
+def rank_figures(rr: Any) -> list:
+    """Loss, loss scale (log2), step time and data wait of every rank (the first MAX_RANK_LINES), one figure each,
+    from each rank's downsampled steps (extremes kept)."""
+    per = [(rank, series.read(tr, summary=_summary(tr))) for rank, tr in list(rr.items())[:MAX_RANK_LINES]]
 
-
-def rank_figures(rr) -> list:
-    """Loss, loss scale (log2), step time and data wait of every rank, one figure each."""
-    per = [(rank, tr.steps()) for rank, tr in rr.items()]
-
-    def series(col):
-        return [(rank, st["step"], st[col]) for rank, st in per]
+    def lines(col: str) -> Any:
+        return [(rank, *s.envelope(col)) for rank, s in per]
 
     return [
-        ranks_figure(series("loss"), "Loss per rank", "loss"),
-        ranks_figure(series("loss_scale"), "Loss scale per rank (log2)", "log2 loss scale", log2=True),
-        ranks_figure(series("step_time"), "Step time per rank", "seconds"),
-        ranks_figure(series("data_time"), "Data wait per rank", "seconds"),
+        figures.ranks_figure(lines("loss"), "Loss per rank", "loss"),
+        figures.ranks_figure(lines("loss_scale"), "Loss scale per rank", "loss scale", log2=True),
+        figures.ranks_figure(lines("step_time"), "Step time per rank", "seconds"),
+        figures.ranks_figure(lines("data_time"), "Data wait per rank", "seconds"),
     ]
+
+
+def _summary(tr: Trace) -> Any:
+    sm = series.StepSummary()
+    sm.update(tr)
+    return sm
 
 
 def _table(rows: list[dict]) -> str:
     head = "".join(f"<th>{html.escape(k)}</th>" for k in rows[0])
     body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in r.values()) + "</tr>" for r in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
+    return f'<table class="data-table"><tr>{head}</tr>{body}</table>'
 
 
-def build_rank_report(rr, reference=None) -> str:
+def build_rank_report(rr: Any, reference: Trace | None = None) -> str:
     """The report of a multi-rank run as one HTML string: ranks, findings (naming their ranks), figures."""
     found = diagnose(rr, reference=reference) if any(tr.n_steps for tr in rr) else []
     fhtml = "\n".join(finding_html(d) for d in found) or "<p>No findings: nothing in these traces trips a rule.</p>"
     missing = f"<p class=bad>No trace for rank(s) {', '.join(map(str, rr.missing))}.</p>" if rr.missing else ""
-    figs = "\n".join(f"<div>{_fig(f)}</div>" for f in rank_figures(rr))
+    figs = Figures()
+    for i, f in enumerate(rank_figures(rr)):
+        figs.add(f"fig-ranks-{i}", f.layout.title.text, f)
     name = os.path.basename(run_pattern(rr[rr.ranks[0]].path))
     body = f"""<h2>Ranks</h2>{_table(rank_rows(rr))}{missing}
 <h2>Findings</h2>{fhtml}
-<h2>Figures</h2>{figs}
+<h2>Figures</h2>{figs.html()}
 <p>Each rank's own report: <code>ampdoctor report {html.escape(rr[rr.ranks[0]].path)}</code>.</p>"""
     return page(
         f"ampdoctor report — {len(rr)} ranks of {html.escape(name)}",
@@ -99,7 +90,7 @@ def build_rank_report(rr, reference=None) -> str:
     )
 
 
-def default_output(rr) -> str:
+def default_output(rr: Any) -> str:
     """``runs/exp-0.db, runs/exp-1.db`` -> ``runs/exp-ranks.html``."""
     stem = os.path.splitext(rr[rr.ranks[0]].path)[0]
     base = catalog.RANK_SUFFIX.sub("", stem)
@@ -107,7 +98,7 @@ def default_output(rr) -> str:
     return (base or stem) + "-ranks.html"
 
 
-def write_rank_report(rr, out: str, reference=None) -> str:
+def write_rank_report(rr: Any, out: str, reference: Trace | None = None) -> str:
     text = build_rank_report(rr, reference)
     with open(out, "w", encoding="utf-8") as f:
         f.write(text)

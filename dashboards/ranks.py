@@ -1,5 +1,5 @@
 """The dashboard's view of distributed runs: per-rank traces grouped by the rank in their metadata (also when the
-file name carries only a number, as ``{rank}`` makes it), and the rank rules' findings of a run's group."""
+file name carries only a number, as ``{rank}`` makes it); the rank rules run with the diagnosis (diagjob)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import os
 import re
 from dataclasses import replace
 
-from ampdoctor.rules.multirank import rank_findings
-from ampdoctor.trace import TraceError, load
-from ampdoctor.trace.run import RankRun
+from ampdoctor.trace import TraceError
+
+from . import server
 
 _TRAILING_NUMBER = re.compile(r"[._-]?\d+$")
 
@@ -18,11 +18,9 @@ def _rank_meta(path: str, cache: dict) -> tuple[int, int] | None:
     """(rank, world size) from a trace's metadata, read once per file; None when unreadable or not distributed."""
     if path not in cache:
         try:
-            tr = load(path)
-            try:
-                run = tr.meta.get("run", {}) or {}
-            finally:
-                tr.close()
+            run = server.checked_meta(path).get("run") or {}  # checked once; the first request reuses it
+            if not isinstance(run, dict) or not run:
+                return None  # a trace just created: its run entry is not written yet; asked again at the next scan
             rank, world = run.get("rank"), run.get("world_size")
             ok = isinstance(rank, int) and isinstance(world, int) and world > 1
             cache[path] = (rank, world) if ok else None
@@ -46,17 +44,3 @@ def with_ranks(runs: dict, cache: dict, files: set | None = None) -> dict:
                 run = replace(run, group=stem[: m.start()] or stem, rank=meta[0])
         out[key] = run
     return out
-
-
-def group_findings(ctx, key: str) -> list:
-    """The rank rules over the ranks of the run ``key`` belongs to ([] for a run of one rank)."""
-    me = ctx.resolve(key)
-    if me is None or me.rank is None:
-        return []
-    peers = {r.rank: r for k, r in ctx.runs().items() if r.group == me.group and r.rank is not None}
-    if len(peers) < 2:
-        return []
-    traces = {rank: ctx.trace(r.key) for rank, r in peers.items()}
-    if any(t is None or not t.n_steps for t in traces.values()):
-        return []
-    return rank_findings(RankRun(me.group, traces, max(traces) + 1))

@@ -24,7 +24,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import IO, TYPE_CHECKING, Any, Union
 
 from flask import Response
@@ -238,11 +238,52 @@ def open_trace(path: str, limit_s: float = QUERY_LIMIT_S) -> Trace:
     on interrupted after ``limit_s`` seconds (a TraceError: the view says so)."""
     before = Identity.of(path)
     tr = load(path)
-    guard = _Guard(before, _schema_cookie(tr), time.monotonic(), limit_s)
+    return _guarded(tr, _Guard(before, _schema_cookie(tr), time.monotonic(), limit_s))
+
+
+_TEMPLATES: dict = {}  # real path -> the Trace this process last opened and checked there (used under the lock only)
+_TEMPLATES_LOCK = threading.Lock()
+
+
+def _template(real: str) -> Trace:
+    """The checked Trace of ``real`` while renew holds, else one opened and checked now (the caller holds the lock,
+    so a replaced one is closed while nobody reads it: no descriptor is left on a replaced file)."""
+    tr = _TEMPLATES.get(real)
+    if tr is not None and renew(tr):
+        return tr
+    new = open_trace(real)
+    if tr is not None:
+        tr.close()
+    _TEMPLATES[real] = new
+    return new
+
+
+def check(path: str) -> None:
+    """Check the trace at ``path`` (TraceError when it cannot be read) and keep it: the reader's checks (seconds on a
+    long run) run once per file per process however many parts ask (the command's argument check, the rank scan,
+    the first request), and again when the file was replaced or changed REVALIDATE_S ago."""
+    with _TEMPLATES_LOCK:
+        _template(os.path.realpath(path))
+
+
+def checked_meta(path: str) -> dict:
+    """The metadata of the checked trace at ``path`` (see check)."""
+    with _TEMPLATES_LOCK:
+        return _template(os.path.realpath(path)).meta
+
+
+def open_checked(path: str) -> Trace:
+    """A Trace of ``path`` on a connection of its own (for one thread at a time), with the limits of open_trace,
+    reopened from the checked one (see check) without the reader's checks again."""
+    with _TEMPLATES_LOCK:
+        tr = _template(os.path.realpath(path))
+        return _guarded(tr.reopen(), replace(_GUARDS[tr], started=math.inf))
+
+
+def _guarded(tr: Trace, guard: _Guard) -> Trace:
     _GUARDS[tr] = guard
-    # the reader has no public handle on its connection: its statements are timed here, where the server needs it
-    tr._conn.set_trace_callback(guard.started_now)  # called as each statement starts
-    tr._conn.set_progress_handler(guard.too_long, _PROGRESS_OPS)  # called as it runs; True interrupts it
+    tr.connection.set_trace_callback(guard.started_now)  # called as each statement starts
+    tr.connection.set_progress_handler(guard.too_long, _PROGRESS_OPS)  # called as it runs; True interrupts it
     return tr
 
 
@@ -268,6 +309,6 @@ def generation(tr: Trace) -> tuple:
 def _schema_cookie(tr: Trace) -> int:
     """SQLite's schema version of the file now (-1 when it cannot be read): any change to a table or view bumps it."""
     try:
-        return int(tr._conn.execute("PRAGMA schema_version").fetchone()[0])
+        return int(tr.connection.execute("PRAGMA schema_version").fetchone()[0])
     except sqlite3.Error:
         return -1

@@ -12,7 +12,6 @@ import sys
 
 from ..dashboards import hosts
 from ..dashboards.hosts import is_loopback
-from ..trace import load
 from ..trace.run import is_multi, load_run
 from .common import EXIT_OK, UsageError
 
@@ -57,12 +56,14 @@ def check(args: argparse.Namespace) -> None:
         raise UsageError(f"ampdoctor serve: {args.path}: no such file or directory")
     if not (os.path.isfile(args.path) or os.path.isdir(args.path)):
         raise UsageError(f"ampdoctor serve: {args.path}: not a regular file or a directory")
+    from ..dashboards import server  # the checked file is kept: the server reads it without checking it again
+
     if os.path.isfile(args.path):
-        load(args.path).close()  # TraceError (one line, exit 2) on a bad file
+        server.check(args.path)  # TraceError (one line, exit 2) on a bad file
     if args.reference:
         if not os.path.isfile(args.reference):
             raise UsageError(f"ampdoctor serve: --reference {args.reference}: no such file")
-        load(args.reference).close()
+        server.check(args.reference)
     if not 0 < args.port < 65536:
         raise UsageError(f"ampdoctor serve: --port {args.port}: not a port number")
     if not MIN_POLL_S <= args.poll <= MAX_POLL_S:  # NaN too

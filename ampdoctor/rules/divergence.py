@@ -17,7 +17,7 @@ from ..trace.schema import ROOT
 from . import advice as A
 from .result import Diagnosis, RunView, finding
 from .scaling import forward_nonfinite_steps, nonfinite_origins
-from .weights import NO_FAN_IN, _fan_in
+from .weights import NO_FAN_IN, fan_in
 
 FP16 = formats.FP16
 
@@ -224,7 +224,7 @@ def _update_ratio(run: RunView, first: int, b: Blowup) -> None:
     w_col = {p: j for j, p in enumerate(ws["path"])}
     best = None
     for j, s in enumerate(ups.itertuples()):
-        fan = _fan_in(s.shape)
+        fan = fan_in(s.shape)
         if not fan or types.get(s.module) in NO_FAN_IN:
             continue
         rows = [r for r in np.flatnonzero(np.isfinite(u_rms[:first, j])) if not skipped[r]]

@@ -116,6 +116,9 @@ def _fan_in(shape: str) -> int | None:
     return int(np.prod(dims[1:]))
 
 
+fan_in = _fan_in  # public: rules/divergence.py reads it
+
+
 def grad_range_anomaly(
     run: RunView, *, grad_decades: float = GRAD_DECADES, weight_decades: float = WEIGHT_DECADES
 ) -> Diagnosis | None:

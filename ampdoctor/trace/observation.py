@@ -13,6 +13,7 @@ _LEVEL_NAMES = {
     schema.LEVEL_FULL: "full statistics",
     schema.LEVEL_HIST: "full statistics + histograms",
 }
+LEVEL_NAMES = _LEVEL_NAMES  # public: the dashboard's observation line reads it
 
 
 def observer_cost(steps) -> dict | None:

@@ -8,6 +8,7 @@ shallow), every allocation is sized by rows that exist, and whatever else is wro
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import sqlite3
 
@@ -70,6 +71,24 @@ class Trace:
 
     def close(self) -> None:
         self._conn.close()
+
+    @property
+    def connection(self) -> sqlite3.Connection:
+        """The read-only SQLite connection, for callers that query the file themselves (the dashboard's range
+        queries, and its time limit on each statement)."""
+        return self._conn
+
+    def reopen(self) -> Trace:
+        """Another Trace of this file on a connection of its own (for another thread), without the checks again:
+        they read every table and were done when this one was opened. The caller makes sure it is still the same
+        file."""
+        clone = copy.copy(self)
+        try:
+            clone._conn, _app_id, _version = files.connect(self.path)
+        except (sqlite3.DatabaseError, OSError) as exc:
+            raise TraceError(f"{self.path}: corrupt or unreadable trace ({exc})") from None
+        clone._snapshot_depth = 0
+        return clone
 
     @contextlib.contextmanager
     def snapshot(self):

@@ -1,47 +1,182 @@
-"""Helpers shared by the pages: URLs, the run of a request, finding cards."""
+"""What the pages share: URLs and the view state they carry, charts with their data download, tables, finding
+cards with their evidence links, and the line that says what runs in the background."""
 
 from __future__ import annotations
 
+import math
 import re
+from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import parse_qs, urlencode
 
 from dash import dcc, html
 
-from .. import diagnosis
+from .. import diagnosis, evidence, figures, ids
+
+if TYPE_CHECKING:
+    import dash
+
+    from ampdoctor.rules.result import Diagnosis
+
+    from ..context import Context
 
 SEVERITY_COLORS = {"critical": "#d62728", "warning": "#ff7f0e", "info": "#1f77b4"}
-GRAPH_CONFIG = {"displaylogo": False}
+GRAPH_CONFIG = figures.GRAPH_CONFIG
 
 
+# -- URLs ------------------------------------------------------------------------------------------------------
 def parse_search(search: str | None) -> dict:
+    """The URL's parameters, the first value of each."""
     q = parse_qs((search or "").lstrip("?"))
     return {k: v[0] for k, v in q.items() if v}
 
 
-def href(path: str, run: str | None, **params) -> str:
-    q = {"run": run, **params} if run else params
-    q = {k: v for k, v in q.items() if v is not None}
-    return path + ("?" + urlencode(q) if q else "")
+def parse_all(search: str | None, key: str) -> list[str]:
+    """Every value of a repeated URL parameter (``sel=a&sel=b``)."""
+    return parse_qs((search or "").lstrip("?")).get(key, [])
 
 
-def run_of(ctx, search: str | None) -> str | None:
+def href(path: str, run: str | None, params: Any = (), **kw: Any) -> str:
+    """``path?run=...&...``: ``params`` as (key, value) pairs (keys may repeat), then ``kw``; None values left out."""
+    pairs = ([("run", run)] if run else []) + list(params) + list(kw.items())
+    pairs = [(k, v) for k, v in pairs if v is not None and v != ""]
+    return path + ("?" + urlencode(pairs) if pairs else "")
+
+
+def run_of(ctx: Context, search: str | None) -> str | None:
     """The run key a request is about (the URL's, else the first run); None when it names no served trace."""
     run = parse_search(search).get("run") or ctx.default_key()
     return run if ctx.resolve(run) is not None else None
 
 
-def graph(id_: str, **kw) -> dcc.Graph:
-    return dcc.Graph(id=id_, config=GRAPH_CONFIG, **kw)
+def number(v: Any, default: Any = None) -> Any:
+    """A URL parameter as a finite float, else ``default``."""
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return default
+    return f if math.isfinite(f) else default
 
 
-def site_links(tr) -> dict:
-    """Layer path -> site id of its detail page (grad_out preferred: that is where underflow shows)."""
-    out: dict = {}
-    sites = tr.sites()
-    for kind in ("param_grad", "act", "grad_out"):
-        for s in sites[sites["kind"] == kind].itertuples():
-            out[str(s.path)] = int(s.id)
-    return out
+def step_range(query: dict) -> tuple[int, int] | None:
+    """The zoom a URL carries (x0, x1), or None."""
+    a, b = number(query.get("x0")), number(query.get("x1"))
+    if a is None or b is None:
+        return None
+    a, b = int(a), int(b)
+    return (a, b) if a <= b else (b, a)
+
+
+def highlight(query: dict) -> tuple[int, int] | None:
+    """The finding steps a URL outlines ("hl=a-b"), or None."""
+    m = re.fullmatch(r"\s*(\d{1,12})\s*-\s*(\d{1,12})\s*", str(query.get("hl") or ""))
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def zoom_store(page: str, query: dict) -> dcc.Store:
+    """The page's shared zoom, seeded from the URL."""
+    r = step_range(query)
+    return dcc.Store(id=ids.ZOOMS[page], data={"x0": r[0], "x1": r[1]} if r else None)
+
+
+def zoom_pairs(zoom: Any) -> list:
+    r = zoom_range(zoom)
+    return [("x0", r[0]), ("x1", r[1])] if r else []
+
+
+def link_zoom(app: dash.Dash, page: str, reset_id: str | None = None) -> None:
+    """Zooming any step chart of ``page`` zooms them all (a double click resets): a clientside callback
+    (assets/ampdoctor.js) writes the page's zoom store, which the page's figure callbacks take as input."""
+    from dash import ClientsideFunction, Input, Output, State
+
+    inputs = [Input(g, "relayoutData") for g in ids.STEP_GRAPHS[page]]
+    if reset_id is not None:
+        inputs.append(Input(reset_id, "n_clicks"))
+    app.clientside_callback(
+        ClientsideFunction("ampdoctor", "zoom"),
+        Output(ids.ZOOMS[page], "data", allow_duplicate=True),
+        *inputs,
+        State(ids.ZOOMS[page], "data"),
+        prevent_initial_call=True,
+    )
+
+
+def write_state(app: dash.Dash, inputs: list, pairs_fn: Callable, keep: tuple = ("hl", "sel")) -> None:
+    """Keep the address bar in step with a view: ``pairs_fn(run, *values)`` -> the view's URL parameters; the
+    ``keep`` parameters of the link that opened the view (a finding's steps and layers) stay."""
+    from dash import Output, State
+
+    @app.callback(
+        Output(ids.URL_STATE, "search", allow_duplicate=True),
+        *inputs,
+        State(ids.URL, "search"),
+        prevent_initial_call=True,
+    )
+    def _state(*args: Any) -> Any:
+        *values, search = args
+        run = parse_search(search).get("run")
+        q = parse_qs((search or "").lstrip("?"))
+        kept = [(k, v) for k in keep for v in q.get(k, [])]
+        return state_search(run, list(pairs_fn(run, *values)) + kept)
+
+
+def zoom_range(zoom: Any) -> tuple[int, int] | None:
+    if not isinstance(zoom, dict):
+        return None
+    a, b = number(zoom.get("x0")), number(zoom.get("x1"))
+    if a is None or b is None:
+        return None
+    return (math.floor(min(a, b)), math.ceil(max(a, b)))
+
+
+def state_search(run: str | None, pairs: Any) -> str:
+    """The address bar's query for a view: the run, then the view's settings in a fixed order."""
+    return "?" + urlencode([("run", run)] + [(k, v) for k, v in pairs if v is not None and v != ""]) if run else ""
+
+
+def uirevision(run: Any, *parts: Any) -> str:
+    """One value per view: while it stays the same, the browser keeps the user's zoom and legend toggles on
+    every figure the server sends again (live updates)."""
+    return "|".join(str(p) for p in (run, *parts))
+
+
+# -- pieces of a page ------------------------------------------------------------------------------------------
+def graph(id_: str, **kw: Any) -> html.Div:
+    """A chart with a "CSV" button that downloads what it shows (in the browser, from the figure's data)."""
+    return html.Div(
+        [
+            html.Button(
+                "CSV", className="csv-download", title="download the data this chart shows (CSV)", **{"data-graph": id_}
+            ),
+            dcc.Graph(id=id_, config=GRAPH_CONFIG, **kw),
+        ],
+        className="chart",
+    )
+
+
+def table(
+    rows: list[dict], id_: Any = None, bad_col: str | None = "verdict", highlight: Any = (), key_col: str | None = None
+) -> Any:
+    """A data table with a "CSV" button; rows whose ``key_col`` is in ``highlight`` are outlined."""
+    if not rows:
+        return html.P("nothing recorded", id=id_) if id_ else html.P("nothing recorded")
+    head = html.Tr([html.Th(k) for k in rows[0]])
+    body = []
+    for r in rows:
+        cells = [
+            html.Td(str(v), className="bad" if k == bad_col and v not in ("ok", "", "–") else None)
+            for k, v in r.items()
+        ]
+        body.append(html.Tr(cells, className="highlight" if key_col and r.get(key_col) in highlight else None))
+    kw = {"id": id_} if id_ else {}
+    return html.Div(
+        [
+            html.Button(
+                "CSV", className="csv-download", title="download this table (CSV)", **{"data-table": id_ or ""}
+            ),
+            html.Table([html.Thead(head), html.Tbody(body)], className="data-table", **kw),
+        ],
+        className="table-wrap",
+    )
 
 
 def prose(text: str) -> list:
@@ -56,87 +191,120 @@ def prose(text: str) -> list:
     return paras
 
 
-def finding_card(d, run: str, links: dict):
+def status_line(ctx: Context, run: str) -> Any:
+    """What runs in the background for this run, in words and seconds; the last error when it failed."""
+    parts = []
+    st = ctx.diagnosis_state(run)
+    if st is not None:
+        if st.running:
+            what = "diagnosing again" if st.value is not None else "diagnosing"
+            parts.append(html.Span(f"{what}: {st.elapsed():.0f} s", className="busy", id="diagnosis-status"))
+        elif st.error and not st.current:
+            parts.append(html.Span(f"diagnosis failed: {st.error}", className="bad", id="diagnosis-status"))
+    _, sm_state = ctx.summary(run)
+    if sm_state is not None and sm_state.running:
+        parts.append(html.Span(f"summarising every step: {sm_state.elapsed():.0f} s", className="busy"))
+    return parts or None
+
+
+def _resolve(ctx: Context, run: str, link: evidence.Link) -> str:
+    """The run key a link opens: the finding's own run, or the trace of the rank it names."""
+    if link.rank is None:
+        return run
+    return ctx.peers(run).get(link.rank, run)
+
+
+def link_href(ctx: Context, run: str, link: evidence.Link) -> str:
+    return href(link.page, _resolve(ctx, run, link), link.query())
+
+
+def finding_card(d: Diagnosis, run: str, ctx: Context, layer_links: bool = True) -> Any:
+    """A finding: severity, rule, title, summary, its layers and steps as links to the views that show them, the
+    evidence rows (labelled), the views that prove it, and the fix (code copyable)."""
     sev = str(getattr(d, "severity", "info"))
     color = SEVERITY_COLORS.get(sev, "#888")
-    layers = [str(p) for p in (getattr(d, "layers", None) or [])]
-    layer_els = []
-    for i, p in enumerate(layers):
-        layer_els.append(
-            dcc.Link(p, href=href("/layer", run, site=links[p]), className="culprit")
-            if p in links
-            else html.Code(p, className="culprit")
+    culprits = []
+    for i, link in enumerate(evidence.culprit_links(d)[:12] if layer_links else []):
+        culprits.append(dcc.Link(link.layer, href=link_href(ctx, run, link), className="culprit"))
+        if i < len(d.layers) - 1:
+            culprits.append(", ")
+    if layer_links and len(d.layers) > 12:
+        culprits.append(f"… ({len(d.layers)} layers in all)")
+    views = evidence.links(d)
+    steps = diagnosis.steps_label(d)
+    step_el = None
+    if steps:
+        target = next((v for v in views if dict(v.params).get("hl")), None)
+        step_el = (
+            dcc.Link(steps, href=link_href(ctx, run, target), className="finding-steps")
+            if target
+            else html.Span(steps, className="finding-steps")
         )
-        if i < len(layers) - 1:
-            layer_els.append(", ")
-    steps = getattr(d, "steps", None)
-    ev = diagnosis.evidence_items(d)
     rec = []
     for kind, chunk in diagnosis.fix_parts(d):
         if kind == "code":
             rec.append(
                 html.Div(
                     [
-                        dcc.Clipboard(content=chunk, title="copy", style={"float": "right", "cursor": "pointer"}),
-                        html.Pre(html.Code(chunk), style={"background": "#f6f8fa", "padding": "0.5em"}),
-                    ]
+                        dcc.Clipboard(content=chunk, title="copy", className="copy"),
+                        html.Pre(html.Code(chunk)),
+                    ],
+                    className="code",
                 )
             )
         else:
             rec.extend(prose(chunk))
+    ev = diagnosis.evidence_items(d)
     return html.Div(
         [
             html.Div(
                 [
-                    html.Span(
-                        sev.upper(),
-                        className="severity",
-                        style={"color": color, "fontWeight": "bold", "marginRight": "0.8em"},
-                    ),
+                    html.Span(sev.upper(), className="severity", style={"color": color}),
                     html.Code(str(d.rule), className="rule-id"),
-                    html.Span(diagnosis.ranks_label(d), className="ranks", style={"marginLeft": "0.8em"}),
+                    html.Span(diagnosis.ranks_label(d), className="ranks"),
                 ]
             ),
-            html.H4(str(d.title), style={"margin": "0.3em 0"}),
+            html.H4(str(d.title)),
             html.P(str(getattr(d, "summary", "") or "")),
             html.P(
                 [
-                    html.B("Layers: "),
-                    *(layer_els or ["-"]),
-                    f"  (steps {steps[0]}–{steps[1]})" if steps and len(steps) == 2 else "",
+                    *([html.B("Layers: "), *culprits, " "] if culprits else []),
+                    *([html.B("Steps: "), step_el] if step_el is not None else []),
                 ]
-            ),
-            html.Table(
-                [html.Tr([html.Th(k, style={"textAlign": "left", "paddingRight": "1em"}), html.Td(v)]) for k, v in ev]
             )
-            if ev
+            if culprits or step_el is not None
             else None,
+            html.Div(
+                [html.B("Evidence: ")]
+                + [dcc.Link(v.label, href=link_href(ctx, run, v), className="evidence-link") for v in views],
+                className="evidence-links",
+            )
+            if views
+            else None,
+            html.Table([html.Tr([html.Th(k), html.Td(v)]) for k, v in ev], className="evidence") if ev else None,
             html.Details([html.Summary("Recommendation"), *rec], open=True),
         ],
         className=f"finding finding-{sev}",
-        style={
-            "border": "1px solid #ddd",
-            "borderLeft": f"6px solid {color}",
-            "borderRadius": "4px",
-            "padding": "0.5em 1em",
-            "margin": "0.6em 0",
-        },
+        style={"borderLeftColor": color},
     )
 
 
-def table(rows: list[dict], id_=None):
-    if not rows:
-        return html.P("nothing recorded", id=id_) if id_ else html.P("nothing recorded")
-    cell = {"border": "1px solid #ddd", "padding": "0.2em 0.6em", "textAlign": "left"}
-    head = html.Tr([html.Th(k, style=cell) for k in rows[0]])
-    body = [
-        html.Tr(
-            [
-                html.Td(str(v), style=dict(cell, color="#d62728") if k == "verdict" and v != "ok" else cell)
-                for k, v in r.items()
-            ]
-        )
-        for r in rows
-    ]
-    kw = {"id": id_} if id_ else {}
-    return html.Table([head, *body], style={"borderCollapse": "collapse"}, **kw)
+def pager(id_: str, page: int = 1) -> dcc.Dropdown:
+    """The page picker of a long list (its options set by the list's callback: pager_options)."""
+    return dcc.Dropdown(
+        id=id_,
+        options=[{"label": "page 1", "value": 1}],
+        value=page,
+        clearable=False,
+        className="pager-pick",
+        searchable=False,
+    )
+
+
+def pager_options(page: Any, total: int, per: int) -> tuple[list, int, str]:
+    """(options, the page shown, "51-100 of 1,000"): nothing is cut without saying so."""
+    pages = max(1, -(-total // per))
+    page = min(max(1, int(number(page, 1))), pages)
+    a, b = (page - 1) * per + 1, min(total, page * per)
+    words = f"{a:,}–{b:,} of {total:,}" if total else "none"
+    return [{"label": f"page {i} of {pages}", "value": i} for i in range(1, pages + 1)], page, words

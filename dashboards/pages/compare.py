@@ -1,23 +1,32 @@
-"""Compare: loss curves and per-layer statistic differences of this run and a reference (or another run)."""
+"""Compare: loss curves (zoomed together, a run without a finite loss named, never silently missing) and
+per-layer statistic differences of this run and a reference (or another run)."""
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, Any
 
 from dash import Input, Output, State, dcc, html
 
-from .. import catalog, data, figures, ids
-from .common import graph, run_of
+from .. import catalog, data, figures, ids, matrix
+from .common import graph, link_zoom, run_of, uirevision, write_state, zoom_pairs, zoom_range, zoom_store
+
+if TYPE_CHECKING:
+    import dash
+
+    from ..context import Context
+
+PAGE = "/compare"
 
 
-def _choices(ctx, run):
+def _choices(ctx: Context, run: Any) -> list:
     opts = [{"label": catalog.run_label(r), "value": k} for k, r in ctx.runs().items() if k != run]
     if ctx.reference_path and run != "reference":
         opts.insert(0, {"label": "reference: " + os.path.basename(ctx.reference_path), "value": "reference"})
     return opts
 
 
-def layout(ctx, run: str, query: dict):
+def layout(ctx: Context, run: str, query: dict) -> Any:
     opts = _choices(ctx, run)
     if not opts:
         return html.Div(
@@ -29,6 +38,9 @@ def layout(ctx, run: str, query: dict):
                 ),
             ]
         )
+    values = [o["value"] for o in opts]
+    other = query.get("other") if query.get("other") in values else values[0]
+    stat = query.get("stat") if query.get("stat") in matrix.STATS else "absmax_log2"
     return html.Div(
         [
             html.H2("Compare"),
@@ -37,47 +49,49 @@ def layout(ctx, run: str, query: dict):
                     html.Div(
                         [
                             html.Label("compare with"),
-                            dcc.Dropdown(id=ids.COMPARE_OTHER, options=opts, value=opts[0]["value"], clearable=False),
+                            dcc.Dropdown(id=ids.COMPARE_OTHER, options=opts, value=other, clearable=False),
                         ],
-                        style={"width": "360px"},
+                        className="control wide",
                     ),
                     html.Div(
                         [
-                            html.Label("statistic (grad_out, unscaled)"),
+                            html.Label("per-layer statistic (output gradients, unscaled)"),
                             dcc.Dropdown(
                                 id=ids.COMPARE_STAT,
-                                value="absmax_log2",
+                                value=stat,
                                 clearable=False,
-                                options=[{"label": v, "value": k} for k, v in data.STATS.items()],
+                                options=[{"label": s.label, "value": k} for k, s in matrix.STATS.items()],
                             ),
                         ],
-                        style={"width": "260px"},
+                        className="control wide",
                     ),
                 ],
-                style={"display": "flex", "gap": "1.5em"},
+                className="controls",
             ),
+            zoom_store(PAGE, query),
             graph(ids.COMPARE_LOSS),
             graph(ids.COMPARE_LAYERS),
         ]
     )
 
 
-def update(ctx, other, stat, version, search):
+def update(ctx: Context, other: Any, stat: Any, version: Any, search: str | None, zoom: Any = None) -> Any:
     """The callback's work, as a plain function (the tests call it on every kind of trace)."""
     run = run_of(ctx, search)
-    a, b = ctx.trace(run), ctx.trace(other)
-    if a is None or b is None or stat not in data.STATS:
+    a, b = (ctx.trace(run) if run else None), ctx.trace(other)
+    if a is None or b is None or stat not in matrix.STATS:
         return {}, {}
-    sa, sb = a.steps(), b.steps()
+    r = zoom_range(zoom)
     names = (catalog.run_label(ctx.resolve(run)), catalog.run_label(ctx.resolve(other)))
-    cmp = data.compare_layers(a, b, stat, "grad_out")
+    sa, sb = ctx.steps(run, *(r or (None, None))), ctx.steps(other, *(r or (None, None)))
+    cmp = ctx.cached(run, ("compare", other, stat), lambda t: data.compare_layers(t, b, stat, "grad_out"))
     return (
-        figures.compare_loss_figure([(names[0], sa["step"], sa["loss"]), (names[1], sb["step"], sb["loss"])]),
-        figures.compare_layers_figure(cmp.index, cmp["a"], cmp["b"], names, data.STATS[stat]),
+        figures.compare_loss_figure([(names[0], sa), (names[1], sb)], x_range=r, uirevision=uirevision(run, PAGE)),
+        figures.compare_layers_figure(cmp.index, cmp["a"], cmp["b"], names, matrix.STATS[stat].label),
     )
 
 
-def register(app, ctx) -> None:
+def register(app: dash.Dash, ctx: Context) -> None:
     @app.callback(
         Output(ids.COMPARE_LOSS, "figure"),
         Output(ids.COMPARE_LAYERS, "figure"),
@@ -85,6 +99,14 @@ def register(app, ctx) -> None:
         Input(ids.COMPARE_STAT, "value"),
         Input(ids.VERSION, "data"),
         State(ids.URL, "search"),
+        Input(ids.ZOOMS[PAGE], "data"),
     )
-    def _update(*args):
-        return update(ctx, *args)
+    def _update(other: Any, stat: Any, version: Any, search: str | None, zoom: Any) -> Any:
+        return update(ctx, other, stat, version, search, zoom)
+
+    link_zoom(app, PAGE)
+    write_state(
+        app,
+        [Input(ids.COMPARE_OTHER, "value"), Input(ids.COMPARE_STAT, "value"), Input(ids.ZOOMS[PAGE], "data")],
+        lambda run, other, stat, zoom: [("other", other), ("stat", stat), *zoom_pairs(zoom)],
+    )

@@ -128,3 +128,137 @@ def hostile(tmp_path_factory, tracker):
     path = tmp_path_factory.mktemp("hostile") / "hostile.db"
     runs.train(model, 4, precision="fp16", scaler=False, trace=str(path))  # GradScaler refuses FP16 weights
     return path, name
+
+
+# -- one Chromium for the session, apps served on real threaded servers ------------------------------------------
+class Browser:
+    """A headless Chromium (one per session) and the apps it visits, each on a werkzeug threaded server as
+    ``ampdoctor serve`` runs it. Figures are read from the page (plotly's own data), never from pixels."""
+
+    def __init__(self):
+        from selenium import webdriver
+
+        opts = pytest_setup_options()
+        opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+        self.driver = webdriver.Chrome(options=opts)
+        self.driver.set_window_size(1400, 1000)
+        self._servers = []
+
+    def serve(self, app) -> str:
+        """Serve ``app`` on 127.0.0.1 (a port of its own) until the session ends; its base URL."""
+        import threading
+
+        from werkzeug.serving import make_server
+
+        srv = make_server("127.0.0.1", 0, app.server, threaded=True)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        self._servers.append(srv)
+        return f"http://127.0.0.1:{srv.server_port}"
+
+    def open(self, url: str) -> None:
+        self.driver.get(url)
+
+    def wait(self, condition, timeout: float = 30.0, what: str = ""):
+        """Poll ``condition()`` (JS errors and missing elements count as not yet) until it is truthy."""
+        import time
+
+        from selenium.common.exceptions import WebDriverException
+
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            try:
+                value = condition()
+                if value:
+                    return value
+            except (WebDriverException, KeyError, IndexError, TypeError, StopIteration, ValueError) as exc:
+                last = exc
+            time.sleep(0.15)
+        raise AssertionError(f"timed out waiting for {what or condition} ({last})")
+
+    def css(self, selector: str):
+        from selenium.webdriver.common.by import By
+
+        return self.driver.find_elements(By.CSS_SELECTOR, selector)
+
+    def text(self, selector: str) -> str:
+        els = self.css(selector)
+        return els[0].text if els else ""
+
+    def figure(self, graph_id: str) -> dict | None:
+        """The figure a dcc.Graph shows, as plotly holds it in the page ({"data": [...], "layout": {...}}), arrays
+        decoded; None before it is drawn."""
+        fig = self.driver.execute_script(
+            """
+            var host = document.getElementById(arguments[0]);
+            var gd = host && (host.classList.contains('js-plotly-plot') ? host : host.querySelector('.js-plotly-plot'));
+            if (!gd || !gd.data || !gd._fullLayout) return null;
+            function L(v) {
+              if (v === null || v === undefined) return v;
+              if (v.bdata) return {bdata: v.bdata, dtype: v.dtype, shape: v.shape};
+              if (ArrayBuffer.isView(v)) return Array.from(v, Number);
+              if (Array.isArray(v)) return v.map(L);
+              return v;
+            }
+            var data = gd.data.map(function (t) {
+              return {name: t.name, type: t.type, meta: t.meta || null, x: L(t.x), y: L(t.y), z: L(t.z),
+                      opacity: t.opacity, line: t.line || null, yaxis: t.yaxis || null};
+            });
+            var lay = gd.layout;
+            return {data: data, layout: {xaxis: {range: gd._fullLayout.xaxis && gd._fullLayout.xaxis.range,
+                                                 type: gd._fullLayout.xaxis && gd._fullLayout.xaxis.type},
+                                         yaxis: {type: gd._fullLayout.yaxis && gd._fullLayout.yaxis.type,
+                                                 ticktext: lay.yaxis && lay.yaxis.ticktext,
+                                                 tickvals: L(lay.yaxis && lay.yaxis.tickvals)},
+                                         title: lay.title && lay.title.text, shapes: lay.shapes || [],
+                                         annotations: (lay.annotations || []).map(function (a) { return a.text; })}};
+            """,
+            graph_id,
+        )
+        if fig is not None:
+            for t in fig["data"]:
+                for k in ("x", "y", "z"):
+                    t[k] = decode(t[k])
+        return fig
+
+    def errors(self) -> list:
+        """Console errors since the last call."""
+        return [e for e in self.driver.get_log("browser") if e.get("level") == "SEVERE"]
+
+    def close(self):
+        for srv in self._servers:
+            srv.shutdown()
+        self.driver.quit()
+
+
+def decode(v):
+    """A figure array as the browser holds it: a list, or plotly's typed-array encoding {dtype, bdata, shape}."""
+    import base64
+
+    import numpy as np
+
+    if isinstance(v, dict) and "bdata" in v:
+        a = np.frombuffer(base64.b64decode(v["bdata"]), dtype=np.dtype(v["dtype"]))
+        if v.get("shape"):
+            a = a.reshape([int(s) for s in str(v["shape"]).split(",")])
+        return a
+    return v
+
+
+@pytest.fixture(scope="session")
+def browser():
+    b = Browser()
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory):
+    """The dashboards' results cache of this test session: never the user's own ~/.cache."""
+    old = os.environ.get("AMPDOCTOR_CACHE_DIR")
+    os.environ["AMPDOCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("ampdoctor-cache"))
+    yield
+    if old is None:
+        os.environ.pop("AMPDOCTOR_CACHE_DIR", None)
+    else:
+        os.environ["AMPDOCTOR_CACHE_DIR"] = old

@@ -1,133 +1,341 @@
-"""The dashboard in a real (headless) Chromium: findings, layer detail, what-if, live updates, no console errors."""
+"""The dashboard in a real (headless) Chromium, one browser for the module and apps on real threaded servers:
+linked zoom that survives live updates, a URL that restores a view, 1,000 layers searchable and readable, the
+What-if steppers, no cloud upload and no console error on any page, data downloads, live runs."""
 
-import base64
+import importlib.util
+import os
+import re
 import threading
 import time
+from urllib.parse import parse_qs, urlparse
 
 import numpy as np
 import pytest
 import runs
-from ampdoctor.dashboards import diagnosis, ids
-from ampdoctor.dashboards.app import create_app
-from selenium.webdriver.common.action_chains import ActionChains
+from ampdoctor.dashboards import ids
+from ampdoctor.dashboards.app import PAGES, create_app
 
 pytestmark = pytest.mark.browser
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STEP_CHARTS = (ids.LOSS_GRAPH, ids.SCALE_GRAPH, ids.NORM_GRAPH, ids.TIME_GRAPH)
 
 
-def _array(v):
-    """A figure array as the browser holds it: a list, or plotly's typed-array encoding {dtype, bdata}."""
-    if isinstance(v, dict):
-        return np.frombuffer(base64.b64decode(v["bdata"]), dtype=np.dtype(v["dtype"]))
-    return np.asarray(v)
+@pytest.fixture(scope="module")
+def site(traces, browser):
+    """The test traces served once for the module."""
+    return browser.serve(create_app(str(traces), poll_ms=1000))
 
 
-def _no_console_errors(dash_duo):
-    errors = [e for e in dash_duo.get_logs() or [] if e.get("level") == "SEVERE"]
-    assert errors == [], errors
+def _query(browser) -> dict:
+    return {k: v[0] for k, v in parse_qs(urlparse(browser.driver.current_url).query).items()}
 
 
-def test_overview_findings_layer_detail_and_whatif(dash_duo, traces):
-    app = create_app(str(traces), poll_ms=1000)
-    dash_duo.start_server(app)
-    dash_duo.wait_for_page(f"{dash_duo.server_url}/?run=fp16_under.db", timeout=20)
-    dash_duo.wait_for_element(".finding", timeout=20)
-    cards = dash_duo.find_elements(".finding")
-    text = " ".join(c.text for c in cards)
-    first = diagnosis.findings(app.ampdoctor.trace("fp16_under.db"))[0]
-    assert first.rule in text and first.title in text
-    assert first.layers and first.layers[0] in dash_duo.find_elements(".finding .culprit")[0].text
-    dash_duo.wait_for_text_to_equal(f"#{ids.STEP_COUNT}", "30 steps", timeout=10)
-    _no_console_errors(dash_duo)
+def _range(browser, graph):
+    fig = browser.figure(graph)
+    return [round(v, 1) for v in fig["layout"]["xaxis"]["range"]] if fig else None
 
-    # layers: the list is sorted worst first; clicking a layer opens its detail
-    dash_duo.find_element("#nav-layers").click()
-    dash_duo.wait_for_element(".layer-link", timeout=20)
-    link = dash_duo.find_elements(".layer-link")[0]
-    name = link.text
-    link.click()
-    dash_duo.wait_for_element("#layer-name", timeout=20)
-    assert dash_duo.find_element("#layer-name").text.startswith(name + " · grad_out")
-    dash_duo.wait_for_element(f"#{ids.LAYER_HIST} .main-svg", timeout=20)
-    _no_console_errors(dash_duo)
 
-    # ... and so does a click on the heat map's top row (the worst layer). Plotly turns a click into clickData
-    # only after a hover, so the mouse moves there, rests, moves a pixel, then clicks.
-    dash_duo.find_element("#nav-layers").click()
-    dash_duo.wait_for_element(f"#{ids.LAYERS_HEATMAP} .hm", timeout=20)  # the heat map is drawn
-    time.sleep(1.5)  # and the first poll has redrawn it
-    drag = dash_duo.find_element(f"#{ids.LAYERS_HEATMAP} .nsewdrag")
-    rows = len(dash_duo.find_elements(".layer-link"))
-    top = -drag.size["height"] // 2 + drag.size["height"] // (2 * rows)  # centre of the top row
-    ActionChains(dash_duo.driver).move_to_element(drag).perform()
-    time.sleep(0.4)
-    ActionChains(dash_duo.driver).move_by_offset(2, top).perform()
-    time.sleep(0.4)
-    ActionChains(dash_duo.driver).click().perform()
-    dash_duo.wait_for_element("#layer-name", timeout=20)
-    assert dash_duo.find_element("#layer-name").text.startswith(name + " · grad_out")
-    assert "/layer?" in dash_duo.driver.current_url
-
-    # the run picker switches runs
-    dash_duo.select_dcc_dropdown(f"#{ids.RUN_PICKER}", value="bf16")
-    dash_duo.wait_for_contains_text("#summary-table", "bf16.db", timeout=20)
-    assert dash_duo.driver.current_url.endswith("/?run=bf16.db")  # a layer of another run makes no sense
-    _no_console_errors(dash_duo)
-
-    # what-if: a lower init scale removes the overflow skips of the start
-    dash_duo.wait_for_page(f"{dash_duo.server_url}/whatif?run=fp16_bad.db", timeout=20)
-    dash_duo.wait_for_contains_text(f"#{ids.WHATIF_SUMMARY}", "simulated:", timeout=20)
-    before = dash_duo.find_element(f"#{ids.WHATIF_SUMMARY}").text
-    box = dash_duo.find_element(f"#{ids.WHATIF_INIT}")
-    box.clear()
-    box.send_keys("1024\n")
-    dash_duo.wait_for_contains_text(f"#{ids.WHATIF_SUMMARY}", "init 1024", timeout=20)
-    after = dash_duo.find_element(f"#{ids.WHATIF_SUMMARY}").text
-    assert before != after and after.startswith("simulated: 0 skipped")
-    sim = dash_duo.driver.execute_script(
-        f"return document.querySelector('#{ids.WHATIF_GRAPH} .js-plotly-plot').data"
-        ".filter(t => t.name === 'simulated scale')[0].y"
+def _zoom(browser, graph, a, b):
+    """Zoom a chart as a user's box zoom does (plotly emits the relayout event the page listens to)."""
+    browser.driver.execute_script(
+        "var gd = document.querySelector('#' + arguments[0] + ' .js-plotly-plot');"
+        "Plotly.relayout(gd, {'xaxis.range[0]': arguments[1], 'xaxis.range[1]': arguments[2]});",
+        graph,
+        a,
+        b,
     )
-    assert _array(sim)[0] == 10  # log2(1024)
-    _no_console_errors(dash_duo)
 
 
-def test_traversal_attempt_shows_unknown_run(dash_duo, traces):
-    dash_duo.start_server(create_app(str(traces / "ddp"), poll_ms=1000))
-    dash_duo.wait_for_page(f"{dash_duo.server_url}/?run=../fp16_bad.db", timeout=20)
-    dash_duo.wait_for_element("#unknown-run", timeout=20)
-    assert "fp16_bad" not in dash_duo.find_element(f"#{ids.PAGE}").text
-    _no_console_errors(dash_duo)
+def test_linked_zoom_survives_live_updates_and_goes_into_the_url(browser, tmp_path):
+    """Zoom one chart of a run being written: every step chart follows, the range stays as new steps arrive
+    (TensorBoard keeps it; the old dashboard reset [10, 40] to [0, 224] within 2.5 s), the URL carries it."""
+    url = browser.serve(create_app(str(tmp_path), poll_ms=500))
 
+    done = threading.Event()
 
-def test_live_run_new_steps_appear_without_reload(dash_duo, tmp_path):
-    """Open the dashboard on an empty directory, then train: the run appears and its steps grow, no reload."""
-    dash_duo.start_server(create_app(str(tmp_path), poll_ms=1000))
-    dash_duo.wait_for_page(f"{dash_duo.server_url}/", timeout=20)
-    dash_duo.wait_for_contains_text(f"#{ids.PAGE}", "No traces yet", timeout=20)
-    dash_duo.driver.execute_script("window.__marker = 'not reloaded'")
+    class Enough(Exception):
+        pass
 
-    def slow_batches():
-        for batch in runs.batches(60):
-            time.sleep(0.15)
+    def slow_batches():  # as slow as a real run until the test has seen what it needs; then the run stops
+        for batch in runs.batches(400):
+            if done.is_set():
+                raise Enough
+            time.sleep(0.05)
             yield batch
 
-    t = threading.Thread(
-        target=runs.train,
-        args=(runs.mlp(),),
-        daemon=True,
-        kwargs=dict(steps=60, precision="bf16", trace=str(tmp_path / "live.db"), data=slow_batches()),
-    )
+    def live_run():
+        try:
+            runs.train(runs.mlp(), steps=400, precision="fp16", trace=str(tmp_path / "live.db"), data=slow_batches())
+        except Enough:
+            pass
+
+    t = threading.Thread(target=live_run, daemon=True)
     t.start()
-    dash_duo.wait_for_contains_text(f"#{ids.STEP_COUNT}", "steps", timeout=30)
-    first = int(dash_duo.find_element(f"#{ids.STEP_COUNT}").text.split()[0])
-    deadline = time.time() + 15
-    now = first
-    while time.time() < deadline and now <= first:
-        time.sleep(0.5)
-        now = int(dash_duo.find_element(f"#{ids.STEP_COUNT}").text.split()[0])
-    assert now > first
-    assert dash_duo.driver.execute_script("return window.__marker") == "not reloaded"
-    t.join(60)
-    assert not t.is_alive()
-    dash_duo.wait_for_text_to_equal(f"#{ids.STEP_COUNT}", "60 steps", timeout=10)
-    _no_console_errors(dash_duo)
+    try:
+        browser.open(f"{url}/")
+        steps = browser.wait(
+            lambda: int(browser.text(f"#{ids.STEP_COUNT}").split()[0]) >= 22 and browser.text(f"#{ids.STEP_COUNT}"),
+            timeout=60,
+            what="22 steps",
+        )
+        browser.wait(lambda: browser.figure(ids.LOSS_GRAPH), what="the loss chart")
+        browser.driver.execute_script("window.__marker = 'not reloaded'")
+        _zoom(browser, ids.LOSS_GRAPH, 5, 20)
+        for g in STEP_CHARTS:
+            browser.wait(lambda g=g: _range(browser, g) == [4.5, 20.5], what=f"{g} zoomed")
+        assert browser.wait(lambda: _query(browser).get("x0") == "5" and _query(browser))["x1"] == "20"
+        n0 = int(steps.split()[0])
+        browser.wait(
+            lambda: int(browser.text(f"#{ids.STEP_COUNT}").split()[0]) >= n0 + 5, timeout=60, what="5 more steps"
+        )
+        n1 = int(browser.text(f"#{ids.STEP_COUNT}").split()[0])
+        browser.wait(  # and one more poll with new steps after that: the zoom is checked after live updates
+            lambda: int(browser.text(f"#{ids.STEP_COUNT}").split()[0]) > n1, timeout=60, what="one more update"
+        )
+        assert [_range(browser, g) for g in STEP_CHARTS] == [[4.5, 20.5]] * 4
+        assert browser.driver.execute_script("return window.__marker") == "not reloaded"
+        # the whole run again: every chart, and the URL
+        browser.css(f"#{ids.RESET_ZOOM}")[0].click()
+        browser.wait(lambda: _range(browser, ids.SCALE_GRAPH)[1] > 21, what="zoom reset")
+        assert "x0" not in browser.wait(lambda: "x0" not in _query(browser) and _query(browser))
+    finally:
+        done.set()
+        t.join(60)
+    assert browser.errors() == []
+
+
+def _drawn(browser, graph_id):
+    """The figure of ``graph_id`` once it has data (a page draws an empty one while its data is on the way)."""
+    fig = browser.figure(graph_id)
+    return fig if fig and fig["data"] else None
+
+
+def test_a_url_restores_a_view(site, browser):
+    """Kind, statistic, search, colour scale, zoom, smoothing and log-y come back from the address alone."""
+    browser.open(f"{site}/layers?run=fp16_under.db&kind=act&stat=zeros&q=2&scale=log")
+    fig = browser.wait(lambda: _drawn(browser, ids.LAYERS_HEATMAP), what="heat map")
+    assert fig["layout"]["title"] == "zero share: activations"
+    assert "log10" in browser.driver.execute_script(
+        "return document.querySelector('#layers-heatmap .js-plotly-plot').data[0].colorbar.title.text"
+    )
+    labels = list(fig["data"][0]["y"])
+    assert labels and all("2" in lab for lab in labels)
+    assert browser.css(f"#{ids.LAYERS_SEARCH}")[0].get_attribute("value") == "2"
+    # a change goes into the address bar; that address opens the same view
+    box = browser.css(f"#{ids.LAYERS_SEARCH}")[0]
+    box.clear()
+    box.send_keys("1\n")
+    browser.wait(lambda: _query(browser).get("q") == "1", what="q=1 in the URL")
+    assert _query(browser)["stat"] == "zeros" and _query(browser)["kind"] == "act"
+    again = browser.driver.current_url
+    browser.open(again)
+    fig = browser.wait(lambda: _drawn(browser, ids.LAYERS_HEATMAP), what="heat map")
+    assert all("1" in lab for lab in fig["data"][0]["y"]) and fig["layout"]["title"] == "zero share: activations"
+    # the overview: zoom, smoothing, log-y
+    browser.open(f"{site}/?run=fp16_bad.db&x0=3&x1=12&smooth=0.9&logy=1")
+    browser.wait(lambda: _range(browser, ids.LOSS_GRAPH) == [2.5, 12.5], what="zoom from the URL")
+    fig = browser.figure(ids.LOSS_GRAPH)
+    assert fig["layout"]["yaxis"]["type"] == "log"
+    assert {t["meta"].get("smoothed") for t in fig["data"] if t["meta"]} >= {0.9}
+    assert _range(browser, ids.SCALE_GRAPH) == [2.5, 12.5]
+    assert browser.errors() == []
+
+
+def _tracegen():
+    spec = importlib.util.spec_from_file_location("dash_tracegen", os.path.join(ROOT, "benchmarks", "dash_tracegen.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_thousand_layers_stay_searchable_and_readable(browser, tmp_path):
+    """1,000 activation sites: a page of 50 rows at a time, every row labelled and no label on another, the total
+    said (nothing silently cut), numbers whole; search narrows, grouping by module prefix merges."""
+    _tracegen().generate(str(tmp_path / "wide.db"), 30, 2500)  # 1,000 modules: 1,000 activation sites
+    url = browser.serve(create_app(str(tmp_path), poll_ms=5000))
+    browser.open(f"{url}/layers?run=wide.db&kind=act&stat=absmax_log2")
+    browser.wait(lambda: "1,000 layers" in browser.text(f"#{ids.LAYERS_COUNT}"), what="the count")
+    assert "1–50 of 1,000" in browser.text(f"#{ids.LAYERS_COUNT}")
+    browser.wait(lambda: len(browser.css(f"#{ids.LAYERS_HEATMAP} .ytick")) == 50, what="50 row labels")
+    boxes = browser.driver.execute_script(
+        "return Array.from(document.querySelectorAll('#layers-heatmap .ytick text')).map(function (t) {"
+        "  var r = t.getBoundingClientRect(); return [r.top, r.bottom, t.textContent]; });"
+    )
+    boxes.sort()
+    assert all(a[1] <= b[0] + 0.5 for a, b in zip(boxes, boxes[1:])), "row labels overlap"
+    assert all(b[2] for b in boxes)
+    assert len(browser.css(f"#{ids.LAYERS_LIST} li")) == 50
+    cut = browser.driver.execute_script(
+        "return Array.from(document.querySelectorAll('#layers-list .num')).filter(function (e) {"
+        "  return e.scrollWidth > e.clientWidth + 1; }).length"
+    )
+    assert cut == 0
+    # search
+    box = browser.css(f"#{ids.LAYERS_SEARCH}")[0]
+    box.send_keys("layers.12.\n")
+    browser.wait(lambda: "6 of 1,000 layers" in browser.text(f"#{ids.LAYERS_COUNT}"), what="search result")
+    labels = browser.wait(
+        lambda: (
+            len(browser.figure(ids.LAYERS_HEATMAP)["data"][0]["y"]) == 6
+            and browser.figure(ids.LAYERS_HEATMAP)["data"][0]["y"]
+        ),
+        what="6 rows",
+    )
+    assert all("layers.12." in lab for lab in labels)
+    # grouping by module prefix (encoder.layers.N: 167 groups of 6 modules), no search
+    browser.open(f"{url}/layers?run=wide.db&kind=act&stat=absmax_log2&group=3")
+    browser.wait(lambda: "1–50 of 167" in browser.text(f"#{ids.LAYERS_COUNT}"), what="groups")
+    labels = browser.figure(ids.LAYERS_HEATMAP)["data"][0]["y"]
+    assert all(lab.endswith(" layers)") and ".* (" in lab for lab in labels[:-1])
+    assert browser.errors() == []
+
+
+def test_whatif_steppers_double_and_halve(site, browser):
+    browser.open(f"{site}/whatif?run=fp16_bad.db")
+    browser.wait(lambda: "simulated:" in browser.text(f"#{ids.WHATIF_SUMMARY}"), what="the replay")
+    box = browser.css(f"#{ids.WHATIF_INIT}")[0]
+    start = float(box.get_attribute("value"))
+    assert start == 2.0**24 and box.size["width"] >= 100  # wide enough for the number
+    browser.css(f"#{ids.WHATIF_INIT}-double")[0].click()
+    browser.wait(lambda: float(box.get_attribute("value")) == 2 * start, what="doubled")
+    for _ in range(3):
+        browser.css(f"#{ids.WHATIF_INIT}-halve")[0].click()
+        time.sleep(0.3)
+    browser.wait(lambda: float(box.get_attribute("value")) == start / 4, what="halved three times")
+    browser.wait(lambda: f"init {start / 4:g}" in browser.text(f"#{ids.WHATIF_SUMMARY}"), what="the replay again")
+    assert _query(browser)["init"] == f"{int(start / 4)}"
+    interval = browser.css(f"#{ids.WHATIF_INTERVAL}")[0]
+    browser.css(f"#{ids.WHATIF_INTERVAL}-halve")[0].click()
+    browser.wait(lambda: interval.get_attribute("value") == "1000", what="interval halved")
+    box.clear()
+    box.send_keys("2^10\n")
+    browser.wait(lambda: "init 1024" in browser.text(f"#{ids.WHATIF_SUMMARY}"), what="2^10 understood")
+    assert browser.text(f"#{ids.WHATIF_SUMMARY}").startswith("simulated: 0 skipped")
+    fig = browser.figure(ids.WHATIF_GRAPH)
+    sim = next(t for t in fig["data"] if (t["meta"] or {}).get("series") == "simulated scale")
+    assert np.asarray(sim["y"], dtype=float)[0] == 10
+    assert not any("NaN" in str(e) for e in browser.driver.get_log("browser"))
+
+
+@pytest.mark.parametrize("run", ["fp16_bad.db", "bf16.db", "ddp/run.rank1.db"])
+def test_every_page_without_console_errors_or_cloud_upload(site, browser, run):
+    """Every page of an overflowing FP16 run, a BF16 run and a rank of a 2-rank run: drawn, no console error, no
+    modebar button that uploads a chart anywhere."""
+    for path in [*PAGES, "/layer"]:
+        browser.open(f"{site}{path}?run={run}" + ("&path=0&kind=grad_out" if path == "/layer" else ""))
+        browser.wait(lambda: browser.css(f"#{ids.PAGE} > div"), what=f"{path} of {run}")
+        browser.wait(lambda: not browser.css("[data-dash-is-loading]"), what=f"{path} of {run} drawn")
+        titles = browser.driver.execute_script(
+            "return Array.from(document.querySelectorAll('.modebar-btn')).map(function (b) {"
+            "  return b.getAttribute('data-title') || ''; })"
+        )
+        assert not [t for t in titles if any(w in t.lower() for w in ("cloud", "share", "studio"))], titles
+        assert browser.errors() == [], (path, run)
+        assert browser.text(f"#{ids.ERROR}") == "", (path, run)
+
+
+def test_data_downloads_are_made_in_the_page(site, browser):
+    """The CSV of a chart (its lines and bands) and of a table, made from what the page shows."""
+    browser.open(f"{site}/?run=fp16_bad.db")
+    browser.wait(lambda: browser.figure(ids.SCALE_GRAPH), what="loss scale chart")
+    csv = browser.driver.execute_script(
+        "return window.ampdoctorCsv.figure(document.querySelector('#overview-scale .js-plotly-plot'))"
+    )
+    lines = csv.strip().splitlines()
+    assert lines[0] == "trace,x,y,z" and lines[1].startswith("loss scale,0,24,")
+    assert any(
+        ln.startswith('"skipped steps (first step, last step)",0,')
+        or ln.startswith("skipped steps (first step, last step),0,")
+        for ln in lines
+    )
+    browser.open(f"{site}/precision?run=fp16_bad.db")
+    browser.wait(lambda: browser.css(f"#{ids.PRECISION_TABLE}"), what="precision table")
+    csv = browser.driver.execute_script(
+        "return window.ampdoctorCsv.table(document.getElementById(arguments[0]))", ids.PRECISION_TABLE
+    )
+    assert csv.splitlines()[0] == "module,type,allocation,forward,backward,parameters,verdict"
+
+
+def test_findings_link_layers_of_their_own_rank(traces, browser):
+    """A rank's finding opens that rank's trace, never rank 0's; the Ranks page is offered for a multi-rank run."""
+    url = browser.serve(create_app(str(traces / "ddp"), poll_ms=1000))
+    browser.open(f"{url}/ranks?run=run.rank1.db&stat=loss_scale")
+    fig = browser.wait(lambda: browser.figure(ids.RANKS_GRAPH), what="ranks chart")
+    assert {(t["meta"] or {}).get("rank") for t in fig["data"]} >= {0, 1}
+    assert browser.css("#nav-ranks")
+    assert browser.errors() == []
+
+
+def test_traversal_attempt_shows_unknown_run(traces, browser):
+    url = browser.serve(create_app(str(traces / "ddp"), poll_ms=1000))
+    browser.open(f"{url}/?run=../fp16_bad.db")
+    browser.wait(lambda: browser.css("#unknown-run"), what="unknown run")
+    assert "fp16_bad" not in browser.text(f"#{ids.PAGE}")
+    assert browser.errors() == []
+
+
+def test_heatmap_click_opens_the_layer_and_the_run_picker_switches_runs(site, browser):
+    """A click on the heat map's top row opens that layer with the statistic shown; the picker opens the same
+    view of another run (a layer detail goes to its overview: site ids differ between runs)."""
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    browser.open(f"{site}/layers?run=fp16_under.db&kind=grad_out&stat=fp16_under")
+    fig = browser.wait(lambda: browser.figure(ids.LAYERS_HEATMAP), what="heat map")
+    top = fig["data"][0]["y"][0]
+    drag = browser.wait(lambda: browser.css(f"#{ids.LAYERS_HEATMAP} .nsewdrag")[0], what="plot area")
+    rows = len(fig["data"][0]["y"])
+    # Plotly turns a click into clickData after a hover: move there, rest, move a pixel, click
+    ActionChains(browser.driver).move_to_element(drag).perform()
+    time.sleep(0.3)
+    ActionChains(browser.driver).move_by_offset(
+        2, -drag.size["height"] // 2 + drag.size["height"] // (2 * rows)
+    ).perform()
+    time.sleep(0.3)
+    ActionChains(browser.driver).click().perform()
+    browser.wait(lambda: browser.text("#layer-name") == f"{top} · output gradients", what="the layer")
+    assert _query(browser)["stat"] == "fp16_under"
+    fig = browser.wait(lambda: browser.figure(ids.LAYER_SERIES), what="its chart")
+    assert "FP16 underflow share" in fig["layout"]["title"]
+    browser.driver.execute_script("window.__marker = 1")
+    browser.open(f"{site}/?run=fp16_under.db")
+    browser.wait(lambda: browser.css(f"#{ids.RUN_PICKER}"), what="picker")
+    browser.css(f"#{ids.RUN_PICKER}")[0].click()
+    option = browser.wait(
+        lambda: next(o for o in browser.css("[role=option]") if o.text.strip() == "bf16"), what="the bf16 option"
+    )
+    option.click()
+    browser.wait(lambda: "bf16.db" in browser.text("#summary-table"), what="the other run")
+    assert urlparse(browser.driver.current_url).path == "/" and _query(browser)["run"] == "bf16.db"
+    assert browser.errors() == []
+
+
+def test_dark_mode_follows_the_system(site, browser):
+    """With the system in dark mode the page and the charts' text turn light on dark; back in light mode, dark on
+    light."""
+
+    def emulate(value):
+        browser.driver.execute_cdp_cmd(
+            "Emulation.setEmulatedMedia", {"features": [{"name": "prefers-color-scheme", "value": value}]}
+        )
+
+    def colours():
+        return browser.driver.execute_script(
+            "var b = getComputedStyle(document.body).backgroundColor;"
+            "var t = document.querySelector('#overview-loss .main-svg .gtitle');"
+            "return [b, t ? getComputedStyle(t).fill : null];"
+        )
+
+    def level(rgb):
+        return sum(int(v) for v in re.findall(r"\d+", rgb)[:3]) / 3
+
+    try:
+        emulate("dark")
+        browser.open(f"{site}/?run=fp16_bad.db")
+        browser.wait(lambda: browser.figure(ids.LOSS_GRAPH), what="chart")
+        bg, title = browser.wait(lambda: colours()[1] and colours(), what="colours")
+        assert level(bg) < 60 and level(title) > 180
+        emulate("light")
+        bg, title = colours()
+        assert level(bg) > 200 and level(title) < 120
+    finally:
+        emulate("")

@@ -1,9 +1,11 @@
 """The Formats page, its figures and the report's Formats section on a real probed run with a fragile layer."""
 
+import numpy as np
 import probe_models as M
 import pytest
 from ampdoctor.dashboards import data, figures, ids
 from ampdoctor.dashboards.app import create_app, render
+from ampdoctor.dashboards.pages import formats
 from ampdoctor.dashboards.report import build_report
 
 import ampdoctor
@@ -29,29 +31,37 @@ def test_figures_show_the_probe_error_and_the_format_shares(probed):
     fig = figures.probe_error_figure(series, bounds)
     names = [t.name for t in fig.data if t.showlegend is not False]
     assert names[0] == "0" and len(fig.data[0].x) == 4  # probed at steps 0, 5, 10, 15
-    labels, lost = data.formats_shares(tr)
-    fig = figures.formats_figure(labels, lost)
-    assert {t.name for t in fig.data} == {"FP16", "BF16", "E4M3", "E5M2"} and len(fig.data[0].y) == len(labels)
-    rows = data.formats_rows(tr)
+    table = data.format_table(tr)
+    labels, lost = data.formats_shares(table, "e4m3")
+    fig = figures.formats_figure(labels, lost, "E4M3")
+    if not any(np.nan_to_num(np.asarray(v, dtype=float)).any() for v in lost.values()):
+        assert "no site would lose values" in fig.layout.annotations[0].text  # a sentence, not empty axes
+    else:
+        assert {t.name for t in fig.data} == {"FP16", "BF16", "E4M3", "E5M2"} and len(fig.data[0].y) == len(labels)
+        e4m3 = np.nan_to_num(np.asarray(next(t for t in fig.data if t.name == "E4M3").x, dtype=float))
+        assert list(e4m3) == sorted(e4m3, reverse=True)  # ranked by the format asked for
+    rows = data.formats_rows(table, "fp16")
     assert rows and set(rows[0]) >= {"layer", "kind", "E4M3 lost", "E5M2 lost", "FP16 headroom (binades)"}
+    assert len(rows) == len(table)  # every site (the page pages through them), none dropped
 
 
 def test_formats_page_and_report_section(probed):
     ctx = create_app(str(probed)).ampdoctor
     _, page = render(ctx, "/formats", "?run=frag.db")
-    text = str(page)
-    assert ids.FORMATS_PROBE in text and ids.FORMATS_TABLE in text and "Measured precision loss: 0" in text
+    assert ids.FORMATS_PROBE in str(page) and ids.FORMATS_SHARES in str(page)
+    verdict, _, _, table, _ = formats.update(ctx, "fp16", "", 1, None, "?run=frag.db")
+    assert verdict == "Measured precision loss: 0" and ids.FORMATS_TABLE in str(table)
     html = build_report(ctx.trace("frag.db"))
-    assert "<h2>Formats</h2>" in html and "Measured precision loss (against FP32): 0" in html
+    assert '<h2 id="formats">Formats</h2>' in html and "Measured precision loss (against FP32): 0" in html
 
 
 @pytest.mark.browser
-def test_formats_page_in_the_browser(dash_duo, probed):
-    dash_duo.start_server(create_app(str(probed), poll_ms=1000))
-    dash_duo.wait_for_page(f"{dash_duo.server_url}/formats?run=frag.db", timeout=20)
-    dash_duo.wait_for_text_to_equal(f"#{ids.FORMATS_VERDICT}", "Measured precision loss: 0", timeout=20)
-    dash_duo.wait_for_element(f"#{ids.FORMATS_PROBE} .main-svg", timeout=20)
-    dash_duo.wait_for_element(f"#{ids.FORMATS_SHARES} .main-svg", timeout=20)
-    assert "E4M3 lost" in dash_duo.find_element(f"#{ids.FORMATS_TABLE}").text
-    errors = [e for e in dash_duo.get_logs() or [] if e.get("level") == "SEVERE"]
-    assert errors == [], errors
+def test_formats_page_in_the_browser(browser, probed):
+    url = browser.serve(create_app(str(probed), poll_ms=1000))
+    browser.open(f"{url}/formats?run=frag.db")
+    browser.wait(lambda: browser.text(f"#{ids.FORMATS_VERDICT}") == "Measured precision loss: 0", what="verdict")
+    browser.wait(lambda: browser.figure(ids.FORMATS_PROBE), what="probe chart")
+    fig = browser.wait(lambda: browser.figure(ids.FORMATS_SHARES), what="shares chart")
+    assert "worst in FP16 first" in fig["layout"]["title"]  # an FP16 run: ranked by what FP16 loses
+    assert "E4M3 lost" in browser.wait(lambda: browser.text(f"#{ids.FORMATS_TABLE}"), what="table")
+    assert browser.errors() == []

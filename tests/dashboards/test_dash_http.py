@@ -187,21 +187,27 @@ def _wait_for_steps(path, n, timeout=30):
 
 
 def test_concurrent_first_diagnoses_against_one_reference(traces, tmp_path, serve):
-    """Browsers fire several callbacks at once: 8 concurrent first diagnoses of 8 runs against one reference."""
-    for i in range(8):
+    """Browsers fire several callbacks at once: 4 concurrent first diagnoses of 4 runs against one reference."""
+    for i in range(4):
         shutil.copy(traces / "fp16_bad.db", tmp_path / f"run{i}.db")
     srv = serve(create_app(str(tmp_path), reference=str(traces / "bf16.db")))
     results = {}
 
     def overview(i):
-        results[i] = srv.callback(f"{ids.FINDINGS}.children", {f"{ids.URL}.search": f"?run=run{i}.db"})
+        """Ask as the page does, until the diagnosis is there (it runs in the background)."""
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            results[i] = srv.callback(f"{ids.FINDINGS}.children", {f"{ids.URL}.search": f"?run=run{i}.db"})
+            if results[i][0] != 200 or '"diagnosing"' not in json.dumps(results[i][1]):
+                return
+            time.sleep(0.5)
 
-    threads = [threading.Thread(target=overview, args=(i,)) for i in range(8)]
+    threads = [threading.Thread(target=overview, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(60)
-    assert [results[i][0] for i in range(8)] == [200] * 8
+        t.join(150)
+    assert [results[i][0] for i in range(4)] == [200] * 4
     texts = {
         json.dumps(resp[ids.FINDINGS]["children"]).replace(f"run{i}.db", "run.db")  # (links name the run)
         for i, (_, resp) in results.items()
@@ -214,10 +220,11 @@ def test_bad_input_is_a_message_on_the_page(traces, hostile, serve):
     srv = serve(create_app(str(traces), reference=str(hostile[0])))
     search = {f"{ids.URL}.search": "?run=fp16_bad.db"}
     for box, value, words in (
-        (ids.WHATIF_BACKOFF, 5, "backoff factor should be a number between 0 and 1"),
-        (ids.WHATIF_GROWTH, 0.5, "growth factor should be a number above 1"),
-        (ids.WHATIF_INTERVAL, 2.5, "growth interval should be a whole number"),
-        (ids.WHATIF_INIT, -1, "init scale should be a positive number"),
+        (ids.WHATIF_BACKOFF, "5", "backoff factor should be a number between 0 and 1"),
+        (ids.WHATIF_GROWTH, "0.5", "growth factor should be a number above 1"),
+        (ids.WHATIF_INTERVAL, "2.5", "growth interval should be a whole number"),
+        (ids.WHATIF_INIT, "-1", "init scale should be a positive number"),
+        (ids.WHATIF_INIT, "lots", "init scale should be a positive number"),
     ):
         status, resp = srv.callback(f"{ids.WHATIF_SUMMARY}.children", {**search, f"{box}.value": value})
         assert status == 200 and words in json.dumps(resp[ids.WHATIF_SUMMARY]), (box, value)
@@ -234,12 +241,12 @@ def test_bad_input_is_a_message_on_the_page(traces, hostile, serve):
 
 def test_a_failing_callback_says_so_on_the_page(traces, serve, monkeypatch):
     """Whatever else raises in a callback reaches the page as a message, not as a 500 without one."""
-    from ampdoctor.dashboards import data
+    from ampdoctor.dashboards import figures
 
     def broken(*args, **kwargs):
         raise RuntimeError("replay exploded")
 
-    monkeypatch.setattr(data, "whatif", broken)
+    monkeypatch.setattr(figures, "whatif_figure", broken)
     srv = serve(create_app(str(traces)))
     status, resp = srv.callback(f"{ids.WHATIF_SUMMARY}.children", {f"{ids.URL}.search": "?run=fp16_bad.db"})
     assert status == 200 and resp[ids.ERROR]["children"] == (

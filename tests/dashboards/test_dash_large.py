@@ -1,136 +1,118 @@
-"""A long run (10,000 steps): every figure the dashboard sends stays under the point budget."""
+"""A long run (20,000 steps, default tiers, generated in the documented format): every view stays under its point
+budget, keeps every spike and skipped step, reads only the range it shows, and the step summary survives a restart
+through the cache on disk."""
 
-import json
-import sqlite3
+import importlib.util
+import os
+import time
 
 import numpy as np
 import pytest
-from ampdoctor.dashboards import data, figures
+from ampdoctor.dashboards import cache, figures, matrix, series
 from ampdoctor.dashboards.app import create_app
 from ampdoctor.dashboards.pages import layer, layers, overview, whatif
 
-from ampdoctor.trace import schema
+import ampdoctor
 
-N_STEPS, N_SITES = 10_000, 100
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+N_STEPS, N_SITES = 20_000, 60
+
+
+def _tracegen():
+    spec = importlib.util.spec_from_file_location("dash_tracegen", os.path.join(ROOT, "benchmarks", "dash_tracegen.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @pytest.fixture(scope="module")
 def long_run(tmp_path_factory):
-    """A synthetic trace in the documented format: peaks every step, full statistics every 10th, a few skips."""
     path = tmp_path_factory.mktemp("long") / "long.db"
-    conn = sqlite3.connect(path, isolation_level=None)
-    schema.create(conn)
-    rng = np.random.default_rng(0)
-    conn.execute("BEGIN")
-    meta = {
-        "run": {"model": "Long", "params": 1, "device": "cpu", "every": 10},
-        "config": {
-            "autocast": {"enabled": True, "dtype": "float16"},
-            "param_dtypes": {"float32": 1},
-            "scaler": {
-                "class": "GradScaler",
-                "enabled": True,
-                "init_scale": 65536.0,
-                "growth_factor": 2.0,
-                "backoff_factor": 0.5,
-                "growth_interval": 2000,
-            },
-        },
-        "closed": {"steps": N_STEPS},
-    }
-    conn.executemany("INSERT INTO meta VALUES (?, ?)", [(k, json.dumps(v)) for k, v in meta.items()])
-    conn.executemany(
-        "INSERT INTO sites VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-        [
-            (i, f"blocks.{i // 2}", f"blocks.{i // 2}", ("act", "grad_out")[i % 2], "Linear", "float16", "8x8", 0)
-            for i in range(N_SITES)
-        ],
-    )
-    skipped = rng.random(N_STEPS) < 0.01
-    scale = 65536.0 * 0.5 ** np.cumsum(np.r_[0, skipped[:-1]])
-    first = [f for f in schema.STEP_FIELDS if f not in schema.LATER_STEP_FIELDS]  # (as traces before the tiers)
-    conn.executemany(
-        f"INSERT INTO steps ({', '.join(first)}) VALUES ({', '.join('?' * 16)})",
-        [
-            (
-                s,
-                float(s),
-                0.1,
-                0.01,
-                8,
-                80.0,
-                float(rng.random()),
-                "[0.01]",
-                float(scale[s]),
-                float(scale[s] / 2 if skipped[s] else scale[s]),
-                int(skipped[s]),
-                1.0,
-                1,
-                None,
-                0,
-                int(skipped[s]),
-            )
-            for s in range(N_STEPS)
-        ],
-    )
-    base = rng.random(N_SITES).astype("<f4") * 100
-    conn.executemany(
-        "INSERT INTO peaks VALUES (?, ?)",
-        [(s, (base * (1 + rng.random(N_SITES))).astype("<f4").tobytes()) for s in range(N_STEPS)],
-    )
-    fields = ", ".join(schema.STATS_FIELDS)
-    conn.executemany(
-        f"INSERT INTO stats (step, site, scale, calls, {fields}) VALUES ({', '.join('?' * 18)})",
-        [
-            (
-                s,
-                i,
-                1.0,
-                1,
-                64.0,
-                0.0,
-                0.0,
-                1.0,
-                float(base[i]),
-                1e-3,
-                0.0,
-                1.0,
-                0.0,
-                0.0,
-                float(rng.integers(0, 64)),
-                0.0,
-                0.0,
-                0.0,
-            )
-            for s in range(0, N_STEPS, 10)
-            for i in range(N_SITES)
-        ],
-    )
-    conn.execute("COMMIT")
-    conn.close()
+    _tracegen().generate(str(path), N_STEPS, N_SITES)
     return path
 
 
-def _max_points(fig) -> int:
-    fig = fig.to_plotly_json() if hasattr(fig, "to_plotly_json") else fig
-    out = 0
-    for t in fig.get("data", []):
-        x = t.get("x")
-        if x is not None and t.get("type") != "heatmap":
-            out = max(out, len(x))
-    return out
+def _points(fig) -> int:
+    return max(
+        (len(t.x) for t in fig.data if t.x is not None and t.type != "heatmap" and not (t.meta or {}).get("band")),
+        default=0,
+    )
 
 
-def test_every_view_of_a_long_run_stays_under_the_point_budget(long_run):
-    ctx = create_app(str(long_run.parent)).ampdoctor
+def test_every_view_of_a_long_run_stays_under_the_point_budget(long_run, tmp_path, monkeypatch):
+    monkeypatch.setenv("AMPDOCTOR_CACHE_DIR", str(tmp_path))
+    ctx = create_app(str(long_run.parent), diagnose_in="thread").ampdoctor
     search = "?run=long.db&site=1"
     version = {"run": "long.db", "n": N_STEPS}
-    _, _, _, *figs = overview.update(ctx, version, search)
-    _, _hist, series, _ = layer.update(ctx, version, search)
-    figs += [series, whatif.update(ctx, 1024, 100, 2.0, 0.5, version, search)[0]]
+    figs = list(overview.charts(ctx, version, None, 0.6, [], None, search)[:4])
+    _, _, stat_fig, _ = layer.update(ctx, version, search, "absmax_log2", None)
+    figs += [stat_fig, whatif.update(ctx, "1024", "100", "2", "0.5", version, search)[0]]
     for fig in figs:
-        assert 0 < _max_points(fig) <= figures.MAX_POINTS < 10_000
-    for stat in data.STATS:
-        heat, _ = layers.update(ctx, "grad_out", stat, "worst", version, search)
-        z = heat.data[0].z
-        assert np.asarray(z).size <= figures.MAX_CELLS and len(heat.data[0].x) <= 600
+        assert 0 < _points(fig) <= series.MAX_POINTS < N_STEPS, fig.layout.title.text
+    for stat in matrix.STATS:
+        heat, *_ = layers.update(ctx, "grad_out", stat, "worst", "", 0, "linear", [], 1, version, None, search)
+        z = np.asarray(heat.data[0].z)
+        assert z.size <= figures.MAX_CELLS and len(heat.data[0].x) <= 600
+
+
+def test_downsampled_loss_keeps_the_spike_and_every_skipped_step(long_run):
+    tr = ampdoctor.load(long_run)
+    st = tr.steps()
+    sm = series.StepSummary()
+    assert sm.update(tr) == N_STEPS
+    s = series.read(tr, summary=sm)
+    assert not s.exact and len(s.x) <= series.MAX_POINTS // 2
+    loss = st["loss"].to_numpy(float)
+    _, y = s.envelope("loss")
+    assert np.nanmax(y) == np.nanmax(loss)  # the spike, to the bit
+    assert np.nanmin(y) == np.nanmin(loss)
+    skipped = set(st["step"][st["skipped"]].tolist())
+    covered = {k for a, b in s.skipped for k in range(a, b + 1)}
+    assert skipped <= covered and s.n_skipped == len(skipped)
+    bad = set(st["step"][st["nonfinite"]].tolist())
+    assert bad and bad <= {k for a, b in s.nonfinite for k in range(a, b + 1)}
+    # zoomed in on the non-finite burst: every step, exactly
+    a, b = min(bad) - 5, max(bad) + 5
+    z = series.read(tr, a, b, summary=sm)
+    assert z.exact and z.x.tolist() == list(range(a, b + 1))
+    assert [k for lo, hi in z.nonfinite for k in range(lo, hi + 1)] == sorted(bad)
+
+
+def test_step_summary_is_kept_on_disk_and_checked_against_the_trace(long_run, tmp_path, monkeypatch):
+    """A long run's summary is built in the background (the charts show a preview meanwhile), saved, and read back
+    by the next server; a summary that does not describe the file is not used."""
+    monkeypatch.setenv("AMPDOCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("ampdoctor.dashboards.context.SYNC_SUMMARY_STEPS", 1000)
+    ctx = create_app(str(long_run.parent), diagnose_in="thread").ampdoctor
+    s = ctx.steps("long.db")
+    assert s.preview  # at once: a preview, not an empty page
+    deadline = time.time() + 60
+    while time.time() < deadline and ctx.steps("long.db").preview:
+        time.sleep(0.2)
+    full = ctx.steps("long.db")
+    assert not full.preview and not full.exact
+    assert len(cache.prefix_files("steps-", "npz")) == 1
+    again = create_app(str(long_run.parent), diagnose_in="thread").ampdoctor
+    t0 = time.perf_counter()
+    s2 = again.steps("long.db")
+    assert not s2.preview and time.perf_counter() - t0 < 5  # read back, not rebuilt
+    np.testing.assert_array_equal(s2.hi["loss"], full.hi["loss"])
+    tr = ampdoctor.load(long_run)
+    arrays = cache.load_arrays(cache.prefix_files("steps-", "npz")[0])
+    arrays["key"] = arrays["key"] + 1  # a summary of another file's content
+    assert series.StepSummary.from_arrays(arrays, tr) is None
+
+
+def test_a_long_heat_map_is_read_in_chunks_with_a_preview_first(long_run, monkeypatch):
+    tr = ampdoctor.load(long_run)
+    monkeypatch.setattr(matrix, "_CHUNK_ROWS", 500)  # many small reads: the same matrix
+    chunked = matrix.layer_matrix(tr, "act", "fp16_under")
+    monkeypatch.setattr(matrix, "SQL_ROWS", 0)  # reduced in SQLite, bin by bin: the same matrix
+    in_sql = matrix.layer_matrix(tr, "act", "fp16_under")
+    monkeypatch.undo()
+    whole = matrix.layer_matrix(tr, "act", "fp16_under")
+    np.testing.assert_array_equal(chunked.values, whole.values)
+    np.testing.assert_array_equal(in_sql.values, whole.values)
+    np.testing.assert_array_equal(in_sql.nonfinite, whole.nonfinite)
+    preview = matrix.layer_matrix(tr, "act", "fp16_under", preview=True)
+    assert preview.preview and preview.values.shape[1] <= matrix.PREVIEW_COLS < whole.recorded

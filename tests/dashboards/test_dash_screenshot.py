@@ -1,7 +1,9 @@
-"""The README's screenshot: the dashboard on the demo's faulty run (with the fixed run as reference), in Chromium.
+"""The documentation's screenshots: every page of the dashboard on the demo's faulty run (the fixed run as the
+reference), in Chromium.
 
-Every run takes the screenshot and checks it shows the page; ``AMPDOCTOR_SCREENSHOT=docs/dashboard.png`` also
-saves it there (the file the README shows), so that a test run does not rewrite a tracked file by itself.
+Every run takes the screenshots and checks each shows its page; ``AMPDOCTOR_SCREENSHOTS=docs`` also saves them
+there (docs/dashboard.png is the overview, docs/dashboard-<page>.png the others), so that a test run does not
+rewrite tracked files by itself.
 """
 
 import importlib.util
@@ -34,28 +36,55 @@ def _png_size(path):
     return struct.unpack(">II", head[16:24])
 
 
-def test_dashboard_screenshot_of_the_demo(dash_duo, tmp_path):
+@pytest.fixture(scope="module")
+def demo_site(browser, tmp_path_factory):
+    """The demo's faulty run (init scale too high) and its fixed rerun as the reference, served."""
+    tmp = tmp_path_factory.mktemp("demo")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # matrices this small gain nothing from threads; a loaded machine, ~10x
     try:
-        r = _demo().cycle("init-scale", str(tmp_path / "runs" / "demo.db"), 100, show=False)
+        r = _demo().cycle("init-scale", str(tmp / "runs" / "demo.db"), 100, show=False)
     finally:
         torch.set_num_threads(threads)
-    app = create_app(r["faulty"], reference=r["fixed"], poll_ms=5000)
-    dash_duo.start_server(app)
-    dash_duo.driver.set_window_size(1400, 1700)
-    dash_duo.wait_for_page(f"{dash_duo.server_url}/", timeout=20)
-    dash_duo.wait_for_contains_text(f"#{ids.FINDINGS}", "init-scale-too-high", timeout=30)
-    dash_duo.wait_for_element(f"#{ids.LOSS_GRAPH} .main-svg", timeout=30)
-    dash_duo.wait_for_element(f"#{ids.SCALE_GRAPH} .main-svg", timeout=30)
-    assert "GradScaler(" in dash_duo.find_element(f"#{ids.FINDINGS}").text  # the fix is on the page
-    shot = str(tmp_path / "dashboard.png")
-    assert dash_duo.driver.save_screenshot(shot)
-    width, height = _png_size(shot)
-    assert width >= 1200 and height >= 1200
-    assert os.path.getsize(shot) > 50_000  # a blank or error page compresses to a few kB
-    errors = [e for e in dash_duo.get_logs() or [] if e.get("level") == "SEVERE"]
-    assert errors == [], errors
-    target = os.environ.get("AMPDOCTOR_SCREENSHOT")
-    if target:
-        shutil.copy(shot, os.path.join(ROOT, target))
+    url = browser.serve(create_app(r["faulty"], reference=r["fixed"], poll_ms=5000))
+    return url, os.path.basename(r["faulty"])
+
+
+PAGES = {  # name -> (path, what shows the page is drawn, its chart, window height)
+    "dashboard": ("/?run={run}", f"#{ids.FINDINGS} .finding", ids.SCALE_GRAPH, 1700),
+    "dashboard-layers": ("/layers?run={run}", f"#{ids.LAYERS_LIST} li", ids.LAYERS_HEATMAP, 1000),
+    "dashboard-layer": ("/layer?run={run}&path=0&kind=grad_out&stat=fp16_under", "#layer-name", ids.LAYER_HIST, 1200),
+    "dashboard-precision": ("/precision?run={run}", f"#{ids.PRECISION_TABLE}", None, 1000),
+    "dashboard-whatif": ("/whatif?run={run}&init=1024", f"#{ids.WHATIF_SUMMARY}", ids.WHATIF_GRAPH, 1000),
+    "dashboard-formats": ("/formats?run={run}", f"#{ids.FORMATS_TABLE}", ids.FORMATS_SHARES, 1300),
+    "dashboard-compare": ("/compare?run={run}", f"#{ids.COMPARE_LOSS}", ids.COMPARE_LOSS, 1300),
+}
+
+
+@pytest.mark.parametrize("name", list(PAGES))
+def test_screenshot_of_each_page(name, demo_site, browser, tmp_path):
+    url, run = demo_site
+    path, ready, graph, height = PAGES[name]
+    target = os.environ.get("AMPDOCTOR_SCREENSHOTS")
+    browser.driver.set_window_size(1400, height)
+    try:
+        browser.open(url + path.format(run=run))
+        browser.wait(lambda: browser.css(ready), timeout=60, what=name)
+        if graph:
+            browser.wait(lambda: (browser.figure(graph) or {}).get("data"), timeout=60, what=f"{name} figure")
+        if name == "dashboard":
+            assert "GradScaler(" in browser.text(f"#{ids.FINDINGS}")  # the fix is on the page
+        # two animation frames: what was drawn is on the screen
+        browser.driver.execute_async_script(
+            "var done = arguments[0]; requestAnimationFrame(function () { requestAnimationFrame(done); });"
+        )
+        shot = str(tmp_path / f"{name}.png")
+        assert browser.driver.save_screenshot(shot)
+        width, h = _png_size(shot)
+        assert width >= 1200 and h >= 700
+        assert os.path.getsize(shot) > 30_000, name  # a blank or error page compresses to a few kB
+        assert browser.errors() == [], name
+        if target:
+            shutil.copy(shot, os.path.join(ROOT, target, f"{name}.png"))
+    finally:
+        browser.driver.set_window_size(1400, 1000)

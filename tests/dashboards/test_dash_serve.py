@@ -4,7 +4,8 @@ import dash
 import pytest
 from ampdoctor.dashboards import data, diagnosis, server
 from ampdoctor.dashboards.app import create_app, render
-from ampdoctor.dashboards.pages import compare, layer, layers, overview, whatif
+from ampdoctor.dashboards.pages import compare, formats, layer, layers, overview, precision, whatif
+from ampdoctor.dashboards.pages import ranks as ranks_page
 
 from ampdoctor.cli import main
 from ampdoctor.commands import serve as command
@@ -125,23 +126,33 @@ def test_every_page_and_callback_works_on_every_kind_of_trace(request, which, ru
     ctx = create_app(str(root), reference=str(request.getfixturevalue("traces") / "bf16.db")).ampdoctor
     tr = ctx.trace(run)
     search = f"?run={run}&site={int(tr.sites()['id'].iloc[-1]) if len(tr.sites()) else 0}"
-    for path in ("/", "/layers", "/layer", "/precision", "/whatif", "/formats", "/compare", "/nope"):
+    for path in ("/", "/layers", "/layer", "/precision", "/whatif", "/formats", "/compare", "/ranks", "/nope"):
         head, page = render(ctx, path, search)
         assert head is not None and page is not None
     version = {"run": run, "n": tr.n_steps}
     count, *_ = overview.update(ctx, version, search)
     assert count == f"{tr.n_steps} steps"
-    layer.update(ctx, version, search)
+    for zoom in (None, {"x0": 1, "x1": 2}):
+        figs = overview.charts(ctx, version, zoom, 0.6, ["log"], None, search)
+        assert len(figs) == 5
+        layer.update(ctx, version, search, "absmax_log2", zoom)
+        whatif.update(ctx, "1024", "10", "2", "0.5", version, search, zoom)
+        compare.update(ctx, "reference", "fp16_under", version, search, zoom)
     for kind in data.KINDS:
         for stat in data.STATS:
-            _fig, _ = layers.update(ctx, kind, stat, "worst", version, search)
-    whatif.update(ctx, 1024, 10, 2.0, 0.5, version, search)
+            layers.update(ctx, kind, stat, "worst", "", 0, "log", [], 1, version, None, search)
+    layers.update(ctx, "act", "absmax_log2", "order", "/[/", 2, "clip", ["nonzero"], 3, version, None, search)
     whatif.update(ctx, None, None, None, None, version, search)  # emptied inputs: the run's own settings
-    compare.update(ctx, "reference", "fp16_under", version, search)
+    precision.update(ctx, "", [], 1, version, search)
+    formats.update(ctx, "e4m3", "", 1, version, search)
+    ranks_page.update(ctx, "loss_scale", version, search)
     if len(tr.sites("grad_out")):
         path = str(tr.sites("grad_out")["path"].iloc[0])
-        assert layers.open_clicked(ctx, {"points": [{"y": path}]}, "grad_out", search)[0] == "/layer"
-    assert layers.open_clicked(ctx, {"points": []}, "grad_out", search) == (dash.no_update, dash.no_update)
+        assert layers.open_clicked(ctx, {"points": [{"y": path}]}, "grad_out", "fp16_under", search)[0] == "/layer"
+    assert layers.open_clicked(ctx, {"points": []}, "grad_out", "fp16_under", search) == (
+        dash.no_update,
+        dash.no_update,
+    )
 
 
 def test_findings_are_cached_and_a_failing_rule_does_not_break_the_overview(traces, monkeypatch):
@@ -152,11 +163,49 @@ def test_findings_are_cached_and_a_failing_rule_does_not_break_the_overview(trac
         raise IndexError("boolean index did not match")
 
     monkeypatch.setattr(diagnosis, "findings", failing)
-    ctx = create_app(str(traces)).ampdoctor
+    ctx = create_app(str(traces), diagnose_in="thread").ampdoctor
     assert ctx.findings_and_error("bf16.db") == ([], "IndexError: boolean index did not match")
-    assert ctx.findings("bf16.db") == [] and len(calls) == 1  # same trace length: not run again
-    _, _, cards, *_ = overview.update(ctx, None, "?run=bf16.db")
+    assert ctx.findings("bf16.db") == [] and len(calls) == 1  # same trace content: not run again
+    _, _, cards = overview.update(ctx, None, "?run=bf16.db")
     assert cards.id == "diagnosis-error" and "IndexError" in cards.children
+
+
+def test_a_diagnosis_runs_in_its_own_process_and_is_kept_on_disk(traces, tmp_path, monkeypatch):
+    """The first diagnosis of a trace's content runs in a separate process; a second server (a restart) reads it
+    from the cache directory instead of diagnosing again; new steps make a new key. Nothing is written next to the
+    trace."""
+    import os
+    import shutil
+    import time
+
+    from ampdoctor.dashboards import cache
+
+    monkeypatch.setenv("AMPDOCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "runs").mkdir()
+    shutil.copy(traces / "fp16_bad.db", tmp_path / "runs" / "a.db")
+    os.chmod(tmp_path / "runs", 0o555)  # a read-only directory of traces
+    try:
+
+        def ours():  # (SQLite's own -wal/-shm files of a WAL trace are the reader's, not the cache's)
+            return sorted(f for f in os.listdir(tmp_path / "runs") if not f.endswith(("-wal", "-shm")))
+
+        before = ours()
+        ctx = create_app(str(tmp_path / "runs")).ampdoctor
+        state = ctx.diagnosis_state("a.db")
+        assert state.running and state.value is None  # the page is not held up
+        deadline = time.time() + 60
+        while time.time() < deadline and not ctx.diagnosis_state("a.db").current:
+            time.sleep(0.2)
+        found = ctx.findings("a.db")
+        want = diagnosis.findings(ctx.trace("a.db"))
+        assert [d.to_dict() for d in found] == [d.to_dict() for d in want] and found
+        assert len(cache.prefix_files("findings-", "json")) == 1
+        monkeypatch.setattr(diagnosis, "findings", lambda *a, **k: 1 / 0)  # a second server must not diagnose
+        again = create_app(str(tmp_path / "runs"), diagnose_in="thread").ampdoctor
+        assert [d.to_dict() for d in again.findings("a.db")] == [d.to_dict() for d in want]
+        assert ours() == before  # nothing written next to the trace
+    finally:
+        os.chmod(tmp_path / "runs", 0o755)
 
 
 def test_serve_command_serves_the_app_on_loopback(traces):

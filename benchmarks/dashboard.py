@@ -1,0 +1,277 @@
+"""The dashboard and the report on long runs, measured as a user meets them: `ampdoctor serve` in its own process,
+the pages opened in headless Chromium, `ampdoctor report` in its own process.
+
+For each generated trace (benchmarks/dash_tracegen.py: default tiers; 20,000 steps x 1,010 sites and 1,000,000 x
+1,000 by default, kept in --dir for later runs) it prints:
+- the server's start (the command checks the trace before it serves),
+- per page, the seconds from navigation until the page is usable (its chart or table drawn with data; a preview of
+  a long range counts, and is said), on the first visit (an empty cache) and for the overview on a second visit
+  (a new server, the cache kept), and when the diagnosis appeared,
+- the peak resident memory of the server and of its diagnosis process,
+- `ampdoctor report`: seconds, peak resident memory (the process and its children), file size;
+each against its target (issue 18: overview <= 2 s first visit, every page <= 3 s; report <= 20 s, <= 1 GB,
+<= 10 MB).
+
+    python benchmarks/dashboard.py [--sizes 20000x1010,1000000x1000] [--dir /tmp/ampdoctor-bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import dash_tracegen
+import psutil
+from ampdoctor.dashboards import ids
+
+MEMORY_MB = 6144  # the diagnosis process's and the report's address space: a failure, not the machine swapping
+TARGETS = {"overview": 2.0, "page": 3.0, "report_s": 20.0, "report_mb": 1024.0, "report_size_mb": 10.0}
+
+
+class Peak:
+    """Peak resident memory of a process and its children, sampled every 50 ms in a thread."""
+
+    def __init__(self, pid: int):
+        self.proc = psutil.Process(pid)
+        self.peak = {"self": 0, "children": 0}
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                me = self.proc.memory_info().rss
+                kids = sum(c.memory_info().rss for c in self.proc.children(recursive=True))
+            except psutil.Error:
+                break
+            self.peak["self"] = max(self.peak["self"], me)
+            self.peak["children"] = max(self.peak["children"], kids)
+            time.sleep(0.05)
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._t.join(1)
+        return {k: v / 2**20 for k, v in self.peak.items()}
+
+
+def _limit() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_MB * 2**20, MEMORY_MB * 2**20))
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(trace: str, cache: str):
+    """`ampdoctor serve TRACE` in its own process: (process, base URL, seconds until it answered)."""
+    port = _port()
+    env = dict(os.environ, AMPDOCTOR_CACHE_DIR=cache, AMPDOCTOR_DIAGNOSIS_MEMORY_MB=str(MEMORY_MB))
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ampdoctor", "serve", trace, "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    while True:
+        try:
+            urllib.request.urlopen(url + "/", timeout=2).read()
+            break
+        except OSError:
+            if proc.poll() is not None:
+                raise SystemExit(f"ampdoctor serve {trace} exited with {proc.returncode}") from None
+            time.sleep(0.1)
+    return proc, url, time.perf_counter() - t0
+
+
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+
+    opts = Options()
+    profile = tempfile.mkdtemp(prefix="ampdoctor-bench-chrome-")
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,1000",
+        f"--user-data-dir={profile}",
+    ):
+        opts.add_argument(arg)
+    if shutil.which("chromium"):
+        opts.binary_location = shutil.which("chromium")
+    return webdriver.Chrome(options=opts), profile
+
+
+_DRAWN = """
+var host = document.getElementById(arguments[0]);
+if (!host) return null;
+var gd = host.classList.contains('js-plotly-plot') ? host : host.querySelector('.js-plotly-plot');
+if (gd) {
+  if (!gd.data || !gd.data.length) return null;
+  var notes = (gd.layout.annotations || []).map(function (a) { return a.text || ''; }).join(' ');
+  return notes.indexOf('preview') >= 0 ? 'preview' : 'data';
+}
+return host.querySelector('tr, li') ? 'data' : null;
+"""
+
+
+def visit(driver, url: str, element: str, timeout: float = 600.0) -> tuple[float, str]:
+    """Seconds from navigation until ``element`` (a graph with data, or a table/list with rows) is on the page."""
+    t0 = time.perf_counter()
+    driver.get(url)
+    while time.perf_counter() - t0 < timeout:
+        try:
+            state = driver.execute_script(_DRAWN, element)
+        except Exception:
+            state = None
+        if state:
+            return time.perf_counter() - t0, state
+        time.sleep(0.05)
+    return float("inf"), "timed out"
+
+
+def wait_text(driver, selector: str, words, timeout: float = 1800.0) -> float:
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        try:
+            text = driver.execute_script(
+                "var e = document.querySelector(arguments[0]); return e ? e.innerText : ''", selector
+            )
+        except Exception:
+            text = ""
+        if any(w in text for w in words):
+            return time.perf_counter() - t0
+        time.sleep(0.2)
+    return float("inf")
+
+
+def bench_trace(trace: str, n_steps: int) -> dict:
+    out: dict = {}
+    cache = tempfile.mkdtemp(prefix="ampdoctor-bench-cache-")
+    driver, profile = browser()
+    try:
+        proc, url, out["server start (s)"] = serve(trace, cache)
+        mem = Peak(proc.pid)
+        run = os.path.basename(os.path.realpath(trace))  # the key the server gives a served file
+        t_first = time.perf_counter()
+        t, state = visit(driver, f"{url}/?run={run}", ids.LOSS_GRAPH)
+        out["overview, first visit (s)"] = (t, state)
+        site = "1"  # an output-gradient site of dash_tracegen's model
+        pages = {
+            "layers": (f"/layers?run={run}", ids.LAYERS_HEATMAP),
+            "layer": (f"/layer?run={run}&site={site}&stat=fp16_under", ids.LAYER_SERIES),
+            "precision map": (f"/precision?run={run}", ids.PRECISION_TABLE),
+            "what-if": (f"/whatif?run={run}", ids.WHATIF_GRAPH),
+            "formats": (f"/formats?run={run}", ids.FORMATS_SHARES),
+            "zoom 1% of the run": (f"/?run={run}&x0={n_steps // 2}&x1={n_steps // 2 + n_steps // 100}", ids.LOSS_GRAPH),
+        }
+        for name, (path, element) in pages.items():  # while the diagnosis runs, as a user meets them
+            out[f"{name} (s)"] = visit(driver, url + path, element)
+        visit(driver, f"{url}/?run={run}", ids.LOSS_GRAPH)
+        wait_text(driver, f"#{ids.FINDINGS}", ("CRITICAL", "WARNING", "INFO", "No findings", "failed"))
+        out["findings shown, from the first visit (s)"] = time.perf_counter() - t_first
+        out["server peak RSS (MB)"] = mem.stop()
+        proc.terminate()
+        proc.wait(30)
+        proc, url, _ = serve(trace, cache)  # a restart: the cache on disk
+        out["overview, second visit (s)"] = visit(driver, f"{url}/?run={run}", ids.LOSS_GRAPH)
+        proc.terminate()
+        proc.wait(30)
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+        shutil.rmtree(cache, ignore_errors=True)
+    html = tempfile.mktemp(suffix=".html", prefix="ampdoctor-bench-")
+    t0 = time.perf_counter()
+    rep = subprocess.Popen(
+        [sys.executable, "-m", "ampdoctor", "report", trace, "-o", html],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_limit,
+    )
+    mem = Peak(rep.pid)
+    err = rep.communicate()[1]
+    peak = mem.stop()
+    out["report (s)"] = time.perf_counter() - t0
+    out["report peak RSS (MB)"] = peak["self"] + peak["children"]
+    out["report size (MB)"] = os.path.getsize(html) / 2**20 if os.path.exists(html) else float("nan")
+    out["report exit status"] = rep.returncode if rep.returncode == 0 else f"{rep.returncode}: {err.strip()[-120:]}"
+    if os.path.exists(html):
+        os.unlink(html)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="20000x1010,1000000x1000", help="STEPSxSITES, comma-separated")
+    ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "ampdoctor-bench"))
+    args = ap.parse_args()
+    os.makedirs(args.dir, exist_ok=True)
+    print(f"load average at start: {os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs)")
+    results = {}
+    for size in args.sizes.split(","):
+        steps, sites = (int(v) for v in size.lower().split("x"))
+        trace = os.path.join(args.dir, f"steps{steps}-sites{sites}.db")
+        if not os.path.exists(trace):
+            t0 = time.perf_counter()
+            dash_tracegen.generate(trace, steps, sites)
+            print(f"generated {trace} ({os.path.getsize(trace) / 2**20:.0f} MB) in {time.perf_counter() - t0:.0f} s")
+        results[size] = bench_trace(trace, steps)
+        print(f"{size}: done", flush=True)
+    print(f"load average at end: {os.getloadavg()[0]:.1f}")
+    keys = list(next(iter(results.values())))
+    print(f"\n| measure | {' | '.join(results)} | target |")
+    print(f"|---|{'---|' * len(results)}---|")
+    for k in keys:
+        target = ""
+        if k.startswith("overview, first"):
+            target = f"<= {TARGETS['overview']} s"
+        elif k.endswith("(s)") and not k.startswith(("server", "findings", "report", "overview, second")):
+            target = f"<= {TARGETS['page']} s"
+        elif k == "report (s)":
+            target = f"<= {TARGETS['report_s']} s"
+        elif k == "report peak RSS (MB)":
+            target = f"<= {TARGETS['report_mb']:.0f} MB"
+        elif k == "report size (MB)":
+            target = f"<= {TARGETS['report_size_mb']} MB"
+        cells = []
+        for r in results.values():
+            v = r[k]
+            if isinstance(v, tuple):
+                cells.append(f"{v[0]:.2f}" + (" (preview)" if v[1] == "preview" else ""))
+            elif isinstance(v, dict):
+                cells.append(", ".join(f"{a} {b:.0f}" for a, b in v.items()))
+            elif isinstance(v, float):
+                cells.append(f"{v:.2f}")
+            else:
+                cells.append(str(v))
+        print(f"| {k} | {' | '.join(cells)} | {target} |")
+
+
+if __name__ == "__main__":
+    main()

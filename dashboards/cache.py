@@ -1,0 +1,154 @@
+"""Results the views keep on disk between visits (a run's diagnosis, its step summary), keyed by what the trace
+holds: a trace that grows, or another file at the same path, gets a new key and the old result is not used.
+
+Written only under the user's cache directory (``$AMPDOCTOR_CACHE_DIR``, else ``$XDG_CACHE_HOME/ampdoctor``, else
+``~/.cache/ampdoctor``), never next to a trace: a trace's directory may be read-only or shared, and nothing here may
+touch a trace file. Files are written whole and renamed into place; a cache that cannot be written is skipped.
+JSON and numpy arrays only (no pickle: a cache file is not code).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from ampdoctor import __version__
+
+from .series import sql
+
+if TYPE_CHECKING:
+    from ampdoctor.trace import Trace
+
+FORMAT = 1  # bump when what is cached changes shape
+
+
+def cache_dir() -> str | None:
+    """The directory results go to (created, private to the user), or None when it cannot be written."""
+    base = os.environ.get("AMPDOCTOR_CACHE_DIR")
+    if not base:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        base = os.path.join(xdg, "ampdoctor")
+    path = os.path.join(base, f"views-{FORMAT}")
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError:
+        return None
+    return path if os.access(path, os.W_OK | os.X_OK) else None
+
+
+def identity(tr: Trace) -> str:
+    """Which run a file holds: its real path and the run's recorded start (another run written to the same path
+    later is another identity)."""
+    run = tr.meta.get("run", {}) or {}
+    raw = json.dumps([os.path.realpath(tr.path), run.get("started"), run.get("pid"), run.get("host")], default=str)
+    return hashlib.sha256(raw.encode()).hexdigest()[:24]
+
+
+def fingerprint(tr: Trace) -> list:
+    """What the trace holds now, cheaply: the last row or key of every table (primary-key look-ups, no scans).
+    Any new step, statistic, event, metric or probe changes it."""
+    out: list = []
+    for table, key in (
+        ("steps", "step"),
+        ("stats", "step"),
+        ("peaks", "step"),
+        ("hists", "step"),
+        ("events", "id"),
+        ("metrics", "rowid"),
+        ("sites", "id"),
+        ("probes", "step"),
+    ):
+        try:
+            out.append(sql(tr, f"SELECT max({key}) FROM {table}")[0][0])
+        except Exception:  # a table that an older trace lacks
+            out.append(None)
+    last = out[0]
+    out.append(sql(tr, "SELECT * FROM steps WHERE step = ?", (last,)) if last is not None else None)
+    out.append("closed" in tr.meta)
+    return out
+
+
+def key(what: str, *traces: Any, extra: Any = None) -> str:
+    """The cache key of ``what`` computed from ``traces`` (their identity and content) by this ampdoctor."""
+    parts = [what, __version__, FORMAT, extra]
+    for tr in traces:
+        parts.append(None if tr is None else [identity(tr), fingerprint(tr)])
+    return what + "-" + hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
+
+
+def _path(name: str, ext: str) -> str | None:
+    d = cache_dir()
+    return None if d is None else os.path.join(d, f"{name}.{ext}")
+
+
+def _write(path: str, write: Callable) -> bool:
+    """Write through a temporary file in the same directory, then rename: a reader never sees half a file."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        return False
+
+
+def load_json(name: str) -> Any:
+    path = _path(name, "json")
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def save_json(name: str, value: Any) -> bool:
+    path = _path(name, "json")
+    if path is None:
+        return False
+    data = json.dumps(value, allow_nan=True).encode()
+    return _write(path, lambda f: f.write(data))
+
+
+def load_arrays(name: str) -> dict | None:
+    path = _path(name, "npz")
+    if path is None or not os.path.exists(path):
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def save_arrays(name: str, arrays: dict) -> bool:
+    path = _path(name, "npz")
+    return path is not None and _write(path, lambda f: np.savez(f, **arrays))
+
+
+def prefix_files(prefix: str, ext: str) -> list[str]:
+    """Names (without extension) of the cached files whose name starts with ``prefix``."""
+    d = cache_dir()
+    if d is None:
+        return []
+    try:
+        return [f[: -len(ext) - 1] for f in os.listdir(d) if f.startswith(prefix) and f.endswith("." + ext)]
+    except OSError:
+        return []
+
+
+def remove(name: str, ext: str) -> None:
+    path = _path(name, ext)
+    if path is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(path)

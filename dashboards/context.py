@@ -1,0 +1,378 @@
+"""What one dashboard app serves (Context): the runs under its root, the traces each request borrows from a pool
+(each statement bounded in time and the file re-checked by server.py), results cached per trace content, and the work
+that runs in the background (the diagnosis in its own process, step summaries kept on disk) with its state. The
+pages are handed a Context; this module imports none of them."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from ampdoctor.trace import TraceError
+
+from . import cache, catalog, diagnosis, jobs, ranks, series, server
+
+if TYPE_CHECKING:
+    from ampdoctor.trace import Trace
+
+REFERENCE_KEY = "reference"
+MAX_IDLE = 8  # open connections kept per trace file between requests
+FINDINGS_EVERY_S = 5.0  # a growing trace is diagnosed again at most this often (a big run takes seconds)
+SYNC_SUMMARY_STEPS = 50_000  # a run this short is summarised inside the request; a longer one in the background
+
+
+class Context:
+    """What one app serves: the runs under its root, opened traces, results cached per trace length, and the work
+    that runs in the background (diagnoses, step summaries, long heat maps) with its state.
+
+    Flask answers requests on several threads and a Trace (one SQLite connection, its snapshot a transaction) is
+    not for sharing: a request borrows one Trace per file from a pool and gives it back when it ends (release).
+    A background job opens its own.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        reference: str | None = None,
+        poll_ms: int = 1500,
+        files: set | None = None,
+        diagnose_in: str = "process",
+    ):
+        self.root = os.path.realpath(root)
+        self.reference_path = reference
+        self.poll_ms = poll_ms
+        self._lock = threading.Lock()  # guards the dicts below; never held around file I/O
+        self._idle: dict = {}  # path -> [Trace] not borrowed by any thread
+        self._local = threading.local()  # .held: path -> Trace borrowed by this thread
+        self._cache: dict = {}
+        self._runs: tuple[float, dict] = (0.0, {})
+        self.files = files  # a glob or list of one run's files: only these are served
+        self._rank_meta: dict = {}  # path -> (rank, world size) from the trace's metadata
+        self.jobs = jobs.Jobs(workers=2)
+        self.diagnose_in = diagnose_in  # "process" (default: the server stays responsive) or "thread"
+        self._summaries: dict = {}  # path -> series.StepSummary
+        self._topping_up: set = set()  # paths whose summary a request is updating now
+        self._opening: dict = {}  # path -> Lock held while the file is first opened
+        self._diagnosed: dict = {}  # run key -> (version, time.monotonic() the version was asked for)
+
+    def runs(self) -> dict:
+        """Traces under the root (rescanned at most every second, so new runs show up)."""
+        with self._lock:
+            stamp, runs = self._runs
+        if time.monotonic() - stamp > 1.0:
+            # outside the lock: a slow disk delays one request
+            runs = ranks.with_ranks(catalog.discover_runs(self.root), self._rank_meta, self.files)
+            with self._lock:
+                self._runs = (time.monotonic(), runs)
+        return runs
+
+    def resolve(self, key: Any) -> catalog.Run | None:
+        """The run a browser-supplied key names, or None: only keys of runs() (and the reference) exist."""
+        if not isinstance(key, str):
+            return None
+        if key == REFERENCE_KEY and self.reference_path:
+            path = os.path.realpath(self.reference_path)
+            return catalog.Run(REFERENCE_KEY, path, "reference: " + os.path.basename(path), None)
+        return self.runs().get(key)
+
+    def default_key(self) -> str | None:
+        runs = self.runs()
+        return next(iter(runs), None)
+
+    def peers(self, key: str) -> dict:
+        """rank -> run key of every rank of the run ``key`` belongs to ({} for a run of one trace)."""
+        me = self.resolve(key)
+        if me is None or me.rank is None:
+            return {}
+        return {r.rank: k for k, r in self.runs().items() if r.group == me.group and r.rank is not None}
+
+    def trace(self, key: Any) -> Any:
+        """This thread's open Trace of a run key, or None (unknown key or unreadable file)."""
+        run = self.resolve(key)
+        if run is None:
+            return None
+        held = self._held()
+        tr = held.get(run.path)
+        if tr is None:
+            with self._lock:
+                idle = self._idle.get(run.path)
+                tr = idle.pop() if idle else None
+            if tr is not None and not server.renew(tr):  # server.py: replaced or changed, so opened and checked anew
+                tr.close()
+                tr = None
+            if tr is None:
+                tr = self._open(run.path)
+                if tr is None:
+                    return None
+            held[run.path] = tr
+        return tr
+
+    def _open(self, path: str) -> Trace | None:
+        """A new Trace of ``path`` on a connection of its own (each statement bounded in time: server.py), reopened
+        from the one this process checked (server.check: the reader's checks run once per file, again when the
+        file was replaced or changed REVALIDATE_S ago), or None when it cannot be read."""
+        with self._lock:
+            opening = self._opening.setdefault(path, threading.Lock())
+        with opening:  # the first visit's callbacks arrive together: one of them checks the file, the rest reuse it
+            try:
+                return server.open_checked(path)
+            except TraceError:
+                return None
+
+    def _held(self) -> dict:
+        if not hasattr(self._local, "held"):
+            self._local.held = {}
+        return self._local.held
+
+    def release(self) -> None:
+        """Give the traces this thread borrowed back to the pool (at the end of each request)."""
+        held, self._local.held = self._held(), {}
+        surplus = []
+        with self._lock:
+            for path, tr in held.items():
+                idle = self._idle.setdefault(path, [])
+                (idle if len(idle) < MAX_IDLE else surplus).append(tr)
+        for tr in surplus:
+            tr.close()
+
+    def n_steps(self, key: Any) -> int:
+        """Steps of a run now (a primary-key look-up: cheap at every poll, unlike count(*))."""
+        tr = self.trace(key)
+        return 0 if tr is None else series.n_steps(tr)
+
+    def cached(self, key: str, what: Any, fn: Callable) -> Any:
+        """``fn(trace)`` computed once per (run, trace length, what): a live trace invalidates itself as it grows."""
+        tr = self.trace(key)
+        if tr is None:
+            return None
+        # server.py: a file replaced by another is another trace
+        k = (key, server.generation(tr), series.n_steps(tr), what)
+        with self._lock:
+            if k in self._cache:
+                return self._cache[k]
+        value = fn(tr)
+        with self._lock:
+            if len(self._cache) > 256:
+                self._cache.clear()
+            self._cache[k] = value
+        return value
+
+    def background(self, key: str, what: Any, fn: Callable, wait: float = 1.0) -> jobs.State:
+        """``fn(trace)`` for the run ``key`` at its current length, computed in the background on a trace of its
+        own; waits up to ``wait`` s (a short job shows at once). The state says whether the value is current."""
+        run = self.resolve(key)
+        n = self.n_steps(key)
+
+        def work() -> Any:
+            tr = self._open(run.path)
+            if tr is None:
+                raise jobs.Failed(f"{run.key} could not be opened as a trace")
+            try:
+                return fn(tr)
+            finally:
+                tr.close()
+
+        return self.jobs.get((key, what), n, work, wait=wait)
+
+    # -- the step summary of a run: every step, in buckets ---------------------------------------------------------
+    def summary(self, key: str) -> tuple[series.StepSummary | None, jobs.State | None]:
+        """The run's step summary when it covers the run (else what it has so far), and the state of its build:
+        built in the request for a short run, in the background (and kept on disk) for a long one."""
+        run = self.resolve(key)
+        tr = self.trace(key)
+        if run is None or tr is None:
+            return None, None
+        n = series.n_steps(tr)
+        with self._lock:
+            sm = self._summaries.get(run.path)
+        if sm is None:
+            sm = _load_summary(tr) or series.StepSummary()
+            with self._lock:
+                sm = self._summaries.setdefault(run.path, sm)
+        behind = n - sm.n_buckets * series.BUCKET
+        if behind < series.BUCKET:
+            return sm, None
+        if behind <= SYNC_SUMMARY_STEPS:
+            with self._lock:  # one thread tops it up; another request draws what is there
+                busy = run.path in self._topping_up
+                self._topping_up.add(run.path)
+            if not busy:
+                try:
+                    sm.update(tr)
+                finally:
+                    with self._lock:
+                        self._topping_up.discard(run.path)
+            return sm, None
+
+        def build(t: Trace) -> Any:
+            sm.update(t)
+            _save_summary(t, sm)
+            return sm.n_buckets
+
+        state = self.background(key, "summary", build, wait=0.0)
+        return sm, state
+
+    def steps(
+        self, key: str, x0: Any = None, x1: Any = None, max_points: int = series.MAX_POINTS
+    ) -> series.StepSeries | None:
+        """The step figures of [x0, x1] of a run, for its charts (see series.read)."""
+        tr = self.trace(key)
+        if tr is None:
+            return None
+        sm, _ = self.summary(key)
+        return series.read(tr, x0, x1, max_points, sm)
+
+    # -- the diagnosis ---------------------------------------------------------------------------------------------
+    def findings(self, key: str) -> list:
+        return self.findings_and_error(key)[0]
+
+    def findings_and_error(self, key: str, wait: float = 30.0) -> tuple[list, str | None]:
+        """The run's findings, worst first, and None; or [] and the error when a rule failed on this snapshot of
+        a live trace (the next poll tries again): someone else's rule never breaks the page. Waits up to ``wait``
+        s for a diagnosis in progress (the views use diagnosis_state, which does not wait)."""
+        st = self.diagnosis_state(key, wait=wait)
+        if st is None:
+            return [], None
+        if st.error and not st.current:
+            return [], st.error
+        return list(st.value or []), None
+
+    def diagnosis_state(self, key: str, wait: float = 0.0) -> jobs.State | None:
+        """The state of the run's diagnosis (its findings as ``value``): from the cache on disk when this content
+        was diagnosed before, else computed in the background. While a trace grows it is diagnosed again at
+        most every FINDINGS_EVERY_S seconds; the previous findings stay on the page meanwhile."""
+        run = self.resolve(key)
+        tr = self.trace(key)
+        if run is None or tr is None:
+            return None
+        if series.n_steps(tr) == 0:
+            return jobs.State(value=[], current=True)
+        ref = self.trace(REFERENCE_KEY) if self.reference_path and key != REFERENCE_KEY else None
+        peers = {r: self.resolve(k).path for r, k in self.peers(key).items()}
+        peer_traces = [self.trace(k) for k in self.peers(key).values()]
+        version = cache.key("findings", tr, ref, *peer_traces, extra=sorted(peers.items()))
+        with self._lock:
+            last = self._diagnosed.get(key)
+            if last is not None and last[0] != version and time.monotonic() - last[1] < FINDINGS_EVERY_S:
+                version = last[0]  # a live trace: the same version until FINDINGS_EVERY_S have passed
+            else:
+                self._diagnosed[key] = (version, time.monotonic())
+        spec = {
+            "trace": run.path,
+            "reference": os.path.realpath(self.reference_path) if ref is not None else None,
+            "peers": {str(r): p for r, p in peers.items()},
+            "group": run.group,
+        }
+
+        def work() -> Any:
+            found = cache.load_json(version)
+            if found is None:
+                found = _diagnose(spec, self.diagnose_in)
+                if found.get("error") is None:
+                    cache.save_json(version, found)
+            if found.get("error"):
+                raise jobs.Failed(found["error"])
+            return [diagnosis.from_dict(d) for d in found["findings"]]
+
+        return self.jobs.get((key, "findings"), version, work, wait=wait)
+
+    def generation(self) -> int:
+        """Bumped whenever background work ends: views that show its results redraw."""
+        return self.jobs.generation
+
+
+class _Worker:
+    """The process that diagnoses (diagjob), shared by every app of this process: started on first use, its
+    imports paid once; replaced after MAX_TASKS diagnoses (memory a long run left behind) or when it died."""
+
+    MAX_TASKS = 20
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc = None
+        self._done = 0
+
+    def run(self, spec: dict) -> dict:
+        import subprocess
+        import sys
+
+        with self._lock:  # one diagnosis at a time: the rules use a core, the server needs the other
+            if self._proc is None or self._proc.poll() is not None or self._done >= self.MAX_TASKS:
+                self._stop()
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-m", "ampdoctor.dashboards.diagjob"],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    text=True,
+                    bufsize=1,
+                )
+                self._done = 0
+            try:
+                self._proc.stdin.write(json.dumps(spec) + "\n")
+                self._proc.stdin.flush()
+                line = self._proc.stdout.readline()
+            except OSError:
+                line = ""
+            if not line:
+                self._stop()
+                return {
+                    "findings": [],
+                    "error": "the diagnosis process died (out of memory?); it runs again as the trace grows",
+                }
+            self._done += 1
+            return json.loads(line)
+
+    def _stop(self) -> None:
+        if self._proc is not None:
+            try:
+                self._proc.stdin.close()
+                self._proc.wait(timeout=5)
+            except Exception:
+                self._proc.kill()
+            self._proc = None
+
+
+_WORKER = _Worker()
+
+
+def _diagnose(spec: dict, where: str) -> dict:
+    """Run diagjob over ``spec``: in the diagnosis process (the default), or in this thread."""
+    from . import diagjob
+
+    if where == "thread":
+        return diagjob.run(spec)
+    return _WORKER.run(spec)
+
+
+def _summary_name(tr: Trace) -> str:
+    return f"steps-{cache.identity(tr)}-"
+
+
+def _load_summary(tr: Trace) -> series.StepSummary | None:
+    """The longest summary of this run kept on disk that is still a prefix of the trace."""
+    prefix = _summary_name(tr)
+    best = None
+    for name in cache.prefix_files(prefix, "npz"):
+        try:
+            done = int(name[len(prefix) :])
+        except ValueError:
+            continue
+        if done <= series.n_steps(tr) and (best is None or done > best):
+            best = done
+    if best is None:
+        return None
+    arrays = cache.load_arrays(prefix + str(best))
+    return series.StepSummary.from_arrays(arrays, tr) if arrays else None
+
+
+def _save_summary(tr: Trace, sm: series.StepSummary) -> None:
+    prefix = _summary_name(tr)
+    done = sm.n_buckets * series.BUCKET
+    if cache.save_arrays(prefix + str(done), sm.to_arrays()):
+        for name in cache.prefix_files(prefix, "npz"):
+            if name != prefix + str(done):
+                cache.remove(name, "npz")

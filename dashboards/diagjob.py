@@ -1,0 +1,96 @@
+"""The dashboard's diagnoses, in a process of their own: ``python -m ampdoctor.dashboards.diagjob``.
+
+A separate process keeps the server answering while the rules run (they hold the GIL for seconds on a long run),
+and a diagnosis that runs out of memory or crashes ends that process, not the dashboard. The process reads one
+JSON spec a line on stdin, {"trace", "reference", "peers": {rank: path}, "group"}, and answers each with one JSON
+line on stdout: {"findings": [Diagnosis.to_dict(), ...], "error": null | "Type: message", "seconds": s}. (Not
+multiprocessing: its spawned workers import the parent's main script again, which a script serving the dashboard
+without a ``__main__`` guard would not survive.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def run(spec: dict) -> dict:
+    """Diagnose ``spec["trace"]`` (against ``spec["reference"]``) plus the rank rules over ``spec["peers"]``."""
+    from ampdoctor.trace import load
+    from ampdoctor.trace.run import RankRun
+
+    from . import diagnosis
+
+    t0 = time.perf_counter()
+    try:
+        tr = load(spec["trace"])
+        ref = load(spec["reference"]) if spec.get("reference") else None
+        found = diagnosis.findings(tr, ref)
+        peers = {int(r): p for r, p in (spec.get("peers") or {}).items()}
+        if len(peers) > 1:
+            from ampdoctor.rules.multirank import rank_findings
+
+            traces = {r: load(p) for r, p in peers.items()}
+            if all(t.n_steps for t in traces.values()):
+                found += rank_findings(RankRun(spec.get("group") or "", traces, max(traces) + 1))
+        found = diagnosis.worst_first(found)
+        return {"findings": [d.to_dict() for d in found], "error": None, "seconds": time.perf_counter() - t0}
+    except MemoryError:
+        return {
+            "findings": [],
+            "error": "MemoryError: the rules ran out of memory on this trace",
+            "seconds": time.perf_counter() - t0,
+        }
+    except Exception as exc:  # one line for the page; the server goes on
+        return {"findings": [], "error": f"{type(exc).__name__}: {exc}", "seconds": time.perf_counter() - t0}
+
+
+def _limit_memory() -> None:
+    """``AMPDOCTOR_DIAGNOSIS_MEMORY_MB``: the most address space this process may take; past it the rules get a
+    MemoryError (one line on the page) instead of the machine running out."""
+    mb = os.environ.get("AMPDOCTOR_DIAGNOSIS_MEMORY_MB", "")
+    if mb.isdigit() and int(mb) > 0:
+        import resource
+
+        limit = int(mb) * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def _exit_with_parent() -> None:
+    """End this process when the server that started it is gone (killed mid-diagnosis, its pipe is not read)."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def main() -> int:
+    """Answer specs until stdin closes. Anything the rules print goes to stderr: stdout carries the answers."""
+    _limit_memory()
+    _exit_with_parent()
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
+    sys.stdout = sys.stderr
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            spec = json.loads(line)
+        except ValueError as exc:
+            result = {"findings": [], "error": f"bad request ({exc})", "seconds": 0.0}
+        else:
+            result = run(spec)
+        answers.write(json.dumps(result) + "\n")
+        answers.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
