@@ -23,7 +23,7 @@ def code_line(paths) -> str:
 class KeptFP32:
     """Handle returned by ``keep_fp32``: a context manager; ``remove()`` restores every wrapped forward exactly."""
 
-    def __init__(self, model, paths: tuple):
+    def __init__(self, model, paths: tuple) -> None:
         self.model = model
         self.paths = paths
         self._wrapped: list = []  # (module, state of its wrapper)
@@ -55,7 +55,7 @@ class KeptFP32:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc) -> bool:
         self.remove()
         return False
 

@@ -237,7 +237,7 @@ def replay_html(rp) -> str:
     """A loss-scale replay: its settings and outcome (skipped steps, scale range, underflow, information lost)."""
     s = rp.summary()
 
-    def num(v, fmt="{:.4g}") -> str:
+    def num(v, fmt: str = "{:.4g}") -> str:
         return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
 
     rows = [(k, v) for k, v in rp.settings.items()]

@@ -111,7 +111,7 @@ class Inputs:
     the factor that turns stored values into real ones (output gradients carry the loss scale), the anomalous
     steps; the histograms and the delayed-scaling scales of every site are computed on first use and kept."""
 
-    def __init__(self, tr, kind: str):
+    def __init__(self, tr, kind: str) -> None:
         self.tr, self.kind = tr, kind
         self.sites = tr.sites(kind)
         self.column = {int(s): j for j, s in enumerate(self.sites["id"])}

@@ -61,7 +61,7 @@ class Call:
 class Capture:
     """The per-step memory of the replay: filled by the root module's hooks, emptied at every step start."""
 
-    def __init__(self, device: Callable[[], torch.device | None]):
+    def __init__(self, device: Callable[[], torch.device | None]) -> None:
         self.device = device
         self.calls: list[Call] = []
         self.batch_ids: list = []
@@ -151,7 +151,7 @@ def others_hooks_off(model: torch.nn.Module, ours: set[int]) -> Iterator[None]:
 
 
 def _keep_seed(seeds: dict, i: int) -> Callable:
-    def keep(grad):
+    def keep(grad) -> None:
         seeds[i] = grad if i not in seeds else seeds[i] + grad  # (an output used twice gets both gradients)
 
     return keep
@@ -216,7 +216,7 @@ class Replayer:
         ours: Callable[[], set[int]],
         *,
         heal: bool = False,
-    ):
+    ) -> None:
         self.model = _runnable(model)
         self.modules = modules
         self.params = params

@@ -123,7 +123,7 @@ class StepEnd:
         scaler_enabled: bool = False,
         weight_every: int,
         model_name: str,
-    ):
+    ) -> None:
         self.guard = guard
         self.record = record
         self.sites = sites

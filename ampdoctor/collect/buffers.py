@@ -27,7 +27,7 @@ class PeakList:
     returns; stacked once at the step end (``aminmax(out=...)`` into a preallocated buffer measured ~5 µs slower
     per call inside a training loop than one stack of them all). ``n`` counts the values."""
 
-    def __init__(self, like: torch.Tensor, block: str):
+    def __init__(self, like: torch.Tensor, block: str) -> None:
         self.block_name = block
         self.device = like.device
         self.vals: list[torch.Tensor] = []
@@ -45,7 +45,7 @@ class SlotBuffer:
     """Fixed [min, max] slots (one buffer per dtype and device) for tensors observed every step in the same order:
     the parameter gradients. Written in place by ``aminmax(out=...)``; lives as long as its plan."""
 
-    def __init__(self, dtype: torch.dtype, device: torch.device, block: str, size: int):
+    def __init__(self, dtype: torch.dtype, device: torch.device, block: str, size: int) -> None:
         self.block_name = block
         self.device = device
         self.buf = torch.zeros(size, dtype=dtype, device=device)  # empty gradients keep [0, 0]
@@ -72,7 +72,7 @@ class GradFigures:
     gradient and step would be most of a sentinel step on a CPU. The native read checks dtype, device and layout of
     every gradient itself, as it reads memory through their pointers."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._key = None
 
     def _plan(self, grads: list[torch.Tensor]) -> None:
@@ -154,7 +154,7 @@ class GradPlan:
         params: list[tuple[str, torch.nn.Parameter]],
         present: tuple[bool, ...],
         site: Callable[[str, torch.Tensor], int],
-    ):
+    ) -> None:
         """params: (name, parameter) of every trainable parameter; present: which have a gradient this step;
         site(name, grad) -> the param_grad site id."""
         self.key = present

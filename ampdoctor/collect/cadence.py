@@ -51,7 +51,7 @@ class Cadence:
         hist_every: int = DEFAULT_HIST_EVERY,
         calibration: int = DEFAULT_CALIBRATION,
         clean_run: int = CLEAN_RUN,
-    ):
+    ) -> None:
         self.mode = mode
         self.every, self.peak_every, self.hist_every = every, peak_every, hist_every
         self.calibration, self.clean_run = calibration, clean_run
@@ -136,7 +136,7 @@ class Budget:
     """Keeps ampdoctor's measured share of the step time (its observer_time over the step time) under ``share`` by
     stretching the cadence's sampled tiers; ``update`` says when it changed them."""
 
-    def __init__(self, share: float, cadence: Cadence):
+    def __init__(self, share: float, cadence: Cadence) -> None:
         self.share = share
         self.cadence = cadence
         self._observer = 0.0

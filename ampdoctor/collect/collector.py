@@ -44,7 +44,7 @@ class Collector:
         boundary_name: str,
         on_step_start: Callable[[], None],
         keep_hooks: bool = False,
-    ):
+    ) -> None:
         self.guard = guard
         self.model = model
         self.modules = modules

@@ -20,7 +20,7 @@ class Guard:
     internal error anywhere turns collection off once (``fail``), and the time the guarded entries spend on the
     training thread adds up in ``observer_time`` until the step end takes it."""
 
-    def __init__(self, on_fail: Callable[[BaseException], None]):
+    def __init__(self, on_fail: Callable[[BaseException], None]) -> None:
         self.off = False
         self.observer_time = 0.0  # host seconds inside ampdoctor on the training thread, this step
         self._on_fail = on_fail
@@ -186,7 +186,7 @@ class Registry:
     """Which live Doctor observes which model, module, optimizer and scaler: a second Doctor on the same objects
     would record half the steps and, closed first, restore the other's wrappers. Weak keys: nothing kept alive."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._owner = weakref.WeakKeyDictionary()
 
     def claim(self, doctor, objects: list) -> None:

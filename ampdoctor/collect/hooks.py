@@ -15,7 +15,7 @@ from ..trace.schema import ROOT
 class Handles:
     """Torch hook handles plus restore callables; ``remove()`` undoes all of them, last first, once."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._undo: list[Callable[[], None]] = []
 
     def add(self, handle) -> None:
@@ -42,7 +42,7 @@ def wrap_method(handles: Handles, obj, name: str, make: Callable[[Callable], Cal
     original = getattr(obj, name)
     setattr(obj, name, make(original))
 
-    def restore():
+    def restore() -> None:
         if had_own:
             setattr(obj, name, original)
         else:
@@ -99,7 +99,7 @@ def float_tensors(obj, limit: int = 16) -> list[torch.Tensor]:
     """Floating-point tensors in a (nested) output or argument structure, at most ``limit`` of them."""
     found: list[torch.Tensor] = []
 
-    def visit(o, depth=0):
+    def visit(o, depth=0) -> None:
         if len(found) >= limit or depth > 4:
             return
         if isinstance(o, torch.Tensor):

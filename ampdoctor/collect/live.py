@@ -30,7 +30,7 @@ MAX_ERRORS = 3  # consecutive failed checks before live diagnosis gives up
 class TrainingHalted(RuntimeError):
     """Raised at a step boundary when a live finding reached the ``halt_on`` severity."""
 
-    def __init__(self, finding):
+    def __init__(self, finding) -> None:
         self.finding = finding
         layer = f" in {finding.layers[0]}" if finding.layers else ""
         super().__init__(f"ampdoctor halted training: {finding.severity} {finding.rule}{layer}: {finding.summary}")
@@ -52,7 +52,7 @@ class LiveDiagnosis(threading.Thread):
         halt_on: str | None = None,
         rules=None,
         interval: float = MIN_INTERVAL_S,
-    ):
+    ) -> None:
         super().__init__(name="ampdoctor-live", daemon=True)
         self.path = path
         self.diagnose = diagnose  # (trace, rules=...) -> findings worst first

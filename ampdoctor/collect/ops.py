@@ -121,7 +121,7 @@ class OpTracer(TorchDispatchMode):
     ``reached`` was told the results) and the chain of operations that produced the values it overflowed (``chain``:
     producer first). ``paused`` lets ampdoctor's own observation hooks run their reductions unseen."""
 
-    def __init__(self, paths: dict[int, str]):
+    def __init__(self, paths: dict[int, str]) -> None:
         super().__init__()
         self.paused = False
         self.count = 0
@@ -274,7 +274,7 @@ class _PathTracker(ModuleTracker):
     """torch's ModuleTracker (which modules are running, forward or backward), with modules named by their site paths
     (``paths``: id(module) -> path) instead of class names."""
 
-    def __init__(self, paths: dict[int, str]):
+    def __init__(self, paths: dict[int, str]) -> None:
         super().__init__()
         self._paths = paths
         self._names = set(paths.values())

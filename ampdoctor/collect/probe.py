@@ -32,7 +32,7 @@ class StepProbe:
         put: Callable,
         on_error: Callable[[BaseException], None],
         every: int,
-    ):
+    ) -> None:
         self.modules = modules
         self.sites = sites
         self.put = put

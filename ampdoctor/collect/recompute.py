@@ -167,7 +167,7 @@ class Call:
 class Recorder:
     """Arms probe hooks on ``modules`` for one step, compares each call, and disarms (removing every hook)."""
 
-    def __init__(self, modules: list, *, need_grad: bool = True, keep_root: bool = False, on_error=None):
+    def __init__(self, modules: list, *, need_grad: bool = True, keep_root: bool = False, on_error=None) -> None:
         self.modules = modules
         self.on_error = on_error  # training: a failure here must stop the probe, never the forward
         self.need_grad = need_grad  # training: only forwards that build a graph (not evaluation)
@@ -218,14 +218,14 @@ class Recorder:
         return hook
 
     def _pre(self, path):
-        def hook(module, args, kwargs):
+        def hook(module, args, kwargs) -> None:
             if self._active():
                 self._open(path, module, args, kwargs)
 
         return self._guarded(hook)
 
     def _post(self, path, module):
-        def hook(_module, args, kwargs, output):
+        def hook(_module, args, kwargs, output) -> None:
             if not self._active() or not self._stack or self._stack[-1].path != path:
                 return
             frame = self._stack.pop()

@@ -18,7 +18,7 @@ _NUMBERS = {float, int}
 
 
 class StepRecord:
-    def __init__(self):
+    def __init__(self) -> None:
         self._bufs: dict = {}  # PeakList per dtype (or (dtype, device)): kept across steps, cleared
         self.clear()
 
@@ -138,7 +138,7 @@ class StepRecord:
 class HostCopy:
     """A step's values on their way to the host, with where each block starts."""
 
-    def __init__(self, copy: Transfer | Ready, bases: dict, n_peaks: int, n_fulls: int):
+    def __init__(self, copy: Transfer | Ready, bases: dict, n_peaks: int, n_fulls: int) -> None:
         self.copy = copy
         self.bases = bases
         self._n_peaks = n_peaks

@@ -61,7 +61,7 @@ class Doctor:
         *,
         diagnose: Callable | None = None,
         exporter: Callable | None = None,
-    ):
+    ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"Argument model should be of type torch.nn.Module, but given {type(model)}")
         if optimizer is not None:
@@ -675,7 +675,7 @@ class Doctor:
         self.close()
         return False
 
-    def __del__(self):
+    def __del__(self) -> None:
         try:
             if not self._closed and getattr(self, "_writer", None) is not None:
                 self.close()

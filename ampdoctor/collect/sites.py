@@ -16,7 +16,7 @@ class Sites:
     """Site ids by (path, kind). ``act`` and ``grad`` map a module path alone to its id: the hooks' lookups build
     no tuple per call."""
 
-    def __init__(self, model: torch.nn.Module, put):
+    def __init__(self, model: torch.nn.Module, put) -> None:
         self.ids: dict[tuple[str, str], int] = {}
         self.act: dict[str, int] = {}
         self.grad: dict[str, int] = {}

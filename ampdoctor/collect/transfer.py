@@ -32,7 +32,7 @@ def reading() -> Iterator[None]:
 class Transfer:
     """Values on their way to the host: ``ready()`` without waiting, ``values()`` (waits only if not ready)."""
 
-    def __init__(self, flat: torch.Tensor):
+    def __init__(self, flat: torch.Tensor) -> None:
         self._event = None
         self._lag = 0
         if flat.device.type == "cuda":
@@ -65,7 +65,7 @@ class Transfer:
 class Ready:
     """Values already on the host (the CPU path)."""
 
-    def __init__(self, values: np.ndarray):
+    def __init__(self, values: np.ndarray) -> None:
         self._values = values
 
     def ready(self) -> bool:

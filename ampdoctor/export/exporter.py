@@ -31,7 +31,7 @@ class Exporter:
         findings: Callable[[], list] | None = None,
         diagnose_at_close: bool = True,
         rules: dict | None = None,
-    ):
+    ) -> None:
         self.path = path
         self.sinks = list(sinks)
         self._source = findings
@@ -100,7 +100,7 @@ class LiveExport(threading.Thread):
     """Polls an Exporter off the training thread while training writes the trace. A failure (a sink that raises)
     warns once and stops the export; training never sees it."""
 
-    def __init__(self, exporter: Exporter, interval: float = MIN_INTERVAL_S):
+    def __init__(self, exporter: Exporter, interval: float = MIN_INTERVAL_S) -> None:
         super().__init__(name="ampdoctor-export", daemon=True)
         self.exporter = exporter
         self.interval = interval

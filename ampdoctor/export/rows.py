@@ -89,7 +89,7 @@ def _number(v, path: str, column: str):
 class StepRows:
     """The rows of a trace's steps table after the last read, as Points. ``read()`` never returns a step twice."""
 
-    def __init__(self, path: str, page: int = PAGE):
+    def __init__(self, path: str, page: int = PAGE) -> None:
         self.path = path
         load(path).close()  # every check the reader runs on a file from anyone, once
         try:

@@ -50,7 +50,7 @@ class Sink:
 
     kind = "sink"
 
-    def __init__(self, every: int = DEFAULT_EVERY, prefix: str = PREFIX, step_offset: int = 0):
+    def __init__(self, every: int = DEFAULT_EVERY, prefix: str = PREFIX, step_offset: int = 0) -> None:
         self.every = _check_every(every)
         self.prefix = prefix
         self.step_offset = step_offset
@@ -82,7 +82,7 @@ class TensorBoard(Sink):
 
     kind = "tensorboard"
 
-    def __init__(self, logdir: str | None = None, *, writer=None, every: int = DEFAULT_EVERY, **kw):
+    def __init__(self, logdir: str | None = None, *, writer=None, every: int = DEFAULT_EVERY, **kw) -> None:
         super().__init__(every, **kw)
         if (logdir is None) == (writer is None):
             raise ValueError("Argument logdir or writer should be given (one of them)")
@@ -169,7 +169,7 @@ class WandB(Sink):
         step_key: str | None = None,
         alert: bool = True,
         **kw,
-    ):
+    ) -> None:
         super().__init__(every, **kw)
         self._wandb = need("wandb")
         self._own = False
@@ -233,7 +233,7 @@ class MLflow(Sink):
         experiment: str | None = None,
         every: int = DEFAULT_EVERY,
         **kw,
-    ):
+    ) -> None:
         super().__init__(every, **kw)
         mlflow = need("mlflow")
         self._entities = importlib.import_module("mlflow.entities")
@@ -304,7 +304,7 @@ class _Table(Sink):
 
     ext = ""
 
-    def __init__(self, folder: str, *, every: int = 1, rank: int | None = None, **kw):
+    def __init__(self, folder: str, *, every: int = 1, rank: int | None = None, **kw) -> None:
         super().__init__(every, **kw)
         self.folder = folder
         self.rank = rank  # set by the exporter of a multi-rank run: one table, a rank column
@@ -326,7 +326,7 @@ class CSV(_Table):
     kind = "csv"
     ext = "csv"
 
-    def __init__(self, folder: str, **kw):
+    def __init__(self, folder: str, **kw) -> None:
         super().__init__(folder, **kw)
         self._file = open(self.steps_path, "x", newline="", encoding="utf-8")  # noqa: SIM115 - open while exporting
         self._csv = csv.writer(self._file)
@@ -357,7 +357,7 @@ class Parquet(_Table):
     kind = "parquet"
     ext = "parquet"
 
-    def __init__(self, folder: str, **kw):
+    def __init__(self, folder: str, **kw) -> None:
         self._pa = need("parquet")
         self._pq = need("parquet", "pyarrow.parquet")
         super().__init__(folder, **kw)

@@ -40,7 +40,7 @@ class MetricLog:
     """Sends a metric to the Doctor when its value changes: frameworks hand out the same dict of latest values
     again and again between two reports (a new report of exactly the same float is taken for a repeat)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._last: dict[str, object] = {}
 
     def send(self, doctor, metrics) -> None:
@@ -81,7 +81,7 @@ class LoggerExport:
     """An Exporter over the framework's own loggers, polled on the training thread at the framework's log events
     (their writers are not made for other threads). Any failure warns once and stops it; training goes on."""
 
-    def __init__(self, doctor, sinks: list, every: int):
+    def __init__(self, doctor, sinks: list, every: int) -> None:
         from ..export import Exporter
 
         self.every = every

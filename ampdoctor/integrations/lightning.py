@@ -41,7 +41,9 @@ class AmpDoctorCallback(Callback):
     ``options`` are attach()'s. The AMPDOCTOR_* environment variables override them all. With several optimizers
     (manual optimization) each training batch is one recorded step."""
 
-    def __init__(self, trace: str | None = None, *, export="loggers", export_every: int | None = None, **options):
+    def __init__(
+        self, trace: str | None = None, *, export: str = "loggers", export_every: int | None = None, **options
+    ) -> None:
         self.trace = trace
         self.export = export
         self.export_every = export_every
@@ -56,7 +58,7 @@ class AmpDoctorCallback(Callback):
         self._export: LoggerExport | None = None
         self._trainer = None
 
-    def on_train_start(self, trainer, pl_module):
+    def on_train_start(self, trainer, pl_module) -> None:
         import ampdoctor
 
         self._close()
@@ -95,18 +97,18 @@ class AmpDoctorCallback(Callback):
         if self._trainer is not None:
             self._trainer.should_stop = True
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.doctor is not None:
             self.doctor.begin_batch(batch)
 
-    def on_before_backward(self, trainer, pl_module, loss):
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
         """The loss Lightning backpropagates (divided by accumulate_grad_batches); with a GradScaler it is read in
         scaler.scale() instead."""
         doc = self.doctor
         if doc is not None and not doc.scaler_enabled:
             doc.log_loss(loss)
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         doc = self.doctor
         if doc is None:
             return
@@ -131,18 +133,18 @@ class AmpDoctorCallback(Callback):
         trainer.save_checkpoint(self.checkpoint)
         log.warning(f"ampdoctor: checkpoint saved to {self.checkpoint}")
 
-    def on_validation_end(self, trainer, pl_module):
+    def on_validation_end(self, trainer, pl_module) -> None:
         if self.doctor is not None and not trainer.sanity_checking:
             self._metrics.send(self.doctor, trainer.callback_metrics)
 
-    def on_train_epoch_end(self, trainer, pl_module):
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
         if self.doctor is not None:  # epoch-level values (on_epoch=True) are logged at the epoch end
             self._metrics.send(self.doctor, trainer.logged_metrics)
 
-    def on_train_end(self, trainer, pl_module):
+    def on_train_end(self, trainer, pl_module) -> None:
         self._close()
 
-    def on_exception(self, trainer, pl_module, exception):
+    def on_exception(self, trainer, pl_module, exception) -> None:
         self._close()
 
     def _close(self) -> None:
@@ -172,7 +174,7 @@ class _LoggerMetrics(S.Sink):
 
     kind = "logger"
 
-    def __init__(self, logger, **kw):
+    def __init__(self, logger, **kw) -> None:
         super().__init__(**kw)
         self.logger = logger
 

@@ -40,7 +40,9 @@ class AmpDoctorCallback(TrainerCallback):
     attach()'s (every, hist_every, include, halt_on, ...). The AMPDOCTOR_* environment variables override them.
     The Doctor of the current run is ``callback.doctor``."""
 
-    def __init__(self, trace: str | None = None, *, export="loggers", export_every: int | None = None, **options):
+    def __init__(
+        self, trace: str | None = None, *, export: str = "loggers", export_every: int | None = None, **options
+    ) -> None:
         self.trace = trace
         self.export = export
         self.export_every = export_every
@@ -52,7 +54,7 @@ class AmpDoctorCallback(TrainerCallback):
         self._export: LoggerExport | None = None
         self._halt_pending = False
 
-    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs) -> None:
         import ampdoctor
 
         self._close()
@@ -81,7 +83,7 @@ class AmpDoctorCallback(TrainerCallback):
             if sinks:
                 self._export = LoggerExport(doc, sinks, max(every, 1))
 
-    def _watch_loss(self, module, args, output):
+    def _watch_loss(self, module, args, output) -> None:
         """The Trainer backpropagates the model's loss times a factor (1 / accumulation steps, or 1 when the model
         normalises by the whole step's tokens); the gradient reaching that loss is the factor, so loss * grad is
         exactly what the Trainer trains on and what it logs as ``loss`` (summed over the step's micro-batches)."""
@@ -113,15 +115,15 @@ class AmpDoctorCallback(TrainerCallback):
             control.should_save = True  # the Trainer saves a checkpoint, then stops
         return control
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
+    def on_log(self, args, state, control, logs=None, **kwargs) -> None:
         if self._export is not None:
             self._export.poll()
 
-    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs) -> None:
         if self.doctor is not None:
             self._metrics.send(self.doctor, metrics)
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_train_end(self, args, state, control, **kwargs) -> None:
         self._close()
 
     def _close(self) -> None:
