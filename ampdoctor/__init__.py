@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable
+from typing import Any
 
 __version__ = "0.1.0"
 
@@ -35,7 +36,7 @@ def __getattr__(name: str):
     return value
 
 
-def diagnose(trace_or_path, reference=None, rules: dict | None = None) -> list:
+def diagnose(trace_or_path, reference=None, rules: dict[str, Any] | None = None) -> list[Any]:
     """Run every registered rule over a trace (a Trace, a file, or a directory / glob of one run's ranks); findings
     worst first, as a list that a notebook shows as finding cards.
 
@@ -52,7 +53,7 @@ def attach(
     model,
     optimizer=None,
     scaler=None,
-    trace: str | os.PathLike = "runs/ampdoctor.db",
+    trace: str | os.PathLike[str] = "runs/ampdoctor.db",
     *,
     mode: str = "default",
     every: int | None = None,
@@ -63,11 +64,11 @@ def attach(
     include=None,
     exclude=None,
     live: bool = True,
-    on_finding: Callable | None = None,
+    on_finding: Callable[..., Any] | None = None,
     halt_on: str | None = None,
-    on_halt: Callable | None = None,
+    on_halt: Callable[..., Any] | None = None,
     log_every: int | None = None,
-    rules: dict | None = None,
+    rules: dict[str, Any] | None = None,
     probe_every: int | None = None,
     replay: bool = True,
     heal: bool = False,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import types
+from typing import Any
 
 from .trace.schema import ROOT  # how the root module is named in site paths
 
@@ -23,10 +24,10 @@ def code_line(paths) -> str:
 class KeptFP32:
     """Handle returned by ``keep_fp32``: a context manager; ``remove()`` restores every wrapped forward exactly."""
 
-    def __init__(self, model, paths: tuple) -> None:
+    def __init__(self, model, paths: tuple[Any, ...]) -> None:
         self.model = model
         self.paths = paths
-        self._wrapped: list = []  # (module, state of its wrapper)
+        self._wrapped: list[Any] = []  # (module, state of its wrapper)
 
     def _wrap(self, module) -> None:
         state = {"active": True}
@@ -76,7 +77,7 @@ def _unwind(module) -> None:
             del module.__dict__["forward"]
 
 
-def _fp32_forward(inner, bound: bool, state: dict):
+def _fp32_forward(inner, bound: bool, state: dict[str, Any]):
     def forward(self, *args, **kwargs):
         import torch
 

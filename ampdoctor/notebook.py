@@ -8,6 +8,7 @@ from __future__ import annotations
 import html
 import math
 import re
+from typing import Any
 
 _CSS = (
     "<style>.ampd{font-family:system-ui,sans-serif;font-size:13px;max-width:1000px}"
@@ -111,8 +112,8 @@ def _g(v) -> str:
     return f"{f:.4g}" if math.isfinite(f) else "-"
 
 
-def _ranges(steps: list) -> str:
-    out: list = []
+def _ranges(steps: list[Any]) -> str:
+    out: list[Any] = []
     for s in steps:
         if out and s == out[-1][1] + 1:
             out[-1][1] = s

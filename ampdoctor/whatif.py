@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -94,7 +95,7 @@ def delayed_scales(
     return (scale, held) if amax.ndim > 1 else (scale[:, 0], held[:, 0])
 
 
-def shares(counts: np.ndarray, absmax: np.ndarray, fmt: formats.Format, scale) -> dict:
+def shares(counts: np.ndarray, absmax: np.ndarray, fmt: formats.Format, scale) -> dict[str, Any]:
     """Per row: saturated and flushed shares (lo, hi) of the non-zero values when x * scale is cast to ``fmt``."""
     e = edges(fmt)
     scale = np.asarray(scale, dtype=np.float64)
@@ -123,8 +124,8 @@ class Inputs:
         if kind == "grad_out":  # output gradients are stored as backward carries them: scaled
             ls = steps["loss_scale"].to_numpy(float)
             self.stored = np.where(np.isfinite(ls) & (ls > 0), ls, 1.0)
-        self._scales: dict = {}
-        self._hists: dict = {}
+        self._scales: dict[str, Any] = {}
+        self._hists: dict[str, Any] = {}
 
     def scales(self, name: str, history: int, margin: int) -> tuple[np.ndarray, np.ndarray]:
         """[steps x sites] delayed-scaling scales and amax counts (``delayed_scales``), all sites at once."""
@@ -183,7 +184,7 @@ def judged(df: pd.DataFrame, fp8: bool = True) -> pd.DataFrame:
     return df[keep]
 
 
-def _put(out: dict, name: str, sh: dict) -> None:
+def _put(out: dict[str, Any], name: str, sh: dict[str, Any]) -> None:
     for what in ("sat", "flush"):
         out[f"{name}_{what}_lo"], out[f"{name}_{what}_hi"] = sh[what]
 

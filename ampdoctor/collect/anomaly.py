@@ -22,6 +22,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -49,12 +50,12 @@ HASH_BYTES_MAX = 1 << 26  # inputs larger than this are fingerprinted by shape, 
 class Call:
     """One micro-batch's root call, as the replay needs it."""
 
-    args: tuple
-    kwargs: dict
-    versions: list  # (tensor, its version counter at the call)
-    rng: tuple
-    autocast: tuple | None  # (device_type, dtype) when autocast was on at the call
-    seeds: dict = field(default_factory=dict)  # output index -> gradient that reached it
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    versions: list[Any]  # (tensor, its version counter at the call)
+    rng: tuple[Any, ...]
+    autocast: tuple[Any, ...] | None  # (device_type, dtype) when autocast was on at the call
+    seeds: dict[str, Any] = field(default_factory=dict)  # output index -> gradient that reached it
     outputs: int = 0  # float outputs that required grad
 
 
@@ -64,7 +65,7 @@ class Capture:
     def __init__(self, device: Callable[[], torch.device | None]) -> None:
         self.device = device
         self.calls: list[Call] = []
-        self.batch_ids: list = []
+        self.batch_ids: list[Any] = []
         self._peaks: torch.Tensor | None = None  # recent batches' input peaks (sampled steps): one ring tensor
         self._next_peak = 0
         self.paused = False  # a replay is running
@@ -73,7 +74,7 @@ class Capture:
         self.calls = []
         self.batch_ids = []
 
-    def take(self) -> tuple[list[Call], list]:
+    def take(self) -> tuple[list[Call], list[Any]]:
         """The finished step's calls and batch ids (kept by its InFlight until its verdict), and a fresh start."""
         taken = (self.calls, self.batch_ids)
         self.calls, self.batch_ids = [], []
@@ -150,7 +151,7 @@ def others_hooks_off(model: torch.nn.Module, ours: set[int]) -> Iterator[None]:
             setattr(m, name, hooks_of)
 
 
-def _keep_seed(seeds: dict, i: int) -> Callable:
+def _keep_seed(seeds: dict[str, Any], i: int) -> Callable[..., Any]:
     def keep(grad) -> None:
         seeds[i] = grad if i not in seeds else seeds[i] + grad  # (an output used twice gets both gradients)
 
@@ -183,7 +184,7 @@ class Replay:
     step: int
     why: str  # the anomaly: "nonfinite", "skipped", "grad_spike", "loss_spike"
     exact: bool
-    not_exact: list = field(default_factory=list)  # the reasons it could not be exact
+    not_exact: list[Any] = field(default_factory=list)  # the reasons it could not be exact
     backward: bool = True  # the backward was replayed too
     observed: bool = True  # the replay observed every site (False: the step had, itself)
     outputs_finite: bool | None = None  # the model's outputs were finite
@@ -191,13 +192,15 @@ class Replay:
     loss_made_it: bool = False  # finite outputs, non-finite gradients at them: the loss (outside the model) made it
     reproduced: bool | None = None  # the replay showed the anomaly again
     grad_norm: float | None = None  # of the replayed (scaled) gradients
-    operation: dict | None = None  # the first operation that made a NaN/Inf from finite inputs (ops.OpRecord)
-    producers: list = field(default_factory=list)  # the operations that made the values it overflowed
-    batch: dict = field(default_factory=dict)  # fingerprint: per input shape, dtype, hash, peak; outlier factor
-    checks: list = field(default_factory=list)  # precision changes tried on the step: {"fix", "finite", ...}
+    operation: dict[str, Any] | None = None  # the first operation that made a NaN/Inf from finite inputs (ops.OpRecord)
+    producers: list[Any] = field(default_factory=list)  # the operations that made the values it overflowed
+    batch: dict[str, Any] = field(
+        default_factory=dict
+    )  # fingerprint: per input shape, dtype, hash, peak; outlier factor
+    checks: list[Any] = field(default_factory=list)  # precision changes tried on the step: {"fix", "finite", ...}
     seconds: float = 0.0
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -211,7 +214,7 @@ class Replayer:
         modules: list[tuple[str, torch.nn.Module]],
         params: list[tuple[str, torch.nn.Parameter]],
         capture: Capture,
-        observe: Callable[[bool], contextlib.AbstractContextManager],
+        observe: Callable[[bool], contextlib.AbstractContextManager[Any]],
         pause: Callable[[bool], None],
         ours: Callable[[], set[int]],
         *,
@@ -228,12 +231,12 @@ class Replayer:
         self.paths = {id(m): p for p, m in modules}
         self.replays = 0
         self.in_incident = 0
-        self.grads: list = []  # the last observed replay's parameter gradients (scaled), aligned with params
+        self.grads: list[Any] = []  # the last observed replay's parameter gradients (scaled), aligned with params
         self.healed: dict[str, object] = {}  # path -> islands handle
-        self._confirmed: dict[str, set] = {}  # path -> steps whose replay confirmed keep_fp32(path) fixes it
+        self._confirmed: dict[str, set[Any]] = {}  # path -> steps whose replay confirmed keep_fp32(path) fixes it
 
     # -- when ---------------------------------------------------------------------------------------------------------
-    def wanted(self, calls: list | None) -> bool:
+    def wanted(self, calls: list[Any] | None) -> bool:
         return self.replays < MAX_REPLAYS and self.in_incident < MAX_REPLAYS_PER_INCIDENT and bool(calls)
 
     def clean_again(self) -> None:
@@ -247,7 +250,7 @@ class Replayer:
         why: str,
         calls: list[Call],
         *,
-        batch_ids: list,
+        batch_ids: list[Any],
         weights_changed: str | None,
         scale: float | None,
         observe_sites: bool = True,
@@ -311,7 +314,7 @@ class Replayer:
         ``self.grads`` (as the step's .grad would hold them, still scaled)."""
         finite = outputs_finite = True
         leaves = [p for _, p in self.params]
-        acc: list = [None] * len(leaves)  # the step's gradients, summed over its micro-batches as .grad would be
+        acc: list[Any] = [None] * len(leaves)  # the step's gradients, summed over its micro-batches as .grad would be
         for call in calls:
             rng_set(call.rng)
             ac = torch.autocast(call.autocast[0], dtype=call.autocast[1]) if call.autocast else contextlib.nullcontext()
@@ -361,7 +364,7 @@ class Replayer:
             rng_set(rng)
 
     # -- fixes tried on the step --------------------------------------------------------------------------------------
-    def _checks(self, calls: list[Call], result: Replay, scale: float | None) -> list[dict]:
+    def _checks(self, calls: list[Call], result: Replay, scale: float | None) -> list[dict[str, Any]]:
         """The precision changes a finding could print, each tried on the replayed step (no observation). Where the
         step's own output gradients are non-finite (its forward was), a check's backward starts from their finite
         part (the true gradient of a loss computed outside the model, on the fixed outputs, is not known here)."""
@@ -387,7 +390,7 @@ class Replayer:
                     break
         return checks
 
-    def _island(self, calls: list[Call], scale: float | None, path: str) -> dict:
+    def _island(self, calls: list[Call], scale: float | None, path: str) -> dict[str, Any]:
         """keep_fp32 of ``path`` tried on the step; where the forward still makes a NaN/Inf, in a module after it
         (values beyond FP16 that the next module casts back), the island grows by the module that made it, up to
         ISLAND_GROWTH modules: the fix printed is the island that removed the NaN/Inf on the step."""
@@ -411,7 +414,7 @@ class Replayer:
                 return check  # nothing new to keep in FP32: the island cannot help
             island.append(nxt)
 
-    def _try_scaled(self, calls: list[Call], scale: float | None, **change) -> dict:
+    def _try_scaled(self, calls: list[Call], scale: float | None, **change) -> dict[str, Any]:
         """A forward fix tried on the step: where its forward is finite but its backward overflows at the step's loss
         scale, the scale the GradScaler backs off to (a few skipped steps, as with any fix) is tried too; the check
         passes there and says at which scale."""
@@ -423,7 +426,7 @@ class Replayer:
                     return {**lower, "at_scale": scale * 2.0**-k}
         return check
 
-    def _try(self, calls: list[Call], *, keep=(), dtype=None, scale_by: float = 1.0) -> dict:
+    def _try(self, calls: list[Call], *, keep=(), dtype=None, scale_by: float = 1.0) -> dict[str, Any]:
         """One variant of the step, on the same inputs: its forward finite, its backward finite?"""
         seeds = "original"
         if any(not _finite(g) for c in calls for g in c.seeds.values()):
@@ -475,7 +478,7 @@ class Replayer:
         self.healed = {}
 
     # -- the batch ----------------------------------------------------------------------------------------------------
-    def _fingerprint(self, calls: list[Call], batch_ids: list) -> dict:
+    def _fingerprint(self, calls: list[Call], batch_ids: list[Any]) -> dict[str, Any]:
         """Shape, dtype, content hash and peak of each input; the batch's peak against the run's usual one."""
         inputs = []
         top = 0.0
@@ -494,7 +497,7 @@ class Replayer:
                     data = raw.view(torch.uint8) if raw.dtype != torch.bool else raw.to(torch.uint8)
                     entry["sha1"] = hashlib.sha1(data.numpy().tobytes()).hexdigest()[:16]
                 inputs.append(entry)
-        out: dict = {"inputs": inputs[:32], "micro_batches": len(calls)}
+        out: dict[str, Any] = {"inputs": inputs[:32], "micro_batches": len(calls)}
         usual = self.capture.typical_peak()
         if usual and top:
             out.update(peak=top, usual_peak=usual, factor=top / usual, outlier=top / usual >= OUTLIER_FACTOR)

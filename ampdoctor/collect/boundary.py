@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -69,18 +70,18 @@ class InFlight:
 
     state: StepState
     skipped: bool | None
-    row: dict  # the steps-table fields known now (the packet's row once resolved)
-    entries: list
+    row: dict[str, Any]  # the steps-table fields known now (the packet's row once resolved)
+    entries: list[Any]
     copy: HostCopy
-    offsets: dict  # where the step figures sit among the extras
-    scales: list  # [before, after] the scaler's update: floats, or device tensors read with the copy
-    scale_offs: list
-    calls: list | None = None  # what a replay of it needs (anomaly.Capture), kept until it is resolved
+    offsets: dict[str, Any]  # where the step figures sit among the extras
+    scales: list[Any]  # [before, after] the scaler's update: floats, or device tensors read with the copy
+    scale_offs: list[Any]
+    calls: list[Any] | None = None  # what a replay of it needs (anomaly.Capture), kept until it is resolved
     updates: int = 0  # optimizer updates applied before it started (a replay is exact while this holds)
     late_loss: object = None  # a loss logged after its boundary (a float, or a Transfer of a device value)
     packet: StepPacket | None = None
     verdict: Verdict | None = None
-    batch_ids: list = field(default_factory=list)
+    batch_ids: list[Any] = field(default_factory=list)
     closed: bool = False  # a later step has started: no loss can join it any more
 
     @property
@@ -116,7 +117,7 @@ class StepEnd:
         sites: Sites,
         params: list[tuple[str, torch.nn.Parameter]],
         cadence: Cadence,
-        put: Callable,
+        put: Callable[..., Any],
         *,
         optimizer=None,
         scaler=None,
@@ -137,11 +138,11 @@ class StepEnd:
         self._grad_plan: buffers.GradPlan | None = None
         self._grad_figures = buffers.GradFigures()
         self._half_params = any(p.dtype in (torch.float16, torch.bfloat16) for _, p in params)
-        self._known_entries: list = []  # the entries of recent steps' distinct layouts, newest first
+        self._known_entries: list[Any] = []  # the entries of recent steps' distinct layouts, newest first
         self._bad_weights = 0
         self.t_prev_end = time.perf_counter()
 
-    def figures(self, state: StepState) -> tuple:
+    def figures(self, state: StepState) -> tuple[Any, ...]:
         """The sentinel: global norm and largest unscaled gradient, fused over all gradients, once per step (before
         the optimizer step when it has one, else at the step end): floats on the CPU, else device tensors."""
         if state.figures is None:
@@ -275,7 +276,7 @@ class StepEnd:
         packet.store_hist = True
         packet.nonfinite = packet.nonfinite or bad
 
-    def stamp(self, row: dict, observer_time: float) -> None:
+    def stamp(self, row: dict[str, Any], observer_time: float) -> None:
         """The step spans from the end of the previous step's boundary work to the end of this one's, so the steps'
         times add up to the run's; observer_time is ampdoctor's share of it on the training thread."""
         end = time.perf_counter()
@@ -283,7 +284,7 @@ class StepEnd:
         row["observer_time"] = observer_time
         self.t_prev_end = end
 
-    def _observe_param_grads(self, observe: Observe, state: StepState, entries: list) -> None:
+    def _observe_param_grads(self, observe: Observe, state: StepState, entries: list[Any]) -> None:
         """Peaks (or full statistics) of every parameter gradient, in parameter order."""
         if observe is not Observe.FULL:
             present = tuple([p.grad is not None for _, p in self.params])  # (no generator: one call)

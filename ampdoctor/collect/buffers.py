@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -85,7 +86,7 @@ class GradFigures:
         # not
         self.wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
 
-    def __call__(self, params: list[tuple[str, torch.nn.Parameter]]) -> tuple:
+    def __call__(self, params: list[tuple[str, torch.nn.Parameter]]) -> tuple[Any, ...]:
         """Floats on the CPU, else 0-d device tensors that join the step's one transfer; (None, None) without
         gradients."""
         grads = [p.grad for _, p in params if p.grad is not None]
@@ -159,12 +160,12 @@ class GradPlan:
         site(name, grad) -> the param_grad site id."""
         self.key = present
         params = [(name, p) for (name, p), has in zip(params, present) if has]
-        by_size: dict[tuple, list] = {}
+        by_size: dict[tuple[Any, ...], list[Any]] = {}
         for _, p in params:
             if 0 < p.numel() <= SMALL_GRAD and p.grad.layout == torch.strided:
                 by_size.setdefault((p.dtype, p.device, p.numel()), []).append(p)
         grouped = {id(p) for g in by_size.values() if len(g) > 1 for p in g}
-        slots: dict[tuple, int] = {}
+        slots: dict[tuple[Any, ...], int] = {}
         for _, p in params:
             slots[(p.dtype, p.device)] = slots.get((p.dtype, p.device), 0) + 2
         bufs = {
@@ -228,7 +229,7 @@ def dense_values(g: torch.Tensor) -> torch.Tensor:
     return g.values()  # compressed layouts store each element once
 
 
-def sum_losses(losses: list):
+def sum_losses(losses: list[Any]):
     """The step's loss, summed over micro-batches: a float when every part is on the CPU, else a device tensor."""
     if not any(isinstance(v, torch.Tensor) and not K.on_host(v) for v in losses):
         return sum(float(v) for v in losses)

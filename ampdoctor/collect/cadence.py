@@ -6,6 +6,7 @@ every step observes every site in full."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from .options import DEFAULT_CALIBRATION, DEFAULT_EVERY, DEFAULT_HIST_EVERY, DEFAULT_PEAK_EVERY, Mode, Observe
 
@@ -143,7 +144,7 @@ class Budget:
         self._total = 0.0
         self._steps = 0
 
-    def update(self, observer_time: float, step_time: float, reason: str) -> dict | None:
+    def update(self, observer_time: float, step_time: float, reason: str) -> dict[str, Any] | None:
         """One finished step's times; at the end of a window, the new cadence (a dict for the trace) or None."""
         if reason in ("anomaly", "calibration", "replay", "debug"):
             return None  # never stretched, so not what the budget steers

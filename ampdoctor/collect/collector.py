@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -54,7 +55,9 @@ class Collector:
         self.params = params
         self.state = StepState(0, Observe.NONE, "sentinel", False)  # (the Doctor begins step 0 at once)
         self.probe = None  # a StepProbe when attach(probe_every=...)
-        self.on_root_call: Callable | None = None  # (args, kwargs) of the step's root forwards (the anomaly replay)
+        self.on_root_call: Callable[..., Any] | None = (
+            None  # (args, kwargs) of the step's root forwards (the anomaly replay)
+        )
         self.paused = False  # a replay is running: its root forwards are not micro-batches
         self._boundary_name = boundary_name
         self._on_step_start = on_step_start
@@ -65,7 +68,7 @@ class Collector:
         self._keep_hooks = keep_hooks
         self._grad_hooks = {path: hooks.eager(functools.partial(self.on_grad, path, mod)) for path, mod in modules}
         self._fwd_hooks = [(mod, hooks.eager(functools.partial(self.on_forward, path))) for path, mod in modules]
-        self._handles: list = []
+        self._handles: list[Any] = []
 
     # -- the step's hooks ------------------------------------------------------------------------------------------
     def begin(self, state: StepState) -> None:
@@ -147,7 +150,7 @@ class Collector:
         if type(output) is torch.Tensor:  # the common case: one tensor out, one in
             if not output.is_floating_point():
                 return
-            tensors: tuple | list = (output,)
+            tensors: tuple[Any, ...] | list[Any] = (output,)
         else:
             tensors = hooks.float_tensors(output)
             if not tensors:

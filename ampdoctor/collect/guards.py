@@ -11,6 +11,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -43,7 +44,7 @@ class Guard:
             warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
 
 
-def guarded(method: Callable | None = None, *, timed: bool = True) -> Callable:
+def guarded(method: Callable[..., Any] | None = None, *, timed: bool = True) -> Callable[..., Any]:
     """The guard of every entry from training into ampdoctor (hooks, wrapped methods, the step end, public calls),
     for methods of objects that hold the run's ``guard``: it does nothing once collection is off; an internal error
     stops collection (``Guard.fail``) instead of reaching the training loop; and, ``timed``, the time spent counts as
@@ -189,7 +190,7 @@ class Registry:
     def __init__(self) -> None:
         self._owner = weakref.WeakKeyDictionary()
 
-    def claim(self, doctor, objects: list) -> None:
+    def claim(self, doctor, objects: list[Any]) -> None:
         """Refuse (RuntimeError) when one of ``objects`` belongs to another open Doctor; else claim them all."""
         for obj in objects:
             ref = self._owner.get(obj)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 from collections.abc import Iterable
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -36,7 +36,7 @@ class Handles:
         return len(self._undo)
 
 
-def wrap_method(handles: Handles, obj, name: str, make: Callable[[Callable], Callable]) -> None:
+def wrap_method(handles: Handles, obj, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
     """Replace ``obj.name`` by ``make(original)`` on the instance; restore the instance exactly on remove."""
     had_own = name in vars(obj)
     original = getattr(obj, name)
@@ -118,7 +118,7 @@ def float_tensors(obj, limit: int = 16) -> list[torch.Tensor]:
     return found
 
 
-def first_tensor(args: Iterable, kwargs: dict | None = None) -> torch.Tensor | None:
+def first_tensor(args: Iterable[Any], kwargs: dict[str, Any] | None = None) -> torch.Tensor | None:
     for a in list(args) + list((kwargs or {}).values()):
         if isinstance(a, torch.Tensor):
             return a

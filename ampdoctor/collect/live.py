@@ -14,6 +14,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 from ..severity import at_least
 from ..trace import load
@@ -47,7 +48,7 @@ class LiveDiagnosis(threading.Thread):
     def __init__(
         self,
         path: str,
-        diagnose: Callable,
+        diagnose: Callable[..., Any],
         on_finding=None,
         halt_on: str | None = None,
         rules=None,
@@ -61,8 +62,8 @@ class LiveDiagnosis(threading.Thread):
         self.rules = rules
         self.interval = interval
         self.halt = None  # the finding that asks to stop training
-        self.findings: list = []  # every finding reported so far, in order
-        self._reported: set = set()
+        self.findings: list[Any] = []  # every finding reported so far, in order
+        self._reported: set[Any] = set()
         self._last_steps = -1
         self._stop_event = threading.Event()
         self._failed = False

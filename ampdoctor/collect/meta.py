@@ -7,6 +7,7 @@ import os
 import platform
 import time
 import warnings
+from typing import Any
 
 import torch
 
@@ -18,7 +19,7 @@ from .options import Options
 from .state import RunFacts
 
 
-def dist() -> dict:
+def dist() -> dict[str, Any]:
     """rank, world size and local rank: torch.distributed's once initialised, else what torchrun put in the
     environment (a doctor attached before ``init_process_group`` still gets its own rank)."""
     env = os.environ
@@ -59,7 +60,7 @@ def trace_path(trace) -> str:
     return f"{stem}.rank{d['rank']}{ext}"
 
 
-def run_meta(model: torch.nn.Module, options: Options, cadence: Cadence) -> dict:
+def run_meta(model: torch.nn.Module, options: Options, cadence: Cadence) -> dict[str, Any]:
     """What the run is: versions, host, rank, model, device and the observation settings (written at attach)."""
     import ampdoctor
 
@@ -102,7 +103,9 @@ def run_meta(model: torch.nn.Module, options: Options, cadence: Cadence) -> dict
     return info
 
 
-def config(model: torch.nn.Module, optimizer, scaler, scaler_enabled: bool, facts: RunFacts, boundary: str) -> dict:
+def config(
+    model: torch.nn.Module, optimizer, scaler, scaler_enabled: bool, facts: RunFacts, boundary: str
+) -> dict[str, Any]:
     """The observed precision configuration, taken after the first step (autocast and dtypes are known)."""
     params: dict[str, int] = {}
     module_dtypes: dict[str, str] = {}

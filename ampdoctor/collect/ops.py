@@ -19,6 +19,7 @@ import os
 import traceback
 import weakref
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -46,7 +47,7 @@ class Operand:
     """One tensor operand of an operation: its dtype, shape and magnitudes."""
 
     dtype: str
-    shape: list
+    shape: list[Any]
     absmax: float  # largest finite |x| (0 when none)
     nonfinite: int  # NaN/Inf values
     zeros: int
@@ -75,12 +76,12 @@ class OpRecord:
     module: str  # the innermost module running it (a site path), ROOT outside any
     phase: str  # "fwd" or "bwd"
     dtype: str  # of its (first) output
-    inputs: list = field(default_factory=list)  # Operand per tensor input
-    output: dict = field(default_factory=dict)  # Operand of the first output
+    inputs: list[Any] = field(default_factory=list)  # Operand per tensor input
+    output: dict[str, Any] = field(default_factory=dict)  # Operand of the first output
     line: str | None = None  # "file.py:42 in forward: code" of the user's code that called it
     index: int = 0  # its position among the replay's operations
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -129,11 +130,11 @@ class OpTracer(TorchDispatchMode):
         self.candidates: list[tuple[OpRecord, list[OpRecord]]] = []
         self._reached: set[int] = set()  # candidates whose NaN/Inf reached a result
         # id(non-finite output) -> (weakref to it, the candidate it descends from): the NaN/Inf followed
-        self._taint: dict[int, tuple] = {}
+        self._taint: dict[int, tuple[Any, ...]] = {}
         self._tracker = _PathTracker(paths)
         # id(output) -> (weakref to it, what made it): only outputs of at least REMEMBER_ABOVE (rare in a healthy
         # net), held weakly: the replay keeps alive nothing the training step would not.
-        self._made: dict[int, tuple] = {}
+        self._made: dict[int, tuple[Any, ...]] = {}
 
     def __enter__(self):
         self._tracker.__enter__()
@@ -242,11 +243,11 @@ class _Made:
 
     record: OpRecord
     peak: float
-    parents: list
+    parents: list[Any]
     passes_on: bool
 
 
-def _record(name: str, module: str, phase: str, out: torch.Tensor, ins: list, index: int) -> OpRecord:
+def _record(name: str, module: str, phase: str, out: torch.Tensor, ins: list[Any], index: int) -> OpRecord:
     return OpRecord(
         op=name,
         module=module,

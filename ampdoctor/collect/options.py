@@ -77,11 +77,11 @@ class Options:
     include: Any = None
     exclude: Any = None
     live: bool = True
-    on_finding: Callable | None = None
+    on_finding: Callable[..., Any] | None = None
     halt_on: str | None = None
-    on_halt: Callable | None = None
+    on_halt: Callable[..., Any] | None = None
     log_every: int | None = None
-    rules: dict | None = None
+    rules: dict[str, Any] | None = None
     probe_every: int | None = None
     replay: bool = True
     heal: bool = False

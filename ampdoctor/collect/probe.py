@@ -12,6 +12,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,7 +30,7 @@ class StepProbe:
         self,
         modules: list[tuple[str, torch.nn.Module]],
         sites: Sites,
-        put: Callable,
+        put: Callable[..., Any],
         on_error: Callable[[BaseException], None],
         every: int,
     ) -> None:
@@ -86,13 +87,13 @@ class ProbeReport:
     ways; the modules it could not recompute."""
 
     dtype: str
-    layers: list = field(default_factory=list)  # dicts: path, module_type, dtype, k, numel, rel_err, max_err, ...
+    layers: list[Any] = field(default_factory=list)  # dicts: path, module_type, dtype, k, numel, rel_err, max_err, ...
     loss_half: float | None = None
     loss_fp32: float | None = None
-    skipped: dict = field(default_factory=dict)
+    skipped: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def flagged(self) -> list[dict]:
+    def flagged(self) -> list[dict[str, Any]]:
         """The layers the ``precision-loss`` rule would name, worst first."""
         return roundoff.judge(self.layers, self.dtype)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -106,7 +107,7 @@ def _up(x):
     return x
 
 
-def _state_copies(module) -> dict:
+def _state_copies(module) -> dict[str, Any]:
     """Parameters (float32 copies of half ones, else the tensors themselves, detached) and buffers (always copies:
     a BatchNorm in training mode updates its running statistics in place)."""
     out = {n: (p.detach().float() if p.dtype in HALF else p.detach()) for n, p in module.named_parameters()}
@@ -114,11 +115,11 @@ def _state_copies(module) -> dict:
     return out
 
 
-def _versions(args, kwargs) -> list:
+def _versions(args, kwargs) -> list[Any]:
     return [(t, t._version) for t in hooks.float_tensors((args, kwargs))]
 
 
-def _state_versions(module) -> dict:
+def _state_versions(module) -> dict[str, Any]:
     """Tensors a module (or a child) holds as plain attributes, not parameters or buffers (a counter, a cache):
     functional_call cannot swap them for copies, so a module whose forward updates or replaces one must not run a
     second time. (path of the attribute) -> (tensor, version)."""
@@ -130,7 +131,7 @@ def _state_versions(module) -> dict:
     }
 
 
-def _changed_state(before: dict, module) -> str | None:
+def _changed_state(before: dict[str, Any], module) -> str | None:
     """The first plain tensor attribute the forward updated in place, replaced or added since ``before``."""
     for key, (t, v) in _state_versions(module).items():
         old = before.get(key)
@@ -144,9 +145,9 @@ class _Frame:
     """One module call in progress: where its forward started."""
 
     path: str
-    rng: tuple
-    versions: list
-    state: dict
+    rng: tuple[Any, ...]
+    versions: list[Any]
+    state: dict[str, Any]
     child_k: int = 0
 
 
@@ -167,7 +168,7 @@ class Call:
 class Recorder:
     """Arms probe hooks on ``modules`` for one step, compares each call, and disarms (removing every hook)."""
 
-    def __init__(self, modules: list, *, need_grad: bool = True, keep_root: bool = False, on_error=None) -> None:
+    def __init__(self, modules: list[Any], *, need_grad: bool = True, keep_root: bool = False, on_error=None) -> None:
         self.modules = modules
         self.on_error = on_error  # training: a failure here must stop the probe, never the forward
         self.need_grad = need_grad  # training: only forwards that build a graph (not evaluation)
@@ -304,7 +305,7 @@ def _errors(outs, refs) -> torch.Tensor:
     return torch.stack((s[:, 0].sum(), s[:, 1].sum(), s[:, 2].max(), s[:, 3].max()))
 
 
-def summarize(calls: list[Call]) -> tuple[list[dict], dict]:
+def summarize(calls: list[Call]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Per module path (calls merged: sums add, maxima max): the figures as host floats, in one transfer; and the
     skipped modules with their reasons."""
     measured = [c for c in calls if c.figures is not None]
@@ -312,7 +313,7 @@ def summarize(calls: list[Call]) -> tuple[list[dict], dict]:
     if not measured:
         return [], skipped
     host = torch.stack([c.figures.to(measured[0].figures.device) for c in measured]).cpu().tolist()
-    rows: dict[str, dict] = {}
+    rows: dict[str, dict[str, Any]] = {}
     for c, (e2, r2, emax, rmax) in zip(measured, host):
         row = rows.get(c.path)
         if row is None:

@@ -5,6 +5,7 @@ and the values they point at, in blocks concatenated at the step end into the st
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,7 +20,7 @@ _NUMBERS = {float, int}
 
 class StepRecord:
     def __init__(self) -> None:
-        self._bufs: dict = {}  # PeakList per dtype (or (dtype, device)): kept across steps, cleared
+        self._bufs: dict[str, Any] = {}  # PeakList per dtype (or (dtype, device)): kept across steps, cleared
         self.clear()
 
     def clear(self) -> None:
@@ -28,8 +29,8 @@ class StepRecord:
         self.entries: list[Entry] = []
         self._fulls: list[torch.Tensor] = []
         self._full_len = 0
-        self._extras: list = []  # floats, or 0-d tensors on an accelerator (read with the step's transfer)
-        self._seen: dict[int, tuple] = {}
+        self._extras: list[Any] = []  # floats, or 0-d tensors on an accelerator (read with the step's transfer)
+        self._seen: dict[int, tuple[Any, ...]] = {}
         self.act_seen: set[int] = set()  # sites whose forward was recorded this step (checkpointing recomputes)
 
     def drop_observations(self) -> None:
@@ -138,7 +139,7 @@ class StepRecord:
 class HostCopy:
     """A step's values on their way to the host, with where each block starts."""
 
-    def __init__(self, copy: Transfer | Ready, bases: dict, n_peaks: int, n_fulls: int) -> None:
+    def __init__(self, copy: Transfer | Ready, bases: dict[str, Any], n_peaks: int, n_fulls: int) -> None:
         self.copy = copy
         self.bases = bases
         self._n_peaks = n_peaks
@@ -147,7 +148,7 @@ class HostCopy:
     def ready(self) -> bool:
         return self.copy.ready()
 
-    def result(self) -> tuple[np.ndarray, dict, bool]:
+    def result(self) -> tuple[np.ndarray, dict[str, Any], bool]:
         """(values, bases, whether any observed value was NaN/Inf: a NaN min/max, or a full vector's NaN/Inf
         count)."""
         values = self.copy.values()

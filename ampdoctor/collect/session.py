@@ -21,6 +21,7 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -56,11 +57,11 @@ class Doctor:
         model: torch.nn.Module,
         optimizer=None,
         scaler=None,
-        trace: str | os.PathLike = "runs/ampdoctor.db",
+        trace: str | os.PathLike[str] = "runs/ampdoctor.db",
         options: Options | None = None,
         *,
-        diagnose: Callable | None = None,
-        exporter: Callable | None = None,
+        diagnose: Callable[..., Any] | None = None,
+        exporter: Callable[..., Any] | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"Argument model should be of type torch.nn.Module, but given {type(model)}")
@@ -133,7 +134,7 @@ class Doctor:
                 f"ampdoctor: {requested} exists; writing this run's trace to {self.path}", RuntimeWarning, stacklevel=4
             )
 
-    def _build(self, diagnose: Callable | None, exporter: Callable | None) -> None:
+    def _build(self, diagnose: Callable[..., Any] | None, exporter: Callable[..., Any] | None) -> None:
         """The core, the hooks, the writer and live threads; _abort() undoes whatever part of it was done."""
         model, options = self.model, self.options
         put = self._put
@@ -274,7 +275,7 @@ class Doctor:
         if self._boundary is Boundary.OPTIMIZER:
             self._end_step(skipped=False)
 
-    def _wrap_scale(self, original: Callable) -> Callable:
+    def _wrap_scale(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         def scale(outputs):
             result = original(outputs)
@@ -292,7 +293,7 @@ class Doctor:
         if state.scale_before is None:
             state.scale_before = read_scale(self.scaler)
 
-    def _wrap_update(self, original: Callable) -> Callable:
+    def _wrap_update(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         def update(*args, **kwargs):
             self._before_update()
@@ -453,7 +454,9 @@ class Doctor:
             collector.state, collector.record = saved
             collector.sync_hooks()
 
-    def _replay(self, state: StepState, why: str, calls: list, batch_ids: list, *, moved: str | None) -> Replay | None:
+    def _replay(
+        self, state: StepState, why: str, calls: list[Any], batch_ids: list[Any], *, moved: str | None
+    ) -> Replay | None:
         """Replay the step, record what it found; a replay that fails is recorded as such and training goes on."""
         scale = state.scale_before
         scale = float(scale) if scale is not None else None  # (a device value: read on an anomalous step only)
@@ -600,7 +603,7 @@ class Doctor:
         return self.options.mode.value
 
     @property
-    def findings(self) -> list:
+    def findings(self) -> list[Any]:
         """Findings the live diagnosis reported so far (worst first within each check)."""
         return list(self._live.findings) if self._live is not None else []
 

@@ -23,6 +23,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import torch
@@ -93,7 +94,7 @@ NATIVE = os.environ.get("AMPDOCTOR_NATIVE", "1") != "0"
 _kernels: ModuleType | None = None
 _load_lock = threading.Lock()
 _load_thread: threading.Thread | None = None
-load_info: dict = {}  # how the load went: seconds, error (for tests, the benchmark and the docs)
+load_info: dict[str, Any] = {}  # how the load went: seconds, error (for tests, the benchmark and the docs)
 
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # kernels.F32, BF16, F16
 _EDGES = np.array(EDGE_BITS, dtype=np.int32)
@@ -270,7 +271,7 @@ def _full_device(x: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _settled(dtype: torch.dtype) -> tuple:
+def _settled(dtype: torch.dtype) -> tuple[Any, ...]:
     """For each edge, the key holding it and whether the input dtype settles it without looking at values: every
     value of that dtype inside the key lies at or below the edge (True), above it (False), or either (None). An
     FP16 tensor has no value between 65504 and 65520, so its overflow count is 0 without a pass."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from typing import Callable
+from typing import Any, Callable
 
 from . import text as T
 from .rows import StepRows
@@ -28,9 +28,9 @@ class Exporter:
         path: str,
         sinks: list[Sink],
         *,
-        findings: Callable[[], list] | None = None,
+        findings: Callable[[], list[Any]] | None = None,
         diagnose_at_close: bool = True,
-        rules: dict | None = None,
+        rules: dict[str, Any] | None = None,
     ) -> None:
         self.path = path
         self.sinks = list(sinks)
@@ -38,8 +38,8 @@ class Exporter:
         self.diagnose_at_close = diagnose_at_close
         self.rules = rules
         self._rows: StepRows | None = None
-        self._reported: set = set()
-        self.findings: list = []  # every finding exported, in order
+        self._reported: set[Any] = set()
+        self.findings: list[Any] = []  # every finding exported, in order
         self.steps = 0  # steps read so far
         self._closed = False
 
@@ -66,7 +66,7 @@ class Exporter:
                 sink.flush()
         return n
 
-    def _report(self, found: list) -> None:
+    def _report(self, found: list[Any]) -> None:
         new = []
         for d in found:
             k = T.key(d)

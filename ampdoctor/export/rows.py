@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import sqlite3
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ..trace import load
 from ..trace.files import connect
@@ -62,7 +62,7 @@ class Point(NamedTuple):
     """The figures of one step; a figure the step did not record is absent (never written as 0 or NaN)."""
 
     step: int
-    values: dict
+    values: dict[str, Any]
     anomalous: bool  # skipped or non-finite: exported whatever the cadence
     time: float | None = None  # when the step ended (seconds since the epoch), as the trace recorded it
 
@@ -126,7 +126,7 @@ class StepRows:
                 return
             yield page
 
-    def _point(self, step: int, r: dict) -> Point:
+    def _point(self, step: int, r: dict[str, Any]) -> Point:
         t = self._totals
         skipped = bool(r["skipped"])
         nonfinite = bool(r["nonfinite"])

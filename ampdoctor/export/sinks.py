@@ -13,6 +13,7 @@ import importlib
 import math
 import os
 import time
+from typing import Any
 
 from . import text as T
 from .rows import NAMES, Point
@@ -61,7 +62,7 @@ class Sink:
     def write(self, points: list[Point]) -> None:
         """Write the scalars of ``points`` (already filtered by ``wants``)."""
 
-    def findings(self, new: list, everything: list, step: int) -> None:
+    def findings(self, new: list[Any], everything: list[Any], step: int) -> None:
         """``new`` findings were reported (``everything``: all so far) while the trace was at ``step``."""
 
     def flush(self) -> None:
@@ -115,7 +116,7 @@ class TensorBoard(Sink):
                 )
             )
 
-    def findings(self, new: list, everything: list, step: int) -> None:
+    def findings(self, new: list[Any], everything: list[Any], step: int) -> None:
         for d in new:
             at = (d.steps[0] if d.steps else step) + self.step_offset
             if not self._own:
@@ -191,7 +192,7 @@ class WandB(Sink):
             row[self.step_key] = p.step + self.step_offset
             self.run.log(row)
 
-    def findings(self, new: list, everything: list, step: int) -> None:
+    def findings(self, new: list[Any], everything: list[Any], step: int) -> None:
         table = self._wandb.Table(
             columns=["severity", "rule", "layers", "steps", "title", "summary", "fix"],
             data=[
@@ -260,7 +261,7 @@ class MLflow(Sink):
         for i in range(0, len(metrics), self.BATCH):
             self.client.log_batch(self.run_id, metrics=metrics[i : i + self.BATCH])
 
-    def findings(self, new: list, everything: list, step: int) -> None:
+    def findings(self, new: list[Any], everything: list[Any], step: int) -> None:
         body = "\n\n---\n\n".join(T.markdown(d) for d in everything)
         self.client.log_text(self.run_id, body, self.prefix + "findings.md")
         counts = {s: sum(d.severity == s for d in everything) for s in ("critical", "warning", "info")}
@@ -277,7 +278,7 @@ class MLflow(Sink):
 FINDING_COLUMNS = ("severity", "rule", "title", "summary", "layers", "first_step", "last_step", "ranks", "fix")
 
 
-def _finding_row(d) -> list:
+def _finding_row(d) -> list[Any]:
     steps = list(d.steps or [])
     return [
         d.severity,
@@ -311,14 +312,14 @@ class _Table(Sink):
         os.makedirs(folder, exist_ok=True)
         self.steps_path = _new_file(os.path.join(folder, f"steps.{self.ext}"))
         self.findings_path = _new_file(os.path.join(folder, f"findings.{self.ext}"))
-        self._findings: list = []
+        self._findings: list[Any] = []
         self.columns = ["step", "rank", *NAMES] if rank is not None else ["step", *NAMES]
 
-    def _rows(self, points: list[Point]) -> list[list]:
+    def _rows(self, points: list[Point]) -> list[list[Any]]:
         front = (lambda p: [p.step + self.step_offset, self.rank]) if self.rank is not None else None
         return [(front(p) if front else [p.step + self.step_offset]) + [p.values.get(n) for n in NAMES] for p in points]
 
-    def findings(self, new: list, everything: list, step: int) -> None:
+    def findings(self, new: list[Any], everything: list[Any], step: int) -> None:
         self._findings.extend(new)  # written at close: a run's findings are few
 
 

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from .sinks import CSV, MLflow, Parquet, Sink, TensorBoard, WandB
 
@@ -61,7 +61,7 @@ def make_sinks(spec, trace: str, every: int | None = None) -> list[Sink]:
     items = list(spec) if isinstance(spec, (list, tuple)) else [spec]
     if not items:
         raise ValueError(f"Argument export should be {_USAGE}, but given {spec!r}")
-    parsed: list = []
+    parsed: list[Any] = []
     for item in items:
         if isinstance(item, Sink):
             parsed.append(item)

@@ -3,8 +3,10 @@ key for "reported once". Reads a Diagnosis by its fields only: no import of the 
 
 from __future__ import annotations
 
+from typing import Any
 
-def key(d) -> tuple:
+
+def key(d) -> tuple[Any, ...]:
     """A finding is reported once per rule and culprit (as the live diagnosis does)."""
     return (d.rule, tuple(d.layers[:1]), tuple(d.ranks))
 

@@ -9,6 +9,7 @@ import numbers
 import os
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 from . import env as E
 
@@ -56,12 +57,12 @@ class Plan:
     """What a callback does this run, code and environment together (the environment wins)."""
 
     trace: str | None
-    options: dict
+    options: dict[str, Any]
     export: object  # "loggers", None, or what attach(export=...) takes
     export_every: int | None
 
 
-def plan(trace, options: dict, export, export_every) -> Plan | None:
+def plan(trace, options: dict[str, Any], export, export_every) -> Plan | None:
     """The callback's settings with the AMPDOCTOR_* variables over them; None when ``AMPDOCTOR`` is off."""
     env = E.read()
     if env.switch is False:
@@ -81,7 +82,7 @@ class LoggerExport:
     """An Exporter over the framework's own loggers, polled on the training thread at the framework's log events
     (their writers are not made for other threads). Any failure warns once and stops it; training goes on."""
 
-    def __init__(self, doctor, sinks: list, every: int) -> None:
+    def __init__(self, doctor, sinks: list[Any], every: int) -> None:
         from ..export import Exporter
 
         self.every = every

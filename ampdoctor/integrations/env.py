@@ -10,6 +10,7 @@ import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..severity import SEVERITIES
 
@@ -38,7 +39,7 @@ class Env:
 
     switch: bool | None = None
     trace: str | None = None
-    options: dict = field(default_factory=dict)  # attach() options
+    options: dict[str, Any] = field(default_factory=dict)  # attach() options
     export: str | None = None  # a spec, "loggers" or "none"
     export_every: int | None = None
 
@@ -80,7 +81,7 @@ def _read(env: Mapping[str, str], warn) -> Env:
         else:
             warn("AMPDOCTOR", raw, f"one of {', '.join(ON + OFF[:-1])}", "ampdoctor stays off")
             switch = False
-    options: dict = {}
+    options: dict[str, Any] = {}
     mode = env.get("AMPDOCTOR_MODE")
     if mode is not None:
         if mode.strip().lower() in MODES:
@@ -156,7 +157,7 @@ class NoDoctor:
     live = None
 
     @property
-    def findings(self) -> list:
+    def findings(self) -> list[Any]:
         return []
 
     def log_batch_ids(self, ids) -> None:

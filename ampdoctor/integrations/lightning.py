@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 try:
     from lightning.pytorch import Callback
@@ -188,7 +189,7 @@ class _LoggerMetrics(S.Sink):
             save()
 
 
-def env_callbacks() -> list:
+def env_callbacks() -> list[Any]:
     """The ``lightning.pytorch.callbacks_factory`` entry point: an AmpDoctorCallback for every Trainer when
     ``AMPDOCTOR=1`` (configured by the AMPDOCTOR_* variables), nothing otherwise."""
     if not E.read(quiet=True).switch:  # the callback reads (and checks) the variables at train start

@@ -14,6 +14,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+from typing import Any
 
 import torch
 
@@ -137,13 +138,13 @@ class AmpDoctorCallback(TrainerCallback):
             self._export = None
 
 
-def report_to_sinks(args, every: int) -> list:
+def report_to_sinks(args, every: int) -> list[Any]:
     """Sinks for the integrations in ``args.report_to`` whose run is open: TensorBoard (a file of ampdoctor's next to
     the Trainer's in its log folder), the W&B run (plotted against ``train/global_step`` as the Trainer's logs are)
     and the active MLflow run; each at the Trainer's step numbers."""
     names = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to]
     kw = {"every": every, "step_offset": STEP_OFFSET}
-    out: list = []
+    out: list[Any] = []
     if "tensorboard" in names:
         out.append(S.TensorBoard(_tensorboard_dir(args), **kw))
     if "wandb" in names:
