@@ -8,7 +8,14 @@ from __future__ import annotations
 import html
 import math
 import re
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .lossscale import Replay
+    from .rules.result import Diagnosis
+    from .trace import Trace
+    from .trace.run import RankRun
 
 _CSS = (
     "<style>.ampd{font-family:system-ui,sans-serif;font-size:13px;max-width:1000px}"
@@ -23,7 +30,7 @@ _CSS = (
 _WORST_FIRST = {"critical": 0, "warning": 1, "info": 2}
 
 
-def _e(v) -> str:
+def _e(v: object) -> str:
     return html.escape(str(v))
 
 
@@ -31,12 +38,12 @@ def _box(body: str) -> str:
     return f'{_CSS}<div class="ampd">{body}</div>'
 
 
-def _rows(pairs) -> str:
+def _rows(pairs: Iterable[tuple[object, object]]) -> str:
     return "<table>" + "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in pairs) + "</table>"
 
 
 # -- findings ------------------------------------------------------------------------------------------------------
-def _short(v) -> str:
+def _short(v: object) -> str:
     if isinstance(v, bool) or v is None:
         return str(v)
     if isinstance(v, float):
@@ -51,11 +58,12 @@ def _short(v) -> str:
     return str(v)
 
 
-def _fix(d) -> str:
+def _fix(d: Diagnosis) -> str:
     out = []
     parts = list(getattr(d, "fix", None) or [])
-    if not parts and getattr(d, "recommendation", ""):
-        out.append(f"<p>{_e(d.recommendation)}</p>")
+    recommendation: str = getattr(d, "recommendation", "")
+    if not parts and recommendation:
+        out.append(f"<p>{_e(recommendation)}</p>")
     for part in parts:
         if part.kind == "code":
             out.append(f"<pre><code>{_e(part.text)}</code></pre>")
@@ -67,7 +75,7 @@ def _fix(d) -> str:
     return "".join(out)
 
 
-def finding_card(d) -> str:
+def finding_card(d: Diagnosis) -> str:
     """One finding as the report shows it: severity, rule, ranks, title, summary, layers and steps, evidence, fix."""
     sev = _e(d.severity)
     ranks = list(d.ranks or [])
@@ -85,11 +93,11 @@ def finding_card(d) -> str:
     )
 
 
-def diagnosis_html(d) -> str:
+def diagnosis_html(d: Diagnosis) -> str:
     return _box(finding_card(d))
 
 
-def findings_html(found) -> str:
+def findings_html(found: Iterable[Diagnosis]) -> str:
     """A list of findings, worst first, with a line of counts; an empty list says so."""
     found = sorted(found, key=lambda d: _WORST_FIRST.get(d.severity, 3))
     if not found:
@@ -103,7 +111,7 @@ def findings_html(found) -> str:
 # -- traces and runs -----------------------------------------------------------------------------------------------
 # Built from the Trace's public reads (a method of Trace calls this module: importing the commands or the trace
 # package from here would close an import cycle); the same facts, in the same words, as ``ampdoctor info``.
-def _g(v) -> str:
+def _g(v: Any) -> str:
     """A number to 4 significant digits ('-' when missing or not finite)."""
     try:
         f = float(v)
@@ -123,7 +131,7 @@ def _ranges(steps: list[Any]) -> str:
     return text + (" ..." if len(out) > 12 else "")
 
 
-def trace_summary(tr) -> list[tuple[str, str]]:
+def trace_summary(tr: Trace) -> list[tuple[str, str]]:
     """(label, text) rows: run, steps, ampdoctor's cost, precision, optimizer, scaler, loss scale, skipped steps,
     loss and the first non-finite value."""
     from .precision_label import describe_precision
@@ -191,11 +199,11 @@ def trace_summary(tr) -> list[tuple[str, str]]:
     return rows
 
 
-def trace_html(tr) -> str:
+def trace_html(tr: Trace) -> str:
     return _box(f"<p><b>ampdoctor trace</b> {_e(tr.path)}</p>" + _rows(trace_summary(tr)))
 
 
-def rankrun_html(rr) -> str:
+def rankrun_html(rr: RankRun) -> str:
     """The ranks side by side: steps, skipped and non-finite steps, last loss scale, median step time and data
     wait, last loss, host and file (as ``ampdoctor info`` prints a run)."""
     cols = [
@@ -234,11 +242,11 @@ def rankrun_html(rr) -> str:
     return _box(head + missing + table)
 
 
-def replay_html(rp) -> str:
+def replay_html(rp: Replay) -> str:
     """A loss-scale replay: its settings and outcome (skipped steps, scale range, underflow, information lost)."""
     s = rp.summary()
 
-    def num(v, fmt: str = "{:.4g}") -> str:
+    def num(v: Any, fmt: str = "{:.4g}") -> str:
         return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
 
     rows = [(k, v) for k, v in rp.settings.items()]
@@ -255,7 +263,7 @@ def replay_html(rp) -> str:
     return _box("<p><b>loss-scale replay</b></p>" + _rows(rows) + note)
 
 
-class Findings(list):
+class Findings(list["Diagnosis"]):
     """What ``ampdoctor.diagnose`` returns: a plain list of findings (equal to one, used as one) that a notebook
     shows as the report's finding cards."""
 

@@ -64,6 +64,15 @@ def check_severity(name: str, value: Any) -> None:
         raise ValueError(f"Argument {name} should be one of {', '.join(SEVERITIES)} or None, but given {value!r}")
 
 
+def parse_mode(value: Mode | str) -> Mode:
+    """``attach``'s ``mode`` as a Mode (the string or the enum); ValueError naming the modes otherwise."""
+    try:
+        return Mode(value)
+    except ValueError:
+        modes = ", ".join(repr(m.value) for m in Mode)
+        raise ValueError(f"Argument mode should be one of {modes}, but given {value!r}") from None
+
+
 @dataclass(frozen=True)
 class Options:
     """Everything ``ampdoctor.attach`` takes besides the model, optimizer, scaler and trace (see its Args)."""
@@ -89,11 +98,7 @@ class Options:
     export: Any = None
 
     def __post_init__(self) -> None:
-        try:
-            mode = Mode(self.mode)
-        except ValueError:
-            modes = ", ".join(repr(m.value) for m in Mode)
-            raise ValueError(f"Argument mode should be one of {modes}, but given {self.mode!r}") from None
+        mode = parse_mode(self.mode)
         debug = mode is Mode.DEBUG  # every site, every step, full statistics and histograms
         cadence = {
             "every": DEFAULT_EVERY,
