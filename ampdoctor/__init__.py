@@ -156,9 +156,7 @@ def attach(
     return Doctor(model, optimizer, scaler, trace, options, diagnose=_live_diagnose, exporter=_start_export)
 
 
-def _start_export(
-    export: Any, path: str, findings: Any = None, rules: dict[str, Any] | None = None
-) -> LiveExport:
+def _start_export(export: Any, path: str, findings: Any = None, rules: dict[str, Any] | None = None) -> LiveExport:
     """The exporters' thread for attach(export=...): made here, so that the training side never imports them."""
     from .export import start
 
