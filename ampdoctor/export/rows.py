@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import sqlite3
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -75,7 +76,7 @@ class _Totals:
     time: float = 0.0
 
 
-def _number(v, path: str, column: str):
+def _number(v: object, path: str, column: str) -> float | None:
     """A stored value as a float (None when NULL); anything else is a corrupt trace."""
     if v is None:
         return None
@@ -118,7 +119,7 @@ class StepRows:
             self.last = step
         return out
 
-    def read_all(self):
+    def read_all(self) -> Iterator[list[Point]]:
         """Every row not read yet, page by page (a generator: one page in memory at a time)."""
         while True:
             page = self.read()

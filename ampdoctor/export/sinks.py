@@ -13,7 +13,11 @@ import importlib
 import math
 import os
 import time
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..rules.result import Diagnosis
 
 from . import text as T
 from .rows import NAMES, Point
@@ -27,7 +31,7 @@ class ExportError(Exception):
     """An export that cannot start (a missing package, a file that exists): one line."""
 
 
-def need(name: str, package: str | None = None):
+def need(name: str, package: str | None = None) -> ModuleType:
     """Import ``package`` for the ``name`` exporter, or one line saying what to install."""
     package = package or PACKAGES[name]
     try:
@@ -39,7 +43,7 @@ def need(name: str, package: str | None = None):
         ) from None
 
 
-def _check_every(every) -> int:
+def _check_every(every: object) -> int:
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
         raise ValueError(f"Argument every should be a positive int, but given {every!r}")
     return every
@@ -83,7 +87,7 @@ class TensorBoard(Sink):
 
     kind = "tensorboard"
 
-    def __init__(self, logdir: str | None = None, *, writer=None, every: int = DEFAULT_EVERY, **kw) -> None:
+    def __init__(self, logdir: str | None = None, *, writer: Any = None, every: int = DEFAULT_EVERY, **kw: Any) -> None:
         super().__init__(every, **kw)
         if (logdir is None) == (writer is None):
             raise ValueError("Argument logdir or writer should be given (one of them)")
@@ -95,6 +99,7 @@ class TensorBoard(Sink):
             from tensorboard.compat.proto import event_pb2, summary_pb2
             from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
+            assert logdir is not None  # (one of logdir, writer: checked above)
             os.makedirs(logdir, exist_ok=True)
             self._events = EventFileWriter(logdir)
             self._pb = (event_pb2, summary_pb2)
@@ -163,13 +168,13 @@ class WandB(Sink):
 
     def __init__(
         self,
-        run=None,
+        run: Any = None,
         *,
         project: str | None = None,
         every: int = DEFAULT_EVERY,
         step_key: str | None = None,
         alert: bool = True,
-        **kw,
+        **kw: Any,
     ) -> None:
         super().__init__(every, **kw)
         self._wandb = need("wandb")
@@ -230,10 +235,10 @@ class MLflow(Sink):
         self,
         run_id: str | None = None,
         *,
-        client=None,
+        client: Any = None,
         experiment: str | None = None,
         every: int = DEFAULT_EVERY,
-        **kw,
+        **kw: Any,
     ) -> None:
         super().__init__(every, **kw)
         mlflow = need("mlflow")
@@ -278,7 +283,7 @@ class MLflow(Sink):
 FINDING_COLUMNS = ("severity", "rule", "title", "summary", "layers", "first_step", "last_step", "ranks", "fix")
 
 
-def _finding_row(d) -> list[Any]:
+def _finding_row(d: Diagnosis) -> list[Any]:
     steps = list(d.steps or [])
     return [
         d.severity,
@@ -305,7 +310,7 @@ class _Table(Sink):
 
     ext = ""
 
-    def __init__(self, folder: str, *, every: int = 1, rank: int | None = None, **kw) -> None:
+    def __init__(self, folder: str, *, every: int = 1, rank: int | None = None, **kw: Any) -> None:
         super().__init__(every, **kw)
         self.folder = folder
         self.rank = rank  # set by the exporter of a multi-rank run: one table, a rank column
@@ -327,7 +332,7 @@ class CSV(_Table):
     kind = "csv"
     ext = "csv"
 
-    def __init__(self, folder: str, **kw) -> None:
+    def __init__(self, folder: str, **kw: Any) -> None:
         super().__init__(folder, **kw)
         self._file = open(self.steps_path, "x", newline="", encoding="utf-8")  # noqa: SIM115 - open while exporting
         self._csv = csv.writer(self._file)
@@ -347,7 +352,7 @@ class CSV(_Table):
             w.writerows([["" if v is None else v for v in _finding_row(d)] for d in self._findings])
 
 
-def _csv_number(v):
+def _csv_number(v: object) -> object:
     """Numbers as Python writes them (``repr``: reads back exactly); NaN and Inf as nan / inf / -inf."""
     if isinstance(v, float) and not math.isfinite(v):
         return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
@@ -358,7 +363,7 @@ class Parquet(_Table):
     kind = "parquet"
     ext = "parquet"
 
-    def __init__(self, folder: str, **kw) -> None:
+    def __init__(self, folder: str, **kw: Any) -> None:
         self._pa = need("parquet")
         self._pq = need("parquet", "pyarrow.parquet")
         super().__init__(folder, **kw)
