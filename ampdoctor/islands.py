@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import difflib
 import types
-from types import ModuleType
 from collections.abc import Callable, Iterable
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
