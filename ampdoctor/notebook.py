@@ -9,13 +9,10 @@ import html
 import math
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .lossscale import Replay
-    from .rules.result import Diagnosis
-    from .trace import Trace
-    from .trace.run import RankRun
+# The objects shown (a Any, a Any, a Any, a Any) are typed Any: their modules import this one to show
+# themselves, so naming their classes here, even for the type checker only, would close an import cycle.
 
 _CSS = (
     "<style>.ampd{font-family:system-ui,sans-serif;font-size:13px;max-width:1000px}"
@@ -58,7 +55,7 @@ def _short(v: object) -> str:
     return str(v)
 
 
-def _fix(d: Diagnosis) -> str:
+def _fix(d: Any) -> str:
     out = []
     parts = list(getattr(d, "fix", None) or [])
     recommendation: str = getattr(d, "recommendation", "")
@@ -75,7 +72,7 @@ def _fix(d: Diagnosis) -> str:
     return "".join(out)
 
 
-def finding_card(d: Diagnosis) -> str:
+def finding_card(d: Any) -> str:
     """One finding as the report shows it: severity, rule, ranks, title, summary, layers and steps, evidence, fix."""
     sev = _e(d.severity)
     ranks = list(d.ranks or [])
@@ -93,11 +90,11 @@ def finding_card(d: Diagnosis) -> str:
     )
 
 
-def diagnosis_html(d: Diagnosis) -> str:
+def diagnosis_html(d: Any) -> str:
     return _box(finding_card(d))
 
 
-def findings_html(found: Iterable[Diagnosis]) -> str:
+def findings_html(found: Iterable[Any]) -> str:
     """A list of findings, worst first, with a line of counts; an empty list says so."""
     found = sorted(found, key=lambda d: _WORST_FIRST.get(d.severity, 3))
     if not found:
@@ -131,7 +128,7 @@ def _ranges(steps: list[Any]) -> str:
     return text + (" ..." if len(out) > 12 else "")
 
 
-def trace_summary(tr: Trace) -> list[tuple[str, str]]:
+def trace_summary(tr: Any) -> list[tuple[str, str]]:
     """(label, text) rows: run, steps, ampdoctor's cost, precision, optimizer, scaler, loss scale, skipped steps,
     loss and the first non-finite value."""
     from .precision_label import describe_precision
@@ -199,11 +196,11 @@ def trace_summary(tr: Trace) -> list[tuple[str, str]]:
     return rows
 
 
-def trace_html(tr: Trace) -> str:
+def trace_html(tr: Any) -> str:
     return _box(f"<p><b>ampdoctor trace</b> {_e(tr.path)}</p>" + _rows(trace_summary(tr)))
 
 
-def rankrun_html(rr: RankRun) -> str:
+def rankrun_html(rr: Any) -> str:
     """The ranks side by side: steps, skipped and non-finite steps, last loss scale, median step time and data
     wait, last loss, host and file (as ``ampdoctor info`` prints a run)."""
     cols = [
@@ -242,7 +239,7 @@ def rankrun_html(rr: RankRun) -> str:
     return _box(head + missing + table)
 
 
-def replay_html(rp: Replay) -> str:
+def replay_html(rp: Any) -> str:
     """A loss-scale replay: its settings and outcome (skipped steps, scale range, underflow, information lost)."""
     s = rp.summary()
 
@@ -263,7 +260,7 @@ def replay_html(rp: Replay) -> str:
     return _box("<p><b>loss-scale replay</b></p>" + _rows(rows) + note)
 
 
-class Findings(list["Diagnosis"]):
+class Findings(list[Any]):
     """What ``ampdoctor.diagnose`` returns: a plain list of findings (equal to one, used as one) that a notebook
     shows as the report's finding cards."""
 
