@@ -19,7 +19,7 @@ SMALL_GRAD = 4096  # parameter gradients up to this size are stacked by size and
 CAT_PER_GRAD = 8000
 
 
-def dtype_name(dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
@@ -74,7 +74,7 @@ class GradFigures:
     every gradient itself, as it reads memory through their pointers."""
 
     def __init__(self) -> None:
-        self._key = None
+        self._key: tuple[int, torch.device, torch.dtype] | None = None
 
     def _plan(self, grads: list[torch.Tensor]) -> None:
         self._key = (len(grads), grads[0].device, grads[0].dtype)
@@ -162,7 +162,7 @@ class GradPlan:
         params = [(name, p) for (name, p), has in zip(params, present) if has]
         by_size: dict[tuple[Any, ...], list[Any]] = {}
         for _, p in params:
-            if 0 < p.numel() <= SMALL_GRAD and p.grad.layout == torch.strided:
+            if 0 < p.numel() <= SMALL_GRAD and p.grad is not None and p.grad.layout == torch.strided:
                 by_size.setdefault((p.dtype, p.device, p.numel()), []).append(p)
         grouped = {id(p) for g in by_size.values() if len(g) > 1 for p in g}
         slots: dict[tuple[Any, ...], int] = {}
@@ -199,6 +199,7 @@ class GradPlan:
         self.buffers = list(bufs.values())
         self.entries = []
         for name, p in params:
+            assert p.grad is not None  # (params: the ones present)
             sid = site(name, p.grad)
             block = bufs[(p.dtype, p.device)].block_name
             self.entries.append(Entry(sid, Phase.PARAM, [(where[id(p)], block, p.numel())]))
@@ -207,6 +208,7 @@ class GradPlan:
         """Write this step's [min, max] of every gradient into the slots."""
         with torch.no_grad():  # out= refuses inputs that require grad (create_graph=True)
             for p, lo, hi in self.big:
+                assert p.grad is not None  # (the plan's key: present)
                 g = dense_values(p.grad)
                 if not g.numel():  # a sparse gradient that stores nothing this step
                     lo.zero_()
@@ -229,7 +231,7 @@ def dense_values(g: torch.Tensor) -> torch.Tensor:
     return g.values()  # compressed layouts store each element once
 
 
-def sum_losses(losses: list[Any]):
+def sum_losses(losses: list[Any]) -> float | torch.Tensor:
     """The step's loss, summed over micro-batches: a float when every part is on the CPU, else a device tensor."""
     if not any(isinstance(v, torch.Tensor) and not K.on_host(v) for v in losses):
         return sum(float(v) for v in losses)

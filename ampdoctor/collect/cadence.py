@@ -57,10 +57,10 @@ class Cadence:
         self.every, self.peak_every, self.hist_every = every, peak_every, hist_every
         self.calibration, self.clean_run = calibration, clean_run
         self._alarm = 0  # clean steps still to observe in full after the last anomaly
-        self._norm_mean = None  # running mean of the gradient norm over clean steps
+        self._norm_mean: float | None = None  # running mean of the gradient norm over clean steps
         self._norm_seen = 0
         self.stretch = 1  # the sampled tiers' intervals are multiplied by this (the overhead budget)
-        self._loss_mean = None  # running mean and variance of the loss over clean steps
+        self._loss_mean: float | None = None  # running mean and variance of the loss over clean steps
         self._loss_var = 0.0
         self._loss_seen = 0
 

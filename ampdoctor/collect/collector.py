@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,6 +19,9 @@ from .options import Observe
 from .record import StepRecord
 from .sites import Sites
 from .state import RunFacts, StepState
+
+if TYPE_CHECKING:
+    from .boundary import InFlight
 
 WARN_AFTER_STEPS = 3  # steps (or cleared gradients) before a run that is not observed as it should be warns
 # Observations held for one step: a step of 1,000 observed modules with 32 accumulated micro-batches holds ~64k
@@ -100,7 +103,7 @@ class Collector:
 
     # -- the forward pass ----------------------------------------------------------------------------------------
     @guarded
-    def on_root_pre(self, module, args, kwargs) -> None:
+    def on_root_pre(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.paused or self.facts.external_batches or not torch.is_grad_enabled() or hooks.graph_task_id() != -1:
             return
         first = self.state.t_first is None
@@ -143,7 +146,7 @@ class Collector:
             self.facts.autocast = {"device_type": dev, "enabled": enabled, "dtype": dtype}
 
     @guarded
-    def on_forward(self, path: str, module, args, output) -> None:
+    def on_forward(self, path: str, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         state = self.state
         if state.observe is Observe.NONE or not torch.is_grad_enabled():
             return
@@ -185,7 +188,7 @@ class Collector:
 
     # -- the backward pass ---------------------------------------------------------------------------------------
     @guarded  # (on an accelerator autograd's thread: the training thread waits for it)
-    def on_grad(self, path: str, module, grad) -> None:
+    def on_grad(self, path: str, module: torch.nn.Module, grad: torch.Tensor | None) -> None:
         if grad is None:
             return
         state = self.state
@@ -242,7 +245,7 @@ class Collector:
         state.weights_before = None
 
     # -- the loss ------------------------------------------------------------------------------------------------
-    def log_loss(self, loss, pending=None) -> None:
+    def log_loss(self, loss: Any, pending: InFlight | None = None) -> None:
         """A loss of this step (summed over micro-batches). ``pending``: the finished step (boundary.InFlight) a loss
         logged after its boundary (``optimizer.step()`` before the loss was logged) and before the next step joins."""
         if isinstance(loss, torch.Tensor):

@@ -11,7 +11,13 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, overload
+
+if TYPE_CHECKING:  # (typing.ParamSpec is Python 3.10+)
+    from typing import Concatenate, ParamSpec, TypeVar
+
+    _P = ParamSpec("_P")
+    _R = TypeVar("_R")
 
 import torch
 
@@ -44,6 +50,20 @@ class Guard:
             warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
 
 
+class Guarded(Protocol):
+    """What a ``guarded`` method's object holds: the run's guard."""
+
+    guard: Guard
+
+
+@overload
+def guarded(
+    method: Callable[Concatenate[Any, _P], _R], *, timed: bool = True
+) -> Callable[Concatenate[Any, _P], _R | None]: ...
+@overload
+def guarded(
+    method: None = None, *, timed: bool = True
+) -> Callable[[Callable[Concatenate[Any, _P], _R]], Callable[Concatenate[Any, _P], _R | None]]: ...
 def guarded(method: Callable[..., Any] | None = None, *, timed: bool = True) -> Callable[..., Any]:
     """The guard of every entry from training into ampdoctor (hooks, wrapped methods, the step end, public calls),
     for methods of objects that hold the run's ``guard``: it does nothing once collection is off; an internal error
@@ -57,7 +77,7 @@ def guarded(method: Callable[..., Any] | None = None, *, timed: bool = True) -> 
     if not timed:
 
         @functools.wraps(method)
-        def guard(self, *args, **kwargs):
+        def guard(self: Guarded, *args: Any, **kwargs: Any) -> Any:
             g = self.guard
             if g.off:
                 return None
@@ -70,7 +90,7 @@ def guarded(method: Callable[..., Any] | None = None, *, timed: bool = True) -> 
         return guard
 
     @functools.wraps(method)
-    def timed_guard(self, *args, **kwargs):
+    def timed_guard(self: Guarded, *args: Any, **kwargs: Any) -> Any:
         g = self.guard
         if g.off:
             return None
@@ -86,11 +106,11 @@ def guarded(method: Callable[..., Any] | None = None, *, timed: bool = True) -> 
     return timed_guard
 
 
-def is_scaler(obj) -> bool:
+def is_scaler(obj: object) -> bool:
     return callable(getattr(obj, "scale", None)) and callable(getattr(obj, "update", None))
 
 
-def as_number(value) -> float | None:
+def as_number(value: Any) -> float | None:
     """A metric value as a float (NaN and Inf included: they are data), or None when it is not one number. Whatever
     the conversion raises (a meta tensor, an object whose ``__float__`` fails) means "not a number": nothing a
     value does reaches the training loop."""
@@ -110,7 +130,7 @@ def as_number(value) -> float | None:
 MAX_STEP = 2**63 - 1
 
 
-def as_step(value) -> int | None:
+def as_step(value: Any) -> int | None:
     """A step number given by the user (``log_metric(..., step=)``) as an int, or None when it is not one."""
     try:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -160,7 +180,7 @@ def no_forward(model_name: str, steps: int) -> str:
     )
 
 
-def unwrap_optimizer(optimizer):
+def unwrap_optimizer(optimizer: Any) -> tuple[torch.optim.Optimizer, Any]:
     """The torch optimizer inside framework wrappers (accelerate's AcceleratedOptimizer keeps it in ``.optimizer``,
     Lightning's LightningOptimizer in ``._optimizer``): its step hooks are the ones that run. Returns (optimizer,
     the wrapper's GradScaler or None); TypeError when no torch optimizer is found."""
@@ -188,9 +208,9 @@ class Registry:
     would record half the steps and, closed first, restore the other's wrappers. Weak keys: nothing kept alive."""
 
     def __init__(self) -> None:
-        self._owner = weakref.WeakKeyDictionary()
+        self._owner: weakref.WeakKeyDictionary[Any, weakref.ref[Any]] = weakref.WeakKeyDictionary()
 
-    def claim(self, doctor, objects: list[Any]) -> None:
+    def claim(self, doctor: Any, objects: list[Any]) -> None:
         """Refuse (RuntimeError) when one of ``objects`` belongs to another open Doctor; else claim them all."""
         for obj in objects:
             ref = self._owner.get(obj)
@@ -204,7 +224,7 @@ class Registry:
         for obj in objects:
             self._owner[obj] = me
 
-    def release(self, doctor) -> None:
+    def release(self, doctor: Any) -> None:
         for obj, ref in list(self._owner.items()):
             if ref() is doctor or ref() is None:
                 self._owner.pop(obj, None)

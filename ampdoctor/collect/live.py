@@ -31,13 +31,13 @@ MAX_ERRORS = 3  # consecutive failed checks before live diagnosis gives up
 class TrainingHalted(RuntimeError):
     """Raised at a step boundary when a live finding reached the ``halt_on`` severity."""
 
-    def __init__(self, finding) -> None:
+    def __init__(self, finding: Any) -> None:  # a Diagnosis (collect/ never imports the rules)
         self.finding = finding
         layer = f" in {finding.layers[0]}" if finding.layers else ""
         super().__init__(f"ampdoctor halted training: {finding.severity} {finding.rule}{layer}: {finding.summary}")
 
 
-def finding_line(f) -> str:
+def finding_line(f: Any) -> str:
     """One line: severity, rule id, layer, fix (the first line of its fix's first part)."""
     layer = f" [{f.layers[0]}]" if f.layers else ""
     fix = next((ln.strip() for part in f.fix for ln in part.text.splitlines() if ln.strip()), "")
@@ -49,9 +49,9 @@ class LiveDiagnosis(threading.Thread):
         self,
         path: str,
         diagnose: Callable[..., Any],
-        on_finding=None,
+        on_finding: Callable[[Any], object] | None = None,
         halt_on: str | None = None,
-        rules=None,
+        rules: dict[str, Any] | None = None,
         interval: float = MIN_INTERVAL_S,
     ) -> None:
         super().__init__(name="ampdoctor-live", daemon=True)

@@ -38,7 +38,7 @@ class Transfer:
         if flat.device.type == "cuda":
             host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
             host.copy_(flat, non_blocking=True)
-            self._event = torch.cuda.Event()
+            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # (unannotated in torch)
             self._event.record()
             self._host = host
         elif flat.device.type == "cpu":  # the accelerator path run on the CPU (tests)
@@ -49,7 +49,7 @@ class Transfer:
 
     def ready(self) -> bool:
         if self._event is not None:
-            return bool(self._event.query())
+            return bool(self._event.query())  # type: ignore[no-untyped-call]  # (unannotated in torch)
         if self._lag > 0:
             self._lag -= 1
             return False
