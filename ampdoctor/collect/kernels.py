@@ -98,13 +98,13 @@ def _bits(typingctx: Any, value: Any) -> tuple[Any, ...]:
 
 
 @njit(inline="always")  # (inlined into the entry points: one compilation each)
-def _from_bf16(h: int) -> int:
+def _from_bf16(h: int) -> np.int32:
     """float32 bit pattern (int32) of a bf16 value given as its 16 bits: its top half."""
     return np.int32(h) << 16
 
 
 @njit(inline="always")  # (inlined into the entry points: one compilation each)
-def _from_fp16(h: int) -> int:
+def _from_fp16(h: int | np.int32) -> np.int32:
     """float32 bit pattern (int32) of an fp16 value given as its 16 bits, as torch's ``.float()`` gives it. No
     branches (the loop vectorizes): every case computed, one selected."""
     h = np.int32(h)

@@ -18,6 +18,7 @@ import math
 import os
 import traceback
 import weakref
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -117,13 +118,13 @@ def _peak(t: torch.Tensor) -> float:
     return float(t.detach().abs().amax())
 
 
-class OpTracer(TorchDispatchMode):
+class OpTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # (unannotated in torch)
     """A dispatch mode that finds the operation making the NaN/Inf that reached the step's results (``first``, once
     ``reached`` was told the results) and the chain of operations that produced the values it overflowed (``chain``:
     producer first). ``paused`` lets ampdoctor's own observation hooks run their reductions unseen."""
 
     def __init__(self, paths: dict[int, str]) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # (unannotated in torch)
         self.paused = False
         self.count = 0
         # operations that made a NaN/Inf from finite inputs, in order, each with its chain (producer first)
@@ -136,15 +137,16 @@ class OpTracer(TorchDispatchMode):
         # net), held weakly: the replay keeps alive nothing the training step would not.
         self._made: dict[int, tuple[Any, ...]] = {}
 
-    def __enter__(self):
-        self._tracker.__enter__()
-        return super().__enter__()
+    def __enter__(self) -> OpTracer:
+        self._tracker.__enter__()  # type: ignore[no-untyped-call]  # (unannotated in torch)
+        mode: OpTracer = super().__enter__()  # type: ignore[no-untyped-call]  # (unannotated in torch)
+        return mode
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> Any:
         try:
-            return super().__exit__(*exc)
+            return super().__exit__(*exc)  # type: ignore[no-untyped-call]  # (unannotated in torch)
         finally:
-            self._tracker.__exit__(*exc)
+            self._tracker.__exit__(*exc)  # type: ignore[no-untyped-call]  # (unannotated in torch)
 
     @property
     def first(self) -> OpRecord | None:
@@ -158,7 +160,7 @@ class OpTracer(TorchDispatchMode):
         pick = min(self._reached) if self._reached else 0
         return self.candidates[pick][1] if self.candidates else []
 
-    def reached(self, tensors) -> None:
+    def reached(self, tensors: Iterable[object]) -> None:
         """``tensors`` are results of the step (the model's outputs, the parameters' gradients): the candidates whose
         NaN/Inf they carry count."""
         for t in tensors:
@@ -166,7 +168,9 @@ class OpTracer(TorchDispatchMode):
             if hit is not None and hit[0]() is t:
                 self._reached.add(hit[1])
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         out = func(*args, **(kwargs or {}))
         if self.paused or len(self.candidates) >= MAX_CANDIDATES:
             return out
@@ -176,7 +180,7 @@ class OpTracer(TorchDispatchMode):
             pass
         return out
 
-    def _look(self, func, args, kwargs, out) -> None:
+    def _look(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         index = self.count
         self.count += 1
         outs = [t for t in _tensors(out) if t.is_floating_point()]
@@ -259,7 +263,7 @@ def _record(name: str, module: str, phase: str, out: torch.Tensor, ins: list[Any
     )
 
 
-def _tensors(obj, depth: int = 0) -> list[torch.Tensor]:
+def _tensors(obj: object, depth: int = 0) -> list[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         return [obj]
     if depth > 3:
@@ -280,7 +284,7 @@ class _PathTracker(ModuleTracker):
         self._paths = paths
         self._names = set(paths.values())
 
-    def _get_mod_name(self, mod) -> str:
+    def _get_mod_name(self, mod: torch.nn.Module) -> str:
         return self._paths.get(id(mod), type(mod).__name__)
 
     def where(self) -> tuple[str, str]:

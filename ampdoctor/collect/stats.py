@@ -361,9 +361,8 @@ def _full_cpu(x: torch.Tensor) -> torch.Tensor:
         absmax = torch.nan_to_num(xf, 0.0, 0.0, 0.0).abs().amax().item()
     if hist[0] and bits is None:
         bits = _abs_bits(xf, scratch[0] if scratch else None)
-    zeros = (
-        n - np.count_nonzero(bits) if hist[0] and bits is not None else 0
-    )  # key 0: zeros and the smallest subnormals
+    # key 0: zeros and the smallest subnormals (bits, when it holds any, was computed just above)
+    zeros = n - np.count_nonzero(bits) if hist[0] and bits is not None else 0
     below = np.concatenate(([0], np.cumsum(hist)))  # below[k]: values in keys < k
     edges = np.empty(len(EDGE_BITS))
     for i, (k, settled) in enumerate(_settled(x.dtype)):
