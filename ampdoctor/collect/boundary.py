@@ -28,7 +28,7 @@ _LEVELS = {Observe.NONE: schema.LEVEL_SENTINEL, Observe.PEAK: schema.LEVEL_PEAK,
 WARN_NO_FORWARD_AFTER = 3  # steps without a root forward (or begin_batch) before the run warns
 
 
-def read_scale(scaler) -> float | torch.Tensor:
+def read_scale(scaler: Any) -> float | torch.Tensor:
     """The scale in force, as a device tensor when the scaler keeps one there (no host sync)."""
     s = getattr(scaler, "_scale", None)  # GradScaler's own tensor: get_scale() would sync
     if isinstance(s, torch.Tensor):
@@ -78,7 +78,9 @@ class InFlight:
     scale_offs: list[Any]
     calls: list[Any] | None = None  # what a replay of it needs (anomaly.Capture), kept until it is resolved
     updates: int = 0  # optimizer updates applied before it started (a replay is exact while this holds)
-    late_loss: object = None  # a loss logged after its boundary (a float, or a Transfer of a device value)
+    late_loss: float | Transfer | None = (
+        None  # a loss logged after its boundary (a float, or a Transfer of a device value)
+    )
     packet: StepPacket | None = None
     verdict: Verdict | None = None
     batch_ids: list[Any] = field(default_factory=list)
@@ -88,12 +90,15 @@ class InFlight:
     def has_loss(self) -> bool:
         return self.offsets["loss"] is not None or self.late_loss is not None
 
-    def add_late_loss(self, loss) -> None:
+    def add_late_loss(self, loss: float | torch.Tensor) -> None:
         """A loss logged after the step's boundary (``optimizer.step()`` came first): a device value is copied
         asynchronously, like the step's figures."""
         if isinstance(loss, torch.Tensor):
-            loss = Transfer(loss.detach().to(torch.float64).reshape(1)) if not stats.on_host(loss) else loss.item()
-        self.late_loss = loss
+            self.late_loss = (
+                Transfer(loss.detach().to(torch.float64).reshape(1)) if not stats.on_host(loss) else loss.item()
+            )
+        else:
+            self.late_loss = loss
 
     def late_loss_ready(self) -> bool:
         return not isinstance(self.late_loss, Transfer) or self.late_loss.ready()
@@ -119,8 +124,8 @@ class StepEnd:
         cadence: Cadence,
         put: Callable[..., Any],
         *,
-        optimizer=None,
-        scaler=None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scaler: Any = None,
         scaler_enabled: bool = False,
         weight_every: int,
         model_name: str,
@@ -154,7 +159,7 @@ class StepEnd:
         are on the host (on an accelerator they come with the step's one transfer, later). None: nothing to say."""
         norm, gmax = self.figures(state)
         loss = buffers.sum_losses(state.losses) if state.losses else None
-        if any(isinstance(v, torch.Tensor) for v in (norm, gmax, loss)):
+        if isinstance(norm, torch.Tensor) or isinstance(gmax, torch.Tensor) or isinstance(loss, torch.Tensor):
             return None
         nonfinite = not (finite_or_none(norm) and finite_or_none(gmax) and finite_or_none(loss))
         verdict = Verdict(skipped=False, nonfinite=nonfinite)
@@ -206,7 +211,7 @@ class StepEnd:
             self.guard.warn_once("no-forward", no_forward(self._model_name, step + 1))
         row = {
             "time": time.time(),
-            "data_time": max(state.t_first - self.t_prev_end, 0.0) if started else None,
+            "data_time": max(state.t_first - self.t_prev_end, 0.0) if state.t_first is not None else None,
             "samples": (state.samples or None) if started else None,
             "lr": [float(g["lr"]) for g in self.optimizer.param_groups] if self.optimizer is not None else None,
             "microbatches": state.micro,
@@ -224,7 +229,7 @@ class StepEnd:
         values, bases, bad = flight.copy.result()
         extra_base = bases[EXTRAS_BLOCK]
 
-        def pick(off):
+        def pick(off: int | None) -> float | None:
             return None if off is None else float(values[extra_base + off])
 
         scale, scale_next = (v if o is None else pick(o) for o, v in zip(flight.scale_offs, flight.scales))
