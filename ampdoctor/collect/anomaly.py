@@ -20,9 +20,9 @@ import contextlib
 import hashlib
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -30,7 +30,7 @@ from .. import islands
 from ..trace.schema import ROOT, observed_ancestor
 from . import hooks
 from .ops import OpTracer
-from .recompute import rng_get, rng_set
+from .recompute import RngState, rng_get, rng_set
 
 # Gradients reaching the root module's outputs are kept (by reference) up to this many values per tensor: a
 # classifier's logits or a loss easily; a language model's logits when the loss is computed outside the model
@@ -52,10 +52,10 @@ class Call:
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    versions: list[Any]  # (tensor, its version counter at the call)
-    rng: tuple[Any, ...]
-    autocast: tuple[Any, ...] | None  # (device_type, dtype) when autocast was on at the call
-    seeds: dict[str, Any] = field(default_factory=dict)  # output index -> gradient that reached it
+    versions: list[tuple[torch.Tensor, int]]  # (tensor, its version counter at the call)
+    rng: RngState
+    autocast: tuple[str, torch.dtype] | None  # (device_type, dtype) when autocast was on at the call
+    seeds: dict[int, torch.Tensor] = field(default_factory=dict)  # output index -> gradient that reached it
     outputs: int = 0  # float outputs that required grad
 
 
@@ -80,7 +80,7 @@ class Capture:
         self.calls, self.batch_ids = [], []
         return taken
 
-    def on_call(self, args, kwargs, measure: bool) -> None:
+    def on_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], measure: bool) -> None:
         """The root's forward starts (training, grad enabled). ``measure``: also keep the batch's input peak for
         the run's usual magnitude (on steps that observe sites)."""
         if self.paused or len(self.calls) >= MAX_CALLS:
@@ -100,7 +100,7 @@ class Capture:
                 self._peaks[self._next_peak % TYPICAL_KEPT] = peak  # (on the device: no host read)
                 self._next_peak += 1
 
-    def on_output(self, module, args, output) -> None:
+    def on_output(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         """The root's forward ended: hook the gradients that will reach its outputs (the backward's seeds)."""
         if self.paused or not self.calls or not torch.is_grad_enabled():
             return
@@ -109,7 +109,7 @@ class Capture:
         call.outputs = len(outs)
         for i, t in enumerate(outs):
             if t.requires_grad and t.numel() <= SEED_KEEP_MAX:
-                t.register_hook(_keep_seed(call.seeds, i))
+                t.register_hook(_keep_seed(call.seeds, i))  # type: ignore[no-untyped-call]  # (unannotated in torch)
 
     def typical_peak(self) -> float | None:
         """The median input peak of recent sampled batches (one host read, on a replay only)."""
@@ -151,14 +151,14 @@ def others_hooks_off(model: torch.nn.Module, ours: set[int]) -> Iterator[None]:
             setattr(m, name, hooks_of)
 
 
-def _keep_seed(seeds: dict[str, Any], i: int) -> Callable[..., Any]:
-    def keep(grad) -> None:
+def _keep_seed(seeds: dict[int, torch.Tensor], i: int) -> Callable[[torch.Tensor], None]:
+    def keep(grad: torch.Tensor) -> None:
         seeds[i] = grad if i not in seeds else seeds[i] + grad  # (an output used twice gets both gradients)
 
     return keep
 
 
-def _int_tensors(obj) -> list[torch.Tensor]:
+def _int_tensors(obj: object) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     for t in _flat(obj):
         if isinstance(t, torch.Tensor) and not t.is_floating_point():
@@ -166,7 +166,7 @@ def _int_tensors(obj) -> list[torch.Tensor]:
     return out[:16]
 
 
-def _flat(obj, depth: int = 0):
+def _flat(obj: object, depth: int = 0) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield obj
     elif depth < 4 and isinstance(obj, (list, tuple)):
@@ -232,8 +232,14 @@ class Replayer:
         self.replays = 0
         self.in_incident = 0
         self.grads: list[Any] = []  # the last observed replay's parameter gradients (scaled), aligned with params
-        self.healed: dict[str, object] = {}  # path -> islands handle
+        self.healed: dict[str, islands.KeptFP32] = {}  # path -> islands handle
         self._confirmed: dict[str, set[Any]] = {}  # path -> steps whose replay confirmed keep_fp32(path) fixes it
+
+    @property
+    def _model(self) -> torch.nn.Module:
+        """The model a replay runs (one runs only when there is one: ``run`` returns early otherwise)."""
+        assert self.model is not None
+        return self.model
 
     # -- when ---------------------------------------------------------------------------------------------------------
     def wanted(self, calls: list[Any] | None) -> bool:
@@ -285,10 +291,10 @@ class Replayer:
         # Two passes: one under the operation tracer, one observing every site in full (the observation's own
         # reductions would otherwise pass through the tracer).
         tracer = OpTracer(self.paths)
-        with self._isolated(), self.observe(False), others_hooks_off(self.model, self.ours()):
+        with self._isolated(), self.observe(False), others_hooks_off(self._model, self.ours()):
             self._pass(calls, tracer=tracer)
         result.observed = observe_sites
-        with self._isolated(), self.observe(observe_sites), others_hooks_off(self.model, self.ours()):
+        with self._isolated(), self.observe(observe_sites), others_hooks_off(self._model, self.ours()):
             outputs_finite, finite, norm = self._pass(calls, keep_grads=observe_sites)
         result.exact = not result.not_exact
         result.grad_norm = norm
@@ -319,7 +325,7 @@ class Replayer:
             rng_set(call.rng)
             ac = torch.autocast(call.autocast[0], dtype=call.autocast[1]) if call.autocast else contextlib.nullcontext()
             with torch.enable_grad(), ac, tracer if tracer is not None else contextlib.nullcontext():
-                out = self.model(*call.args, **call.kwargs)
+                out = self._model(*call.args, **call.kwargs)
                 outs = hooks.float_tensors(out)
                 if tracer is not None:
                     tracer.reached(outs)
@@ -347,12 +353,12 @@ class Replayer:
         return outputs_finite, finite and math.isfinite(norm), norm
 
     @contextlib.contextmanager
-    def _isolated(self):
+    def _isolated(self) -> Iterator[None]:
         """Training is left as it was: the RNG, the buffers (BatchNorm's running statistics), grad mode; the root
         module's own hooks do not record the replay as a micro-batch."""
         device = self.capture.device()
         rng = rng_get(device)
-        buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        buffers = [(b, b.detach().clone()) for b in self._model.buffers()]
         self.pause(True)
         try:
             yield
@@ -400,8 +406,8 @@ class Replayer:
             if check["finite"] or check.get("forward_finite") is not False or len(island) >= ISLAND_GROWTH:
                 return check
             tracer = OpTracer(self.paths)
-            with self._isolated(), self.observe(False), others_hooks_off(self.model, self.ours()):
-                handle = islands.keep_fp32(self.model, *island)
+            with self._isolated(), self.observe(False), others_hooks_off(self._model, self.ours()):
+                handle = islands.keep_fp32(self._model, *island)
                 try:
                     self._pass(calls, tracer=tracer)
                 except Exception:
@@ -414,7 +420,7 @@ class Replayer:
                 return check  # nothing new to keep in FP32: the island cannot help
             island.append(nxt)
 
-    def _try_scaled(self, calls: list[Call], scale: float | None, **change) -> dict[str, Any]:
+    def _try_scaled(self, calls: list[Call], scale: float | None, **change: Any) -> dict[str, Any]:
         """A forward fix tried on the step: where its forward is finite but its backward overflows at the step's loss
         scale, the scale the GradScaler backs off to (a few skipped steps, as with any fix) is tried too; the check
         passes there and says at which scale."""
@@ -426,7 +432,9 @@ class Replayer:
                     return {**lower, "at_scale": scale * 2.0**-k}
         return check
 
-    def _try(self, calls: list[Call], *, keep=(), dtype=None, scale_by: float = 1.0) -> dict[str, Any]:
+    def _try(
+        self, calls: list[Call], *, keep: Sequence[str] = (), dtype: torch.dtype | None = None, scale_by: float = 1.0
+    ) -> dict[str, Any]:
         """One variant of the step, on the same inputs: its forward finite, its backward finite?"""
         seeds = "original"
         if any(not _finite(g) for c in calls for g in c.seeds.values()):
@@ -442,8 +450,8 @@ class Replayer:
             )
             for c in calls
         ]
-        with self._isolated(), self.observe(False), others_hooks_off(self.model, self.ours()):
-            handle = islands.keep_fp32(self.model, *keep) if keep else None
+        with self._isolated(), self.observe(False), others_hooks_off(self._model, self.ours()):
+            handle = islands.keep_fp32(self._model, *keep) if keep else None
             try:
                 forward, finite, _ = self._pass(calls, scale_by=scale_by)
             except Exception as exc:
@@ -465,7 +473,7 @@ class Replayer:
         done = []
         for path, steps in self._confirmed.items():
             if len(steps) >= 2 and path not in self.healed:
-                self.healed[path] = islands.keep_fp32(self.model, path)
+                self.healed[path] = islands.keep_fp32(self._model, path)
                 done.append(path)
         return done
 
@@ -485,7 +493,7 @@ class Replayer:
         for c in calls:
             for t in [*hooks.float_tensors((c.args, c.kwargs)), *_int_tensors((c.args, c.kwargs))]:
                 d = t.detach()
-                entry = {"shape": list(d.shape), "dtype": str(d.dtype).replace("torch.", "")}
+                entry: dict[str, Any] = {"shape": list(d.shape), "dtype": str(d.dtype).replace("torch.", "")}
                 if d.numel() and d.is_floating_point():
                     finite = torch.isfinite(d)
                     entry["nonfinite"] = int((~finite).sum())
@@ -515,7 +523,7 @@ def _within(path: str, outer: str) -> bool:
     return path == outer or path.startswith(outer + ".") or outer == ROOT
 
 
-def _outer(path: str, paths) -> list[str]:
+def _outer(path: str, paths: Iterable[str]) -> list[str]:
     """The modules enclosing ``path`` (innermost first), among the observed ones."""
     known = set(paths)
     parts = path.split(".")
@@ -536,7 +544,7 @@ def _runnable(model: torch.nn.Module) -> torch.nn.Module | None:
     """The module a replay can call without talking to other processes: DDP's inner module; None for FSDP."""
     name = type(model).__name__
     if name in ("DistributedDataParallel", "DataParallel"):
-        return model.module
+        return cast(torch.nn.Module, model.module)  # (torch types a submodule attribute as Tensor | Module)
     if "FullyShardedDataParallel" in name or hasattr(model, "_fsdp_wrapped_module") or _fsdp2(model):
         return None
     return model
