@@ -22,6 +22,7 @@ from .state import RunFacts, StepState
 
 if TYPE_CHECKING:
     from .boundary import InFlight
+    from .probe import StepProbe
 
 WARN_AFTER_STEPS = 3  # steps (or cleared gradients) before a run that is not observed as it should be warns
 # Observations held for one step: a step of 1,000 observed modules with 32 accumulated micro-batches holds ~64k
@@ -57,7 +58,7 @@ class Collector:
         self.facts = facts
         self.params = params
         self.state = StepState(0, Observe.NONE, "sentinel", False)  # (the Doctor begins step 0 at once)
-        self.probe = None  # a StepProbe when attach(probe_every=...)
+        self.probe: StepProbe | None = None  # a StepProbe when attach(probe_every=...)
         self.on_root_call: Callable[..., Any] | None = (
             None  # (args, kwargs) of the step's root forwards (the anomaly replay)
         )
