@@ -184,7 +184,7 @@ class Replay:
     step: int
     why: str  # the anomaly: "nonfinite", "skipped", "grad_spike", "loss_spike"
     exact: bool
-    not_exact: list[Any] = field(default_factory=list)  # the reasons it could not be exact
+    not_exact: list[str] = field(default_factory=list)  # the reasons it could not be exact
     backward: bool = True  # the backward was replayed too
     observed: bool = True  # the replay observed every site (False: the step had, itself)
     outputs_finite: bool | None = None  # the model's outputs were finite
@@ -193,11 +193,11 @@ class Replay:
     reproduced: bool | None = None  # the replay showed the anomaly again
     grad_norm: float | None = None  # of the replayed (scaled) gradients
     operation: dict[str, Any] | None = None  # the first operation that made a NaN/Inf from finite inputs (ops.OpRecord)
-    producers: list[Any] = field(default_factory=list)  # the operations that made the values it overflowed
-    batch: dict[str, Any] = field(
-        default_factory=dict
-    )  # fingerprint: per input shape, dtype, hash, peak; outlier factor
-    checks: list[Any] = field(default_factory=list)  # precision changes tried on the step: {"fix", "finite", ...}
+    producers: list[dict[str, Any]] = field(default_factory=list)  # the operations that made the values it overflowed
+    # fingerprint: per input shape, dtype, hash, peak; outlier factor
+    batch: dict[str, Any] = field(default_factory=dict)
+    # precision changes tried on the step: {"fix", "finite", ...}
+    checks: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -231,7 +231,8 @@ class Replayer:
         self.paths = {id(m): p for p, m in modules}
         self.replays = 0
         self.in_incident = 0
-        self.grads: list[Any] = []  # the last observed replay's parameter gradients (scaled), aligned with params
+        # the last observed replay's parameter gradients (scaled), aligned with params
+        self.grads: list[torch.Tensor | None] = []
         self.healed: dict[str, islands.KeptFP32] = {}  # path -> islands handle
         self._confirmed: dict[str, set[Any]] = {}  # path -> steps whose replay confirmed keep_fp32(path) fixes it
 
@@ -242,7 +243,7 @@ class Replayer:
         return self.model
 
     # -- when ---------------------------------------------------------------------------------------------------------
-    def wanted(self, calls: list[Any] | None) -> bool:
+    def wanted(self, calls: list[Call] | None) -> bool:
         return self.replays < MAX_REPLAYS and self.in_incident < MAX_REPLAYS_PER_INCIDENT and bool(calls)
 
     def clean_again(self) -> None:
@@ -320,7 +321,8 @@ class Replayer:
         ``self.grads`` (as the step's .grad would hold them, still scaled)."""
         finite = outputs_finite = True
         leaves = [p for _, p in self.params]
-        acc: list[Any] = [None] * len(leaves)  # the step's gradients, summed over its micro-batches as .grad would be
+        # the step's gradients, summed over its micro-batches as .grad would be
+        acc: list[torch.Tensor | None] = [None] * len(leaves)
         for call in calls:
             rng_set(call.rng)
             ac = torch.autocast(call.autocast[0], dtype=call.autocast[1]) if call.autocast else contextlib.nullcontext()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,9 @@ from .record import HostCopy, StepRecord
 from .sites import Sites
 from .state import StepState
 from .transfer import Transfer
+
+if TYPE_CHECKING:
+    from .anomaly import Call
 
 _LEVELS = {Observe.NONE: schema.LEVEL_SENTINEL, Observe.PEAK: schema.LEVEL_PEAK, Observe.FULL: schema.LEVEL_FULL}
 WARN_NO_FORWARD_AFTER = 3  # steps without a root forward (or begin_batch) before the run warns
@@ -71,16 +74,15 @@ class InFlight:
     state: StepState
     skipped: bool | None
     row: dict[str, Any]  # the steps-table fields known now (the packet's row once resolved)
-    entries: list[Any]
+    entries: list[Entry]
     copy: HostCopy
     offsets: dict[str, Any]  # where the step figures sit among the extras
     scales: list[Any]  # [before, after] the scaler's update: floats, or device tensors read with the copy
     scale_offs: list[Any]
-    calls: list[Any] | None = None  # what a replay of it needs (anomaly.Capture), kept until it is resolved
+    calls: list[Call] | None = None  # what a replay of it needs (anomaly.Capture), kept until it is resolved
     updates: int = 0  # optimizer updates applied before it started (a replay is exact while this holds)
-    late_loss: float | Transfer | None = (
-        None  # a loss logged after its boundary (a float, or a Transfer of a device value)
-    )
+    # a loss logged after its boundary (a float, or a Transfer of a device value)
+    late_loss: float | Transfer | None = None
     packet: StepPacket | None = None
     verdict: Verdict | None = None
     batch_ids: list[Any] = field(default_factory=list)
@@ -289,7 +291,7 @@ class StepEnd:
         row["observer_time"] = observer_time
         self.t_prev_end = end
 
-    def _observe_param_grads(self, observe: Observe, state: StepState, entries: list[Any]) -> None:
+    def _observe_param_grads(self, observe: Observe, state: StepState, entries: list[Entry]) -> None:
         """Peaks (or full statistics) of every parameter gradient, in parameter order."""
         if observe is not Observe.FULL:
             present = tuple([p.grad is not None for _, p in self.params])  # (no generator: one call)

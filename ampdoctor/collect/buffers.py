@@ -231,7 +231,7 @@ def dense_values(g: torch.Tensor) -> torch.Tensor:
     return g.values()  # compressed layouts store each element once
 
 
-def sum_losses(losses: list[Any]) -> float | torch.Tensor:
+def sum_losses(losses: list[float | torch.Tensor]) -> float | torch.Tensor:
     """The step's loss, summed over micro-batches: a float when every part is on the CPU, else a device tensor."""
     if not any(isinstance(v, torch.Tensor) and not K.on_host(v) for v in losses):
         return sum(float(v) for v in losses)

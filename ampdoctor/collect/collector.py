@@ -59,9 +59,8 @@ class Collector:
         self.params = params
         self.state = StepState(0, Observe.NONE, "sentinel", False)  # (the Doctor begins step 0 at once)
         self.probe: StepProbe | None = None  # a StepProbe when attach(probe_every=...)
-        self.on_root_call: Callable[..., Any] | None = (
-            None  # (args, kwargs) of the step's root forwards (the anomaly replay)
-        )
+        # (args, kwargs) of the step's root forwards (the anomaly replay)
+        self.on_root_call: Callable[..., Any] | None = None
         self.paused = False  # a replay is running: its root forwards are not micro-batches
         self._boundary_name = boundary_name
         self._on_step_start = on_step_start

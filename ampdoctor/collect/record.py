@@ -21,9 +21,8 @@ _NUMBERS = {float, int}
 
 class StepRecord:
     def __init__(self) -> None:
-        self._bufs: dict[
-            torch.dtype | tuple[torch.dtype, torch.device], buffers.PeakList
-        ] = {}  # PeakList per dtype (or (dtype, device)): kept across steps, cleared
+        # PeakList per dtype (or (dtype, device)): kept across steps, cleared
+        self._bufs: dict[torch.dtype | tuple[torch.dtype, torch.device], buffers.PeakList] = {}
         self.clear()
 
     def clear(self) -> None:
@@ -32,7 +31,8 @@ class StepRecord:
         self.entries: list[Entry] = []
         self._fulls: list[torch.Tensor] = []
         self._full_len = 0
-        self._extras: list[Any] = []  # floats, or 0-d tensors on an accelerator (read with the step's transfer)
+        # floats, or 0-d tensors on an accelerator (read with the step's transfer)
+        self._extras: list[float | torch.Tensor] = []
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, tuple[int, str, int]]] = {}
         self.act_seen: set[int] = set()  # sites whose forward was recorded this step (checkpointing recomputes)
 

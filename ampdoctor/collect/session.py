@@ -29,7 +29,7 @@ from ..trace.messages import EventKind, EventMsg, MetaMsg, MetricMsg
 from ..trace.vectors import FULL_BLOCK, Entry, Phase
 from ..trace.writer import Writer
 from . import guards, hooks, meta, sharded, stats
-from .anomaly import Capture, Replay, Replayer
+from .anomaly import Call, Capture, Replay, Replayer
 from .boundary import InFlight, StepEnd, read_scale
 from .cadence import Budget, Cadence
 from .collector import Collector
@@ -475,7 +475,7 @@ class Doctor:
             collector.sync_hooks()
 
     def _replay(
-        self, state: StepState, why: str, calls: list[Any], batch_ids: list[Any], *, moved: str | None
+        self, state: StepState, why: str, calls: list[Call], batch_ids: list[Any], *, moved: str | None
     ) -> Replay | None:
         """Replay the step, record what it found; a replay that fails is recorded as such and training goes on."""
         scale = state.scale_before
