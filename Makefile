@@ -23,10 +23,11 @@ demo: install
 browser:
 	@command -v chromedriver >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null)
 
-# Lint and format check (ruff), then the suite.
+# Lint and format check (ruff), the type check (mypy: its settings in pyproject.toml), then the suite.
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 test: install browser lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests

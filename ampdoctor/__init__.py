@@ -8,6 +8,18 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # (types only: importing ampdoctor imports neither torch nor the rules)
+    import torch
+
+    from .collect.probe import ProbeReport
+    from .collect.session import Doctor
+    from .export.exporter import LiveExport
+    from .integrations.env import NoDoctor
+    from .notebook import Findings
+    from .rules.result import Diagnosis
+    from .trace import Trace
 
 __version__ = "0.1.0"
 
@@ -27,7 +39,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'ampdoctor' has no attribute {name!r}")
     value = getattr(importlib.import_module(_LAZY[name]), name)
@@ -35,7 +47,7 @@ def __getattr__(name: str):
     return value
 
 
-def diagnose(trace_or_path, reference=None, rules: dict | None = None) -> list:
+def diagnose(trace_or_path: Any, reference: Any = None, rules: dict[str, Any] | None = None) -> Findings:
     """Run every registered rule over a trace (a Trace, a file, or a directory / glob of one run's ranks); findings
     worst first, as a list that a notebook shows as finding cards.
 
@@ -49,10 +61,10 @@ def diagnose(trace_or_path, reference=None, rules: dict | None = None) -> list:
 
 
 def attach(
-    model,
-    optimizer=None,
-    scaler=None,
-    trace: str | os.PathLike = "runs/ampdoctor.db",
+    model: torch.nn.Module,
+    optimizer: Any = None,
+    scaler: Any = None,
+    trace: str | os.PathLike[str] = "runs/ampdoctor.db",
     *,
     mode: str = "default",
     every: int | None = None,
@@ -60,20 +72,20 @@ def attach(
     hist_every: int | None = None,
     weight_every: int = 200,
     calibration: int = 10,
-    include=None,
-    exclude=None,
+    include: Any = None,
+    exclude: Any = None,
     live: bool = True,
-    on_finding: Callable | None = None,
+    on_finding: Callable[..., Any] | None = None,
     halt_on: str | None = None,
-    on_halt: Callable | None = None,
+    on_halt: Callable[..., Any] | None = None,
     log_every: int | None = None,
-    rules: dict | None = None,
+    rules: dict[str, Any] | None = None,
     probe_every: int | None = None,
     replay: bool = True,
     heal: bool = False,
     budget: float | None = None,
-    export=None,
-):
+    export: Any = None,
+) -> Doctor:
     """Observe ``model`` during training and stream its mixed-precision numerics to the SQLite trace ``trace``.
 
     Returns a Doctor: a context manager whose ``close()`` removes every hook and flushes the trace.
@@ -113,11 +125,11 @@ def attach(
             for x, y in loader:
                 ...
     """
-    from .collect.options import Options
+    from .collect.options import Options, parse_mode
     from .collect.session import Doctor
 
     options = Options(
-        mode=mode,
+        mode=parse_mode(mode),
         every=every,
         peak_every=peak_every,
         hist_every=hist_every,
@@ -144,21 +156,21 @@ def attach(
     return Doctor(model, optimizer, scaler, trace, options, diagnose=_live_diagnose, exporter=_start_export)
 
 
-def _start_export(export, path: str, findings=None, rules=None):
+def _start_export(export: Any, path: str, findings: Any = None, rules: dict[str, Any] | None = None) -> LiveExport:
     """The exporters' thread for attach(export=...): made here, so that the training side never imports them."""
     from .export import start
 
     return start(export, path, findings=findings, rules=rules)
 
 
-def _live_diagnose(trace, rules=None):
+def _live_diagnose(trace: Trace, rules: dict[str, Any] | None = None) -> list[Diagnosis]:
     """The rules, as the training side's live thread runs them (imported there, not by collect/)."""
     from .rules import diagnose
 
     return diagnose(trace, rules=rules)
 
 
-def auto(model, optimizer=None, scaler=None, **options):
+def auto(model: torch.nn.Module, optimizer: Any = None, scaler: Any = None, **options: Any) -> Doctor | NoDoctor:
     """The no-code switch: ``attach(model, ...)`` when the environment says ``AMPDOCTOR=1`` (the AMPDOCTOR_TRACE,
     _MODE, _EVERY, _HALT_ON, _LOG_EVERY, _LIVE, _EXPORT, _EXPORT_EVERY variables over ``options``), else a stand-in
     with the Doctor's public methods that does nothing. One line in a script:
@@ -168,7 +180,7 @@ def auto(model, optimizer=None, scaler=None, **options):
     return _auto(model, optimizer=optimizer, scaler=scaler, **options)
 
 
-def probe(model, batch, loss_fn=None, **options):
+def probe(model: torch.nn.Module, batch: Any, loss_fn: Any = None, **options: Any) -> ProbeReport:
     """One-off precision-loss check: every module's half-precision output against its FP32 recomputation, and the
     loss both ways; nothing in the model changes. Returns a ProbeReport (print it). See collect/probe.py."""
     from .collect.probe import probe as _probe

@@ -11,6 +11,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Sequence
+from types import ModuleType
+from typing import NoReturn
 
 from . import __version__
 from .commands.common import EXIT_OK, EXIT_USAGE, Printable, UsageError, printable
@@ -27,17 +30,17 @@ COMMANDS = {
 }
 
 
-def command_module(name: str):
+def command_module(name: str) -> ModuleType:
     """The module of command ``name`` (imported now)."""
     return importlib.import_module(f"ampdoctor.commands.{name}")
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):
+    def error(self, message: str) -> NoReturn:
         raise UsageError(f"{self.prog}: {message}")
 
 
-def build_parser(argv=None) -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser; the arguments of the command named in ``argv`` (of every command when ``argv`` is None)."""
     p = _Parser(prog="ampdoctor", description="Diagnose mixed-precision (FP16/BF16) training from a trace file.")
     p.add_argument("--version", action="version", version=f"ampdoctor {__version__}")
@@ -53,7 +56,7 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     stdout, sys.stdout = sys.stdout, Printable(sys.stdout)
     try:

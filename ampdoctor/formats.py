@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class Format:
     def tie_overflows(self) -> bool:
         """Whether |x| == overflow_at overflows: ties go to the even mantissa, so yes when max's mantissa is odd
         (FP16, BF16, E5M2: all ones), no for E4M3 (max 448 = 1.110b x 2^8, the all-ones mantissa being NaN)."""
-        mantissa = round((self.max / 2.0**self.max_exp - 1.0) * 2**self.mantissa_bits)
+        mantissa: int = round((self.max / 2.0**self.max_exp - 1.0) * 2**self.mantissa_bits)
         return mantissa % 2 == 1
 
     @property
@@ -61,16 +62,16 @@ class Format:
         """The largest float64 magnitude that still rounds to a finite value: x overflows iff |x| > finite_limit."""
         return math.nextafter(self.overflow_at, 0.0) if self.tie_overflows else self.overflow_at
 
-    def overflows(self, a):
+    def overflows(self, a: Any) -> Any:
         """Element-wise (numpy or torch, magnitudes |x|, finite or not): the cast leaves the finite range (inf, or
         for a saturating format the value clamped to max)."""
         return (a >= self.overflow_at) if self.tie_overflows else (a > self.overflow_at)
 
-    def flushes(self, a):
+    def flushes(self, a: Any) -> Any:
         """Element-wise on magnitudes: a non-zero value that the cast rounds to zero."""
         return (a > 0) & (a <= self.flush_at)
 
-    def subnormal(self, a):
+    def subnormal(self, a: Any) -> Any:
         """Element-wise on magnitudes: the cast gives a non-zero subnormal (precision lost)."""
         return (a > self.flush_at) & (a < self.subnormal_below)
 

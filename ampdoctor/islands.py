@@ -8,13 +8,19 @@ from __future__ import annotations
 
 import difflib
 import types
+from collections.abc import Callable, Iterable
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import torch
 
 from .trace.schema import ROOT  # how the root module is named in site paths
 
 _HALF = ("float16", "bfloat16")
 
 
-def code_line(paths) -> str:
+def code_line(paths: Iterable[str]) -> str:
     """The line a fix prints to keep ``paths`` in FP32 (the rules and the probe's report print this one)."""
     quoted = ", ".join(f'"{p}"' for p in paths)
     return f"handle = ampdoctor.keep_fp32(model, {quoted})  # these modules compute in FP32 inside autocast"
@@ -23,17 +29,17 @@ def code_line(paths) -> str:
 class KeptFP32:
     """Handle returned by ``keep_fp32``: a context manager; ``remove()`` restores every wrapped forward exactly."""
 
-    def __init__(self, model, paths: tuple):
+    def __init__(self, model: torch.nn.Module, paths: tuple[str, ...]) -> None:
         self.model = model
         self.paths = paths
-        self._wrapped: list = []  # (module, state of its wrapper)
+        self._wrapped: list[tuple[torch.nn.Module, dict[str, bool]]] = []  # (module, state of its wrapper)
 
-    def _wrap(self, module) -> None:
+    def _wrap(self, module: torch.nn.Module) -> None:
         state = {"active": True}
         had = "forward" in module.__dict__
         previous = module.__dict__.get("forward")
-        inner = previous if had else type(module).forward
-        fn = _fp32_forward(inner, had, state)
+        inner: Callable[..., Any] = module.__dict__["forward"] if had else type(module).forward
+        fn: Any = _fp32_forward(inner, had, state)  # (a function: it carries its undo record)
         fn._ampdoctor_undo = (had, previous, state)
         # A method bound to the module (not a closure over it): copy.deepcopy(model), e.g. for an EMA copy, rebinds
         # the wrapper to the copy instead of running the original module's weights.
@@ -52,10 +58,10 @@ class KeptFP32:
             state["active"] = False
             _unwind(module)
 
-    def __enter__(self):
+    def __enter__(self) -> KeptFP32:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         self.remove()
         return False
 
@@ -63,7 +69,7 @@ class KeptFP32:
         return f"KeptFP32({', '.join(self.paths)}{'' if self.active else '; removed'})"
 
 
-def _unwind(module) -> None:
+def _unwind(module: torch.nn.Module) -> None:
     """Pop every inactive keep_fp32 wrapper off the top of ``module.forward``, restoring what each replaced."""
     while True:
         undo = getattr(getattr(module.__dict__.get("forward"), "__func__", None), "_ampdoctor_undo", None)
@@ -76,11 +82,11 @@ def _unwind(module) -> None:
             del module.__dict__["forward"]
 
 
-def _fp32_forward(inner, bound: bool, state: dict):
-    def forward(self, *args, **kwargs):
+def _fp32_forward(inner: Callable[..., Any], bound: bool, state: dict[str, bool]) -> Callable[..., Any]:
+    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         import torch
 
-        call = (lambda *a, **k: inner(*a, **k)) if bound else (lambda *a, **k: inner(self, *a, **k))
+        call: Callable[..., Any] = (lambda *a, **k: inner(*a, **k)) if bound else (lambda *a, **k: inner(self, *a, **k))
         if not state["active"]:
             return call(*args, **kwargs)
         device_type = _device_type(args, kwargs, self)
@@ -93,11 +99,11 @@ def _fp32_forward(inner, bound: bool, state: dict):
     return forward
 
 
-def _device_type(args, kwargs, module) -> str:
+def _device_type(args: tuple[Any, ...], kwargs: dict[str, Any], module: torch.nn.Module) -> str:
     """The device type of the first floating input tensor (else the module's first parameter, else cpu)."""
     import torch
 
-    stack = [args, kwargs]
+    stack: list[Any] = [args, kwargs]
     while stack:
         x = stack.pop(0)
         if isinstance(x, torch.Tensor):
@@ -112,14 +118,14 @@ def _device_type(args, kwargs, module) -> str:
     return "cpu"
 
 
-def _autocast_enabled(torch, device_type: str) -> bool:
+def _autocast_enabled(torch: ModuleType, device_type: str) -> bool:
     try:
-        return torch.is_autocast_enabled(device_type)
+        return bool(torch.is_autocast_enabled(device_type))
     except TypeError:  # torch < 2.4: no device_type argument
-        return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
+        return bool(torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled())
 
 
-def _to_float32(torch, x):
+def _to_float32(torch: ModuleType, x: Any) -> Any:
     """FP16/BF16 tensors (nested in tuples, lists, dicts) cast to float32; anything else as it is."""
     if isinstance(x, torch.Tensor):
         return x.float() if str(x.dtype).replace("torch.", "") in _HALF else x
@@ -132,7 +138,7 @@ def _to_float32(torch, x):
     return x
 
 
-def keep_fp32(model, *module_paths: str) -> KeptFP32:
+def keep_fp32(model: torch.nn.Module, *module_paths: str) -> KeptFP32:
     """Run the modules at ``module_paths`` (as in ``model.named_modules()``; "(model)" is the root) in FP32 inside
     an autocast region: their floating inputs are cast to float32, autocast is disabled inside, and their outputs
     stay FP32. Outside autocast they run unchanged. Returns a handle (a context manager); ``remove()`` undoes it.
@@ -147,7 +153,8 @@ def keep_fp32(model, *module_paths: str) -> KeptFP32:
         raise ValueError('keep_fp32 needs at least one module path, e.g. keep_fp32(model, "blocks.1.attn")')
     names = dict(model.named_modules())
     names[ROOT] = model
-    paths, modules = [], {}
+    paths: list[str] = []
+    modules: dict[int, torch.nn.Module] = {}
     for path in module_paths:
         if not isinstance(path, str):
             raise TypeError(

@@ -8,6 +8,11 @@ from __future__ import annotations
 import html
 import math
 import re
+from collections.abc import Iterable
+from typing import Any
+
+# The objects shown (a Any, a Any, a Any, a Any) are typed Any: their modules import this one to show
+# themselves, so naming their classes here, even for the type checker only, would close an import cycle.
 
 _CSS = (
     "<style>.ampd{font-family:system-ui,sans-serif;font-size:13px;max-width:1000px}"
@@ -22,7 +27,7 @@ _CSS = (
 _WORST_FIRST = {"critical": 0, "warning": 1, "info": 2}
 
 
-def _e(v) -> str:
+def _e(v: object) -> str:
     return html.escape(str(v))
 
 
@@ -30,12 +35,12 @@ def _box(body: str) -> str:
     return f'{_CSS}<div class="ampd">{body}</div>'
 
 
-def _rows(pairs) -> str:
+def _rows(pairs: Iterable[tuple[object, object]]) -> str:
     return "<table>" + "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in pairs) + "</table>"
 
 
 # -- findings ------------------------------------------------------------------------------------------------------
-def _short(v) -> str:
+def _short(v: object) -> str:
     if isinstance(v, bool) or v is None:
         return str(v)
     if isinstance(v, float):
@@ -50,11 +55,12 @@ def _short(v) -> str:
     return str(v)
 
 
-def _fix(d) -> str:
+def _fix(d: Any) -> str:
     out = []
     parts = list(getattr(d, "fix", None) or [])
-    if not parts and getattr(d, "recommendation", ""):
-        out.append(f"<p>{_e(d.recommendation)}</p>")
+    recommendation: str = getattr(d, "recommendation", "")
+    if not parts and recommendation:
+        out.append(f"<p>{_e(recommendation)}</p>")
     for part in parts:
         if part.kind == "code":
             out.append(f"<pre><code>{_e(part.text)}</code></pre>")
@@ -66,7 +72,7 @@ def _fix(d) -> str:
     return "".join(out)
 
 
-def finding_card(d) -> str:
+def finding_card(d: Any) -> str:
     """One finding as the report shows it: severity, rule, ranks, title, summary, layers and steps, evidence, fix."""
     sev = _e(d.severity)
     ranks = list(d.ranks or [])
@@ -84,11 +90,11 @@ def finding_card(d) -> str:
     )
 
 
-def diagnosis_html(d) -> str:
+def diagnosis_html(d: Any) -> str:
     return _box(finding_card(d))
 
 
-def findings_html(found) -> str:
+def findings_html(found: Iterable[Any]) -> str:
     """A list of findings, worst first, with a line of counts; an empty list says so."""
     found = sorted(found, key=lambda d: _WORST_FIRST.get(d.severity, 3))
     if not found:
@@ -102,7 +108,7 @@ def findings_html(found) -> str:
 # -- traces and runs -----------------------------------------------------------------------------------------------
 # Built from the Trace's public reads (a method of Trace calls this module: importing the commands or the trace
 # package from here would close an import cycle); the same facts, in the same words, as ``ampdoctor info``.
-def _g(v) -> str:
+def _g(v: Any) -> str:
     """A number to 4 significant digits ('-' when missing or not finite)."""
     try:
         f = float(v)
@@ -111,8 +117,8 @@ def _g(v) -> str:
     return f"{f:.4g}" if math.isfinite(f) else "-"
 
 
-def _ranges(steps: list) -> str:
-    out: list = []
+def _ranges(steps: list[Any]) -> str:
+    out: list[Any] = []
     for s in steps:
         if out and s == out[-1][1] + 1:
             out[-1][1] = s
@@ -122,7 +128,7 @@ def _ranges(steps: list) -> str:
     return text + (" ..." if len(out) > 12 else "")
 
 
-def trace_summary(tr) -> list[tuple[str, str]]:
+def trace_summary(tr: Any) -> list[tuple[str, str]]:
     """(label, text) rows: run, steps, ampdoctor's cost, precision, optimizer, scaler, loss scale, skipped steps,
     loss and the first non-finite value."""
     from .precision_label import describe_precision
@@ -190,11 +196,11 @@ def trace_summary(tr) -> list[tuple[str, str]]:
     return rows
 
 
-def trace_html(tr) -> str:
+def trace_html(tr: Any) -> str:
     return _box(f"<p><b>ampdoctor trace</b> {_e(tr.path)}</p>" + _rows(trace_summary(tr)))
 
 
-def rankrun_html(rr) -> str:
+def rankrun_html(rr: Any) -> str:
     """The ranks side by side: steps, skipped and non-finite steps, last loss scale, median step time and data
     wait, last loss, host and file (as ``ampdoctor info`` prints a run)."""
     cols = [
@@ -233,11 +239,11 @@ def rankrun_html(rr) -> str:
     return _box(head + missing + table)
 
 
-def replay_html(rp) -> str:
+def replay_html(rp: Any) -> str:
     """A loss-scale replay: its settings and outcome (skipped steps, scale range, underflow, information lost)."""
     s = rp.summary()
 
-    def num(v, fmt="{:.4g}") -> str:
+    def num(v: Any, fmt: str = "{:.4g}") -> str:
         return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
 
     rows = [(k, v) for k, v in rp.settings.items()]
@@ -254,7 +260,7 @@ def replay_html(rp) -> str:
     return _box("<p><b>loss-scale replay</b></p>" + _rows(rows) + note)
 
 
-class Findings(list):
+class Findings(list[Any]):
     """What ``ampdoctor.diagnose`` returns: a plain list of findings (equal to one, used as one) that a notebook
     shows as the report's finding cards."""
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
 
-def describe_precision(cfg: dict) -> str:
+
+def describe_precision(cfg: dict[str, Any]) -> str:
     """O0/O1/O2/O3-style label of a run from its observed configuration."""
     if not cfg:
         return "unknown: no step recorded yet"

@@ -17,6 +17,7 @@ is not named when one of its descendants is (the child explains it).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from .islands import code_line
 from .trace.schema import ROOT
@@ -57,7 +58,7 @@ def culprits_of(paths: list[str]) -> list[str]:
     return [p for p in paths if not any(_descendant(q, p) for q in paths)]
 
 
-def judge(rows: list[dict], dtype: str, min_ratio: float = MIN_RATIO) -> list[dict]:
+def judge(rows: list[dict[str, Any]], dtype: str, min_ratio: float = MIN_RATIO) -> list[dict[str, Any]]:
     """The rows (one per module, one probed step) the rule names, worst first, each with its bound and ratio."""
     scored = []
     for r in rows:
@@ -72,7 +73,7 @@ def fix_line(paths: list[str]) -> str:
     return code_line(paths) if paths else ""
 
 
-def format_table(rows: list[dict], dtype: str, min_ratio: float = MIN_RATIO) -> str:
+def format_table(rows: list[dict[str, Any]], dtype: str, min_ratio: float = MIN_RATIO) -> str:
     """The per-layer table, worst ratio first (the CLI's ``layers --probe`` and the one-off probe's report)."""
     if not rows:
         return "no layer was probed"

@@ -14,12 +14,19 @@ or the recorded abs max settles it.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
 from . import formats
+
+if TYPE_CHECKING:
+    from .trace import Trace
+
+Pair = tuple[np.ndarray, np.ndarray]
 
 FP8 = {"e4m3": formats.FP8_E4M3, "e5m2": formats.FP8_E5M2}
 HALF = {"fp16": formats.FP16, "bf16": formats.BF16}
@@ -50,7 +57,7 @@ def edges(fmt: formats.Format) -> Edges:
     return Edges(fmt.max + ulp_max / 2, odd, fmt.min_subnormal / 2)
 
 
-def lost(values, fmt: formats.Format) -> tuple[np.ndarray, np.ndarray]:
+def lost(values: Any, fmt: formats.Format) -> Pair:
     """Value by value (exact): (would overflow/saturate, would flush to zero) masks of a cast to ``fmt``."""
     a = np.abs(np.asarray(values, dtype=np.float64))
     e = edges(fmt)
@@ -58,7 +65,7 @@ def lost(values, fmt: formats.Format) -> tuple[np.ndarray, np.ndarray]:
     return over, (a > 0) & (a <= e.flush)
 
 
-def above(counts: np.ndarray, edge, tie: bool, absmax=None) -> tuple[np.ndarray, np.ndarray]:
+def above(counts: np.ndarray, edge: Any, tie: bool, absmax: Any = None) -> Pair:
     """(lo, hi) counts of histogram rows (last axis: 255 binades) with |x| > edge (>= when ``tie``); ``edge`` and
     ``absmax`` broadcast per row."""
     edge = np.asarray(edge, dtype=np.float64)[..., None]
@@ -73,7 +80,7 @@ def above(counts: np.ndarray, edge, tie: bool, absmax=None) -> tuple[np.ndarray,
     return lo, hi
 
 
-def below(counts: np.ndarray, edge) -> tuple[np.ndarray, np.ndarray]:
+def below(counts: np.ndarray, edge: Any) -> Pair:
     """(lo, hi) counts of histogram rows with 0 < |x| <= edge."""
     edge = np.asarray(edge, dtype=np.float64)[..., None]
     return (counts * (edge >= _UPPER)).sum(-1), (counts * (edge >= _LOWER)).sum(-1)
@@ -94,7 +101,7 @@ def delayed_scales(
     return (scale, held) if amax.ndim > 1 else (scale[:, 0], held[:, 0])
 
 
-def shares(counts: np.ndarray, absmax: np.ndarray, fmt: formats.Format, scale) -> dict:
+def shares(counts: np.ndarray, absmax: np.ndarray, fmt: formats.Format, scale: Any) -> dict[str, Any]:
     """Per row: saturated and flushed shares (lo, hi) of the non-zero values when x * scale is cast to ``fmt``."""
     e = edges(fmt)
     scale = np.asarray(scale, dtype=np.float64)
@@ -111,7 +118,7 @@ class Inputs:
     the factor that turns stored values into real ones (output gradients carry the loss scale), the anomalous
     steps; the histograms and the delayed-scaling scales of every site are computed on first use and kept."""
 
-    def __init__(self, tr, kind: str):
+    def __init__(self, tr: Trace, kind: str) -> None:
         self.tr, self.kind = tr, kind
         self.sites = tr.sites(kind)
         self.column = {int(s): j for j, s in enumerate(self.sites["id"])}
@@ -123,24 +130,24 @@ class Inputs:
         if kind == "grad_out":  # output gradients are stored as backward carries them: scaled
             ls = steps["loss_scale"].to_numpy(float)
             self.stored = np.where(np.isfinite(ls) & (ls > 0), ls, 1.0)
-        self._scales: dict = {}
-        self._hists: dict = {}
+        self._scales: dict[tuple[str, int, int], Pair] = {}
+        self._hists: dict[int, Pair] = {}
 
-    def scales(self, name: str, history: int, margin: int) -> tuple[np.ndarray, np.ndarray]:
+    def scales(self, name: str, history: int, margin: int) -> Pair:
         """[steps x sites] delayed-scaling scales and amax counts (``delayed_scales``), all sites at once."""
         key = (name, history, margin)
         if key not in self._scales:
             self._scales[key] = delayed_scales(self.peaks / self.stored[:, None], FP8[name], history, margin)
         return self._scales[key]
 
-    def hist(self, sid: int):
+    def hist(self, sid: int) -> Pair:
         if sid not in self._hists:
             self._hists[sid] = self.tr.hist(sid)
         return self._hists[sid]
 
 
 def site_whatif(
-    tr, site, kind: str, *, history: int = HISTORY, margin: int = MARGIN, inputs: Inputs | None = None
+    tr: Trace, site: int | str, kind: str, *, history: int = HISTORY, margin: int = MARGIN, inputs: Inputs | None = None
 ) -> pd.DataFrame:
     """One row per histogram step of one site: for FP16/BF16 (values as recorded, i.e. output gradients at the
     recorded loss scale) and E4M3/E5M2 (real values times the delayed-scaling scale) the saturated and flushed
@@ -152,7 +159,7 @@ def site_whatif(
     sid = tr.site_id(site, kind)
     j = inp.column[sid]
     hsteps, counts = inp.hist(sid)
-    out = {"step": hsteps}
+    out: dict[str, Any] = {"step": hsteps}
     if not len(hsteps):
         return pd.DataFrame(out)
     counts = counts.astype(np.float64)
@@ -183,17 +190,19 @@ def judged(df: pd.DataFrame, fp8: bool = True) -> pd.DataFrame:
     return df[keep]
 
 
-def _put(out: dict, name: str, sh: dict) -> None:
+def _put(out: dict[str, Any], name: str, sh: dict[str, Any]) -> None:
     for what in ("sat", "flush"):
         out[f"{name}_{what}_lo"], out[f"{name}_{what}_hi"] = sh[what]
 
 
-def formats_table(tr, kinds=("act", "grad_out"), *, history: int = HISTORY, margin: int = MARGIN) -> pd.DataFrame:
+def formats_table(
+    tr: Trace, kinds: Iterable[str] = ("act", "grad_out"), *, history: int = HISTORY, margin: int = MARGIN
+) -> pd.DataFrame:
     """Per site: the median over histogram steps of the certainly lost share (saturated + flushed, lo) in each
     format (FP8 only over steps that had an amax history), the FP16 and BF16 headroom in binades (log2 of the
     overflow edge over the largest recorded |x|) and the median span of the values in binades (FP8 per-tensor
     scaling can hold log2(448 / 2^-9) = 17.8 binades in E4M3, 31.8 in E5M2)."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for kind in kinds:
         inp = Inputs(tr, kind)
         for s in inp.sites.itertuples():

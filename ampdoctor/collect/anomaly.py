@@ -20,8 +20,9 @@ import contextlib
 import hashlib
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any, cast
 
 import torch
 
@@ -29,7 +30,7 @@ from .. import islands
 from ..trace.schema import ROOT, observed_ancestor
 from . import hooks
 from .ops import OpTracer
-from .recompute import rng_get, rng_set
+from .recompute import RngState, rng_get, rng_set
 
 # Gradients reaching the root module's outputs are kept (by reference) up to this many values per tensor: a
 # classifier's logits or a loss easily; a language model's logits when the loss is computed outside the model
@@ -49,22 +50,22 @@ HASH_BYTES_MAX = 1 << 26  # inputs larger than this are fingerprinted by shape, 
 class Call:
     """One micro-batch's root call, as the replay needs it."""
 
-    args: tuple
-    kwargs: dict
-    versions: list  # (tensor, its version counter at the call)
-    rng: tuple
-    autocast: tuple | None  # (device_type, dtype) when autocast was on at the call
-    seeds: dict = field(default_factory=dict)  # output index -> gradient that reached it
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    versions: list[tuple[torch.Tensor, int]]  # (tensor, its version counter at the call)
+    rng: RngState
+    autocast: tuple[str, torch.dtype] | None  # (device_type, dtype) when autocast was on at the call
+    seeds: dict[int, torch.Tensor] = field(default_factory=dict)  # output index -> gradient that reached it
     outputs: int = 0  # float outputs that required grad
 
 
 class Capture:
     """The per-step memory of the replay: filled by the root module's hooks, emptied at every step start."""
 
-    def __init__(self, device: Callable[[], torch.device | None]):
+    def __init__(self, device: Callable[[], torch.device | None]) -> None:
         self.device = device
         self.calls: list[Call] = []
-        self.batch_ids: list = []
+        self.batch_ids: list[Any] = []
         self._peaks: torch.Tensor | None = None  # recent batches' input peaks (sampled steps): one ring tensor
         self._next_peak = 0
         self.paused = False  # a replay is running
@@ -73,13 +74,13 @@ class Capture:
         self.calls = []
         self.batch_ids = []
 
-    def take(self) -> tuple[list[Call], list]:
+    def take(self) -> tuple[list[Call], list[Any]]:
         """The finished step's calls and batch ids (kept by its InFlight until its verdict), and a fresh start."""
         taken = (self.calls, self.batch_ids)
         self.calls, self.batch_ids = [], []
         return taken
 
-    def on_call(self, args, kwargs, measure: bool) -> None:
+    def on_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], measure: bool) -> None:
         """The root's forward starts (training, grad enabled). ``measure``: also keep the batch's input peak for
         the run's usual magnitude (on steps that observe sites)."""
         if self.paused or len(self.calls) >= MAX_CALLS:
@@ -99,7 +100,7 @@ class Capture:
                 self._peaks[self._next_peak % TYPICAL_KEPT] = peak  # (on the device: no host read)
                 self._next_peak += 1
 
-    def on_output(self, module, args, output) -> None:
+    def on_output(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         """The root's forward ended: hook the gradients that will reach its outputs (the backward's seeds)."""
         if self.paused or not self.calls or not torch.is_grad_enabled():
             return
@@ -108,7 +109,7 @@ class Capture:
         call.outputs = len(outs)
         for i, t in enumerate(outs):
             if t.requires_grad and t.numel() <= SEED_KEEP_MAX:
-                t.register_hook(_keep_seed(call.seeds, i))
+                t.register_hook(_keep_seed(call.seeds, i))  # type: ignore[no-untyped-call]  # (unannotated in torch)
 
     def typical_peak(self) -> float | None:
         """The median input peak of recent sampled batches (one host read, on a replay only)."""
@@ -150,14 +151,14 @@ def others_hooks_off(model: torch.nn.Module, ours: set[int]) -> Iterator[None]:
             setattr(m, name, hooks_of)
 
 
-def _keep_seed(seeds: dict, i: int) -> Callable:
-    def keep(grad):
+def _keep_seed(seeds: dict[int, torch.Tensor], i: int) -> Callable[[torch.Tensor], None]:
+    def keep(grad: torch.Tensor) -> None:
         seeds[i] = grad if i not in seeds else seeds[i] + grad  # (an output used twice gets both gradients)
 
     return keep
 
 
-def _int_tensors(obj) -> list[torch.Tensor]:
+def _int_tensors(obj: object) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     for t in _flat(obj):
         if isinstance(t, torch.Tensor) and not t.is_floating_point():
@@ -165,7 +166,7 @@ def _int_tensors(obj) -> list[torch.Tensor]:
     return out[:16]
 
 
-def _flat(obj, depth: int = 0):
+def _flat(obj: object, depth: int = 0) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield obj
     elif depth < 4 and isinstance(obj, (list, tuple)):
@@ -183,7 +184,7 @@ class Replay:
     step: int
     why: str  # the anomaly: "nonfinite", "skipped", "grad_spike", "loss_spike"
     exact: bool
-    not_exact: list = field(default_factory=list)  # the reasons it could not be exact
+    not_exact: list[str] = field(default_factory=list)  # the reasons it could not be exact
     backward: bool = True  # the backward was replayed too
     observed: bool = True  # the replay observed every site (False: the step had, itself)
     outputs_finite: bool | None = None  # the model's outputs were finite
@@ -191,13 +192,15 @@ class Replay:
     loss_made_it: bool = False  # finite outputs, non-finite gradients at them: the loss (outside the model) made it
     reproduced: bool | None = None  # the replay showed the anomaly again
     grad_norm: float | None = None  # of the replayed (scaled) gradients
-    operation: dict | None = None  # the first operation that made a NaN/Inf from finite inputs (ops.OpRecord)
-    producers: list = field(default_factory=list)  # the operations that made the values it overflowed
-    batch: dict = field(default_factory=dict)  # fingerprint: per input shape, dtype, hash, peak; outlier factor
-    checks: list = field(default_factory=list)  # precision changes tried on the step: {"fix", "finite", ...}
+    operation: dict[str, Any] | None = None  # the first operation that made a NaN/Inf from finite inputs (ops.OpRecord)
+    producers: list[dict[str, Any]] = field(default_factory=list)  # the operations that made the values it overflowed
+    # fingerprint: per input shape, dtype, hash, peak; outlier factor
+    batch: dict[str, Any] = field(default_factory=dict)
+    # precision changes tried on the step: {"fix", "finite", ...}
+    checks: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -211,12 +214,12 @@ class Replayer:
         modules: list[tuple[str, torch.nn.Module]],
         params: list[tuple[str, torch.nn.Parameter]],
         capture: Capture,
-        observe: Callable[[bool], contextlib.AbstractContextManager],
+        observe: Callable[[bool], contextlib.AbstractContextManager[Any]],
         pause: Callable[[bool], None],
         ours: Callable[[], set[int]],
         *,
         heal: bool = False,
-    ):
+    ) -> None:
         self.model = _runnable(model)
         self.modules = modules
         self.params = params
@@ -228,12 +231,19 @@ class Replayer:
         self.paths = {id(m): p for p, m in modules}
         self.replays = 0
         self.in_incident = 0
-        self.grads: list = []  # the last observed replay's parameter gradients (scaled), aligned with params
-        self.healed: dict[str, object] = {}  # path -> islands handle
-        self._confirmed: dict[str, set] = {}  # path -> steps whose replay confirmed keep_fp32(path) fixes it
+        # the last observed replay's parameter gradients (scaled), aligned with params
+        self.grads: list[torch.Tensor | None] = []
+        self.healed: dict[str, islands.KeptFP32] = {}  # path -> islands handle
+        self._confirmed: dict[str, set[Any]] = {}  # path -> steps whose replay confirmed keep_fp32(path) fixes it
+
+    @property
+    def _model(self) -> torch.nn.Module:
+        """The model a replay runs (one runs only when there is one: ``run`` returns early otherwise)."""
+        assert self.model is not None
+        return self.model
 
     # -- when ---------------------------------------------------------------------------------------------------------
-    def wanted(self, calls: list | None) -> bool:
+    def wanted(self, calls: list[Call] | None) -> bool:
         return self.replays < MAX_REPLAYS and self.in_incident < MAX_REPLAYS_PER_INCIDENT and bool(calls)
 
     def clean_again(self) -> None:
@@ -247,7 +257,7 @@ class Replayer:
         why: str,
         calls: list[Call],
         *,
-        batch_ids: list,
+        batch_ids: list[Any],
         weights_changed: str | None,
         scale: float | None,
         observe_sites: bool = True,
@@ -282,10 +292,10 @@ class Replayer:
         # Two passes: one under the operation tracer, one observing every site in full (the observation's own
         # reductions would otherwise pass through the tracer).
         tracer = OpTracer(self.paths)
-        with self._isolated(), self.observe(False), others_hooks_off(self.model, self.ours()):
+        with self._isolated(), self.observe(False), others_hooks_off(self._model, self.ours()):
             self._pass(calls, tracer=tracer)
         result.observed = observe_sites
-        with self._isolated(), self.observe(observe_sites), others_hooks_off(self.model, self.ours()):
+        with self._isolated(), self.observe(observe_sites), others_hooks_off(self._model, self.ours()):
             outputs_finite, finite, norm = self._pass(calls, keep_grads=observe_sites)
         result.exact = not result.not_exact
         result.grad_norm = norm
@@ -311,12 +321,13 @@ class Replayer:
         ``self.grads`` (as the step's .grad would hold them, still scaled)."""
         finite = outputs_finite = True
         leaves = [p for _, p in self.params]
-        acc: list = [None] * len(leaves)  # the step's gradients, summed over its micro-batches as .grad would be
+        # the step's gradients, summed over its micro-batches as .grad would be
+        acc: list[torch.Tensor | None] = [None] * len(leaves)
         for call in calls:
             rng_set(call.rng)
             ac = torch.autocast(call.autocast[0], dtype=call.autocast[1]) if call.autocast else contextlib.nullcontext()
             with torch.enable_grad(), ac, tracer if tracer is not None else contextlib.nullcontext():
-                out = self.model(*call.args, **call.kwargs)
+                out = self._model(*call.args, **call.kwargs)
                 outs = hooks.float_tensors(out)
                 if tracer is not None:
                     tracer.reached(outs)
@@ -344,12 +355,12 @@ class Replayer:
         return outputs_finite, finite and math.isfinite(norm), norm
 
     @contextlib.contextmanager
-    def _isolated(self):
+    def _isolated(self) -> Iterator[None]:
         """Training is left as it was: the RNG, the buffers (BatchNorm's running statistics), grad mode; the root
         module's own hooks do not record the replay as a micro-batch."""
         device = self.capture.device()
         rng = rng_get(device)
-        buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        buffers = [(b, b.detach().clone()) for b in self._model.buffers()]
         self.pause(True)
         try:
             yield
@@ -361,7 +372,7 @@ class Replayer:
             rng_set(rng)
 
     # -- fixes tried on the step --------------------------------------------------------------------------------------
-    def _checks(self, calls: list[Call], result: Replay, scale: float | None) -> list[dict]:
+    def _checks(self, calls: list[Call], result: Replay, scale: float | None) -> list[dict[str, Any]]:
         """The precision changes a finding could print, each tried on the replayed step (no observation). Where the
         step's own output gradients are non-finite (its forward was), a check's backward starts from their finite
         part (the true gradient of a loss computed outside the model, on the fixed outputs, is not known here)."""
@@ -387,7 +398,7 @@ class Replayer:
                     break
         return checks
 
-    def _island(self, calls: list[Call], scale: float | None, path: str) -> dict:
+    def _island(self, calls: list[Call], scale: float | None, path: str) -> dict[str, Any]:
         """keep_fp32 of ``path`` tried on the step; where the forward still makes a NaN/Inf, in a module after it
         (values beyond FP16 that the next module casts back), the island grows by the module that made it, up to
         ISLAND_GROWTH modules: the fix printed is the island that removed the NaN/Inf on the step."""
@@ -397,8 +408,8 @@ class Replayer:
             if check["finite"] or check.get("forward_finite") is not False or len(island) >= ISLAND_GROWTH:
                 return check
             tracer = OpTracer(self.paths)
-            with self._isolated(), self.observe(False), others_hooks_off(self.model, self.ours()):
-                handle = islands.keep_fp32(self.model, *island)
+            with self._isolated(), self.observe(False), others_hooks_off(self._model, self.ours()):
+                handle = islands.keep_fp32(self._model, *island)
                 try:
                     self._pass(calls, tracer=tracer)
                 except Exception:
@@ -411,7 +422,7 @@ class Replayer:
                 return check  # nothing new to keep in FP32: the island cannot help
             island.append(nxt)
 
-    def _try_scaled(self, calls: list[Call], scale: float | None, **change) -> dict:
+    def _try_scaled(self, calls: list[Call], scale: float | None, **change: Any) -> dict[str, Any]:
         """A forward fix tried on the step: where its forward is finite but its backward overflows at the step's loss
         scale, the scale the GradScaler backs off to (a few skipped steps, as with any fix) is tried too; the check
         passes there and says at which scale."""
@@ -423,7 +434,9 @@ class Replayer:
                     return {**lower, "at_scale": scale * 2.0**-k}
         return check
 
-    def _try(self, calls: list[Call], *, keep=(), dtype=None, scale_by: float = 1.0) -> dict:
+    def _try(
+        self, calls: list[Call], *, keep: Sequence[str] = (), dtype: torch.dtype | None = None, scale_by: float = 1.0
+    ) -> dict[str, Any]:
         """One variant of the step, on the same inputs: its forward finite, its backward finite?"""
         seeds = "original"
         if any(not _finite(g) for c in calls for g in c.seeds.values()):
@@ -439,8 +452,8 @@ class Replayer:
             )
             for c in calls
         ]
-        with self._isolated(), self.observe(False), others_hooks_off(self.model, self.ours()):
-            handle = islands.keep_fp32(self.model, *keep) if keep else None
+        with self._isolated(), self.observe(False), others_hooks_off(self._model, self.ours()):
+            handle = islands.keep_fp32(self._model, *keep) if keep else None
             try:
                 forward, finite, _ = self._pass(calls, scale_by=scale_by)
             except Exception as exc:
@@ -462,7 +475,7 @@ class Replayer:
         done = []
         for path, steps in self._confirmed.items():
             if len(steps) >= 2 and path not in self.healed:
-                self.healed[path] = islands.keep_fp32(self.model, path)
+                self.healed[path] = islands.keep_fp32(self._model, path)
                 done.append(path)
         return done
 
@@ -475,14 +488,14 @@ class Replayer:
         self.healed = {}
 
     # -- the batch ----------------------------------------------------------------------------------------------------
-    def _fingerprint(self, calls: list[Call], batch_ids: list) -> dict:
+    def _fingerprint(self, calls: list[Call], batch_ids: list[Any]) -> dict[str, Any]:
         """Shape, dtype, content hash and peak of each input; the batch's peak against the run's usual one."""
         inputs = []
         top = 0.0
         for c in calls:
             for t in [*hooks.float_tensors((c.args, c.kwargs)), *_int_tensors((c.args, c.kwargs))]:
                 d = t.detach()
-                entry = {"shape": list(d.shape), "dtype": str(d.dtype).replace("torch.", "")}
+                entry: dict[str, Any] = {"shape": list(d.shape), "dtype": str(d.dtype).replace("torch.", "")}
                 if d.numel() and d.is_floating_point():
                     finite = torch.isfinite(d)
                     entry["nonfinite"] = int((~finite).sum())
@@ -494,7 +507,7 @@ class Replayer:
                     data = raw.view(torch.uint8) if raw.dtype != torch.bool else raw.to(torch.uint8)
                     entry["sha1"] = hashlib.sha1(data.numpy().tobytes()).hexdigest()[:16]
                 inputs.append(entry)
-        out: dict = {"inputs": inputs[:32], "micro_batches": len(calls)}
+        out: dict[str, Any] = {"inputs": inputs[:32], "micro_batches": len(calls)}
         usual = self.capture.typical_peak()
         if usual and top:
             out.update(peak=top, usual_peak=usual, factor=top / usual, outlier=top / usual >= OUTLIER_FACTOR)
@@ -512,7 +525,7 @@ def _within(path: str, outer: str) -> bool:
     return path == outer or path.startswith(outer + ".") or outer == ROOT
 
 
-def _outer(path: str, paths) -> list[str]:
+def _outer(path: str, paths: Iterable[str]) -> list[str]:
     """The modules enclosing ``path`` (innermost first), among the observed ones."""
     known = set(paths)
     parts = path.split(".")
@@ -533,7 +546,7 @@ def _runnable(model: torch.nn.Module) -> torch.nn.Module | None:
     """The module a replay can call without talking to other processes: DDP's inner module; None for FSDP."""
     name = type(model).__name__
     if name in ("DistributedDataParallel", "DataParallel"):
-        return model.module
+        return cast(torch.nn.Module, model.module)  # (torch types a submodule attribute as Tensor | Module)
     if "FullyShardedDataParallel" in name or hasattr(model, "_fsdp_wrapped_module") or _fsdp2(model):
         return None
     return model

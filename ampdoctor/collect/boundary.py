@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,11 +24,14 @@ from .sites import Sites
 from .state import StepState
 from .transfer import Transfer
 
+if TYPE_CHECKING:
+    from .anomaly import Call
+
 _LEVELS = {Observe.NONE: schema.LEVEL_SENTINEL, Observe.PEAK: schema.LEVEL_PEAK, Observe.FULL: schema.LEVEL_FULL}
 WARN_NO_FORWARD_AFTER = 3  # steps without a root forward (or begin_batch) before the run warns
 
 
-def read_scale(scaler) -> float | torch.Tensor:
+def read_scale(scaler: Any) -> float | torch.Tensor:
     """The scale in force, as a device tensor when the scaler keeps one there (no host sync)."""
     s = getattr(scaler, "_scale", None)  # GradScaler's own tensor: get_scale() would sync
     if isinstance(s, torch.Tensor):
@@ -69,30 +73,34 @@ class InFlight:
 
     state: StepState
     skipped: bool | None
-    row: dict  # the steps-table fields known now (the packet's row once resolved)
-    entries: list
+    row: dict[str, Any]  # the steps-table fields known now (the packet's row once resolved)
+    entries: list[Entry]
     copy: HostCopy
-    offsets: dict  # where the step figures sit among the extras
-    scales: list  # [before, after] the scaler's update: floats, or device tensors read with the copy
-    scale_offs: list
-    calls: list | None = None  # what a replay of it needs (anomaly.Capture), kept until it is resolved
+    offsets: dict[str, Any]  # where the step figures sit among the extras
+    scales: list[Any]  # [before, after] the scaler's update: floats, or device tensors read with the copy
+    scale_offs: list[Any]
+    calls: list[Call] | None = None  # what a replay of it needs (anomaly.Capture), kept until it is resolved
     updates: int = 0  # optimizer updates applied before it started (a replay is exact while this holds)
-    late_loss: object = None  # a loss logged after its boundary (a float, or a Transfer of a device value)
+    # a loss logged after its boundary (a float, or a Transfer of a device value)
+    late_loss: float | Transfer | None = None
     packet: StepPacket | None = None
     verdict: Verdict | None = None
-    batch_ids: list = field(default_factory=list)
+    batch_ids: list[Any] = field(default_factory=list)
     closed: bool = False  # a later step has started: no loss can join it any more
 
     @property
     def has_loss(self) -> bool:
         return self.offsets["loss"] is not None or self.late_loss is not None
 
-    def add_late_loss(self, loss) -> None:
+    def add_late_loss(self, loss: float | torch.Tensor) -> None:
         """A loss logged after the step's boundary (``optimizer.step()`` came first): a device value is copied
         asynchronously, like the step's figures."""
         if isinstance(loss, torch.Tensor):
-            loss = Transfer(loss.detach().to(torch.float64).reshape(1)) if not stats.on_host(loss) else loss.item()
-        self.late_loss = loss
+            self.late_loss = (
+                Transfer(loss.detach().to(torch.float64).reshape(1)) if not stats.on_host(loss) else loss.item()
+            )
+        else:
+            self.late_loss = loss
 
     def late_loss_ready(self) -> bool:
         return not isinstance(self.late_loss, Transfer) or self.late_loss.ready()
@@ -116,14 +124,14 @@ class StepEnd:
         sites: Sites,
         params: list[tuple[str, torch.nn.Parameter]],
         cadence: Cadence,
-        put: Callable,
+        put: Callable[..., Any],
         *,
-        optimizer=None,
-        scaler=None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scaler: Any = None,
         scaler_enabled: bool = False,
         weight_every: int,
         model_name: str,
-    ):
+    ) -> None:
         self.guard = guard
         self.record = record
         self.sites = sites
@@ -137,11 +145,11 @@ class StepEnd:
         self._grad_plan: buffers.GradPlan | None = None
         self._grad_figures = buffers.GradFigures()
         self._half_params = any(p.dtype in (torch.float16, torch.bfloat16) for _, p in params)
-        self._known_entries: list = []  # the entries of recent steps' distinct layouts, newest first
+        self._known_entries: list[Any] = []  # the entries of recent steps' distinct layouts, newest first
         self._bad_weights = 0
         self.t_prev_end = time.perf_counter()
 
-    def figures(self, state: StepState) -> tuple:
+    def figures(self, state: StepState) -> tuple[Any, ...]:
         """The sentinel: global norm and largest unscaled gradient, fused over all gradients, once per step (before
         the optimizer step when it has one, else at the step end): floats on the CPU, else device tensors."""
         if state.figures is None:
@@ -153,7 +161,7 @@ class StepEnd:
         are on the host (on an accelerator they come with the step's one transfer, later). None: nothing to say."""
         norm, gmax = self.figures(state)
         loss = buffers.sum_losses(state.losses) if state.losses else None
-        if any(isinstance(v, torch.Tensor) for v in (norm, gmax, loss)):
+        if isinstance(norm, torch.Tensor) or isinstance(gmax, torch.Tensor) or isinstance(loss, torch.Tensor):
             return None
         nonfinite = not (finite_or_none(norm) and finite_or_none(gmax) and finite_or_none(loss))
         verdict = Verdict(skipped=False, nonfinite=nonfinite)
@@ -205,7 +213,7 @@ class StepEnd:
             self.guard.warn_once("no-forward", no_forward(self._model_name, step + 1))
         row = {
             "time": time.time(),
-            "data_time": max(state.t_first - self.t_prev_end, 0.0) if started else None,
+            "data_time": max(state.t_first - self.t_prev_end, 0.0) if state.t_first is not None else None,
             "samples": (state.samples or None) if started else None,
             "lr": [float(g["lr"]) for g in self.optimizer.param_groups] if self.optimizer is not None else None,
             "microbatches": state.micro,
@@ -223,7 +231,7 @@ class StepEnd:
         values, bases, bad = flight.copy.result()
         extra_base = bases[EXTRAS_BLOCK]
 
-        def pick(off):
+        def pick(off: int | None) -> float | None:
             return None if off is None else float(values[extra_base + off])
 
         scale, scale_next = (v if o is None else pick(o) for o, v in zip(flight.scale_offs, flight.scales))
@@ -275,7 +283,7 @@ class StepEnd:
         packet.store_hist = True
         packet.nonfinite = packet.nonfinite or bad
 
-    def stamp(self, row: dict, observer_time: float) -> None:
+    def stamp(self, row: dict[str, Any], observer_time: float) -> None:
         """The step spans from the end of the previous step's boundary work to the end of this one's, so the steps'
         times add up to the run's; observer_time is ampdoctor's share of it on the training thread."""
         end = time.perf_counter()
@@ -283,7 +291,7 @@ class StepEnd:
         row["observer_time"] = observer_time
         self.t_prev_end = end
 
-    def _observe_param_grads(self, observe: Observe, state: StepState, entries: list) -> None:
+    def _observe_param_grads(self, observe: Observe, state: StepState, entries: list[Entry]) -> None:
         """Peaks (or full statistics) of every parameter gradient, in parameter order."""
         if observe is not Observe.FULL:
             present = tuple([p.grad is not None for _, p in self.params])  # (no generator: one call)

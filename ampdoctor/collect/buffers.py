@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,7 +19,7 @@ SMALL_GRAD = 4096  # parameter gradients up to this size are stacked by size and
 CAT_PER_GRAD = 8000
 
 
-def dtype_name(dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
@@ -27,7 +28,7 @@ class PeakList:
     returns; stacked once at the step end (``aminmax(out=...)`` into a preallocated buffer measured ~5 µs slower
     per call inside a training loop than one stack of them all). ``n`` counts the values."""
 
-    def __init__(self, like: torch.Tensor, block: str):
+    def __init__(self, like: torch.Tensor, block: str) -> None:
         self.block_name = block
         self.device = like.device
         self.vals: list[torch.Tensor] = []
@@ -45,7 +46,7 @@ class SlotBuffer:
     """Fixed [min, max] slots (one buffer per dtype and device) for tensors observed every step in the same order:
     the parameter gradients. Written in place by ``aminmax(out=...)``; lives as long as its plan."""
 
-    def __init__(self, dtype: torch.dtype, device: torch.device, block: str, size: int):
+    def __init__(self, dtype: torch.dtype, device: torch.device, block: str, size: int) -> None:
         self.block_name = block
         self.device = device
         self.buf = torch.zeros(size, dtype=dtype, device=device)  # empty gradients keep [0, 0]
@@ -72,8 +73,8 @@ class GradFigures:
     gradient and step would be most of a sentinel step on a CPU. The native read checks dtype, device and layout of
     every gradient itself, as it reads memory through their pointers."""
 
-    def __init__(self):
-        self._key = None
+    def __init__(self) -> None:
+        self._key: tuple[int, torch.device, torch.dtype] | None = None
 
     def _plan(self, grads: list[torch.Tensor]) -> None:
         self._key = (len(grads), grads[0].device, grads[0].dtype)
@@ -85,7 +86,7 @@ class GradFigures:
         # not
         self.wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
 
-    def __call__(self, params: list[tuple[str, torch.nn.Parameter]]) -> tuple:
+    def __call__(self, params: list[tuple[str, torch.nn.Parameter]]) -> tuple[Any, ...]:
         """Floats on the CPU, else 0-d device tensors that join the step's one transfer; (None, None) without
         gradients."""
         grads = [p.grad for _, p in params if p.grad is not None]
@@ -154,17 +155,17 @@ class GradPlan:
         params: list[tuple[str, torch.nn.Parameter]],
         present: tuple[bool, ...],
         site: Callable[[str, torch.Tensor], int],
-    ):
+    ) -> None:
         """params: (name, parameter) of every trainable parameter; present: which have a gradient this step;
         site(name, grad) -> the param_grad site id."""
         self.key = present
         params = [(name, p) for (name, p), has in zip(params, present) if has]
-        by_size: dict[tuple, list] = {}
+        by_size: dict[tuple[Any, ...], list[Any]] = {}
         for _, p in params:
-            if 0 < p.numel() <= SMALL_GRAD and p.grad.layout == torch.strided:
+            if 0 < p.numel() <= SMALL_GRAD and p.grad is not None and p.grad.layout == torch.strided:
                 by_size.setdefault((p.dtype, p.device, p.numel()), []).append(p)
         grouped = {id(p) for g in by_size.values() if len(g) > 1 for p in g}
-        slots: dict[tuple, int] = {}
+        slots: dict[tuple[Any, ...], int] = {}
         for _, p in params:
             slots[(p.dtype, p.device)] = slots.get((p.dtype, p.device), 0) + 2
         bufs = {
@@ -198,6 +199,7 @@ class GradPlan:
         self.buffers = list(bufs.values())
         self.entries = []
         for name, p in params:
+            assert p.grad is not None  # (params: the ones present)
             sid = site(name, p.grad)
             block = bufs[(p.dtype, p.device)].block_name
             self.entries.append(Entry(sid, Phase.PARAM, [(where[id(p)], block, p.numel())]))
@@ -206,6 +208,7 @@ class GradPlan:
         """Write this step's [min, max] of every gradient into the slots."""
         with torch.no_grad():  # out= refuses inputs that require grad (create_graph=True)
             for p, lo, hi in self.big:
+                assert p.grad is not None  # (the plan's key: present)
                 g = dense_values(p.grad)
                 if not g.numel():  # a sparse gradient that stores nothing this step
                     lo.zero_()
@@ -228,7 +231,7 @@ def dense_values(g: torch.Tensor) -> torch.Tensor:
     return g.values()  # compressed layouts store each element once
 
 
-def sum_losses(losses: list):
+def sum_losses(losses: list[float | torch.Tensor]) -> float | torch.Tensor:
     """The step's loss, summed over micro-batches: a float when every part is on the CPU, else a device tensor."""
     if not any(isinstance(v, torch.Tensor) and not K.on_host(v) for v in losses):
         return sum(float(v) for v in losses)

@@ -6,6 +6,7 @@ every step observes every site in full."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from .options import DEFAULT_CALIBRATION, DEFAULT_EVERY, DEFAULT_HIST_EVERY, DEFAULT_PEAK_EVERY, Mode, Observe
 
@@ -51,15 +52,15 @@ class Cadence:
         hist_every: int = DEFAULT_HIST_EVERY,
         calibration: int = DEFAULT_CALIBRATION,
         clean_run: int = CLEAN_RUN,
-    ):
+    ) -> None:
         self.mode = mode
         self.every, self.peak_every, self.hist_every = every, peak_every, hist_every
         self.calibration, self.clean_run = calibration, clean_run
         self._alarm = 0  # clean steps still to observe in full after the last anomaly
-        self._norm_mean = None  # running mean of the gradient norm over clean steps
+        self._norm_mean: float | None = None  # running mean of the gradient norm over clean steps
         self._norm_seen = 0
         self.stretch = 1  # the sampled tiers' intervals are multiplied by this (the overhead budget)
-        self._loss_mean = None  # running mean and variance of the loss over clean steps
+        self._loss_mean: float | None = None  # running mean and variance of the loss over clean steps
         self._loss_var = 0.0
         self._loss_seen = 0
 
@@ -136,14 +137,14 @@ class Budget:
     """Keeps ampdoctor's measured share of the step time (its observer_time over the step time) under ``share`` by
     stretching the cadence's sampled tiers; ``update`` says when it changed them."""
 
-    def __init__(self, share: float, cadence: Cadence):
+    def __init__(self, share: float, cadence: Cadence) -> None:
         self.share = share
         self.cadence = cadence
         self._observer = 0.0
         self._total = 0.0
         self._steps = 0
 
-    def update(self, observer_time: float, step_time: float, reason: str) -> dict | None:
+    def update(self, observer_time: float, step_time: float, reason: str) -> dict[str, Any] | None:
         """One finished step's times; at the end of a window, the new cadence (a dict for the trace) or None."""
         if reason in ("anomaly", "calibration", "replay", "debug"):
             return None  # never stretched, so not what the budget steers

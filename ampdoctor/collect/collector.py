@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,6 +19,10 @@ from .options import Observe
 from .record import StepRecord
 from .sites import Sites
 from .state import RunFacts, StepState
+
+if TYPE_CHECKING:
+    from .boundary import InFlight
+    from .probe import StepProbe
 
 WARN_AFTER_STEPS = 3  # steps (or cleared gradients) before a run that is not observed as it should be warns
 # Observations held for one step: a step of 1,000 observed modules with 32 accumulated micro-batches holds ~64k
@@ -44,7 +49,7 @@ class Collector:
         boundary_name: str,
         on_step_start: Callable[[], None],
         keep_hooks: bool = False,
-    ):
+    ) -> None:
         self.guard = guard
         self.model = model
         self.modules = modules
@@ -53,8 +58,9 @@ class Collector:
         self.facts = facts
         self.params = params
         self.state = StepState(0, Observe.NONE, "sentinel", False)  # (the Doctor begins step 0 at once)
-        self.probe = None  # a StepProbe when attach(probe_every=...)
-        self.on_root_call: Callable | None = None  # (args, kwargs) of the step's root forwards (the anomaly replay)
+        self.probe: StepProbe | None = None  # a StepProbe when attach(probe_every=...)
+        # (args, kwargs) of the step's root forwards (the anomaly replay)
+        self.on_root_call: Callable[..., Any] | None = None
         self.paused = False  # a replay is running: its root forwards are not micro-batches
         self._boundary_name = boundary_name
         self._on_step_start = on_step_start
@@ -65,7 +71,7 @@ class Collector:
         self._keep_hooks = keep_hooks
         self._grad_hooks = {path: hooks.eager(functools.partial(self.on_grad, path, mod)) for path, mod in modules}
         self._fwd_hooks = [(mod, hooks.eager(functools.partial(self.on_forward, path))) for path, mod in modules]
-        self._handles: list = []
+        self._handles: list[Any] = []
 
     # -- the step's hooks ------------------------------------------------------------------------------------------
     def begin(self, state: StepState) -> None:
@@ -97,7 +103,7 @@ class Collector:
 
     # -- the forward pass ----------------------------------------------------------------------------------------
     @guarded
-    def on_root_pre(self, module, args, kwargs) -> None:
+    def on_root_pre(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.paused or self.facts.external_batches or not torch.is_grad_enabled() or hooks.graph_task_id() != -1:
             return
         first = self.state.t_first is None
@@ -140,14 +146,14 @@ class Collector:
             self.facts.autocast = {"device_type": dev, "enabled": enabled, "dtype": dtype}
 
     @guarded
-    def on_forward(self, path: str, module, args, output) -> None:
+    def on_forward(self, path: str, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         state = self.state
         if state.observe is Observe.NONE or not torch.is_grad_enabled():
             return
         if type(output) is torch.Tensor:  # the common case: one tensor out, one in
             if not output.is_floating_point():
                 return
-            tensors: tuple | list = (output,)
+            tensors: tuple[Any, ...] | list[Any] = (output,)
         else:
             tensors = hooks.float_tensors(output)
             if not tensors:
@@ -182,7 +188,7 @@ class Collector:
 
     # -- the backward pass ---------------------------------------------------------------------------------------
     @guarded  # (on an accelerator autograd's thread: the training thread waits for it)
-    def on_grad(self, path: str, module, grad) -> None:
+    def on_grad(self, path: str, module: torch.nn.Module, grad: torch.Tensor | None) -> None:
         if grad is None:
             return
         state = self.state
@@ -239,7 +245,7 @@ class Collector:
         state.weights_before = None
 
     # -- the loss ------------------------------------------------------------------------------------------------
-    def log_loss(self, loss, pending=None) -> None:
+    def log_loss(self, loss: Any, pending: InFlight | None = None) -> None:
         """A loss of this step (summed over micro-batches). ``pending``: the finished step (boundary.InFlight) a loss
         logged after its boundary (``optimizer.step()`` before the loss was logged) and before the next step joins."""
         if isinstance(loss, torch.Tensor):

@@ -11,6 +11,13 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, overload
+
+if TYPE_CHECKING:  # (typing.ParamSpec is Python 3.10+)
+    from typing import Concatenate, ParamSpec, TypeVar
+
+    _P = ParamSpec("_P")
+    _R = TypeVar("_R")
 
 import torch
 
@@ -20,7 +27,7 @@ class Guard:
     internal error anywhere turns collection off once (``fail``), and the time the guarded entries spend on the
     training thread adds up in ``observer_time`` until the step end takes it."""
 
-    def __init__(self, on_fail: Callable[[BaseException], None]):
+    def __init__(self, on_fail: Callable[[BaseException], None]) -> None:
         self.off = False
         self.observer_time = 0.0  # host seconds inside ampdoctor on the training thread, this step
         self._on_fail = on_fail
@@ -43,7 +50,21 @@ class Guard:
             warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
 
 
-def guarded(method: Callable | None = None, *, timed: bool = True) -> Callable:
+class Guarded(Protocol):
+    """What a ``guarded`` method's object holds: the run's guard."""
+
+    guard: Guard
+
+
+@overload
+def guarded(
+    method: Callable[Concatenate[Any, _P], _R], *, timed: bool = True
+) -> Callable[Concatenate[Any, _P], _R | None]: ...
+@overload
+def guarded(
+    method: None = None, *, timed: bool = True
+) -> Callable[[Callable[Concatenate[Any, _P], _R]], Callable[Concatenate[Any, _P], _R | None]]: ...
+def guarded(method: Callable[..., Any] | None = None, *, timed: bool = True) -> Callable[..., Any]:
     """The guard of every entry from training into ampdoctor (hooks, wrapped methods, the step end, public calls),
     for methods of objects that hold the run's ``guard``: it does nothing once collection is off; an internal error
     stops collection (``Guard.fail``) instead of reaching the training loop; and, ``timed``, the time spent counts as
@@ -56,7 +77,7 @@ def guarded(method: Callable | None = None, *, timed: bool = True) -> Callable:
     if not timed:
 
         @functools.wraps(method)
-        def guard(self, *args, **kwargs):
+        def guard(self: Guarded, *args: Any, **kwargs: Any) -> Any:
             g = self.guard
             if g.off:
                 return None
@@ -69,7 +90,7 @@ def guarded(method: Callable | None = None, *, timed: bool = True) -> Callable:
         return guard
 
     @functools.wraps(method)
-    def timed_guard(self, *args, **kwargs):
+    def timed_guard(self: Guarded, *args: Any, **kwargs: Any) -> Any:
         g = self.guard
         if g.off:
             return None
@@ -85,11 +106,11 @@ def guarded(method: Callable | None = None, *, timed: bool = True) -> Callable:
     return timed_guard
 
 
-def is_scaler(obj) -> bool:
+def is_scaler(obj: object) -> bool:
     return callable(getattr(obj, "scale", None)) and callable(getattr(obj, "update", None))
 
 
-def as_number(value) -> float | None:
+def as_number(value: Any) -> float | None:
     """A metric value as a float (NaN and Inf included: they are data), or None when it is not one number. Whatever
     the conversion raises (a meta tensor, an object whose ``__float__`` fails) means "not a number": nothing a
     value does reaches the training loop."""
@@ -109,7 +130,7 @@ def as_number(value) -> float | None:
 MAX_STEP = 2**63 - 1
 
 
-def as_step(value) -> int | None:
+def as_step(value: Any) -> int | None:
     """A step number given by the user (``log_metric(..., step=)``) as an int, or None when it is not one."""
     try:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -159,7 +180,7 @@ def no_forward(model_name: str, steps: int) -> str:
     )
 
 
-def unwrap_optimizer(optimizer):
+def unwrap_optimizer(optimizer: Any) -> tuple[torch.optim.Optimizer, Any]:
     """The torch optimizer inside framework wrappers (accelerate's AcceleratedOptimizer keeps it in ``.optimizer``,
     Lightning's LightningOptimizer in ``._optimizer``): its step hooks are the ones that run. Returns (optimizer,
     the wrapper's GradScaler or None); TypeError when no torch optimizer is found."""
@@ -186,10 +207,10 @@ class Registry:
     """Which live Doctor observes which model, module, optimizer and scaler: a second Doctor on the same objects
     would record half the steps and, closed first, restore the other's wrappers. Weak keys: nothing kept alive."""
 
-    def __init__(self):
-        self._owner = weakref.WeakKeyDictionary()
+    def __init__(self) -> None:
+        self._owner: weakref.WeakKeyDictionary[Any, weakref.ref[Any]] = weakref.WeakKeyDictionary()
 
-    def claim(self, doctor, objects: list) -> None:
+    def claim(self, doctor: Any, objects: list[Any]) -> None:
         """Refuse (RuntimeError) when one of ``objects`` belongs to another open Doctor; else claim them all."""
         for obj in objects:
             ref = self._owner.get(obj)
@@ -203,7 +224,7 @@ class Registry:
         for obj in objects:
             self._owner[obj] = me
 
-    def release(self, doctor) -> None:
+    def release(self, doctor: Any) -> None:
         for obj, ref in list(self._owner.items()):
             if ref() is doctor or ref() is None:
                 self._owner.pop(obj, None)

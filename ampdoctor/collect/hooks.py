@@ -5,7 +5,15 @@ from __future__ import annotations
 import fnmatch
 import functools
 from collections.abc import Iterable
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:  # (typing.ParamSpec is Python 3.10+)
+    from typing import ParamSpec, TypeVar
+
+    from torch.utils.hooks import RemovableHandle
+
+    _P = ParamSpec("_P")
+    _R = TypeVar("_R")
 
 import torch
 
@@ -15,10 +23,10 @@ from ..trace.schema import ROOT
 class Handles:
     """Torch hook handles plus restore callables; ``remove()`` undoes all of them, last first, once."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._undo: list[Callable[[], None]] = []
 
-    def add(self, handle) -> None:
+    def add(self, handle: RemovableHandle) -> None:
         self._undo.append(handle.remove)
 
     def on_remove(self, fn: Callable[[], None]) -> None:
@@ -36,13 +44,15 @@ class Handles:
         return len(self._undo)
 
 
-def wrap_method(handles: Handles, obj, name: str, make: Callable[[Callable], Callable]) -> None:
+def wrap_method(
+    handles: Handles, obj: object, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> None:
     """Replace ``obj.name`` by ``make(original)`` on the instance; restore the instance exactly on remove."""
     had_own = name in vars(obj)
     original = getattr(obj, name)
     setattr(obj, name, make(original))
 
-    def restore():
+    def restore() -> None:
         if had_own:
             setattr(obj, name, original)
         else:
@@ -62,7 +72,9 @@ def module_path(name: str) -> str:
     return "\\" + name if name == ROOT else name
 
 
-def select_modules(model: torch.nn.Module, include=None, exclude=None) -> list[tuple[str, torch.nn.Module]]:
+def select_modules(
+    model: torch.nn.Module, include: Any = None, exclude: Any = None
+) -> list[tuple[str, torch.nn.Module]]:
     """(path, module) pairs to observe. include/exclude: name prefixes or glob patterns, or a
     ``(path, module) -> bool`` predicate; the root module is always kept (step timing and batch size)."""
     inc = _matcher(include, default=True)
@@ -75,7 +87,7 @@ def select_modules(model: torch.nn.Module, include=None, exclude=None) -> list[t
     return out
 
 
-def _matcher(spec, default: bool) -> Callable[[str, torch.nn.Module], bool]:
+def _matcher(spec: Any, default: bool) -> Callable[[str, torch.nn.Module], bool]:
     if spec is None:
         return lambda path, mod: default
     if callable(spec):
@@ -84,7 +96,7 @@ def _matcher(spec, default: bool) -> Callable[[str, torch.nn.Module], bool]:
         spec = [spec]
     patterns = list(spec)
 
-    def match(path: str, mod) -> bool:
+    def match(path: str, mod: torch.nn.Module) -> bool:
         for p in patterns:
             if any(ch in p for ch in "*?[") and fnmatch.fnmatchcase(path, p):
                 return True
@@ -95,11 +107,11 @@ def _matcher(spec, default: bool) -> Callable[[str, torch.nn.Module], bool]:
     return match
 
 
-def float_tensors(obj, limit: int = 16) -> list[torch.Tensor]:
+def float_tensors(obj: object, limit: int = 16) -> list[torch.Tensor]:
     """Floating-point tensors in a (nested) output or argument structure, at most ``limit`` of them."""
     found: list[torch.Tensor] = []
 
-    def visit(o, depth=0):
+    def visit(o: object, depth: int = 0) -> None:
         if len(found) >= limit or depth > 4:
             return
         if isinstance(o, torch.Tensor):
@@ -118,7 +130,7 @@ def float_tensors(obj, limit: int = 16) -> list[torch.Tensor]:
     return found
 
 
-def first_tensor(args: Iterable, kwargs: dict | None = None) -> torch.Tensor | None:
+def first_tensor(args: Iterable[Any], kwargs: dict[str, Any] | None = None) -> torch.Tensor | None:
     for a in list(args) + list((kwargs or {}).values()):
         if isinstance(a, torch.Tensor):
             return a
@@ -134,18 +146,18 @@ def first_tensor(args: Iterable, kwargs: dict | None = None) -> torch.Tensor | N
 graph_task_id = torch._C._current_graph_task_id
 
 
-def eager(fn):
+def eager(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     """Hooks run eagerly under torch.compile: traced, their id()/weakref bookkeeping would make dynamo guard on
     tensor identities and recompile every step. The disabled copy is only entered while dynamo traces (its
     wrapper costs microseconds per call, which eager training would pay on every hook)."""
     compiler = getattr(torch, "compiler", None)
     if compiler is None or not hasattr(compiler, "disable") or not hasattr(compiler, "is_compiling"):
         return fn
-    disabled = compiler.disable(fn)
+    disabled: Callable[_P, _R] = compiler.disable(fn)
     is_compiling = compiler.is_compiling
 
     @functools.wraps(fn)
-    def hook(*args, **kwargs):
+    def hook(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         if is_compiling():
             return disabled(*args, **kwargs)
         return fn(*args, **kwargs)

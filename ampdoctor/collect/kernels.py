@@ -42,11 +42,11 @@ _MASK = np.int32(0x7FFFFFFF)
 _INF = np.int32(0x7F800000)
 
 
-def _jit(sig: str) -> Callable[[Callable], Any]:
+def _jit(sig: str) -> Callable[[Callable[..., Any]], Any]:
     """Compile eagerly for one signature, cached on disk where numba finds a writable place, else in memory (a
     read-only install with no writable home still gets its kernels, compiled anew in each process)."""
 
-    def wrap(fn: Callable) -> Any:
+    def wrap(fn: Callable[..., Any]) -> Any:
         opts = {"nogil": True, "fastmath": {"reassoc"}, "error_model": "numpy"}
         try:  # ('reassoc' lets the float64 sums vectorize; NaN/Inf still propagate: no 'nnan'/'ninf')
             return njit(sig, cache=True, **opts)(fn)
@@ -58,7 +58,7 @@ def _jit(sig: str) -> Callable[[Callable], Any]:
 
 # -- reading memory at an address, and float32 bits as a float -------------------------------------------------------
 @intrinsic
-def _i32_at(typingctx: Any, addr: Any) -> tuple:
+def _i32_at(typingctx: Any, addr: Any) -> tuple[Any, ...]:
     sig = types.CPointer(types.int32)(types.int64)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
@@ -68,7 +68,7 @@ def _i32_at(typingctx: Any, addr: Any) -> tuple:
 
 
 @intrinsic
-def _u16_at(typingctx: Any, addr: Any) -> tuple:
+def _u16_at(typingctx: Any, addr: Any) -> tuple[Any, ...]:
     sig = types.CPointer(types.uint16)(types.int64)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
@@ -78,7 +78,7 @@ def _u16_at(typingctx: Any, addr: Any) -> tuple:
 
 
 @intrinsic
-def _f32(typingctx: Any, bits: Any) -> tuple:
+def _f32(typingctx: Any, bits: Any) -> tuple[Any, ...]:
     sig = types.float32(types.int32)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
@@ -88,7 +88,7 @@ def _f32(typingctx: Any, bits: Any) -> tuple:
 
 
 @intrinsic
-def _bits(typingctx: Any, value: Any) -> tuple:
+def _bits(typingctx: Any, value: Any) -> tuple[Any, ...]:
     sig = types.int32(types.float32)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
@@ -98,13 +98,13 @@ def _bits(typingctx: Any, value: Any) -> tuple:
 
 
 @njit(inline="always")  # (inlined into the entry points: one compilation each)
-def _from_bf16(h: int) -> int:
+def _from_bf16(h: int) -> np.int32:
     """float32 bit pattern (int32) of a bf16 value given as its 16 bits: its top half."""
     return np.int32(h) << 16
 
 
 @njit(inline="always")  # (inlined into the entry points: one compilation each)
-def _from_fp16(h: int) -> int:
+def _from_fp16(h: int | np.int32) -> np.int32:
     """float32 bit pattern (int32) of an fp16 value given as its 16 bits, as torch's ``.float()`` gives it. No
     branches (the loop vectorizes): every case computed, one selected."""
     h = np.int32(h)

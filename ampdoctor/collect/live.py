@@ -14,6 +14,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 from ..severity import at_least
 from ..trace import load
@@ -30,13 +31,13 @@ MAX_ERRORS = 3  # consecutive failed checks before live diagnosis gives up
 class TrainingHalted(RuntimeError):
     """Raised at a step boundary when a live finding reached the ``halt_on`` severity."""
 
-    def __init__(self, finding):
+    def __init__(self, finding: Any) -> None:  # a Diagnosis (collect/ never imports the rules)
         self.finding = finding
         layer = f" in {finding.layers[0]}" if finding.layers else ""
         super().__init__(f"ampdoctor halted training: {finding.severity} {finding.rule}{layer}: {finding.summary}")
 
 
-def finding_line(f) -> str:
+def finding_line(f: Any) -> str:
     """One line: severity, rule id, layer, fix (the first line of its fix's first part)."""
     layer = f" [{f.layers[0]}]" if f.layers else ""
     fix = next((ln.strip() for part in f.fix for ln in part.text.splitlines() if ln.strip()), "")
@@ -47,12 +48,12 @@ class LiveDiagnosis(threading.Thread):
     def __init__(
         self,
         path: str,
-        diagnose: Callable,
-        on_finding=None,
+        diagnose: Callable[..., Any],
+        on_finding: Callable[[Any], object] | None = None,
         halt_on: str | None = None,
-        rules=None,
+        rules: dict[str, Any] | None = None,
         interval: float = MIN_INTERVAL_S,
-    ):
+    ) -> None:
         super().__init__(name="ampdoctor-live", daemon=True)
         self.path = path
         self.diagnose = diagnose  # (trace, rules=...) -> findings worst first
@@ -61,8 +62,8 @@ class LiveDiagnosis(threading.Thread):
         self.rules = rules
         self.interval = interval
         self.halt = None  # the finding that asks to stop training
-        self.findings: list = []  # every finding reported so far, in order
-        self._reported: set = set()
+        self.findings: list[Any] = []  # every finding reported so far, in order
+        self._reported: set[Any] = set()
         self._last_steps = -1
         self._stop_event = threading.Event()
         self._failed = False

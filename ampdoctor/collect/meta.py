@@ -7,6 +7,7 @@ import os
 import platform
 import time
 import warnings
+from typing import Any
 
 import torch
 
@@ -18,10 +19,11 @@ from .options import Options
 from .state import RunFacts
 
 
-def dist() -> dict:
+def dist() -> dict[str, Any]:
     """rank, world size and local rank: torch.distributed's once initialised, else what torchrun put in the
     environment (a doctor attached before ``init_process_group`` still gets its own rank)."""
     env = os.environ
+    out: dict[str, Any]
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         out = {
             "rank": torch.distributed.get_rank(),
@@ -39,7 +41,7 @@ def dist() -> dict:
     return out
 
 
-def trace_path(trace) -> str:
+def trace_path(trace: str | os.PathLike[str]) -> str:
     """The path this rank asks for: ``{rank}`` replaced; with several ranks and no ``{rank}``, ``.rank<N>`` added
     before the extension, so that ranks never share a file (``runs/exp.db`` -> ``runs/exp.rank1.db``)."""
     path = os.fspath(trace)
@@ -59,7 +61,7 @@ def trace_path(trace) -> str:
     return f"{stem}.rank{d['rank']}{ext}"
 
 
-def run_meta(model: torch.nn.Module, options: Options, cadence: Cadence) -> dict:
+def run_meta(model: torch.nn.Module, options: Options, cadence: Cadence) -> dict[str, Any]:
     """What the run is: versions, host, rank, model, device and the observation settings (written at attach)."""
     import ampdoctor
 
@@ -102,7 +104,9 @@ def run_meta(model: torch.nn.Module, options: Options, cadence: Cadence) -> dict
     return info
 
 
-def config(model: torch.nn.Module, optimizer, scaler, scaler_enabled: bool, facts: RunFacts, boundary: str) -> dict:
+def config(
+    model: torch.nn.Module, optimizer: Any, scaler: Any, scaler_enabled: bool, facts: RunFacts, boundary: str
+) -> dict[str, Any]:
     """The observed precision configuration, taken after the first step (autocast and dtypes are known)."""
     params: dict[str, int] = {}
     module_dtypes: dict[str, str] = {}
@@ -110,7 +114,7 @@ def config(model: torch.nn.Module, optimizer, scaler, scaler_enabled: bool, fact
         d = dtype_name(p.dtype)
         params[d] = params.get(d, 0) + p.numel()
         module_dtypes.setdefault(name.rpartition(".")[0] or ROOT, d)
-    cfg = {
+    cfg: dict[str, Any] = {
         "autocast": facts.autocast or {"enabled": False},
         "param_dtypes": params,
         "module_param_dtypes": module_dtypes,
@@ -136,7 +140,7 @@ def config(model: torch.nn.Module, optimizer, scaler, scaler_enabled: bool, fact
     return cfg
 
 
-def device_type(model) -> str | None:
+def device_type(model: torch.nn.Module) -> str | None:
     for p in model.parameters():
         return p.device.type
     for b in model.buffers():
@@ -144,7 +148,7 @@ def device_type(model) -> str | None:
     return None
 
 
-def plain(v):
+def plain(v: object) -> Any:
     if isinstance(v, torch.Tensor):
         return v.item() if v.numel() == 1 else v.tolist()
     if isinstance(v, (bool, int, float, str)) or v is None:

@@ -18,7 +18,9 @@ import math
 import os
 import traceback
 import weakref
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -46,7 +48,7 @@ class Operand:
     """One tensor operand of an operation: its dtype, shape and magnitudes."""
 
     dtype: str
-    shape: list
+    shape: list[Any]
     absmax: float  # largest finite |x| (0 when none)
     nonfinite: int  # NaN/Inf values
     zeros: int
@@ -75,12 +77,12 @@ class OpRecord:
     module: str  # the innermost module running it (a site path), ROOT outside any
     phase: str  # "fwd" or "bwd"
     dtype: str  # of its (first) output
-    inputs: list = field(default_factory=list)  # Operand per tensor input
-    output: dict = field(default_factory=dict)  # Operand of the first output
+    inputs: list[Any] = field(default_factory=list)  # Operand per tensor input
+    output: dict[str, Any] = field(default_factory=dict)  # Operand of the first output
     line: str | None = None  # "file.py:42 in forward: code" of the user's code that called it
     index: int = 0  # its position among the replay's operations
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -116,34 +118,35 @@ def _peak(t: torch.Tensor) -> float:
     return float(t.detach().abs().amax())
 
 
-class OpTracer(TorchDispatchMode):
+class OpTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # (unannotated in torch)
     """A dispatch mode that finds the operation making the NaN/Inf that reached the step's results (``first``, once
     ``reached`` was told the results) and the chain of operations that produced the values it overflowed (``chain``:
     producer first). ``paused`` lets ampdoctor's own observation hooks run their reductions unseen."""
 
-    def __init__(self, paths: dict[int, str]):
-        super().__init__()
+    def __init__(self, paths: dict[int, str]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # (unannotated in torch)
         self.paused = False
         self.count = 0
         # operations that made a NaN/Inf from finite inputs, in order, each with its chain (producer first)
         self.candidates: list[tuple[OpRecord, list[OpRecord]]] = []
         self._reached: set[int] = set()  # candidates whose NaN/Inf reached a result
         # id(non-finite output) -> (weakref to it, the candidate it descends from): the NaN/Inf followed
-        self._taint: dict[int, tuple] = {}
+        self._taint: dict[int, tuple[Any, ...]] = {}
         self._tracker = _PathTracker(paths)
         # id(output) -> (weakref to it, what made it): only outputs of at least REMEMBER_ABOVE (rare in a healthy
         # net), held weakly: the replay keeps alive nothing the training step would not.
-        self._made: dict[int, tuple] = {}
+        self._made: dict[int, tuple[Any, ...]] = {}
 
-    def __enter__(self):
-        self._tracker.__enter__()
-        return super().__enter__()
+    def __enter__(self) -> OpTracer:
+        self._tracker.__enter__()  # type: ignore[no-untyped-call]  # (unannotated in torch)
+        mode: OpTracer = super().__enter__()  # type: ignore[no-untyped-call]  # (unannotated in torch)
+        return mode
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> Any:
         try:
-            return super().__exit__(*exc)
+            return super().__exit__(*exc)  # type: ignore[no-untyped-call]  # (unannotated in torch)
         finally:
-            self._tracker.__exit__(*exc)
+            self._tracker.__exit__(*exc)  # type: ignore[no-untyped-call]  # (unannotated in torch)
 
     @property
     def first(self) -> OpRecord | None:
@@ -157,7 +160,7 @@ class OpTracer(TorchDispatchMode):
         pick = min(self._reached) if self._reached else 0
         return self.candidates[pick][1] if self.candidates else []
 
-    def reached(self, tensors) -> None:
+    def reached(self, tensors: Iterable[object]) -> None:
         """``tensors`` are results of the step (the model's outputs, the parameters' gradients): the candidates whose
         NaN/Inf they carry count."""
         for t in tensors:
@@ -165,7 +168,9 @@ class OpTracer(TorchDispatchMode):
             if hit is not None and hit[0]() is t:
                 self._reached.add(hit[1])
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         out = func(*args, **(kwargs or {}))
         if self.paused or len(self.candidates) >= MAX_CANDIDATES:
             return out
@@ -175,7 +180,7 @@ class OpTracer(TorchDispatchMode):
             pass
         return out
 
-    def _look(self, func, args, kwargs, out) -> None:
+    def _look(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         index = self.count
         self.count += 1
         outs = [t for t in _tensors(out) if t.is_floating_point()]
@@ -242,11 +247,11 @@ class _Made:
 
     record: OpRecord
     peak: float
-    parents: list
+    parents: list[Any]
     passes_on: bool
 
 
-def _record(name: str, module: str, phase: str, out: torch.Tensor, ins: list, index: int) -> OpRecord:
+def _record(name: str, module: str, phase: str, out: torch.Tensor, ins: list[Any], index: int) -> OpRecord:
     return OpRecord(
         op=name,
         module=module,
@@ -258,7 +263,7 @@ def _record(name: str, module: str, phase: str, out: torch.Tensor, ins: list, in
     )
 
 
-def _tensors(obj, depth: int = 0) -> list[torch.Tensor]:
+def _tensors(obj: object, depth: int = 0) -> list[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         return [obj]
     if depth > 3:
@@ -274,12 +279,12 @@ class _PathTracker(ModuleTracker):
     """torch's ModuleTracker (which modules are running, forward or backward), with modules named by their site paths
     (``paths``: id(module) -> path) instead of class names."""
 
-    def __init__(self, paths: dict[int, str]):
+    def __init__(self, paths: dict[int, str]) -> None:
         super().__init__()
         self._paths = paths
         self._names = set(paths.values())
 
-    def _get_mod_name(self, mod) -> str:
+    def _get_mod_name(self, mod: torch.nn.Module) -> str:
         return self._paths.get(id(mod), type(mod).__name__)
 
     def where(self) -> tuple[str, str]:

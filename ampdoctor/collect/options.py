@@ -64,6 +64,15 @@ def check_severity(name: str, value: Any) -> None:
         raise ValueError(f"Argument {name} should be one of {', '.join(SEVERITIES)} or None, but given {value!r}")
 
 
+def parse_mode(value: Mode | str) -> Mode:
+    """``attach``'s ``mode`` as a Mode (the string or the enum); ValueError naming the modes otherwise."""
+    try:
+        return Mode(value)
+    except ValueError:
+        modes = ", ".join(repr(m.value) for m in Mode)
+        raise ValueError(f"Argument mode should be one of {modes}, but given {value!r}") from None
+
+
 @dataclass(frozen=True)
 class Options:
     """Everything ``ampdoctor.attach`` takes besides the model, optimizer, scaler and trace (see its Args)."""
@@ -77,11 +86,11 @@ class Options:
     include: Any = None
     exclude: Any = None
     live: bool = True
-    on_finding: Callable | None = None
+    on_finding: Callable[..., Any] | None = None
     halt_on: str | None = None
-    on_halt: Callable | None = None
+    on_halt: Callable[..., Any] | None = None
     log_every: int | None = None
-    rules: dict | None = None
+    rules: dict[str, Any] | None = None
     probe_every: int | None = None
     replay: bool = True
     heal: bool = False
@@ -89,11 +98,7 @@ class Options:
     export: Any = None
 
     def __post_init__(self) -> None:
-        try:
-            mode = Mode(self.mode)
-        except ValueError:
-            modes = ", ".join(repr(m.value) for m in Mode)
-            raise ValueError(f"Argument mode should be one of {modes}, but given {self.mode!r}") from None
+        mode = parse_mode(self.mode)
         debug = mode is Mode.DEBUG  # every site, every step, full statistics and histograms
         cadence = {
             "every": DEFAULT_EVERY,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,10 +30,10 @@ class StepProbe:
         self,
         modules: list[tuple[str, torch.nn.Module]],
         sites: Sites,
-        put: Callable,
+        put: Callable[..., Any],
         on_error: Callable[[BaseException], None],
         every: int,
-    ):
+    ) -> None:
         self.modules = modules
         self.sites = sites
         self.put = put
@@ -40,7 +41,7 @@ class StepProbe:
         self.every = every
         self._rec: Recorder | None = None
 
-    def begin(self, step: int, args, kwargs) -> None:
+    def begin(self, step: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if step % self.every == 0 and self._rec is None:
             self._rec = Recorder(self.modules, on_error=self.on_error)
             self._rec.arm(args, kwargs)
@@ -86,13 +87,13 @@ class ProbeReport:
     ways; the modules it could not recompute."""
 
     dtype: str
-    layers: list = field(default_factory=list)  # dicts: path, module_type, dtype, k, numel, rel_err, max_err, ...
+    layers: list[Any] = field(default_factory=list)  # dicts: path, module_type, dtype, k, numel, rel_err, max_err, ...
     loss_half: float | None = None
     loss_fp32: float | None = None
-    skipped: dict = field(default_factory=dict)
+    skipped: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def flagged(self) -> list[dict]:
+    def flagged(self) -> list[dict[str, Any]]:
         """The layers the ``precision-loss`` rule would name, worst first."""
         return roundoff.judge(self.layers, self.dtype)
 
@@ -102,7 +103,7 @@ class ProbeReport:
 
     def __str__(self) -> str:
         lines = [roundoff.format_table(self.layers, self.dtype)]
-        if self.loss_half is not None:
+        if self.loss_half is not None and self.loss_fp32 is not None:
             diff = roundoff.relative(abs(self.loss_half - self.loss_fp32), abs(self.loss_fp32))
             lines.append(
                 f"loss: {self.loss_half:.6g} in {self.dtype}, {self.loss_fp32:.6g} in float32 "
@@ -119,13 +120,13 @@ class ProbeReport:
         return "\n".join(lines)
 
 
-def _split(batch, loss_fn):
+def _split(batch: Any, loss_fn: Callable[..., Any] | None) -> tuple[Any, Any, bool]:
     if loss_fn is not None and isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[0], batch[1], True
     return batch, None, False
 
 
-def _call(model, inputs):
+def _call(model: torch.nn.Module, inputs: Any) -> Any:
     if isinstance(inputs, dict):
         return model(**inputs)
     if isinstance(inputs, (tuple, list)):
@@ -133,7 +134,15 @@ def _call(model, inputs):
     return model(inputs)
 
 
-def probe(model, batch, loss_fn=None, *, dtype=None, include=None, exclude=None) -> ProbeReport:
+def probe(
+    model: torch.nn.Module,
+    batch: Any,
+    loss_fn: Callable[..., Any] | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    include: Any = None,
+    exclude: Any = None,
+) -> ProbeReport:
     """Measure once, without training: run ``model`` on ``batch`` in half precision and every observed module again
     in FP32 from the same inputs. ``batch``: the model input (tensor, tuple of arguments or dict of keyword
     arguments) or, with loss_fn, an ``(inputs, targets)`` pair; ``loss_fn(output, targets)`` (or ``loss_fn(output)``)

@@ -6,7 +6,9 @@ probe.py runs it on probed steps (attach(probe_every=N)) and once (ampdoctor.pro
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -50,10 +52,14 @@ _ELEMENTWISE = (
 
 # Wrappers whose forward talks to other processes (buffer broadcasts, parameter gathers): never run twice.
 _COMMUNICATING = ("DistributedDataParallel", "FullyShardedDataParallel", "DataParallel")
+# torch.nn.RMSNorm where this torch has it (2.4+); typed Any: absent, it stands in as LayerNorm again
+_RMS_NORM: Any = getattr(torch.nn, "RMSNorm", torch.nn.LayerNorm)
+# (the CPU generator's state, the CUDA one's or None, the device)
+RngState = tuple[torch.Tensor, "torch.Tensor | None", "torch.device | None"]
 
 
 # -- the accumulation length k of a module's output ------------------------------------------------------------
-def accumulation_length(module, args) -> int:
+def accumulation_length(module: torch.nn.Module, args: tuple[Any, ...]) -> int:
     """How many terms one output element sums (Linear: in_features; Conv: in_channels/groups x kernel; norms: the
     normalised size). Unknown modules get the last dimension of their first input (a reduction over it is the common
     case; an elementwise module gets a looser bound, never a tighter one)."""
@@ -66,7 +72,7 @@ def accumulation_length(module, args) -> int:
         return module.in1_features * module.in2_features
     if isinstance(module, torch.nn.modules.conv._ConvNd):
         return (module.in_channels // module.groups) * math.prod(module.kernel_size)
-    if isinstance(module, (torch.nn.LayerNorm, getattr(torch.nn, "RMSNorm", torch.nn.LayerNorm))):
+    if isinstance(module, (torch.nn.LayerNorm, _RMS_NORM)):
         return math.prod(module.normalized_shape)
     x = hooks.first_tensor(args)
     if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and x is not None and x.dim() > 1:
@@ -74,26 +80,28 @@ def accumulation_length(module, args) -> int:
     if isinstance(module, torch.nn.GroupNorm) and x is not None and x.dim() > 1:
         return max(x.numel() // (x.shape[0] * module.num_groups), 1)
     if isinstance(module, torch.nn.MultiheadAttention):
-        return module.embed_dim + (x.shape[0 if not module.batch_first else 1] if x is not None and x.dim() > 1 else 1)
+        return int(module.embed_dim) + (
+            x.shape[0 if not module.batch_first else 1] if x is not None and x.dim() > 1 else 1
+        )
     if isinstance(module, (torch.nn.Softmax, torch.nn.LogSoftmax)) and x is not None and x.dim() > 0:
         return x.shape[module.dim if module.dim is not None else -1]
     return int(x.shape[-1]) if x is not None and x.dim() > 0 else 1
 
 
 # -- RNG and upcasting -------------------------------------------------------------------------------------------
-def rng_get(device: torch.device | None):
+def rng_get(device: torch.device | None) -> RngState:
     cuda = torch.cuda.get_rng_state(device) if device is not None and device.type == "cuda" else None
     return torch.get_rng_state(), cuda, device
 
 
-def rng_set(state) -> None:
+def rng_set(state: RngState) -> None:
     cpu, cuda, device = state
     torch.set_rng_state(cpu)
-    if cuda is not None:
+    if cuda is not None and device is not None:  # (a CUDA state is taken with its device)
         torch.cuda.set_rng_state(cuda, device)
 
 
-def _up(x):
+def _up(x: Any) -> Any:
     """FP16/BF16 tensors (nested in tuples, lists, dicts) as float32 copies, detached; the rest detached as is."""
     if isinstance(x, torch.Tensor):
         return x.detach().float() if x.dtype in HALF else x.detach()
@@ -106,7 +114,7 @@ def _up(x):
     return x
 
 
-def _state_copies(module) -> dict:
+def _state_copies(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Parameters (float32 copies of half ones, else the tensors themselves, detached) and buffers (always copies:
     a BatchNorm in training mode updates its running statistics in place)."""
     out = {n: (p.detach().float() if p.dtype in HALF else p.detach()) for n, p in module.named_parameters()}
@@ -114,11 +122,11 @@ def _state_copies(module) -> dict:
     return out
 
 
-def _versions(args, kwargs) -> list:
+def _versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[torch.Tensor, int]]:
     return [(t, t._version) for t in hooks.float_tensors((args, kwargs))]
 
 
-def _state_versions(module) -> dict:
+def _state_versions(module: torch.nn.Module) -> StateVersions:
     """Tensors a module (or a child) holds as plain attributes, not parameters or buffers (a counter, a cache):
     functional_call cannot swap them for copies, so a module whose forward updates or replaces one must not run a
     second time. (path of the attribute) -> (tensor, version)."""
@@ -130,7 +138,7 @@ def _state_versions(module) -> dict:
     }
 
 
-def _changed_state(before: dict, module) -> str | None:
+def _changed_state(before: StateVersions, module: torch.nn.Module) -> str | None:
     """The first plain tensor attribute the forward updated in place, replaced or added since ``before``."""
     for key, (t, v) in _state_versions(module).items():
         old = before.get(key)
@@ -139,14 +147,18 @@ def _changed_state(before: dict, module) -> str | None:
     return None
 
 
+# (id of the module, attribute name) -> (the tensor, its version)
+StateVersions = dict[tuple[int, str], tuple[torch.Tensor, int]]
+
+
 @dataclass
 class _Frame:
     """One module call in progress: where its forward started."""
 
     path: str
-    rng: tuple
-    versions: list
-    state: dict
+    rng: RngState
+    versions: list[tuple[torch.Tensor, int]]
+    state: StateVersions
     child_k: int = 0
 
 
@@ -167,19 +179,26 @@ class Call:
 class Recorder:
     """Arms probe hooks on ``modules`` for one step, compares each call, and disarms (removing every hook)."""
 
-    def __init__(self, modules: list, *, need_grad: bool = True, keep_root: bool = False, on_error=None):
+    def __init__(
+        self,
+        modules: list[tuple[str, torch.nn.Module]],
+        *,
+        need_grad: bool = True,
+        keep_root: bool = False,
+        on_error: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self.modules = modules
         self.on_error = on_error  # training: a failure here must stop the probe, never the forward
         self.need_grad = need_grad  # training: only forwards that build a graph (not evaluation)
         self.keep_root = keep_root  # the one-off probe keeps the root's FP32 output for the loss
-        self.root_ref = None
+        self.root_ref: torch.Tensor | None = None
         self.calls: list[Call] = []
         self._stack: list[_Frame] = []
         self._handles = hooks.Handles()
         self._inside = False
 
     # -- arming ----------------------------------------------------------------------------------------------------
-    def arm(self, root_args=None, root_kwargs=None) -> None:
+    def arm(self, root_args: tuple[Any, ...] | None = None, root_kwargs: dict[str, Any] | None = None) -> None:
         """Install the hooks; when called from inside the root's pre-hook, also open the root's frame (a hook
         added during the root's pre-hooks is not run for that call)."""
         for path, mod in self.modules:
@@ -199,14 +218,14 @@ class Recorder:
             not self._inside and (torch.is_grad_enabled() or not self.need_grad) and hooks.graph_task_id() == -1
         )  # a checkpoint recomputation is not a new call
 
-    def _open(self, path, module, args, kwargs) -> None:
+    def _open(self, path: str, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         x = hooks.first_tensor(args, kwargs)
         self._stack.append(
             _Frame(path, rng_get(x.device if x is not None else None), _versions(args, kwargs), _state_versions(module))
         )
 
-    def _guarded(self, fn):
-        def hook(*args):
+    def _guarded(self, fn: Callable[..., None]) -> Callable[..., None]:
+        def hook(*args: Any) -> None:
             try:
                 fn(*args)
             except Exception as exc:
@@ -217,15 +236,15 @@ class Recorder:
 
         return hook
 
-    def _pre(self, path):
-        def hook(module, args, kwargs):
+    def _pre(self, path: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if self._active():
                 self._open(path, module, args, kwargs)
 
         return self._guarded(hook)
 
-    def _post(self, path, module):
-        def hook(_module, args, kwargs, output):
+    def _post(self, path: str, module: torch.nn.Module) -> Callable[..., None]:
+        def hook(_module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if not self._active() or not self._stack or self._stack[-1].path != path:
                 return
             frame = self._stack.pop()
@@ -237,7 +256,16 @@ class Recorder:
         return self._guarded(hook)
 
     # -- one comparison --------------------------------------------------------------------------------------------
-    def _compare(self, path, module, args, kwargs, output, frame, k) -> Call:
+    def _compare(
+        self,
+        path: str,
+        module: torch.nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        output: Any,
+        frame: _Frame,
+        k: int,
+    ) -> Call:
         outs = hooks.float_tensors(output)
         mtype = type(module).__name__
         dtype = str(outs[0].dtype).replace("torch.", "") if outs else None
@@ -268,7 +296,9 @@ class Recorder:
             self.root_ref = refs[0]  # the model output the one-off probe computes the FP32 loss from
         return call
 
-    def _recompute(self, module, args, kwargs, start_rng):
+    def _recompute(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], start_rng: RngState
+    ) -> Any:
         after = rng_get(start_rng[2])
         self._inside = True
         try:
@@ -281,7 +311,7 @@ class Recorder:
             self._inside = False
 
 
-def _errors(outs, refs) -> torch.Tensor:
+def _errors(outs: list[torch.Tensor], refs: list[torch.Tensor]) -> torch.Tensor:
     """[sum of squared errors, sum of squared reference values, max |error|, max |reference|] in float64. The
     difference and the norms are taken in float32 (their own rounding, ~2^-24 relative, is far below any
     half-precision error)."""
@@ -304,15 +334,16 @@ def _errors(outs, refs) -> torch.Tensor:
     return torch.stack((s[:, 0].sum(), s[:, 1].sum(), s[:, 2].max(), s[:, 3].max()))
 
 
-def summarize(calls: list[Call]) -> tuple[list[dict], dict]:
+def summarize(calls: list[Call]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Per module path (calls merged: sums add, maxima max): the figures as host floats, in one transfer; and the
     skipped modules with their reasons."""
     measured = [c for c in calls if c.figures is not None]
+    figures = [c.figures for c in calls if c.figures is not None]  # (measured's)
     skipped = {c.path: c.skipped for c in calls if c.skipped}
     if not measured:
         return [], skipped
-    host = torch.stack([c.figures.to(measured[0].figures.device) for c in measured]).cpu().tolist()
-    rows: dict[str, dict] = {}
+    host = torch.stack([f.to(figures[0].device) for f in figures]).cpu().tolist()
+    rows: dict[str, dict[str, Any]] = {}
     for c, (e2, r2, emax, rmax) in zip(measured, host):
         row = rows.get(c.path)
         if row is None:

@@ -5,11 +5,13 @@ and the values they point at, in blocks concatenated at the step end into the st
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import torch
 
-from ..trace.vectors import EXTRAS_BLOCK, FULL_BLOCK, Entry, peak_block
+from ..trace.vectors import EXTRAS_BLOCK, FULL_BLOCK, FULL_LEN, HEAD, KEY_INF, Entry, peak_block
 from . import buffers, sharded, stats
 from .options import Observe
 from .transfer import Ready, Transfer
@@ -18,8 +20,9 @@ _NUMBERS = {float, int}
 
 
 class StepRecord:
-    def __init__(self):
-        self._bufs: dict = {}  # PeakList per dtype (or (dtype, device)): kept across steps, cleared
+    def __init__(self) -> None:
+        # PeakList per dtype (or (dtype, device)): kept across steps, cleared
+        self._bufs: dict[torch.dtype | tuple[torch.dtype, torch.device], buffers.PeakList] = {}
         self.clear()
 
     def clear(self) -> None:
@@ -28,8 +31,9 @@ class StepRecord:
         self.entries: list[Entry] = []
         self._fulls: list[torch.Tensor] = []
         self._full_len = 0
-        self._extras: list = []  # floats, or 0-d tensors on an accelerator (read with the step's transfer)
-        self._seen: dict[int, tuple] = {}
+        # floats, or 0-d tensors on an accelerator (read with the step's transfer)
+        self._extras: list[float | torch.Tensor] = []
+        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, tuple[int, str, int]]] = {}
         self.act_seen: set[int] = set()  # sites whose forward was recorded this step (checkpointing recomputes)
 
     def drop_observations(self) -> None:
@@ -41,10 +45,10 @@ class StepRecord:
     def add_full(self, vec: torch.Tensor) -> int:
         off = self._full_len
         self._fulls.append(vec)
-        self._full_len += stats.FULL_LEN
+        self._full_len += FULL_LEN
         return off
 
-    def add_extra(self, v) -> int:
+    def add_extra(self, v: float | torch.Tensor) -> int:
         """A step figure: a float, or a 0-d tensor (read now if it is on the CPU, where that costs no sync)."""
         if isinstance(v, torch.Tensor) and stats.on_host(v):
             v = v.item()
@@ -91,12 +95,15 @@ class StepRecord:
         self._seen[key] = (weakref.ref(t), t._version, ref)
         return ref
 
-    def start_transfer(self, grad_buffers=()) -> HostCopy:
+    def start_transfer(self, grad_buffers: Iterable[buffers.SlotBuffer] = ()) -> HostCopy:
         """Everything the step computed, in one transfer: [peaks per buffer | full vectors | extras] as float64
         (``grad_buffers``: the parameter gradients' slots of a peaks step). On the CPU the values are read now; on an
         accelerator the copy is issued and read later (transfer.py)."""
-        blocks, bases, n = [], {}, 0
-        for buf in [*self._bufs.values(), *grad_buffers]:
+        blocks: list[torch.Tensor] = []
+        bases: dict[str, int] = {}
+        n = 0
+        every: list[buffers.PeakList | buffers.SlotBuffer] = [*self._bufs.values(), *grad_buffers]
+        for buf in every:
             if buf.n:
                 bases[buf.block_name] = n
                 blocks.append(buf.block())
@@ -138,7 +145,7 @@ class StepRecord:
 class HostCopy:
     """A step's values on their way to the host, with where each block starts."""
 
-    def __init__(self, copy: Transfer | Ready, bases: dict, n_peaks: int, n_fulls: int):
+    def __init__(self, copy: Transfer | Ready, bases: dict[str, Any], n_peaks: int, n_fulls: int) -> None:
         self.copy = copy
         self.bases = bases
         self._n_peaks = n_peaks
@@ -147,13 +154,13 @@ class HostCopy:
     def ready(self) -> bool:
         return self.copy.ready()
 
-    def result(self) -> tuple[np.ndarray, dict, bool]:
+    def result(self) -> tuple[np.ndarray, dict[str, Any], bool]:
         """(values, bases, whether any observed value was NaN/Inf: a NaN min/max, or a full vector's NaN/Inf
         count)."""
         values = self.copy.values()
         n = self._n_peaks
         bad = not np.isfinite(values[:n]).all()
         if self._n_fulls:
-            fulls = values[n : self.bases[EXTRAS_BLOCK]].reshape(-1, stats.FULL_LEN)
-            bad = bad or bool(fulls[:, stats.HEAD + stats.KEY_INF :].any())
+            fulls = values[n : self.bases[EXTRAS_BLOCK]].reshape(-1, FULL_LEN)
+            bad = bad or bool(fulls[:, HEAD + KEY_INF :].any())
         return values, self.bases, bad

@@ -20,7 +20,8 @@ import os
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Literal
 
 import torch
 
@@ -28,7 +29,7 @@ from ..trace.messages import EventKind, EventMsg, MetaMsg, MetricMsg
 from ..trace.vectors import FULL_BLOCK, Entry, Phase
 from ..trace.writer import Writer
 from . import guards, hooks, meta, sharded, stats
-from .anomaly import Capture, Replay, Replayer
+from .anomaly import Call, Capture, Replay, Replayer
 from .boundary import InFlight, StepEnd, read_scale
 from .cadence import Budget, Cadence
 from .collector import Collector
@@ -54,14 +55,14 @@ class Doctor:
     def __init__(
         self,
         model: torch.nn.Module,
-        optimizer=None,
-        scaler=None,
-        trace: str | os.PathLike = "runs/ampdoctor.db",
+        optimizer: Any = None,
+        scaler: Any = None,
+        trace: str | os.PathLike[str] = "runs/ampdoctor.db",
         options: Options | None = None,
         *,
-        diagnose: Callable | None = None,
-        exporter: Callable | None = None,
-    ):
+        diagnose: Callable[..., Any] | None = None,
+        exporter: Callable[..., Any] | None = None,
+    ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"Argument model should be of type torch.nn.Module, but given {type(model)}")
         if optimizer is not None:
@@ -98,13 +99,15 @@ class Doctor:
         self._capture: Capture | None = None
         self._replayer: Replayer | None = None
         self._live: LiveDiagnosis | None = None
-        self._export = None  # the exporters' thread (ampdoctor.export), with export=
+        self._export: Any = None  # the exporters' thread (ampdoctor.export), with export=
         self._config_written = False
+        every, peak_every, hist_every = options.every, options.peak_every, options.hist_every
+        assert every is not None and peak_every is not None and hist_every is not None  # (Options fills them in)
         self._cadence = Cadence(
             options.mode,
-            every=options.every,
-            peak_every=options.peak_every,
-            hist_every=options.hist_every,
+            every=every,
+            peak_every=peak_every,
+            hist_every=hist_every,
             calibration=options.calibration,
         )
         self._budget = Budget(options.budget, self._cadence) if options.budget is not None else None
@@ -133,7 +136,7 @@ class Doctor:
                 f"ampdoctor: {requested} exists; writing this run's trace to {self.path}", RuntimeWarning, stacklevel=4
             )
 
-    def _build(self, diagnose: Callable | None, exporter: Callable | None) -> None:
+    def _build(self, diagnose: Callable[..., Any] | None, exporter: Callable[..., Any] | None) -> None:
         """The core, the hooks, the writer and live threads; _abort() undoes whatever part of it was done."""
         model, options = self.model, self.options
         put = self._put
@@ -169,7 +172,7 @@ class Doctor:
             weight_every=options.weight_every,
             model_name=type(model).__name__,
         )
-        self._probe = None
+        self._probe: StepProbe | None = None
         if options.probe_every:
             self._probe = StepProbe(self._modules, self._sites, put, self.guard.fail, options.probe_every)
             self._collector.probe = self._probe
@@ -188,19 +191,23 @@ class Doctor:
             self._collector.on_root_call = self._capture.on_call
         self._begin(0)
 
-        self._writer.log_every = options.log_every
-        self._writer.start()
+        writer = self._writer
+        assert writer is not None  # (_build runs once the writer is made)
+        writer.log_every = options.log_every
+        writer.start()
         put(MetaMsg("run", meta.run_meta(model, options, self._cadence)))
         sharding = sharded.describe(model, self._params)  # which parameters are shards, for trace/shards.py
         if sharding is not None:
             put(MetaMsg("sharding", sharding))
         self._install()
         if options.wants_live:
+            assert diagnose is not None  # (checked in __init__)
             self._live = LiveDiagnosis(
                 self.path, diagnose, on_finding=options.on_finding, halt_on=options.halt_on, rules=options.rules
             )
             self._live.start()
         if options.export is not None:  # sinks made here: a bad spec or a missing package fails attach
+            assert exporter is not None  # (checked in __init__)
             self._export = exporter(options.export, self.path, findings=lambda: self.findings, rules=options.rules)
         if options.log_every is not None and not log.handlers and not logging.getLogger().handlers:
             handler = logging.StreamHandler()  # the summary is asked for: make sure it is seen
@@ -232,6 +239,7 @@ class Doctor:
             self._live.stop()
         if self._export is not None:
             self._export.close()
+        assert self._writer is not None  # (_build runs once the writer is made)
         self._writer.close()
         for suffix in ("", "-wal", "-shm"):  # this Doctor's Writer created the file (it refuses an existing one)
             try:
@@ -254,18 +262,19 @@ class Doctor:
         self._send()
 
     @guarded
-    def _on_opt_pre(self, optimizer, args, kwargs) -> None:
+    def _on_opt_pre(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         state = self._collector.state
-        if self._replayer is not None and state.replay is None and self._replayer.wanted(self._capture.calls):
+        capture, replayer = self._capture, self._replayer  # (made together)
+        if replayer is not None and capture is not None and state.replay is None and replayer.wanted(capture.calls):
             # Before the update the weights are still the step's own: a replay now is exact (at the step end an
             # applied step's weights have moved). Only when the sentinel's figures are on the host already.
             verdict = self._end.early_verdict(state)
             if verdict is not None and verdict.anomalous:
-                self._replay(state, verdict.kind, self._capture.calls, self._capture.batch_ids, moved=None)
+                self._replay(state, verdict.kind, capture.calls, capture.batch_ids, moved=None)
         if state.index % self.options.weight_every == 0:
             self._collector.keep_weights()
 
-    def _on_opt_post(self, optimizer, args, kwargs) -> None:
+    def _on_opt_post(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.guard.off:
             return
         self._updates += 1
@@ -274,9 +283,9 @@ class Doctor:
         if self._boundary is Boundary.OPTIMIZER:
             self._end_step(skipped=False)
 
-    def _wrap_scale(self, original: Callable) -> Callable:
+    def _wrap_scale(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
-        def scale(outputs):
+        def scale(outputs: Any) -> Any:
             result = original(outputs)
             self._after_scale(outputs)
             return result
@@ -284,7 +293,7 @@ class Doctor:
         return scale
 
     @guarded
-    def _after_scale(self, outputs) -> None:
+    def _after_scale(self, outputs: Any) -> None:
         t = outputs if isinstance(outputs, torch.Tensor) else hooks.first_tensor(outputs)
         if t is not None:
             self._collector.log_loss(t, self._last_flight())
@@ -292,9 +301,9 @@ class Doctor:
         if state.scale_before is None:
             state.scale_before = read_scale(self.scaler)
 
-    def _wrap_update(self, original: Callable) -> Callable:
+    def _wrap_update(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
-        def update(*args, **kwargs):
+        def update(*args: Any, **kwargs: Any) -> Any:
             self._before_update()
             result = original(*args, **kwargs)
             if not self.guard.off and self._boundary is Boundary.SCALER:
@@ -328,8 +337,10 @@ class Doctor:
 
     @guarded(timed=False)  # timed inside: the step's observer_time ends with its row
     def _finish_step(self, skipped: bool | None) -> None:
-        if self._writer.error is not None:
-            raise RuntimeError(f"trace writer failed: {self._writer.error}")
+        writer = self._writer
+        assert writer is not None  # (no writer: the guard is off, and no step ends)
+        if writer.error is not None:
+            raise RuntimeError(f"trace writer failed: {writer.error}")
         t0 = time.perf_counter()
         state, facts = self._collector.state, self._facts
         flight = self._end.close(state, skipped, facts.step_starts, facts.device)
@@ -358,7 +369,7 @@ class Doctor:
                 )
                 self._put(EventMsg(state.index, EventKind.CADENCE, None, None, message, change))
 
-    def _last_flight(self):
+    def _last_flight(self) -> InFlight | None:
         """The finished step a loss logged now belongs to (after ``optimizer.step()``, before the next forward)."""
         return self._inflight[-1] if self._inflight and not self._inflight[-1].closed else None
 
@@ -375,16 +386,23 @@ class Doctor:
             self._after_verdict(flight)
 
     def _after_verdict(self, flight: InFlight) -> None:
-        state, verdict, packet = flight.state, flight.verdict, flight.packet
+        state, verdict, packet, calls = flight.state, flight.verdict, flight.packet, flight.calls
+        assert verdict is not None and packet is not None  # (resolved just before)
         replayer = self._replayer
-        if verdict.anomalous and state.replay is None and replayer is not None and replayer.wanted(flight.calls):
+        if (
+            verdict.anomalous
+            and state.replay is None
+            and replayer is not None
+            and replayer.wanted(calls)
+            and calls is not None  # (wanted: some calls)
+        ):
             if self._updates != flight.updates:
                 moved = "the optimizer had applied an update since the step started when its anomaly was known"
             elif self._boundary is Boundary.MANUAL:
                 moved = "the step ended after the loop's own optimizer step (doctor.step())"
             else:
                 moved = None  # the scaler skipped it, and every step since: the weights are the step's own
-            self._replay(state, verdict.kind, flight.calls, flight.batch_ids, moved=moved)
+            self._replay(state, verdict.kind, calls, flight.batch_ids, moved=moved)
         if state.replay_record is not None:
             self._end.rebuild(packet, state.replay_record, "replay")
             state.replay_record = None
@@ -419,9 +437,10 @@ class Doctor:
 
     # -- the anomaly replay -------------------------------------------------------------------------------------------
     @guarded
-    def _on_root_output(self, module, args, output) -> None:
-        if not self._collector.paused and not self._facts.external_batches:
-            self._capture.on_output(module, args, output)
+    def _on_root_output(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        capture = self._capture  # (this hook is installed with a capture)
+        if capture is not None and not self._collector.paused and not self._facts.external_batches:
+            capture.on_output(module, args, output)
 
     def _device(self) -> torch.device | None:
         anchor = next(iter(self.model.parameters()), None)
@@ -429,7 +448,8 @@ class Doctor:
 
     def _pause(self, on: bool) -> None:
         self._collector.paused = on
-        self._capture.paused = on
+        if self._capture is not None:  # (the replayer pauses: made with a capture)
+            self._capture.paused = on
 
     @contextlib.contextmanager
     def _observing(self, full: bool) -> Iterator[None]:
@@ -438,6 +458,7 @@ class Doctor:
         collector = self._collector
         saved = (collector.state, collector.record)
         target = self._replay_target
+        assert target is not None  # (set by _replay around the replay's passes)
         record = StepRecord()
         observe = Observe.FULL if full else Observe.NONE
         collector.state = dataclasses.replace(
@@ -453,14 +474,18 @@ class Doctor:
             collector.state, collector.record = saved
             collector.sync_hooks()
 
-    def _replay(self, state: StepState, why: str, calls: list, batch_ids: list, *, moved: str | None) -> Replay | None:
+    def _replay(
+        self, state: StepState, why: str, calls: list[Call], batch_ids: list[Any], *, moved: str | None
+    ) -> Replay | None:
         """Replay the step, record what it found; a replay that fails is recorded as such and training goes on."""
         scale = state.scale_before
         scale = float(scale) if scale is not None else None  # (a device value: read on an anomalous step only)
         full = state.observe is Observe.FULL  # it observed its sites itself
+        replayer = self._replayer
+        assert replayer is not None  # (replays are asked for only with a replayer)
         self._replay_target = state
         try:
-            result = self._replayer.run(
+            result = replayer.run(
                 state.index,
                 why,
                 calls,
@@ -485,7 +510,7 @@ class Doctor:
             site = self._sites.act.get(op["module"]) if op["phase"] == "fwd" else self._sites.grad.get(op["module"])
             data = {**op, "producers": result.producers}
             self._put(EventMsg(state.index, EventKind.OPERATION, site, op["phase"], _op_line(result), data))
-        for path in self._replayer.heal_now():
+        for path in replayer.heal_now():
             message = f"{path} kept in FP32 from step {state.index + 1} on (heal=True): two replays confirmed it"
             self._put(
                 EventMsg(state.index, EventKind.HEAL, self._sites.act.get(path), "fwd", message, {"module": path})
@@ -495,6 +520,7 @@ class Doctor:
     def _observe_replay_grads(self, state: StepState, record: StepRecord, scale: float | None) -> None:
         """The replayed parameter gradients into the replay's record, unscaled as the step's .grad was."""
         inv = 1.0 / scale if self._scaler_on and scale else 1.0
+        assert self._replayer is not None  # (called from _replay)
         for (name, _), g in zip(self._params, self._replayer.grads):
             if g is None:
                 continue
@@ -504,12 +530,12 @@ class Doctor:
 
     # -- public API ---------------------------------------------------------------------------------------------------
     @guarded
-    def log_loss(self, loss) -> None:
+    def log_loss(self, loss: Any) -> None:
         """The training loss of this step (tensor or float); summed over the step's micro-batches. Not needed with
         a GradScaler (``scaler.scale(loss)`` is read)."""
         self._collector.log_loss(loss, self._last_flight())
 
-    def log_metric(self, name: str, value, step: int | None = None) -> None:
+    def log_metric(self, name: str, value: Any, step: int | None = None) -> None:
         """Any scalar, e.g. a validation metric; ``step`` defaults to the last completed step. A value that is not
         a number (``"n/a"``, a tensor of several values) or a step that is not one is skipped with one warning per
         metric name; nothing about the value reaches training."""
@@ -534,7 +560,7 @@ class Doctor:
         self._put(MetricMsg(step, name, number, time.time()))
 
     @guarded
-    def begin_batch(self, batch=None) -> None:
+    def begin_batch(self, batch: Any = None) -> None:
         """A training micro-batch starts, for loops where the attached module's own ``forward`` is not what runs
         (a LightningModule whose ``training_step`` calls an inner model); frameworks' callbacks call it. From the
         first call on, step timing and batch sizes come from these calls, not from the root forward."""
@@ -546,7 +572,7 @@ class Doctor:
         self._collector.start_micro(t)
 
     @guarded
-    def log_batch_ids(self, ids) -> None:
+    def log_batch_ids(self, ids: Iterable[Any]) -> None:
         """The ids of the samples in this step's batch (ints or strings): a finding about an anomalous step names
         them. Kept until the step ends (written only when the step is replayed)."""
         if self._capture is None:
@@ -600,7 +626,7 @@ class Doctor:
         return self.options.mode.value
 
     @property
-    def findings(self) -> list:
+    def findings(self) -> list[Any]:
         """Findings the live diagnosis reported so far (worst first within each check)."""
         return list(self._live.findings) if self._live is not None else []
 
@@ -615,7 +641,7 @@ class Doctor:
         return not self.guard.off and not self._closed
 
     # -- failure and shutdown -----------------------------------------------------------------------------------------
-    def _put(self, item) -> None:
+    def _put(self, item: Any) -> None:
         if self._writer is not None:
             self._writer.put(item)
 
@@ -671,11 +697,11 @@ class Doctor:
     def __enter__(self) -> Doctor:
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc: object) -> Literal[False]:
         self.close()
         return False
 
-    def __del__(self):
+    def __del__(self) -> None:
         try:
             if not self._closed and getattr(self, "_writer", None) is not None:
                 self.close()
@@ -691,6 +717,7 @@ def _replay_line(r: Replay) -> str:
 
 def _op_line(r: Replay) -> str:
     op = r.operation
+    assert op is not None  # (called for a replay that found the operation)
     made = r.producers[0] if r.producers else None
     where = f" ({op['line']})" if op.get("line") else ""
     text = f"{op['op']} in {op['module']} ({op['phase']}, {op['dtype']}) produced a non-finite value from finite inputs"
@@ -700,7 +727,7 @@ def _op_line(r: Replay) -> str:
     return text + where
 
 
-def _plain_id(i):
+def _plain_id(i: Any) -> Any:
     if isinstance(i, (bool, int, str)):
         return i if not isinstance(i, str) else guards.text(i[:200])
     if isinstance(i, torch.Tensor) and i.numel() == 1:
@@ -711,6 +738,6 @@ def _plain_id(i):
         return guards.text(str(i)[:200])
 
 
-def _enabled(scaler) -> bool:
+def _enabled(scaler: Any) -> bool:
     fn = getattr(scaler, "is_enabled", None)
     return bool(fn()) if callable(fn) else True

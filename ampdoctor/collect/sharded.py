@@ -51,7 +51,7 @@ class LocalParam:
 
     __slots__ = ("param",)
 
-    def __init__(self, param: torch.nn.Parameter):
+    def __init__(self, param: torch.nn.Parameter) -> None:
         self.param = param
 
     def _view(self, t: torch.Tensor) -> torch.Tensor:
@@ -98,7 +98,7 @@ class FlatPiece(LocalParam):
 
     __slots__ = ("numel_", "offset", "shape_")
 
-    def __init__(self, flat: torch.nn.Parameter, offset: int, numel: int, shape: list[int]):
+    def __init__(self, flat: torch.nn.Parameter, offset: int, numel: int, shape: list[int]) -> None:
         super().__init__(flat)
         self.offset, self.numel_, self.shape_ = offset, numel, shape
 
@@ -128,7 +128,7 @@ class OrigPiece(LocalParam):
 
     __slots__ = ("flat", "shape_")
 
-    def __init__(self, param: torch.nn.Parameter, flat: Any, shape: list[int]):
+    def __init__(self, param: torch.nn.Parameter, flat: Any, shape: list[int]) -> None:
         super().__init__(param)
         self.flat, self.shape_ = flat, shape
 

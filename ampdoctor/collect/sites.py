@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -16,7 +17,7 @@ class Sites:
     """Site ids by (path, kind). ``act`` and ``grad`` map a module path alone to its id: the hooks' lookups build
     no tuple per call."""
 
-    def __init__(self, model: torch.nn.Module, put):
+    def __init__(self, model: torch.nn.Module, put: Callable[[SiteMsg], object]) -> None:
         self.ids: dict[tuple[str, str], int] = {}
         self.act: dict[str, int] = {}
         self.grad: dict[str, int] = {}
@@ -29,7 +30,7 @@ class Sites:
             for n, _ in mod.named_parameters(recurse=False)
         }
 
-    def get(self, path: str, kind: str, module, t: torch.Tensor | None, step: int) -> int:
+    def get(self, path: str, kind: str, module: torch.nn.Module | None, t: torch.Tensor | None, step: int) -> int:
         sid = self.ids.get((path, kind))
         if sid is None:
             with self._lock:  # backward hooks of several devices run on autograd's per-device threads
@@ -40,11 +41,12 @@ class Sites:
         """The site of a parameter's gradient, weight or update (its module: the parameter's owner)."""
         return self.get(name, kind, self.owner.get(name), t, step)
 
-    def _new(self, path: str, kind: str, module, t: torch.Tensor | None, step: int) -> int:
+    def _new(self, path: str, kind: str, module: torch.nn.Module | None, t: torch.Tensor | None, step: int) -> int:
         sid = self.ids.get((path, kind))
         if sid is None:
             sid = len(self.ids)
             self.ids[(path, kind)] = sid
+            mtype: str | None
             if kind in ("act", "grad_out"):
                 mod_path, mtype = path, type(module).__name__
             else:

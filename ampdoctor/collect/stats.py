@@ -23,6 +23,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import torch
@@ -93,7 +94,7 @@ NATIVE = os.environ.get("AMPDOCTOR_NATIVE", "1") != "0"
 _kernels: ModuleType | None = None
 _load_lock = threading.Lock()
 _load_thread: threading.Thread | None = None
-load_info: dict = {}  # how the load went: seconds, error (for tests, the benchmark and the docs)
+load_info: dict[str, Any] = {}  # how the load went: seconds, error (for tests, the benchmark and the docs)
 
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # kernels.F32, BF16, F16
 _EDGES = np.array(EDGE_BITS, dtype=np.int32)
@@ -217,7 +218,8 @@ def grad_norm_peak(k: ModuleType, grads: list[torch.Tensor]) -> tuple[float, flo
     grads = [g if g.is_contiguous() or _dense(g) else g.contiguous() for g in grads]  # (kept alive until read)
     addrs = np.array([g.data_ptr() for g in grads], dtype=np.int64)
     counts = np.array([g.numel() for g in grads], dtype=np.int64)
-    return k.norm_peak(addrs, counts, np.array(kinds, dtype=np.int64))
+    norm_peak: tuple[float, float] = k.norm_peak(addrs, counts, np.array(kinds, dtype=np.int64))
+    return norm_peak
 
 
 def _dense(g: torch.Tensor) -> bool:
@@ -270,11 +272,11 @@ def _full_device(x: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _settled(dtype: torch.dtype) -> tuple:
+def _settled(dtype: torch.dtype) -> tuple[tuple[int, bool | None], ...]:
     """For each edge, the key holding it and whether the input dtype settles it without looking at values: every
     value of that dtype inside the key lies at or below the edge (True), above it (False), or either (None). An
     FP16 tensor has no value between 65504 and 65520, so its overflow count is 0 without a pass."""
-    out = []
+    out: list[tuple[int, bool | None]] = []
     for b in EDGE_BITS:
         key = b >> _SHIFT
         if b == 0:
@@ -359,7 +361,8 @@ def _full_cpu(x: torch.Tensor) -> torch.Tensor:
         absmax = torch.nan_to_num(xf, 0.0, 0.0, 0.0).abs().amax().item()
     if hist[0] and bits is None:
         bits = _abs_bits(xf, scratch[0] if scratch else None)
-    zeros = n - np.count_nonzero(bits) if hist[0] else 0  # key 0: zeros and the smallest subnormals
+    # key 0: zeros and the smallest subnormals (bits, when it holds any, was computed just above)
+    zeros = n - np.count_nonzero(bits) if hist[0] and bits is not None else 0
     below = np.concatenate(([0], np.cumsum(hist)))  # below[k]: values in keys < k
     edges = np.empty(len(EDGE_BITS))
     for i, (k, settled) in enumerate(_settled(x.dtype)):
@@ -393,4 +396,4 @@ def _norm_cpu(xf: torch.Tensor, absmax: float) -> float:
     (absmax in [2^-40, 2^63 / sqrt(n)]), else in float64. NaN/Inf when the tensor holds one, as a norm would be."""
     if absmax >= 2.0**-40 and absmax * absmax * xf.numel() < 2.0**126:
         return math.sqrt(torch.dot(xf, xf).item())
-    return torch.linalg.vector_norm(xf, dtype=torch.float64).item()
+    return float(torch.linalg.vector_norm(xf, dtype=torch.float64).item())

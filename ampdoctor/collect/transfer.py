@@ -32,13 +32,13 @@ def reading() -> Iterator[None]:
 class Transfer:
     """Values on their way to the host: ``ready()`` without waiting, ``values()`` (waits only if not ready)."""
 
-    def __init__(self, flat: torch.Tensor):
+    def __init__(self, flat: torch.Tensor) -> None:
         self._event = None
         self._lag = 0
         if flat.device.type == "cuda":
             host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
             host.copy_(flat, non_blocking=True)
-            self._event = torch.cuda.Event()
+            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # (unannotated in torch)
             self._event.record()
             self._host = host
         elif flat.device.type == "cpu":  # the accelerator path run on the CPU (tests)
@@ -49,7 +49,7 @@ class Transfer:
 
     def ready(self) -> bool:
         if self._event is not None:
-            return bool(self._event.query())
+            return bool(self._event.query())  # type: ignore[no-untyped-call]  # (unannotated in torch)
         if self._lag > 0:
             self._lag -= 1
             return False
@@ -65,7 +65,7 @@ class Transfer:
 class Ready:
     """Values already on the host (the CPU path)."""
 
-    def __init__(self, values: np.ndarray):
+    def __init__(self, values: np.ndarray) -> None:
         self._values = values
 
     def ready(self) -> bool:

@@ -10,13 +10,18 @@ connection, only the rows since the last read) and writes them to its sinks. Off
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from .exporter import Exporter, LiveExport
 from .rows import FIGURES, NAMES, Point, StepRows
 from .sinks import CSV, PREFIX, ExportError, MLflow, Parquet, Sink, TensorBoard, WandB
 from .spec import KINDS, Spec, default_folder, make_sinks, parse
 
 
-def start(export, trace: str, findings=None, rules: dict | None = None) -> LiveExport:
+def start(
+    export: Any, trace: str, findings: Callable[[], list[Any]] | None = None, rules: dict[str, Any] | None = None
+) -> LiveExport:
     """What ``attach(export=...)`` runs: the sinks made now (errors raise here), then a thread that polls the trace
     while training writes it. ``close()`` it after the trace's writer closed: the last steps and findings follow."""
     live = LiveExport(Exporter(trace, make_sinks(export, trace), findings=findings, rules=rules))

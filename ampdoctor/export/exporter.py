@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from typing import Callable
+from typing import Any, Callable
 
 from . import text as T
 from .rows import StepRows
@@ -28,18 +28,18 @@ class Exporter:
         path: str,
         sinks: list[Sink],
         *,
-        findings: Callable[[], list] | None = None,
+        findings: Callable[[], list[Any]] | None = None,
         diagnose_at_close: bool = True,
-        rules: dict | None = None,
-    ):
+        rules: dict[str, Any] | None = None,
+    ) -> None:
         self.path = path
         self.sinks = list(sinks)
         self._source = findings
         self.diagnose_at_close = diagnose_at_close
         self.rules = rules
         self._rows: StepRows | None = None
-        self._reported: set = set()
-        self.findings: list = []  # every finding exported, in order
+        self._reported: set[Any] = set()
+        self.findings: list[Any] = []  # every finding exported, in order
         self.steps = 0  # steps read so far
         self._closed = False
 
@@ -66,7 +66,7 @@ class Exporter:
                 sink.flush()
         return n
 
-    def _report(self, found: list) -> None:
+    def _report(self, found: list[Any]) -> None:
         new = []
         for d in found:
             k = T.key(d)
@@ -100,7 +100,7 @@ class LiveExport(threading.Thread):
     """Polls an Exporter off the training thread while training writes the trace. A failure (a sink that raises)
     warns once and stops the export; training never sees it."""
 
-    def __init__(self, exporter: Exporter, interval: float = MIN_INTERVAL_S):
+    def __init__(self, exporter: Exporter, interval: float = MIN_INTERVAL_S) -> None:
         super().__init__(name="ampdoctor-export", daemon=True)
         self.exporter = exporter
         self.interval = interval

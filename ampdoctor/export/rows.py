@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 import sqlite3
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ..trace import load
 from ..trace.files import connect
@@ -62,7 +63,7 @@ class Point(NamedTuple):
     """The figures of one step; a figure the step did not record is absent (never written as 0 or NaN)."""
 
     step: int
-    values: dict
+    values: dict[str, Any]
     anomalous: bool  # skipped or non-finite: exported whatever the cadence
     time: float | None = None  # when the step ended (seconds since the epoch), as the trace recorded it
 
@@ -75,7 +76,7 @@ class _Totals:
     time: float = 0.0
 
 
-def _number(v, path: str, column: str):
+def _number(v: object, path: str, column: str) -> float | None:
     """A stored value as a float (None when NULL); anything else is a corrupt trace."""
     if v is None:
         return None
@@ -89,7 +90,7 @@ def _number(v, path: str, column: str):
 class StepRows:
     """The rows of a trace's steps table after the last read, as Points. ``read()`` never returns a step twice."""
 
-    def __init__(self, path: str, page: int = PAGE):
+    def __init__(self, path: str, page: int = PAGE) -> None:
         self.path = path
         load(path).close()  # every check the reader runs on a file from anyone, once
         try:
@@ -118,7 +119,7 @@ class StepRows:
             self.last = step
         return out
 
-    def read_all(self):
+    def read_all(self) -> Iterator[list[Point]]:
         """Every row not read yet, page by page (a generator: one page in memory at a time)."""
         while True:
             page = self.read()
@@ -126,7 +127,7 @@ class StepRows:
                 return
             yield page
 
-    def _point(self, step: int, r: dict) -> Point:
+    def _point(self, step: int, r: dict[str, Any]) -> Point:
         t = self._totals
         skipped = bool(r["skipped"])
         nonfinite = bool(r["nonfinite"])

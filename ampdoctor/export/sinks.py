@@ -13,6 +13,11 @@ import importlib
 import math
 import os
 import time
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..rules.result import Diagnosis
 
 from . import text as T
 from .rows import NAMES, Point
@@ -26,7 +31,7 @@ class ExportError(Exception):
     """An export that cannot start (a missing package, a file that exists): one line."""
 
 
-def need(name: str, package: str | None = None):
+def need(name: str, package: str | None = None) -> ModuleType:
     """Import ``package`` for the ``name`` exporter, or one line saying what to install."""
     package = package or PACKAGES[name]
     try:
@@ -38,7 +43,7 @@ def need(name: str, package: str | None = None):
         ) from None
 
 
-def _check_every(every) -> int:
+def _check_every(every: object) -> int:
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
         raise ValueError(f"Argument every should be a positive int, but given {every!r}")
     return every
@@ -50,7 +55,7 @@ class Sink:
 
     kind = "sink"
 
-    def __init__(self, every: int = DEFAULT_EVERY, prefix: str = PREFIX, step_offset: int = 0):
+    def __init__(self, every: int = DEFAULT_EVERY, prefix: str = PREFIX, step_offset: int = 0) -> None:
         self.every = _check_every(every)
         self.prefix = prefix
         self.step_offset = step_offset
@@ -61,7 +66,7 @@ class Sink:
     def write(self, points: list[Point]) -> None:
         """Write the scalars of ``points`` (already filtered by ``wants``)."""
 
-    def findings(self, new: list, everything: list, step: int) -> None:
+    def findings(self, new: list[Any], everything: list[Any], step: int) -> None:
         """``new`` findings were reported (``everything``: all so far) while the trace was at ``step``."""
 
     def flush(self) -> None:
@@ -82,7 +87,7 @@ class TensorBoard(Sink):
 
     kind = "tensorboard"
 
-    def __init__(self, logdir: str | None = None, *, writer=None, every: int = DEFAULT_EVERY, **kw):
+    def __init__(self, logdir: str | None = None, *, writer: Any = None, every: int = DEFAULT_EVERY, **kw: Any) -> None:
         super().__init__(every, **kw)
         if (logdir is None) == (writer is None):
             raise ValueError("Argument logdir or writer should be given (one of them)")
@@ -94,6 +99,7 @@ class TensorBoard(Sink):
             from tensorboard.compat.proto import event_pb2, summary_pb2
             from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
+            assert logdir is not None  # (one of logdir, writer: checked above)
             os.makedirs(logdir, exist_ok=True)
             self._events = EventFileWriter(logdir)
             self._pb = (event_pb2, summary_pb2)
@@ -115,7 +121,7 @@ class TensorBoard(Sink):
                 )
             )
 
-    def findings(self, new: list, everything: list, step: int) -> None:
+    def findings(self, new: list[Any], everything: list[Any], step: int) -> None:
         for d in new:
             at = (d.steps[0] if d.steps else step) + self.step_offset
             if not self._own:
@@ -162,14 +168,14 @@ class WandB(Sink):
 
     def __init__(
         self,
-        run=None,
+        run: Any = None,
         *,
         project: str | None = None,
         every: int = DEFAULT_EVERY,
         step_key: str | None = None,
         alert: bool = True,
-        **kw,
-    ):
+        **kw: Any,
+    ) -> None:
         super().__init__(every, **kw)
         self._wandb = need("wandb")
         self._own = False
@@ -191,7 +197,7 @@ class WandB(Sink):
             row[self.step_key] = p.step + self.step_offset
             self.run.log(row)
 
-    def findings(self, new: list, everything: list, step: int) -> None:
+    def findings(self, new: list[Any], everything: list[Any], step: int) -> None:
         table = self._wandb.Table(
             columns=["severity", "rule", "layers", "steps", "title", "summary", "fix"],
             data=[
@@ -229,11 +235,11 @@ class MLflow(Sink):
         self,
         run_id: str | None = None,
         *,
-        client=None,
+        client: Any = None,
         experiment: str | None = None,
         every: int = DEFAULT_EVERY,
-        **kw,
-    ):
+        **kw: Any,
+    ) -> None:
         super().__init__(every, **kw)
         mlflow = need("mlflow")
         self._entities = importlib.import_module("mlflow.entities")
@@ -260,7 +266,7 @@ class MLflow(Sink):
         for i in range(0, len(metrics), self.BATCH):
             self.client.log_batch(self.run_id, metrics=metrics[i : i + self.BATCH])
 
-    def findings(self, new: list, everything: list, step: int) -> None:
+    def findings(self, new: list[Any], everything: list[Any], step: int) -> None:
         body = "\n\n---\n\n".join(T.markdown(d) for d in everything)
         self.client.log_text(self.run_id, body, self.prefix + "findings.md")
         counts = {s: sum(d.severity == s for d in everything) for s in ("critical", "warning", "info")}
@@ -277,7 +283,7 @@ class MLflow(Sink):
 FINDING_COLUMNS = ("severity", "rule", "title", "summary", "layers", "first_step", "last_step", "ranks", "fix")
 
 
-def _finding_row(d) -> list:
+def _finding_row(d: Diagnosis) -> list[Any]:
     steps = list(d.steps or [])
     return [
         d.severity,
@@ -304,21 +310,21 @@ class _Table(Sink):
 
     ext = ""
 
-    def __init__(self, folder: str, *, every: int = 1, rank: int | None = None, **kw):
+    def __init__(self, folder: str, *, every: int = 1, rank: int | None = None, **kw: Any) -> None:
         super().__init__(every, **kw)
         self.folder = folder
         self.rank = rank  # set by the exporter of a multi-rank run: one table, a rank column
         os.makedirs(folder, exist_ok=True)
         self.steps_path = _new_file(os.path.join(folder, f"steps.{self.ext}"))
         self.findings_path = _new_file(os.path.join(folder, f"findings.{self.ext}"))
-        self._findings: list = []
+        self._findings: list[Any] = []
         self.columns = ["step", "rank", *NAMES] if rank is not None else ["step", *NAMES]
 
-    def _rows(self, points: list[Point]) -> list[list]:
+    def _rows(self, points: list[Point]) -> list[list[Any]]:
         front = (lambda p: [p.step + self.step_offset, self.rank]) if self.rank is not None else None
         return [(front(p) if front else [p.step + self.step_offset]) + [p.values.get(n) for n in NAMES] for p in points]
 
-    def findings(self, new: list, everything: list, step: int) -> None:
+    def findings(self, new: list[Any], everything: list[Any], step: int) -> None:
         self._findings.extend(new)  # written at close: a run's findings are few
 
 
@@ -326,7 +332,7 @@ class CSV(_Table):
     kind = "csv"
     ext = "csv"
 
-    def __init__(self, folder: str, **kw):
+    def __init__(self, folder: str, **kw: Any) -> None:
         super().__init__(folder, **kw)
         self._file = open(self.steps_path, "x", newline="", encoding="utf-8")  # noqa: SIM115 - open while exporting
         self._csv = csv.writer(self._file)
@@ -346,7 +352,7 @@ class CSV(_Table):
             w.writerows([["" if v is None else v for v in _finding_row(d)] for d in self._findings])
 
 
-def _csv_number(v):
+def _csv_number(v: object) -> object:
     """Numbers as Python writes them (``repr``: reads back exactly); NaN and Inf as nan / inf / -inf."""
     if isinstance(v, float) and not math.isfinite(v):
         return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
@@ -357,7 +363,7 @@ class Parquet(_Table):
     kind = "parquet"
     ext = "parquet"
 
-    def __init__(self, folder: str, **kw):
+    def __init__(self, folder: str, **kw: Any) -> None:
         self._pa = need("parquet")
         self._pq = need("parquet", "pyarrow.parquet")
         super().__init__(folder, **kw)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from .sinks import CSV, MLflow, Parquet, Sink, TensorBoard, WandB
 
@@ -27,7 +27,7 @@ def default_folder(trace: str, kind: str) -> str:
     return os.path.splitext(os.fspath(trace))[0] + f"-{kind}"
 
 
-def parse(spec) -> list[tuple[str, str | None]]:
+def parse(spec: object) -> list[tuple[str, str | None]]:
     """``(kind, argument)`` pairs of a spec string; a ValueError of one line for anything else. Makes nothing."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"Argument export should be {_USAGE}, but given {spec!r}")
@@ -43,7 +43,7 @@ def parse(spec) -> list[tuple[str, str | None]]:
 
 def make(kind: str, arg: str | None, trace: str, every: int | None = None) -> Sink:
     """The sink of one parsed entry; ``every`` defaults to the kind's (10 for dashboards, 1 for tables)."""
-    kw = {} if every is None else {"every": every}
+    kw: dict[str, Any] = {} if every is None else {"every": every}
     if kind == "tensorboard":
         return TensorBoard(arg or default_folder(trace, kind), **kw)
     if kind == "wandb":
@@ -55,13 +55,13 @@ def make(kind: str, arg: str | None, trace: str, every: int | None = None) -> Si
     return Parquet(arg or default_folder(trace, kind), **kw)
 
 
-def make_sinks(spec, trace: str, every: int | None = None) -> list[Sink]:
+def make_sinks(spec: Any, trace: str, every: int | None = None) -> list[Sink]:
     """The sinks ``spec`` names, made now (a missing package or an existing table file raises ExportError here,
     before training starts); a sink given as an object is used as it is."""
     items = list(spec) if isinstance(spec, (list, tuple)) else [spec]
     if not items:
         raise ValueError(f"Argument export should be {_USAGE}, but given {spec!r}")
-    parsed: list = []
+    parsed: list[Any] = []
     for item in items:
         if isinstance(item, Sink):
             parsed.append(item)

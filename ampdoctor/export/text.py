@@ -3,26 +3,31 @@ key for "reported once". Reads a Diagnosis by its fields only: no import of the 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
 
-def key(d) -> tuple:
+if TYPE_CHECKING:
+    from ..rules.result import Diagnosis
+
+
+def key(d: Diagnosis) -> tuple[Any, ...]:
     """A finding is reported once per rule and culprit (as the live diagnosis does)."""
     return (d.rule, tuple(d.layers[:1]), tuple(d.ranks))
 
 
-def step_span(d) -> str:
+def step_span(d: Diagnosis) -> str:
     steps = list(d.steps or [])
     if not steps:
         return ""
     return f"step {steps[0]}" if len(steps) == 1 or steps[-1] == steps[0] else f"steps {steps[0]}-{steps[-1]}"
 
 
-def headline(d) -> str:
+def headline(d: Diagnosis) -> str:
     """One line: severity, rule id, first layer, title."""
     layer = f" [{d.layers[0]}]" if d.layers else ""
     return f"{d.severity.upper()} {d.rule}{layer}: {d.title}"
 
 
-def fix_text(d) -> str:
+def fix_text(d: Diagnosis) -> str:
     """The fix as Markdown: text parts as paragraphs, code parts fenced (they run as printed)."""
     out = []
     for part in d.fix or []:
@@ -33,7 +38,7 @@ def fix_text(d) -> str:
     return "\n\n".join(out) or (d.recommendation or "")
 
 
-def markdown(d) -> str:
+def markdown(d: Diagnosis) -> str:
     """The whole finding: headline, summary, where, evidence, fix."""
     where = ", ".join(
         x
@@ -58,7 +63,7 @@ def markdown(d) -> str:
     return "\n\n".join(p for p in parts if p)
 
 
-def _short(v) -> str:
+def _short(v: object) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     s = str(v)

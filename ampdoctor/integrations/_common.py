@@ -8,17 +8,23 @@ import math
 import numbers
 import os
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from . import env as E
+
+if TYPE_CHECKING:
+    from ..collect.session import Doctor
+    from ..rules.result import Diagnosis
 
 DEFAULT_NAME = "ampdoctor.db"
 log = logging.getLogger("ampdoctor")
 
 
-def numeric_items(metrics) -> list[tuple[str, float]]:
+def numeric_items(metrics: Mapping[Any, Any] | None) -> list[tuple[str, float]]:
     """(name, value) of the entries that are one real number (floats, ints, one-element tensors); others skipped."""
-    out = []
+    out: list[tuple[str, float]] = []
     for name, value in (metrics or {}).items():
         if hasattr(value, "numel") and hasattr(value, "item"):
             if value.numel() != 1:
@@ -29,7 +35,7 @@ def numeric_items(metrics) -> list[tuple[str, float]]:
     return out
 
 
-def trace_path(trace, folder) -> str:
+def trace_path(trace: str | None, folder: str | None) -> str:
     """The trace the user asked for, else ``ampdoctor.db`` in the framework's output folder."""
     if trace is not None:
         return trace
@@ -40,10 +46,10 @@ class MetricLog:
     """Sends a metric to the Doctor when its value changes: frameworks hand out the same dict of latest values
     again and again between two reports (a new report of exactly the same float is taken for a repeat)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._last: dict[str, object] = {}
 
-    def send(self, doctor, metrics) -> None:
+    def send(self, doctor: Doctor, metrics: Mapping[Any, Any] | None) -> None:
         for name, value in numeric_items(metrics):
             key = value if not math.isnan(value) else "nan"
             if self._last.get(name, None) != key:
@@ -56,12 +62,12 @@ class Plan:
     """What a callback does this run, code and environment together (the environment wins)."""
 
     trace: str | None
-    options: dict
+    options: dict[str, Any]
     export: object  # "loggers", None, or what attach(export=...) takes
     export_every: int | None
 
 
-def plan(trace, options: dict, export, export_every) -> Plan | None:
+def plan(trace: str | None, options: dict[str, Any], export: object, export_every: int | None) -> Plan | None:
     """The callback's settings with the AMPDOCTOR_* variables over them; None when ``AMPDOCTOR`` is off."""
     env = E.read()
     if env.switch is False:
@@ -81,7 +87,7 @@ class LoggerExport:
     """An Exporter over the framework's own loggers, polled on the training thread at the framework's log events
     (their writers are not made for other threads). Any failure warns once and stops it; training goes on."""
 
-    def __init__(self, doctor, sinks: list, every: int):
+    def __init__(self, doctor: Doctor, sinks: list[Any], every: int) -> None:
         from ..export import Exporter
 
         self.every = every
@@ -95,7 +101,7 @@ class LoggerExport:
         if not self._failed:
             self._guard(self.exporter.close)
 
-    def _guard(self, fn) -> None:
+    def _guard(self, fn: Callable[[], object]) -> None:
         if self._failed:
             return
         try:
@@ -109,11 +115,11 @@ class LoggerExport:
             )
 
 
-def doctor_rules(doctor):
+def doctor_rules(doctor: object) -> dict[str, Any] | None:
     options = getattr(doctor, "options", None)
     return getattr(options, "rules", None)
 
 
-def halt_line(finding, how: str) -> str:
+def halt_line(finding: Diagnosis, how: str) -> str:
     layer = f" in {finding.layers[0]}" if finding.layers else ""
     return f"ampdoctor: halting training ({how}): {finding.severity} {finding.rule}{layer}: {finding.summary}"

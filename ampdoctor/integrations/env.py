@@ -8,8 +8,14 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..collect.session import Doctor
 
 from ..severity import SEVERITIES
 
@@ -38,7 +44,7 @@ class Env:
 
     switch: bool | None = None
     trace: str | None = None
-    options: dict = field(default_factory=dict)  # attach() options
+    options: dict[str, Any] = field(default_factory=dict)  # attach() options
     export: str | None = None  # a spec, "loggers" or "none"
     export_every: int | None = None
 
@@ -51,7 +57,10 @@ def _quiet(name: str, value: str, accepts: str, then: str = "ignored") -> None:
     pass
 
 
-def _positive(name: str, value: str, warn=_warn) -> int | None:
+Warn = Callable[..., None]  # _warn or _quiet: (name, value, accepts[, then])
+
+
+def _positive(name: str, value: str, warn: Warn = _warn) -> int | None:
     try:
         n = int(value)
     except ValueError:
@@ -68,7 +77,7 @@ def read(environ: Mapping[str, str] | None = None, quiet: bool = False) -> Env:
     return _read(os.environ if environ is None else environ, _quiet if quiet else _warn)
 
 
-def _read(env: Mapping[str, str], warn) -> Env:
+def _read(env: Mapping[str, str], warn: Warn) -> Env:
     raw = env.get("AMPDOCTOR")
     switch = None
     if raw is not None:
@@ -80,7 +89,7 @@ def _read(env: Mapping[str, str], warn) -> Env:
         else:
             warn("AMPDOCTOR", raw, f"one of {', '.join(ON + OFF[:-1])}", "ampdoctor stays off")
             switch = False
-    options: dict = {}
+    options: dict[str, Any] = {}
     mode = env.get("AMPDOCTOR_MODE")
     if mode is not None:
         if mode.strip().lower() in MODES:
@@ -130,7 +139,7 @@ def _read(env: Mapping[str, str], warn) -> Env:
     return Env(switch, trace, options, export, every)
 
 
-def export_option(export, every: int | None):
+def export_option(export: Any, every: int | None) -> Any:
     """``export`` as attach() takes it, ``every`` applied to the string specs (None: nothing to export)."""
     if export is None or export is False or export == "none":
         return None
@@ -156,22 +165,22 @@ class NoDoctor:
     live = None
 
     @property
-    def findings(self) -> list:
+    def findings(self) -> list[Any]:
         return []
 
-    def log_batch_ids(self, ids) -> None:
+    def log_batch_ids(self, ids: Any) -> None:
         pass
 
     def fail(self, exc: BaseException) -> None:
         pass
 
-    def log_loss(self, loss) -> None:
+    def log_loss(self, loss: Any) -> None:
         pass
 
-    def log_metric(self, name: str, value, step: int | None = None) -> None:
+    def log_metric(self, name: str, value: Any, step: int | None = None) -> None:
         pass
 
-    def begin_batch(self, batch=None) -> None:
+    def begin_batch(self, batch: Any = None) -> None:
         pass
 
     def step(self) -> None:
@@ -183,17 +192,17 @@ class NoDoctor:
     def close(self) -> None:
         pass
 
-    def __enter__(self):
+    def __enter__(self) -> NoDoctor:
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc: object) -> Literal[False]:
         return False
 
     def __repr__(self) -> str:
         return "NoDoctor(ampdoctor is off: set AMPDOCTOR=1 to observe this run)"
 
 
-def auto(model, optimizer=None, scaler=None, **options):
+def auto(model: torch.nn.Module, optimizer: Any = None, scaler: Any = None, **options: Any) -> Doctor | NoDoctor:
     """``attach(model, ...)`` when ``AMPDOCTOR=1``, with the AMPDOCTOR_* variables over ``options``; else a
     NoDoctor that does nothing."""
     env = read()

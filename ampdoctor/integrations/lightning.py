@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING, Any
 
 try:
     from lightning.pytorch import Callback
@@ -29,25 +30,34 @@ from ..export import sinks as S
 from . import env as E
 from ._common import LoggerExport, MetricLog, halt_line, plan, trace_path
 
+if TYPE_CHECKING:
+    import torch
+
+    from ..collect.session import Doctor
+    from ..export.rows import Point
+    from ..rules.result import Diagnosis
+
 log = logging.getLogger("ampdoctor")
 
 # Lightning's loggers count the first optimizer step as step 0 (``trainer.global_step`` before it), as the trace does
 STEP_OFFSET = 0
 
 
-class AmpDoctorCallback(Callback):
+class AmpDoctorCallback(Callback):  # type: ignore[misc]  # (lightning is not followed by mypy: Any)
     """Observe a Lightning ``fit``. ``trace`` defaults to ``<default_root_dir>/ampdoctor.db``; ``export``:
     ``"loggers"`` (the Trainer's loggers, every ``log_every_n_steps``), None, or what ``attach(export=...)`` takes;
     ``options`` are attach()'s. The AMPDOCTOR_* environment variables override them all. With several optimizers
     (manual optimization) each training batch is one recorded step."""
 
-    def __init__(self, trace: str | None = None, *, export="loggers", export_every: int | None = None, **options):
+    def __init__(
+        self, trace: str | None = None, *, export: str = "loggers", export_every: int | None = None, **options: Any
+    ) -> None:
         self.trace = trace
         self.export = export
         self.export_every = export_every
         self.options = options
-        self.doctor = None
-        self.halted = None  # the finding that stopped training
+        self.doctor: Doctor | None = None
+        self.halted: Diagnosis | None = None  # the finding that stopped training
         self.checkpoint: str | None = None  # the checkpoint saved when it did
         self.from_env = False  # made by the entry point (AMPDOCTOR=1), not by the user's code
         self._manual_steps = False
@@ -56,7 +66,7 @@ class AmpDoctorCallback(Callback):
         self._export: LoggerExport | None = None
         self._trainer = None
 
-    def on_train_start(self, trainer, pl_module):
+    def on_train_start(self, trainer: Any, pl_module: torch.nn.Module) -> None:
         import ampdoctor
 
         self._close()
@@ -88,25 +98,27 @@ class AmpDoctorCallback(Callback):
             every = p.export_every or max(int(trainer.log_every_n_steps), 1)
             self._export = LoggerExport(self.doctor, [_logger_sink(lg, every) for lg in trainer.loggers], every)
 
-    def _on_halt(self, finding) -> None:
+    def _on_halt(self, finding: Diagnosis) -> None:
         """Called by the Doctor at the step boundary: Lightning stops after this batch (and saves a checkpoint)."""
         self.halted = finding
         log.warning(halt_line(finding, "trainer.should_stop"))
         if self._trainer is not None:
             self._trainer.should_stop = True
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+    def on_train_batch_start(self, trainer: Any, pl_module: torch.nn.Module, batch: Any, batch_idx: int) -> None:
         if self.doctor is not None:
             self.doctor.begin_batch(batch)
 
-    def on_before_backward(self, trainer, pl_module, loss):
+    def on_before_backward(self, trainer: Any, pl_module: torch.nn.Module, loss: Any) -> None:
         """The loss Lightning backpropagates (divided by accumulate_grad_batches); with a GradScaler it is read in
         scaler.scale() instead."""
         doc = self.doctor
         if doc is not None and not doc.scaler_enabled:
             doc.log_loss(loss)
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: torch.nn.Module, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         doc = self.doctor
         if doc is None:
             return
@@ -120,7 +132,7 @@ class AmpDoctorCallback(Callback):
         if self.halted is not None and self.checkpoint is None:
             self._save(trainer)
 
-    def _save(self, trainer) -> None:
+    def _save(self, trainer: Any) -> None:
         """The checkpoint to resume from with the fix, next to the Trainer's own (none when checkpointing is off)."""
         cb = trainer.checkpoint_callback
         if cb is None:
@@ -131,18 +143,18 @@ class AmpDoctorCallback(Callback):
         trainer.save_checkpoint(self.checkpoint)
         log.warning(f"ampdoctor: checkpoint saved to {self.checkpoint}")
 
-    def on_validation_end(self, trainer, pl_module):
+    def on_validation_end(self, trainer: Any, pl_module: torch.nn.Module) -> None:
         if self.doctor is not None and not trainer.sanity_checking:
             self._metrics.send(self.doctor, trainer.callback_metrics)
 
-    def on_train_epoch_end(self, trainer, pl_module):
+    def on_train_epoch_end(self, trainer: Any, pl_module: torch.nn.Module) -> None:
         if self.doctor is not None:  # epoch-level values (on_epoch=True) are logged at the epoch end
             self._metrics.send(self.doctor, trainer.logged_metrics)
 
-    def on_train_end(self, trainer, pl_module):
+    def on_train_end(self, trainer: Any, pl_module: torch.nn.Module) -> None:
         self._close()
 
-    def on_exception(self, trainer, pl_module, exception):
+    def on_exception(self, trainer: Any, pl_module: torch.nn.Module, exception: BaseException) -> None:
         self._close()
 
     def _close(self) -> None:
@@ -153,10 +165,10 @@ class AmpDoctorCallback(Callback):
             self._export = None
 
 
-def _logger_sink(logger, every: int) -> S.Sink:
+def _logger_sink(logger: Any, every: int) -> S.Sink:
     """A sink writing into one of the Trainer's loggers: TensorBoard's writer, the W&B run, the MLflow run (their
     findings as text, tables, alerts); any other Logger gets the figures through ``log_metrics``."""
-    kw = {"every": every, "step_offset": STEP_OFFSET}
+    kw: dict[str, Any] = {"every": every, "step_offset": STEP_OFFSET}
     name = type(logger).__name__
     if name == "TensorBoardLogger":
         return S.TensorBoard(writer=logger.experiment, **kw)
@@ -172,11 +184,11 @@ class _LoggerMetrics(S.Sink):
 
     kind = "logger"
 
-    def __init__(self, logger, **kw):
+    def __init__(self, logger: Any, **kw: Any) -> None:
         super().__init__(**kw)
         self.logger = logger
 
-    def write(self, points) -> None:
+    def write(self, points: list[Point]) -> None:
         for p in points:
             self.logger.log_metrics({self.prefix + n: v for n, v in p.values.items()}, step=p.step + self.step_offset)
 
@@ -186,7 +198,7 @@ class _LoggerMetrics(S.Sink):
             save()
 
 
-def env_callbacks() -> list:
+def env_callbacks() -> list[Any]:
     """The ``lightning.pytorch.callbacks_factory`` entry point: an AmpDoctorCallback for every Trainer when
     ``AMPDOCTOR=1`` (configured by the AMPDOCTOR_* variables), nothing otherwise."""
     if not E.read(quiet=True).switch:  # the callback reads (and checks) the variables at train start

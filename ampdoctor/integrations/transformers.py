@@ -14,6 +14,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,31 +29,47 @@ from ..export import sinks as S
 from . import env as E
 from ._common import LoggerExport, MetricLog, halt_line, plan, trace_path
 
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+    from ..collect.session import Doctor
+    from ..rules.result import Diagnosis
+
 log = logging.getLogger("ampdoctor")
 
 # The Trainer logs after its first optimizer step as global_step 1; the trace calls that step 0.
 STEP_OFFSET = 1
 
 
-class AmpDoctorCallback(TrainerCallback):
+class AmpDoctorCallback(TrainerCallback):  # type: ignore[misc]  # (transformers is not followed by mypy: Any)
     """Observe a ``Trainer`` run. ``trace`` defaults to ``<output_dir>/ampdoctor.db``; ``export``: ``"loggers"``
     (where ``report_to`` logs, at its ``logging_steps``), None, or what ``attach(export=...)`` takes; ``options`` are
     attach()'s (every, hist_every, include, halt_on, ...). The AMPDOCTOR_* environment variables override them.
     The Doctor of the current run is ``callback.doctor``."""
 
-    def __init__(self, trace: str | None = None, *, export="loggers", export_every: int | None = None, **options):
+    def __init__(
+        self, trace: str | None = None, *, export: str = "loggers", export_every: int | None = None, **options: Any
+    ) -> None:
         self.trace = trace
         self.export = export
         self.export_every = export_every
         self.options = options
-        self.doctor = None
-        self.halted = None  # the finding that stopped training
-        self._loss_hook = None
+        self.doctor: Doctor | None = None
+        self.halted: Diagnosis | None = None  # the finding that stopped training
+        self._loss_hook: RemovableHandle | None = None
         self._metrics = MetricLog()
         self._export: LoggerExport | None = None
         self._halt_pending = False
 
-    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+    def on_train_begin(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        model: Any = None,  # (the Trainer always passes its model)
+        optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
         import ampdoctor
 
         self._close()
@@ -81,7 +98,7 @@ class AmpDoctorCallback(TrainerCallback):
             if sinks:
                 self._export = LoggerExport(doc, sinks, max(every, 1))
 
-    def _watch_loss(self, module, args, output):
+    def _watch_loss(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         """The Trainer backpropagates the model's loss times a factor (1 / accumulation steps, or 1 when the model
         normalises by the whole step's tokens); the gradient reaching that loss is the factor, so loss * grad is
         exactly what the Trainer trains on and what it logs as ``loss`` (summed over the step's micro-batches)."""
@@ -96,32 +113,32 @@ class AmpDoctorCallback(TrainerCallback):
             )
             if isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad:
                 value = loss.detach()
-                loss.register_hook(lambda g: doc.log_loss(value.float() * g.float()))
+                loss.register_hook(lambda g: doc.log_loss(value.float() * g.float()))  # type: ignore[no-untyped-call]  # (unannotated in torch)
         except Exception as exc:  # never break training: the Doctor warns once and stops
             doc.fail(exc)
 
-    def _on_halt(self, finding) -> None:
+    def _on_halt(self, finding: Diagnosis) -> None:
         """Called by the Doctor at the step boundary; the Trainer is told at this step's on_step_end."""
         self.halted = finding
         self._halt_pending = True
         log.warning(halt_line(finding, "should_training_stop, with a checkpoint"))
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if self._halt_pending:
             self._halt_pending = False
             control.should_training_stop = True
             control.should_save = True  # the Trainer saves a checkpoint, then stops
         return control
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
         if self._export is not None:
             self._export.poll()
 
-    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+    def on_evaluate(self, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any) -> None:
         if self.doctor is not None:
             self._metrics.send(self.doctor, metrics)
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._close()
 
     def _close(self) -> None:
@@ -135,13 +152,13 @@ class AmpDoctorCallback(TrainerCallback):
             self._export = None
 
 
-def report_to_sinks(args, every: int) -> list:
+def report_to_sinks(args: Any, every: int) -> list[Any]:
     """Sinks for the integrations in ``args.report_to`` whose run is open: TensorBoard (a file of ampdoctor's next to
     the Trainer's in its log folder), the W&B run (plotted against ``train/global_step`` as the Trainer's logs are)
     and the active MLflow run; each at the Trainer's step numbers."""
     names = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to]
-    kw = {"every": every, "step_offset": STEP_OFFSET}
-    out: list = []
+    kw: dict[str, Any] = {"every": every, "step_offset": STEP_OFFSET}
+    out: list[Any] = []
     if "tensorboard" in names:
         out.append(S.TensorBoard(_tensorboard_dir(args), **kw))
     if "wandb" in names:
@@ -157,7 +174,7 @@ def report_to_sinks(args, every: int) -> list:
     return out
 
 
-def _tensorboard_dir(args) -> str:
+def _tensorboard_dir(args: Any) -> str:
     """The folder the Trainer's TensorBoard writer uses: the one holding an event file of this process (the writer
     names its files ``events.out.tfevents.<time>.<host>.<pid>.<n>``), else ``$TENSORBOARD_LOGGING_DIR`` or
     ``<output_dir>/runs/ampdoctor``."""
