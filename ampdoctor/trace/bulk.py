@@ -1,0 +1,192 @@
+"""Reads of the large tables (stats, hists, peaks) sized by what the file holds, never by the steps x sites it
+claims: the distinct steps of a table found by index seeks (not a scan of its rows), statistics of given steps for
+every site of a kind in one query, the histograms of many sites and steps in one query kept as concatenated counts,
+and the peaks rows streamed in chunks. Every value is checked as it is read (``checks.Invalid`` otherwise).
+Offline side: numpy only.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import checks
+from .schema import HIST_HI, HIST_LO
+
+N_BINADES = HIST_HI - HIST_LO + 1
+PEAK_CHUNK_VALUES = 1 << 22  # float32 peaks decoded at a time (16 MB), whatever the number of sites
+
+
+def distinct_steps(conn: sqlite3.Connection, table: str) -> np.ndarray:
+    """The steps (non-negative integers) that have rows in ``table`` (stats or hists: keyed by (step, site)), found by
+    one index seek per distinct step: ~12,000 seeks for a 10^6-step run, not a scan of its 10^7 rows."""
+    rows = conn.execute(
+        f"WITH RECURSIVE d(s) AS (SELECT (SELECT min(step) FROM {table} WHERE step >= 0) UNION ALL "
+        f"SELECT (SELECT min(step) FROM {table} WHERE step > d.s) FROM d WHERE d.s IS NOT NULL) "
+        "SELECT s FROM d WHERE s IS NOT NULL"
+    ).fetchall()
+    return np.array([r[0] for r in rows if isinstance(r[0], int)], dtype=np.int64)
+
+
+def _in_list(steps: np.ndarray) -> str:
+    return ",".join(str(int(s)) for s in steps)
+
+
+def stats_at(
+    conn: sqlite3.Connection, fields: tuple, steps: np.ndarray, ids: np.ndarray, fill: float = np.nan
+) -> dict[str, np.ndarray]:
+    """field -> [len(steps) x len(ids)] statistics at these steps (sorted, distinct) of these sites (sorted ids);
+    ``fill`` where a site has no row."""
+    out = {f: np.full((len(steps), len(ids)), fill) for f in fields}
+    if not len(steps) or not len(ids):
+        return out
+    cur = conn.execute(
+        f"SELECT step, site, {', '.join(fields)} FROM stats WHERE step IN ({_in_list(steps)}) "
+        f"AND site BETWEEN {int(ids[0])} AND {int(ids[-1])}"
+    )
+    while True:
+        rows = cur.fetchmany(65536)
+        if not rows:
+            break
+        arr = np.array(rows, dtype=np.float64)
+        where = arr[:, :2]
+        if not np.isfinite(where).all() or (where != np.floor(where)).any():
+            raise checks.Invalid("a stats row without an integer step and site")
+        i = np.searchsorted(steps, where[:, 0].astype(np.int64))
+        j = np.searchsorted(ids, where[:, 1].astype(np.int64))
+        i, j = np.minimum(i, len(steps) - 1), np.minimum(j, len(ids) - 1)
+        keep = (steps[i] == where[:, 0]) & (ids[j] == where[:, 1])
+        for k, f in enumerate(fields):
+            vals = arr[keep, 2 + k]
+            vals[np.isnan(vals)] = fill
+            out[f][i[keep], j[keep]] = vals
+    return out
+
+
+@dataclass
+class Hists:
+    """Exponent histograms of many (step, site) rows, stored as read: row r counts ``counts[offsets[r]:offsets[r+1]]``
+    for binades ``lo[r]``, ``lo[r] + 1``, ... (none of its 255 columns is stored where it is empty)."""
+
+    step: np.ndarray
+    site: np.ndarray
+    lo: np.ndarray
+    offsets: np.ndarray
+    counts: np.ndarray  # int64
+
+    def __len__(self) -> int:
+        return len(self.step)
+
+    def take(self, rows: np.ndarray) -> Hists:
+        """The given rows (indices), in that order."""
+        rows = np.asarray(rows, dtype=np.int64)
+        n = self.offsets[rows + 1] - self.offsets[rows]
+        starts = np.repeat(self.offsets[rows] - np.concatenate(([0], np.cumsum(n)[:-1])), n)
+        idx = starts + np.arange(int(n.sum()))
+        return Hists(
+            self.step[rows], self.site[rows], self.lo[rows], np.concatenate(([0], np.cumsum(n))), self.counts[idx]
+        )
+
+    @property
+    def cumulative(self) -> np.ndarray:
+        """Running sum of the counts with a 0 in front (float64: exact for counts below 2^53)."""
+        c = self.__dict__.get("_cum")
+        if c is None:
+            c = self.__dict__["_cum"] = np.concatenate(([0.0], np.cumsum(self.counts, dtype=np.float64)))
+        return c
+
+    def between(self, first: np.ndarray, stop: np.ndarray) -> np.ndarray:
+        """Per row, the values in binades first .. stop - 1 (binade numbers; broadcast per row)."""
+        n = self.offsets[1:] - self.offsets[:-1]
+        a = np.clip(np.asarray(first) - self.lo, 0, n)
+        b = np.clip(np.asarray(stop) - self.lo, 0, n)
+        b = np.maximum(a, b)
+        cum = self.cumulative
+        return cum[self.offsets[:-1] + b] - cum[self.offsets[:-1] + a]
+
+    @property
+    def totals(self) -> np.ndarray:
+        return self.between(HIST_LO, HIST_HI + 1)
+
+    def dense(self) -> np.ndarray:
+        """[rows x 255] counts (column j: binade j - 127); for a few rows at a time."""
+        out = np.zeros((len(self), N_BINADES), dtype=np.int64)
+        n = self.offsets[1:] - self.offsets[:-1]
+        r = np.repeat(np.arange(len(self)), n)
+        col = np.arange(len(self.counts)) - np.repeat(self.offsets[:-1], n) + np.repeat(self.lo - HIST_LO, n)
+        out[r, col] = self.counts
+        return out
+
+
+def hists_at(conn: sqlite3.Connection, steps: np.ndarray, ids: np.ndarray | None = None) -> Hists:
+    """The histograms at these steps (sorted) of these sites (sorted ids; None: all), in (step, site) order."""
+    if not len(steps) or (ids is not None and not len(ids)):
+        return _hists([])
+    where = f"step IN ({_in_list(steps)})"
+    if ids is not None:
+        where += f" AND site BETWEEN {int(ids[0])} AND {int(ids[-1])}"
+    rows = conn.execute(f"SELECT step, site, lo, counts FROM hists WHERE {where} ORDER BY step, site").fetchall()
+    h = _hists(rows)
+    if ids is not None and len(h):
+        j = np.minimum(np.searchsorted(ids, h.site), len(ids) - 1)
+        keep = ids[j] == h.site
+        if not keep.all():
+            h = h.take(np.flatnonzero(keep))
+    return h
+
+
+def hists_of(conn: sqlite3.Connection, site: int) -> Hists:
+    """Every histogram of one site: one index seek per histogram step (the table is keyed by step, then site)."""
+    rows = conn.execute(
+        "WITH RECURSIVE d(s) AS (SELECT (SELECT min(step) FROM hists WHERE step >= 0) UNION ALL "
+        "SELECT (SELECT min(step) FROM hists WHERE step > d.s) FROM d WHERE d.s IS NOT NULL) "
+        "SELECT h.step, h.site, h.lo, h.counts FROM d JOIN hists h ON h.step = d.s AND h.site = ? ORDER BY h.step",
+        (int(site),),
+    ).fetchall()
+    return _hists(rows)
+
+
+def _hists(rows: list) -> Hists:
+    if not rows:
+        z = np.zeros(0, dtype=np.int64)
+        return Hists(z, z, z, np.zeros(1, dtype=np.int64), z)
+    steps, sites, lo, blobs = zip(*rows)
+    if not all(isinstance(v, int) for v in steps + sites + lo) or not all(isinstance(b, bytes) for b in blobs):
+        raise checks.Invalid("a histogram row without an integer step, site and binade and int64 counts")
+    n = np.fromiter((len(b) for b in blobs), dtype=np.int64, count=len(blobs))
+    if (n % 8).any() or (n == 0).any():
+        raise checks.Invalid("a histogram row without int64 counts")
+    n //= 8
+    lo_a = np.array(lo, dtype=np.int64)
+    counts = np.frombuffer(b"".join(blobs), dtype="<i8").astype(np.int64)
+    if (lo_a < HIST_LO).any() or (lo_a + n - 1 > HIST_HI).any() or (counts < 0).any():
+        raise checks.Invalid(f"a histogram spans binades outside {HIST_LO}..{HIST_HI} or holds negative counts")
+    return Hists(
+        np.array(steps, dtype=np.int64),
+        np.array(sites, dtype=np.int64),
+        lo_a,
+        np.concatenate(([0], np.cumsum(n))),
+        counts,
+    )
+
+
+def peak_chunks(conn: sqlite3.Connection, n_steps: int, width: int):
+    """The peaks rows of steps 0 .. n_steps - 1 in step order, as (steps, float32 [k x width]) chunks (-1: a site not
+    observed, or beyond the row's sites)."""
+    cur = conn.execute("SELECT step, data FROM peaks WHERE step >= 0 AND step < ? ORDER BY step", (n_steps,))
+    per = max(16, PEAK_CHUNK_VALUES // max(width, 1))
+    while True:
+        rows = cur.fetchmany(per)
+        if not rows:
+            return
+        steps = np.empty(len(rows), dtype=np.int64)
+        out = np.full((len(rows), width), -1.0, dtype=np.float32)
+        for i, (step, blob) in enumerate(rows):
+            if not isinstance(step, int) or not isinstance(blob, bytes) or len(blob) % 4:
+                raise checks.Invalid(f"peaks of step {step!r:.20} are not float32 values")
+            steps[i] = step
+            arr = np.frombuffer(blob, dtype="<f4", count=min(len(blob) // 4, width))
+            out[i, : len(arr)] = arr
+        yield steps, out

@@ -1,0 +1,126 @@
+"""The steps table as a DataFrame, read in time linear in its rows and in memory bounded by them: the numbers of a
+chunk of rows go into numpy at once (no Python object kept per value), the learning-rate JSON is parsed once per
+change (a schedule changes it every step: a fast path for the usual one-group list), and the observation reason, which
+is "sentinel" on most steps, is read only where it is not. Every value read is checked as it is read (numbers, or the
+writer's 'nan' / 'inf' texts; JSON lists of numbers; text reasons): a malformed row is a ``checks.Invalid``.
+Offline side: no torch.
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+
+import numpy as np
+import pandas as pd
+
+from . import checks, schema
+
+CHUNK = 65536  # rows converted at a time: a few MB of Python objects whatever the length of the run
+TEXT_FIELDS = ("lr", "reason")
+NUMBER_FIELDS = tuple(f for f in schema.STEP_FIELDS if f not in TEXT_FIELDS and f != "step")
+FLOAT_FIELDS = (
+    "time",
+    "step_time",
+    "data_time",
+    "samples_per_s",
+    "loss",
+    "loss_scale",
+    "loss_scale_next",
+    "grad_norm",
+    "grad_max",
+    "observer_time",
+)
+INT_FIELDS = ("samples", "microbatches", "peak_mem", "level")  # integers, NaN where missing
+FLAG_FIELDS = ("skipped", "nonfinite")  # booleans, missing = False
+_JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+
+
+def read(conn: sqlite3.Connection, lr_groups: bool = True) -> pd.DataFrame:
+    """One row per step, columns as schema.STEP_FIELDS (``lr``: the first group's learning rate) plus ``lr_groups``
+    (every group's, as recorded) unless ``lr_groups`` is False. Run inside one read transaction (Trace.snapshot)."""
+    have = {r[1] for r in conn.execute("PRAGMA table_info(steps)")}
+    cols = [f if f in have else "NULL" for f in NUMBER_FIELDS]  # a trace from before the later columns
+    lr_col = "lr" if "lr" in have else "NULL"
+    n = conn.execute("SELECT count(*) FROM steps").fetchone()[0]
+    numbers = np.empty((n, len(NUMBER_FIELDS)))
+    lr = np.full(n, np.nan)
+    groups: list | None = [] if lr_groups else None
+    parsed = _LrParser()
+    cur = conn.execute(f"SELECT {','.join(cols)}, {lr_col} FROM steps ORDER BY step")
+    at = 0
+    while True:
+        rows = cur.fetchmany(CHUNK)
+        if not rows:
+            break
+        k = len(rows)
+        if at + k > n:
+            raise checks.Invalid("the steps table changed while it was read")
+        numbers[at : at + k] = np.array([r[:-1] for r in rows], dtype=np.float64)
+        texts = [r[-1] for r in rows]
+        lr[at : at + k] = parsed.first(texts, groups)
+        at += k
+    if at != n:
+        raise checks.Invalid("the steps table changed while it was read")
+    df = pd.DataFrame({"step": np.arange(n, dtype=np.int64)})
+    for i, f in enumerate(NUMBER_FIELDS):
+        col = numbers[:, i]
+        if f in FLAG_FIELDS:
+            df[f] = np.where(np.isnan(col), 0.0, col).astype(bool)
+        elif f in INT_FIELDS:
+            whole = (
+                not np.isnan(col).any() and bool((col == np.floor(col)).all()) and np.abs(col).max(initial=0) < 2**53
+            )
+            df[f] = col.astype(np.int64) if whole else col
+        else:
+            df[f] = col
+    df["lr"] = lr
+    df["reason"] = _reasons(conn, n, "reason" in have)
+    df = df[list(schema.STEP_FIELDS)]
+    if groups is not None:
+        df["lr_groups"] = groups
+    return df
+
+
+class _LrParser:
+    """Learning rates from the JSON lists the writer records, parsed once per distinct consecutive text."""
+
+    def __init__(self):
+        self.last_text: object = None
+        self.last = (np.nan, None)
+
+    def parse(self, text) -> tuple[float, list | None]:
+        if text is None or text == "":
+            return np.nan, None
+        if isinstance(text, str) and text[:1] == "[" and text[-1:] == "]" and _JSON_NUMBER.fullmatch(text[1:-1]):
+            v = float(text[1:-1])
+            return v, [v]
+        v = checks.parse_json(text, "steps.lr") if isinstance(text, str) else text
+        if not isinstance(v, list):
+            raise checks.Invalid(f"table steps: column lr holds {text!r:.40}: not a JSON list of numbers")
+        checks.check_value(v, [(checks.NUM, None)], "steps.lr")
+        return (float(v[0]) if v and v[0] is not None else np.nan), v
+
+    def first(self, texts: list, groups: list | None) -> np.ndarray:
+        out = np.empty(len(texts))
+        for i, t in enumerate(texts):
+            if t != self.last_text or type(t) is not type(self.last_text):
+                self.last = self.parse(t)
+                self.last_text = t
+            out[i] = self.last[0]
+            if groups is not None:
+                groups.append(self.last[1])
+        return out
+
+
+def _reasons(conn: sqlite3.Connection, n: int, have: bool) -> np.ndarray:
+    """Why each step observed what it did: "sentinel" on most steps, so only the other rows are read."""
+    out = np.full(n, "sentinel" if have else None, dtype=object)
+    if not have:
+        return out
+    for step, why in conn.execute("SELECT step, reason FROM steps WHERE reason IS NOT 'sentinel'"):
+        if why is not None and not isinstance(why, str):
+            raise checks.Invalid(f"table steps: column reason holds {why!r:.40}: not text")
+        if isinstance(step, int) and 0 <= step < n:
+            out[step] = why
+    return out
