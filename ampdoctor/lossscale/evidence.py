@@ -35,8 +35,7 @@ import pandas as pd
 
 from .. import formats
 from ..trace import Trace, load
-from ..trace.schema import ROOT
-from ..trace.view import View
+from ..trace.view import View, containers
 from .scaler import TORCH_DEFAULTS
 
 
@@ -242,21 +241,6 @@ def _histograms(view: View, grads, fp16, n_go: int, n: int) -> dict:
     step, edge, c = step[starts], edge[starts], np.add.reduceat(c, starts)
     bounds = np.flatnonzero(np.diff(step)) + 1
     return {int(s[0]): (e, cc) for s, e, cc in zip(np.split(step, bounds), np.split(edge, bounds), np.split(c, bounds))}
-
-
-def containers(paths) -> set:
-    """The module paths among ``paths`` whose output gradient is their last child's: a path some other path lies
-    under, and the root when there is any other module. Linear in the total length of the paths."""
-    present = set(paths)
-    out = {p.rsplit(".", 1)[0] for p in present if "." in p}
-    for p in list(out):
-        while "." in p:
-            p = p.rsplit(".", 1)[0]
-            out.add(p)
-    out &= present
-    if ROOT in present and len(present) > 1:
-        out.add(ROOT)
-    return out
 
 
 def open_trace(trace_or_path) -> Trace | View:

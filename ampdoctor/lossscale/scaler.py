@@ -190,8 +190,9 @@ def lost_many(ev, settings: list, advance=None, bound: float = math.inf) -> list
     for i in range(0, len(settings), group):
         part = settings[i : i + group]
         m = Machine(ev, part, [0] * len(part), bound=bound)
-        m.run(advance)
+        m.run(advance, shares)
         m.finish()
+        bound = m.bound  # tightened by the settings that finished
         under = np.full(m.h_scale.shape, np.nan)
         for j, t in enumerate(m.hsteps.tolist()):
             col = m.h_scale[:, j]

@@ -116,11 +116,11 @@ def culprits(run) -> list[tuple[str, str]]:
     half = acts[acts["dtype"].isin(formats.REDUCED) & (acts["path"] != ROOT)]
     if not len(half):
         return []
-    peaks = run.records("absmax", "act")
-    ids = acts["id"].to_numpy()
+    peaks = run.stat("absmax", "act")  # at the full-statistics steps read
+    column = {int(sid): j for j, sid in enumerate(acts["id"])}
     scored = []
     for _, site in half.iterrows():
-        j = int(np.flatnonzero(ids == site["id"])[0])
+        j = column[int(site["id"])]
         col = peaks[:, j]
         col = col[np.isfinite(col) & (col > 0)]
         if len(col):

@@ -91,10 +91,10 @@ class Hists:
 
     @property
     def cumulative(self) -> np.ndarray:
-        """Running sum of the counts with a 0 in front (float64: exact for counts below 2^53)."""
+        """Running sum of the counts with a 0 in front (int64: exact)."""
         c = self.__dict__.get("_cum")
         if c is None:
-            c = self.__dict__["_cum"] = np.concatenate(([0.0], np.cumsum(self.counts, dtype=np.float64)))
+            c = self.__dict__["_cum"] = np.concatenate(([0], np.cumsum(self.counts, dtype=np.int64)))
         return c
 
     def between(self, first: np.ndarray, stop: np.ndarray) -> np.ndarray:
@@ -104,7 +104,7 @@ class Hists:
         b = np.clip(np.asarray(stop) - self.lo, 0, n)
         b = np.maximum(a, b)
         cum = self.cumulative
-        return cum[self.offsets[:-1] + b] - cum[self.offsets[:-1] + a]
+        return (cum[self.offsets[:-1] + b] - cum[self.offsets[:-1] + a]).astype(np.float64)
 
     @property
     def totals(self) -> np.ndarray:

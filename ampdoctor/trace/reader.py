@@ -82,14 +82,15 @@ class Trace:
 
     def _check_table(self, table: str) -> None:
         """The values of a small table (events, metrics, probes) of a large file, checked before it is read: the rows
-        added since the last check."""
-        if self._full_check:
+        added since the last check (probes, a table without rowids: all of them when their number changed)."""
+        if self._full_check or not self._has(table):
             return
-        top = self._query(f"SELECT max(rowid) FROM {table}")[0][0] if self._has(table) else None
+        rowid = table != "probes"
+        top = self._query(f"SELECT max(rowid) FROM {table}" if rowid else f"SELECT count(*) FROM {table}")[0][0]
         if top is None or top == self._checked_rows.get(table):
             return
         n_sites = self._query("SELECT count(*) FROM sites")[0][0]
-        after = {table: self._checked_rows[table]} if table in self._checked_rows else None
+        after = {table: self._checked_rows[table]} if rowid and table in self._checked_rows else None
         self._checked(checks.check_values, self._conn, (table,), n_sites, self.n_steps, after)
         self._checked_rows[table] = top
 

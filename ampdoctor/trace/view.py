@@ -18,6 +18,7 @@ import pandas as pd
 from . import peaks as P
 from .bulk import Hists
 from .reader import Trace
+from .schema import ROOT
 
 # Full-statistics or histogram steps a median over steps rests on at most (a 10^6-step run at the default tiers has
 # ~12,500 and ~7,500): the median of 256 evenly spaced steps moves by a few percent of the spread at most.
@@ -181,7 +182,22 @@ class View:
 
     def per_step(self, rows: np.ndarray, fill) -> np.ndarray:
         """A per-row array of the scan spread over every step (``fill`` for the steps without a peaks row)."""
-        out = np.full(self.n_steps, fill, dtype=np.asarray(rows).dtype if len(rows) else float)
+        out = np.full(self.n_steps, fill, dtype=np.asarray(rows).dtype)
         ok = self.scan.steps < self.n_steps
         out[self.scan.steps[ok]] = rows[ok]
         return out
+
+
+def containers(paths) -> set:
+    """The module paths among ``paths`` whose output gradient is their last child's: a path some other path lies
+    under, and the root when there is any other module. Linear in the total length of the paths."""
+    present = set(paths)
+    out = {p.rsplit(".", 1)[0] for p in present if "." in p}
+    for p in list(out):
+        while "." in p:
+            p = p.rsplit(".", 1)[0]
+            out.add(p)
+    out &= present
+    if ROOT in present and len(present) > 1:
+        out.add(ROOT)
+    return out
