@@ -537,3 +537,64 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def sparse(path: str, *, steps: int = 10_000, sites: int = 10_000, rows: int = 2_000, seed: int = 0) -> str:
+    """A small but valid trace that claims many steps and sites and holds little: ``steps`` sentinel steps (a
+    few observed), ``sites`` act sites, ``rows`` statistics rows and histograms scattered one per (step, site) on a
+    diagonal, a few peaks rows. What a reader must not turn into a [steps x sites] array (10^8 cells, 0.8 GB each)."""
+    rng = np.random.default_rng(seed)
+    path = newfile.claim(path, False)
+    conn = newfile.open_new(path)
+    try:
+        c = conn
+        c.execute("BEGIN")
+        meta = {
+            "run": {"model": "Wide", "device": "cuda", "mode": "default", "every": 100, "peak_every": 10},
+            "config": {
+                "autocast": {"enabled": True, "dtype": "float16", "device_type": "cuda"},
+                "scaler": {
+                    "class": "GradScaler",
+                    "enabled": True,
+                    "init_scale": 65536.0,
+                    "growth_factor": 2.0,
+                    "backoff_factor": 0.5,
+                    "growth_interval": 2000,
+                },
+            },
+        }
+        c.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", [(k, json.dumps(v)) for k, v in meta.items()])
+        c.executemany(
+            "INSERT INTO sites (id, path, module, kind, module_type, dtype, shape, first_step) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            [(i, f"m{i}", f"m{i}", "act", "Linear", "float16", "8x8", 0) for i in range(sites)],
+        )
+        level = np.full(steps, schema.LEVEL_SENTINEL)
+        diag = np.linspace(0, steps - 1, rows).astype(int)
+        level[diag] = schema.LEVEL_HIST
+        c.executemany(
+            "INSERT INTO steps (step, loss, loss_scale, loss_scale_next, skipped, level, nonfinite, reason) "
+            "VALUES (?, ?, 65536.0, 65536.0, 0, ?, 0, ?)",
+            [
+                (t, float(2.0 + rng.random()), int(level[t]), "sampled" if level[t] >= 0 else "sentinel")
+                for t in range(steps)
+            ],
+        )
+        site = np.linspace(0, sites - 1, rows).astype(int)
+        vals = [
+            (int(t), int(s), 1.0, 1, 64.0, 0.0, 0.0, 0.0, 1.0, 0.01, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+            for t, s in zip(diag, site)
+        ]
+        c.executemany(f"INSERT OR IGNORE INTO stats VALUES ({','.join('?' * 18)})", vals)
+        counts = np.array([4, 20, 30, 10], dtype="<i8").tobytes()
+        c.executemany(
+            "INSERT OR IGNORE INTO hists VALUES (?, ?, -3, ?)", [(int(t), int(s), counts) for t, s in zip(diag, site)]
+        )
+        blob = np.full(sites, -1.0, dtype="<f4")
+        blob[:: max(1, sites // 100)] = 1.5
+        c.executemany("INSERT INTO peaks (step, data) VALUES (?, ?)", [(int(t), blob.tobytes()) for t in diag[:5]])
+        c.execute("COMMIT")
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    finally:
+        conn.close()
+    return path

@@ -16,9 +16,12 @@ import math
 
 import numpy as np
 
+from .stepper import run_one
+
 F32_MAX = float(np.finfo(np.float32).max)
 WINDOW_MIN, WINDOW_MAX = 8, 1 << 16  # steps looked ahead at once (decided one by one: at most 2 * BLOCK)
 BLOCK = 64  # steps whose decisions a block floor settles at once
+CHECKPOINT = 4096  # steps between the points where the settings of a family compare their states
 
 
 def f32(x):
@@ -37,6 +40,8 @@ def _pow2(g: float) -> bool:
 class Machine:
     """Settings stepped side by side (``run``); ``record`` keeps every step of each (``simulate``'s Replay arrays),
     otherwise only the histogram steps' scales and skips (what ``lost`` needs)."""
+
+    BLOCK = BLOCK
 
     def __init__(self, ev, settings: list, trackers: list, record: bool = False, bound: float = math.inf):
         m = len(settings)
@@ -169,25 +174,56 @@ class Machine:
     # -- stepping --------------------------------------------------------------------------------------------------
     def run(self, advance=None, shares=None) -> None:
         """Step every setting to the end (or until dropped). ``shares``: the underflow shares of a histogram at a
-        scale (scaler.shares): with it, a setting that finishes tightens the bound to its own loss."""
-        done_before, rounds = 0, 0
+        scale (scaler.shares): with it, a setting that finishes tightens the bound to its own loss.
+
+        The settings of one family (interval and factors: those that can meet in one state) wait for each other at
+        every CHECKPOINT-th step, where the ones in the same state merge; families do not wait for each other."""
+        told = [0]
+
+        def tell() -> None:  # settings done since the last call
+            if advance is not None:
+                done = int((~self.active).sum())
+                if done > told[0]:
+                    advance(done - told[0])
+                    told[0] = done
+
+        _, family = np.unique(np.stack([self.interval, self.growth, self.backoff], axis=1), axis=0, return_inverse=True)
+        family = family.reshape(-1)
+        target = np.full(family.max() + 1 if len(family) else 0, CHECKPOINT, dtype=np.int64)
         self._prune(np.flatnonzero(self.active))
         while True:
             alive = np.flatnonzero(self.active)
             if not len(alive):
+                tell()
                 break
-            self._step(alive, self.window[alive])
-            rounds += 1
-            if rounds % 4 == 0:
-                self._merge()
+            if not self.record:  # a family down to one setting: stepped alone, in plain Python (stepper.py)
+                fam, count = np.unique(family[alive], return_counts=True)
+                single = alive[np.isin(family[alive], fam[count == 1])]
+                for k in single[np.argsort(-self.interval[single], kind="stable")].tolist():  # calm ones first
+                    run_one(self, k)
+                    if shares is not None and math.isfinite(self.bound) and not self.pruned[k]:
+                        self.bound = min(self.bound, self.lost(k, shares))
+                alive = np.flatnonzero(self.active)
+                if not len(alive):
+                    tell()
+                    break
+            stop = np.minimum(target[family[alive]], self.n)
+            moving = self.pos[alive] < stop
+            if moving.any():
+                c = alive[moving]
+                small = self.window[c] <= 2 * BLOCK  # settings that skip often, apart from those that jump far
+                for part in (c[small], c[~small]):
+                    if len(part):
+                        self._step(part, self.window[part], np.minimum(target[family[part]], self.n))
+            arrived = np.setdiff1d(family[alive], family[alive[moving]])  # families all at their checkpoint
+            for f in arrived.tolist():
+                self._merge(alive[family[alive] == f])
+                target[f] += CHECKPOINT
             if shares is not None and math.isfinite(self.bound):
-                for k in alive[~self.active[alive] & ~self.pruned[alive]].tolist():
+                done_now = alive[~self.active[alive] & ~self.pruned[alive] & (self.pos[alive] >= self.n)]
+                for k in done_now.tolist():  # (merged ones are inactive too, but not done)
                     self.bound = min(self.bound, self.lost(k, shares))
-            if advance is not None:
-                done = int((~self.active).sum())
-                if done > done_before:
-                    advance(done - done_before)
-                    done_before = done
+            tell()
 
     def lost(self, k: int, shares) -> float:
         """``Replay.lost`` of setting k from its histogram steps (after ``finish`` for a merged one)."""
@@ -205,7 +241,8 @@ class Machine:
         n = self.n
         return (int(self.sk[k]) + (n - int(self.sk[k])) * (0.0 if math.isnan(mean) else mean)) / n if n else math.nan
 
-    def _step(self, c: np.ndarray, widths) -> None:
+    def _step(self, c: np.ndarray, widths, stop: np.ndarray) -> None:
+        """Settings ``c`` to their next skip, or ``widths`` steps on, never past ``stop``."""
         n = self.n
         pos = self.pos[c]
         rows = np.arange(len(c))
@@ -221,11 +258,11 @@ class Machine:
             ok &= col < (widths // BLOCK + 1)[:, None]  # each setting looks as far ahead as its own window
             fail = np.where(ok.all(axis=1), nb, ok.argmin(axis=1))
             safe = np.where(fail == 0, 0, (pos // BLOCK + fail) * BLOCK - pos)
-            safe = np.clip(safe, 0, n - pos)
+            safe = np.clip(safe, 0, stop - pos)
             width = min(width, 2 * BLOCK)
         off = safe[:, None] + np.arange(width + 1)[None, :]  # one more: the scale after, when nothing skips
         idx = pos[:, None] + off[:, :width]
-        valid = idx < n
+        valid = idx < stop[:, None]
         sched = self._schedule(c, off)
         s = sched[:, :width]
         skip, est = self._decide(s, np.minimum(idx, n - 1))
@@ -273,9 +310,9 @@ class Machine:
         self.pruned[c[hopeless]] = True
         self.active[c[hopeless]] = False
 
-    def _merge(self) -> None:
+    def _merge(self, alive: np.ndarray) -> None:
         """Settings in the same state from here on run as one (the first of them)."""
-        alive = np.flatnonzero(self.active)
+        alive = alive[self.active[alive]]
         if len(alive) < 2 or self.record:
             return
         key = np.stack(

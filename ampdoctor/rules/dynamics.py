@@ -9,6 +9,7 @@ import numpy as np
 
 from .. import formats
 from ..lossscale import TORCH_DEFAULTS
+from ..trace.reduce import theil_sen
 from . import advice as A
 from .fix import code, text
 from .result import finding
@@ -53,12 +54,9 @@ TREND_POINTS = 2048
 def _trend(y: np.ndarray, x: np.ndarray) -> tuple[float, float, float]:
     """(slope, low, high): Theil-Sen slope of y over x (sorted) with its confidence interval; over TREND_POINTS
     medians of consecutive runs of points when there are more."""
-    from scipy.stats import theilslopes  # scipy only when a trend is actually fitted
-
     if len(y) > TREND_POINTS:
         x, y = _run_medians(np.asarray(x, dtype=float), np.asarray(y, dtype=float), TREND_POINTS)
-    r = theilslopes(y, x, alpha=CONFIDENCE)
-    return float(r.slope), float(r.low_slope), float(r.high_slope)
+    return theil_sen(y, x, alpha=CONFIDENCE)
 
 
 def _run_medians(x: np.ndarray, y: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -16,7 +16,7 @@ from . import checks
 from .schema import HIST_HI, HIST_LO
 
 N_BINADES = HIST_HI - HIST_LO + 1
-PEAK_CHUNK_VALUES = 1 << 22  # float32 peaks decoded at a time (16 MB), whatever the number of sites
+PEAK_CHUNK_VALUES = 1 << 20  # float32 peaks decoded at a time (4 MB), whatever the number of sites
 
 
 def distinct_steps(conn: sqlite3.Connection, table: str) -> np.ndarray:

@@ -158,9 +158,9 @@ class Trace:
         rows = self._query(sql + " ORDER BY id", args)
         if any(not isinstance(r[0], int) or not isinstance(r[1], str) or not isinstance(r[2], str) for r in rows):
             raise TraceError(f"{self.path}: corrupt trace (a site without an integer id, a path or a module)")
-        return pd.DataFrame(
-            rows, columns=["id", "path", "module", "kind", "module_type", "dtype", "shape", "first_step"]
-        )
+        df = pd.DataFrame(rows, columns=["id", "path", "module", "kind", "module_type", "dtype", "shape", "first_step"])
+        df["id"] = df["id"].astype(np.int64)  # (an empty table's columns would be objects)
+        return df
 
     def metrics(self, name: str | None = None) -> pd.DataFrame:
         """Logged scalars (log_metric): step, name, value, time."""

@@ -34,6 +34,13 @@ FLOAT_FIELDS = (
 INT_FIELDS = ("samples", "microbatches", "peak_mem", "level")  # integers, NaN where missing
 FLAG_FIELDS = ("skipped", "nonfinite")  # booleans, missing = False
 _JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+# The first group's learning rate, parsed by SQLite (no Python string per step): a JSON list whose first item is a
+# number (or null, or none: NaN); any other text becomes a text that the conversion to numbers refuses. (The other
+# groups are checked where they are read: ``lr_groups``.)
+FIRST_LR = (
+    "CASE WHEN lr IS NULL THEN NULL WHEN json_type(lr) = 'array' AND coalesce(json_type(lr, '$[0]'), 'null') IN "
+    "('integer', 'real', 'null') THEN json_extract(lr, '$[0]') ELSE 'steps.lr: not a JSON list of numbers' END"
+)
 
 
 def read(conn: sqlite3.Connection, lr_groups: bool = True) -> pd.DataFrame:
@@ -41,12 +48,11 @@ def read(conn: sqlite3.Connection, lr_groups: bool = True) -> pd.DataFrame:
     (every group's, as recorded) unless ``lr_groups`` is False. Run inside one read transaction (Trace.snapshot)."""
     have = {r[1] for r in conn.execute("PRAGMA table_info(steps)")}
     cols = [f if f in have else "NULL" for f in NUMBER_FIELDS]  # a trace from before the later columns
-    lr_col = "lr" if "lr" in have else "NULL"
     n = conn.execute("SELECT count(*) FROM steps").fetchone()[0]
-    numbers = np.empty((n, len(NUMBER_FIELDS)))
-    lr = np.full(n, np.nan)
+    numbers = np.empty((n, len(NUMBER_FIELDS) + 1))  # the last column: the learning rate parsed by SQLite
     groups: list | None = [] if lr_groups else None
     parsed = _LrParser()
+    lr_col = ("lr" if lr_groups else FIRST_LR) if "lr" in have else "NULL"
     cur = conn.execute(f"SELECT {','.join(cols)}, {lr_col} FROM steps ORDER BY step")
     at = 0
     while True:
@@ -56,9 +62,11 @@ def read(conn: sqlite3.Connection, lr_groups: bool = True) -> pd.DataFrame:
         k = len(rows)
         if at + k > n:
             raise checks.Invalid("the steps table changed while it was read")
-        numbers[at : at + k] = np.array([r[:-1] for r in rows], dtype=np.float64)
-        texts = [r[-1] for r in rows]
-        lr[at : at + k] = parsed.first(texts, groups)
+        if groups is None:
+            numbers[at : at + k] = np.array(rows, dtype=np.float64)
+        else:
+            numbers[at : at + k, :-1] = np.array([r[:-1] for r in rows], dtype=np.float64)
+            numbers[at : at + k, -1] = parsed.first([r[-1] for r in rows], groups)
         at += k
     if at != n:
         raise checks.Invalid("the steps table changed while it was read")
@@ -74,7 +82,7 @@ def read(conn: sqlite3.Connection, lr_groups: bool = True) -> pd.DataFrame:
             df[f] = col.astype(np.int64) if whole else col
         else:
             df[f] = col
-    df["lr"] = lr
+    df["lr"] = numbers[:, -1]
     df["reason"] = _reasons(conn, n, "reason" in have)
     df = df[list(schema.STEP_FIELDS)]
     if groups is not None:
@@ -118,9 +126,15 @@ def _reasons(conn: sqlite3.Connection, n: int, have: bool) -> np.ndarray:
     out = np.full(n, "sentinel" if have else None, dtype=object)
     if not have:
         return out
-    for step, why in conn.execute("SELECT step, reason FROM steps WHERE reason IS NOT 'sentinel'"):
-        if why is not None and not isinstance(why, str):
-            raise checks.Invalid(f"table steps: column reason holds {why!r:.40}: not text")
-        if isinstance(step, int) and 0 <= step < n:
-            out[step] = why
+    rows = conn.execute(
+        "SELECT step, reason FROM steps WHERE reason IS NOT 'sentinel' AND typeof(step) = 'integer' "
+        "AND step >= 0 AND step < ?",
+        (n,),
+    ).fetchall()
+    if rows:
+        steps, why = zip(*rows)
+        bad = [w for w in set(why) if w is not None and not isinstance(w, str)]
+        if bad:
+            raise checks.Invalid(f"table steps: column reason holds {bad[0]!r:.40}: not text")
+        out[np.array(steps, dtype=np.int64)] = np.array(why, dtype=object)
     return out

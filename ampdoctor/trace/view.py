@@ -23,6 +23,9 @@ from .schema import ROOT
 # Full-statistics or histogram steps a median over steps rests on at most (a 10^6-step run at the default tiers has
 # ~12,500 and ~7,500): the median of 256 evenly spaced steps moves by a few percent of the spread at most.
 MAX_STEPS = 256
+# A file whose steps hold rows for few of its sites (at most 1 in 16: a crafted or very sparse trace) is read at fewer
+# steps, so that no [steps x sites] array exceeds this many cells: memory follows what the file holds.
+SPARSE_CELLS = 1 << 18
 STAT_FIELDS = ("numel", "zeros", "absmax", "rms", "scale", "fp16_sub", "fp16_flush")  # read together
 
 
@@ -84,7 +87,18 @@ class View:
     @cached_property
     def stat_steps(self) -> np.ndarray:
         """The full-statistics steps the statistics are read at: all of them, or MAX_STEPS evenly spaced."""
-        return sample(self.full_steps)
+        return sample(self.full_steps, self._cap("stats", self.full_steps))
+
+    def _cap(self, table: str, steps: np.ndarray) -> int:
+        """MAX_STEPS, or fewer for a table whose steps hold rows of few sites (SPARSE_CELLS)."""
+        n_sites = len(self.sites())
+        if len(steps) <= 4 or n_sites * MAX_STEPS <= SPARSE_CELLS:
+            return MAX_STEPS
+        probe = sample(steps, 16)
+        rows = self.trace._query(f"SELECT count(*) FROM {table} WHERE step IN ({','.join(map(str, probe.tolist()))})")
+        if rows[0][0] * 16 >= n_sites * len(probe):
+            return MAX_STEPS
+        return max(4, min(MAX_STEPS, SPARSE_CELLS // n_sites))
 
     def stat(self, field: str, kind: str, steps: np.ndarray | None = None) -> np.ndarray:
         """[len(steps) x sites(kind)] of one statistic at ``steps`` (default: stat_steps), NaN where none."""
@@ -102,7 +116,8 @@ class View:
     def hist_steps(self) -> np.ndarray:
         """The histogram steps read: all of them, or MAX_STEPS evenly spaced."""
         hs = self.trace.hist_steps()
-        return sample(hs[hs < self.n_steps])
+        hs = hs[hs < self.n_steps]
+        return sample(hs, self._cap("hists", hs))
 
     @cached_property
     def hists(self) -> Hists:
