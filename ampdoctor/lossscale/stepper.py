@@ -12,7 +12,14 @@ import numpy as np
 PRUNE_EVERY = 4096  # steps between two looks at the bound
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+_F32_TINY = float(np.finfo(np.float32).tiny)
+
+
 def _f32(x: float) -> float:
+    """Round to FP32 (beyond its max: inf). A power-of-two multiple of an FP32 value in the normal range is one."""
+    if _F32_TINY <= x <= _F32_MAX and math.frexp(x)[0] == 0.5:
+        return x
     with np.errstate(over="ignore", under="ignore"):
         return float(np.float32(x))
 

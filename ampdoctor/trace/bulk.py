@@ -19,15 +19,28 @@ N_BINADES = HIST_HI - HIST_LO + 1
 PEAK_CHUNK_VALUES = 1 << 20  # float32 peaks decoded at a time (4 MB), whatever the number of sites
 
 
-def distinct_steps(conn: sqlite3.Connection, table: str) -> np.ndarray:
-    """The steps (non-negative integers) that have rows in ``table`` (stats or hists: keyed by (step, site)), found by
-    one index seek per distinct step: ~12,000 seeks for a 10^6-step run, not a scan of its 10^7 rows."""
+def check_steps(conn: sqlite3.Connection, table: str, n_steps: int) -> None:
+    """Every row of ``table`` (keyed by step first) names a recorded step: its smallest and largest step, two index
+    seeks (a text or real step sorts apart from the integers: it shows there, or among the distinct steps)."""
+    lo, hi = conn.execute(f"SELECT min(step), max(step) FROM {table}").fetchone()
+    for v in (lo, hi):
+        if v is not None and not (isinstance(v, int) and 0 <= v < n_steps):
+            raise checks.Invalid(f"table {table}: column step holds {v!r:.20}: not a recorded step")
+
+
+def distinct_steps(conn: sqlite3.Connection, table: str, n_steps: int) -> np.ndarray:
+    """The steps that have rows in ``table`` (stats or hists: keyed by (step, site)), found by one index seek per
+    distinct step: ~12,000 seeks for a 10^6-step run, not a scan of its 10^7 rows."""
+    check_steps(conn, table, n_steps)
     rows = conn.execute(
-        f"WITH RECURSIVE d(s) AS (SELECT (SELECT min(step) FROM {table} WHERE step >= 0) UNION ALL "
+        f"WITH RECURSIVE d(s) AS (SELECT (SELECT min(step) FROM {table}) UNION ALL "
         f"SELECT (SELECT min(step) FROM {table} WHERE step > d.s) FROM d WHERE d.s IS NOT NULL) "
         "SELECT s FROM d WHERE s IS NOT NULL"
     ).fetchall()
-    return np.array([r[0] for r in rows if isinstance(r[0], int)], dtype=np.int64)
+    bad = [r[0] for r in rows if not isinstance(r[0], int)]
+    if bad:
+        raise checks.Invalid(f"table {table}: column step holds {bad[0]!r:.20}: not a recorded step")
+    return np.array([r[0] for r in rows], dtype=np.int64)
 
 
 def _in_list(steps: np.ndarray) -> str:
@@ -35,17 +48,14 @@ def _in_list(steps: np.ndarray) -> str:
 
 
 def stats_at(
-    conn: sqlite3.Connection, fields: tuple, steps: np.ndarray, ids: np.ndarray, fill: float = np.nan
+    conn: sqlite3.Connection, fields: tuple, steps: np.ndarray, ids: np.ndarray, n_sites: int, fill: float = np.nan
 ) -> dict[str, np.ndarray]:
     """field -> [len(steps) x len(ids)] statistics at these steps (sorted, distinct) of these sites (sorted ids);
-    ``fill`` where a site has no row."""
+    ``fill`` where a site has no row. Every row of those steps is read and its site checked (of ``n_sites``)."""
     out = {f: np.full((len(steps), len(ids)), fill) for f in fields}
     if not len(steps) or not len(ids):
         return out
-    cur = conn.execute(
-        f"SELECT step, site, {', '.join(fields)} FROM stats WHERE step IN ({_in_list(steps)}) "
-        f"AND site BETWEEN {int(ids[0])} AND {int(ids[-1])}"
-    )
+    cur = conn.execute(f"SELECT step, site, {', '.join(fields)} FROM stats WHERE step IN ({_in_list(steps)})")
     while True:
         rows = cur.fetchmany(65536)
         if not rows:
@@ -54,6 +64,8 @@ def stats_at(
         where = arr[:, :2]
         if not np.isfinite(where).all() or (where != np.floor(where)).any():
             raise checks.Invalid("a stats row without an integer step and site")
+        if (where[:, 1] < 0).any() or (where[:, 1] >= n_sites).any():
+            raise checks.Invalid("table stats: column site holds a value that is not a site id")
         i = np.searchsorted(steps, where[:, 0].astype(np.int64))
         j = np.searchsorted(ids, where[:, 1].astype(np.int64))
         i, j = np.minimum(i, len(steps) - 1), np.minimum(j, len(ids) - 1)
@@ -120,15 +132,17 @@ class Hists:
         return out
 
 
-def hists_at(conn: sqlite3.Connection, steps: np.ndarray, ids: np.ndarray | None = None) -> Hists:
-    """The histograms at these steps (sorted) of these sites (sorted ids; None: all), in (step, site) order."""
+def hists_at(conn: sqlite3.Connection, steps: np.ndarray, n_sites: int, ids: np.ndarray | None = None) -> Hists:
+    """The histograms at these steps (sorted) of these sites (sorted ids; None: all), in (step, site) order. Every
+    row of those steps is read and its site checked (of ``n_sites``)."""
     if not len(steps) or (ids is not None and not len(ids)):
         return _hists([])
-    where = f"step IN ({_in_list(steps)})"
-    if ids is not None:
-        where += f" AND site BETWEEN {int(ids[0])} AND {int(ids[-1])}"
-    rows = conn.execute(f"SELECT step, site, lo, counts FROM hists WHERE {where} ORDER BY step, site").fetchall()
+    rows = conn.execute(
+        f"SELECT step, site, lo, counts FROM hists WHERE step IN ({_in_list(steps)}) ORDER BY step, site"
+    ).fetchall()
     h = _hists(rows)
+    if len(h) and ((h.site < 0).any() or (h.site >= n_sites).any()):
+        raise checks.Invalid("table hists: column site holds a value that is not a site id")
     if ids is not None and len(h):
         j = np.minimum(np.searchsorted(ids, h.site), len(ids) - 1)
         keep = ids[j] == h.site
@@ -137,15 +151,23 @@ def hists_at(conn: sqlite3.Connection, steps: np.ndarray, ids: np.ndarray | None
     return h
 
 
-def hists_of(conn: sqlite3.Connection, site: int) -> Hists:
-    """Every histogram of one site: one index seek per histogram step (the table is keyed by step, then site)."""
+def hists_of(conn: sqlite3.Connection, site: int, n_sites: int, n_steps: int) -> Hists:
+    """Every histogram of one site: one index seek per histogram step (the table is keyed by step, then site), and
+    two more for the smallest and largest site of that step (a row of no site: the file is corrupt)."""
+    check_steps(conn, "hists", n_steps)
     rows = conn.execute(
-        "WITH RECURSIVE d(s) AS (SELECT (SELECT min(step) FROM hists WHERE step >= 0) UNION ALL "
+        "WITH RECURSIVE d(s) AS (SELECT (SELECT min(step) FROM hists) UNION ALL "
         "SELECT (SELECT min(step) FROM hists WHERE step > d.s) FROM d WHERE d.s IS NOT NULL) "
-        "SELECT h.step, h.site, h.lo, h.counts FROM d JOIN hists h ON h.step = d.s AND h.site = ? ORDER BY h.step",
+        "SELECT d.s, (SELECT min(site) FROM hists WHERE step = d.s), (SELECT max(site) FROM hists WHERE step = d.s), "
+        "h.site, h.lo, h.counts FROM d LEFT JOIN hists h ON h.step = d.s AND h.site = ? WHERE d.s IS NOT NULL "
+        "ORDER BY d.s",
         (int(site),),
     ).fetchall()
-    return _hists(rows)
+    for _, lo, hi, *_ in rows:
+        for v in (lo, hi):
+            if not (isinstance(v, int) and 0 <= v < n_sites):
+                raise checks.Invalid(f"table hists: column site holds {v!r:.20}: not a site id")
+    return _hists([(r[0], r[3], r[4], r[5]) for r in rows if r[3] is not None])
 
 
 def _hists(rows: list) -> Hists:
@@ -175,18 +197,25 @@ def _hists(rows: list) -> Hists:
 def peak_chunks(conn: sqlite3.Connection, n_steps: int, width: int):
     """The peaks rows of steps 0 .. n_steps - 1 in step order, as (steps, float32 [k x width]) chunks (-1: a site not
     observed, or beyond the row's sites)."""
+    check_steps(conn, "peaks", n_steps)
     cur = conn.execute("SELECT step, data FROM peaks WHERE step >= 0 AND step < ? ORDER BY step", (n_steps,))
     per = max(16, PEAK_CHUNK_VALUES // max(width, 1))
     while True:
         rows = cur.fetchmany(per)
         if not rows:
             return
-        steps = np.empty(len(rows), dtype=np.int64)
-        out = np.full((len(rows), width), -1.0, dtype=np.float32)
-        for i, (step, blob) in enumerate(rows):
-            if not isinstance(step, int) or not isinstance(blob, bytes) or len(blob) % 4:
-                raise checks.Invalid(f"peaks of step {step!r:.20} are not float32 values")
-            steps[i] = step
-            arr = np.frombuffer(blob, dtype="<f4", count=min(len(blob) // 4, width))
-            out[i, : len(arr)] = arr
-        yield steps, out
+        steps, blobs = zip(*rows)
+        if not all(isinstance(s, int) for s in steps) or not all(isinstance(b, bytes) for b in blobs):
+            bad = next(s for s, b in rows if not isinstance(s, int) or not isinstance(b, bytes))
+            raise checks.Invalid(f"peaks of step {bad!r:.20} are not float32 values")
+        sizes = {len(b) for b in blobs}
+        if any(size % 4 for size in sizes):
+            raise checks.Invalid("peaks that are not float32 values")
+        if sizes == {4 * width}:  # every row holds every site: one buffer
+            out = np.frombuffer(b"".join(blobs), dtype="<f4").reshape(len(rows), width).copy()
+        else:
+            out = np.full((len(rows), width), -1.0, dtype=np.float32)
+            for i, blob in enumerate(blobs):
+                arr = np.frombuffer(blob, dtype="<f4", count=min(len(blob) // 4, width))
+                out[i, : len(arr)] = arr
+        yield np.array(steps, dtype=np.int64), out

@@ -208,11 +208,17 @@ class Trace:
 
     def full_steps(self) -> np.ndarray:
         """Steps that have full statistics."""
-        return self._checked(bulk.distinct_steps, self._conn, "stats")
+        with self.snapshot():
+            return self._checked(bulk.distinct_steps, self._conn, "stats", self.n_steps)
 
     def hist_steps(self) -> np.ndarray:
         """Steps that have histograms."""
-        return self._checked(bulk.distinct_steps, self._conn, "hists")
+        with self.snapshot():
+            return self._checked(bulk.distinct_steps, self._conn, "hists", self.n_steps)
+
+    @property
+    def n_sites(self) -> int:
+        return self._query("SELECT count(*) FROM sites")[0][0]
 
     # -- per-site arrays ---------------------------------------------------------------------------------------
     def records(self, field: str, kind: str = "act", fill: float = np.nan, steps=None) -> np.ndarray:
@@ -243,6 +249,7 @@ class Trace:
             width = int(ids.max()) + 1
             got = np.full((len(uniq_ok), len(ids)), fill)
             with self.snapshot():
+                self._checked(bulk.check_steps, self._conn, "peaks", n)
                 rows = self._query(
                     f"SELECT step, data FROM peaks WHERE step IN ({','.join(map(str, uniq_ok.tolist()))})"
                     if steps is not None
@@ -251,32 +258,38 @@ class Trace:
                 )
             self._checked(_fill_peaks, got, rows, ids, fill, uniq_ok, width)
         else:
-            got = self._checked(bulk.stats_at, self._conn, (field,), uniq_ok, ids, fill)[field]
+            with self.snapshot():
+                got = self._checked(bulk.stats_at, self._conn, (field,), uniq_ok, ids, self.n_sites, fill)[field]
         full = np.full((len(uniq), len(ids)), fill)
         full[np.searchsorted(uniq, uniq_ok)] = got
         out[:] = full[inverse]
         return out
 
-    def stats_at(self, fields, kind: str, steps) -> dict[str, np.ndarray]:
-        """field -> [len(steps) x sites of ``kind``] full statistics at these (sorted, distinct) steps, NaN where none:
-        several statistics of a bounded set of steps in one query."""
-        _check_kind(kind)
+    def stats_at(self, fields, kind: str | None, steps) -> dict[str, np.ndarray]:
+        """field -> [len(steps) x sites of ``kind`` (None: every site)] full statistics at these (sorted, distinct)
+        steps, NaN where none: several statistics of a bounded set of steps in one query."""
+        if kind is not None:
+            _check_kind(kind)
         bad = [f for f in fields if f not in schema.STATS_FIELDS and f not in ("scale", "calls")]
         if bad:
             raise ValueError(f"Argument fields should be from {', '.join(schema.STATS_FIELDS)}, but given {bad[0]!r}")
         ids = self.sites(kind)["id"].to_numpy()
-        return self._checked(bulk.stats_at, self._conn, tuple(fields), np.asarray(steps, dtype=np.int64), ids)
+        with self.snapshot():
+            return self._checked(
+                bulk.stats_at, self._conn, tuple(fields), np.asarray(steps, dtype=np.int64), ids, self.n_sites
+            )
 
     def hists_at(self, steps, sites=None) -> bulk.Hists:
         """The histograms at these (sorted) steps of these sites (sorted ids; None: every site), read in one query and
         kept as recorded (bulk.Hists): a bounded set of steps of many sites."""
         ids = None if sites is None else np.asarray(sites, dtype=np.int64)
-        return self._checked(bulk.hists_at, self._conn, np.asarray(steps, dtype=np.int64), ids)
+        with self.snapshot():
+            return self._checked(bulk.hists_at, self._conn, np.asarray(steps, dtype=np.int64), self.n_sites, ids)
 
     def peak_chunks(self, n_steps: int | None = None):
         """The peaks rows in step order as (steps, float32 [k x sites]) chunks of a few MB (-1: not observed)."""
         n = self.n_steps if n_steps is None else n_steps
-        width = self._query("SELECT count(*) FROM sites")[0][0]
+        width = self.n_sites
         chunks = bulk.peak_chunks(self._conn, n, width)
         while (item := self._checked(next, chunks, None)) is not None:
             yield item
@@ -288,7 +301,8 @@ class Trace:
         ``zeros``, ``nan``, ``inf`` statistics); e = -127 holds every non-zero |x| < 2^-126 (FP32 subnormals).
         """
         sid = self.site_id(site, kind)
-        h = self._checked(bulk.hists_of, self._conn, sid)
+        with self.snapshot():
+            h = self._checked(bulk.hists_of, self._conn, sid, self.n_sites, self.n_steps)
         return h.step, h.dense()
 
     def site_id(self, site: int | str, kind: str | None = None) -> int:

@@ -101,14 +101,17 @@ class View:
         return max(4, min(MAX_STEPS, SPARSE_CELLS // n_sites))
 
     def stat(self, field: str, kind: str, steps: np.ndarray | None = None) -> np.ndarray:
-        """[len(steps) x sites(kind)] of one statistic at ``steps`` (default: stat_steps), NaN where none."""
+        """[len(steps) x sites(kind)] of one statistic at ``steps`` (default: stat_steps), NaN where none. The
+        statistics of STAT_FIELDS at a set of steps are read for every site in one query."""
         steps = self.stat_steps if steps is None else np.asarray(steps, dtype=np.int64)
         key = (field, kind, steps.tobytes())
         if key not in self._stats:
-            fields = STAT_FIELDS if field in STAT_FIELDS else (field,)
-            got = self.trace.stats_at(fields, kind, steps)
-            for f, arr in got.items():
-                self._stats[(f, kind, steps.tobytes())] = arr
+            whole = (field, None, steps.tobytes())
+            if whole not in self._stats:
+                fields = STAT_FIELDS if field in STAT_FIELDS else (field,)
+                for f, arr in self.trace.stats_at(fields, None, steps).items():
+                    self._stats[(f, None, steps.tobytes())] = arr
+            self._stats[key] = self._stats[whole][:, self.sites(kind)["id"].to_numpy()]
         return self._stats[key]
 
     # -- histograms ----------------------------------------------------------------------------------------------
