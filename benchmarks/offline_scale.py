@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -47,43 +46,59 @@ TARGETS = {
 BEFORE_FINDINGS = os.path.join(HERE, "results", "findings-20k-before.json")
 
 
+RUNNER = """
+import resource, sys
+from ampdoctor.cli import main
+try:
+    rc = main(sys.argv[1:])
+except SystemExit as exc:
+    rc = exc.code
+ru = resource.getrusage(resource.RUSAGE_SELF)
+sys.stderr.write(f"\\nMEASURED {ru.ru_maxrss} {ru.ru_utime + ru.ru_stime} {rc}\\n")
+"""
+
+
 def measure(argv: list, pythonpath: str, timeout: float) -> dict:
-    """One command in its own process (cwd outside any checkout, so PYTHONPATH decides the code): wall and CPU
-    seconds, peak RSS in MB, exit code and the output's last line."""
+    """One command in its own process (cwd outside any checkout, so PYTHONPATH decides the code): wall seconds, and
+    from the process itself (getrusage after it ran: a forked child would count its parent's pages) CPU seconds and
+    peak RSS in MB; exit code and the output's last line."""
     env = {**os.environ, "PYTHONPATH": pythonpath}
-    with tempfile.TemporaryDirectory() as cwd, tempfile.TemporaryFile() as out:
+    with tempfile.TemporaryDirectory() as cwd:
         t0 = time.perf_counter()
-        p = subprocess.Popen([sys.executable, "-m", "ampdoctor", *argv], cwd=cwd, env=env, stdout=out, stderr=out)
-        deadline = t0 + timeout
-        while True:
-            pid, status, ru = os.wait4(p.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.perf_counter() > deadline:
-                p.kill()
-                pid, status, ru = os.wait4(p.pid, 0)
-                break
-            time.sleep(0.02)
-        wall = time.perf_counter() - t0
-        out.seek(0)
-        text = out.read().decode(errors="replace").strip().splitlines()
+        try:
+            p = subprocess.run(
+                [sys.executable, "-c", RUNNER, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+            )
+            wall, timed_out, err, out = time.perf_counter() - t0, False, p.stderr, p.stdout
+        except subprocess.TimeoutExpired as exc:
+            wall, timed_out, err, out = time.perf_counter() - t0, True, str(exc.stderr or ""), ""
+    got = [ln for ln in err.splitlines() if ln.startswith("MEASURED ")]
+    rss_kb, cpu, rc = got[-1].split()[1:] if got else ("nan", "nan", "nan")
+    text = [ln for ln in (out + err).splitlines() if ln.strip() and not ln.startswith("MEASURED ")]
     return {
         "wall_s": wall,
-        "cpu_s": ru.ru_utime + ru.ru_stime,
-        "rss_mb": ru.ru_maxrss / 1024,
-        "rc": os.waitstatus_to_exitcode(status),
-        "timed_out": wall > timeout,
+        "cpu_s": float(cpu),
+        "rss_mb": float(rss_kb) / 1024,
+        "rc": int(rc) if rc not in ("nan", "None") else (0 if rc == "None" else -1),
+        "timed_out": timed_out,
         "last": text[-1][:100] if text else "",
     }
 
 
+CALIBRATE = """
+import sqlite3, sys, time
+c = sqlite3.connect(f"file:{sys.argv[1]}?mode=ro", uri=True)
+t0 = time.process_time()
+c.execute("SELECT loss FROM steps WHERE step < 1000000").fetchall()
+print(time.process_time() - t0)
+"""
+
+
 def calibrate(path: str) -> float:
-    """Seconds to read one column of 10^6 steps rows through Python's sqlite3 (a yardstick of this machine now)."""
-    c = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    t0 = time.process_time()
-    c.execute("SELECT loss FROM steps WHERE step < 1000000").fetchall()
-    c.close()
-    return time.process_time() - t0
+    """CPU seconds to read one column of 10^6 steps rows through Python's sqlite3 (a yardstick of this machine
+    now), in a process of its own."""
+    out = subprocess.run([sys.executable, "-c", CALIBRATE, path], capture_output=True, text=True, check=True)
+    return float(out.stdout)
 
 
 def main() -> None:

@@ -39,6 +39,13 @@ def group_median(values: np.ndarray, groups: np.ndarray) -> tuple[np.ndarray, np
     return uniq, np.where(has_nan, np.nan, med)
 
 
+def theil_sen_line(y: np.ndarray, x: np.ndarray) -> tuple[float, float]:
+    """(slope, intercept) of the Theil-Sen line, as scipy.stats.theilslopes gives them (intercept: median(y) - slope *
+    median(x))."""
+    slope = theil_sen(y, x)[0]
+    return slope, float(np.median(y) - slope * np.median(x))
+
+
 def theil_sen(y: np.ndarray, x: np.ndarray, alpha: float = 0.95) -> tuple[float, float, float]:
     """(slope, low, high): the Theil-Sen slope of y over x and its confidence interval, the numbers
     scipy.stats.theilslopes gives (its code, Sen 1968 eq. 2.6), with the pairwise slopes made a block of rows at a
