@@ -33,6 +33,9 @@ FLOAT_FIELDS = (
 )
 INT_FIELDS = ("samples", "microbatches", "peak_mem", "level")  # integers, NaN where missing
 FLAG_FIELDS = ("skipped", "nonfinite")  # booleans, missing = False
+# Columns that hold one value on most steps: read where they differ from it (skips and non-finite steps are rare, a
+# step observes its sites one time in ten, the batch size and micro-batches hardly change) instead of on every row.
+SPARSE = {"skipped": 0, "nonfinite": 0, "level": -1, "samples": None, "microbatches": None, "peak_mem": None}
 _JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 # The first group's learning rate, parsed by SQLite (no Python string per step): a JSON list whose first item is a
 # number (or null, or none: NaN); any other text becomes a text that the conversion to numbers refuses. (The other
@@ -47,9 +50,12 @@ def read(conn: sqlite3.Connection, lr_groups: bool = True) -> pd.DataFrame:
     """One row per step, columns as schema.STEP_FIELDS (``lr``: the first group's learning rate) plus ``lr_groups``
     (every group's, as recorded) unless ``lr_groups`` is False. Run inside one read transaction (Trace.snapshot)."""
     have = {r[1] for r in conn.execute("PRAGMA table_info(steps)")}
-    cols = [f if f in have else "NULL" for f in NUMBER_FIELDS]  # a trace from before the later columns
     n = conn.execute("SELECT count(*) FROM steps").fetchone()[0]
     numbers = np.empty((n, len(NUMBER_FIELDS) + 1))  # the last column: the learning rate parsed by SQLite
+    dense = [i for i, f in enumerate(NUMBER_FIELDS) if f not in SPARSE or f not in have]
+    sparse = [i for i in range(len(NUMBER_FIELDS)) if i not in dense]
+    numbers[:, sparse] = _sparse(conn, [NUMBER_FIELDS[i] for i in sparse], n)
+    cols = [f if f in have else "NULL" for f in (NUMBER_FIELDS[i] for i in dense)]  # (columns a trace may lack)
     groups: list | None = [] if lr_groups else None
     parsed = _LrParser()
     lr_col = ("lr" if lr_groups else FIRST_LR) if "lr" in have else "NULL"
@@ -63,9 +69,9 @@ def read(conn: sqlite3.Connection, lr_groups: bool = True) -> pd.DataFrame:
         if at + k > n:
             raise checks.Invalid("the steps table changed while it was read")
         if groups is None:
-            numbers[at : at + k] = np.array(rows, dtype=np.float64)
+            numbers[at : at + k, dense + [-1]] = np.array(rows, dtype=np.float64)
         else:
-            numbers[at : at + k, :-1] = np.array([r[:-1] for r in rows], dtype=np.float64)
+            numbers[at : at + k, dense] = np.array([r[:-1] for r in rows], dtype=np.float64)
             numbers[at : at + k, -1] = parsed.first([r[-1] for r in rows], groups)
         at += k
     if at != n:
@@ -88,6 +94,26 @@ def read(conn: sqlite3.Connection, lr_groups: bool = True) -> pd.DataFrame:
     if groups is not None:
         df["lr_groups"] = groups
     return df
+
+
+def _sparse(conn: sqlite3.Connection, cols: list, n: int) -> np.ndarray:
+    """[n x cols] of columns that hold one value on most rows (SPARSE: that value, or when None the first row's),
+    read in one scan where any of them holds another (numbers, or the writer's NaN texts, as the dense read)."""
+    if not cols:
+        return np.zeros((n, 0))
+    first = conn.execute(f"SELECT {', '.join(cols)} FROM steps ORDER BY step LIMIT 1").fetchone()
+    default = [SPARSE[c] if SPARSE[c] is not None else (first[i] if first else None) for i, c in enumerate(cols)]
+    out = np.tile(np.array([default], dtype=np.float64), (n, 1))
+    where = " OR ".join(f"{c} IS NOT ?" for c in cols)
+    rows = conn.execute(
+        f"SELECT step, {', '.join(cols)} FROM steps WHERE typeof(step) = 'integer' AND step >= 0 AND step < ? "
+        f"AND ({where})",
+        (n, *default),
+    ).fetchall()
+    if rows:
+        arr = np.array([r[1:] for r in rows], dtype=np.float64)
+        out[np.array([r[0] for r in rows], dtype=np.int64)] = arr
+    return out
 
 
 class _LrParser:
