@@ -44,31 +44,10 @@ LATE_SKIP_FACTOR = 2.0
 TARGET_SKIP_SHARE = 1 / 500
 
 
-# Theil-Sen takes every pair of points: up to this many points a trend is fitted on the steps themselves (2 million
-# pairs, ~0.1 s); a longer segment is cut into this many runs of consecutive steps, each standing for its median step
-# and median value. The median of a run of m noisy values is itself a value with noise ~1.25 sigma / sqrt(m), so the
-# slope's confidence interval on the runs is about the one on every step, at a bounded cost.
-TREND_POINTS = 2048
-
-
 def _trend(y: np.ndarray, x: np.ndarray) -> tuple[float, float, float]:
-    """(slope, low, high): Theil-Sen slope of y over x (sorted) with its confidence interval; over TREND_POINTS
-    medians of consecutive runs of points when there are more."""
-    if len(y) > TREND_POINTS:
-        x, y = _run_medians(np.asarray(x, dtype=float), np.asarray(y, dtype=float), TREND_POINTS)
+    """(slope, low, high): Theil-Sen slope of y over x (sorted) with its confidence interval; past 2,048 points,
+    over the medians of 2,048 runs of consecutive points (reduce.theil_sen)."""
     return theil_sen(y, x, alpha=CONFIDENCE)
-
-
-def _run_medians(x: np.ndarray, y: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(median x, median y) of k runs of consecutive points, as equal in length as they can be."""
-    bounds = np.linspace(0, len(x), k + 1).astype(np.int64)
-    size = np.diff(bounds)
-    out_x, out_y = np.empty(k), np.empty(k)
-    for m in np.unique(size):  # runs of one length at a time: a [runs x m] median
-        runs = np.flatnonzero(size == m)
-        idx = bounds[runs][:, None] + np.arange(m)[None, :]
-        out_x[runs], out_y[runs] = np.median(x[idx], axis=1), np.median(y[idx], axis=1)
-    return out_x, out_y
 
 
 def _log_loss(run) -> tuple[np.ndarray, np.ndarray]:

@@ -60,7 +60,7 @@ class Site:
     """One FP16 gradient site's underflow evidence over the clean full-statistics steps."""
 
     site: object  # the sites-table row
-    col: int  # its column in run.records(..., kind)
+    col: int  # its column in run.stat(..., kind)
     share: float  # median share of elements in the subnormal range
     zeros: float  # median share of exact zeros
     unscaled_max: float

@@ -26,7 +26,7 @@ MAX_STEPS = 256
 # A file whose steps hold rows for few of its sites (at most 1 in 16: a crafted or very sparse trace) is read at fewer
 # steps, so that no [steps x sites] array exceeds this many cells: memory follows what the file holds.
 SPARSE_CELLS = 1 << 18
-STAT_FIELDS = ("numel", "zeros", "absmax", "rms", "scale", "fp16_sub", "fp16_flush")  # read together
+STAT_FIELDS = ("numel", "zeros", "absmax", "rms", "scale", "fp16_sub")  # read together (others: on demand)
 
 
 def sample(steps: np.ndarray, cap: int = MAX_STEPS) -> np.ndarray:
