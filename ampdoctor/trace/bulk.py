@@ -19,12 +19,13 @@ N_BINADES = HIST_HI - HIST_LO + 1
 PEAK_CHUNK_VALUES = 1 << 20  # float32 peaks decoded at a time (4 MB), whatever the number of sites
 
 
-def check_steps(conn: sqlite3.Connection, table: str, n_steps: int) -> None:
+def check_steps(conn: sqlite3.Connection, table: str, n_steps: int | None = None) -> None:
     """Every row of ``table`` (keyed by step first) names a recorded step: its smallest and largest step, two index
-    seeks (a text or real step sorts apart from the integers: it shows there, or among the distinct steps)."""
-    lo, hi = conn.execute(f"SELECT min(step), max(step) FROM {table}").fetchone()
+    seeks, against the steps recorded as of the same read (a trace being written commits a step's rows with the step;
+    a text or real step sorts apart from the integers: it shows there, or among the distinct steps)."""
+    lo, hi, n = conn.execute(f"SELECT min(step), max(step), (SELECT count(*) FROM steps) FROM {table}").fetchone()
     for v in (lo, hi):
-        if v is not None and not (isinstance(v, int) and 0 <= v < n_steps):
+        if v is not None and not (isinstance(v, int) and 0 <= v < n):
             raise checks.Invalid(f"table {table}: column step holds {v!r:.20}: not a recorded step")
 
 
