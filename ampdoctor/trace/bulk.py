@@ -23,7 +23,10 @@ def check_steps(conn: sqlite3.Connection, table: str, n_steps: int | None = None
     """Every row of ``table`` (keyed by step first) names a recorded step: its smallest and largest step, two index
     seeks, against the steps recorded as of the same read (a trace being written commits a step's rows with the step;
     a text or real step sorts apart from the integers: it shows there, or among the distinct steps)."""
-    lo, hi, n = conn.execute(f"SELECT min(step), max(step), (SELECT count(*) FROM steps) FROM {table}").fetchone()
+    # one aggregate per query: SQLite answers a lone min() or max() from the index, both together by a scan
+    lo = conn.execute(f"SELECT min(step) FROM {table}").fetchone()[0]
+    hi = conn.execute(f"SELECT max(step) FROM {table}").fetchone()[0]
+    n = conn.execute("SELECT count(*) FROM steps").fetchone()[0]  # after: a step committed meanwhile only adds
     for v in (lo, hi):
         if v is not None and not (isinstance(v, int) and 0 <= v < n):
             raise checks.Invalid(f"table {table}: column step holds {v!r:.20}: not a recorded step")

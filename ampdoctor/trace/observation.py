@@ -37,39 +37,51 @@ class Summary:
 
 
 def summarize(trace) -> Summary:
-    """A trace's Summary (ampdoctor.trace.Trace): one scan of the steps table for the counts and sums, index reads
-    for the first and last values; the number columns it aggregates are checked in the same scan."""
+    """A trace's Summary (ampdoctor.trace.Trace): one scan of the steps table for the counts and sums, two for the
+    levels and reasons of the steps that observed something, index reads for the first and last values; the number
+    columns it aggregates are checked (max() in the same scan, and value by value where that finds text)."""
     q = trace._query
     have = {r[1] for r in q("PRAGMA table_info(steps)")}
     col = lambda c: c if c in have else "NULL"  # noqa: E731 (a trace from before the later columns)
     with trace.snapshot():
-        n = q("SELECT count(*) FROM steps")[0][0]
         numbers = ("step_time", "observer_time", "loss", "loss_scale", "loss_scale_next", "skipped", "level")
-        bad = " + ".join(f"(NOT {_NUMBER.format(c=col(c))})" for c in numbers)
-        ok = f"{_FINITE.format(c=col('step_time'))} AND {_FINITE.format(c=col('observer_time'))}"
+        st, ot, ls = col("step_time"), col("observer_time"), col("loss_scale")
+        fin = "({c} - {c} = 0 AND typeof({c}) != 'text')"  # finite (inf - inf is NaN, which SQLite calls NULL)
+        both = f"{fin.format(c=st)} AND {fin.format(c=ot)}"
+        # one scan: counts and sums, and max() of every number column, which is text or a blob when any value is
+        # (SQLite orders NULL < numbers < text < blobs): then the column is checked value by value
         sums = q(
-            f"SELECT {bad}, sum(CASE WHEN {ok} THEN {col('step_time')} END), "
-            f"sum(CASE WHEN {ok} THEN {col('observer_time')} END), count({col('observer_time')}), "
-            f"min(CASE WHEN {_FINITE.format(c=col('loss_scale'))} THEN loss_scale END), "
-            f"max(CASE WHEN {_FINITE.format(c=col('loss_scale'))} THEN loss_scale END) FROM steps"
+            f"SELECT count(*), sum(CASE WHEN {both} THEN {st} END), sum(CASE WHEN {both} THEN {ot} END), count({ot}), "
+            f"min(CASE WHEN {fin.format(c=ls)} THEN {ls} END), max(CASE WHEN {fin.format(c=ls)} THEN {ls} END), "
+            f"group_concat(CASE WHEN {col('skipped')} IS NOT NULL AND {col('skipped')} != 0 THEN step END), "
+            f"group_concat(CASE WHEN {fin.format(c=col('loss'))} THEN NULL ELSE step END), "  # NULL, NaN, Inf
+            + ", ".join(f"max({col(c)})" for c in numbers)
+            + " FROM steps"
         )[0]
-        if sums[0]:
-            raise checks.Invalid("table steps: a number column holds a value that is not a number")
-        groups = q(f"SELECT {col('level')}, {col('reason')}, count(*), min(step) FROM steps GROUP BY 1, 2")
+        n = sums[0]
+        for c, top in zip(numbers, sums[8:]):
+            if isinstance(top, (str, bytes)) and q(f"SELECT 1 FROM steps WHERE NOT {_NUMBER.format(c=c)} LIMIT 1"):
+                raise checks.Invalid(f"table steps: column {c} holds a value that is not a number")
+        lv, why = col("level"), col("reason")
+        # the levels and reasons of the steps that observed something, grouped (the sentinel's: the rest)
+        levels_seen = q(f"SELECT {lv}, count(*) FROM steps WHERE {lv} IS NOT -1 GROUP BY 1")
+        reasons_seen = q(f"SELECT {why}, count(*), min(step) FROM steps WHERE {why} IS NOT 'sentinel' GROUP BY 1")
+        sentinel_first = q(f"SELECT min(step) FROM steps WHERE {why} = 'sentinel'")[0][0]
+        groups = [(v, None, k, 0) for v, k in levels_seen] + [(-1, None, n - sum(k for _, k in levels_seen), 0)]
+        groups += [(None, r, k, first) for r, k, first in reasons_seen]
+        groups.append((None, "sentinel", n - sum(k for _, k, _ in reasons_seen), sentinel_first))
         scale = _first_last(q, "loss_scale", have)
         nxt = _first_last(q, "loss_scale_next", have)
         loss = _first_last(q, "loss", have, finite=True)
-        skipped = [r[0] for r in q("SELECT step FROM steps WHERE skipped IS NOT NULL AND skipped != 0 ORDER BY step")]
-        bad_loss = (
-            [r[0] for r in q(f"SELECT step FROM steps WHERE NOT {_FINITE.format(c='loss')} ORDER BY step")]
-            if loss is not None
-            else []
-        )
+        skipped = _steps(sums[6])
+        bad_loss = _steps(sums[7]) if loss is not None else []
         lr = q("SELECT lr FROM steps ORDER BY step DESC LIMIT 1") if "lr" in have else []
     levels: dict = {}
     reasons: dict = {}
     first_seen: dict = {}
     for level, reason, count, first in groups:
+        if not count:
+            continue
         if level is not None:
             lv = int(level) if float(level).is_integer() else level
             levels[lv] = levels.get(lv, 0) + count
@@ -78,8 +90,9 @@ def summarize(trace) -> Summary:
             first_seen[reason] = min(first_seen.get(reason, first), first)
     order = sorted(reasons, key=lambda r: (-reasons[r], first_seen[r]))
     cost = None
-    if sums[3] and sums[1] is not None and sums[1] > 0:
-        cost = {"share": (sums[2] or 0.0) / sums[1], "seconds": sums[2] or 0.0, "run_seconds": sums[1]}
+    run_s, obs_s, timed = sums[1], sums[2], sums[3]
+    if timed and run_s is not None and run_s > 0:
+        cost = {"share": (obs_s or 0.0) / run_s, "seconds": obs_s or 0.0, "run_seconds": run_s}
     return Summary(
         steps=n,
         levels=levels,
@@ -90,6 +103,11 @@ def summarize(trace) -> Summary:
         loss=None if loss is None else {**loss, "nonfinite": bad_loss},
         lr_last=_lr(lr[0][0]) if lr else None,
     )
+
+
+def _steps(text) -> list:
+    """Steps from a group_concat of integers (None: none)."""
+    return [int(v) for v in text.split(",")] if text else []
 
 
 def _first_last(q, c: str, have: set, finite: bool = False) -> dict | None:
