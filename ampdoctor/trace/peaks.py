@@ -133,27 +133,29 @@ def scan(chunks, n_sites: int, groups: dict, ratio: Ratio | None = None, windows
     edge = formats.FP16
     steps, bad, unseen, ratios = [], {g: [] for g in groups}, {g: [] for g in groups}, []
     win = _WindowState(windows) if windows is not None else None
+    take = {g: _columns(ids) for g, ids in groups.items()}
+    r_cols = _columns(ratio.cols) if ratio is not None else None
+    w_cols = _columns(win.spec.cols) if win is not None else None
     for st, block in chunks:
-        vals = _width(block, n_sites)
+        vals = _width(block, n_sites)  # float32: masks and maxima are exact in it
         steps.append(st)
-        seen = vals >= 0
         with np.errstate(invalid="ignore"):
-            finite = np.isfinite(vals) & (vals >= 0)
+            seen = vals >= 0  # (NaN: False; -1: not observed)
             nonfinite = ~np.isfinite(vals)
             over += edge.overflows(vals).sum(axis=0)  # NaN and -1 (not observed) do not
-        fin = np.where(finite, vals, -np.inf)
-        top = fin.max(axis=0)
+            fin = np.where(seen & ~nonfinite, vals, -np.inf)
+        top = fin.max(axis=0).astype(np.float64)
         row = fin.argmax(axis=0)
         better = top > site_max
         site_max[better] = top[better]
         site_arg[better] = st[row[better]]
-        for g, ids in groups.items():
-            bad[g].append(nonfinite[:, ids].any(axis=1))
-            unseen[g].append(~(seen | nonfinite)[:, ids].all(axis=1) if len(ids) else np.zeros(len(st), bool))
+        for g, cols in take.items():
+            bad[g].append(nonfinite[:, cols].any(axis=1))
+            unseen[g].append(~(seen | nonfinite)[:, cols].all(axis=1))
         if ratio is not None:
-            ratios.append(_ratio(vals[:, ratio.cols], st, ratio))
+            ratios.append(_ratio(vals[:, r_cols].astype(np.float64), st, ratio))
         if win is not None:
-            win.add(st, vals[:, win.spec.cols].astype(np.float64))
+            win.add(st, vals[:, w_cols].astype(np.float64))
     none = site_arg < 0
     site_max[none] = np.nan
     cat = lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dt)  # noqa: E731
@@ -169,11 +171,19 @@ def scan(chunks, n_sites: int, groups: dict, ratio: Ratio | None = None, windows
     )
 
 
+def _columns(ids: np.ndarray):
+    """A slice for ids that run on without a gap (a view, no copy), else the ids."""
+    ids = np.asarray(ids, dtype=np.int64)
+    if len(ids) and np.array_equal(ids, np.arange(ids[0], ids[0] + len(ids))):
+        return slice(int(ids[0]), int(ids[0]) + len(ids))
+    return ids
+
+
 def _width(block: np.ndarray, n: int) -> np.ndarray:
-    """Rows cut or padded (-1: not observed) to ``n`` sites, as float64."""
+    """Rows cut or padded (-1: not observed) to ``n`` sites (float32, as stored)."""
     if block.shape[1] >= n:
-        return block[:, :n].astype(np.float64)
-    out = np.full((len(block), n), -1.0)
+        return block[:, :n]
+    out = np.full((len(block), n), -1.0, dtype=np.float32)
     out[:, : block.shape[1]] = block
     return out
 
