@@ -47,12 +47,19 @@ def summarize(trace) -> Summary:
         numbers = ("step_time", "observer_time", "loss", "loss_scale", "loss_scale_next", "skipped", "level")
         st, ot, ls = col("step_time"), col("observer_time"), col("loss_scale")
         fin = "({c} - {c} = 0 AND typeof({c}) != 'text')"  # finite (inf - inf is NaN, which SQLite calls NULL)
-        both = f"{fin.format(c=st)} AND {fin.format(c=ot)}"
+
+        def aggregates(f: str) -> str:  # f: a finiteness test (a cheaper one when a column holds no text)
+            both = f"{f.format(c=st)} AND {f.format(c=ot)}"
+            return (
+                f"sum(CASE WHEN {both} THEN {st} END), sum(CASE WHEN {both} THEN {ot} END), count({ot}), "
+                f"min(CASE WHEN {f.format(c=ls)} THEN {ls} END), max(CASE WHEN {f.format(c=ls)} THEN {ls} END)"
+            )
+
         # one scan: counts and sums, and max() of every number column, which is text or a blob when any value is
-        # (SQLite orders NULL < numbers < text < blobs): then the column is checked value by value
+        # (SQLite orders NULL < numbers < text < blobs): then the column is checked value by value, and the sums
+        # taken again with the text left out
         sums = q(
-            f"SELECT count(*), sum(CASE WHEN {both} THEN {st} END), sum(CASE WHEN {both} THEN {ot} END), count({ot}), "
-            f"min(CASE WHEN {fin.format(c=ls)} THEN {ls} END), max(CASE WHEN {fin.format(c=ls)} THEN {ls} END), "
+            f"SELECT count(*), {aggregates('({c} - {c} = 0)')}, "
             f"group_concat(CASE WHEN {col('skipped')} IS NOT NULL AND {col('skipped')} != 0 THEN step END), "
             f"group_concat(CASE WHEN {fin.format(c=col('loss'))} THEN NULL ELSE step END), "  # NULL, NaN, Inf
             + ", ".join(f"max({col(c)})" for c in numbers)
@@ -62,6 +69,8 @@ def summarize(trace) -> Summary:
         for c, top in zip(numbers, sums[8:]):
             if isinstance(top, (str, bytes)) and q(f"SELECT 1 FROM steps WHERE NOT {_NUMBER.format(c=c)} LIMIT 1"):
                 raise checks.Invalid(f"table steps: column {c} holds a value that is not a number")
+        if any(isinstance(sums[i], str) for i in (8, 9, 11)):  # a 'nan' text in step_time, observer_time, loss_scale
+            sums = (sums[0], *q(f"SELECT {aggregates(fin)} FROM steps")[0], *sums[6:])
         lv, why = col("level"), col("reason")
         # the levels and reasons of the steps that observed something, grouped (the sentinel's: the rest)
         levels_seen = q(f"SELECT {lv}, count(*) FROM steps WHERE {lv} IS NOT -1 GROUP BY 1")
