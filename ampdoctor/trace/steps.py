@@ -37,13 +37,12 @@ FLAG_FIELDS = ("skipped", "nonfinite")  # booleans, missing = False
 # step observes its sites one time in ten, the batch size and micro-batches hardly change) instead of on every row.
 SPARSE = {"skipped": 0, "nonfinite": 0, "level": -1, "samples": None, "microbatches": None, "peak_mem": None}
 _JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
-# The first group's learning rate, parsed by SQLite (no Python string per step): a JSON list whose first item is a
-# number (or null, or none: NaN); any other text becomes a text that the conversion to numbers refuses. (The other
-# groups are checked where they are read: ``lr_groups``.)
-FIRST_LR = (
-    "CASE WHEN lr IS NULL THEN NULL WHEN json_type(lr) = 'array' AND coalesce(json_type(lr, '$[0]'), 'null') IN "
-    "('integer', 'real', 'null') THEN json_extract(lr, '$[0]') ELSE 'steps.lr: not a JSON list of numbers' END"
+# A chunk of learning-rate texts in the writer's usual form (one-group lists of plain numbers) is parsed at once, by
+# Python's own (correctly rounded) float parsing; any other text sends its chunk through the JSON parser.
+_NOT_PLAIN = re.compile(  # a character or a place a plain list does not have; one "[...]" a line
+    r"[^0-9.eE+\-\[\]\n, ]|(?<![eE])\+|(?:^|\n)[^\[]|[^\]](?:\n|$)|\[ *,|, *\]|, *,"
 )
+_OTHER_GROUPS = re.compile(r" *,[^\n]*\]")  # ", x, y]" after a list's first number
 
 
 def read(conn: sqlite3.Connection, lr_groups: bool = True) -> pd.DataFrame:
@@ -58,7 +57,7 @@ def read(conn: sqlite3.Connection, lr_groups: bool = True) -> pd.DataFrame:
     cols = [f if f in have else "NULL" for f in (NUMBER_FIELDS[i] for i in dense)]  # (columns a trace may lack)
     groups: list | None = [] if lr_groups else None
     parsed = _LrParser()
-    lr_col = ("lr" if lr_groups else FIRST_LR) if "lr" in have else "NULL"
+    lr_col = "lr" if "lr" in have else "NULL"
     cur = conn.execute(f"SELECT {','.join(cols)}, {lr_col} FROM steps ORDER BY step")
     at = 0
     while True:
@@ -68,11 +67,10 @@ def read(conn: sqlite3.Connection, lr_groups: bool = True) -> pd.DataFrame:
         k = len(rows)
         if at + k > n:
             raise checks.Invalid("the steps table changed while it was read")
-        if groups is None:
-            numbers[at : at + k, dense + [-1]] = np.array(rows, dtype=np.float64)
-        else:
-            numbers[at : at + k, dense] = np.array([r[:-1] for r in rows], dtype=np.float64)
-            numbers[at : at + k, -1] = parsed.first([r[-1] for r in rows], groups)
+        numbers[at : at + k, dense] = np.array([r[:-1] for r in rows], dtype=np.float64)
+        texts = [r[-1] for r in rows]
+        plain = None if groups is not None else _plain_lrs(texts)
+        numbers[at : at + k, -1] = plain if plain is not None else parsed.first(texts, groups)
         at += k
     if at != n:
         raise checks.Invalid("the steps table changed while it was read")
@@ -94,6 +92,24 @@ def read(conn: sqlite3.Connection, lr_groups: bool = True) -> pd.DataFrame:
     if groups is not None:
         df["lr_groups"] = groups
     return df
+
+
+def _plain_lrs(texts: list):
+    """The learning rates of a chunk of texts that are all one-number JSON lists (or NULL, or empty: NaN), parsed
+    in one pass; None when one is not."""
+    big = (
+        "\n".join("[]" if t is None else t for t in texts)
+        if all(isinstance(t, str) or t is None for t in texts)
+        else ""
+    )
+    if not big or big.count("[") != len(texts) or big.count("]") != len(texts) or _NOT_PLAIN.search(big):
+        return None
+    if "," in big:  # several groups: the first one's (the others are numbers too: the characters said so)
+        big = _OTHER_GROUPS.sub("]", big)
+    try:
+        return np.array(big.replace("[]", "nan").replace("[", "").replace("]", "").split("\n"), dtype=np.float64)
+    except ValueError:  # e.g. "[1e]": the JSON parser says what is wrong
+        return None
 
 
 def _sparse(conn: sqlite3.Connection, cols: list, n: int) -> np.ndarray:
