@@ -6,6 +6,8 @@ The offline side (load, Trace, diagnose) never imports torch; ``attach`` imports
 from __future__ import annotations
 
 import importlib
+import os
+from collections.abc import Callable
 
 __version__ = "0.1.0"
 
@@ -20,7 +22,6 @@ _LAZY = {
     "load": "ampdoctor.trace.run",
     "load_run": "ampdoctor.trace.run",
     "Diagnosis": "ampdoctor.rules",
-    "diagnose": "ampdoctor.rules",
     "keep_fp32": "ampdoctor.islands",
     "replay": "ampdoctor.lossscale",
 }
@@ -34,21 +35,137 @@ def __getattr__(name: str):
     return value
 
 
-def attach(model, optimizer=None, scaler=None, trace: str = "runs/ampdoctor.db", **options):
+def diagnose(trace_or_path, reference=None, rules: dict | None = None) -> list:
+    """Run every registered rule over a trace (a Trace, a file, or a directory / glob of one run's ranks); findings
+    worst first, as a list that a notebook shows as finding cards.
+
+    ``reference``: an optional second trace (e.g. the same model in FP32) for the rules that compare.
+    ``rules``: ``{rule_id: {threshold: value}}`` to re-threshold a rule, ``{rule_id: None}`` to disable it.
+    """
+    from .notebook import Findings
+    from .rules import diagnose as _diagnose
+
+    return Findings(_diagnose(trace_or_path, reference=reference, rules=rules))
+
+
+def attach(
+    model,
+    optimizer=None,
+    scaler=None,
+    trace: str | os.PathLike = "runs/ampdoctor.db",
+    *,
+    mode: str = "default",
+    every: int | None = None,
+    peak_every: int | None = None,
+    hist_every: int | None = None,
+    weight_every: int = 200,
+    calibration: int = 10,
+    include=None,
+    exclude=None,
+    live: bool = True,
+    on_finding: Callable | None = None,
+    halt_on: str | None = None,
+    on_halt: Callable | None = None,
+    log_every: int | None = None,
+    rules: dict | None = None,
+    probe_every: int | None = None,
+    replay: bool = True,
+    heal: bool = False,
+    budget: float | None = None,
+    export=None,
+):
     """Observe ``model`` during training and stream its mixed-precision numerics to the SQLite trace ``trace``.
 
-    Options: mode ("default": a sentinel every step, sampled sites, the first steps and the steps after an anomaly
-    in full; "debug": every site in full every step), every (full statistics cadence, default 100), peak_every
-    (per-site peaks, 10), calibration (first steps in full, 10), hist_every (histograms, 200), weight_every (weights
-    and updates, 200), include / exclude (module name prefixes, globs or a ``(path, module) -> bool`` predicate),
-    live (run the rules while training, default True), on_finding (callback per new finding), halt_on
-    ("info" | "warning" | "critical": raise TrainingHalted at the next step boundary), log_every (one-line health
-    summary every N steps), rules (rule overrides for the live diagnosis, as for ``diagnose``), probe_every
-    (recompute every observed module in FP32 every N steps and record its half-precision error; off by default).
-    """
-    from .collect.session import attach as _attach
+    Returns a Doctor: a context manager whose ``close()`` removes every hook and flushes the trace.
 
-    return _attach(model, optimizer=optimizer, scaler=scaler, trace=trace, **options)
+    Args:
+        model: the module whose ``forward`` the training loop calls.
+        optimizer: its optimizer (or a framework's wrapper of one); its ``step()`` ends a step.
+        scaler: the ``torch.amp.GradScaler``; with one, ``scaler.update()`` ends a step and the loss is read in
+            ``scaler.scale(loss)``.
+        trace: the trace file; ``{rank}`` becomes the distributed rank. An existing file is never overwritten.
+        mode: ``"default"`` (the tiers: a sentinel every step, sampled sites, the first steps and the steps after an
+            anomaly in full) or ``"debug"`` (every site in full every step).
+        every: full statistics of every site every N steps (default 100; 1 in debug mode).
+        peak_every: per-site peaks every N steps (default 10).
+        hist_every: exponent histograms every N steps (default 200).
+        weight_every: weights and optimizer updates every N steps.
+        calibration: the first N steps observed in full.
+        include, exclude: module name prefixes, globs, or a ``(path, module) -> bool`` predicate.
+        live: run the rules while training (a background thread re-reading the trace).
+        on_finding: called with each new live finding (an ``ampdoctor.Diagnosis``).
+        halt_on: "info" | "warning" | "critical": at a live finding this severe, stop at the next step boundary.
+        on_halt: called with that finding instead of raising ``TrainingHalted`` (frameworks ask to stop).
+        log_every: a one-line health summary every N steps (logger ``ampdoctor``).
+        rules: rule overrides for the live diagnosis, as for ``ampdoctor.diagnose``.
+        probe_every: every N steps, recompute each observed module in FP32 and record its error (off by default).
+        replay: re-run an anomalous step that observed no site in full, observing everything (nothing in training
+            changes); see docs/recorded.md.
+        heal: after a forward overflow in a module confirmed on two replays, keep that module in FP32 from the next
+            step on (off by default; every intervention is recorded).
+        budget: ampdoctor's share of the step time to stay under, by stretching the sampled tiers (e.g. 0.03).
+        export: where the health figures go as they are written: ``"tensorboard:DIR"``, ``"wandb"``,
+            ``"mlflow"``, or an exporter object (see docs/integrations.md).
+
+    Example::
+
+        with ampdoctor.attach(model, optimizer=opt, scaler=scaler, trace="runs/exp.db") as doctor:
+            for x, y in loader:
+                ...
+    """
+    from .collect.options import Options
+    from .collect.session import Doctor
+
+    options = Options(
+        mode=mode,
+        every=every,
+        peak_every=peak_every,
+        hist_every=hist_every,
+        weight_every=weight_every,
+        calibration=calibration,
+        include=include,
+        exclude=exclude,
+        live=live,
+        on_finding=on_finding,
+        halt_on=halt_on,
+        on_halt=on_halt,
+        log_every=log_every,
+        rules=rules,
+        probe_every=probe_every,
+        replay=replay,
+        heal=heal,
+        budget=budget,
+        export=export,
+    )
+    if rules is not None:
+        from .rules.engine import resolve_rules
+
+        resolve_rules(rules)  # unknown ids or thresholds fail here, not in the live thread later
+    return Doctor(model, optimizer, scaler, trace, options, diagnose=_live_diagnose, exporter=_start_export)
+
+
+def _start_export(export, path: str, findings=None, rules=None):
+    """The exporters' thread for attach(export=...): made here, so that the training side never imports them."""
+    from .export import start
+
+    return start(export, path, findings=findings, rules=rules)
+
+
+def _live_diagnose(trace, rules=None):
+    """The rules, as the training side's live thread runs them (imported there, not by collect/)."""
+    from .rules import diagnose
+
+    return diagnose(trace, rules=rules)
+
+
+def auto(model, optimizer=None, scaler=None, **options):
+    """The no-code switch: ``attach(model, ...)`` when the environment says ``AMPDOCTOR=1`` (the AMPDOCTOR_TRACE,
+    _MODE, _EVERY, _HALT_ON, _LOG_EVERY, _LIVE, _EXPORT, _EXPORT_EVERY variables over ``options``), else a stand-in
+    with the Doctor's public methods that does nothing. One line in a script:
+    ``doctor = ampdoctor.auto(model, optimizer=opt, scaler=scaler)``."""
+    from .integrations.env import auto as _auto
+
+    return _auto(model, optimizer=optimizer, scaler=scaler, **options)
 
 
 def probe(model, batch, loss_fn=None, **options):
@@ -67,6 +184,7 @@ __all__ = [
     "TrainingHalted",
     "__version__",
     "attach",
+    "auto",
     "diagnose",
     "keep_fp32",
     "load",

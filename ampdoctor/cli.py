@@ -23,6 +23,7 @@ COMMANDS = {
     "replay": "simulate the dynamic loss scaler over a recorded trace",
     "serve": "the dashboard (Dash), live while training or offline",
     "report": "one self-contained HTML report",
+    "export": "health figures and findings to TensorBoard event files, Parquet or CSV",
 }
 
 

@@ -14,6 +14,12 @@ from .trace.schema import ROOT  # how the root module is named in site paths
 _HALF = ("float16", "bfloat16")
 
 
+def code_line(paths) -> str:
+    """The line a fix prints to keep ``paths`` in FP32 (the rules and the probe's report print this one)."""
+    quoted = ", ".join(f'"{p}"' for p in paths)
+    return f"handle = ampdoctor.keep_fp32(model, {quoted})  # these modules compute in FP32 inside autocast"
+
+
 class KeptFP32:
     """Handle returned by ``keep_fp32``: a context manager; ``remove()`` restores every wrapped forward exactly."""
 

@@ -12,6 +12,11 @@ def describe_precision(cfg: dict) -> str:
     total = sum(params.values()) or 1
     half = sum(v for k, v in params.items() if k in ("float16", "bfloat16")) / total
     master = "FP32 master weights" if half < 0.5 else "half-precision weights"
+    fsdp = cfg.get("fsdp") or {}
+    cast = [d for d in fsdp.get("compute_dtypes", []) or [] if d in ("float16", "bfloat16")]
+    if cast and not ac.get("enabled"):  # FSDP casts its sharded parameters for compute itself, without autocast
+        reduce = "/".join(fsdp.get("reduce_dtypes") or []) or "?"
+        return f"FSDP mixed precision: computes in {'/'.join(cast)}, {master}, gradients reduced in {reduce}"
     if ac.get("enabled"):
         return f"O1-style: autocast {ac.get('dtype')}, {master}"
     if half >= 0.99:

@@ -6,10 +6,18 @@ d 128, 32 tokens, batch 16: 65 modules). SGD, MSE loss. FP32; BF16 autocast too 
 (avx512_bf16 / amx: an AVX2-only CPU emulates BF16 matmuls ~20x slower, which drowns every ratio).
 
 Variants: bare, ampdoctor defaults (tiers: sentinel every step, sampled sites, calibration, flight recorder; live
-rules on), ampdoctor debug (every site, every step, full statistics and histograms), the two floors (the least that
-"peaks of every tensor every step" and "histograms of every tensor every step" cost with Python hooks: no bookkeeping,
-nothing kept), naive per-layer .item() hooks, transformers' DebugUnderflowOverflow, wandb.watch(log="all",
-log_freq=1) offline (when installed).
+rules on), ampdoctor debug (every site, every step, full statistics and histograms), and the same two with the
+torch/numpy statistics passes instead of the native one-pass kernels (AMPDOCTOR_NATIVE=0: what a machine without numba
+gets); the floors (the least that "peaks of every tensor every step", "histograms of every tensor every step" and
+"full statistics of every tensor every step" cost with Python hooks: no bookkeeping, nothing kept; the full
+statistics with the native kernel and with the torch passes), the sentinel floors (the gradient norm and peak with no
+hooks: torch's fused reductions, and the native single read), naive per-layer .item() hooks, transformers'
+DebugUnderflowOverflow, wandb.watch(log="all", log_freq=1) offline (when installed).
+
+The native kernels load in a background thread at their first use (stats.native()); every worker waits for them
+after its warm-up steps, so that the timed steps measure the kernel that serves a run past its first seconds. The
+load's own time is printed per worker (``kernels load``: seconds from the first call, CPU seconds of the loading
+thread).
 
 Method. One worker process per variant, all alive at once and idle but the one being timed; rounds interleave the
 variants in a new shuffled order each round, so machine noise hits all alike. A block is N steps plus, for ampdoctor,
@@ -124,12 +132,15 @@ def native_bf16() -> bool:
 
 
 # -- variants (set up inside the worker) ----------------------------------------------------------------------------
-def setup_ampdoctor(w, **options):
+def setup_ampdoctor(w, native=True, **options):
+    from ampdoctor.collect import stats
+
+    stats.NATIVE = native  # AMPDOCTOR_NATIVE=0 when False
     w.trace = os.path.join(tempfile.mkdtemp(), "bench.db")
     doc = ampdoctor.attach(w.model, optimizer=w.opt, trace=w.trace, **options)
     w.step_hook = doc.log_loss
     w.settle = doc.flush
-    w.threads = [doc._live] if doc._live is not None else []
+    w.threads = [doc.live] if doc.live is not None else []
     return doc.close
 
 
@@ -194,14 +205,16 @@ def setup_hist_floor(w):
     _every_tensor(w, hist, at_step)
 
 
-def setup_full_floor(w):
+def setup_full_floor(w, native=True):
     """The floor's hooks with, per tensor, ampdoctor's full-statistics kernel (stats.full: exponent histogram, exact
     FP16/BF16 cast counts, sum, norm, abs max), nothing kept: what debug mode's statistics cost without its
-    bookkeeping, trace and live rules."""
+    bookkeeping, trace and live rules. ``native=False``: the torch/numpy passes (stats._full_cpu)."""
     from ampdoctor.collect import stats
 
+    kernel = stats.full if native else (lambda t: stats._full_cpu(t.detach().reshape(-1)))
+
     def full(t):  # a tensor hook must return None (or a replacement gradient)
-        stats.full(t)
+        kernel(t)
 
     def at_step(params):
         for p in params:
@@ -220,6 +233,22 @@ def setup_sentinel_floor(w):
         norms = torch._foreach_norm(grads, 2)
         [e.item() for g in grads for e in torch.aminmax(g)]
         [n.item() for n in norms]
+        loss.item()
+
+    w.step_hook = at_step
+
+
+def setup_native_sentinel_floor(w):
+    """The sentinel's work with the native kernel: the gradient norm and peak in one read of every gradient."""
+    from ampdoctor.collect import stats
+
+    params = list(w.model.parameters())
+
+    def at_step(loss):
+        grads = [p.grad for p in params]
+        k = stats.native()
+        if k is not None:  # (else warm-up, while the kernels load)
+            stats.grad_norm_peak(k, grads)
         loss.item()
 
     w.step_hook = at_step
@@ -245,10 +274,14 @@ VARIANTS = {
     "bare": None,
     "ampdoctor defaults": lambda w: setup_ampdoctor(w),
     "ampdoctor debug": lambda w: setup_ampdoctor(w, mode="debug"),
+    "ampdoctor defaults (torch passes)": lambda w: setup_ampdoctor(w, native=False),
+    "ampdoctor debug (torch passes)": lambda w: setup_ampdoctor(w, native=False, mode="debug"),
     "floor: one aminmax per tensor": setup_floor,
     "histogram floor: one bincount per tensor": setup_hist_floor,
     "full-statistics floor: stats.full per tensor": setup_full_floor,
+    "full-statistics floor (torch passes)": lambda w: setup_full_floor(w, native=False),
     "sentinel floor: fused norm + aminmax per grad": setup_sentinel_floor,
+    "sentinel floor: one native read": setup_native_sentinel_floor,
     "naive per-layer .item() hooks": setup_naive_item,
     "transformers DebugUnderflowOverflow": setup_debug_underflow,
     "wandb.watch log=all log_freq=1": setup_wandb,
@@ -257,12 +290,15 @@ VARIANTS = {
 # parameter gradients (p), parameters (w). ampdoctor defaults: the debug count times the share of observed steps.
 OBSERVED = {
     "ampdoctor debug": lambda m, p: 2 * m + 2 + p,
+    "ampdoctor debug (torch passes)": lambda m, p: 2 * m + 2 + p,
     "floor: one aminmax per tensor": lambda m, p: 2 * m + p,
     "histogram floor: one bincount per tensor": lambda m, p: 2 * m + p,
     "full-statistics floor: stats.full per tensor": lambda m, p: 2 * m + p,
+    "full-statistics floor (torch passes)": lambda m, p: 2 * m + p,
     "naive per-layer .item() hooks": lambda m, p: 2 * m + 2,
     "transformers DebugUnderflowOverflow": lambda m, p: 2 * m + p,
     "sentinel floor: fused norm + aminmax per grad": lambda m, p: p,
+    "sentinel floor: one native read": lambda m, p: p,
     "wandb.watch log=all log_freq=1": lambda m, p: 2 * p,
 }
 
@@ -287,6 +323,7 @@ class Worker:
         self.proc = psutil.Process()
         self.steps = 0
         self.hook_s = 0.0  # time inside the step hook (the sentinel floor's own work)
+        self.kernels = {}  # how the native kernels' load went (stats.load_info), where they were used
 
     def run(self, n):
         t0 = time.perf_counter()
@@ -361,6 +398,11 @@ def worker_main(model_name, variant, dtype, threads):
         cmd, _, arg = line.strip().partition(" ")
         if cmd == "warm":
             w.run(int(arg))
+            from ampdoctor.collect import stats
+
+            if stats._load_thread is not None:  # the native kernels were asked for: time what serves after the load
+                stats.native(wait=True)
+                w.kernels = dict(stats.load_info)
             warm = w.steps
             bg0, wall0 = w.background_cpu(), time.perf_counter()
             w.hook_s = 0.0
@@ -375,6 +417,7 @@ def worker_main(model_name, variant, dtype, threads):
                         "background_s": bg,
                         "background_share": bg / (time.perf_counter() - wall0),
                         "hook_us": 1e6 * w.hook_s / max(w.steps - warm, 1),
+                        "kernels": w.kernels,
                         **w.close(warm),
                     }
                 )
@@ -428,7 +471,10 @@ def measure(model, dtype, rounds, block_s, variants, threads=0):
             times[p.variant].append(p.ask(f"run {n}")["t"] / n)
     ends = {p.variant: p.ask("close") for p in procs}
     for p in procs:
-        p.p.wait(60)
+        try:
+            p.p.wait(120)
+        except subprocess.TimeoutExpired:  # (its results are in; a loaded machine can take long to end a process)
+            p.p.kill()
     total = rounds * n
     rows = []
     base = statistics.fmean(times["bare"])
@@ -481,6 +527,10 @@ def show(model, dtype, rows):
             if r.get("sentinel_us") is not None:
                 own += f", sentinel-only steps {r['sentinel_us']:.0f} us"
             own += f", calibration {r['calibration_ms']:.0f} ms once, {100 * r['observed_share']:.0f}% steps observed"
+        if r.get("kernels", {}).get("error"):
+            own += f" [native kernels unavailable: {r['kernels']['error']}]"
+        elif r.get("kernels"):
+            own += f" [kernels loaded in {r['kernels']['seconds']:.1f} s, {r['kernels']['cpu_seconds']:.1f} s CPU]"
         per_t = f"{r['per_tensor_us']:9.1f}" if r["per_tensor_us"] is not None else f"{'-':>9s}"
         print(
             f"  {r['variant']:46s} x{r['ratio']:5.2f} x{r['ratio_med']:5.2f} {r['added_us']:9.0f} {per_t} "

@@ -18,10 +18,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import ampdoctor
-from ampdoctor.collect import session
+from ampdoctor.collect import options
 from ampdoctor.collect import stats as K
+from ampdoctor.trace.messages import SiteMsg, StepPacket
 from ampdoctor.trace.vectors import Entry
-from ampdoctor.trace.writer import StepPacket, Writer
+from ampdoctor.trace.writer import Writer
 
 SITES = {"act": 200, "grad_out": 200, "param_grad": 100}
 
@@ -29,8 +30,8 @@ SITES = {"act": 200, "grad_out": 200, "param_grad": 100}
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=10_000)
-    ap.add_argument("--every", type=int, default=session.DEFAULT_EVERY)
-    ap.add_argument("--hist-every", type=int, default=session.DEFAULT_HIST_EVERY)
+    ap.add_argument("--every", type=int, default=options.DEFAULT_EVERY)
+    ap.add_argument("--hist-every", type=int, default=options.DEFAULT_HIST_EVERY)
     args = ap.parse_args()
     path = os.path.join(tempfile.mkdtemp(), "big.db")
     w = Writer(path)
@@ -39,7 +40,7 @@ def main():
     layout = []
     for kind, n in SITES.items():
         for i in range(n):
-            w.put(("site", sid, f"blocks.{i}.{kind}", f"blocks.{i}", kind, "Linear", "float16", "256x512", 0))
+            w.put(SiteMsg(sid, f"blocks.{i}.{kind}", f"blocks.{i}", kind, "Linear", "float16", "256x512", 0))
             layout.append((sid, {"act": "fwd", "grad_out": "bwd", "param_grad": "param"}[kind]))
             sid += 1
     g = torch.Generator().manual_seed(0)
@@ -68,21 +69,19 @@ def main():
             "level": 2 if step % args.hist_every == 0 else int(full),
         }
         w.put(
-            (
-                "step",
-                StepPacket(
-                    step=step,
-                    row=row,
-                    values=values,
-                    bases=bases,
-                    entries=entries,
-                    loss=1.0 / (1 + step),
-                    scale=65536.0,
-                    scale_next=65536.0,
-                    grad_norm=1.0,
-                    skipped=False,
-                    store_hist=step % args.hist_every == 0,
-                ),
+            StepPacket(
+                step=step,
+                row=row,
+                values=values,
+                bases=bases,
+                entries=entries,
+                loss=1.0 / (1 + step),
+                scale=65536.0,
+                scale_next=65536.0,
+                grad_norm=1.0,
+                skipped=False,
+                nonfinite=False,
+                store_hist=step % args.hist_every == 0,
             )
         )
     w.close(timeout=600)

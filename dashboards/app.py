@@ -20,9 +20,9 @@ from dash import Input, Output, State, dcc, html
 from dash.exceptions import DependencyException
 from flask import Response, request
 
-from ampdoctor.trace import TraceError, load
+from ampdoctor.trace import TraceError
 
-from . import catalog, diagnosis, hosts, ids, ranks
+from . import catalog, diagnosis, hosts, ids, ranks, server
 from .pages import compare, formats, layer, layers, overview, precision, whatif
 from .pages.common import href, parse_search
 
@@ -115,9 +115,12 @@ class Context:
             with self._lock:
                 idle = self._idle.get(run.path)
                 tr = idle.pop() if idle else None
+            if tr is not None and not server.renew(tr):  # server.py: replaced or changed, so opened and checked anew
+                tr.close()
+                tr = None
             if tr is None:
                 try:
-                    tr = load(run.path)
+                    tr = server.open_trace(run.path)  # server.py: each query bounded in time
                 except TraceError:
                     return None
             held[run.path] = tr
@@ -144,7 +147,7 @@ class Context:
         tr = self.trace(key)
         if tr is None:
             return None
-        n = tr.n_steps
+        n = (server.generation(tr), tr.n_steps)  # server.py: a file replaced by another is another trace
         k = (key, n, what)
         with self._lock:
             if k in self._cache:
@@ -168,7 +171,7 @@ class Context:
         tr = self.trace(key)
         if tr is None:
             return [], None
-        n = tr.n_steps
+        n = (server.generation(tr), tr.n_steps)  # server.py: a file replaced by another is another trace
         with self._lock:
             last = self._findings.get(key)
         if last is not None and (last[0] == n or time.monotonic() - last[1] < FINDINGS_EVERY_S):
@@ -281,6 +284,7 @@ def create_app(
         on_error=_failed,
     )
     app.ampdoctor = ctx
+    server.harden(app)  # server.py: request size limit, security headers
     app.layout = html.Div(
         [
             dcc.Location(id=ids.URL, refresh="callback-nav"),

@@ -159,7 +159,7 @@ def first_option(fix) -> list[str]:
     lines, seen = [], 0
     for part in fix:
         for ln in part.text.splitlines():
-            if seen and ln.startswith(("Or ", "# or")):
+            if seen and ln.startswith(("Or ", "Or,", "# or")):
                 return lines
             seen += 1
             if part.kind == "code":

@@ -627,9 +627,9 @@ def test_log_metric_with_a_non_number_warns_once_and_collection_goes_on(trace_pa
 
 def test_optimizer_of_another_model_warns_and_buffers_stay_bounded(trace_path, monkeypatch):
     """The optimizer given never steps this model: one clear warning, and a step's buffers stop growing."""
-    from ampdoctor.collect import callbacks
+    from ampdoctor.collect import collector
 
-    monkeypatch.setattr(callbacks, "MAX_STEP_ENTRIES", 200)  # the real bound is reached after ~12k micro-batches
+    monkeypatch.setattr(collector, "MAX_STEP_ENTRIES", 200)  # the real bound is reached after ~12k micro-batches
     model = mlp(width=16)
     own = torch.optim.SGD(model.parameters(), lr=0.01)
     unrelated = torch.optim.SGD(mlp(width=8).parameters(), lr=0.01)
@@ -643,12 +643,13 @@ def test_optimizer_of_another_model_warns_and_buffers_stay_bounded(trace_path, m
                 loss.backward()
                 own.step()
                 doc.log_loss(loss)
-                most = max(most, len(doc._rec.entries), len(doc._losses))
+                state = doc._collector.state  # (white box: the bound is internal)
+                most = max(most, len(doc._collector.record.entries), len(state.losses))
     msgs = [str(x.message) for x in w if "ampdoctor" in str(x.message)]
     assert "3 optimizer steps went by without a step boundary" in msgs[0]
     assert "the optimizer given to attach() never ended a step: pass the one that updates this model" in msgs[0]
     assert any("observations of the unfinished step are dropped" in m for m in msgs) and len(msgs) == 2
-    assert most <= 200 + 20 and 0 < len(doc._losses) <= callbacks.MAX_STEP_LOSSES
+    assert most <= 200 + 20 and 0 < len(doc._collector.state.losses) <= collector.MAX_STEP_LOSSES
 
 
 def test_no_step_boundary_warns_with_the_fix(trace_path):

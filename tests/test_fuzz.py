@@ -7,6 +7,7 @@ import io
 import json
 import os
 import random
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 
 import ampdoctor
 from ampdoctor.cli import main
+from ampdoctor.cli import main as cli_main
 
 HERE = os.path.dirname(__file__)
 ROOT = os.path.dirname(HERE)
@@ -135,7 +137,7 @@ BAD_BLOBS = [
 
 def _where(c, table, rng) -> str:
     """A WHERE clause naming one existing row (tables without a rowid by their primary key)."""
-    if table == "stats" or table == "hists":
+    if table in ("stats", "hists", "probes"):  # WITHOUT ROWID: by their key
         step, site = rng.choice(c.execute(f"SELECT step, site FROM {table}").fetchall())
         return f"step = {step} AND site = {site}"
     if table == "meta":
@@ -317,3 +319,403 @@ def test_in_a_real_process_with_memory_limited(tmp_path, base, sql, message):
     assert out.returncode == 0 and out.stdout.split() == ["[2,", "2,", "2,", "2,", "2]"], out.stderr[-2000:]
     lines = out.stderr.splitlines()
     assert len(lines) == 5 and all(line.startswith("ampdoctor") and message in line for line in lines), lines
+
+
+# -- values of the right type, out of range: the reader accepts or refuses them, no command raises --------------------
+INF, NAN = float("inf"), float("nan")
+SQL_NUMBERS = [  # SQL literals of numbers a column of numbers takes; 9e999 is SQLite's +Inf
+    "0",
+    "-1",
+    "-0.0",
+    "0.5",
+    "1e308",
+    "-1e308",
+    "5e-324",
+    "1e-300",
+    "9007199254740993",
+    "4611686018427387904",
+    "9223372036854775807",
+    "-9223372036854775808",
+    "9e999",
+    "-9e999",
+    "NULL",
+    "'nan'",
+    "'inf'",
+    "'-inf'",
+]
+SQL_INTEGERS = ["0", "-1", "1", "2147483648", "9007199254740993", "9223372036854775807", "-9223372036854775808"]
+SQL_TEXTS = [
+    "''",
+    "'x'",
+    "NULL",
+    "'(model)'",
+    "'float8_e4m3fn'",
+    "'bogus'",
+    "'[]'",
+    "'[-1]'",
+    "'[1e308]'",
+    "'['",
+    "'" + "a" * 5000 + "'",
+    "'0x0'",
+]
+PY_NUMBERS = [0, -1, 0.5, 2, 1e300, -1e308, 5e-324, INF, -INF, NAN, 2**63 - 1, -(2**63), 10**15, 10**30]
+PY_INTEGERS = [0, -1, 1, 2**31, 10**15, 2**63 - 1, -(2**63), 10**30]
+COLUMN_VALUES = {  # table -> {column: SQL literals}
+    "steps": {c: SQL_NUMBERS for c in NUMERIC["steps"] + ["grad_max", "observer_time"]}
+    | {
+        "lr": ["'[]'", "'[1e308]'", "'[-1]'", "'[0]'", "'[null]'", "'[1, 1e308, -1e308]'", "NULL"],
+        "reason": ["''", "NULL", "'bogus'", "'" + "r" * 5000 + "'"],
+    },
+    "stats": {c: [v for v in SQL_NUMBERS if v[0] != "'"] for c in NUMERIC["stats"]},
+    "metrics": {
+        "value": SQL_NUMBERS,
+        "time": [v for v in SQL_NUMBERS if v[0] != "'"],
+        "step": ["NULL", "0", "9223372036854775807"],
+        "name": ["''", "'x'", "'" + "m" * 5000 + "'"],
+    },
+    "sites": {
+        "module_type": SQL_TEXTS,
+        "dtype": SQL_TEXTS,
+        "shape": SQL_TEXTS,
+        "path": SQL_TEXTS[:2] + SQL_TEXTS[3:],
+        "module": SQL_TEXTS[:2] + SQL_TEXTS[3:],
+        "first_step": ["NULL", "-1", "0", "9223372036854775807"],
+    },
+    "events": {
+        "step": ["NULL", "0", "9223372036854775807"],
+        "site": ["NULL", "0"],
+        "phase": SQL_TEXTS,
+        "message": SQL_TEXTS,
+        "kind": ["'nonfinite'", "'nonfinite_unknown'", "'nonfinite_weights'", "'probe'", "''", "'bogus'"],
+        "data": [
+            "NULL",
+            "'{}'",
+            '\'{"value": ""}\'',
+            "'{\"after\": -1}'",
+            "'{\"after\": 9223372036854775807}'",
+            "'{\"count\": -1}'",
+            "'{\"count\": 0}'",
+            "'{\"count\": 9223372036854775807}'",
+            "'{\"params\": []}'",
+            "'{\"skipped\": 5}'",
+            '\'{"value": "-inf", "after": 0, "count": 2, "params": [""]}\'',
+        ],
+    },
+    "hists": {
+        "counts": ["zeroblob(2040)", "x'" + "ffffffffffffff3f" * 255 + "'", "x'0100000000000000'"],
+        "lo": ["-127", "127"],
+    },
+    "probes": {
+        **{c: ["0", "-1", "9223372036854775807", "NULL", "0.5"] for c in ("calls", "k", "numel")},
+        **{c: [v for v in SQL_NUMBERS if v != "'-inf'"] for c in ("rel_err", "max_err", "ref_norm", "ref_absmax")},
+        "dtype": SQL_TEXTS,
+    },
+    "peaks": {
+        "data": [
+            "x''",
+            "x'0000807f'",
+            "x'0000c07f'",
+            "x'000080ff'",
+            "x'000080bf'",
+            "x'ffff7f7f'",
+            "x'01000000'",
+            "zeroblob(4000)",
+            "x'" + "0000807f" * 64 + "'",
+        ]
+    },
+}
+META_VALUES = {  # meta key -> {JSON path: Python values of the right type}
+    "run": {
+        "every": PY_INTEGERS,
+        "hist_every": PY_INTEGERS,
+        "weight_every": PY_INTEGERS,
+        "peak_every": PY_INTEGERS,
+        "rank": PY_INTEGERS,
+        "world_size": PY_INTEGERS,
+        "params": PY_INTEGERS,
+        "pid": PY_INTEGERS,
+        "threads": PY_INTEGERS,
+        "cpu_count": PY_INTEGERS + [None],
+        "calibration": PY_INTEGERS,
+        "started": PY_NUMBERS,
+        "capability": [[], [-1], [10**18, 0], [9, 0, 1]],
+        "model": ["", "x" * 5000],
+        "device": ["", "cuda:99", "meta"],
+        "mode": ["", "bogus", "debug"],
+        "device_name": [""],
+        "run_id": ["", None, 5],
+    },
+    "config": {
+        "scaler.growth_interval": [0, -1, 1, INF, NAN, 1e300, 0.5, 2**63 - 1, 10**30],
+        "scaler.growth_factor": [0.5, 1, 0, -2, INF, NAN, 1e300, 5e-324],
+        "scaler.backoff_factor": [2, 1, 0, -0.5, NAN, INF, 5e-324],
+        "scaler.init_scale": [INF, NAN, 0, -1, 5e-324, 1e300, 2**63 - 1],
+        "scaler.enabled": [False],
+        "scaler.class": ["", "ShardedGradScaler"],
+        "autocast.dtype": ["", "float8_e4m3fn", "bfloat16", "float64", None],
+        "autocast.device_type": ["", "xla", None],
+        "autocast.enabled": [False, True],
+        "param_dtypes": [{}, {"float16": -1}, {"float16": 10**30}, {"": 1}, {"bogus": 0}],
+        "module_param_dtypes": [{}, {"0": "bogus"}, {"": "float16"}],
+        "loss_dtype": ["", "float64", "int64", None],
+        "boundary": ["", "bogus"],
+        "optimizer.groups": [[], [{}], [{"lr": INF}], [{"lr": NAN}], [{"lr": -1}], [{"lr": 1e308}]],
+        "optimizer.class": [""],
+    },
+    "closed": {"steps": PY_INTEGERS, "time": PY_NUMBERS},
+}
+
+
+def out_of_range(c: sqlite3.Connection, rng: random.Random) -> str:
+    """Set one value to something of its column's type but out of its range; returns what it did."""
+    if rng.random() < 0.3:
+        key = rng.choice(list(META_VALUES))
+        path = rng.choice(list(META_VALUES[key]))
+        value = rng.choice(META_VALUES[key][path])
+        doc = json.loads(c.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()[0])
+        *parents, leaf = path.split(".")
+        node = doc
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+        c.execute("UPDATE meta SET value = ? WHERE key = ?", (json.dumps(doc), key))
+        return f"meta {key}.{path} = {json.dumps(value)[:40]}"
+    table = rng.choice([t for t in COLUMN_VALUES if c.execute(f"SELECT EXISTS (SELECT 1 FROM {t})").fetchone()[0]])
+    col = rng.choice(list(COLUMN_VALUES[table]))
+    value = rng.choice(COLUMN_VALUES[table][col])
+    where = _where(c, table, rng) if rng.random() < 0.7 else "1"  # one row, or every row
+    try:
+        c.execute(f"UPDATE {table} SET {col} = {value} WHERE {where}")
+    except sqlite3.IntegrityError:  # two sites of one path and kind: the format's own key refuses it
+        return out_of_range(c, rng)
+    return f"{table}.{col} = {value[:40]}" + (" (every row)" if where == "1" else "")
+
+
+@pytest.fixture(scope="module")
+def long_base(tmp_path_factory):
+    """A longer real trace: 24 steps (enough for the rules that skip warm-up steps and need a few more), the
+    precision-loss probe every 4 steps, a metric every step, FP16 + GradScaler from 2^20 (skips at the start)."""
+    from runs import mlp, train
+
+    path = str(tmp_path_factory.mktemp("fuzz") / "long.db")
+    train(
+        mlp(width=16, depth=2),
+        24,
+        init_scale=2.0**20,
+        trace=path,
+        attach_options={"every": 3, "hist_every": 3, "weight_every": 3, "probe_every": 4, "live": False},
+        on_step=lambda step, model, doc: doc.log_metric("val/loss", 1.0 / (step + 1)),
+    )
+    return path
+
+
+def _mutated(base: str, path, rng: random.Random, k: int) -> str:
+    """A copy of ``base`` at ``path`` with ``k`` values out of range; returns what was done."""
+    shutil.copy(base, path)
+    c = sqlite3.connect(path, isolation_level=None)
+    try:
+        return "; ".join(out_of_range(c, rng) for _ in range(k))
+    finally:
+        c.close()
+
+
+def _no_traceback(args: list, what: str) -> int:
+    """The exit code of a command: 0 or 1 with no traceback, or 2 with one line on stderr."""
+    try:
+        rc, err, took = _cli(args)
+    except Exception as exc:  # a traceback is the failure this test looks for
+        pytest.fail(f"{args[0]} raised {type(exc).__name__}: {exc} on: {what}")
+    assert rc in (0, 1, 2), (args[0], what, rc)
+    if rc == 2:
+        assert err.count("\n") == 1 and err.startswith("ampdoctor"), (args[0], what, err[-500:])
+    assert took < 20, (args[0], what, took)
+    return rc
+
+
+# (command, traces, values changed in each): a few hundred values per command in ~20 s on a quiet machine
+OUT_OF_RANGE_RUNS = {"info": (150, 2), "layers": (200, 2), "replay": (60, 3), "diagnose": (50, 4), "report": (6, 4)}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_values_of_the_right_type_out_of_range_give_no_traceback(tmp_path, base, long_base, cmd):
+    """Issue 21, items 5-7: values of the right type but out of range (0, -1, 1e308, inf, nan, 2^63-1, empty and
+    5,000-character texts, empty lists, NaN/Infinity in the metadata's JSON, ...) in every table and in the
+    metadata. The reader refuses what no run can record (one line, exit 2); what it accepts, every command reads
+    to the end (exit 0 or 1). Seeded: the same values every run."""
+    n, k = OUT_OF_RANGE_RUNS[cmd]
+    rng = random.Random(f"out-of-range {cmd}")
+    codes = []
+    for i in range(n):
+        path = tmp_path / f"v{i}.db"
+        what = _mutated((base, long_base)[i % 2], path, rng, k)
+        codes.append(_no_traceback(_args(cmd, str(path)), what))
+        for p in (path, tmp_path / f"v{i}.db.html"):
+            p.unlink(missing_ok=True)
+    accepted = sum(rc != 2 for rc in codes)
+    assert accepted >= n // 3, (accepted, n)  # the commands themselves met most of the values, not only the checks
+
+
+@pytest.mark.timeout(180)
+def test_the_dashboard_data_layer_takes_values_out_of_range(tmp_path, base, long_base):
+    """The dashboard's data layer (what its pages and the HTML report draw) on traces with values out of range:
+    every function returns, or the trace is refused with a TraceError; nothing else raises. (The findings the
+    pages show are the diagnose command's, fuzzed above.)"""
+    from ampdoctor.dashboards import data
+
+    rng = random.Random("out-of-range dashboard")
+    reference = ampdoctor.load(base)
+    read = 0
+    for i in range(30):
+        path = tmp_path / f"d{i}.db"
+        what = _mutated((base, long_base)[i % 2], path, rng, 4)
+        try:
+            tr = ampdoctor.load(path)
+        except ampdoctor.TraceError:
+            continue
+        try:
+            sid = int(tr.sites("grad_out")["id"].iloc[0])
+            for fn in (
+                data.run_summary,
+                data.precision_rows,
+                data.scaler_settings,
+                data.whatif,
+                data.formats_rows,  # (formats_shares reads the same table)
+                data.probe_series,
+                lambda t: data.whatif(t, init_scale=2.0**10, growth_interval=5),
+                lambda t: data.site_info(t, sid),
+                lambda t: data.layer_series(t, sid, "grad_out"),
+                lambda t: data.compare_layers(t, reference),
+                *[lambda t, s=s: data.layer_matrix(t, s, "grad_out", unscale=True) for s in data.STATS],
+            ):
+                fn(tr)
+            read += 1
+        except ampdoctor.TraceError as exc:
+            assert "\n" not in str(exc), what
+        except Exception as exc:
+            pytest.fail(f"{type(exc).__name__}: {exc} on: {what}")
+        finally:
+            tr.close()
+            path.unlink()
+    assert read >= 10
+
+
+# -- issue 21, items 5-7, as the issue reproduced them ---------------------------------------------------------------
+def _with_meta(src: str, path, key: str, change) -> str:
+    shutil.copy(src, path)
+    c = sqlite3.connect(path)
+    value = json.loads(c.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()[0])
+    change(value)
+    c.execute("UPDATE meta SET value = ? WHERE key = ?", (json.dumps(value), key))  # inf/nan: Infinity/NaN
+    c.commit()
+    c.close()
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("growth_interval", 0),
+        ("growth_interval", float("inf")),
+        ("growth_interval", float("nan")),
+        ("growth_interval", 1e300),
+        ("growth_factor", 0.5),
+        ("backoff_factor", 2),
+        ("backoff_factor", float("nan")),
+        ("init_scale", float("inf")),
+    ],
+)
+def test_scaler_settings_out_of_range_are_unknown_with_a_note(tmp_path, long_base, capsys, key, value):
+    """Issue 21, item 5: a GradScaler setting of the right type but out of range in meta.config made `diagnose`
+    and `report` exit 1 with a traceback (a CI gate reads exit 1 as findings) and `replay` too. The reader now
+    takes it as unknown (config.scaler.invalid), says so, and the replay runs with torch's default in its place."""
+    from ampdoctor.lossscale import TORCH_DEFAULTS
+
+    path = _with_meta(long_base, tmp_path / "t.db", "config", lambda c: c["scaler"].__setitem__(key, value))
+    sc = ampdoctor.load(path).config["scaler"]
+    assert key not in sc and list(sc["invalid"]) == [key]
+    note = f"GradScaler setting out of range in the trace: {key} {value!r} (should be "
+    assert cli_main(["diagnose", path]) in (0, 1)
+    assert note in capsys.readouterr().err
+    assert cli_main(["info", path]) == 0
+    assert f"note       {note}" in capsys.readouterr().out
+    assert cli_main(["replay", path]) == 0
+    out = capsys.readouterr().out
+    assert f"note: {note}" in out
+    if key != "init_scale":  # (the replay starts from the scale recorded at the first step)
+        assert f"{key} {TORCH_DEFAULTS[key]:g}" in out.splitlines()[1]
+    assert cli_main(["report", path, "-o", str(tmp_path / "r.html")]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def _set(src: str, path, sql: str) -> str:
+    shutil.copy(src, path)
+    c = sqlite3.connect(path)
+    c.executescript(sql)
+    c.close()
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "sql, commands, message",
+    [
+        ("UPDATE events SET step = NULL", ("info", "report"), "table events: column step holds None: not a step"),
+        (
+            "UPDATE steps SET data_time = 1e308",
+            ("diagnose", "report"),
+            "table steps: column data_time holds 1e+308: not a duration (0 to 1e+09 s)",
+        ),
+    ],
+)
+def test_values_no_run_records_are_refused_in_one_line(tmp_path, long_base, capsys, sql, commands, message):
+    """Issue 21, item 6: an event without a step (info and report: TypeError) and a data wait of 1e308 s on every
+    step (diagnose and report: OverflowError in the input-pipeline rule) are values no run records: the reader
+    refuses the trace, naming the value."""
+    path = _set(long_base, tmp_path / "t.db", sql)
+    for cmd in commands:
+        assert cli_main(_args(cmd, path)) == 2
+        assert capsys.readouterr().err == f"ampdoctor: {path}: corrupt trace ({message})\n"
+
+
+def test_a_site_without_a_module_type_is_listed_without_one(tmp_path, long_base, capsys):
+    """Issue 21, item 6: sites.module_type NULL (the format allows it) made `layers` raise TypeError."""
+    path = _set(long_base, tmp_path / "t.db", "UPDATE sites SET module_type = NULL")
+    assert cli_main(["layers", path, "--kind", "act"]) == 0
+    rows = capsys.readouterr().out.splitlines()[2:]
+    assert len(rows) == 6 and all(r.split()[1] in ("float16", "float32") for r in rows)  # no type column text
+
+
+RANKS = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30))
+from ampdoctor.cli import main
+for args in (["info", sys.argv[1]], ["report", sys.argv[1], "-o", sys.argv[2]]):
+    print(main(args))
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("claim", ["world_size", "rank"])
+def test_a_rank_claiming_a_world_of_10_15_costs_nothing(tmp_path, base, claim):
+    """Issue 21, item 7: a rank trace claiming world_size or rank 10^15 made `info DIR` and `report DIR` run out
+    of memory listing the missing ranks. They are runs of ranks now: 0-999999999999999 costs what 0-1 does."""
+    d = tmp_path / "run"
+    d.mkdir()
+    if claim == "world_size":
+        for r in (0, 1):
+            _with_meta(base, d / f"run.rank{r}.db", "run", lambda m, r=r: m.update(rank=r, world_size=10**15))
+        line = "missing    no trace for rank(s) 2-999999999999999 (999,999,999,999,998 ranks)"
+    else:
+        _with_meta(base, d / "run.rank0.db", "run", lambda m: m.update(rank=10**15, world_size=2))
+        line = "missing    no trace for rank(s) 0-999999999999999 (1,000,000,000,000,000 ranks)"
+    out = subprocess.run(
+        [sys.executable, "-c", RANKS, str(d), str(tmp_path / "ranks.html")],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert line in lines and lines[-3:] == ["0", f"wrote {tmp_path / 'ranks.html'}", "0"], out.stdout[-2000:]
+    assert "999999999999999" in (tmp_path / "ranks.html").read_text()

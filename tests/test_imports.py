@@ -1,6 +1,7 @@
-"""The import graph reads one way: no cycle between the package's modules, and the offline side (trace, diagnose,
-commands, views) never reaches torch. Read from the source with ast, so that every module is covered, including
-the ones no test imports."""
+"""The import graph reads one way: no cycle between the package's modules, the training side (collect) never imports
+the rules or the views, and the offline side (trace, rules, commands, views) never reaches torch. Read from the source
+with ast, so that every module is covered, including the ones no test imports. The top-level dashboards/ folder is
+the package ampdoctor.dashboards (setup.cfg's package_dir), and is walked under that name."""
 
 import ast
 import os
@@ -8,7 +9,8 @@ import os
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("ampdoctor", "dashboards")
+# folder -> the package name it installs as
+PACKAGES = {"ampdoctor": "ampdoctor", "dashboards": "ampdoctor.dashboards"}
 # What runs inside training (torch) and what a user calls with a model in hand; everything else is the offline side.
 TRAINING_SIDE = ("ampdoctor.collect", "ampdoctor.islands", "ampdoctor.integrations")
 TORCH = ("torch", "lightning", "pytorch_lightning", "transformers", "accelerate")
@@ -17,15 +19,15 @@ TORCH = ("torch", "lightning", "pytorch_lightning", "transformers", "accelerate"
 def _modules() -> dict:
     """module name -> (path, is_package) for every .py file under the packages."""
     out = {}
-    for pkg in PACKAGES:
-        for dirpath, _, files in os.walk(os.path.join(ROOT, pkg)):
+    for folder, package in PACKAGES.items():
+        for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
             for f in files:
                 if not f.endswith(".py"):
                     continue
-                rel = os.path.relpath(os.path.join(dirpath, f), ROOT)[:-3].split(os.sep)
+                rel = os.path.relpath(os.path.join(dirpath, f), os.path.join(ROOT, folder))[:-3].split(os.sep)
                 is_pkg = rel[-1] == "__init__"
-                name = ".".join(rel[:-1] if is_pkg else rel)
-                out[name] = (os.path.join(dirpath, f), is_pkg)
+                parts = package.split(".") + (rel[:-1] if is_pkg else rel)
+                out[".".join(parts)] = (os.path.join(dirpath, f), is_pkg)
     return out
 
 
@@ -105,6 +107,7 @@ def test_the_walk_sees_the_package():
     assert len(MODULES) > 60
     assert "ampdoctor.trace.vectors" in g["ampdoctor.trace.writer"]
     assert "ampdoctor.trace" in g["ampdoctor.collect.buffers"]  # the parent package runs too
+    assert "ampdoctor.rules" in g["ampdoctor.dashboards.diagnosis"]  # dashboards/ is walked as ampdoctor.dashboards
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -119,7 +122,7 @@ def test_offline_side_never_reaches_torch():
     through another module of the package, at module level: `ampdoctor diagnose` runs where torch is absent."""
     g = _graph(top_level_only=True)
     offline = [m for m in MODULES if not m.startswith(TRAINING_SIDE) and m != "ampdoctor"]
-    assert "ampdoctor.trace.writer" in offline and "dashboards.app" in offline
+    assert "ampdoctor.trace.writer" in offline and "ampdoctor.dashboards.app" in offline
     bad = {}
     for start in offline:
         seen, todo = {start}, [start]
@@ -133,3 +136,49 @@ def test_offline_side_never_reaches_torch():
                 seen.add(n)
                 todo.append(n)
     assert bad == {}
+
+
+# The one-way flow, collect -> trace -> rules -> views: the modules of each layer import only from the layers before
+# it (and from the neutral modules every layer may use: number formats, severities, the precision bound, the FP32
+# islands' code line). The whole graph counts, function-level imports included.
+NEUTRAL = (
+    "ampdoctor.formats",
+    "ampdoctor.severity",
+    "ampdoctor.roundoff",
+    "ampdoctor.islands",
+    "ampdoctor.autocast_ops",
+)
+# A Trace, a Diagnosis or a Replay shown in a notebook hands its display to the notebook views (_repr_html_, imported
+# when a notebook asks): the one way up the flow, for display only.
+DISPLAY = ("ampdoctor.notebook",)
+LAYERS = {
+    "ampdoctor.collect": ("ampdoctor.trace",),
+    "ampdoctor.trace": (),
+    "ampdoctor.rules": ("ampdoctor.trace", "ampdoctor.lossscale", "ampdoctor.whatif", "ampdoctor.precision_label"),
+    "ampdoctor.lossscale": ("ampdoctor.trace",),
+}
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_each_layer_imports_only_the_layers_before_it(layer):
+    g = _graph(top_level_only=False)
+    allowed = (layer, "ampdoctor.collect.") if layer == "ampdoctor.collect" else (layer,)
+    allowed = (*allowed, *LAYERS[layer], *NEUTRAL, *(DISPLAY if layer != "ampdoctor.collect" else ()))
+    bad = {
+        m: sorted(t for t in targets if t != "ampdoctor" and not t.startswith(allowed))
+        for m, targets in g.items()
+        if m == layer or m.startswith(layer + ".")
+    }
+    assert {m: t for m, t in bad.items() if t} == {}
+
+
+def test_the_training_side_never_imports_the_rules():
+    """collect/ runs inside training: the live rules are handed to it by ampdoctor.attach, never imported."""
+    g = _graph(top_level_only=False)
+    seen, todo = set(), [m for m in MODULES if m.startswith("ampdoctor.collect")]
+    while todo:
+        m = todo.pop()
+        for n in g[m] - seen:
+            seen.add(n)
+            todo.append(n)
+    assert not [m for m in seen if m.startswith(("ampdoctor.rules", "ampdoctor.dashboards", "ampdoctor.commands"))]

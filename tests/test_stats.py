@@ -1,6 +1,10 @@
 """The statistics kernels against a plain numpy re-implementation (Cockpit-style reference tests)."""
 
+import importlib.util
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -272,3 +276,349 @@ def test_cpu_kernel_scratch_buffers_change_nothing(dtype, monkeypatch):
     ref = reference(x)
     st, _ = V.derive(first, x.numel())
     assert all(st[f] == ref[f] for f in ("zeros", "fp16_flush", "fp16_sub", "fp16_over", "bf16_flush", "bf16_sub"))
+
+
+# -- the native one-pass kernel (collect/kernels.py) ---------------------------------------------------------------
+def _kernels():
+    """The native kernels, loaded now; a skip only where numba is not installed (a dependency: CI has it)."""
+    k = K.native(wait=True)
+    if k is None:
+        if importlib.util.find_spec("numba") is None:
+            pytest.skip("numba is not installed")
+        pytest.fail(f"numba is installed but the native kernels did not load: {K.load_info}")
+    return k
+
+
+def native_full(x: torch.Tensor) -> torch.Tensor:
+    return K._full_native(_kernels(), x)
+
+
+def _float64_sums(x: torch.Tensor) -> tuple[float, float, float]:
+    """Exact references: the float64 sum (math.fsum: correctly rounded), the L2 norm from the correctly rounded
+    sum of squares (float32 squares are exact in float64), and sum |x| (for the error bounds)."""
+    v = x.float().reshape(-1).double().numpy()
+    if not np.isfinite(v).all():
+        return math.nan, math.nan, math.inf
+    return math.fsum(v), math.sqrt(math.fsum(v * v)), math.fsum(np.abs(v))
+
+
+U64, U32 = 2.0**-53, 2.0**-24  # unit roundoffs
+
+
+def assert_same_vector(native: np.ndarray, x: torch.Tensor) -> None:
+    """What every caller of full() relies on, on the native vector: the counts, histogram and abs max exactly those
+    of the torch passes (_full_cpu) and of real casts; sum and norm within float64 rounding of the exact values
+    (recursive summation of n exact terms: |error| <= n u64 sum|terms|), hence within the torch passes' float32
+    bound of their values."""
+    passes = K._full_cpu(x.contiguous().reshape(-1)).numpy()
+    assert np.array_equal(native[V.I_EDGES :], passes[V.I_EDGES :])
+    n = x.numel()
+    s, norm, s_abs = _float64_sums(x)
+    if not math.isfinite(s_abs):  # NaN/Inf: they propagate as in a float64 sum
+        ref = x.double().sum().item(), torch.linalg.vector_norm(x.double()).item()
+        assert np.allclose(native[: V.I_EDGES], ref, equal_nan=True) and np.isnan(native[:2]).tolist() == [
+            math.isnan(r) for r in ref
+        ]
+        return
+    assert abs(native[V.I_SUM] - s) <= n * U64 * s_abs
+    assert abs(native[V.I_NORM] - norm) <= n * U64 * norm
+    # the torch passes sum in float32 (or float64 where that could overflow)
+    assert abs(native[V.I_SUM] - passes[V.I_SUM]) <= n * (U32 + U64) * s_abs
+    assert abs(native[V.I_NORM] - passes[V.I_NORM]) <= n * (U32 + U64) * norm
+
+
+LAYOUTS = {
+    "contiguous": lambda t: t,
+    "transposed": lambda t: t.reshape(64, -1).t(),
+    "sliced rows": lambda t: t.reshape(64, -1)[:, 3:-5],
+    "every third": lambda t: t[::3],
+    "permuted 4-d": lambda t: t.reshape(4, 8, 16, -1).permute(2, 0, 3, 1)[1:, :, ::2],
+    "broadcast": lambda t: t[:64].reshape(8, 1, 8).expand(8, 5, 8),
+    "0-d": lambda t: t[5],
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_kernel_gives_the_same_vector(dtype, layout):
+    """Planted values at every rounding edge, NaN/Inf, zeros, FP32 subnormals, read in place through the strides
+    (no copy): the same vector as the torch passes and the counts of real casts."""
+    x = LAYOUTS[layout](planted(dtype))
+    assert not x.is_contiguous() or layout in ("contiguous", "0-d")
+    vec = native_full(x).numpy()
+    assert_same_vector(vec, x)
+    ref = reference(x)
+    st, bins = V.derive(vec, x.numel())
+    for f in ("nan", "inf", "zeros", "fp16_over", "fp16_sub", "fp16_flush", "bf16_over", "bf16_sub", "bf16_flush"):
+        assert st[f] == ref[f], f
+    assert np.array_equal(bins[1:], ref["hist"][1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_native_kernel_reads_every_16_bit_pattern_as_torch_widens_it(dtype):
+    """All 65,536 bit patterns of bf16 / fp16 (subnormals, both zeros, inf, quiet and signalling NaNs): the native
+    kernel widens them in integers; its histogram and counts equal those of torch's ``.float()`` of the same
+    tensor, pattern by pattern (one pattern per call) and all at once."""
+    x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    assert_same_vector(native_full(x).numpy(), x)
+    finite = x[torch.isfinite(x)]
+    assert_same_vector(native_full(finite).numpy(), finite)
+    k = _kernels()
+    for pattern in x[:: 2**15 // 512 + 1].tolist() + [x[i].item() for i in (31744, 31745, 32256, 64513, 0, 32768)]:
+        one = torch.tensor([pattern], dtype=dtype)
+        assert np.array_equal(
+            K._full_native(k, one).numpy()[V.I_EDGES :], K._full_cpu(one).numpy()[V.I_EDGES :], equal_nan=True
+        ), pattern
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("magnitude", [3e38, 1e30, 2e19, 1.0, 1e-25, 1e-40])
+def test_native_sum_and_norm_within_float64_rounding(dtype, magnitude):
+    """Magnitudes whose float32 squares overflow (above ~1.8e19) or vanish (below ~1e-23), mixed signs, 100k
+    values: sum and norm within float64 rounding of the exact values (fp16 holds neither end: its casts are
+    inf/0, counted as such)."""
+    g = torch.Generator().manual_seed(2)
+    x = (
+        (torch.rand(100_000, generator=g) + 0.5)
+        * magnitude
+        * torch.where(torch.rand(100_000, generator=g) < 0.3, -1, 1)
+    )
+    assert_same_vector(native_full(x.to(dtype)).numpy(), x.to(dtype))
+
+
+def test_native_non_finite_sums_propagate_like_float64():
+    for vals in ([1.0, math.nan, 2.0], [1.0, math.inf], [-math.inf, 1.0], [math.inf, -math.inf], [math.nan, math.inf]):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = torch.tensor(vals * 3000, dtype=dtype)  # more than one chunk
+            assert_same_vector(native_full(x).numpy(), x)
+
+
+def test_native_kernel_on_large_tensors_and_the_two_thread_split(monkeypatch):
+    """A tensor past PAR_MIN is read by two threads, half each: the same vector as one thread, and as the torch
+    passes; so is a tensor whose length is no multiple of the chunk, and one of a single value."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3_000_001, generator=g) * torch.exp2(torch.randint(-40, 40, (3_000_001,), generator=g).float())
+    x[::1000] = 0.0
+    x[7] = 70000.0
+    monkeypatch.setattr(K, "PAR_MIN", 1 << 40)
+    one = native_full(x).numpy()
+    monkeypatch.setattr(K, "PAR_MIN", 1000)
+    split = native_full(x).numpy()
+    assert_same_vector(split, x)
+    assert np.array_equal(one[V.I_EDGES :], split[V.I_EDGES :])
+    for n in (1, 4099):
+        assert_same_vector(native_full(x[:n]).numpy(), x[:n])
+
+
+def test_native_kernel_reads_without_writing():
+    x = planted(torch.float32).reshape(64, 64)
+    before = x.clone()
+    for t in (x, x.t(), x.bfloat16(), x.half()[:, ::2]):
+        native_full(t)
+    assert torch.equal(x.view(torch.int32), before.view(torch.int32))
+
+
+def test_full_uses_the_native_kernel_once_loaded_and_the_torch_passes_otherwise(monkeypatch):
+    _kernels()
+    x = planted(torch.float32)
+    calls = []
+    real = K._kernels.full
+    monkeypatch.setattr(K._kernels, "full", lambda *a: calls.append(a) or real(*a))
+    native = K.full(x).numpy()
+    assert len(calls) == 1
+    monkeypatch.setattr(K, "_kernels", None)
+    monkeypatch.setattr(K, "NATIVE", False)  # AMPDOCTOR_NATIVE=0
+    passes = K.full(x).numpy()
+    assert len(calls) == 1 and K.native() is None
+    assert np.array_equal(native[V.I_EDGES :], passes[V.I_EDGES :])
+
+
+def test_a_native_kernel_that_disagrees_is_never_used(monkeypatch):
+    """The check run once after loading: a kernel whose counts differ from the torch passes' raises (and the
+    loader then keeps the torch passes)."""
+    k = _kernels()
+
+    def off_by_one(*args):
+        k.full(*args)
+        args[-1][V.HEAD + 300] += 1
+
+    broken = type(k)("broken")
+    broken.__dict__.update(vars(k))
+    broken.full = off_by_one
+    with pytest.raises(RuntimeError, match="disagrees"):
+        K._self_check(broken)
+
+
+_SUBPROCESS = """
+import os, sys, time
+import torch
+from ampdoctor.collect import stats as K
+x = torch.randn(10_000)
+first = K.full(x).numpy()  # served by the torch passes while the kernels load
+loading = K._kernels is None and K._load_thread is not None and K._load_thread.is_alive()
+k = K.native(wait=True)
+second = K.full(x).numpy()
+import numpy as np
+same = bool(np.array_equal(first[2:], second[2:]))
+jitted = [k.full, k.finish, k.norm_peak]
+print(loading, k is not None, same, K.load_info.get("error"), sum(f.stats.cache_hits.total() for f in jitted))
+"""
+
+
+def _run_fresh(env: dict) -> list[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", _SUBPROCESS], env={**os.environ, **env}, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and "Fatal" not in out.stderr, out.stderr
+    return out.stdout.split()
+
+
+@pytest.mark.slow
+def test_kernels_load_in_the_background_and_cache_on_disk(tmp_path):
+    """A fresh process: the first call returns at once from the torch passes while the kernels compile in the
+    background (the process may end before they are done); they are then cached on disk, and the next process
+    loads them from there (no compilation)."""
+    cache = {"NUMBA_CACHE_DIR": str(tmp_path / "numba-cache")}
+    assert _run_fresh(cache) == ["True", "True", "True", "None", "0"]
+    assert list((tmp_path / "numba-cache").rglob("kernels.full-*.nbi"))
+    assert _run_fresh(cache)[1:] == ["True", "True", "None", "3"]
+
+
+def test_kernels_compile_in_memory_where_no_cache_is_writable(monkeypatch):
+    """A read-only install with no writable home: numba finds no cache location and refuses ``cache=True``; the
+    kernels' decorator then compiles without a cache (here a small function, through the same decorator)."""
+    _kernels()
+    from numba import njit
+    from numba.core import config
+
+    from ampdoctor.collect import kernels
+
+    monkeypatch.setattr(config, "CACHE_LOCATOR_CLASSES", "test_stats.NoCacheLocator")  # NUMBA_CACHE_LOCATOR_CLASSES
+    with pytest.raises(RuntimeError, match="no locator"):
+        njit("int64(int64)", cache=True)(lambda v: v)
+
+    @kernels._jit("int64(int64)")
+    def twice(v):
+        return 2 * v
+
+    assert twice(21) == 42 and twice._cache.__class__.__name__ == "NullCache"
+
+
+class NoCacheLocator:
+    """A numba cache locator that finds no place, as on a read-only install without a writable home."""
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        return None
+
+
+# -- the sentinel's one-read gradient figures (buffers.GradFigures) ------------------------------------------------
+def _grad_params(dtype) -> list:
+    """Gradients the sentinel meets: a weight, a bias, a transposed (dense, permuted) one, a channels-last conv
+    weight, a slice with gaps (copied before reading), an empty one; float32 ones at magnitudes whose float32
+    squares overflow (1e30) or vanish (1e-30)."""
+    g = torch.Generator().manual_seed(6)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    grads = [
+        randn(300, 70),
+        randn(70, scale=1e-3),
+        randn(40, 30).t(),
+        randn(8, 3, 5, 5).to(memory_format=torch.channels_last),
+        randn(50, 40)[:, ::3],
+        randn(0),
+    ]
+    if dtype == torch.float32:
+        grads += [randn(1000, scale=1e30), randn(1000, scale=1e-30)]
+    params = []
+    for i, grad in enumerate(grads):
+        p = torch.nn.Parameter(torch.zeros(grad.shape, dtype=dtype))
+        p.grad = grad
+        params.append((f"p{i}", p))
+    return params
+
+
+def _float64_figures(params) -> tuple[float, float]:
+    flat = torch.cat([p.grad.double().reshape(-1) for _, p in params])
+    if torch.isnan(flat).any():
+        return math.nan, math.nan
+    return math.sqrt(math.fsum((flat * flat).tolist())), flat.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_sentinel_reads_every_gradient_once_natively(dtype, monkeypatch):
+    """The global norm and peak in one native call over all gradients, against float64 references: the norm
+    within float64 rounding (the float32 squares of 1e30 / 1e-30 overflow / vanish, not here), the peak exact; NaN
+    anywhere makes both NaN, an Inf both Inf; the torch path it replaces agrees within float32 rounding."""
+    from ampdoctor.collect.buffers import GradFigures
+
+    k = _kernels()
+    calls = []
+    real = k.norm_peak
+    monkeypatch.setattr(k, "norm_peak", lambda *a: calls.append(a) or real(*a))
+    params = _grad_params(dtype)
+    assert not params[4][1].grad.is_contiguous() and not K._dense(params[4][1].grad)
+    assert K._dense(params[2][1].grad) and K._dense(params[3][1].grad)
+    figures = GradFigures()
+    n = sum(p.numel() for _, p in params)
+    norm, peak = figures(params)
+    ref_norm, ref_peak = _float64_figures(params)
+    assert len(calls) == 1 and isinstance(norm, float) and isinstance(peak, float)
+    assert abs(norm - ref_norm) <= n * U64 * ref_norm and peak == ref_peak
+    monkeypatch.setattr(K, "_kernels", None)
+    monkeypatch.setattr(K, "NATIVE", False)
+    torch_norm, torch_peak = GradFigures()(params)
+    assert torch_norm == pytest.approx(ref_norm, rel=n * U32) and torch_peak == ref_peak
+    monkeypatch.undo()
+    monkeypatch.setattr(k, "norm_peak", lambda *a: calls.append(a) or real(*a))
+    for bad, expect in ((math.inf, math.inf), (-math.inf, math.inf), (math.nan, math.nan)):
+        params[0][1].grad[7, 3] = bad
+        got = figures(params)
+        assert all(v == expect or (math.isnan(v) and math.isnan(expect)) for v in got), (bad, got)
+        assert all(a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(got, _float64_figures(params)))
+        params[0][1].grad[7, 3] = 0.0
+    assert len(calls) == 4
+
+
+def test_sentinel_native_figures_of_sparse_and_mixed_gradients():
+    """A sparse embedding gradient (its stored values) next to dense ones of two dtypes: one native read, equal to
+    the float64 figures of the dense gradients."""
+    from ampdoctor.collect.buffers import GradFigures
+
+    _kernels()
+    emb = torch.nn.Embedding(100, 16, sparse=True)
+    lin = torch.nn.Linear(16, 4).to(torch.bfloat16)
+    x = torch.tensor([[1, 5, 5, 7]])
+    out = lin(emb(x).to(torch.bfloat16)).float().square().sum()
+    out.backward()
+    params = list(emb.named_parameters()) + list(lin.named_parameters())
+    norm, peak = GradFigures()(params)
+    dense = torch.cat([(p.grad.to_dense() if p.grad.is_sparse else p.grad).double().reshape(-1) for _, p in params])
+    assert norm == pytest.approx(dense.norm().item(), rel=1e-12) and peak == dense.abs().max().item()
+
+
+def test_sentinel_checks_dtype_and_device_on_every_step(monkeypatch):
+    """The kernel reads numel values of the planned kind from each pointer: a gradient whose dtype changes between
+    steps (model.half()) is read as what it now is, and one the kernel does not read (float64) goes to the torch
+    path, never through the native read."""
+    from ampdoctor.collect.buffers import GradFigures
+
+    _kernels()
+    params = _grad_params(torch.float32)[:2]
+    figures = GradFigures()
+    assert figures(params) == pytest.approx(_float64_figures(params), rel=1e-12)
+    for _, p in params:  # what model.half() does to a parameter and its gradient
+        grad = p.grad.half()
+        p.grad = None
+        p.data = p.data.half()
+        p.grad = grad
+    assert figures(params) == pytest.approx(_float64_figures(params), rel=1e-12)
+    for _, p in params:
+        grad = p.grad.double() * 1e200
+        p.grad = None
+        p.data = p.data.double()
+        p.grad = grad
+    assert K.grad_norm_peak(K.native(), [p.grad for _, p in params]) is None
+    assert figures(params) == pytest.approx(_float64_figures(params), rel=1e-6)

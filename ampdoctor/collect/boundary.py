@@ -1,213 +1,331 @@
-"""The step boundary: what the Doctor does when a step ends (the optimizer's step, the scaler's update or
-``doctor.step()``): the parameter gradients, the sentinel's figures, the step's one host transfer, the flight
-recorder's decision, and the packet the writer receives when the next step starts.
-
-A mixin of Doctor (session.py), over the same per-step fields as the callbacks."""
+"""The step end: from the step's record to the writer's packet. The parameter gradients, the sentinel's figures
+(global gradient norm and peak, the loss, the loss scale), the step's one host transfer, the verdict (skipped,
+non-finite, anomalous: the flight recorder's input), and the packet, sent when the next step starts so that a loss
+logged after ``optimizer.step()`` still joins it."""
 
 from __future__ import annotations
 
-import math
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from ..trace import schema
-from ..trace.vectors import Entry
-from ..trace.writer import StepPacket
-from . import buffers as B
-from . import cadence as C
-from . import callbacks as CB
-from . import guards as G
-from . import meta
-from . import stats as K
-from .live import TrainingHalted
+from ..trace.messages import EventKind, EventMsg, StepPacket
+from ..trace.vectors import EXTRAS_BLOCK, FULL_BLOCK, Entry, Phase
+from . import buffers, stats
+from .cadence import SPIKE_FACTOR, Cadence
+from .guards import Guard, finite_or_none, no_forward
+from .options import Observe
+from .record import HostCopy, StepRecord
+from .sites import Sites
+from .state import StepState
+from .transfer import Transfer
 
-_LEVELS = {C.NONE: schema.LEVEL_SENTINEL, C.PEAK: schema.LEVEL_PEAK, C.FULL: schema.LEVEL_FULL}
+_LEVELS = {Observe.NONE: schema.LEVEL_SENTINEL, Observe.PEAK: schema.LEVEL_PEAK, Observe.FULL: schema.LEVEL_FULL}
+WARN_NO_FORWARD_AFTER = 3  # steps without a root forward (or begin_batch) before the run warns
 
 
-class StepBoundary:
-    def _end_step(self, skipped) -> None:
-        if self._off:
-            return
-        self._record_step(skipped)
-        live = self._live
-        if live is not None and live.halt is not None and not self._halted:
-            self._halted = True  # raised once: a loop that catches it may go on
-            raise TrainingHalted(live.halt)
+def read_scale(scaler) -> float | torch.Tensor:
+    """The scale in force, as a device tensor when the scaler keeps one there (no host sync)."""
+    s = getattr(scaler, "_scale", None)  # GradScaler's own tensor: get_scale() would sync
+    if isinstance(s, torch.Tensor):
+        if stats.on_host(s):
+            return s.item()
+        return s.detach().clone().reshape(())  # update() changes it in place
+    return float(scaler.get_scale())
 
-    @G.guarded(timed=False)  # timed inside: the step's observer_time ends with its row
-    def _record_step(self, skipped) -> None:
-        if self._writer.error is not None:
-            raise RuntimeError(f"trace writer failed: {self._writer.error}")
-        t0 = time.perf_counter()
-        step, mode, store_hist = self._step, self._cur_mode, self._store_hist
-        rec = self._rec
+
+@dataclass
+class Verdict:
+    """What the sentinel concluded about a finished step."""
+
+    skipped: bool  # the optimizer did not apply it
+    nonfinite: bool  # a NaN/Inf in the loss, the gradients or an observed value
+    spike: bool = False  # a finite gradient-norm spike
+    loss_spike: bool = False  # a finite loss spike
+    weights_bad: bool = False  # half-precision weights hold NaN/Inf after the update
+
+    @property
+    def anomalous(self) -> bool:
+        """The flight recorder's trigger (and the anomaly replay's)."""
+        return self.skipped or self.nonfinite or self.spike or self.loss_spike
+
+    @property
+    def kind(self) -> str:
+        """The anomaly, most serious first: "nonfinite", "skipped", "loss_spike" (the one a practitioner sees in the
+        loss curve), "grad_spike"."""
+        if self.nonfinite:
+            return "nonfinite"
+        if self.skipped:
+            return "skipped"
+        return "loss_spike" if self.loss_spike else "grad_spike"
+
+
+@dataclass
+class InFlight:
+    """A finished step whose figures are on their way to the host."""
+
+    state: StepState
+    skipped: bool | None
+    row: dict  # the steps-table fields known now (the packet's row once resolved)
+    entries: list
+    copy: HostCopy
+    offsets: dict  # where the step figures sit among the extras
+    scales: list  # [before, after] the scaler's update: floats, or device tensors read with the copy
+    scale_offs: list
+    calls: list | None = None  # what a replay of it needs (anomaly.Capture), kept until it is resolved
+    updates: int = 0  # optimizer updates applied before it started (a replay is exact while this holds)
+    late_loss: object = None  # a loss logged after its boundary (a float, or a Transfer of a device value)
+    packet: StepPacket | None = None
+    verdict: Verdict | None = None
+    batch_ids: list = field(default_factory=list)
+    closed: bool = False  # a later step has started: no loss can join it any more
+
+    @property
+    def has_loss(self) -> bool:
+        return self.offsets["loss"] is not None or self.late_loss is not None
+
+    def add_late_loss(self, loss) -> None:
+        """A loss logged after the step's boundary (``optimizer.step()`` came first): a device value is copied
+        asynchronously, like the step's figures."""
+        if isinstance(loss, torch.Tensor):
+            loss = Transfer(loss.detach().to(torch.float64).reshape(1)) if not stats.on_host(loss) else loss.item()
+        self.late_loss = loss
+
+    def late_loss_ready(self) -> bool:
+        return not isinstance(self.late_loss, Transfer) or self.late_loss.ready()
+
+    def take_late_loss(self) -> float | None:
+        v = self.late_loss
+        if isinstance(v, Transfer):
+            v = float(v.values()[0])
+        return None if v is None else float(v)
+
+
+class StepEnd:
+    """Turns a finished StepState into a StepPacket and a Verdict. Given explicitly what it reads: the record, the
+    sites, the trainable parameters, the cadence (spikes), the optimizer (learning rates) and scaler, the writer's
+    ``put``."""
+
+    def __init__(
+        self,
+        guard: Guard,
+        record: StepRecord,
+        sites: Sites,
+        params: list[tuple[str, torch.nn.Parameter]],
+        cadence: Cadence,
+        put: Callable,
+        *,
+        optimizer=None,
+        scaler=None,
+        scaler_enabled: bool = False,
+        weight_every: int,
+        model_name: str,
+    ):
+        self.guard = guard
+        self.record = record
+        self.sites = sites
+        self.params = params
+        self.cadence = cadence
+        self.put = put
+        self.optimizer = optimizer
+        self.scaler = scaler if scaler_enabled else None
+        self.weight_every = weight_every
+        self._model_name = model_name
+        self._grad_plan: buffers.GradPlan | None = None
+        self._grad_figures = buffers.GradFigures()
+        self._half_params = any(p.dtype in (torch.float16, torch.bfloat16) for _, p in params)
+        self._known_entries: list = []  # the entries of recent steps' distinct layouts, newest first
+        self._bad_weights = 0
+        self.t_prev_end = time.perf_counter()
+
+    def figures(self, state: StepState) -> tuple:
+        """The sentinel: global norm and largest unscaled gradient, fused over all gradients, once per step (before
+        the optimizer step when it has one, else at the step end): floats on the CPU, else device tensors."""
+        if state.figures is None:
+            state.figures = self._grad_figures(self.params)
+        return state.figures
+
+    def early_verdict(self, state: StepState) -> Verdict | None:
+        """Before the optimizer applies the step (its pre-hook): what the sentinel already knows, when its figures
+        are on the host (on an accelerator they come with the step's one transfer, later). None: nothing to say."""
+        norm, gmax = self.figures(state)
+        loss = buffers.sum_losses(state.losses) if state.losses else None
+        if any(isinstance(v, torch.Tensor) for v in (norm, gmax, loss)):
+            return None
+        nonfinite = not (finite_or_none(norm) and finite_or_none(gmax) and finite_or_none(loss))
+        verdict = Verdict(skipped=False, nonfinite=nonfinite)
+        if not nonfinite:
+            verdict.spike, verdict.loss_spike = self._spikes(state, norm, loss)
+        return verdict
+
+    def _spikes(self, state: StepState, norm: float | None, loss: float | None) -> tuple[bool, bool]:
+        if state.spikes is None:
+            state.spikes = (self.cadence.spike(norm), self.cadence.loss_spike(loss))
+        return state.spikes
+
+    def close(self, state: StepState, skipped: bool | None, step_starts: int, device: str | None) -> InFlight:
+        """The step ``state`` ended (``skipped``: known from the optimizer; None: to read from the loss scale). Its
+        figures start their way to the host (read at once on the CPU); ``resolve`` turns them into the packet."""
+        step, observe, rec = state.index, state.observe, self.record
         entries = rec.entries
-
-        if mode != C.NONE:
-            self._observe_param_grads(mode, entries)
-        # The sentinel: global norm and largest unscaled gradient, fused over all gradients, every step.
-        norm, gmax = self._grad_figures(self._params)
-        norm_off = rec.add_extra(norm) if norm is not None else None
-        max_off = rec.add_extra(gmax) if gmax is not None else None
+        if observe is not Observe.NONE:
+            self._observe_param_grads(observe, state, entries)
+        norm, gmax = self.figures(state)
+        offsets = {"norm": rec.add_extra(norm) if norm is not None else None}
+        offsets["max"] = rec.add_extra(gmax) if gmax is not None else None
         if step % self.weight_every == 0:
-            for name, p in self._params:
-                sid = self._sites.param(name, "weight", p, step)
-                entries.append(Entry(sid, "weight", [rec.observe(p.detach(), "f")]))
-        loss_off = rec.add_extra(B.sum_losses(self._losses)) if self._losses else None
+            for name, p in self.params:
+                sid = self.sites.param(name, "weight", p, step)
+                entries.append(Entry(sid, Phase.WEIGHT, [rec.observe(p.detach(), Observe.FULL)]))
+        offsets["loss"] = rec.add_extra(buffers.sum_losses(state.losses)) if state.losses else None
         # Half-precision weights can turn NaN/Inf in an optimizer step from finite gradients (Adam's eps is 0 in
         # FP16): watched every step for them (one fused norm), on anomalous steps only for FP32 weights.
-        bad_w_off = rec.add_extra(B.count_nonfinite([p for _, p in self._params])) if self._half_params else None
-        scaler_on = self.scaler is not None and self._scaler_enabled()
-        scales = [self._scale_before, self._read_scale()] if scaler_on else [None, None]
-        scale_offs = [rec.add_extra(v) if isinstance(v, torch.Tensor) else v for v in scales]
+        nonfinite_weights = buffers.count_nonfinite([p for _, p in self.params]) if self._half_params else None
+        offsets["bad_weights"] = rec.add_extra(nonfinite_weights) if nonfinite_weights is not None else None
+        scales = [state.scale_before, read_scale(self.scaler)] if self.scaler is not None else [None, None]
+        scale_offs = [rec.add_extra(v) if isinstance(v, torch.Tensor) else None for v in scales]
 
         plan = self._grad_plan
-        values, bases, bad = rec.to_host(plan.buffers if plan is not None and mode == C.PEAK else ())  # one transfer
-        if self._probe is not None:
-            self._probe.end(step)
-        extra_base = bases["x"]
+        grad_slots = plan.buffers if plan is not None and observe is Observe.PEAK else ()
+        copy = rec.start_transfer(grad_slots)  # the step's one transfer
         # Same control flow as a recent step (the tiers alternate a few layouts): the writer reuses its Layout.
-        known = self._known_entries
-        same = next((e for e in known if e == entries), None)
+        same = next((e for e in self._known_entries if e == entries), None)
         if same is not None:
             entries = same
         else:
-            known.insert(0, entries)
-            del known[4:]
+            self._known_entries.insert(0, entries)
+            del self._known_entries[4:]
+        # No forward of the attached module and no begin_batch() this step: when the data arrived is unknown, so
+        # the data wait is left empty (a wait of the whole step would make the time rules blame the input pipeline).
+        started = state.t_first is not None
+        if not started and step + 1 >= WARN_NO_FORWARD_AFTER and not step_starts:
+            self.guard.warn_once("no-forward", no_forward(self._model_name, step + 1))
+        row = {
+            "time": time.time(),
+            "data_time": max(state.t_first - self.t_prev_end, 0.0) if started else None,
+            "samples": (state.samples or None) if started else None,
+            "lr": [float(g["lr"]) for g in self.optimizer.param_groups] if self.optimizer is not None else None,
+            "microbatches": state.micro,
+            "peak_mem": int(torch.cuda.max_memory_allocated()) if device == "cuda" else None,
+            "level": _LEVELS[observe] if not state.store_hist else schema.LEVEL_HIST,
+            "reason": state.reason,
+        }
+        return InFlight(state, skipped, row, entries, copy, offsets, scales, scale_offs)
+
+    def resolve(self, flight: InFlight) -> tuple[StepPacket, Verdict]:
+        """The step's values are on the host: its packet and the sentinel's verdict (spikes and weights checked,
+        their events sent). Called in step order."""
+        state = flight.state
+        step = state.index
+        values, bases, bad = flight.copy.result()
+        extra_base = bases[EXTRAS_BLOCK]
 
         def pick(off):
             return None if off is None else float(values[extra_base + off])
 
-        scale_vals = [pick(o) if isinstance(v, torch.Tensor) else v for o, v in zip(scale_offs, scales)]
-        # No forward of the attached module and no begin_batch() this step: when the data arrived is unknown, so
-        # the data wait is left empty (a wait of the whole step would make the time rules blame the input pipeline).
-        started = self._t_first is not None
-        if not started and self._step + 1 >= CB.WARN_AFTER_STEPS and not self._step_starts:
-            self._warn_once("no-forward", G.no_forward(type(self.model).__name__, self._step + 1))
-        row = {
-            "time": time.time(),
-            "data_time": max(self._t_first - self._t_prev_end, 0.0) if started else None,
-            "samples": (self._samples or None) if started else None,
-            "lr": [float(g["lr"]) for g in self.optimizer.param_groups] if self.optimizer is not None else None,
-            "microbatches": self._micro,
-            "peak_mem": int(torch.cuda.max_memory_allocated()) if self._device == "cuda" else None,
-            "level": _LEVELS[mode] if not store_hist else schema.LEVEL_HIST,
-            "reason": self._reason,
-            "grad_max": pick(max_off),
-        }
+        scale, scale_next = (v if o is None else pick(o) for o, v in zip(flight.scale_offs, flight.scales))
+        row = flight.row
+        row["grad_max"] = pick(flight.offsets["max"])
+        loss, grad_norm = pick(flight.offsets["loss"]), pick(flight.offsets["norm"])
+        skipped = flight.skipped
+        if skipped is None:  # no optimizer to tell: a scale that backed off means the scaler skipped the step
+            skipped = scale is not None and scale_next is not None and scale_next < scale
+        nonfinite = bad or not (finite_or_none(grad_norm) and finite_or_none(row["grad_max"]) and finite_or_none(loss))
+        verdict = Verdict(skipped=bool(skipped), nonfinite=nonfinite)
+        bad_weights = pick(flight.offsets["bad_weights"])
+        if verdict.anomalous or bad_weights:
+            verdict.weights_bad = self._check_weights(step)
+        if not verdict.anomalous:  # (observed in full from the next step on; the spike itself is an event)
+            verdict.spike, verdict.loss_spike = self._spikes(state, grad_norm, loss)
+        if verdict.spike:
+            mean = self.cadence.typical_norm
+            message = f"gradient norm {grad_norm:.4g} jumped above {SPIKE_FACTOR:g}x its running mean {mean:.4g}"
+            data = {"grad_norm": grad_norm, "running_mean": mean}
+            self.put(EventMsg(step, EventKind.GRAD_SPIKE, None, None, message, data))
+        if verdict.loss_spike:
+            mean = self.cadence.typical_loss
+            message = f"loss {loss:.4g} jumped far above its running mean {mean:.4g}"
+            self.put(EventMsg(step, EventKind.LOSS_SPIKE, None, None, message, {"loss": loss, "running_mean": mean}))
         packet = StepPacket(
             step=step,
             row=row,
             values=values,
             bases=bases,
-            entries=entries,
-            loss=pick(loss_off),
-            scale=scale_vals[0],
-            scale_next=scale_vals[1],
-            grad_norm=pick(norm_off),
-            skipped=skipped,
-            store_hist=store_hist,
+            entries=flight.entries,
+            loss=loss,
+            scale=scale,
+            scale_next=scale_next,
+            grad_norm=grad_norm,
+            skipped=verdict.skipped,
+            nonfinite=verdict.nonfinite,
+            store_hist=state.store_hist,
         )
-        grads_bad = not all(v is None or math.isfinite(v) for v in (packet.grad_norm, row["grad_max"]))
-        backoff = skipped is None and None not in scale_vals and scale_vals[1] < scale_vals[0]
-        anomalous = (
-            bool(skipped) or backoff or bad or grads_bad or (packet.loss is not None and not math.isfinite(packet.loss))
-        )
-        if anomalous or (bad_w_off is not None and pick(bad_w_off)):
-            self._check_weights(step)
-        if not anomalous and self._cadence.spike(packet.grad_norm):
-            anomalous = True  # observed in full from the next step on; the spike itself is an event
-            self._put(
-                (
-                    "event",
-                    step,
-                    "grad_spike",
-                    None,
-                    None,
-                    f"gradient norm {packet.grad_norm:.4g} jumped above {C.SPIKE_FACTOR:g}x its running mean "
-                    f"{self._cadence.typical_norm:.4g}",
-                    {"grad_norm": packet.grad_norm, "running_mean": self._cadence.typical_norm},
-                )
-            )
-        if not self._config_written:
-            self._put(("meta", "config", meta.config(self)))
-            self._config_written = True
-        self._flush_pending()
-        self._pending = packet  # sent when the next step starts: a loss logged after opt.step() joins it
-        # The flight recorder: an anomaly seen now gets every site in full from the next step on, until a run of
-        # clean steps (the tensors of this one are gone; what it observed, or "origin unknown", is recorded).
-        self._cadence.after(anomalous)
-        obs = self._obs
-        self._step += 1
-        self._reset_step()
-        # The step spans from the end of the previous step's boundary work to the end of this one's, so the steps'
-        # times add up to the run's; observer_time is ampdoctor's share of it on the training thread.
-        end = time.perf_counter()
-        row["step_time"] = end - self._t_prev_end
-        row["observer_time"] = obs + (end - t0)
-        self._t_prev_end = end
+        return packet, verdict
 
-    def _observe_param_grads(self, mode: str, entries: list) -> None:
+    def rebuild(self, packet: StepPacket, record: StepRecord, reason: str) -> None:
+        """The step was replayed: its packet takes the replay's full observation of every site in place of what the
+        step itself observed (``record``: the replay's own, holding its parameter gradients too)."""
+        entries = record.entries
+        values, bases, bad = record.start_transfer(()).result()
+        packet.values, packet.bases, packet.entries = values, bases, entries
+        packet.row.update(level=schema.LEVEL_HIST, reason=reason)
+        packet.store_hist = True
+        packet.nonfinite = packet.nonfinite or bad
+
+    def stamp(self, row: dict, observer_time: float) -> None:
+        """The step spans from the end of the previous step's boundary work to the end of this one's, so the steps'
+        times add up to the run's; observer_time is ampdoctor's share of it on the training thread."""
+        end = time.perf_counter()
+        row["step_time"] = end - self.t_prev_end
+        row["observer_time"] = observer_time
+        self.t_prev_end = end
+
+    def _observe_param_grads(self, observe: Observe, state: StepState, entries: list) -> None:
         """Peaks (or full statistics) of every parameter gradient, in parameter order."""
-        if mode != "f":
-            present = tuple([p.grad is not None for _, p in self._params])  # (no generator: one call)
+        if observe is not Observe.FULL:
+            present = tuple([p.grad is not None for _, p in self.params])  # (no generator: one call)
             plan = self._grad_plan
             if plan is None or plan.key != present:
-                plan = self._grad_plan = B.GradPlan(self._params, present, self._grad_site)
+                plan = self._grad_plan = buffers.GradPlan(self.params, present, self._grad_site(state.index))
             try:
                 plan.run()
             except RuntimeError:  # parameters moved to another device or dtype since the plan was made
-                plan = self._grad_plan = B.GradPlan(self._params, present, self._grad_site)
+                plan = self._grad_plan = buffers.GradPlan(self.params, present, self._grad_site(state.index))
                 plan.run()
             entries.extend(plan.entries)
             return
-        rec = self._rec
-        for name, p in self._params:
+        rec = self.record
+        site = self._grad_site(state.index)
+        for name, p in self.params:
             g = p.grad
             if g is None:
                 continue
             g = g.detach()
-            sid = self._grad_site(name, g)
+            sid = site(name, g)
             if g.layout != torch.strided:  # a sparse gradient: peaks of its stored values only
-                entries.append(Entry(sid, "param", [rec.observe(B.dense_values(g), "p")]))
+                entries.append(Entry(sid, Phase.PARAM, [rec.observe(buffers.dense_values(g), Observe.PEAK)]))
             else:
-                entries.append(Entry(sid, "param", [(rec.add_full(K.full(g)), "f", g.numel())]))
+                entries.append(Entry(sid, Phase.PARAM, [(rec.add_full(stats.full(g)), FULL_BLOCK, g.numel())]))
 
-    def _check_weights(self, step: int) -> None:
+    def _grad_site(self, step: int) -> Callable[[str, torch.Tensor], int]:
+        return lambda name, grad: self.sites.param(name, "param_grad", grad, step)
+
+    def _check_weights(self, step: int) -> bool:
         """On an anomalous step only: are the weights themselves non-finite after the optimizer step? Then a later
         forward NaN comes from the update (e.g. Adam's eps lost in FP16), not from the forward computation."""
-        if not self._params:
-            return
+        if not self.params:
+            return False
         norms = torch.stack(
-            [n.to(torch.float32) for n in torch._foreach_norm([p.detach() for _, p in self._params])]
+            [n.to(torch.float32) for n in torch._foreach_norm([p.detach() for _, p in self.params])]
         ).cpu()
-        bad = [name for (name, _), ok in zip(self._params, torch.isfinite(norms).tolist()) if not ok]
+        bad = [name for (name, _), ok in zip(self.params, torch.isfinite(norms).tolist()) if not ok]
         if len(bad) != self._bad_weights:
             self._bad_weights = len(bad)
             if bad:
-                self._put(
-                    (
-                        "event",
-                        step,
-                        "nonfinite_weights",
-                        None,
-                        "update",
-                        f"{len(bad)} parameter tensor(s) hold NaN/Inf after the optimizer step",
-                        {"params": bad[:100], "count": len(bad)},
-                    )
-                )
-
-    def _grad_site(self, name: str, grad: torch.Tensor) -> int:
-        return self._sites.param(name, "param_grad", grad, self._step)
-
-    def _flush_pending(self) -> None:
-        p = self._pending
-        if p is None:
-            return
-        self._pending = None
-        if p.late_loss is not None:
-            v = p.late_loss
-            p.loss = float(v.item() if isinstance(v, torch.Tensor) else v)
-            p.late_loss = None
-        self._put(("step", p))
+                message = f"{len(bad)} parameter tensor(s) hold NaN/Inf after the optimizer step"
+                data = {"params": bad[:100], "count": len(bad)}
+                self.put(EventMsg(step, EventKind.NONFINITE_WEIGHTS, None, "update", message, data))
+        return bool(bad)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ..trace.vectors import Entry
+from ..trace.vectors import Entry, Phase, peak_block
 from . import stats as K
 
 SMALL_GRAD = 4096  # parameter gradients up to this size are stacked by size and reduced together
@@ -27,18 +27,11 @@ class PeakList:
     returns; stacked once at the step end (``aminmax(out=...)`` into a preallocated buffer measured ~5 µs slower
     per call inside a training loop than one stack of them all). ``n`` counts the values."""
 
-    def __init__(self, like: torch.Tensor, mode: str):
-        self.mode = mode
+    def __init__(self, like: torch.Tensor, block: str):
+        self.block_name = block
         self.device = like.device
         self.vals: list[torch.Tensor] = []
         self.n = 0
-
-    def add(self, t: torch.Tensor) -> int:
-        """[min, max] of a detached, non-empty tensor; returns its offset (one call per observed tensor)."""
-        n = self.n
-        self.vals.extend(torch.aminmax(t))
-        self.n = n + 2
-        return n
 
     def block(self) -> torch.Tensor:
         return torch.stack(self.vals)
@@ -52,8 +45,8 @@ class SlotBuffer:
     """Fixed [min, max] slots (one buffer per dtype and device) for tensors observed every step in the same order:
     the parameter gradients. Written in place by ``aminmax(out=...)``; lives as long as its plan."""
 
-    def __init__(self, dtype: torch.dtype, device: torch.device, mode: str, size: int):
-        self.mode = mode
+    def __init__(self, dtype: torch.dtype, device: torch.device, block: str, size: int):
+        self.block_name = block
         self.device = device
         self.buf = torch.zeros(size, dtype=dtype, device=device)  # empty gradients keep [0, 0]
         self.slots = self.buf.unbind()  # 0-d views, made once: indexing per call would cost more
@@ -69,22 +62,28 @@ class SlotBuffer:
 
 
 class GradFigures:
-    """(global L2 norm, largest |g|) over the parameter gradients: the sentinel's every-step figures. One fused
-    ``_foreach_norm`` for the norm; the peak by a fused inf-norm on an accelerator, and on the CPU (where an inf-norm
-    is a scalar loop, ~40x slower) by one ``aminmax`` per gradient in a comprehension (no Python function call each),
-    or, for many small gradients, one ``aminmax`` and one dot product of their concatenation. How to reduce is decided
-    once per set of gradients (layout, device, sizes do not change between steps): reading a tensor attribute costs
-    ~0.3 us, which per gradient and step would be most of a sentinel step on a CPU."""
+    """(global L2 norm, largest |g|) over the parameter gradients: the sentinel's every-step figures. On the CPU, one
+    native read of every gradient once the kernels are loaded (stats.native(); float32/bf16/fp16 gradients). Else
+    one fused ``_foreach_norm`` for the norm; the peak by a fused inf-norm on an accelerator, and on the CPU (where
+    an inf-norm is a scalar loop, ~40x slower) by one ``aminmax`` per gradient in a comprehension (no Python
+    function call each), or, for many small gradients, one ``aminmax`` and one dot product of their concatenation.
+    How to reduce is decided once per set of gradients (layout, device, sizes do not change between steps; a new
+    count, device or dtype of the first gradient plans again): reading a tensor attribute costs ~0.3 us, which per
+    gradient and step would be most of a sentinel step on a CPU. The native read checks dtype, device and layout of
+    every gradient itself, as it reads memory through their pointers."""
 
     def __init__(self):
         self._key = None
 
     def _plan(self, grads: list[torch.Tensor]) -> None:
-        self._key = (len(grads), grads[0].device)
+        self._key = (len(grads), grads[0].device, grads[0].dtype)
         self.sparse = bool([g for g in grads if g.layout != torch.strided])
         self.host = K.on_host(grads[0]) and len({g.device for g in grads}) == 1
         self.cat = self.host and sum([dense_values(g).numel() for g in grads]) < CAT_PER_GRAD * len(grads)
         self.float32 = not self.sparse and all(g.dtype == torch.float32 for g in grads)
+        # float32 results (float64 where a gradient is): an FP16 gradient's norm may exceed 65504 while its values do
+        # not
+        self.wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
 
     def __call__(self, params: list[tuple[str, torch.nn.Parameter]]) -> tuple:
         """Floats on the CPU, else 0-d device tensors that join the step's one transfer; (None, None) without
@@ -92,26 +91,32 @@ class GradFigures:
         grads = [p.grad for _, p in params if p.grad is not None]
         if not grads:
             return None, None
-        if self._key != (len(grads), grads[0].device):
+        if self._key != (len(grads), grads[0].device, grads[0].dtype):  # (model.to(), model.half())
             self._plan(grads)
         if self.sparse:
             grads = [dense_values(g) for g in grads]
-        with torch.no_grad():  # float32 results: an FP16 gradient's norm may exceed 65504 while its values do not
+        if self.host:
+            kernels = K.native()
+            read = K.grad_norm_peak(kernels, grads) if kernels is not None else None
+            if read is not None:
+                return read
+        wide = self.wide
+        with torch.no_grad():
             if self.cat:  # one copy and three reductions beat ~2.5 us of dispatch per small gradient
                 if self.float32:  # numpy concatenates the views ~10 us faster than torch.cat (no dispatch)
                     flat = np.concatenate([g.detach().numpy().reshape(-1) for g in grads])
                 else:
-                    flat = torch.cat([g.reshape(-1) for g in grads]).float().numpy()
+                    flat = torch.cat([g.reshape(-1) for g in grads]).to(wide).numpy()
                 return _norm_and_peak(flat)
             grads = [g for g in grads if g.numel()]
             if not grads:
                 return 0.0, 0.0
-            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+            norms = torch._foreach_norm(grads, 2, dtype=wide)
             if self.host:  # (item() of each 0-d result: half the time of stacking them)
                 ends = np.array([e.item() for g in grads for e in torch.aminmax(g)])
                 v = np.array([n.item() for n in norms])
                 return math.sqrt(float(np.dot(v, v))), float(max(-ends.min(), ends.max()))  # NaN propagates
-            figures = norms + torch._foreach_norm(grads, math.inf, dtype=torch.float32)
+            figures = norms + torch._foreach_norm(grads, math.inf, dtype=wide)
             dev = figures[0].device
             both = torch.stack([f if f.device == dev else f.to(dev) for f in figures]).to(torch.float64)
         k = len(grads)
@@ -119,7 +124,7 @@ class GradFigures:
 
 
 def _norm_and_peak(flat: np.ndarray) -> tuple[float, float]:
-    """(L2 norm, largest |x|) of float32 values on the host; NaN propagates to both."""
+    """(L2 norm, largest |x|) of float32 (or float64) values on the host; NaN propagates to both."""
     if not flat.size:
         return 0.0, 0.0
     mn, mx = float(flat.min()), float(flat.max())
@@ -163,7 +168,7 @@ class GradPlan:
         for _, p in params:
             slots[(p.dtype, p.device)] = slots.get((p.dtype, p.device), 0) + 2
         bufs = {
-            (dtype, device): SlotBuffer(dtype, device, f"g{dtype_name(dtype)}@{device}", size)
+            (dtype, device): SlotBuffer(dtype, device, peak_block(dtype_name(dtype), str(device), grads=True), size)
             for (dtype, device), size in slots.items()
         }
         where: dict[int, int] = {}
@@ -194,7 +199,8 @@ class GradPlan:
         self.entries = []
         for name, p in params:
             sid = site(name, p.grad)
-            self.entries.append(Entry(sid, "param", [(where[id(p)], bufs[(p.dtype, p.device)].mode, p.numel())]))
+            block = bufs[(p.dtype, p.device)].block_name
+            self.entries.append(Entry(sid, Phase.PARAM, [(where[id(p)], block, p.numel())]))
 
     def run(self) -> None:
         """Write this step's [min, max] of every gradient into the slots."""

@@ -7,20 +7,10 @@ from __future__ import annotations
 
 import math
 
-MODES = ("default", "debug")
+from .options import DEFAULT_CALIBRATION, DEFAULT_EVERY, DEFAULT_HIST_EVERY, DEFAULT_PEAK_EVERY, Mode, Observe
 
-# Cadence defaults, from benchmarks/overhead.py and the trace's own observer_time (2-core CPU, FP32, 1 thread): a step
-# with per-site peaks costs 0.4 ms on the small model (0.5 ms steps) and 3.1 ms on the reference one (35 ms steps),
-# a full-statistics step 2.3 ms and 24 ms. Peaks every 10th step add ~1% to the reference model (7% to the small
-# one) and full statistics every 100th <1% (5%); every other step pays only the sentinel (0.08 ms / 0.9 ms: reading
-# every gradient twice, for the norm and the peak). Sparser peaks (every 20th) miss the late-training gradient
-# trends the late-degradation rule reads in runs of a few hundred steps.
-DEFAULT_PEAK_EVERY = 10
-DEFAULT_EVERY = 100
-# The first steps are where "NaN early" lives (an init scale too high, an overflowing layer): observed in full.
-DEFAULT_CALIBRATION = 10
 # After an anomaly every step is observed in full until this many clean steps in a row: a fault that recurs within
-# them is localised to its module; a one-off anomaly leaves "origin unknown".
+# them is localised to its module (and a one-off one by the anomaly replay).
 CLEAN_RUN = 5
 # A gradient-norm spike: the norm above SPIKE_FACTOR times its running mean (an exponential average over ~1/ALPHA
 # clean steps), once that mean has seen SPIKE_WARMUP steps. A healthy run's norm moves by a few x over hundreds of
@@ -28,10 +18,23 @@ CLEAN_RUN = 5
 SPIKE_FACTOR = 10.0
 SPIKE_ALPHA = 0.1
 SPIKE_WARMUP = 5
+# A loss spike: the loss above its running mean by LOSS_SPIKE_SIGMAS running standard deviations and by a factor
+# LOSS_SPIKE_FACTOR (an exponential mean and variance over ~1/LOSS_ALPHA clean steps, after LOSS_WARMUP steps). A
+# noisy loss moves by a few sigma from batch to batch; six sigma and 1.5x is the jump a spike makes in a
+# practitioner's loss curve (a finite spike is where long runs start to go wrong).
+LOSS_SPIKE_SIGMAS = 6.0
+LOSS_SPIKE_FACTOR = 1.5
+LOSS_ALPHA = 0.05
+LOSS_WARMUP = 20
 
-# What a step observed of its sites ("n": none, the sentinel only; "p": peaks; "f": full statistics).
-NONE, PEAK, FULL = "n", "p", "f"
-# Why (the steps table's ``reason``).
+# The overhead budget (attach(budget=...)): ampdoctor's share of the step time, measured over windows of this many
+# steps outside the flight recorder, stretches the sampled tiers by 2x while above the budget (at most STRETCH_MAX,
+# peaks every 640 steps at the defaults) and relaxes them by 2x while below a third of it. The sentinel, the
+# calibration steps and the flight recorder are never stretched: they are what catches a fault.
+BUDGET_WINDOW = 50
+STRETCH_MAX = 64
+
+# Why a step observed what it did (the steps table's ``reason``).
 REASONS = ("sentinel", "sampled", "calibration", "anomaly", "debug")
 
 
@@ -41,11 +44,11 @@ class Cadence:
 
     def __init__(
         self,
-        mode: str = "default",
+        mode: Mode = Mode.DEFAULT,
         *,
         every: int = DEFAULT_EVERY,
         peak_every: int = DEFAULT_PEAK_EVERY,
-        hist_every: int = 200,
+        hist_every: int = DEFAULT_HIST_EVERY,
         calibration: int = DEFAULT_CALIBRATION,
         clean_run: int = CLEAN_RUN,
     ):
@@ -55,20 +58,26 @@ class Cadence:
         self._alarm = 0  # clean steps still to observe in full after the last anomaly
         self._norm_mean = None  # running mean of the gradient norm over clean steps
         self._norm_seen = 0
+        self.stretch = 1  # the sampled tiers' intervals are multiplied by this (the overhead budget)
+        self._loss_mean = None  # running mean and variance of the loss over clean steps
+        self._loss_var = 0.0
+        self._loss_seen = 0
 
-    def plan(self, step: int) -> tuple[str, str, bool]:
+    def plan(self, step: int) -> tuple[Observe, str, bool]:
         """(what the step observes: NONE/PEAK/FULL, why, whether it stores histograms)."""
-        if self.mode == "debug":
-            return FULL, "debug", step % self.hist_every == 0
+        if self.mode is Mode.DEBUG:
+            return Observe.FULL, "debug", step % self.hist_every == 0
         if step < self.calibration:
-            return FULL, "calibration", True
+            return Observe.FULL, "calibration", True
         if self._alarm:
-            return FULL, "anomaly", True
-        if step % self.every == 0 or step % self.hist_every == 0:
-            return FULL, "sampled", step % self.hist_every == 0
-        if step % self.peak_every == 0:
-            return PEAK, "sampled", False
-        return NONE, "sentinel", False
+            return Observe.FULL, "anomaly", True
+        k = self.stretch
+        every, hist_every = self.every * k, self.hist_every * k
+        if step % every == 0 or step % hist_every == 0:
+            return Observe.FULL, "sampled", step % hist_every == 0
+        if step % (self.peak_every * k) == 0:
+            return Observe.PEAK, "sampled", False
+        return Observe.NONE, "sentinel", False
 
     def spike(self, grad_norm: float | None) -> bool:
         """Whether this (finite) gradient norm jumps far above its running mean; updates the mean otherwise."""
@@ -81,6 +90,36 @@ class Cadence:
         self._norm_seen += 1
         return False
 
+    def loss_spike(self, loss: float | None) -> bool:
+        """Whether this (finite, positive-trending) loss jumps far above its running mean; updates it otherwise."""
+        if loss is None or not math.isfinite(loss):
+            return False
+        mean, var = self._loss_mean, self._loss_var
+        if (
+            mean is not None
+            and self._loss_seen >= LOSS_WARMUP
+            and loss - mean > LOSS_SPIKE_SIGMAS * math.sqrt(var)
+            and loss > LOSS_SPIKE_FACTOR * mean > 0
+        ):
+            return True
+        if mean is None:
+            self._loss_mean = loss
+        else:
+            delta = loss - mean
+            self._loss_mean = mean + LOSS_ALPHA * delta
+            self._loss_var = (1 - LOSS_ALPHA) * (var + LOSS_ALPHA * delta * delta)
+        self._loss_seen += 1
+        return False
+
+    @property
+    def typical_loss(self) -> float | None:
+        return self._loss_mean
+
+    @property
+    def alarmed(self) -> bool:
+        """The flight recorder is on: the run has not been clean for CLEAN_RUN steps since the last anomaly."""
+        return self._alarm > 0
+
     def after(self, anomalous: bool) -> None:
         """A step ended: an anomaly (re)arms the flight recorder, a clean step counts down."""
         if anomalous:
@@ -91,3 +130,44 @@ class Cadence:
     @property
     def typical_norm(self) -> float | None:
         return self._norm_mean
+
+
+class Budget:
+    """Keeps ampdoctor's measured share of the step time (its observer_time over the step time) under ``share`` by
+    stretching the cadence's sampled tiers; ``update`` says when it changed them."""
+
+    def __init__(self, share: float, cadence: Cadence):
+        self.share = share
+        self.cadence = cadence
+        self._observer = 0.0
+        self._total = 0.0
+        self._steps = 0
+
+    def update(self, observer_time: float, step_time: float, reason: str) -> dict | None:
+        """One finished step's times; at the end of a window, the new cadence (a dict for the trace) or None."""
+        if reason in ("anomaly", "calibration", "replay", "debug"):
+            return None  # never stretched, so not what the budget steers
+        self._observer += observer_time
+        self._total += step_time
+        self._steps += 1
+        if self._steps < BUDGET_WINDOW or self._total <= 0:
+            return None
+        measured = self._observer / self._total
+        self._observer = self._total = 0.0
+        self._steps = 0
+        c = self.cadence
+        before = c.stretch
+        if measured > self.share and c.stretch < STRETCH_MAX:
+            c.stretch *= 2
+        elif measured < self.share / 3 and c.stretch > 1:
+            c.stretch //= 2
+        if c.stretch == before:
+            return None
+        return {
+            "share": measured,
+            "budget": self.share,
+            "stretch": c.stretch,
+            "peak_every": c.peak_every * c.stretch,
+            "every": c.every * c.stretch,
+            "hist_every": c.hist_every * c.stretch,
+        }

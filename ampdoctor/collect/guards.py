@@ -5,17 +5,50 @@ objects; values that are not numbers; runs whose step boundary or root forward n
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 import time
+import warnings
 import weakref
+from collections.abc import Callable
 
 import torch
 
 
-def guarded(method=None, *, timed: bool = True):
-    """The guard of every entry from training into a Doctor (hooks, wrapped methods, the step end, public calls):
-    it does nothing once collection is off; an internal error stops collection (``Doctor._fail``: one warning, the
-    hooks removed) instead of reaching the training loop; and, ``timed``, the time spent counts as ampdoctor's own
-    (the step's observer_time). The method's result is passed on (a forward hook's None keeps the output)."""
+class Guard:
+    """Collection's on/off switch and ampdoctor's own clock, shared by the parts that run inside training: an
+    internal error anywhere turns collection off once (``fail``), and the time the guarded entries spend on the
+    training thread adds up in ``observer_time`` until the step end takes it."""
+
+    def __init__(self, on_fail: Callable[[BaseException], None]):
+        self.off = False
+        self.observer_time = 0.0  # host seconds inside ampdoctor on the training thread, this step
+        self._on_fail = on_fail
+        self._said: set[str] = set()
+
+    def fail(self, exc: BaseException) -> None:
+        """Never break training: stop collecting (the Doctor warns once and removes its hooks)."""
+        if not self.off:
+            self.off = True
+            self._on_fail(exc)
+
+    def take_time(self) -> float:
+        """This step's observer time so far; the clock restarts at zero."""
+        t, self.observer_time = self.observer_time, 0.0
+        return t
+
+    def warn_once(self, key: str, message: str, stacklevel: int = 4) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+
+
+def guarded(method: Callable | None = None, *, timed: bool = True) -> Callable:
+    """The guard of every entry from training into ampdoctor (hooks, wrapped methods, the step end, public calls),
+    for methods of objects that hold the run's ``guard``: it does nothing once collection is off; an internal error
+    stops collection (``Guard.fail``) instead of reaching the training loop; and, ``timed``, the time spent counts as
+    ampdoctor's own (the step's observer_time). The method's result is passed on (a forward hook's None keeps the
+    output)."""
     if method is None:
         return functools.partial(guarded, timed=timed)
     now = time.perf_counter
@@ -24,28 +57,30 @@ def guarded(method=None, *, timed: bool = True):
 
         @functools.wraps(method)
         def guard(self, *args, **kwargs):
-            if self._off:
+            g = self.guard
+            if g.off:
                 return None
             try:
                 return method(self, *args, **kwargs)
             except Exception as exc:
-                self._fail(exc)
+                g.fail(exc)
                 return None
 
         return guard
 
     @functools.wraps(method)
     def timed_guard(self, *args, **kwargs):
-        if self._off:
+        g = self.guard
+        if g.off:
             return None
         t0 = now()
         try:
             return method(self, *args, **kwargs)
         except Exception as exc:
-            self._fail(exc)
+            g.fail(exc)
             return None
         finally:
-            self._obs += now() - t0
+            g.observer_time += now() - t0
 
     return timed_guard
 
@@ -55,17 +90,48 @@ def is_scaler(obj) -> bool:
 
 
 def as_number(value) -> float | None:
-    """A metric value as a float (NaN and Inf included: they are data), or None when it is not one number."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.is_complex():
-            return None
-        value = value.item()
-    if isinstance(value, (bool, str, bytes, complex)):
-        return None
+    """A metric value as a float (NaN and Inf included: they are data), or None when it is not one number. Whatever
+    the conversion raises (a meta tensor, an object whose ``__float__`` fails) means "not a number": nothing a
+    value does reaches the training loop."""
     try:
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1 or value.is_complex() or value.is_meta:
+                return None
+            value = value.item()
+        if isinstance(value, (bool, str, bytes, complex)):
+            return None
         return float(value)
-    except (TypeError, ValueError, OverflowError):
+    except Exception:
         return None
+
+
+# SQLite stores integers of 64 bits: a step number beyond is not a step of any run.
+MAX_STEP = 2**63 - 1
+
+
+def as_step(value) -> int | None:
+    """A step number given by the user (``log_metric(..., step=)``) as an int, or None when it is not one."""
+    try:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            return None
+        step = int(value)
+    except Exception:
+        return None
+    return step if 0 <= step <= MAX_STEP else None
+
+
+def text(value: str) -> str:
+    """A name as text SQLite can store: lone surrogates (a path or metric name built from undecodable bytes) are
+    written as their escape, ``\\ud800``, instead of failing the trace's UTF-8 encoding."""
+    try:
+        value.encode("utf-8")
+        return value
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def finite_or_none(v: float | None) -> bool:
+    return v is None or math.isfinite(v)
 
 
 def no_boundary(boundary: str, what: str) -> str:

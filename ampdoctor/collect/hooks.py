@@ -55,7 +55,11 @@ def wrap_method(handles: Handles, obj, name: str, make: Callable[[Callable], Cal
 
 
 def module_path(name: str) -> str:
-    return name if name else ROOT
+    """A module's site path: its name in ``named_modules()``, the root ``(model)``. A submodule that is itself
+    named ``(model)`` would share the root's sites: it gets a backslash in front (``\\(model)``)."""
+    if not name:
+        return ROOT
+    return "\\" + name if name == ROOT else name
 
 
 def select_modules(model: torch.nn.Module, include=None, exclude=None) -> list[tuple[str, torch.nn.Module]]:

@@ -1,8 +1,9 @@
 """Live diagnosis while training writes the trace: the same rules, run off the training thread.
 
 A daemon thread re-reads the trace (a second, read-only SQLite connection, kept open; WAL lets it read while the
-writer writes) whenever new steps were committed, runs ``ampdoctor.diagnose`` and reports each new finding once: one
-line through ``logging``, the ``on_finding`` callback, and, at or above ``halt_on``, a request that the Doctor raises
+writer writes) whenever new steps were committed, runs the rules (``diagnose``: handed in by ``ampdoctor.attach``, so
+that the training side never imports them) and reports each new finding once: one line through ``logging``, the
+``on_finding`` callback, and, at or above ``halt_on``, a request that the Doctor raises
 ``TrainingHalted`` at the next step boundary. Torch-free: it only reads the file.
 
 Its share of the machine is bounded in CPU time, not wall time: every check's CPU time (time.thread_time: what it
@@ -18,9 +19,9 @@ import logging
 import threading
 import time
 import warnings
+from collections.abc import Callable
 
-from ..rules import diagnose
-from ..severity import SEVERITIES, at_least
+from ..severity import at_least
 from ..trace import load
 
 log = logging.getLogger("ampdoctor")
@@ -48,17 +49,19 @@ def finding_line(f) -> str:
     return f"ampdoctor: {f.severity} {f.rule}{layer}: {f.summary}" + (f" Fix: {fix}" if fix else "")
 
 
-def check_severity(name: str, value) -> None:
-    if value is not None and value not in SEVERITIES:
-        raise ValueError(f"Argument {name} should be one of {', '.join(SEVERITIES)} or None, but given {value!r}")
-
-
 class LiveDiagnosis(threading.Thread):
     def __init__(
-        self, path: str, on_finding=None, halt_on: str | None = None, rules=None, interval: float = MIN_INTERVAL_S
+        self,
+        path: str,
+        diagnose: Callable,
+        on_finding=None,
+        halt_on: str | None = None,
+        rules=None,
+        interval: float = MIN_INTERVAL_S,
     ):
         super().__init__(name="ampdoctor-live", daemon=True)
         self.path = path
+        self.diagnose = diagnose  # (trace, rules=...) -> findings worst first
         self.on_finding = on_finding
         self.halt_on = halt_on
         self.rules = rules
@@ -70,7 +73,6 @@ class LiveDiagnosis(threading.Thread):
         self._stop_event = threading.Event()
         self._failed = False
         self._errors = 0
-        self._diagnose = diagnose  # the rules run on each check (the one place that names them)
         self._trace = None  # kept open between checks
         self.spent = 0.0  # CPU seconds the checks took so far
         self._last_cost = 0.0
@@ -117,7 +119,7 @@ class LiveDiagnosis(threading.Thread):
             if n == self._last_steps or n == 0:
                 return
             self._last_steps = n
-            found = self._diagnose(self._trace, rules=self.rules)
+            found = self.diagnose(self._trace, rules=self.rules)
         except Exception as exc:  # never break training: say it once; stop looking if it keeps failing
             self._close()  # opened afresh next time
             self._errors += 1

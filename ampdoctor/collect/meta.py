@@ -11,7 +11,11 @@ import warnings
 import torch
 
 from ..trace.schema import ROOT
+from . import sharded
 from .buffers import dtype_name
+from .cadence import Cadence
+from .options import Options
+from .state import RunFacts
 
 
 def dist() -> dict:
@@ -55,11 +59,11 @@ def trace_path(trace) -> str:
     return f"{stem}.rank{d['rank']}{ext}"
 
 
-def run_meta(doc) -> dict:
+def run_meta(model: torch.nn.Module, options: Options, cadence: Cadence) -> dict:
     """What the run is: versions, host, rank, model, device and the observation settings (written at attach)."""
     import ampdoctor
 
-    dev = device_type(doc.model) or "cpu"
+    dev = device_type(model) or "cpu"
     info = {
         "ampdoctor": ampdoctor.__version__,
         "torch": torch.__version__,
@@ -68,22 +72,25 @@ def run_meta(doc) -> dict:
         "pid": os.getpid(),
         **dist(),
         "started": time.time(),
-        "model": type(doc.model).__name__,
+        "model": type(model).__name__,
         "device": dev,
-        "params": int(sum(p.numel() for p in doc.model.parameters())),
+        "params": sharded.param_count(model),  # (FSDP: the whole model, not this rank's shards)
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
-        "mode": doc.mode,
-        "every": doc.every,
-        "peak_every": doc.peak_every,
-        "hist_every": doc.hist_every,
-        "weight_every": doc.weight_every,
-        "calibration": doc._cadence.calibration,
-        "clean_run": doc._cadence.clean_run,
-        "probe_every": doc.probe_every,
+        "mode": options.mode.value,
+        "every": options.every,
+        "peak_every": options.peak_every,
+        "hist_every": options.hist_every,
+        "weight_every": options.weight_every,
+        "calibration": cadence.calibration,
+        "clean_run": cadence.clean_run,
+        "probe_every": options.probe_every,
+        "replay": options.replay,
+        "heal": options.heal,
+        "budget": options.budget,
     }
     if dev == "cuda":
-        idx = next(doc.model.parameters()).device.index or 0
+        idx = next(model.parameters()).device.index or 0
         cap = torch.cuda.get_device_capability(idx)
         info.update(
             device_name=torch.cuda.get_device_name(idx),
@@ -95,35 +102,37 @@ def run_meta(doc) -> dict:
     return info
 
 
-def config(doc) -> dict:
+def config(model: torch.nn.Module, optimizer, scaler, scaler_enabled: bool, facts: RunFacts, boundary: str) -> dict:
     """The observed precision configuration, taken after the first step (autocast and dtypes are known)."""
     params: dict[str, int] = {}
     module_dtypes: dict[str, str] = {}
-    for name, p in doc.model.named_parameters():
+    for name, p in model.named_parameters():
         d = dtype_name(p.dtype)
         params[d] = params.get(d, 0) + p.numel()
         module_dtypes.setdefault(name.rpartition(".")[0] or ROOT, d)
     cfg = {
-        "autocast": doc._autocast or {"enabled": False},
+        "autocast": facts.autocast or {"enabled": False},
         "param_dtypes": params,
         "module_param_dtypes": module_dtypes,
-        "loss_dtype": doc._loss_dtype,
-        "boundary": doc._boundary,
+        "loss_dtype": facts.loss_dtype,
+        "boundary": boundary,
         # where step timing comes from: the root forward, begin_batch() calls, or nowhere (no data wait)
-        "step_start": "begin_batch" if doc._external_batches else ("forward" if doc._step_starts else None),
+        "step_start": "begin_batch" if facts.external_batches else ("forward" if facts.step_starts else None),
     }
-    if doc.optimizer is not None:
-        groups = [{k: plain(v) for k, v in g.items() if k != "params"} for g in doc.optimizer.param_groups]
-        cfg["optimizer"] = {"class": type(doc.optimizer).__name__, "groups": groups}
-    if doc.scaler is not None:
-        s = doc.scaler
-        cfg["scaler"] = {"class": type(s).__name__, "enabled": doc._scaler_enabled()}
-        for key in ("init_scale", "growth_factor", "backoff_factor", "growth_interval"):
-            getter = getattr(s, f"get_{key}", None)
+    fsdp = sharded.config(model)  # FSDP's mixed precision: its policy per unit, the dtypes it computes and reduces in
+    if fsdp is not None:
+        cfg["fsdp"] = fsdp
+    if optimizer is not None:
+        groups = [{k: plain(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        cfg["optimizer"] = {"class": type(optimizer).__name__, "groups": groups}
+    if scaler is not None:
+        cfg["scaler"] = {"class": type(scaler).__name__, "enabled": scaler_enabled}
+        for key in ("init_scale", "growth_factor", "backoff_factor", "growth_interval") if scaler_enabled else ():
+            getter = getattr(scaler, f"get_{key}", None)
             if callable(getter):
                 cfg["scaler"][key] = plain(getter())
-            elif key == "init_scale" and hasattr(s, "_init_scale"):  # GradScaler has no public getter
-                cfg["scaler"][key] = plain(s._init_scale)
+            elif key == "init_scale" and hasattr(scaler, "_init_scale"):  # GradScaler has no public getter
+                cfg["scaler"][key] = plain(scaler._init_scale)
     return cfg
 
 

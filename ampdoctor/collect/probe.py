@@ -10,26 +10,39 @@ it put back. Errors stay on the device until the step's end (one transfer); no t
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from ..rules import precision as P
-from . import hooks as H
+from .. import roundoff
+from ..trace.messages import ProbeMsg
+from . import hooks
 from .recompute import HALF, Recorder, rng_get, rng_set, summarize
+from .sites import Sites
 
 
 class StepProbe:
     """The probe of a Doctor: arms at the first forward of every ``every``-th step, reports at the step's end."""
 
-    def __init__(self, doctor, every: int):
-        self.doctor = doctor
+    def __init__(
+        self,
+        modules: list[tuple[str, torch.nn.Module]],
+        sites: Sites,
+        put: Callable,
+        on_error: Callable[[BaseException], None],
+        every: int,
+    ):
+        self.modules = modules
+        self.sites = sites
+        self.put = put
+        self.on_error = on_error
         self.every = every
         self._rec: Recorder | None = None
 
     def begin(self, step: int, args, kwargs) -> None:
         if step % self.every == 0 and self._rec is None:
-            self._rec = Recorder(self.doctor._modules, on_error=self.doctor._fail)
+            self._rec = Recorder(self.modules, on_error=self.on_error)
             self._rec.arm(args, kwargs)
 
     def end(self, step: int) -> None:
@@ -37,12 +50,12 @@ class StepProbe:
         if rec is None:
             return
         rows, skipped = summarize(rec.disarm())
-        mods = dict(self.doctor._modules)
-        sites, out = self.doctor._sites, []
+        mods = dict(self.modules)
+        out = []
         for r in rows:
-            sid = sites.act.get(r["path"])
+            sid = self.sites.act.get(r["path"])
             if sid is None:
-                sid = sites.get(r["path"], "act", mods.get(r["path"]), None, step)
+                sid = self.sites.get(r["path"], "act", mods.get(r["path"]), None, step)
             out.append(
                 (
                     step,
@@ -57,7 +70,7 @@ class StepProbe:
                     r["ref_absmax"],
                 )
             )
-        self.doctor._put(("probe", step, out, {"skipped": skipped}))
+        self.put(ProbeMsg(step, out, {"skipped": skipped}))
 
     def disarm(self) -> None:
         """Undo the hooks of a probed step in progress (close() or a failure in the middle of a step)."""
@@ -81,18 +94,19 @@ class ProbeReport:
     @property
     def flagged(self) -> list[dict]:
         """The layers the ``precision-loss`` rule would name, worst first."""
-        return P.judge(self.layers, self.dtype)
+        return roundoff.judge(self.layers, self.dtype)
 
     @property
     def fix(self) -> str:
-        return P.fix_line([r["path"] for r in self.flagged])
+        return roundoff.fix_line([r["path"] for r in self.flagged])
 
     def __str__(self) -> str:
-        lines = [P.format_table(self.layers, self.dtype)]
+        lines = [roundoff.format_table(self.layers, self.dtype)]
         if self.loss_half is not None:
+            diff = roundoff.relative(abs(self.loss_half - self.loss_fp32), abs(self.loss_fp32))
             lines.append(
                 f"loss: {self.loss_half:.6g} in {self.dtype}, {self.loss_fp32:.6g} in float32 "
-                f"(relative difference {P.relative(abs(self.loss_half - self.loss_fp32), abs(self.loss_fp32)):.2e})"
+                f"(relative difference {diff:.2e})"
             )
         for path, why in self.skipped.items():
             lines.append(f"skipped {path}: {why}")
@@ -132,7 +146,7 @@ def probe(model, batch, loss_fn=None, *, dtype=None, include=None, exclude=None)
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"Argument loss_fn should be callable, but given {type(loss_fn)}")
     inputs, targets, paired = _split(batch, loss_fn)
-    x = H.first_tensor(
+    x = hooks.first_tensor(
         inputs if isinstance(inputs, (tuple, list)) else (inputs,), inputs if isinstance(inputs, dict) else None
     )
     device = x.device.type if x is not None else "cpu"
@@ -145,7 +159,7 @@ def probe(model, batch, loss_fn=None, *, dtype=None, include=None, exclude=None)
         run_dtype = next(p.dtype for p in params if p.dtype in HALF)
     else:
         run_dtype = dtype or torch.float16
-    rec = Recorder(H.select_modules(model, include, exclude), need_grad=False, keep_root=True)
+    rec = Recorder(hooks.select_modules(model, include, exclude), need_grad=False, keep_root=True)
     buffers = [(b, b.clone()) for b in model.buffers()]
     rng = rng_get(x.device if x is not None else None)
     rec.arm()

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..rules import precision as P
-from . import hooks as H
+from .. import roundoff
+from . import hooks, sharded
 
 HALF = (torch.float16, torch.bfloat16)
 # Modules whose output element depends on one input element (up to a few constants): no accumulation, k = 1.
@@ -68,7 +68,7 @@ def accumulation_length(module, args) -> int:
         return (module.in_channels // module.groups) * math.prod(module.kernel_size)
     if isinstance(module, (torch.nn.LayerNorm, getattr(torch.nn, "RMSNorm", torch.nn.LayerNorm))):
         return math.prod(module.normalized_shape)
-    x = H.first_tensor(args)
+    x = hooks.first_tensor(args)
     if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and x is not None and x.dim() > 1:
         return max(x.numel() // x.shape[1], 1) if module.training else 1
     if isinstance(module, torch.nn.GroupNorm) and x is not None and x.dim() > 1:
@@ -115,7 +115,7 @@ def _state_copies(module) -> dict:
 
 
 def _versions(args, kwargs) -> list:
-    return [(t, t._version) for t in H.float_tensors((args, kwargs))]
+    return [(t, t._version) for t in hooks.float_tensors((args, kwargs))]
 
 
 def _state_versions(module) -> dict:
@@ -175,7 +175,7 @@ class Recorder:
         self.root_ref = None
         self.calls: list[Call] = []
         self._stack: list[_Frame] = []
-        self._handles = H.Handles()
+        self._handles = hooks.Handles()
         self._inside = False
 
     # -- arming ----------------------------------------------------------------------------------------------------
@@ -196,11 +196,11 @@ class Recorder:
 
     def _active(self) -> bool:
         return (
-            not self._inside and (torch.is_grad_enabled() or not self.need_grad) and H.graph_task_id() == -1
+            not self._inside and (torch.is_grad_enabled() or not self.need_grad) and hooks.graph_task_id() == -1
         )  # a checkpoint recomputation is not a new call
 
     def _open(self, path, module, args, kwargs) -> None:
-        x = H.first_tensor(args, kwargs)
+        x = hooks.first_tensor(args, kwargs)
         self._stack.append(
             _Frame(path, rng_get(x.device if x is not None else None), _versions(args, kwargs), _state_versions(module))
         )
@@ -238,7 +238,7 @@ class Recorder:
 
     # -- one comparison --------------------------------------------------------------------------------------------
     def _compare(self, path, module, args, kwargs, output, frame, k) -> Call:
-        outs = H.float_tensors(output)
+        outs = hooks.float_tensors(output)
         mtype = type(module).__name__
         dtype = str(outs[0].dtype).replace("torch.", "") if outs else None
         numel = sum(t.numel() for t in outs)
@@ -249,14 +249,14 @@ class Recorder:
             call.skipped = "modifies its input in place (the inputs it started from are gone)"
         elif (changed := _changed_state(frame.state, module)) is not None:
             call.skipped = f"keeps state in its tensor attribute {changed!r} (a second run would change it)"
-        elif mtype in _COMMUNICATING:
+        elif mtype in _COMMUNICATING or sharded.is_unit(module):
             call.skipped = "distributed wrapper (its forward communicates with the other ranks)"
         elif any(isinstance(t.grad_fn, torch.autograd.function.BackwardCFunction) for t in outs):
             call.skipped = "custom autograd Function (its forward may assume the half-precision dtype)"
         if call.skipped:
             return call
         try:
-            refs = H.float_tensors(self._recompute(module, args, kwargs, frame.rng))
+            refs = hooks.float_tensors(self._recompute(module, args, kwargs, frame.rng))
         except Exception as exc:  # a module that cannot run in FP32
             call.skipped = f"FP32 recomputation failed ({type(exc).__name__}: {str(exc)[:120]})"
             return call
@@ -340,9 +340,9 @@ def summarize(calls: list[Call]) -> tuple[list[dict], dict]:
             )
     out = []
     for r in rows.values():
-        r["rel_err"] = P.relative(math.sqrt(r.pop("e2")), math.sqrt(r["r2"]))
+        r["rel_err"] = roundoff.relative(math.sqrt(r.pop("e2")), math.sqrt(r["r2"]))
         r["ref_norm"] = math.sqrt(r.pop("r2"))
-        r["max_err"] = P.relative(r["emax"], r["rmax"])
+        r["max_err"] = roundoff.relative(r["emax"], r["rmax"])
         r["ref_absmax"] = r.pop("rmax")
         r.pop("emax")
         out.append(r)

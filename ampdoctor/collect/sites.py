@@ -6,8 +6,10 @@ import threading
 
 import torch
 
+from ..trace.messages import SiteMsg
 from ..trace.schema import ROOT
 from .buffers import dtype_name
+from .guards import text
 
 
 class Sites:
@@ -49,5 +51,5 @@ class Sites:
                 mod_path, mtype = path.rpartition(".")[0] or ROOT, type(module).__name__ if module else None
             dtype = dtype_name(t.dtype) if t is not None else None
             shape = "x".join(map(str, t.shape)) if t is not None else None
-            self._put(("site", sid, path, mod_path, kind, mtype, dtype, shape, step))
+            self._put(SiteMsg(sid, text(path), text(mod_path), kind, mtype and text(mtype), dtype, shape, step))
         return sid

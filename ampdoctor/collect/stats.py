@@ -6,13 +6,23 @@ pattern: no log2, no frexp), so that every value of a step can be concatenated a
 transfer (DESIGN principle 3). bf16 and fp16 tensors are widened to float32 first, which is exact; float64 tensors
 are narrowed to float32 (a value within one float32 rounding of a threshold may then be counted on the other side
 of it). Peaks ([min, max]) are one ``aminmax`` per tensor, taken in buffers.py.
+
+Three implementations give the same vector: on the CPU the native one-pass kernel (kernels.py, numba: one read of
+the tensor, contiguous or strided) once it is loaded, and until then, or without numba, ``_full_cpu`` (torch and
+numpy passes); on an accelerator ``_full_device`` (device ops, no host read). Their counts, histogram and abs max
+are identical; sum and norm agree to rounding (the native kernel sums in float64, ``_full_cpu`` in float32 where
+that cannot overflow).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -52,8 +62,172 @@ def on_host(t: torch.Tensor) -> bool:
 
 def full(x: torch.Tensor) -> torch.Tensor:
     """Full statistics of x as FULL_LEN float64 values (see module docstring for the layout)."""
-    x = x.detach().reshape(-1)
-    return _full_cpu(x) if on_host(x) else _full_device(x)
+    k = _kernels
+    if k is not None and HOST_READS and x.is_cpu:
+        try:  # the common case inline (a debug step calls this for every tensor it observes)
+            kind = _KIND.get(x.dtype)
+            n = x.numel()
+            if kind is not None and 0 < n < PAR_MIN and x.is_contiguous() and not x.is_neg():
+                out = np.empty(FULL_LEN)
+                k.full(x.data_ptr(), n, kind, _CONTIGUOUS, _EDGES, _NO_ROWS, _NO_STATE, out)
+                return torch.from_numpy(out)
+            vec = _full_native(k, x)
+        except Exception:  # a tensor the kernel cannot read through its pointer (a subclass): the torch passes
+            vec = None
+        if vec is not None:
+            return vec
+    x = x.detach()
+    if not on_host(x):
+        return _full_device(x.reshape(-1))
+    if k is None:
+        native()  # starts loading the kernels
+    return _full_cpu(x.reshape(-1))
+
+
+# -- the native kernels (kernels.py, numba) ------------------------------------------------------------------------
+# Loaded on first use in a background thread: numba compiles them (7-9 s of CPU the first time on a machine, then
+# cached on disk) or loads them from its cache (1.0-1.4 s of CPU, most of it importing numba), while the torch/numpy
+# kernels serve. AMPDOCTOR_NATIVE=0 keeps them off. Their results are checked against _full_cpu once after loading;
+# a kernel that disagrees is never used.
+NATIVE = os.environ.get("AMPDOCTOR_NATIVE", "1") != "0"
+_kernels: ModuleType | None = None
+_load_lock = threading.Lock()
+_load_thread: threading.Thread | None = None
+load_info: dict = {}  # how the load went: seconds, error (for tests, the benchmark and the docs)
+
+_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # kernels.F32, BF16, F16
+_EDGES = np.array(EDGE_BITS, dtype=np.int32)
+# A contiguous tensor of at least PAR_MIN values is split in two halves, one read on a helper thread (the kernels
+# release the GIL), meant for an idle second core. On the shared 2-core machine of session 8 it did not pay at 0.5M-8M
+# values (the other core was busy); an idle machine to measure the threshold on was not available.
+PAR_MIN = 1 << 21
+_pool: ThreadPoolExecutor | None = None
+_pool_pid = 0
+
+
+def native(wait: bool = False) -> ModuleType | None:
+    """The native kernels once loaded, else None; the first call starts loading them in a background thread
+    (``wait``: block until it is done)."""
+    global _load_thread
+    if _kernels is not None or not NATIVE or (_load_thread is not None and not wait):
+        return _kernels
+    with _load_lock:
+        if _load_thread is None:
+            _load_thread = threading.Thread(target=_load, name="ampdoctor-kernels", daemon=True)
+            _load_thread.start()
+    if wait:
+        _load_thread.join()
+    return _kernels
+
+
+def _load() -> None:
+    global _kernels
+    t0, c0 = time.perf_counter(), time.thread_time()
+    try:
+        from . import kernels
+
+        _self_check(kernels)
+    except Exception as e:  # no numba, or it cannot compile here: the torch/numpy kernels go on serving
+        load_info["error"] = f"{type(e).__name__}: {e}"
+    else:
+        _kernels = kernels
+    load_info["seconds"] = time.perf_counter() - t0
+    load_info["cpu_seconds"] = time.thread_time() - c0
+
+
+def _self_check(k: ModuleType) -> None:
+    """The native vector of a few values of each kind, compared with _full_cpu's (counts exactly, sums to 1e-6)."""
+    x = torch.tensor([0.0, -1e-40, 3e-8, 2.0**-25, 1.5, -65519.0, 70000.0, 3.4e38, math.inf, math.nan] * 50)
+    for dtype in _KIND:
+        t = x.to(dtype)
+        vec = _full_native(k, t)
+        assert vec is not None  # (every kind it checks is one it reads)
+        got, want = vec.numpy(), _full_cpu(t).numpy()
+        if not np.array_equal(got[I_EDGES:], want[I_EDGES:]) or not np.allclose(
+            got[:I_EDGES], want[:I_EDGES], rtol=1e-6, equal_nan=True
+        ):
+            raise RuntimeError(f"native kernel disagrees with the torch passes on {dtype}")
+
+
+def _full_native(k: ModuleType, x: torch.Tensor) -> torch.Tensor | None:
+    """The native kernel's vector of a CPU tensor (None: a dtype it does not read)."""
+    kind = _KIND.get(x.dtype)
+    if kind is None or x.is_neg():  # (a negative-bit view: its memory holds -x)
+        if x.dtype != torch.float64:
+            return None
+        x, kind = x.float(), 0
+    n = x.numel()
+    out = np.zeros(FULL_LEN)
+    if not n:
+        return torch.from_numpy(out)
+    if not x.is_contiguous():
+        k.full(x.data_ptr(), n, kind, _strided_dims(x), _EDGES, _NO_ROWS, _NO_STATE, out)
+    elif n < PAR_MIN:
+        k.full(x.data_ptr(), n, kind, _CONTIGUOUS, _EDGES, _NO_ROWS, _NO_STATE, out)
+    else:
+        _full_split(k, x, kind, out)
+    return torch.from_numpy(out)
+
+
+# (read-only constants passed to the kernel: no dimensions, no partial state)
+_CONTIGUOUS = np.zeros(0, dtype=np.int64)
+_NO_ROWS = np.zeros((0, 2))
+_NO_STATE = np.zeros((0, 0), dtype=np.int64)
+
+
+def _full_split(k: ModuleType, x: torch.Tensor, kind: int, out: np.ndarray) -> None:
+    """One large contiguous tensor read by two threads, half each, their partial states merged."""
+    global _pool, _pool_pid
+    n, addr = x.numel(), x.data_ptr()
+    half = n // 2
+    acc, state = np.zeros((2, 2)), np.zeros((2, k.STATE_LEN), dtype=np.int64)
+    if _pool is None or _pool_pid != os.getpid():  # (a forked child has the pool object but not its thread)
+        _pool, _pool_pid = ThreadPoolExecutor(1, thread_name_prefix="ampdoctor-stats"), os.getpid()
+    second = addr + half * x.element_size()
+    other = _pool.submit(k.full, second, n - half, kind, _CONTIGUOUS, _EDGES, acc[1:], state[1:], out)
+    k.full(addr, half, kind, _CONTIGUOUS, _EDGES, acc[:1], state[:1], out)
+    other.result()
+    k.finish(acc, state, _EDGES, out)
+
+
+def _strided_dims(x: torch.Tensor) -> np.ndarray:
+    """Shape then strides, in elements, of x's dimensions of size > 1, ordered outermost first (largest stride;
+    broadcast dimensions, stride 0, outside all) and merged where they are contiguous together, so that the
+    innermost loop runs along the smallest stride."""
+    dims = sorted(((st if st else math.inf, sz, st) for sz, st in zip(x.shape, x.stride()) if sz != 1), reverse=True)
+    merged: list[list[int]] = []
+    for _, sz, st in dims:
+        if merged and merged[-1][1] == st * sz:  # the outer dimension steps over exactly this one: one dimension
+            merged[-1] = [merged[-1][0] * sz, st]
+        else:
+            merged.append([sz, st])
+    if not merged:
+        merged = [[1, 1]]
+    return np.array([m[0] for m in merged] + [m[1] for m in merged], dtype=np.int64)
+
+
+def grad_norm_peak(k: ModuleType, grads: list[torch.Tensor]) -> tuple[float, float] | None:
+    """(global L2 norm, largest |g|) of CPU gradients in one native read; None where one is of a dtype the kernel
+    does not read (or not on the CPU). Dtype, device and layout are checked on every call, as the kernel reads
+    numel values from each data pointer: a gradient whose values are not one dense block (a strided view) is
+    copied first (norm and peak do not depend on the order of the values)."""
+    kinds = [_KIND.get(g.dtype, -1) if g.is_cpu else -1 for g in grads]
+    if -1 in kinds:
+        return None
+    grads = [g if g.is_contiguous() or _dense(g) else g.contiguous() for g in grads]  # (kept alive until read)
+    addrs = np.array([g.data_ptr() for g in grads], dtype=np.int64)
+    counts = np.array([g.numel() for g in grads], dtype=np.int64)
+    return k.norm_peak(addrs, counts, np.array(kinds, dtype=np.int64))
+
+
+def _dense(g: torch.Tensor) -> bool:
+    """Whether g's values fill one block of memory exactly, in some order of dimensions (channels-last)."""
+    size = 1
+    for st, sz in sorted((st, sz) for sz, st in zip(g.shape, g.stride()) if sz != 1):
+        if st != size:
+            return False
+        size *= sz
+    return True
 
 
 @functools.cache
@@ -132,8 +306,13 @@ def _buffers(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
 
 
 def release_scratch() -> None:
-    """Drop this thread's temporaries (Doctor.close(): nothing of ampdoctor stays in memory after it)."""
+    """Drop this thread's temporaries and the helper thread (Doctor.close(): nothing of ampdoctor stays in memory
+    after it; the native kernels stay loaded, like any imported module)."""
+    global _pool
     _scratch.bufs = None
+    pool, _pool = _pool, None
+    if pool is not None:
+        pool.shutdown(wait=False)
 
 
 def _abs_bits(xf: torch.Tensor, out: np.ndarray | None) -> np.ndarray:

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 import textwrap
 
 from ..rules import diagnose
 from ..rules.registry import RULES
 from ..severity import SEVERITIES, at_least
-from .common import EXIT_FINDINGS, EXIT_OK, UsageError, evidence
+from ..trace.checks import invalid_settings_note
+from ..trace.run import RankRun, is_multi, load, run_pattern
+from .common import EXIT_FINDINGS, EXIT_OK, UsageError, evidence, printable
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", nargs="+", help="trace file (.db), or a directory, glob or files of one run's ranks")
     parser.add_argument(
         "--reference",
@@ -29,15 +33,23 @@ def add_arguments(parser) -> None:
     parser.add_argument("--disable", nargs="+", action="extend", default=[], metavar="ID", help="rule ids to leave out")
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     unknown = [r for r in args.disable if r not in RULES]
     if unknown:
         raise UsageError(f"ampdoctor diagnose: unknown rule id {unknown[0]!r}; known: {', '.join(RULES)}")
-    findings = diagnose(args.trace, reference=args.reference, rules={r: None for r in args.disable})
+    tr = load(args.trace)  # a file's Trace, or a directory's or glob's RankRun
+    for t in tr if isinstance(tr, RankRun) else [tr]:
+        note = invalid_settings_note(t.config)
+        if note:
+            print(printable(f"ampdoctor diagnose: note: {t.path}: {note}"), file=sys.stderr)
+    findings = diagnose(tr, reference=args.reference, rules={r: None for r in args.disable})
     if args.json:
         print(json.dumps([d.to_dict() for d in findings], indent=2))
     else:
         print(report(args.trace, findings))
+        note = shard_note(args.trace)
+        if note:
+            print(note)
     return EXIT_FINDINGS if any(at_least(d.severity, args.fail_on) for d in findings) else EXIT_OK
 
 
@@ -61,3 +73,18 @@ def report(path: str, findings) -> str:
         lines.append("  fix:")
         lines += ["    " + ln for part in d.fix for ln in part.text.splitlines()]  # code as printed, 4 in
     return "\n".join(lines)
+
+
+def shard_note(spec: str | list[str]) -> str | None:
+    """For one rank's trace of an FSDP run: the rules judged that rank's shards, and how to judge the whole tensors."""
+    if is_multi(spec):
+        return None
+    path = spec[0] if isinstance(spec, list) else spec
+    with load(path) as tr:
+        if "sharding" not in tr.meta:
+            return None
+    return (
+        f"\nnote: {path} is one rank of an FSDP run: its gradient norm and parameter-gradient, weight and update "
+        f"statistics are this rank's shard's, and the rules above judged those; the whole tensors: "
+        f"ampdoctor diagnose '{run_pattern(path)}'"
+    )

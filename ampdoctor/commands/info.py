@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..precision_label import describe_precision
-from ..trace import load
+from ..trace import load, shards
+from ..trace.checks import invalid_settings_note
 from ..trace.observation import cost_line, observation_line, summarize
-from ..trace.run import is_multi, load_run
+from ..trace.run import is_multi, load_run, run_pattern
 from .common import EXIT_OK, approx, fmt, ranges
 
 
@@ -46,12 +47,17 @@ def run(args) -> int:
     print("precision  " + describe_precision(cfg))
     if ac.get("enabled"):
         print(f"autocast   {ac.get('dtype')} on {ac.get('device_type')}")
+    for line in fsdp_lines(cfg, shards.sharding_of(tr), args.trace):
+        print(line)
     if cfg.get("optimizer"):
         print(f"optimizer  {cfg['optimizer']['class']}, lr {fmt(st.lr_last if st.steps else None, 0)}")
     sc = cfg.get("scaler")
     if sc:
         settings = ", ".join(f"{k} {sc[k]}" for k in ("growth_factor", "backoff_factor", "growth_interval") if k in sc)
         print(f"scaler     {sc.get('class')} ({'enabled' if sc.get('enabled') else 'disabled'}; {settings})")
+        note = invalid_settings_note(cfg)  # settings out of range: taken as unknown by the reader
+        if note:
+            print(f"note       {note}")
         s = st.scale
         if s is not None:
             # "last" is the scale in force at the last step, as the report says; the update after it is named apart
@@ -115,7 +121,9 @@ def info_ranks(spec: str) -> int:
             f"{describe_precision(cfg)}"
         )
         if rr.missing:
-            print(f"missing    no trace for rank(s) {', '.join(map(str, rr.missing))}")
+            spans, n = rr.missing, rr.n_missing
+            shown = ", ".join(map(str, spans[:12])) + (" ..." if len(spans) > 12 else "")
+            print(f"missing    no trace for rank(s) {shown}" + (f" ({n:,} ranks)" if n > len(spans) else ""))
         print(
             f"{'rank':>4s} {'steps':>6s} {'skipped':>8s} {'non-finite':>10s} {'scale last':>10s} "
             f"{'step time':>10s} {'data wait':>10s} {'loss last':>10s}  host / trace"
@@ -132,5 +140,62 @@ def info_ranks(spec: str) -> int:
                 f"{approx(float(st['data_time'].median()) if len(st) else None, ' s'):>10s} "
                 f"{approx(float(loss.iloc[-1]) if len(loss) else None):>10s}  {host} {tr.path}"
             )
+        for line in fsdp_lines(cfg, None, None):
+            print(line)
+        if rr.sharded:
+            norm, peak = rr.combined.grad_figures()
+            done = np.flatnonzero(np.isfinite(norm))
+            if len(done):
+                at = int(done[-1])
+                print(
+                    f"combined   gradient norm {approx(float(norm[at]))}, largest |gradient| {approx(float(peak[at]))} "
+                    f"at step {at}: the whole model's, from the ranks' shards (each rank's trace holds its shard's)"
+                )
+            if rr.combined.incomplete:
+                print(
+                    f"incomplete {len(rr.combined.incomplete)} parameter(s) lack a shard's trace: no whole-tensor "
+                    "statistics for them"
+                )
         print(f"details    ampdoctor info {first.path}; the rank rules: ampdoctor diagnose {rr.source}")
     return EXIT_OK
+
+
+def fsdp_lines(cfg: dict, sharding: shards.Sharding | None, path: str | None) -> list[str]:
+    """FSDP's mixed-precision policy per group of units, and (one rank's trace) what share of the tensors it holds."""
+    fsdp = cfg.get("fsdp") or {}
+    units = fsdp.get("units") or {}
+    out = []
+    if units:
+        groups: dict[tuple, list[str]] = {}
+        for unit, u in units.items():
+            key = tuple((k, v) for k, v in sorted(u.items()) if k not in ("params", "compute", "reduce"))
+            groups.setdefault(key, []).append(unit)
+        parts = []
+        for key, paths in groups.items():
+            u = dict(key)
+            reduces = sorted({units[p]["reduce"] for p in paths if units[p].get("reduce")})
+            reduce = u.get("reduce_dtype") or f"unset (reduces in {'/'.join(reduces) or 'param_dtype'})"
+            text = f"param_dtype {u.get('param_dtype') or 'unset'}, reduce_dtype {reduce}"
+            if fsdp.get("engine") == "fsdp1":
+                text += f", buffer_dtype {u.get('buffer_dtype') or 'unset'}"
+                text += ", low-precision gradients kept" if u.get("keep_low_precision_grads") else ""
+            else:
+                text += f", output_dtype {u.get('output_dtype') or 'unset'}"
+                text += f", cast_forward_inputs {u.get('cast_forward_inputs')}"
+            where = ", ".join(paths[:4]) + (f" +{len(paths) - 4}" if len(paths) > 4 else "")
+            parts.append(f"{text} ({where})")
+        engine = str(fsdp.get("engine") or "fsdp").upper()
+        out.append(
+            f"fsdp       {engine}, {len(units)} unit(s) on {fsdp.get('world_size', '?')} ranks: " + "; ".join(parts)
+        )
+    if sharding is not None and path is not None:
+        params = sharding.params
+        local = sum(sharding.local_numel(n) for n in params)
+        whole = sum(sharding.whole_numel(n) for n in params) or 1
+        how = ", ".join(sorted({p for sp in sharding.specs for p in sp.get("placements", [])}))
+        out.append(
+            f"sharded    {len(params)} parameter(s) ({how}); this rank holds {local:,} of their {whole:,} values "
+            f"({100 * local / whole:.0f}%): its gradient norm and parameter-gradient, weight and update statistics "
+            f"are its shard's; the whole tensors: ampdoctor info '{run_pattern(path)}'"
+        )
+    return out

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import numpy as np
@@ -13,7 +14,7 @@ from .common import EXIT_OK, UsageError, fmt, share
 SORT_KEYS = ("order", "absmax", "minabs", "mean", "rms", "fp16_under", "fp16_over", "zeros", "nonfinite")
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", help="trace file (.db)")
     parser.add_argument("--step", type=int, default=None, help="step (default: the last with full statistics)")
     parser.add_argument("--kind", default="grad_out", choices=["act", "grad_out", "param_grad", "weight", "update"])
@@ -25,7 +26,7 @@ def add_arguments(parser) -> None:
     )
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     tr = load(args.trace)
     if args.probe:
         return _run_probe(tr, args)
@@ -35,7 +36,7 @@ def run(args) -> int:
         raise UsageError(f"{args.trace}: no step with full statistics yet")
     step = int(full[-1]) if args.step is None else args.step
     if step not in set(full.tolist()):
-        near = full[np.argmin(np.abs(full - step))]
+        near = min(full.tolist(), key=lambda s: abs(s - step))  # Python ints: --step may exceed an int64
         raise UsageError(
             f"step {step} has no full statistics; nearest full step: {near} "
             f"(full statistics every {tr.meta.get('run', {}).get('every', '?')} steps and at anomalies)"
@@ -64,7 +65,7 @@ def run(args) -> int:
             {
                 "order": j,
                 "path": site.path,
-                "type": site.module_type or "",
+                "type": site.module_type if isinstance(site.module_type, str) else "",  # NULL: pandas' NaN
                 "dtype": site.dtype,
                 **{f: cols[f][j] for f in fields},
                 "fp16_under": (cols["fp16_sub"][j] + cols["fp16_flush"][j]) / n if n else 0.0,

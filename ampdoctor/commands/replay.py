@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-import numpy as np
+import argparse
 
-from ..lossscale import gradscaler_code, replay, suggest
+import numpy as np
+import pandas as pd
+
+from ..lossscale import TORCH_DEFAULTS, gradscaler_code, replay, suggest
 from ..trace import load
+from ..trace.checks import invalid_settings_note, scaler_setting_problem
 from .common import EXIT_OK, UsageError, exact, pct, ranges
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", help="trace file (.db)")
     parser.add_argument(
         "--init-scale",
@@ -61,7 +65,7 @@ def _settings_line(s: dict) -> str:
     )
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     tr = load(args.trace)
     if not tr.n_steps:
         raise UsageError(f"{args.trace}: the trace has no steps yet")
@@ -82,6 +86,8 @@ def run(args) -> int:
     print(f"replay of {args.trace}: {n} steps")
     if recorded_scaler:
         print(f"recorded   {_settings_line(base.settings)}")
+        for note in _recorded_notes(tr.config, st):
+            print(f"note: {note}")
         rec = _column(base)
         rec["skipped steps"] = f"{int(st['skipped'].sum())} ({pct(st['skipped'].sum() / n)})"
     else:
@@ -147,3 +153,15 @@ def _at_scale_one(tr) -> float:
     u = replay(tr, init_scale=1.0, growth_interval=10**9).underflow
     u = u[~np.isnan(u)]
     return float(u.mean()) if len(u) else float("nan")
+
+
+def _recorded_notes(config: dict, st: pd.DataFrame) -> list[str]:
+    """What of the run's own settings the replay could not take from the trace (replaced by torch's defaults)."""
+    notes = [invalid_settings_note(config)]
+    first = st["loss_scale"].dropna()
+    if len(first) and scaler_setting_problem("init_scale", float(first.iloc[0])):
+        notes.append(
+            f"the recorded scale of the first step ({first.iloc[0]:g}) cannot start a GradScaler (not a positive "
+            f"finite number); the replay starts from torch's default {TORCH_DEFAULTS['init_scale']:g}"
+        )
+    return [n for n in notes if n]

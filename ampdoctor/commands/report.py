@@ -3,14 +3,16 @@ run())."""
 
 from __future__ import annotations
 
+import argparse
 import os
 
 from ..trace import load
 from ..trace.run import is_multi, load_run
 from .common import EXIT_OK, UsageError
+from .output import atomic_write, check_output
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "trace",
         metavar="TRACE",
@@ -25,7 +27,7 @@ def add_arguments(parser) -> None:
     )
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from ..dashboards.report import STAGES, write_report
@@ -34,37 +36,38 @@ def run(args) -> int:
         return _run_ranks(args)
     if not os.path.exists(args.trace):
         raise UsageError(f"ampdoctor report: {args.trace}: no such file")
-    out = args.output or os.path.splitext(args.trace)[0] + ".html"
-    parent = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(parent):
-        raise UsageError(f"ampdoctor report: {parent}: no such directory for the output")
+    out = os.path.splitext(args.trace)[0] + ".html" if args.output is None else args.output
+    real = check_output(out, _inputs([args.trace], args.reference), "report", default=args.output is None)
     tr = load(args.trace)
     ref = load(args.reference) if args.reference else None
     with tqdm(total=len(STAGES), desc="report", unit="stage", disable=None, leave=False) as bar:
 
-        def stage(name):  # called as each stage starts; on stderr, and only on a terminal
+        def stage(name: str) -> None:  # called as each stage starts; on stderr, and only on a terminal
             bar.set_postfix_str(name)
             bar.update()
 
-        write_report(tr, out, ref, progress=stage)
+        with atomic_write(real, out, "report") as tmp:
+            write_report(tr, tmp, ref, progress=stage)
     print(f"wrote {out}")
     return EXIT_OK
 
 
-def _check_output(out: str) -> None:
-    parent = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(parent):
-        raise UsageError(f"ampdoctor report: {parent}: no such directory for the output")
+def _inputs(traces: list, reference: str | None) -> list:
+    """The files a report reads (it must not write over any of them)."""
+    return [*traces, *([reference] if reference else [])]
 
 
-def _run_ranks(args) -> int:
+def _run_ranks(args: argparse.Namespace) -> int:
     """The report of a multi-rank run: its ranks side by side and the findings naming them."""
     from ..dashboards.rank_views import default_output, write_rank_report
 
     with load_run(args.trace) as rr:
-        out = args.output or default_output(rr)
-        _check_output(out)
+        out = default_output(rr) if args.output is None else args.output
+        real = check_output(
+            out, _inputs(list(rr.paths.values()), args.reference), "report", default=args.output is None
+        )
         ref = load(args.reference) if args.reference else None
-        write_rank_report(rr, out, ref)
+        with atomic_write(real, out, "report") as tmp:
+            write_rank_report(rr, tmp, ref)
     print(f"wrote {out}")
     return EXIT_OK

@@ -5,6 +5,7 @@ Dash and plotly load inside run(): `ampdoctor --help` and this module's import s
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
@@ -15,8 +16,10 @@ from ..trace import load
 from ..trace.run import is_multi, load_run
 from .common import EXIT_OK, UsageError
 
+MIN_POLL_S, MAX_POLL_S = 0.1, 86400.0  # below 0.1 s the page does little but poll; a day is "never"
 
-def add_arguments(parser) -> None:
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "path",
         metavar="TRACE_OR_DIR",
@@ -42,7 +45,7 @@ def add_arguments(parser) -> None:
     )
 
 
-def check(args):
+def check(args: argparse.Namespace) -> None:
     """Validate the arguments: a missing path or a bad trace is a one-line error (exit 2)."""
     if len(args.path) == 1:
         args.path = args.path[0]
@@ -62,15 +65,16 @@ def check(args):
         load(args.reference).close()
     if not 0 < args.port < 65536:
         raise UsageError(f"ampdoctor serve: --port {args.port}: not a port number")
-    if args.poll <= 0:
-        raise UsageError(f"ampdoctor serve: --poll {args.poll}: must be positive")
+    if not MIN_POLL_S <= args.poll <= MAX_POLL_S:  # NaN too
+        raise UsageError(f"ampdoctor serve: --poll {args.poll}: must be {MIN_POLL_S} to {MAX_POLL_S:g} seconds")
     for name in args.allow_host:
         if name.strip() != hosts.ANY and hosts.hostname(name) is None:
             raise UsageError(f"ampdoctor serve: --allow-host {name}: not a host name")
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     check(args)
+    from ..dashboards import server
     from ..dashboards.app import create_app
 
     app = create_app(
@@ -80,6 +84,10 @@ def run(args) -> int:
         files=getattr(args, "files", None),
         host_policy=hosts.for_bind(args.host, tuple(args.allow_host)),
     )
+    try:
+        httpd = server.make_server(app, args.host, args.port)  # limits: dashboards/server.py
+    except server.ListenError as exc:
+        raise UsageError(f"ampdoctor serve: {exc}") from None
     if os.path.isdir(args.path) and not app.ampdoctor.runs():
         print(f"ampdoctor serve: no traces under {args.path} yet; they appear as training writes them", file=sys.stderr)
     if not is_loopback(args.host):
@@ -90,7 +98,10 @@ def run(args) -> int:
             file=sys.stderr,
         )
     shown = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"ampdoctor dashboard on http://{shown}:{args.port}/  (Ctrl+C to stop)", file=sys.stderr)
+    print(f"ampdoctor dashboard on http://{shown}:{httpd.port}/  (Ctrl+C to stop)", file=sys.stderr)
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per poll request
-    app.run(host=args.host, port=args.port, debug=False, use_reloader=False)
+    try:
+        httpd.serve_forever()
+    finally:
+        httpd.server_close()
     return EXIT_OK

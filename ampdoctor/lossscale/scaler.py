@@ -17,12 +17,12 @@ counts the binade below 2^-14 wholly as subnormal (docs/trace-format.md, hists).
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
 from .. import formats
+from ..trace.checks import scaler_setting_problem
 from .machine import Machine
 
 # torch.amp.GradScaler defaults: what a run without a recorded scaler is replayed with
@@ -83,6 +83,11 @@ class Replay:
             "estimated": int(self.estimated.sum()),
         }
 
+    def _repr_html_(self) -> str:  # notebooks: settings and outcome (ampdoctor/notebook.py)
+        from ..notebook import replay_html
+
+        return replay_html(self)
+
 
 def lost_share(n: int, n_skipped: int, mean_underflow: float) -> float:
     """``Replay.lost`` from its three numbers (``lost_many`` has no Replay to ask)."""
@@ -102,26 +107,23 @@ def gradscaler_code(settings: dict, device: str = "cuda") -> str:
 
 
 # -- settings ------------------------------------------------------------------------------------------------------
-def _real(v) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool)
-
-
 def _check_settings(s: dict) -> None:
-    real = _real
-    if not (real(s["init_scale"]) and math.isfinite(s["init_scale"]) and s["init_scale"] > 0):
-        raise ValueError(f"Argument init_scale should be a positive finite number, but given {s['init_scale']!r}")
-    if not (real(s["growth_factor"]) and s["growth_factor"] > 1.0 and math.isfinite(s["growth_factor"])):
-        raise ValueError(f"Argument growth_factor should be a number > 1.0, but given {s['growth_factor']!r}")
-    if not (real(s["backoff_factor"]) and 0.0 < s["backoff_factor"] < 1.0):
-        raise ValueError(f"Argument backoff_factor should be a number in (0, 1), but given {s['backoff_factor']!r}")
-    gi = s["growth_interval"]
-    if not isinstance(gi, numbers.Integral) or isinstance(gi, bool) or gi < 1:
-        raise ValueError(f"Argument growth_interval should be a positive int, but given {gi!r}")
+    """ValueError naming the first setting GradScaler cannot run with (checks.scaler_setting_problem)."""
+    for key in ("init_scale", "growth_factor", "backoff_factor", "growth_interval"):
+        problem = scaler_setting_problem(key, s[key])
+        if problem is not None:
+            raise ValueError(f"Argument {key} should be {problem}, but given {s[key]!r}")
 
 
 def resolve(ev, init_scale, growth_factor, backoff_factor, growth_interval) -> dict:
-    """The settings to simulate: the run's own, each one given (not None) replacing it; checked and typed."""
+    """The settings to simulate: the run's own, each one given (not None) replacing it; checked and typed.
+
+    A given setting GradScaler cannot run with is a ValueError; one of the run's own (a crafted or damaged trace:
+    a recorded first scale of 0 or inf) is replaced by torch's default, as an unknown setting is."""
     s = dict(ev.run_settings)
+    for key in s:
+        if key in TORCH_DEFAULTS and scaler_setting_problem(key, s[key]) is not None:
+            s[key] = TORCH_DEFAULTS[key]
     for key, value in (
         ("init_scale", init_scale),
         ("growth_factor", growth_factor),

@@ -7,7 +7,7 @@ import pandas as pd
 
 from . import precision
 from .fix import code, text
-from .result import finding
+from .result import Diagnosis, RunView, finding
 from .scaling import MAX_SKIP_SHARE
 
 # Steps needed to reach the same loss: 1.5x the reference's is beyond run-to-run noise of a small seed-matched run
@@ -32,7 +32,14 @@ def first_at_or_below(curve: np.ndarray, level: float) -> int | None:
     return int(hit[0]) if len(hit) else None
 
 
-def slow_convergence(run, *, ratio=SLOW_RATIO, max_skip_share=MAX_SKIP_SHARE, alpha=ALPHA):
+def material(own, underflow) -> bool:
+    """Suppression (registry): gradient underflow beyond advice (warning or critical) explains slow convergence."""
+    return underflow.severity != "info"
+
+
+def slow_convergence(
+    run: RunView, *, ratio: float = SLOW_RATIO, max_skip_share: float = MAX_SKIP_SHARE, alpha: float = ALPHA
+) -> Diagnosis | None:
     ref = run.reference
     if ref is None:
         return None  # needs the reference run's curve as evidence
@@ -42,9 +49,6 @@ def slow_convergence(run, *, ratio=SLOW_RATIO, max_skip_share=MAX_SKIP_SHARE, al
         return None
     if run.steps["skipped"].mean() > max_skip_share or not np.isfinite(a).all():
         return None  # skipped or non-finite steps explain it: other rules cover that
-    # through the engine: the user's thresholds for grad-underflow (or its being disabled) apply here too
-    if any(d.severity != "info" for d in run.findings_of("grad-underflow")):
-        return None  # material underflow explains it: fix that first
     if precision.measured_culprits(run):
         return None  # a layer measured losing precision explains it (precision-loss)
     sa, sb = smooth(a), smooth(b)

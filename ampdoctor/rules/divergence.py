@@ -1,18 +1,23 @@
-"""divergence: the optimisation blew up (learning rate too high for the model), read off the loss and gradient-norm
-trend before the first non-finite step. Not a loss-scaling problem: lowering the scale cannot fix it, and the
-other scaler rules (init-scale-too-high, loss-scale-collapse) defer to this one through the engine."""
+"""divergence: the optimisation blew up (learning rate too high for the model), not the format's range. Read off the
+loss and gradient-norm trend before the first non-finite step, and where the loss never rose (it went NaN at once,
+or never left chance) off what the updates did to the weights: an update as large as the weights, a module's outputs
+jumping many binades in one step, activations growing while the loss made no progress. Not a loss-scaling
+problem: lowering the scale cannot fix it; the scaler and range rules are suppressed by this one (registry)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import numpy as np
+import pandas as pd
 
 from .. import formats
+from ..trace.schema import ROOT
 from . import advice as A
-from .fix import code, text
-from .result import finding
+from .result import Diagnosis, RunView, finding
 from .scaling import forward_nonfinite_steps, nonfinite_origins
+from .weights import NO_FAN_IN, _fan_in
 
 FP16 = formats.FP16
 
@@ -52,9 +57,25 @@ ADAPTIVE = (
 # The fix: one decade lower, ramped up over a warm-up of this many steps.
 LR_FACTOR = 10.0
 WARMUP_STEPS = 100
+# An update as large as the weights' own scale replaces them rather than adjusting them (healthy training moves a
+# weight matrix by ~1e-3 to 1e-2 of its scale per step). The scale: the matrix's RMS at an earlier record, else the
+# 1/sqrt(fan_in) every default init gives it.
+MAX_UPDATE_RATIO = 1.0
+# The suggested learning rate brings the measured update to ~1% of the weights' scale per step.
+TARGET_UPDATE_RATIO = 1e-2
+# A module whose outputs moved 8 binades (256x) between two consecutive steps, and stayed there: its weights (or its
+# inputs' weights) changed that much in one update. A format's range is the same on every step.
+JUMP_BINADES = 8.0
+# Activations that grew 6 binades (64x) while the loss made no progress: the updates inflate the weights without
+# the model learning, until some product leaves the range. A learning run's activations grow a binade or two.
+GROWTH_BINADES = 6.0
+# No progress: the loss (median over 5 steps) never fell below 90% of where it started ...
+NO_PROGRESS = 0.9
+# ... over at least this many finite steps (fewer say nothing about progress).
+MIN_FLAT_STEPS = 10
 
 
-def _bad(run) -> np.ndarray:
+def _bad(run: RunView) -> np.ndarray:
     st = run.steps
     loss = st["loss"].to_numpy(float)
     bad = st["skipped"].to_numpy(bool) | st["nonfinite"].to_numpy(bool)
@@ -63,7 +84,7 @@ def _bad(run) -> np.ndarray:
     return bad
 
 
-def trend(run, window=WINDOW) -> dict | None:
+def trend(run: RunView, window=WINDOW) -> dict | None:
     """Loss and gradient-norm trend from the start to shortly after the first non-finite step, or None."""
     st = run.steps
     bad = _bad(run)
@@ -78,7 +99,9 @@ def trend(run, window=WINDOW) -> dict | None:
     seen = loss[:end][np.isfinite(loss[:end])]
     if not len(start) or not (start[0] > 0):
         return None
-    base = float(np.median(start[:3]))
+    # where the model started: the lowest of the first losses (Adam's first step with a too-high learning rate can
+    # double the loss on step 1 already; a median over those would hide the rise it starts)
+    base = float(np.min(start[:3]))
     rise = float(seen.max()) / base
     norm = st["grad_norm"].to_numpy(float)
     ok = np.isfinite(norm) & ~bad
@@ -106,7 +129,191 @@ def trend(run, window=WINDOW) -> dict | None:
     }
 
 
-def finite_blowup(run) -> dict | None:
+@dataclass
+class Blowup:
+    """What the updates did to the weights before the first non-finite step: the evidence that tells an optimisation
+    that left the range from a format too narrow for a healthy run (shared as ``Run.blowup``)."""
+
+    first_step: int  # the first non-finite or skipped step
+    update_ratio: float | None = None  # largest update RMS / the weights' scale, at a recorded update step before
+    update_param: str | None = None
+    update_step: int | None = None
+    jump: float | None = None  # largest one-step move of a module's output peak (binades; into non-finite: a bound)
+    jump_site: str | None = None
+    jump_step: int | None = None
+    jump_from: float | None = None  # its peak on the step before
+    loss_flat: bool | None = None  # the loss made no progress before the first non-finite step
+    loss_start: float | None = None
+    loss_best: float | None = None
+    growth: float | None = None  # largest growth of a module's output peak before the first non-finite step
+    growth_site: str | None = None
+    growth_steps: list = field(default_factory=list)
+    decisive: list = field(default_factory=list)  # sentences: evidence that decides for divergence
+    partial: list = field(default_factory=list)  # sentences: evidence that points that way but does not decide
+
+    def evidence(self) -> dict:
+        return {
+            "update_to_weight_ratio": self.update_ratio,
+            "update_param": self.update_param,
+            "update_step": self.update_step,
+            "one_step_jump_binades": self.jump,
+            "jump_module": self.jump_site,
+            "jump_step": self.jump_step,
+            "loss_made_no_progress": self.loss_flat,
+            "activation_growth_binades": self.growth,
+            "growth_module": self.growth_site,
+        }
+
+
+def blowup(
+    run: RunView,
+    max_update_ratio: float = MAX_UPDATE_RATIO,
+    jump_binades: float = JUMP_BINADES,
+    growth_binades: float = GROWTH_BINADES,
+) -> Blowup | None:
+    """The Blowup evidence of a run with non-finite (or skipped) steps after a finite start; None otherwise."""
+    bad = _bad(run)
+    if bad.sum() < MIN_BAD_STEPS or not bad.any():
+        return None
+    first = int(np.flatnonzero(bad)[0])
+    if first == 0:
+        return None  # no step before it: nothing the updates could have done
+    st = run.steps
+    b = Blowup(first_step=int(st["step"].iloc[first]))
+    _update_ratio(run, first, b)
+    _jump(run, first, bad, b)
+    _flat_and_growth(run, first, b)
+    if b.update_ratio is not None and b.update_ratio >= max_update_ratio:
+        b.decisive.append(
+            f"the update of step {b.update_step} moved {b.update_param} by {A.fmt_num(b.update_ratio)}x the weights' "
+            "own scale (healthy training moves them ~0.001-0.01x a step)"
+        )
+    elif b.update_ratio is not None and b.update_ratio >= max_update_ratio / 10:
+        b.partial.append(
+            f"the update of step {b.update_step} moved {b.update_param} by {A.fmt_num(b.update_ratio)}x its scale"
+        )
+    if b.jump is not None and b.jump >= jump_binades:
+        b.decisive.append(
+            f"{b.jump_site}'s outputs jumped {b.jump:.1f} binades in the one update before step {b.jump_step} (from a "
+            f"peak of {A.fmt_num(b.jump_from)}): the weights changed that much, the format's range did not"
+        )
+    elif b.jump is not None and b.jump >= jump_binades / 2:
+        b.partial.append(f"{b.jump_site}'s outputs jumped {b.jump:.1f} binades in one step (step {b.jump_step})")
+    grew = b.growth is not None and b.growth >= growth_binades
+    if b.loss_flat and grew:
+        b.decisive.append(
+            f"the loss never left its start ({A.fmt_num(b.loss_start)}; best {A.fmt_num(b.loss_best)}) while "
+            f"{b.growth_site}'s outputs grew {b.growth:.1f} binades (steps {b.growth_steps[0]}-{b.growth_steps[1]}): "
+            "the updates inflate the weights without the model learning"
+        )
+    elif b.loss_flat:
+        b.partial.append(f"the loss never left its start ({A.fmt_num(b.loss_start)}) before the first non-finite step")
+    elif grew:
+        b.partial.append(f"{b.growth_site}'s outputs grew {b.growth:.1f} binades before the first non-finite step")
+    return b
+
+
+def _update_ratio(run: RunView, first: int, b: Blowup) -> None:
+    """Largest update / weight scale over the weight matrices at the recorded update steps before ``first``."""
+    ups, ws = run.sites("update"), run.sites("weight")
+    if not len(ups):
+        return
+    u_rms, w_rms = run.records("rms", "update"), run.records("rms", "weight")
+    skipped = run.steps["skipped"].to_numpy(bool)
+    types = run.module_types
+    w_col = {p: j for j, p in enumerate(ws["path"])}
+    best = None
+    for j, s in enumerate(ups.itertuples()):
+        fan = _fan_in(s.shape)
+        if not fan or types.get(s.module) in NO_FAN_IN:
+            continue
+        rows = [r for r in np.flatnonzero(np.isfinite(u_rms[:first, j])) if not skipped[r]]
+        for r in rows:
+            jw = w_col.get(s.path)
+            earlier = w_rms[:r, jw] if jw is not None else np.zeros(0)
+            earlier = earlier[np.isfinite(earlier) & (earlier > 0)]
+            scale = float(earlier[-1]) if len(earlier) else 1.0 / math.sqrt(fan)
+            ratio = float(u_rms[r, j]) / scale
+            if best is None or ratio > best[0]:
+                best = (ratio, s.path, int(run.steps["step"].iloc[r]))
+    if best is not None:
+        b.update_ratio, b.update_param, b.update_step = best
+
+
+def _observed(run: RunView) -> np.ndarray:
+    return run.steps["level"].fillna(-1).to_numpy(float) >= 0
+
+
+def _jump(run: RunView, first: int, bad: np.ndarray, b: Blowup) -> None:
+    """Largest move of an output peak between two consecutive observed steps up to ``first``; into a non-finite
+    peak on the first bad step, the headroom it had (a lower bound). Only a move the later steps kept counts."""
+    acts = run.sites("act")
+    pk = run.records("peak", "act")
+    if not pk.shape[1]:
+        return
+    rows = np.flatnonzero(_observed(run))
+    rows = rows[rows <= first + 1]
+    best = None
+    for a, c in zip(rows[:-1], rows[1:]):
+        if c != a + 1 or c > first:
+            continue
+        prev, now = pk[a], pk[c]
+        for j in range(pk.shape[1]):
+            path = str(acts["path"].iloc[j])
+            if not (np.isfinite(prev[j]) and prev[j] > 0):
+                continue
+            fmt = formats.get(str(acts["dtype"].iloc[j])) if acts["dtype"].iloc[j] in formats.DTYPE_FORMATS else None
+            if np.isfinite(now[j]):
+                if now[j] <= 0:
+                    continue
+                move = math.log2(now[j] / prev[j])
+                if not _kept(pk[:, j], rows, c, now[j]):
+                    continue
+            elif fmt is not None and bad[c]:
+                move = math.log2(fmt.max / prev[j])
+            else:
+                continue
+            key = (move, path != ROOT)
+            if best is None or key > best[0]:
+                best = (key, path, int(run.steps["step"].iloc[c]), float(prev[j]))
+    if best is not None:
+        (b.jump, _), b.jump_site, b.jump_step, b.jump_from = best
+
+
+def _kept(col: np.ndarray, rows: np.ndarray, at: int, value: float) -> bool:
+    """The peak stayed up (within 2 binades, or went non-finite) on the observed steps after ``at``."""
+    later = col[rows[rows > at][:3]]
+    return not len(later) or all((not np.isfinite(v)) or v >= value / 4 for v in later)
+
+
+def _flat_and_growth(run: RunView, first: int, b: Blowup) -> None:
+    """Did the loss make progress before ``first``; how much did the output peaks grow meanwhile."""
+    loss = run.steps["loss"].to_numpy(float)[:first]
+    fin = loss[np.isfinite(loss)]
+    if len(fin) >= MIN_FLAT_STEPS and fin[:3].min() > 0:
+        smooth = pd.Series(fin).rolling(5, min_periods=1, center=True).median().to_numpy()
+        b.loss_start, b.loss_best = float(fin[:3].min()), float(smooth.min())
+        b.loss_flat = b.loss_best >= NO_PROGRESS * b.loss_start
+    acts = run.sites("act")
+    pk = run.records("peak", "act")
+    rows = np.flatnonzero(_observed(run)[:first])
+    if len(rows) < 2 or not pk.shape[1]:
+        return
+    best = None
+    for j in range(pk.shape[1]):
+        col = pk[rows, j]
+        ok = np.isfinite(col) & (col > 0)
+        if ok.sum() < 2:
+            continue
+        start, end = col[ok][0], col[ok][-1]
+        g = math.log2(end / start)
+        if best is None or g > best[0]:
+            best = (g, str(acts["path"].iloc[j]), [int(rows[ok][0]), int(rows[ok][-1])])
+    if best is not None:
+        b.growth, b.growth_site, b.growth_steps = best
+
+
+def finite_blowup(run: RunView) -> dict | None:
     """A run that diverged without a single non-finite value (FP32 and BF16 hold a blown-up loss): its loss over
     the second half of the run stayed at FINITE_RISE x where it started. None otherwise."""
     st = run.steps
@@ -138,7 +345,7 @@ def finite_blowup(run) -> dict | None:
     }
 
 
-def _overflow_growth(run, bad: np.ndarray, first: int, end: int) -> float:
+def _overflow_growth(run: RunView, bad: np.ndarray, first: int, end: int) -> float:
     """A lower bound on how much the largest gradient grew: a step whose gradients overflowed at scale S held a
     gradient >= 65504 / S, against the largest gradient of the clean steps before the first non-finite one (the
     replay's definition of the largest unscaled gradient). NaN without a scaler or a clean start."""
@@ -167,34 +374,42 @@ def _reference_diverged(ref, min_loss_rise: float) -> bool | None:
     return bool(len(fin) and fin[0] > 0 and fin.max() / fin[0] >= FINITE_RISE)
 
 
-def divergence(run, *, min_loss_rise=MIN_LOSS_RISE, min_norm_growth=MIN_NORM_GROWTH):
+def divergence(
+    run: RunView,
+    *,
+    min_loss_rise: float = MIN_LOSS_RISE,
+    min_norm_growth: float = MIN_NORM_GROWTH,
+    max_update_ratio: float = MAX_UPDATE_RATIO,
+    jump_binades: float = JUMP_BINADES,
+    growth_binades: float = GROWTH_BINADES,
+) -> Diagnosis | None:
     t = trend(run) or finite_blowup(run)
-    if t is None or t["loss_rise"] < min_loss_rise:
-        return None  # the loss did not go the wrong way: a scale problem, not this
+    if t is None:
+        return None
     bad = run.steps.loc[_bad(run), "step"].astype(int).tolist()
     if bad and nonfinite_origins(run, bad)["input"] * 2 > len(bad):
         return None  # non-finite input batches: a data problem (loss-scale-collapse)
     ref = _reference_diverged(run.reference, min_loss_rise)
     if ref is False:
         return None  # the reference trains fine: the precision is at fault
+    rose = t["loss_rise"] >= min_loss_rise
     grew = math.isfinite(t["gradient_growth"]) and t["gradient_growth"] >= min_norm_growth
-    if not (grew or t["nonfinite_at_every_scale"] or ref):
-        return None
-    opt = (run.config.get("optimizer") or {}).get("class") or "the optimizer"
-    lrs = run.steps["lr"].to_numpy(float)
+    b = run.blowup if t["first_nonfinite_step"] is not None else None
+    by_trend = rose and (grew or t["nonfinite_at_every_scale"] or ref)
+    if not (by_trend or (b is not None and b.decisive)):
+        return None  # the loss did not go the wrong way and the updates did not ruin the weights: not this
     first = t["blowup_step"]
-    lr = float(lrs[first]) if len(lrs) > first and math.isfinite(lrs[first]) else None
-    adaptive = opt in ADAPTIVE
-    if t["first_nonfinite_step"] is not None:
-        signs = [
+    signs = []
+    if rose and t["first_nonfinite_step"] is not None:
+        signs.append(
             f"the loss rose {t['loss_rise']:.1f}x (from {A.fmt_num(t['loss_start'])} to "
             f"{A.fmt_num(t['loss_peak'])}) by the first non-finite step ({first})"
-        ]
-    else:
-        signs = [
+        )
+    elif rose:
+        signs.append(
             f"the loss rose from {A.fmt_num(t['loss_start'])} to {A.fmt_num(t['loss_peak'])} from step {first} "
             f"on and stayed {t['loss_rise']:.1f}x its start (no value was non-finite: the format held it)"
-        ]
+        )
     if grew:
         how = (
             "norm on the steps that went through, or the scale they overflowed at against the first steps' "
@@ -203,65 +418,82 @@ def divergence(run, *, min_loss_rise=MIN_LOSS_RISE, min_norm_growth=MIN_NORM_GRO
             else "gradient norm"
         )
         signs.append(f"the gradients grew at least {t['gradient_growth']:.0f}x ({how})")
-    if t["nonfinite_at_every_scale"]:
+    if t["nonfinite_at_every_scale"] and (rose or not b or not b.decisive):
         signs.append(
             f"non-finite values persist at a loss scale of {A.fmt_num(t['lowest_scale_still_nonfinite'])} "
             f"(no scaling at all)"
         )
+    if b is not None:
+        signs += b.decisive
     if ref:
         signs.append("the reference run diverges too")
-    new_lr = f"{lr / LR_FACTOR:.3g}" if lr else None
-    fix = [
-        text(
-            "Lower the learning rate (one decade) and warm it up"
-            + ("; a different loss scale cannot help:" if run.scaler_on else ":")
-        ),
-        code(
-            "for group in optimizer.param_groups:",
-            f'    group["lr"] = {new_lr}  # was {lr:.3g}' if new_lr else f'    group["lr"] /= {LR_FACTOR:g}',
-            f"# ramp the learning rate up over the first {WARMUP_STEPS} steps "
-            "(call scheduler.step() after every optimizer step):",
-            f"scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / "
-            f"{WARMUP_STEPS}))",
-        ),
-    ]
-    if adaptive:
-        fix.append(
-            code(
-                f"# Clipping the gradient norm does not help {opt}: it divides each update by the gradient's "
-                "running RMS, so a smaller gradient does not make a smaller step."
-            )
-        )
-    else:
-        fix += [
-            text(f"Also clip the gradient norm ({opt}'s step is proportional to the gradient):"),
-            code(
-                "scaler.unscale_(optimizer)  # with a GradScaler: unscale before clipping"
-                if run.scaler_on
-                else "# before optimizer.step():",
-                "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)",
-            ),
-        ]
+    opt = (run.config.get("optimizer") or {}).get("class") or "the optimizer"
+    lr = _lr_before(run, t)
+    decided = (
+        "the loss rose and the values blew up at every scale"
+        if by_trend
+        else "what the updates did to the weights (the loss never rose: it "
+        + ("went non-finite at once" if b is None or not b.loss_flat else "never left its start")
+        + ")"
+    )
+    factor = LR_FACTOR
+    ratio = _ratio_at(run, b, lr)
+    if ratio is not None and ratio > TARGET_UPDATE_RATIO * LR_FACTOR:
+        factor = ratio / TARGET_UPDATE_RATIO  # size the cut by the update measured: ~1% of the weights a step
+    new_lr = _round_down(lr / factor) if lr else None
+    range_note = (
+        "; in FP32 or BF16 it would not learn either: a wider format only moves the NaN"
+        if t["first_nonfinite_step"] is not None
+        else ""
+    )
     return finding(
         "critical",
         "Training diverged",
         (
-            "The run diverged rather than overflowing by its loss scale: "
+            "The run diverged rather than overflowing the format's range: "
             if t["nonfinite_steps"]
             else "The run diverged: "
         )
         + "; ".join(signs)
         + ". "
-        + (f"The learning rate was {lr:.3g} ({opt})." if lr else f"Optimizer: {opt}."),
+        + (f"The learning rate was {lr:.3g} ({opt})" if lr else f"Optimizer: {opt}")
+        + f"{range_note}. Decided by {decided}.",
         steps=[first, int(run.steps["step"].iloc[-1])],
         evidence={
             **t,
+            **(b.evidence() if b is not None else {}),
+            "decided_by": decided,
             "lr": lr,
             "optimizer": opt,
-            "adaptive_optimizer": adaptive,
+            "adaptive_optimizer": opt in ADAPTIVE,
             "reference_diverged": ref,
-            "suggested_lr": float(new_lr) if new_lr else None,
+            "suggested_lr": new_lr,
             "warmup_steps": WARMUP_STEPS,
         },
-        fix=fix,
+        fix=A.lower_lr(run, lr, new_lr, WARMUP_STEPS, adaptive=opt in ADAPTIVE),
     )
+
+
+def _ratio_at(run: RunView, b: Blowup | None, lr: float | None) -> float | None:
+    """The update-to-weight ratio measured at its step, scaled to the learning rate in force at the blow-up (a
+    warm-up's first step ran at a fraction of it; the update is proportional to the learning rate)."""
+    if b is None or b.update_ratio is None or not lr:
+        return None
+    lrs = run.steps["lr"].to_numpy(float)
+    at = np.flatnonzero(run.steps["step"].to_numpy(int) == b.update_step)
+    then = float(lrs[at[0]]) if len(at) and math.isfinite(lrs[at[0]]) and lrs[at[0]] > 0 else lr
+    return b.update_ratio * lr / then
+
+
+def _lr_before(run: RunView, t: dict) -> float | None:
+    """The learning rate in force when the run blew up (the last one logged before the blow-up step)."""
+    lrs = run.steps["lr"].to_numpy(float)
+    at = min(int(np.searchsorted(run.steps["step"].to_numpy(int), t["blowup_step"])), len(lrs) - 1)
+    seen = lrs[: at + 1][np.isfinite(lrs[: at + 1])]
+    return float(seen[-1]) if len(seen) else None
+
+
+def _round_down(x: float) -> float:
+    """One significant digit, rounded down (0.0089 -> 0.008): a learning rate to paste."""
+    e = math.floor(math.log10(x))
+    return math.floor(x / 10**e) * 10**e

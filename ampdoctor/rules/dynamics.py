@@ -147,7 +147,7 @@ def stuck_scale(run, cut_step: int, min_decline: float = MIN_DECLINE, min_headro
         "suggested_growth_interval": interval,
         # the start is the replay's (`replay --suggest`), as every suggested scale is; the interval is this
         # dynamic's own: the replay sees the recorded gradients, not how fast they keep shrinking
-        "suggested_init_scale": max(float(run.suggestion.settings["init_scale"]), scale),
+        "suggested_init_scale": max(float(run.suggestion.settings["init_scale"]), scale) if run.suggestion else scale,
     }
 
 

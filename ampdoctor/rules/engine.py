@@ -1,33 +1,44 @@
-"""The diagnosis engine: the cached view of a run that rules read (Run), the rule selection, and the table of
-rules run over one trace.
+"""The diagnosis engine: the cached view of a run that rules read (Run), the rule selection, the one place a rule is
+run (and its result normalised, or its error reported), and the table of rules run over one trace.
 
 A rule is a function ``check(run, **thresholds) -> Diagnosis | list[Diagnosis] | None``; its keyword-only
 arguments are its thresholds (defaults are named constants in the rule's module). The registry (registry.py)
-maps stable ids to these functions; ``ampdoctor.rules.diagnose`` is the entry point (one trace, or the ranks of
-a run through multirank.py). Offline side: no torch import.
+maps stable ids to these functions and declares which rules' findings hide which (``suppressed_by``); a rule body
+never asks for another rule's findings. Evidence that several rules read lives on the Run (cached properties).
+``ampdoctor.rules.diagnose`` is the entry point (one trace, or the ranks of a run through multirank.py). Offline
+side: no torch import.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
 
 from .. import formats
-from ..severity import RANK as _RANK
 from ..trace import Trace, TraceError
 from ..trace.view import View
 from . import registry
-from .result import Diagnosis, Rule, _py
+from .result import Diagnosis, Rule, python_values, rule_error, worst_first
+
+
+class Selected(NamedTuple):
+    """One registry entry as the user selected it: its threshold overrides, and whether its findings are shown (a
+    rule the user disabled is still computed where another rule's findings are suppressed by it)."""
+
+    rule: Rule
+    over: dict
+    shown: bool = True
 
 
 class Run:
     """What rules read: a trace plus cached views of it (steps, sites, per-site arrays, configuration), read through a
     trace.view.View: bounded samples of the full-statistics and histogram steps, one pass over the peaks."""
 
-    def __init__(self, trace: Trace, reference: Run | None = None, rules: dict | None = None):
+    def __init__(self, trace: Trace, reference: Run | None = None, rules: dict | list | None = None):
         self.trace = trace
         self.view = View(trace)
         self.reference = reference  # a second run to compare with (slow-convergence)
@@ -35,27 +46,47 @@ class Run:
         self.ranks: dict[int, Run] = {}  # every rank of the run, self included, for the rank rules
         # rules: {id: thresholds or None} as diagnose() takes it, or resolve_rules()'s list
         selected = rules if isinstance(rules, list) else resolve_rules(rules)
-        self._selected = {rule.id: (rule, over) for rule, over in selected}
-        self._results: dict = {}
+        self._selected = {s.rule.id: Selected(*s) for s in selected}
+        self._results: dict[str, list[Diagnosis]] = {}
+        self.errors: dict[str, Diagnosis] = {}  # rule id -> the notice shown in place of a rule that raised
         self._running: set = set()
 
-    # -- rules over this run: a rule that depends on another asks here, so the user's thresholds reach it ------------
-    def findings_of(self, rule_id: str) -> list:
-        """The findings of one rule over this run (with the user's thresholds); [] when the user disabled it."""
+    # -- rules over this run ----------------------------------------------------------------------------------------
+    def findings_of(self, rule_id: str) -> list[Diagnosis]:
+        """The findings one rule computes over this run with the user's thresholds, shown or not (a disabled rule
+        is computed too: suppression reads it); [] for an id not in the registry, or a rule that raised."""
         if rule_id in self._results:
             return self._results[rule_id]
-        if rule_id not in self._selected or rule_id in self._running:
-            return []  # disabled (or a dependency cycle: no evidence either way)
-        rule, over = self._selected[rule_id]
+        entry = self._selected.get(rule_id)
+        if entry is None or rule_id in self._running:
+            return []  # not a rule of this registry (or a dependency cycle: no evidence either way)
         self._running.add(rule_id)
         try:
-            result = rule.check(self, **over)
+            out, error = run_rule(entry.rule, self, entry.over)
         finally:
             self._running.discard(rule_id)
-        found = [] if result is None else (result if isinstance(result, list) else [result])
-        out = [replace(d, rule=rule.id, evidence=_py(d.evidence)) for d in found if d.evidence]
-        self._results[rule_id] = out  # DESIGN principle 4: no evidence, no finding
+        if error is not None:
+            self.errors[rule_id] = error
+        self._results[rule_id] = out
         return out
+
+    def shown_findings(self, rule: Rule) -> list[Diagnosis]:
+        """A rule's findings less those a rule it is ``suppressed_by`` explains (that rule computed, shown or not).
+        A rule hidden whatever it finds (an unconditional suppressor found something) is not run for display."""
+        if any(s.when is None and self.findings_of(s.by) for s in rule.suppressed_by):
+            return []
+        return [
+            d
+            for d in self.findings_of(rule.id)
+            if not any(s.hides(d, self.findings_of(s.by)) for s in rule.suppressed_by)
+        ]
+
+    def threshold(self, rule_id: str, name: str) -> float:
+        """A rule's threshold as the user set it (else its default): evidence shared through the Run honours it."""
+        entry = self._selected.get(rule_id)
+        rule = entry.rule if entry is not None else registry.RULES[rule_id]
+        over = entry.over if entry is not None else {}
+        return over.get(name, rule.thresholds[name])
 
     # -- the gradient evidence the rules share with the replay (one definition) --------------------------------------
     @cached_property
@@ -67,10 +98,15 @@ class Run:
 
     @cached_property
     def suggestion(self):
-        """replay.suggest over this run: the scaler settings every rule that suggests a scale quotes."""
+        """replay.suggest over this run: the scaler settings every rule that suggests a scale quotes; None when the
+        replay cannot start from the scaler settings the trace records (out of range: a rule that needs it then
+        has no evidence, and says nothing)."""
         from ..lossscale import suggest
 
-        return suggest(self.view)
+        try:
+            return suggest(self.view)
+        except (ValueError, OverflowError, TypeError):
+            return None
 
     # -- tables --------------------------------------------------------------------------------------------------
     @property
@@ -192,9 +228,37 @@ class Run:
         steps = [int(s) for s in steps]
         return [min(steps), max(steps)] if steps else []
 
+    # -- evidence several rules read (computed once, with the thresholds of the rule it belongs to) ------------------
+    @cached_property
+    def weight_faults(self) -> dict:
+        """Weight matrices whose RMS is far off 1/sqrt(fan_in) at their first record (grad-range-anomaly's
+        ``weight_decades``): parameter path -> {"rms", "fan_in_rms", "ratio", "module"}."""
+        from .weights import weight_faults
 
-def resolve_rules(rules: dict | None) -> list[tuple[Rule, dict]]:
-    """Registry entries to run with their threshold overrides; ``rules={id: None}`` disables a rule."""
+        return weight_faults(self, self.threshold("grad-range-anomaly", "weight_decades"))
+
+    @cached_property
+    def blowup(self):
+        """What the updates did to the weights before the first non-finite step (divergence.Blowup; None without
+        non-finite steps after a finite start), with divergence's thresholds: divergence decides by it, and
+        forward-overflow says when it points that way without deciding."""
+        from .divergence import blowup
+
+        names = ("max_update_ratio", "jump_binades", "growth_binades")
+        return blowup(self, **{n: self.threshold("divergence", n) for n in names})
+
+    @cached_property
+    def overflow_origins(self):
+        """The forward overflows of this run traced back to the modules that produced the values
+        (overflow.Origins; None without a forward non-finite event)."""
+        from .overflow import origins
+
+        return origins(self)
+
+
+def resolve_rules(rules: dict | None) -> list[Selected]:
+    """Every registry entry with its threshold overrides; ``rules={id: None}`` (or False) hides a rule's findings
+    (``shown`` False: it is computed only where another rule is suppressed by it)."""
     if rules is not None and not isinstance(rules, dict):
         raise TypeError(f"Argument rules should be of type dict, but given {type(rules)}")
     rules = dict(rules or {})
@@ -205,6 +269,7 @@ def resolve_rules(rules: dict | None) -> list[tuple[Rule, dict]]:
     for rid, rule in registry.RULES.items():
         over = rules.get(rid, {})
         if over is None or over is False:
+            out.append(Selected(rule, {}, False))
             continue
         if over is True:
             over = {}
@@ -214,16 +279,31 @@ def resolve_rules(rules: dict | None) -> list[tuple[Rule, dict]]:
         bad = [k for k in over if k not in known]
         if bad:
             raise ValueError(f"Rule {rid!r} has no threshold {bad[0]!r}; its thresholds: {', '.join(known) or 'none'}")
-        out.append((rule, over))
+        out.append(Selected(rule, over))
     return out
 
 
-def diagnose_trace(tr: Trace, ref: Trace | None, selected) -> list[Diagnosis]:
+def run_rule(rule: Rule, run: Run, over: dict) -> tuple[list[Diagnosis], Diagnosis | None]:
+    """The one place a rule runs: (its findings with its id and plain evidence, no evidence no finding; None), or
+    for a rule that raised ([], the notice shown in its place): one rule never takes the whole diagnosis down."""
+    try:
+        result = rule.check(run, **over)
+        found = [] if result is None else (result if isinstance(result, list) else [result])
+        return [replace(d, rule=rule.id, evidence=python_values(d.evidence)) for d in found if d.evidence], None
+    except Exception as exc:  # any error of one rule is reported, and the others run
+        return [], rule_error(rule, exc)
+
+
+def diagnose_trace(tr: Trace, ref: Trace | None, selected: list[Selected]) -> list[Diagnosis]:
+    """The shown findings of the per-trace rules over one trace (against an optional reference), worst first."""
+    selected = [Selected(*s) for s in selected]
     run = Run(tr, Run(ref, rules=selected) if ref is not None else None, rules=selected)
     if run.n_steps == 0:
         raise TraceError(f"{tr.path}: no steps recorded; nothing to diagnose")
-    out: list = []
-    for order, (rule, _) in enumerate(selected):
-        out += [(order, d) for d in run.findings_of(rule.id)]
-    out.sort(key=lambda od: (-_RANK[od[1].severity], od[0]))
-    return [d for _, d in out]
+    out: list[Diagnosis] = []
+    for s in selected:
+        if s.shown and s.rule.scope == "trace":
+            out += run.shown_findings(s.rule)
+            if s.rule.id in run.errors:
+                out.append(run.errors[s.rule.id])
+    return worst_first(out, {s.rule.id: i for i, s in enumerate(selected)})

@@ -96,8 +96,6 @@ def _recipe(hist: int, margin: int, fmt: str) -> str:
 
 
 def fp8_readiness(run, *, min_lost=MIN_LOST):
-    if run.findings_of("divergence"):
-        return None  # a run that blew up says nothing about the ranges FP8 would have to hold
     rows = assess(run.view, min_lost=min_lost)
     if not rows:
         return None

@@ -10,8 +10,8 @@ from ..severity import RANK
 from ..trace import Trace, TraceError
 from ..trace.run import RankRun
 from . import engine
-from .engine import Run
-from .result import Diagnosis, _py
+from .engine import Run, Selected, run_rule
+from .result import Diagnosis, worst_first
 
 
 def reference_for(ref, rank: int):
@@ -21,21 +21,22 @@ def reference_for(ref, rank: int):
     return ref
 
 
-def diagnose_ranks(tr, ref, selected) -> list[Diagnosis]:
+def diagnose_ranks(tr, ref, selected: list[Selected]) -> list[Diagnosis]:
     """Findings of a RankRun (or of one Trace against a reference run), worst first."""
+    selected = [Selected(*s) for s in selected]
     if isinstance(tr, Trace):
         rank = (tr.meta.get("run", {}) or {}).get("rank", 0)
         ref = reference_for(ref, rank)
         with tr.snapshot(), ref.snapshot() if ref is not None else contextlib.nullcontext():
             return engine.diagnose_trace(tr, ref, selected)
-    per_trace = [(rule, over) for rule, over in selected if rule.scope == "trace"]
-    across = [(rule, over) for rule, over in selected if rule.scope == "ranks"]
+    per_trace = [s for s in selected if s.rule.scope == "trace"]
+    across = [s for s in selected if s.rule.scope == "ranks" and s.shown]
     with contextlib.ExitStack() as stack:
         for t in list(tr) + ([] if ref is None else list(ref) if isinstance(ref, RankRun) else [ref]):
             stack.enter_context(t.snapshot())
         found: list[tuple[int, Diagnosis]] = []
         runs: dict[int, Run] = {}
-        for rank, t in tr.items():
+        for rank, t in tr.views().items():  # FSDP: the whole tensors in place of each rank's shards
             r_ref = reference_for(ref, rank)
             run = runs[rank] = Run(t, Run(r_ref) if r_ref is not None else None)
             if run.n_steps == 0:
@@ -44,35 +45,32 @@ def diagnose_ranks(tr, ref, selected) -> list[Diagnosis]:
         if not any(run.n_steps for run in runs.values()):
             raise TraceError(f"{tr.source}: no steps recorded in any rank; nothing to diagnose")
         out = _merge(found)
-        for run in runs.values():
-            run.ranks = runs
-        first = runs[min(runs)]
-        for rule, over in across:
-            result = rule.check(first, **over)
-            for d in [] if result is None else result if isinstance(result, list) else [result]:
-                if d.evidence:  # DESIGN principle 4: no evidence, no finding
-                    out.append(replace(d, rule=rule.id, evidence=_py(d.evidence)))
-    order = {rule.id: i for i, (rule, _) in enumerate(selected)}
-    out.sort(key=lambda d: (-RANK[d.severity], order.get(d.rule, 0), d.ranks))
+        out += _across(runs, across)
+    return worst_first(out, {s.rule.id: i for i, s in enumerate(selected)})
+
+
+def _across(runs: dict[int, Run], selected: list[Selected]) -> list[Diagnosis]:
+    """The rank rules, once over all ranks (each rank's Run knows the others through ``ranks``)."""
+    for run in runs.values():
+        run.ranks = runs
+    out: list[Diagnosis] = []
+    for s in selected:
+        found, error = run_rule(s.rule, runs[min(runs)], s.over)
+        out += found if error is None else [error]
     return out
 
 
 def rank_findings(rr: RankRun, rules: dict | None = None) -> list[Diagnosis]:
     """Only the rank rules over a RankRun (the dashboard adds them to each rank's own findings)."""
-    selected = [(rule, over) for rule, over in engine.resolve_rules(rules) if rule.scope == "ranks"]
+    selected = [s for s in engine.resolve_rules(rules) if s.rule.scope == "ranks" and s.shown]
     with contextlib.ExitStack() as stack:
         for t in rr:
             stack.enter_context(t.snapshot())
-        runs = {rank: Run(t) for rank, t in rr.items()}
-        for run in runs.values():
-            run.ranks = runs
-        out = []
-        for rule, over in selected:
-            result = rule.check(runs[min(runs)], **over)
-            for d in [] if result is None else result if isinstance(result, list) else [result]:
-                if d.evidence:
-                    out.append(replace(d, rule=rule.id, evidence=_py(d.evidence)))
-    return out
+        views = rr.views()  # FSDP: the whole tensors in place of each rank's shards
+        return worst_first(
+            _across({rank: Run(t) for rank, t in views.items()}, selected),
+            {s.rule.id: i for i, s in enumerate(selected)},
+        )
 
 
 def _merge(found: list[tuple[int, Diagnosis]]) -> list[Diagnosis]:

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 
 from .. import formats
 from ..trace.schema import ROOT
 from . import advice as A
-from .fix import code, text
-from .result import finding
+from . import anomaly
+from .fix import text
+from .result import Diagnosis, RunView, finding
 
 # Critical when at least this share of steps had a non-finite forward: the run is then mostly skipped or NaN.
 CRITICAL_SHARE = 0.5
@@ -21,7 +24,19 @@ def _looks_like_attention(path: str, mtype: str) -> bool:
     return "attn" in text or "attention" in text
 
 
-def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
+@dataclass
+class Origins:
+    """The forward overflows of a run traced back to the module that produced the values (shared through
+    ``Run.overflow_origins``: loss-scale-collapse counts a tipping module's steps as its producer's)."""
+
+    events: pd.DataFrame  # the forward non-finite events (phase "fwd"), less those of weights an update made NaN
+    counts: pd.DataFrame  # per module: how many steps, first and last step (most steps first)
+    culprit: str  # the producer behind the most overflowing steps
+    tipped: list[str]  # modules that only tipped the culprit's near-limit values over
+    operations: list = None  # the replays' operations (dicts with their producers) on these steps, if any
+
+
+def origins(run: RunView) -> Origins | None:
     ev = run.events
     fwd = ev[ev["phase"] == "fwd"]
     wev = run.weight_events
@@ -31,25 +46,57 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
         first = int(wev["step"].min())
         owners = {p.rpartition(".")[0] or ROOT for d in wev["data"] for p in d.get("params", [])}
         fwd = fwd[~((fwd["step"] > first) & fwd["path"].isin(owners))]
-    if len(fwd) < min_steps:
+    if not len(fwd):
         return None
-    for d in run.findings_of("divergence"):
-        if (
-            d.evidence["first_nonfinite_step"] is not None
-            and int(fwd["step"].min()) >= d.evidence["first_nonfinite_step"]
-        ):
-            return None  # activations that blew up with a diverging run: divergence's finding
     counts = (
         fwd.groupby("path")["step"].agg(["count", "min", "max"]).sort_values(["count", "min"], ascending=[False, True])
     )
-    acts = run.sites("act")
-    top = run.view.peak_max("act")  # per module: its largest finite output over every observed step
-    first_at = run.view.scan.site_argmax[acts["id"].to_numpy()]
     # The module whose outputs approached the limit, not the last straw: when the modules just before the first
     # overflowing one already ran within a binade of the max, the earliest of them produced the values.
+    acts = run.sites("act")
+    top = run.view.peak_max("act")  # per module: its largest finite output over every observed step
     culprit, tipped = _producer(acts, top, counts, formats.FP16.max)
+    # Where a replay traced the step down to its operations, they decide: a value made inside a module's own forward
+    # is that module's, whatever child carried it out (the module walk only sees module outputs).
+    steps = set(fwd["step"].astype(int))
+    ops = [r for r in anomaly.replays(run) if r["step"] in steps and (r.get("operation") or {}).get("phase") == "fwd"]
+    if ops:
+        paths = set(acts["path"])
+        made = [_observed(anomaly.where_made(r)["module"], paths) for r in ops]
+        culprit = max(set(made), key=made.count)
+        seen = {_observed(r["operation"]["module"], paths) for r in ops} - {culprit}
+        tipped = [p for p in seen if not culprit.startswith(p + ".") and p != ROOT]
+    return Origins(fwd, counts, culprit, tipped, ops)
+
+
+def _observed(path: str, paths: set) -> str:
+    """The module itself when observed, else its nearest observed ancestor (the root at worst)."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) in paths:
+            return ".".join(parts[:i])
+    return ROOT
+
+
+def after_blowup(own, divergence) -> bool:
+    """Suppression (registry): an overflow that starts at or after the first non-finite step of a diverged run is
+    the blow-up's symptom, divergence's finding."""
+    first = divergence.evidence.get("first_nonfinite_step")
+    return first is not None and own.evidence["first_overflow_step"] >= first
+
+
+def forward_overflow(run: RunView, *, min_steps: int = 1, critical_share: float = CRITICAL_SHARE) -> Diagnosis | None:
+    o = run.overflow_origins
+    if o is None or len(o.events) < min_steps:
+        return None
+    fwd, counts, culprit, tipped = o.events, o.counts, o.culprit, o.tipped
+    acts = run.sites("act")
+    top = run.view.peak_max("act")  # per module: its largest finite output over every observed step
+    first_at = run.view.scan.site_argmax[acts["id"].to_numpy()]  # the step of that output (-1: none)
     steps = fwd["step"].astype(int).tolist()
     own = fwd.loc[fwd["path"].isin([culprit] + tipped), "step"].astype(int).tolist()
+    if not own:  # the replays found the values made inside a module the module walk did not name: its steps
+        own = sorted({int(r["step"]) for r in o.operations or []} or set(fwd["step"].astype(int)))
     counts = counts.drop(index=[p for p in tipped if p in counts.index])
     if culprit in counts.index:
         counts = counts.drop(index=culprit)
@@ -71,30 +118,28 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
     value = fwd["data"].iloc[0].get("value", "inf")
     others = [str(p) for p in counts.index]
     where = culprit if not others else f"{culprit} (and {', '.join(others)}, which overflowed too)"
-    fixes = [
-        text(
-            f"Run {where} in FP32 inside autocast (loss scaling cannot fix a forward overflow; its FP32 "
-            "output also keeps the modules after it from overflowing):"
-        ),
-        code(
-            A.keep_fp32_line([culprit] + others),
-            "# or, by hand, inside its forward:",
-            f'with torch.autocast(device_type="{A.dev(run)}", enabled=False):',
-            "    out = self.block(x.float())",
-        ),
-    ]
-    if _looks_like_attention(culprit, mtype):
+    setup = A.Setup.of(run)
+    ops = o.operations or []
+    fixes, checked = _checked_fixes(run, ops, culprit)
+    kept = set(checked["keep"]["modules"]) if checked.get("keep") else set()
+    if not checked.get("keep_fp32_failed") and not kept >= {culprit, *others}:  # not printed twice
         fixes += [
             text(
-                "Scale the attention scores by 1/sqrt(d) (its absence is the usual cause), on q before the "
-                "product, since q @ k^T itself overflows:"
+                f"Run {where} in FP32 inside autocast (loss scaling cannot fix a forward overflow; its FP32 "
+                "output also keeps the modules after it from overflowing):"
             ),
-            code(
-                "scores = (q / math.sqrt(q.shape[-1])) @ k.transpose(-2, -1)",
-                "# or use torch.nn.functional.scaled_dot_product_attention(q, k, v)",
-            ),
+            *A.keep_fp32(setup, [culprit] + others),
         ]
-    weights = _weight_fault(run, culprit)
+    if _looks_like_attention(culprit, mtype):
+        fixes.append(
+            text(
+                f"Or scale the attention scores by 1/sqrt(d) in {mtype}'s forward (its absence is the usual cause), on "
+                "the query before the product, since q @ k^T itself overflows: scores = (q / math.sqrt(q.shape[-1])) "
+                "@ k.transpose(-2, -1) (q, k: its query and key tensors), or use "
+                "torch.nn.functional.scaled_dot_product_attention(q, k, v)."
+            )
+        )
+    weights = next((w for p, w in run.weight_faults.items() if w["module"] == culprit), None)
     if weights:
         fixes = [
             text(
@@ -103,11 +148,22 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
                 "the weights (a change of the model) removes the cause."
             )
         ] + fixes
-    if dtype == "float16" and run.bf16_supported:
-        fixes += [
-            text("Or train in BF16 (same exponent range as FP32; this device supports it):"),
-            code(A.autocast_block(run, "bfloat16")),
-        ]
+    if dtype == "float16" and "bf16" not in checked:
+        fixes += A.bf16_note(setup)
+    # Evidence that the updates, not the format, drove the values there, short of deciding it (divergence decides
+    # where it is decisive and hides this finding): say so, and do not call the range the cause with certainty.
+    b = run.blowup
+    doubt = b.partial if b is not None and not b.decisive and min(own) >= b.first_step else []
+    if doubt:
+        severity = "warning"
+        fixes = [
+            text(
+                "Not certain this is a range problem: "
+                + "; ".join(doubt)
+                + ". If the same run in FP32 (or BF16) does not learn either, the learning rate is the cause: lower "
+                "it instead (see the divergence rule)."
+            )
+        ] + fixes
     headroom = fmt.max / last_finite if last_finite else None
     if last_finite:
         peak_text = (
@@ -118,12 +174,14 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
     else:
         peak_text = f"it never produced a finite output (the {fmt.name.upper()} max is {A.fmt_num(fmt.max)})"
     tip = f"; {', '.join(tipped)} then tipped those values over the max" if tipped else ""
+    op = anomaly.where_made(ops[0]) if ops else None
+    made_by = f" ({op['op']} at {op['line']})" if op is not None and op.get("line") else ""
     return finding(
         severity,
         f"Forward overflow in {culprit}",
         f"{culprit} ({mtype}, {dtype}) {'produced values at the edge of the range' if tipped else 'produced ' + value}"
-        f" from finite inputs: {len(set(own))} of {run.n_steps} steps overflowed there (first at step {min(own)})"
-        f"{tip}; {peak_text}.",
+        f"{made_by} from finite inputs: {len(set(own))} of {run.n_steps} steps overflowed there "
+        f"(first at step {min(own)}){tip}; {peak_text}." + (f" Unsure: {'; '.join(doubt)}." if doubt else ""),
         layers=[culprit] + tipped + others,
         steps=run.step_range(steps),
         evidence={
@@ -132,6 +190,7 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
             "dtype": dtype,
             "steps_affected": len(set(own)),
             "first_step": min(own),
+            "first_overflow_step": min(steps),
             "value": value,
             "max_finite_output": last_finite,
             "max_finite_step": peak_step,
@@ -141,9 +200,45 @@ def forward_overflow(run, *, min_steps=1, critical_share=CRITICAL_SHARE):
             "nonfinite_losses": loss_bad,
             "tipped_over_by": tipped,
             "other_modules": {str(k): int(v) for k, v in counts["count"].items()},
+            "doubt": doubt,
+            "operation": op,
+            "checks": checked.get("all", []),
         },
         fix=fixes,
     )
+
+
+def _checked_fixes(run: RunView, ops: list, culprit: str) -> tuple[list, dict]:
+    """What the replays tried on the failing steps: the fixes that removed the NaN/Inf there (printed first, each
+    with its step), and which ones did not (keep_fp32_failed: keep_fp32 of the culprit is then not printed as the
+    fix; "bf16" in the dict: BF16 was tried, so its untested note is not added)."""
+    out: dict = {"all": [c for r in ops for c in r.get("checks", [])]}
+    fixes: list = []
+    for r in ops:
+        keep = anomaly.passed(r, "keep_fp32")
+        if keep is not None and "keep" not in out:
+            out["keep"] = keep
+            fixes += [text(anomaly.keep_checked(r["step"], keep)), *A.keep_fp32(A.Setup.of(run), keep["modules"])]
+        tried = anomaly.failed(r, "keep_fp32")
+        if tried and keep is None:
+            out["keep_fp32_failed"] = True
+            fixes.append(
+                text(
+                    f"Keeping {', '.join(t['modules'][0] for t in tried)} in FP32 was tried on step {r['step']} and "
+                    "did not remove the NaN/Inf (the next module casts the values back to half precision, or they "
+                    "are beyond any format's reach)."
+                )
+            )
+        bf16 = [c for c in r.get("checks", []) if c.get("fix") == "bf16"]
+        if bf16 and "bf16" not in out:
+            out["bf16"] = bf16[0]["finite"]
+            note = A.bf16_note(A.Setup.of(run)) if bf16[0]["finite"] else []
+            if note:
+                lead = "Or, checked" if out.get("keep") else "Checked"  # an alternative to the FP32 module
+                fixes += [text(f"{lead} on step {r['step']}: finite in BF16 (FP32's exponent range):"), *note[1:]]
+    if out.get("keep") is not None:
+        out.pop("keep_fp32_failed", None)
+    return fixes, out
 
 
 def _producer(acts, top, counts, limit: float) -> tuple[str, list]:
@@ -182,12 +277,3 @@ def _producer(acts, top, counts, limit: float) -> tuple[str, list]:
         if str(p) != culprit and origin(str(p)) == culprit and not culprit.startswith(str(p) + ".")
     ]
     return culprit, tipped
-
-
-def _weight_fault(run, module: str) -> dict | None:
-    """grad-range-anomaly's evidence that this module's weights are far off their fan-in scale (through the engine)."""
-    for d in run.findings_of("grad-range-anomaly"):
-        for path, w in d.evidence.get("weight_faults", {}).items():
-            if path.rpartition(".")[0] == module:
-                return w
-    return None

@@ -8,7 +8,7 @@ import numpy as np
 from .. import formats
 from . import advice as A
 from .fix import code, text
-from .result import finding
+from .result import Diagnosis, RunView, finding
 
 NORM_TYPES = (
     "BatchNorm1d",
@@ -34,7 +34,7 @@ def _reduced_acts(run):
     return acts[acts["dtype"].isin(formats.REDUCED)]
 
 
-def amp_inactive(run):
+def amp_inactive(run: RunView) -> Diagnosis | None:
     ac = run.autocast
     if not (run.scaler_on or ac.get("enabled")):
         return None  # no sign that AMP was intended
@@ -49,14 +49,18 @@ def amp_inactive(run):
         what = "a GradScaler is enabled but no autocast region covered the forward pass"
     else:
         what = f"autocast ({ac.get('dtype')}) was on, yet every module computed in FP32"
+    setup = A.Setup.of(run)
     fix = [
-        text("Wrap the forward pass and the loss in autocast (the GradScaler alone only multiplies the loss):"),
-        code(A.autocast_block(run, "float16"), "scaler.scale(loss).backward()"),
+        text(
+            "Wrap the forward pass and the loss in autocast"
+            + (" (the GradScaler alone only multiplies the loss):" if run.scaler_on else ":")
+        ),
+        code(A.autocast_block(run, "float16"), *A.backward_lines(setup, run.scaler_on)),
     ]
     if run.bf16_supported:
         fix += [
             text("Or use BF16 autocast and drop the scaler (this device supports BF16):"),
-            code(A.autocast_block(run, "bfloat16")),
+            code(A.autocast_block(run, "bfloat16"), *A.backward_lines(setup, False)),
         ]
     fix += [text("If FP32 training was intended, remove the GradScaler."), *A.tf32_note(run)]
     return finding(
@@ -76,7 +80,7 @@ def amp_inactive(run):
     )
 
 
-def precision_policy(run, *, min_softmax_underflow=MIN_SOFTMAX_UNDERFLOW):
+def precision_policy(run: RunView, *, min_softmax_underflow: float = MIN_SOFTMAX_UNDERFLOW) -> Diagnosis | None:
     items = []  # (layer, what, evidence, fix)
     loss_dtype = run.config.get("loss_dtype")
     if loss_dtype in formats.REDUCED:
@@ -92,7 +96,7 @@ def precision_policy(run, *, min_softmax_underflow=MIN_SOFTMAX_UNDERFLOW):
                     "median_loss": level,
                     "loss_resolution": fmt.ulp(level) if level == level else None,
                 },
-                [text("Compute the loss in FP32 from the model output:"), code("loss = loss_fn(out.float(), y)")],
+                [text("Compute the loss in FP32 from the model output:"), A.loss_in_fp32(A.Setup.of(run))],
             )
         )
     types = run.module_types
@@ -107,7 +111,7 @@ def precision_policy(run, *, min_softmax_underflow=MIN_SOFTMAX_UNDERFLOW):
                     {"module_type": mtype, "param_dtype": pdt[path]},
                     [
                         text(f"Keep {path} in FP32 (its mean/variance need the range and bits):"),
-                        code(f"{A.attr(path)}.float()", A.keep_fp32_line([path])),
+                        *A.fp32_island(A.Setup.of(run), [path]),
                     ],
                 )
             )
@@ -132,7 +136,7 @@ def precision_policy(run, *, min_softmax_underflow=MIN_SOFTMAX_UNDERFLOW):
                             "dtype": site["dtype"],
                             "underflow_share": float(np.median(share)),
                         },
-                        [code(A.keep_fp32_line([site["path"]]))],
+                        A.keep_fp32(A.Setup.of(run), [site["path"]]),
                     )
                 )
     if not items:

@@ -147,10 +147,11 @@ def rank_scale_divergence(run):
         groups.setdefault((after[r], skipped[r]), []).append(r)
     ordered = sorted(groups.values(), key=len)
     odd = ordered[0] if len(ordered[0]) < len(ordered[-1]) else [r for r in ranks if skipped[r]] or ordered[0]
+    own = "grad_norm_shard" if "grad_norm_shard" in run.steps else "grad_norm"  # FSDP: the rank's own shard's
     applied_bad = [
         r
         for r in ranks
-        if not skipped[r] and not np.isfinite(float(run.ranks[r].steps.set_index("step")["grad_norm"].get(step, 0.0)))
+        if not skipped[r] and not np.isfinite(float(run.ranks[r].steps.set_index("step")[own].get(step, 0.0)))
     ]
     others = [r for r in ranks if r not in odd]
     what = (

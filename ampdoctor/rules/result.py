@@ -1,18 +1,23 @@
-"""What a rule returns and how it is registered: the Diagnosis (one finding), ``finding()`` that rules call, and
-the Rule entry of the registry. Rule modules import this and nothing of the engine, so that the engine can import
-the registry: the import graph reads one way (result <- rules <- registry <- engine <- ampdoctor.diagnose)."""
+"""What a rule returns and how it is registered: the Diagnosis (one finding), ``finding()`` that rules call, the Rule
+entry of the registry with the rules whose findings hide its own (``suppressed_by``), and the one worst-first order
+of findings. Rule modules import this and nothing of the engine, so that the engine can import the registry: the
+import graph reads one way (result <- rules <- registry <- engine <- ampdoctor.diagnose)."""
 
 from __future__ import annotations
 
 import inspect
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
-from ..severity import SEVERITIES
+from ..severity import RANK, SEVERITIES
 from . import fix as F
+
+# What a rule reads: the engine's Run (engine.py). Rule modules cannot import the engine (it imports them through the
+# registry), so their ``run`` parameters are annotated with this name.
+RunView = Any
 
 
 @dataclass
@@ -33,13 +38,18 @@ class Diagnosis:
     def to_dict(self) -> dict:
         return _plain(asdict(self))
 
+    def _repr_html_(self) -> str:  # notebooks: the report's finding card (ampdoctor/notebook.py)
+        from ..notebook import diagnosis_html
 
-def _py(v, json_safe: bool = False):
+        return diagnosis_html(self)
+
+
+def python_values(v, json_safe: bool = False):
     """Copy with numpy scalars as Python numbers; ``json_safe`` also writes non-finite floats as strings."""
     if isinstance(v, dict):
-        return {str(k): _py(x, json_safe) for k, x in v.items()}
+        return {str(k): python_values(x, json_safe) for k, x in v.items()}
     if isinstance(v, (list, tuple, np.ndarray)):
-        return [_py(x, json_safe) for x in v]
+        return [python_values(x, json_safe) for x in v]
     if isinstance(v, np.bool_):
         return bool(v)
     if isinstance(v, np.integer):
@@ -51,17 +61,37 @@ def _py(v, json_safe: bool = False):
 
 
 def _plain(v):
-    return _py(v, json_safe=True)
+    return python_values(v, json_safe=True)
+
+
+@dataclass(frozen=True)
+class Suppression:
+    """A finding of this rule is not shown when rule ``by`` found something over the same run (and, with ``when``,
+    ``when(own finding, theirs)`` holds for one of theirs): the other finding names the cause this one is a symptom
+    of. ``by`` is computed for this even when the user disabled it (disabled means not shown, not not computed)."""
+
+    by: str
+    when: Callable[[Diagnosis, Diagnosis], bool] | None = None
+
+    def hides(self, own: Diagnosis, theirs: list[Diagnosis]) -> bool:
+        return any(self.when is None or self.when(own, d) for d in theirs)
+
+
+def suppressed_by(*ids: str, when: Callable[[Diagnosis, Diagnosis], bool] | None = None) -> tuple[Suppression, ...]:
+    """``suppressed_by("divergence")`` for a registry entry: one Suppression per rule id, all with the same ``when``."""
+    return tuple(Suppression(i, when) for i in ids)
 
 
 @dataclass(frozen=True)
 class Rule:
-    """A registry entry: stable id, the check function and what the rule is about (one line)."""
+    """A registry entry: stable id, the check function, what the rule is about (one line), and the rules whose
+    findings hide this one's (declared here, not asked for inside the check)."""
 
     id: str
     check: Callable
     about: str
     scope: str = "trace"  # "ranks": runs once over all the ranks of a run (Run.ranks), see multirank.py
+    suppressed_by: tuple[Suppression, ...] = ()
 
     @property
     def thresholds(self) -> dict:
@@ -101,4 +131,29 @@ def finding(
         recommendation=F.plain(parts),
         ranks=[int(r) for r in ranks],
         fix=parts,
+    )
+
+
+def worst_first(findings: list[Diagnosis], order: dict[str, int] | None = None) -> list[Diagnosis]:
+    """The one order of findings everywhere: severity (critical first), then the rule's place in ``order`` (the
+    registry's, as the engine passes it), then the ranks concerned. Stable: findings of one rule keep the order the
+    rule gave them."""
+    order = order or {}
+    return sorted(findings, key=lambda d: (-RANK.get(d.severity, -1), order.get(d.rule, len(order)), d.ranks))
+
+
+def rule_error(rule: Rule, exc: BaseException) -> Diagnosis:
+    """What the engine shows in place of a rule that raised: the rest of the diagnosis goes on without it."""
+    msg = f"{type(exc).__name__}: {exc}"[:300]
+    return Diagnosis(
+        rule=rule.id,
+        severity="info",
+        title=f"Rule {rule.id} could not judge this trace",
+        summary=f"The rule {rule.id} stopped with an error ({msg}); the other rules ran. Its finding, if any, is "
+        "missing from this diagnosis.",
+        evidence={"rule_error": msg},
+        recommendation=F.plain(
+            [F.text(f"Report this trace to the ampdoctor maintainers; `--disable {rule.id}` hides this notice.")]
+        ),
+        fix=[F.text(f"Report this trace to the ampdoctor maintainers; `--disable {rule.id}` hides this notice.")],
     )

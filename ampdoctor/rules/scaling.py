@@ -7,7 +7,7 @@ import numpy as np
 from .. import formats
 from . import advice as A
 from .fix import code, text
-from .result import finding
+from .result import Diagnosis, RunView, finding
 
 # A GradScaler halves its scale once per overflowing step, so a run started at 2^16 whose gradients need 2^13
 # skips 3 steps while calibrating; PyTorch's own default skips "a handful". Five or more skips in the
@@ -23,7 +23,7 @@ COLLAPSE_HALVINGS = 4
 MAX_SKIP_SHARE = 0.05
 
 
-def grad_out_peaks(run):
+def grad_out_peaks(run: RunView):
     """(largest unscaled gradient per step in FP16 terms [n], clean-step mask), as the replay defines it (output and
     parameter gradients; a returned loss's gradient w.r.t. itself is not one): replay.GradientPeaks."""
     peaks = run.gradient_peaks
@@ -32,14 +32,14 @@ def grad_out_peaks(run):
     return g, clean
 
 
-def _observed_nonfinite(run) -> np.ndarray:
+def _observed_nonfinite(run: RunView) -> np.ndarray:
     """Steps that observed their sites and held a NaN/Inf: the rows where a NaN peak is a value, not the NaN that
     fills a step observed by the sentinel only."""
     st = run.steps
     return st["nonfinite"].to_numpy(bool) & (st["level"].fillna(0).to_numpy(float) >= 0)
 
 
-def _act_bad(run) -> np.ndarray:
+def _act_bad(run: RunView) -> np.ndarray:
     """Per step: some module output was NaN/Inf or not observed (a step without peaks observed none), from the one
     pass over the peaks."""
     view = run.view
@@ -47,7 +47,7 @@ def _act_bad(run) -> np.ndarray:
     return view.per_step(scan.bad["act"] | scan.unseen["act"], True)
 
 
-def forward_nonfinite_steps(run) -> set:
+def forward_nonfinite_steps(run: RunView) -> set:
     """Steps in which a forward output or the loss was non-finite (loss scaling cannot cause or fix these)."""
     ev = run.events
     steps = set(ev.loc[ev["phase"].isin(["fwd", "loss"]), "step"].astype(int))
@@ -58,7 +58,9 @@ def forward_nonfinite_steps(run) -> set:
     return steps
 
 
-def init_scale_too_high(run, *, min_skips=MIN_EARLY_SKIPS, early_steps=EARLY_STEPS):
+def init_scale_too_high(
+    run: RunView, *, min_skips: float = MIN_EARLY_SKIPS, early_steps: float = EARLY_STEPS
+) -> Diagnosis | None:
     if not (run.scaler_on and run.fp16):
         return None
     st = run.steps
@@ -77,13 +79,15 @@ def init_scale_too_high(run, *, min_skips=MIN_EARLY_SKIPS, early_steps=EARLY_STE
         return None  # unscaled gradients do not fit FP16: not a scaling problem
     scales = st.loc[st["step"].isin(skipped), "loss_scale"].to_numpy(float)
     over = [s for s in scales if s * gmax > formats.FP16.max / 2]  # the scale alone pushed the max out of range
-    init = float(run.scaler.get("init_scale") or st["loss_scale"].iloc[0])
+    recorded = run.scaler.get("init_scale")
+    first = float(st["loss_scale"].iloc[0])
+    init = float(recorded) if isinstance(recorded, (int, float)) and 0 < recorded < float("inf") else first
     if not over or float(early["loss_scale_next"].iloc[-1]) >= init:
         return None  # the scale ended the window no lower than it started: the skips are
         # growth/overflow cycles (late-degradation), not a too-high start
-    if run.findings_of("divergence"):
-        return None  # the run diverged: the skips follow the blow-up, not the start value
     sug = run.suggestion  # the replay's answer, so that this finding and `replay --suggest` agree
+    if sug is None:
+        return None  # the replay cannot start from the recorded scaler settings
     suggested = float(sug.settings["init_scale"])
     if suggested >= init:
         return None
@@ -123,20 +127,39 @@ def suggestion_line(sug) -> str:
     return "scaler = " + sug.code
 
 
-def nonfinite_origins(run, steps: list[int]) -> dict:
-    """Where the non-finite values of these steps came from: counts per origin class and culprit layer."""
+def output_gradient_steps(run: RunView) -> set:
+    """Steps whose loss was finite but whose first non-finite value was the first gradient of the backward pass (the
+    loss's gradient w.r.t. the model's output: no finite gradient came before it). The loss function's own backward
+    made it, e.g. log's 1/p at a probability rounded to 0."""
+    ev = run.events
+    bwd = ev[ev["phase"] == "bwd"]
+    if not len(bwd):
+        return set()
+    acts = set(run.sites("act")["id"].astype(int))
+    loss = dict(zip(run.steps["step"].astype(int), run.steps["loss"].to_numpy(float)))
+    return {
+        int(s)
+        for s, d in zip(bwd["step"], bwd["data"])
+        if isinstance(d, dict) and d.get("after") in acts and np.isfinite(loss.get(int(s), np.nan))
+    }
+
+
+def nonfinite_origins(run: RunView, steps: list[int]) -> dict:
+    """Where the non-finite values of these steps came from: counts per origin class and culprit layer ("loss": the
+    loss function, its value or its gradient w.r.t. the model's output, from finite model outputs)."""
     ev = run.events
     ev = ev[ev["step"].isin(steps)]
     act_bad = set(np.flatnonzero(_act_bad(run) & _observed_nonfinite(run)).tolist()) if len(run.sites("act")) else set()
-    out = {"forward": {}, "loss": 0, "input": 0, "gradient": {}, "unknown": 0}
+    out: dict = {"forward": {}, "loss": 0, "input": 0, "gradient": {}, "unknown": 0}
     by_step = {int(s): g for s, g in ev.groupby("step")}
+    at_output = output_gradient_steps(run)
     for s in steps:
         g = by_step.get(int(s))
         fwd = g[g["phase"] == "fwd"] if g is not None else None
         if fwd is not None and len(fwd):
             p = fwd["path"].iloc[0]
             out["forward"][p] = out["forward"].get(p, 0) + 1
-        elif g is not None and (g["phase"] == "loss").any():
+        elif g is not None and ((g["phase"] == "loss").any() or int(s) in at_output):
             out["loss"] += 1
         elif s in act_bad:
             out["input"] += 1  # every module saw a non-finite input: the batch itself
@@ -149,10 +172,14 @@ def nonfinite_origins(run, steps: list[int]) -> dict:
 
 
 def loss_scale_collapse(
-    run, *, collapse_scale=COLLAPSE_SCALE, halvings=COLLAPSE_HALVINGS, max_skip_share=MAX_SKIP_SHARE
-):
-    if not run.scaler_on or run.findings_of("divergence"):
-        return None  # a diverged run's scale falls because its values blew up: divergence
+    run: RunView,
+    *,
+    collapse_scale: float = COLLAPSE_SCALE,
+    halvings: float = COLLAPSE_HALVINGS,
+    max_skip_share: float = MAX_SKIP_SHARE,
+) -> Diagnosis | None:
+    if not run.scaler_on:
+        return None
     st = run.steps
     nxt = st["loss_scale_next"].to_numpy(float)
     cur = st["loss_scale"].to_numpy(float)
@@ -176,11 +203,8 @@ def loss_scale_collapse(
     bad = st.loc[skipped, "step"].astype(int).tolist()
     org = nonfinite_origins(run, bad)
     # a module that only tipped another's near-limit values over: name the producer forward-overflow names
-    producer = {
-        t: d.evidence["module"]
-        for d in run.findings_of("forward-overflow")
-        for t in d.evidence.get("tipped_over_by", [])
-    }
+    o = run.overflow_origins
+    producer = {t: o.culprit for t in o.tipped} if o is not None else {}
     merged: dict = {}
     for p, n in org["forward"].items():
         merged[producer.get(p, p)] = merged.get(producer.get(p, p), 0) + n
@@ -188,38 +212,57 @@ def loss_scale_collapse(
     fwd = sorted(org["forward"].items(), key=lambda kv: -kv[1])
     grad = sorted(org["gradient"].items(), key=lambda kv: -kv[1])
     layers = [p for p, _ in fwd] + [p for p, _ in grad if p not in dict(fwd)]
+    setup = A.Setup.of(run)
     if fwd and fwd[0][1] >= max(org["input"], org["loss"], 1):
+        origin = "forward"
         cause = f"a forward overflow in {fwd[0][0]} ({fwd[0][1]} of the {len(bad)} skipped steps)"
         fix = [
             text(
                 "Fix the forward overflow (see the forward-overflow finding): run that module in FP32 or "
                 "rescale it, e.g."
             ),
-            code(A.keep_fp32_line([fwd[0][0]])),
+            *A.keep_fp32(setup, [fwd[0][0]]),
         ]
     elif org["input"] >= max(org["loss"], 1):
+        origin = "input"
         cause = f"non-finite input batches ({org['input']} of the {len(bad)} skipped steps had no finite module output)"
         fix = [
-            text("Find and drop the bad samples; guard the loop:"),
-            code("if not torch.isfinite(x).all():", "    continue  # skip a corrupt batch instead of training on it"),
+            text(
+                "Find and drop the bad samples; until then skip a corrupt batch instead of training on it (`loader` "
+                "stands for your data loader, yielding (x, y) pairs):"
+            ),
+            code(
+                "def finite_batches(batches):",
+                "    for x, y in batches:",
+                "        if torch.isfinite(x).all():",
+                "            yield x, y",
+                "",
+                "",
+                "loader = finite_batches(loader)",
+            ),
         ]
     elif org["loss"]:
-        cause = f"a non-finite loss from finite model outputs ({org['loss']} skipped steps)"
-        fix = [
-            text("Compute the loss in FP32 and guard its inputs (log of 0, division by 0):"),
-            code("loss = loss_fn(out.float(), y)"),
-        ]
+        origin = "loss"
+        cause = (
+            f"the loss function (its value, or its gradient w.r.t. the model's output) from finite model outputs "
+            f"({org['loss']} skipped steps)"
+        )
+        fix = [text("Compute the loss in FP32 and guard its inputs (log of 0, division by 0):"), A.loss_in_fp32(setup)]
     elif grad:
+        origin = "gradient"
         cause = (
             f"non-finite gradients first seen at {grad[0][0]} ({grad[0][1]} skipped steps) with finite forward values"
         )
+        module = grad[0][0] if grad[0][0] in set(run.sites("act")["path"]) else grad[0][0].rpartition(".")[0]
         fix = [
             text(
                 "These gradients overflow even at a small scale: look for a layer with exploding gradients "
-                "(see grad-range-anomaly), clip them, or compute that module in FP32:"
+                "(see grad-range-anomaly) and clip them:"
             ),
-            code("scaler.unscale_(optimizer)", "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)"),
+            code(*A.clip_lines(setup)),
         ]
+        if module and module in set(run.sites("act")["path"]):
+            fix += [text(f"or compute {module} in FP32:"), *A.keep_fp32(setup, [module])]
     else:
         return None  # no recorded origin: no evidence to point at
     severity = "critical" if collapsed or share > 0.5 else "warning"
@@ -237,6 +280,8 @@ def loss_scale_collapse(
             "steps": len(st),
             "skip_share_after_calibration": share,
             "origins": {"forward": dict(fwd), "gradient": dict(grad), "input_batch": org["input"], "loss": org["loss"]},
+            "cause_origin": origin,
+            "cause_module": fwd[0][0] if origin == "forward" else None,
         },
         fix=[
             text("Lowering the scale does not help; remove the source of the non-finite values. " + fix[0].text),

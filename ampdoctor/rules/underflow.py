@@ -13,7 +13,7 @@ from ..trace.schema import HIST_LO, ROOT
 from ..trace.view import containers
 from . import advice as A
 from .fix import code, text
-from .result import finding
+from .result import Diagnosis, RunView, finding
 from .scaling import grad_out_peaks, suggestion_line
 
 FP16 = formats.FP16
@@ -247,9 +247,9 @@ def _severity(run, bad: list[Site], min_share: float, reachable: float) -> tuple
     )
 
 
-def grad_underflow(run, *, min_share=MIN_SHARE):
-    if not run.fp16 or run.findings_of("divergence"):
-        return None  # a diverged run's gradients say nothing about its precision
+def grad_underflow(run: RunView, *, min_share: float = MIN_SHARE) -> Diagnosis | None:
+    if not run.fp16:
+        return None
     rows = underflow_sites(run)
     bad = sorted(
         [r for r in rows if r.share >= min_share or (r.vanished and not r.dead)],
@@ -269,10 +269,10 @@ def grad_underflow(run, *, min_share=MIN_SHARE):
         if run.scaler_on and run.steps["loss_scale"].notna().any()
         else 1.0
     )
-    if run.scaler_on and scale_now < init_rec and run.findings_of("forward-overflow"):
-        return None  # the scale fell for a forward overflow: fix that first
     severity, why = _severity(run, bad, min_share, reachable)
     sug = run.suggestion  # the replay's answer: `replay --suggest` says the same
+    if sug is None:
+        return None  # the replay cannot start from the recorded scaler settings: no scale to quote
     init, interval = float(sug.settings["init_scale"]), int(sug.settings["growth_interval"])
     worst = bad[0]
     per_layer = {f"{r.layer} ({r.site['kind']})": round(r.share, 4) for r in bad[:10]}
@@ -291,6 +291,8 @@ def grad_underflow(run, *, min_share=MIN_SHARE):
         steps=run.step_range(steps),
         evidence={
             "scale_in_force": scale_now,
+            "initial_scale": init_rec,
+            "scale_fell": bool(run.scaler_on and scale_now < init_rec),
             "underflow_share": per_layer,
             "min_share": min_share,
             "zeros_share_worst": worst.zeros,
@@ -310,17 +312,39 @@ def grad_underflow(run, *, min_share=MIN_SHARE):
     )
 
 
-def _fix(run, sug, scale_now: float, unliftable: str | None) -> list:
+def scale_fell(own, overflow) -> bool:
+    """Suppression (registry): a scale that fell below its start because of a forward overflow holds the gradients
+    low; fix the overflow first, the underflow may be gone with it."""
+    return bool(own.evidence.get("scale_fell"))
+
+
+def _fix(run: RunView, sug, scale_now: float, unliftable: str | None) -> list:
     """The replay's scaler (the same line `replay --suggest` prints), FP32 for a layer no scale lifts, BF16."""
     init, interval = float(sug.settings["init_scale"]), int(sug.settings["growth_interval"])
     found = (
         f"the replay of this run finds init_scale={A.pow2(init)}, growth_interval={interval} loses the least "
         f"(`ampdoctor replay TRACE --suggest`)"
     )
-    if not run.scaler_on:
+    setup = A.Setup.of(run)
+    if setup.half_params:
+        fix = [
+            text(
+                f"This run keeps its parameters in {setup.param_dtype} (model.half()), where a GradScaler cannot help: "
+                'it refuses FP16 gradients ("Attempting to unscale FP16 gradients"). Keep FP32 parameters, let '
+                f"autocast compute in FP16 and scale the loss; {found}:"
+            ),
+            A.master_weights(setup, "float16", scaler=suggestion_line(sug)),
+        ]
+    elif not run.scaler_on:
         fix = [
             text(f"Enable dynamic loss scaling; {found}:"),
-            code(suggestion_line(sug), "scaler.scale(loss).backward()", "scaler.step(optimizer)", "scaler.update()"),
+            code(
+                suggestion_line(sug),
+                "# and in the loop:",
+                "scaler.scale(loss).backward()",
+                "scaler.step(optimizer)",
+                "scaler.update()",
+            ),
         ]
     elif init > scale_now:
         fix = [
@@ -344,9 +368,9 @@ def _fix(run, sug, scale_now: float, unliftable: str | None) -> list:
                 f"Loss scaling cannot lift {unliftable} (its gradients span more range than FP16 holds): "
                 "compute it in FP32, or train in BF16:"
             ),
-            code(A.keep_fp32_line([unliftable])),
+            *A.keep_fp32(setup, [unliftable]),
         ] + fix
-    return fix + A.bf16_note(run)
+    return fix + A.bf16_note(setup)
 
 
 def _own_settings(run, sug) -> bool:
@@ -356,10 +380,9 @@ def _own_settings(run, sug) -> bool:
     return all(k in own and own[k] is not None and float(own[k]) == float(sug.settings[k]) for k in keys)
 
 
-def fp16_readiness(run, *, min_share=MIN_SHARE):
-    if run.fp16 or run.scaler_on or run.findings_of("divergence"):
-        return None  # an FP16 run speaks for itself; a scaler means amp-inactive;
-        # a diverged run would not train in any format
+def fp16_readiness(run: RunView, *, min_share: float = MIN_SHARE) -> Diagnosis | None:
+    if run.fp16 or run.scaler_on:
+        return None  # an FP16 run speaks for itself; a scaler means amp-inactive
     acts = run.sites("act")
     over = []
     if len(acts):
@@ -375,6 +398,8 @@ def fp16_readiness(run, *, min_share=MIN_SHARE):
     g, clean = grad_out_peaks(run)  # as the replay reads them: a returned loss's own gradient is not one
     gmax = float(np.nanmax(g[clean])) if (clean & np.isfinite(g)).any() else float("nan")
     sug = run.suggestion  # the replay of this run as if in FP16: `replay --suggest` says the same
+    if sug is None:
+        return None
     scale = float(sug.settings["init_scale"])
     under = []
     outer = _outer(gsites)
@@ -393,25 +418,34 @@ def fp16_readiness(run, *, min_share=MIN_SHARE):
             f"{len(inner)} module(s) output values above the FP16 max (worst {inner[0][0]}: "
             f"{A.fmt_num(inner[0][1])} on {inner[0][2]} steps)"
         )
-        fix += [
-            text(f"Keep {', '.join(p for p, *_ in inner[:5])} in FP32 under FP16 autocast:"),
-            code(A.keep_fp32_line([p for p, *_ in inner[:5]])),
-        ]
     if under:
         parts.append(
             f"at a loss scale of {A.pow2(scale)} {len(under)} gradient site(s) would keep at least "
             f"{A.pct(min_share)} of their elements below the FP16 normal range (worst {under[0][0]}: "
             f"{A.pct(under[0][1])})"
         )
-    fix += [
+    setup = A.Setup.of(run)
+    keep = [A.keep_fp32_line([p for p, *_ in inner[:5]])] if inner else []
+    fix = [
         text(
-            f"Start FP16 training with the scaler the replay of this run finds best (largest observed "
-            f"gradient {A.fmt_num(gmax)}; `ampdoctor replay TRACE --suggest` shows the same):"
+            "To train in FP16: "
+            + (f"keep {', '.join(p for p, *_ in inner[:5])} in FP32 under FP16 autocast, and " if inner else "")
+            + f"start with the scaler the replay of this run finds best (largest observed gradient "
+            f"{A.fmt_num(gmax)}; `ampdoctor replay TRACE --suggest` shows the same):"
         ),
-        code(suggestion_line(sug)),
+        code(
+            *keep,
+            suggestion_line(sug),
+            "# and in the loop:",
+            A.autocast_block(setup, "float16"),
+            *A.backward_lines(setup, True),
+        ),
     ]
     if run.bf16_supported and run.compute_dtype != "bfloat16":
-        fix += [text("BF16 avoids both problems on this device:"), code(A.autocast_block(run, "bfloat16"))]
+        fix += [
+            text("BF16 avoids both problems on this device:"),
+            code(A.autocast_block(run, "bfloat16"), *A.backward_lines(setup, False)),
+        ]
     return finding(
         "info",
         "FP16 readiness",

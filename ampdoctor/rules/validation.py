@@ -12,9 +12,9 @@ from ..trace.reduce import theil_sen_line
 from ..trace.schema import ROOT
 from . import advice as A
 from . import precision
-from .fix import code, text
+from .fix import text
 from .policy import NORM_TYPES
-from .result import finding
+from .result import Diagnosis, RunView, finding
 
 BATCHNORM_TYPES = ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm")
 
@@ -177,14 +177,14 @@ def _compare(run, name, late_share, min_ratio, alpha, min_dispersion, min_sign_c
 
 
 def val_oscillation(
-    run,
+    run: RunView,
     *,
-    late_share=LATE_SHARE,
-    min_ratio=MIN_RATIO,
-    alpha=ALPHA,
-    min_dispersion=MIN_DISPERSION,
-    min_sign_changes=MIN_SIGN_CHANGES,
-):
+    late_share: float = LATE_SHARE,
+    min_ratio: float = MIN_RATIO,
+    alpha: float = ALPHA,
+    min_dispersion: float = MIN_DISPERSION,
+    min_sign_changes: float = MIN_SIGN_CHANGES,
+) -> Diagnosis | None:
     m = run.metrics
     if not len(m):
         return None
@@ -214,24 +214,13 @@ def val_oscillation(
     else:
         how = f"a log dispersion of {ev['log_dispersion']:.2f} around its Theil-Sen trend"
     lo, hi = ev["late_range"]
-    bn = [p for p in paths if run.module_types.get(p, "") in BATCHNORM_TYPES]
-    lines = (
-        [
-            "for m in model.modules():",
-            "    if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):",
-            "        m.float()",
-        ]
-        if bn
-        else []
-    )
-    lines += [f"{A.attr(p)}.float()" for p in paths if p not in bn] + [A.keep_fp32_line(paths)]
     fix = [
         text(
             "Keep these layers in FP32: their parameters and (BatchNorm) the running mean/variance that eval "
             "mode normalises with, whose every update (1-m)*r + m*batch rounds in half precision, and their "
-            "inputs cast to FP32 inside autocast:"
+            "inputs cast to FP32:"
         ),
-        code(*lines),
+        *A.fp32_island(A.Setup.of(run), paths),
     ]
     return finding(
         "warning",

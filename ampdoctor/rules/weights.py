@@ -12,7 +12,7 @@ from ..trace.schema import ROOT
 from . import advice as A
 from .fix import code, text
 from .policy import NORM_TYPES
-from .result import finding
+from .result import Diagnosis, RunView, finding
 
 # An update below half an ULP of its weight rounds back to the weight: the element did not move although its
 # gradient was non-zero. 10% of the parameters frozen that way is material; 90% means training has stalled.
@@ -27,7 +27,9 @@ GRAD_DECADES = 3.0
 NO_FAN_IN = NORM_TYPES + ("Embedding", "EmbeddingBag")
 
 
-def weight_update_lost(run, *, min_lost_share=MIN_LOST_SHARE, stalled_share=STALLED_SHARE):
+def weight_update_lost(
+    run: RunView, *, min_lost_share: float = MIN_LOST_SHARE, stalled_share: float = STALLED_SHARE
+) -> Diagnosis | None:
     w = run.sites("weight")
     half = w[w["dtype"].isin(formats.REDUCED)]
     if not len(half):
@@ -78,12 +80,9 @@ def weight_update_lost(run, *, min_lost_share=MIN_LOST_SHARE, stalled_share=STAL
     worst = sorted(per.items(), key=lambda kv: -kv[1])
     dtype = str(half["dtype"].mode().iloc[0])
     severity = "critical" if share >= stalled_share else "warning"
-    lines = ["model.float()", _optimizer_line(run), A.autocast_block(run, dtype)]
-    if dtype == "float16":
-        lines += [A.scaler_line(run), "scaler.scale(loss).backward()", "scaler.step(optimizer)", "scaler.update()"]
     fix = [
         text("Keep the parameters in FP32 and let autocast compute in half precision (O1: FP32 master weights):"),
-        code(*lines),
+        A.master_weights(A.Setup.of(run), dtype),
         text(
             "Or keep an FP32 master copy (O2-style): step the optimizer on FP32 copies of the weights and copy "
             "them back into the half-precision model after each step."
@@ -120,7 +119,9 @@ def _fan_in(shape: str) -> int | None:
     return int(np.prod(dims[1:]))
 
 
-def grad_range_anomaly(run, *, grad_decades=GRAD_DECADES, weight_decades=WEIGHT_DECADES):
+def grad_range_anomaly(
+    run: RunView, *, grad_decades: float = GRAD_DECADES, weight_decades: float = WEIGHT_DECADES
+) -> Diagnosis | None:
     pg = run.sites("param_grad")
     types = run.module_types
     mats = [(j, s) for j, s in enumerate(pg.itertuples()) if _fan_in(s.shape) and types.get(s.module) not in NO_FAN_IN]
@@ -147,24 +148,11 @@ def grad_range_anomaly(run, *, grad_decades=GRAD_DECADES, weight_decades=WEIGHT_
     dev = np.full(len(g), np.nan)
     dev[idx] = g[idx] - _median_of_others(g[idx])
     outliers = [(mats[i][1].path, float(dev[i]), float(10 ** g[i])) for i in idx if abs(dev[i]) >= grad_decades]
-    # weights whose scale is far from what their fan-in gives
-    w = run.sites("weight")
-    w_rms = run.stat("rms", "weight")  # the first full-statistics step read is the run's first
-    faults = []
-    for j, s in enumerate(w.itertuples()):
-        fan = _fan_in(s.shape)
-        if not fan or types.get(s.module) in NO_FAN_IN:
-            continue
-        col = w_rms[:, j]
-        col = col[np.isfinite(col)]
-        if not len(col):
-            continue
-        ratio = float(col[0] * math.sqrt(fan))  # rms / (1/sqrt(fan_in)), at the first recorded step
-        if ratio > 0 and abs(math.log10(ratio)) >= weight_decades:
-            faults.append((s.path, ratio, float(col[0]), 1.0 / math.sqrt(fan), s.module))
+    faults = [
+        (p, w["ratio"], w["rms"], w["fan_in_rms"], w["module"]) for p, w in weight_faults(run, weight_decades).items()
+    ]
     if not outliers:
         return None
-    faults.sort(key=lambda f: -abs(math.log10(f[1])))
     outliers.sort(key=lambda o: -abs(o[1]))
     layers = [f[4] for f in faults] + [p.rpartition(".")[0] or p for p, _, _ in outliers]
     layers = list(dict.fromkeys(layers))
@@ -181,6 +169,8 @@ def grad_range_anomaly(run, *, grad_decades=GRAD_DECADES, weight_decades=WEIGHT_
                 "a=sqrt(5); use kaiming_normal_ before a ReLU):"
             ),
             code(
+                "import math",
+                "",
                 *[f"torch.nn.init.kaiming_uniform_({A.attr(f[0])}, a=math.sqrt(5))" for f in faults],
                 f'# or: torch.nn.init.kaiming_normal_({A.attr(path)}, nonlinearity="relu")',
             ),
@@ -189,7 +179,7 @@ def grad_range_anomaly(run, *, grad_decades=GRAD_DECADES, weight_decades=WEIGHT_
         cause = "no weight is off its fan-in scale, so look at the inputs or a custom op in those layers"
         fix = [
             text("Clip gradients while you find the cause, and check the inputs of these layers:"),
-            code("torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)"),
+            code(*A.clip_lines(A.Setup.of(run))),
         ]
     return finding(
         "warning",
@@ -225,25 +215,36 @@ def _median_of_others(v: np.ndarray) -> np.ndarray:
     return np.where(m % 2 == 1, lo, (lo + hi) / 2)
 
 
+def weight_faults(run: RunView, weight_decades: float = WEIGHT_DECADES) -> dict:
+    """Weight matrices whose RMS at their first record is at least ``weight_decades`` off 1/sqrt(fan_in), worst
+    first: parameter path -> {"rms", "fan_in_rms", "ratio", "module"} (shared as ``Run.weight_faults``)."""
+    w = run.sites("weight")
+    w_rms = run.stat("rms", "weight")  # the first full-statistics step read is the run's first
+    types = run.module_types
+    faults = []
+    for j, s in enumerate(w.itertuples()):
+        fan = _fan_in(s.shape)
+        if not fan or types.get(s.module) in NO_FAN_IN:
+            continue
+        col = w_rms[:, j]
+        col = col[np.isfinite(col)]
+        if not len(col):
+            continue
+        ratio = float(col[0] * math.sqrt(fan))  # rms / (1/sqrt(fan_in)), at the first recorded step
+        if ratio > 0 and abs(math.log10(ratio)) >= weight_decades:
+            faults.append(
+                (s.path, {"rms": float(col[0]), "fan_in_rms": 1.0 / math.sqrt(fan), "ratio": ratio, "module": s.module})
+            )
+    faults.sort(key=lambda f: -abs(math.log10(f[1]["ratio"])))
+    return dict(faults)
+
+
 # Optimizers whose update divides by sqrt(v) + eps: with eps rounded to 0 in the weights' format and v underflowed
 # (a gradient below ~2^-12 squares below FP16's 2^-24), the update is m / 0 = Inf, or 0 / 0 = NaN.
 EPS_OPTIMIZERS = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "SparseAdam")
 
 
-def _optimizer_line(run) -> str:
-    """The user's optimizer re-created over the (now FP32) parameters, with its recorded hyper-parameters."""
-    opt = run.config.get("optimizer") or {}
-    cls = opt.get("class") or "AdamW"
-    g = (opt.get("groups") or [{}])[0]
-    args = []
-    for key in ("lr", "betas", "eps", "weight_decay", "momentum"):
-        if key in g and g[key] is not None:
-            v = tuple(g[key]) if isinstance(g[key], list) else g[key]
-            args.append(f"{key}={v!r}")
-    return f"optimizer = torch.optim.{cls}(model.parameters(), {', '.join(args)})  # re-created over FP32 params"
-
-
-def weights_nonfinite(run):
+def weights_nonfinite(run: RunView) -> Diagnosis | None:
     ev = run.weight_events
     if not len(ev):
         return None
@@ -267,8 +268,6 @@ def weights_nonfinite(run):
     eps = (opt.get("groups") or [{}])[0].get("eps")
     fmt = formats.get(dtype) if dtype else None
     eps_lost = bool(fmt and cls in EPS_OPTIMIZERS and isinstance(eps, (int, float)) and eps <= fmt.min_subnormal / 2)
-    if not eps_lost and run.findings_of("divergence"):
-        return None  # weights that blew up with a diverging run: divergence's finding
     why = (
         f"{cls}'s eps={eps:g} rounds to 0 in {dtype} (its smallest subnormal is {A.fmt_num(fmt.min_subnormal)}), "
         "so where the squared gradient underflows too its update divides by zero"
@@ -277,16 +276,12 @@ def weights_nonfinite(run):
     )
     if dtype:
         ac = dtype if dtype in formats.REDUCED else "float16"
-        lines = ["model.float()", _optimizer_line(run)] + ([A.scaler_line(run)] if ac == "float16" else [])
-        lines += ["# and in the loop:", A.autocast_block(run, ac)]
-        if ac == "float16":
-            lines += ["scaler.scale(loss).backward()", "scaler.step(optimizer)", "scaler.update()"]
         fix = [
             text(
                 "Keep FP32 master weights: the optimizer updates FP32 parameters, autocast computes in "
                 f"{dtype} (tested fix):"
             ),
-            code(*lines),
+            A.master_weights(A.Setup.of(run), ac),
         ]
     else:
         fix = [
@@ -323,10 +318,17 @@ def weights_nonfinite(run):
             "optimizer": cls,
             "eps": eps,
             "eps_in_format": 0.0 if eps_lost else eps,
+            "eps_lost": eps_lost,
             "gradients_finite": grads_finite,
         },
         fix=fix,
     )
+
+
+def eps_not_lost(own, divergence) -> bool:
+    """Suppression (registry): weights that blew up with a diverged run are divergence's finding, unless an eps lost
+    to the format explains them (then the update divides by zero whatever the learning rate)."""
+    return not own.evidence.get("eps_lost")
 
 
 def _normal_eps(fmt: formats.Format) -> float:

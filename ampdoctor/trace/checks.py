@@ -5,8 +5,10 @@ run directory, a download), so its tables, column types, ids and JSON are verifi
 from __future__ import annotations
 
 import json
+import math
 import numbers
 import sqlite3
+from typing import Any
 
 from . import schema
 
@@ -34,6 +36,21 @@ INTEGER = "typeof({c}) = 'integer'"
 INTEGER_OR_NULL = "typeof({c}) IN ('integer', 'null')"
 TEXT = "typeof({c}) = 'text'"
 TEXT_OR_NULL = "typeof({c}) IN ('text', 'null')"
+# Types and ranges at once (one condition per column: the checks read every row). In SQLite a number compares
+# below any text or blob, so `x BETWEEN 0 AND 9e999` holds for numbers >= 0 only (9e999 is +Inf). A NaN is NULL or
+# the writer's 'nan'; +Inf is 9e999 or the writer's 'inf'.
+MAX_SECONDS = 1e9  # 31 years: no duration measured in a run is longer
+DURATIONS = ("step_time", "data_time", "observer_time")
+LEVELS = (schema.LEVEL_SENTINEL, schema.LEVEL_PEAK, schema.LEVEL_FULL, schema.LEVEL_HIST)
+STATS_COUNTS = tuple(f for f in schema.STATS_FIELDS if f not in ("absmax", "minabs", "mean", "rms"))
+FLAG = "({c} IN (0, 1) OR {c} IS NULL)"
+LEVEL = f"({{c}} IN ({', '.join(str(v) for v in LEVELS)}) OR {{c}} IS NULL)"
+COUNT = "((typeof({c}) = 'integer' AND {c} >= 0) OR {c} IS NULL)"
+WHOLE = "(({c} BETWEEN 0 AND 9e999 AND {c} = CAST({c} AS INTEGER)) OR {c} IS NULL)"  # an exact count as REAL
+DURATION = f"({{c}} BETWEEN 0 AND {MAX_SECONDS:.0e} OR {{c}} IS NULL OR {{c}} = 'nan')"
+FINITE = "({c} BETWEEN -1.7976931348623157e308 AND 1.7976931348623157e308 OR {c} IS NULL OR {c} = 'nan')"
+NON_NEGATIVE = "({c} BETWEEN 0 AND 9e999 OR {c} IS NULL OR {c} IN ('nan', 'inf'))"
+NON_NEGATIVE_NUMBER = "({c} BETWEEN 0 AND 9e999 OR {c} IS NULL)"
 JSON_NUMBERS = (
     "({c} IS NULL OR (typeof({c}) = 'text' AND json_valid({c}) AND json_type({c}) = 'array' AND NOT EXISTS "
     "(SELECT 1 FROM json_each({c}) WHERE type NOT IN ('integer', 'real', 'null'))))"
@@ -48,6 +65,19 @@ JSON_EVENT = (
     " AND NOT EXISTS (SELECT 1 FROM json_each({c}, '$.params') WHERE type != 'text')))"
 )
 
+STEP_COLUMNS = {  # steps column -> (condition, what is wrong otherwise); any other column: NUMBER_OR_NAN
+    "lr": (JSON_NUMBERS, "not a JSON list of numbers"),
+    "reason": (TEXT_OR_NULL, "not text"),
+    "skipped": (FLAG, "not 0 or 1"),
+    "nonfinite": (FLAG, "not 0 or 1"),
+    "level": (LEVEL, f"not a level ({', '.join(map(str, LEVELS))})"),
+    **{c: (COUNT, "not a whole number >= 0") for c in ("samples", "microbatches", "peak_mem")},
+    **{c: (DURATION, f"not a duration (0 to {MAX_SECONDS:.0e} s)") for c in DURATIONS},
+    "time": (FINITE, "not a finite time"),
+    **{c: (NON_NEGATIVE, "not a number >= 0") for c in ("samples_per_s", "loss_scale", "loss_scale_next")},
+    **{c: (NON_NEGATIVE, "not a number >= 0") for c in ("grad_norm", "grad_max")},
+}
+
 
 def _rules(n_sites: int, n_steps: int) -> dict:
     """table -> [(column, SQL condition every row must meet, what is wrong otherwise)]. The writer commits a step's
@@ -56,7 +86,7 @@ def _rules(n_sites: int, n_steps: int) -> dict:
     site = f"typeof({{c}}) = 'integer' AND {{c}} BETWEEN 0 AND {n_sites - 1}"
     site_or_null = f"({{c}} IS NULL OR ({site}))"
     recorded = f"typeof({{c}}) = 'integer' AND {{c}} BETWEEN 0 AND {n_steps - 1}"
-    step_or_null = "({c} IS NULL OR (typeof({c}) = 'integer' AND {c} >= 0))"
+    step = "typeof({c}) = 'integer' AND {c} >= 0"
     return {
         "meta": [("key", TEXT, "not text"), ("value", TEXT, "not text")],
         "sites": [
@@ -66,10 +96,11 @@ def _rules(n_sites: int, n_steps: int) -> dict:
             ("module_type", TEXT_OR_NULL, "not text"),
             ("dtype", TEXT_OR_NULL, "not text"),
             ("shape", TEXT_OR_NULL, "not text"),
-            ("first_step", INTEGER_OR_NULL, "not an integer"),
+            ("first_step", COUNT, "not a step"),
         ],
-        "steps": [(c, NUMBER_OR_NAN, "not a number") for c in schema.STEP_FIELDS if c not in ("step", "lr", "reason")]
-        + [("lr", JSON_NUMBERS, "not a JSON list of numbers"), ("reason", TEXT_OR_NULL, "not text")],
+        "steps": [
+            (c, *(STEP_COLUMNS.get(c) or (NUMBER_OR_NAN, "not a number"))) for c in schema.STEP_FIELDS if c != "step"
+        ],
         "peaks": [
             ("step", recorded, "not a recorded step"),
             ("data", "typeof(data) = 'blob' AND length(data) % 4 = 0", "not float32 values"),
@@ -77,7 +108,9 @@ def _rules(n_sites: int, n_steps: int) -> dict:
         "stats": [
             ("step", recorded, "not a recorded step"),
             ("site", site, "not a site id"),
-            *[(c, NUMBER, "not a number") for c in ("scale", "calls") + schema.STATS_FIELDS],
+            *[(c, WHOLE, "not a whole number >= 0") for c in ("calls", *STATS_COUNTS)],
+            *[(c, NON_NEGATIVE_NUMBER, "not a number >= 0") for c in ("scale", "absmax", "minabs", "rms")],
+            ("mean", NUMBER, "not a number"),
         ],
         "hists": [
             ("step", recorded, "not a recorded step"),
@@ -91,7 +124,7 @@ def _rules(n_sites: int, n_steps: int) -> dict:
             ),
         ],
         "events": [
-            ("step", step_or_null, "not a step"),
+            ("step", step, "not a step"),
             ("kind", TEXT, "not text"),
             ("site", site_or_null, "not a site id"),
             ("phase", TEXT_OR_NULL, "not text"),
@@ -99,7 +132,7 @@ def _rules(n_sites: int, n_steps: int) -> dict:
             ("data", JSON_EVENT, "not a JSON object of the event fields"),
         ],
         "metrics": [
-            ("step", step_or_null, "not a step"),
+            ("step", step, "not a step"),
             ("name", TEXT, "not text"),
             ("value", NUMBER_OR_NAN, "not a number"),
             ("time", NUMBER, "not a number"),
@@ -107,9 +140,9 @@ def _rules(n_sites: int, n_steps: int) -> dict:
         "probes": [
             ("step", recorded, "not a recorded step"),
             ("site", site, "not a site id"),
-            *[(c, INTEGER_OR_NULL, "not an integer") for c in ("calls", "k", "numel")],
+            *[(c, COUNT, "not a whole number >= 0") for c in ("calls", "k", "numel")],
             ("dtype", TEXT_OR_NULL, "not text"),
-            *[(c, NUMBER_OR_NAN, "not a number") for c in schema.PROBE_FIELDS],
+            *[(c, NON_NEGATIVE, "not a number >= 0") for c in schema.PROBE_FIELDS],
         ],
     }
 
@@ -295,9 +328,63 @@ def _name(spec) -> str:
     return spec if isinstance(spec, str) else "a list" if isinstance(spec, list) else "an object"
 
 
-def meta_value(key: str, text: str):
-    """One meta entry, parsed and checked."""
+def meta_value(key: str, text: str) -> Any:
+    """One meta entry, parsed and checked; in ``config``, a scaler setting out of range is moved aside as unknown
+    (``scaler_setting_problem``)."""
     v = parse_json(text, f"meta {key!r}")
     if key in META:
         check_value(v, META[key], f"meta {key}")
+    if key == "config" and isinstance(v.get("scaler"), dict):
+        _set_aside_invalid(v["scaler"])
     return v
+
+
+# -- GradScaler settings ---------------------------------------------------------------------------------------------
+INT64_MAX = 2**63 - 1  # torch's update rule takes growth_interval as an int64
+SCALER_SETTINGS = {  # setting -> what it must be: what torch's update rule needs to mean anything
+    "init_scale": "a positive finite number",
+    "growth_factor": "a number > 1.0",  # torch asserts > 1 when the scaler is built; infinite grows nothing
+    "backoff_factor": "a number in (0, 1)",  # torch asserts < 1; 0 or below would zero or flip the scale
+    "growth_interval": "a positive int",  # 0 or below: torch never grows the scale (its counter never meets it)
+}
+
+
+def scaler_setting_problem(key: str, value: object) -> str | None:
+    """What is wrong with ``value`` as the GradScaler setting ``key`` ("a number > 1.0"), or None when it is one
+    the loss-scale replay can run with. One definition for the trace reader and the replay's arguments."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return SCALER_SETTINGS[key]
+    if key == "growth_interval":
+        if not isinstance(value, numbers.Integral) or int(value) < 1:
+            return SCALER_SETTINGS[key]
+        return "at most 2^63-1 (an int64)" if int(value) > INT64_MAX else None
+    try:
+        v = float(value)
+    except OverflowError:  # an integer beyond any float (a JSON literal of 400 digits)
+        return SCALER_SETTINGS[key]
+    ok = {"init_scale": 0 < v < math.inf, "growth_factor": 1 < v < math.inf, "backoff_factor": 0 < v < 1}[key]
+    return None if ok else SCALER_SETTINGS[key]
+
+
+def _set_aside_invalid(scaler: dict) -> None:
+    """Settings that cannot be GradScaler's go from ``scaler`` to ``scaler["invalid"]`` ({setting: value}): the
+    readers of the trace then take them as unknown (torch's default where they need one) and say so."""
+    invalid = {
+        k: scaler.pop(k)
+        for k in SCALER_SETTINGS
+        if k in scaler and scaler[k] is not None and scaler_setting_problem(k, scaler[k])
+    }
+    if invalid:
+        scaler["invalid"] = invalid
+
+
+def invalid_settings_note(config: dict) -> str | None:
+    """One line naming the scaler settings the reader set aside as unknown, or None."""
+    invalid = (config.get("scaler") or {}).get("invalid") or {}
+    if not invalid:
+        return None
+    parts = [f"{k} {v!r} (should be {scaler_setting_problem(k, v)})" for k, v in invalid.items()]
+    return (
+        f"GradScaler setting out of range in the trace: {', '.join(parts)}; taken as unknown, torch's default "
+        "used where one is needed"
+    )

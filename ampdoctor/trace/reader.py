@@ -124,6 +124,11 @@ class Trace:
     def __repr__(self) -> str:
         return f"Trace({self.path!r}, steps={self.n_steps}, sites={len(self.sites())})"
 
+    def _repr_html_(self) -> str:  # notebooks: the `ampdoctor info` summary (ampdoctor/notebook.py)
+        from ..notebook import trace_html
+
+        return trace_html(self)
+
     # -- run level ---------------------------------------------------------------------------------------------
     @property
     def meta(self) -> dict:

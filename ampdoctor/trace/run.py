@@ -9,15 +9,34 @@ from __future__ import annotations
 import glob
 import os
 import re
+from dataclasses import dataclass
 
 from .files import SIDE_FILES
 from .reader import Trace
 from .reader import load as load_trace
 from .schema import TraceError
+from .shards import Combined
 
 TRACE_EXT = (".db", ".sqlite", ".sqlite3", ".trace")
 _GLOB = re.compile(r"[*?\[]")
 _RANK_DIGITS = re.compile(r"(rank)?\d+$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Span:
+    """Ranks ``first`` to ``last``, both included."""
+
+    first: int
+    last: int
+
+    def __len__(self) -> int:
+        return self.last - self.first + 1
+
+    def __contains__(self, rank: object) -> bool:
+        return isinstance(rank, int) and self.first <= rank <= self.last
+
+    def __str__(self) -> str:
+        return str(self.first) if self.first == self.last else f"{self.first}-{self.last}"
 
 
 class RankRun:
@@ -27,15 +46,27 @@ class RankRun:
         self.source = source
         self.traces = dict(sorted(traces.items()))
         self.world_size = world_size
+        self._combined: Combined | None = None
 
     @property
     def ranks(self) -> list[int]:
         return list(self.traces)
 
     @property
-    def missing(self) -> list[int]:
-        """Ranks of the world that have no trace here (a rank that never attached, or a file left out)."""
-        return [r for r in range(self.world_size) if r not in self.traces]
+    def missing(self) -> list[Span]:
+        """Ranks of the world that have no trace here (a rank that never attached, or a file left out), as runs of
+        consecutive ranks: ``str`` of each is ``5`` or ``2-9``. One run more than there are traces at most: a world
+        size of 10^15 in a crafted file costs what a world of 2 does."""
+        out, start = [], 0
+        for r in [*self.traces, self.world_size]:  # ranks in order (the dict is sorted), then the world's end
+            if r > start:
+                out.append(Span(start, r - 1))
+            start = r + 1
+        return out
+
+    @property
+    def n_missing(self) -> int:
+        return sum(len(s) for s in self.missing)
 
     @property
     def paths(self) -> dict[int, str]:
@@ -57,6 +88,25 @@ class RankRun:
         for tr in self.traces.values():
             tr.close()
 
+    # -- a sharded run (FSDP): the whole tensors from the ranks' shards (shards.py) ---------------------------------
+    @property
+    def combined(self) -> Combined:
+        """The ranks' shards combined (FSDP): whole-tensor statistics of the parameters, their gradients and
+        updates, and the whole model's gradient norm; ``combined.sharded`` is False for an unsharded run."""
+        if self._combined is None:
+            self._combined = Combined(self)
+        return self._combined
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the ranks hold shards of the parameters (FSDP): then a rank's own trace shows its shard."""
+        return self.combined.sharded
+
+    def views(self) -> dict[int, Trace]:
+        """Each rank's trace as the rules read it: under FSDP with the whole tensors in place of its shards
+        (shards.ShardView), else the trace itself."""
+        return {rank: self.combined.view(rank) for rank in self.traces}
+
     def __enter__(self):
         return self
 
@@ -65,6 +115,11 @@ class RankRun:
 
     def __repr__(self) -> str:
         return f"RankRun({self.source!r}, ranks={self.ranks}, world_size={self.world_size})"
+
+    def _repr_html_(self) -> str:  # notebooks: the ranks side by side (ampdoctor/notebook.py)
+        from ..notebook import rankrun_html
+
+        return rankrun_html(self)
 
 
 def is_multi(spec) -> bool:

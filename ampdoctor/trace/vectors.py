@@ -12,11 +12,36 @@ formats.Format.flush_at) fall inside binades, and a binade histogram cannot plac
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import NamedTuple
 
 import numpy as np
 
 from .. import formats
+
+
+class Phase(str, Enum):
+    """Where an observation was made (an Entry's phase; the events table's ``phase``)."""
+
+    FWD = "fwd"  # a module's forward output (and its inputs)
+    BWD = "bwd"  # a module's output gradient
+    PARAM = "param"  # a parameter's gradient at the step end
+    WEIGHT = "weight"
+    UPDATE = "update"  # the change an optimizer step made to a parameter
+    LOSS = "loss"
+
+
+# The blocks of a step's vector (its ``bases`` keys): full-statistics vectors, the step figures, and one block of
+# [min, max] pairs per dtype and device (peak_block).
+FULL_BLOCK = "f"
+EXTRAS_BLOCK = "x"
+
+
+def peak_block(dtype: str, device: str | None = None, *, grads: bool = False) -> str:
+    """The name of a block of [min, max] pairs: ``p<dtype>`` (``@device`` for a second device); parameter
+    gradients' fixed slots ``g<dtype>@device``."""
+    return ("g" if grads else "p") + dtype + (f"@{device}" if device is not None else "")
+
 
 HIST_KEYS = 512
 
@@ -120,8 +145,8 @@ class Entry(NamedTuple):
     two steps with the same control flow compare equal cheaply and share one precomputed Layout."""
 
     site: int
-    phase: str  # "fwd", "bwd", "param", "weight", "update"
-    values: list  # per tensor: (offset, mode, numel); mode "f": FULL_LEN values, else ("p<dtype>") [min, max]
+    phase: Phase
+    values: list  # per tensor: (offset, block, numel); FULL_BLOCK: FULL_LEN values, else a peak_block's [min, max]
     inputs: list = []  # noqa: RUF012 (a NamedTuple's default, never mutated)  forward only, same layout
 
 
@@ -132,7 +157,7 @@ class Layout:
         refs = [r for e in entries for r in e.values]
         n = len(refs)
         self.offs = np.fromiter((o + bases[m] for o, m, _ in refs), dtype=np.int64, count=n)
-        self.full = np.fromiter((m == "f" for _, m, _ in refs), dtype=bool, count=n)
+        self.full = np.fromiter((m == FULL_BLOCK for _, m, _ in refs), dtype=bool, count=n)
         self.any_full = bool(self.full.any())
         self.owner = np.fromiter((i for i, e in enumerate(entries) for _ in e.values), dtype=np.int64, count=n)
         tensor_site = np.array([e.site for e in entries], dtype=np.int64)[self.owner] if n else np.zeros(0, np.int64)
@@ -173,8 +198,8 @@ class FullPlan:
             d[2] += 1
             d[3] = e.phase
             for o, m, n in e.values:
-                if m == "f":
-                    d[0].append(o + bases["f"])
+                if m == FULL_BLOCK:
+                    d[0].append(o + bases[FULL_BLOCK])
                     d[1].append(n)
                 else:
                     d[4] = False
@@ -184,7 +209,7 @@ class FullPlan:
         self.starts = np.cumsum([0] + [len(d[0]) for _, d in keep[:-1]]).astype(np.int64)
         self.numel = np.array([sum(d[1]) for _, d in keep], dtype=np.float64)
         self.calls = [d[2] for _, d in keep]
-        self.bwd = np.array([d[3] == "bwd" for _, d in keep], dtype=bool)
+        self.bwd = np.array([d[3] == Phase.BWD for _, d in keep], dtype=bool)
 
 
 def tensor_peaks(values: np.ndarray, refs: list[tuple[int, str, int]], bases: dict) -> np.ndarray:
@@ -192,4 +217,4 @@ def tensor_peaks(values: np.ndarray, refs: list[tuple[int, str, int]], bases: di
     if not refs:
         return np.zeros(0)
     with np.errstate(all="ignore"):
-        return Layout([Entry(-1, "", list(refs))], bases).peaks(values)
+        return Layout([Entry(-1, Phase.FWD, list(refs))], bases).peaks(values)

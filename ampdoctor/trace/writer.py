@@ -13,14 +13,13 @@ import sqlite3
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 
 from .. import formats
-from . import newfile, schema
-from . import vectors as V
-from .vectors import Entry, FullPlan, Layout, tensor_peaks
+from . import newfile, schema, vectors
+from .messages import Close, EventKind, EventMsg, MetaMsg, MetricMsg, ProbeMsg, SiteMsg, StepPacket, Sync
+from .vectors import FullPlan, Layout, Phase, tensor_peaks
 
 log = logging.getLogger("ampdoctor")
 
@@ -34,22 +33,9 @@ WAKE_AT = 64
 # 50 full vectors holds 200 kB, and 64 of them stacked at once ran ~2x slower than 5 at a time)
 RUN_BYTES = 1 << 20
 LAYOUTS_KEPT = 8
-
-
-@dataclass
-class StepPacket:
-    step: int
-    row: dict  # steps-table fields known on the training thread
-    values: np.ndarray  # the step's one host transfer
-    bases: dict  # where each block starts in values: "p<dtype>" peaks, "f" full vectors, "x" extras
-    entries: list[Entry]
-    loss: float | None
-    scale: float | None
-    scale_next: float | None
-    grad_norm: float | None
-    skipped: bool | None  # None: infer from the scale (no optimizer to tell)
-    store_hist: bool
-    late_loss: object = None  # a loss logged after the step boundary, resolved before writing
+# How long the writer waits for another process's lock on the trace (a reader's checkpoint, a copy tool, sqlite3
+# at a shell) before it gives up: meanwhile training goes on until QUEUE_MAX steps wait, then waits with it.
+BUSY_TIMEOUT_MS = 120_000
 
 
 def _sql(v):
@@ -91,11 +77,19 @@ class Writer(threading.Thread):
         self._layouts: dict = {}  # id(entries) -> (entries, bases, Layout), the entries kept alive
         self._lr_json = (None, None)
         self._skipped_total = 0
+        self.dropped = 0  # messages SQLite could not store (see _write_item)
+        self._handlers = {
+            SiteMsg: self._write_site,
+            MetaMsg: self._write_meta,
+            MetricMsg: self._write_metric,
+            ProbeMsg: self._write_probe,
+            EventMsg: self._write_event,
+        }
         self.path = newfile.claim(path, free_name)
         self._conn = newfile.open_new(self.path)
 
     # -- training-thread side ----------------------------------------------------------------------------------
-    def put(self, item) -> None:
+    def put(self, item: SiteMsg | MetaMsg | MetricMsg | EventMsg | ProbeMsg | StepPacket) -> None:
         """Enqueue (a deque append: no lock; a wake-up only when WAKE_AT items wait). Waits only while the writer is
         QUEUE_MAX items behind, and drops items once the writer has failed (the Doctor then stops collecting)."""
         items = self._items
@@ -116,7 +110,7 @@ class Writer(threading.Thread):
         if not self.is_alive():
             return False
         done = threading.Event()
-        self._items.append(("sync", done))
+        self._items.append(Sync(done))
         self._wake.set()
         while not done.wait(0.05):
             timeout -= 0.05
@@ -126,7 +120,7 @@ class Writer(threading.Thread):
 
     def close(self, timeout: float = 30.0) -> None:
         if self.is_alive():
-            self._items.append(("close",))
+            self._items.append(Close())
             self._wake.set()
             self.join(timeout)
         elif self._conn is not None and not self._started.is_set():
@@ -140,29 +134,31 @@ class Writer(threading.Thread):
         last_commit = -math.inf  # the first drain commits at once: a new trace is readable soon
         dirty = closing = False
         try:
+            conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
             conn.execute("BEGIN")
             while not closing:
                 self._wake.wait(WAKE_S)
                 self._wake.clear()
-                synced, steps = [], []
+                synced: list[threading.Event] = []
+                steps: list[StepPacket] = []
                 while items:
                     item = items.popleft()
-                    if item[0] == "step":  # gathered, written together (in order with the rest)
-                        steps.append(item[1])
+                    if type(item) is StepPacket:  # gathered, written together (in order with the rest)
+                        steps.append(item)
                         continue
                     if steps:
-                        self._handle(conn, ("steps", steps))
+                        self._write_steps(conn, steps)
                         steps, dirty = [], True
-                    if item[0] == "close":
+                    if type(item) is Close:
                         closing = True
                         break
-                    if item[0] == "sync":
-                        synced.append(item[1])
+                    if type(item) is Sync:
+                        synced.append(item.done)
                         continue
-                    self._handle(conn, item)
+                    self._write_item(conn, item)
                     dirty = True
                 if steps:
-                    self._handle(conn, ("steps", steps))
+                    self._write_steps(conn, steps)
                     dirty = True
                 if dirty and (closing or synced or time.monotonic() - last_commit >= COMMIT_EVERY_S):
                     conn.execute("COMMIT")
@@ -187,45 +183,47 @@ class Writer(threading.Thread):
             conn.close()
             self._conn = None
 
-    def _handle(self, conn: sqlite3.Connection, item: tuple) -> None:
-        tag = item[0]
-        if tag == "steps":
-            with np.errstate(all="ignore"):  # NaN/Inf are data here, not errors (and -W error must not stop us)
-                self._write_steps(conn, item[1])
-        elif tag == "site":
-            conn.execute(
-                "INSERT INTO sites (id, path, module, kind, module_type, dtype, shape, first_step) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                item[1:],
-            )
-            self.n_sites = max(self.n_sites, item[1] + 1)
-            self._site_names[item[1]] = (item[2], item[4])
-        elif tag == "meta":
-            conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (item[1], json.dumps(item[2])))
-        elif tag == "metric":
-            conn.execute("INSERT INTO metrics (step, name, value, time) VALUES (?, ?, ?, ?)", item[1:])
-        elif tag == "probe":  # a probed step: per-module errors against FP32, and what was skipped
-            step, rows, info = item[1:]
-            conn.executemany(
-                f"INSERT OR REPLACE INTO probes VALUES ({','.join('?' * (6 + len(schema.PROBE_FIELDS)))})",
-                [tuple(_sql(v) if isinstance(v, float) else v for v in r) for r in rows],
-            )
-            conn.execute(
-                "INSERT INTO events (step, kind, site, phase, message, data) VALUES (?, 'probe', NULL, 'fwd', ?, ?)",
-                (
-                    step,
-                    f"{len(rows)} module(s) compared with FP32, {len(info.get('skipped', {}))} skipped",
-                    json.dumps(info),
-                ),
-            )
-        elif tag == "event":
-            step, kind, site, phase, message, data = item[1:]
-            conn.execute(
-                "INSERT INTO events (step, kind, site, phase, message, data) VALUES (?, ?, ?, ?, ?, ?)",
-                (step, kind, site, phase, message, _event_json(data) if data is not None else None),
-            )
-        else:
-            raise ValueError(f"unknown packet {tag!r}")
+    def _write_item(self, conn: sqlite3.Connection, item) -> None:
+        """One message other than a step. A value SQLite cannot store (an integer past 64 bits, text that is not
+        valid UTF-8) drops that message with one log line, never the writer: the file, not the item, is what a
+        failure of the disk or the database looks like."""
+        try:
+            self._handlers[type(item)](conn, item)
+        except (sqlite3.InterfaceError, sqlite3.IntegrityError, OverflowError, UnicodeError, ValueError) as exc:
+            self.dropped += 1
+            if self.dropped == 1:
+                log.warning("ampdoctor: a %s the trace cannot store was dropped (%s)", type(item).__name__, exc)
+
+    def _write_site(self, conn: sqlite3.Connection, m: SiteMsg) -> None:
+        conn.execute(
+            "INSERT INTO sites (id, path, module, kind, module_type, dtype, shape, first_step) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            tuple(m),
+        )
+        self.n_sites = max(self.n_sites, m.id + 1)
+        self._site_names[m.id] = (m.path, m.kind)
+
+    def _write_meta(self, conn: sqlite3.Connection, m: MetaMsg) -> None:
+        conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (m.key, json.dumps(m.value)))
+
+    def _write_metric(self, conn: sqlite3.Connection, m: MetricMsg) -> None:
+        conn.execute("INSERT INTO metrics (step, name, value, time) VALUES (?, ?, ?, ?)", tuple(m))
+
+    def _write_probe(self, conn: sqlite3.Connection, m: ProbeMsg) -> None:
+        """A probed step: per-module errors against FP32, and what was skipped."""
+        conn.executemany(
+            f"INSERT OR REPLACE INTO probes VALUES ({','.join('?' * (6 + len(schema.PROBE_FIELDS)))})",
+            [tuple(_sql(v) if isinstance(v, float) else v for v in r) for r in m.rows],
+        )
+        message = f"{len(m.rows)} module(s) compared with FP32, {len(m.info.get('skipped', {}))} skipped"
+        self._write_event(conn, EventMsg(m.step, EventKind.PROBE, None, "fwd", message, m.info))
+
+    def _write_event(self, conn: sqlite3.Connection, m: EventMsg) -> None:
+        data = _event_json(m.data) if m.data is not None else None
+        conn.execute(
+            "INSERT INTO events (step, kind, site, phase, message, data) VALUES (?, ?, ?, ?, ?, ?)",
+            (m.step, EventKind(m.kind).value, m.site, Phase(m.phase).value if m.phase else None, m.message, data),
+        )
 
     def _layout(self, p: StepPacket) -> Layout:
         """The Layout of a step's entries, kept for the few layouts a run alternates between (sentinel, peaks and
@@ -242,7 +240,11 @@ class Writer(threading.Thread):
     def _write_steps(self, conn: sqlite3.Connection, packets: list[StepPacket]) -> None:
         """Write consecutive step packets; runs of steps with one layout are reduced together (one numpy pass and
         one executemany per run instead of a few dozen small calls per step: the writer shares the GIL with the
-        training thread)."""
+        training thread). NaN/Inf are data here, not errors (and -W error must not stop the writer)."""
+        with np.errstate(all="ignore"):
+            self._write_packets(conn, packets)
+
+    def _write_packets(self, conn: sqlite3.Connection, packets: list[StepPacket]) -> None:
         i = 0
         while i < len(packets):
             layout = self._layout(packets[i])
@@ -270,7 +272,6 @@ class Writer(threading.Thread):
             "INSERT INTO peaks (step, data) VALUES (?, ?)",  # none for a sentinel-only step
             [(p.step, blobs[k].tobytes()) for k, p in enumerate(run) if p.row.get("level") != schema.LEVEL_SENTINEL],
         )
-        bad_peak = (~np.isfinite(site_peak)).any(axis=1).tolist()
 
         # 2. full statistics, where every call of a site had them
         if layout.full_plan is not None:
@@ -278,15 +279,10 @@ class Writer(threading.Thread):
 
         rows = []
         for k, p in enumerate(run):
-            # 3. skipped steps and non-finite values
-            skipped = p.skipped
-            if skipped is None:
-                skipped = p.scale is not None and p.scale_next is not None and p.scale_next < p.scale
-            grads_bad = not all(v is None or _finite(v) for v in (p.grad_norm, p.row.get("grad_max")))
-            nonfinite = bad_peak[k] or grads_bad or (p.loss is not None and not _finite(p.loss))
-            if nonfinite and p.row.get("level") == schema.LEVEL_SENTINEL:
+            # 3. where a non-finite value came from (the training thread decided whether there was one)
+            if p.nonfinite and p.row.get("level") == schema.LEVEL_SENTINEL:
                 self._unknown_origin(conn, p)
-            elif nonfinite:
+            elif p.nonfinite:
                 self._locate(conn, p, values[k], peaks[k], layout.owner)
 
             row = p.row
@@ -296,14 +292,14 @@ class Writer(threading.Thread):
                 loss=p.loss,
                 loss_scale=p.scale,
                 loss_scale_next=p.scale_next,
-                skipped=int(bool(skipped)),
+                skipped=int(p.skipped),
                 grad_norm=p.grad_norm,
-                nonfinite=int(nonfinite),
+                nonfinite=int(p.nonfinite),
                 samples_per_s=(samples / step_time) if samples and step_time else None,
                 lr=self._lr_text(lr),
             )
             rows.append([_sql(v) for v in map(row.get, schema.STEP_FIELDS)])
-            self._skipped_total += int(bool(skipped))
+            self._skipped_total += int(p.skipped)
             if self.log_every and (p.step + 1) % self.log_every == 0:
                 log.info(self._health(p, uniq, site_peak[k]))
         conn.executemany(
@@ -349,10 +345,10 @@ class Writer(threading.Thread):
         if not n_sites:
             return
         k = len(run)
-        cols = (plan.offs[:, None] + np.arange(V.FULL_LEN)).reshape(-1)
-        mat = values.take(cols, axis=1).reshape(k * n_tensors, V.FULL_LEN)  # (take: contiguous, no second copy)
+        cols = (plan.offs[:, None] + np.arange(vectors.FULL_LEN)).reshape(-1)
+        mat = values.take(cols, axis=1).reshape(k * n_tensors, vectors.FULL_LEN)  # (take: contiguous, no second copy)
         starts = (np.arange(k)[:, None] * n_tensors + plan.starts[None, :]).reshape(-1)
-        st, bins = V.derive_many(V.merge_rows(mat, starts), np.tile(plan.numel, k))
+        st, bins = vectors.derive_many(vectors.merge_rows(mat, starts), np.tile(plan.numel, k))
         scale = np.repeat([p.scale if p.scale is not None else 1.0 for p in run], n_sites)
         cols = [st[f].tolist() for f in schema.STATS_FIELDS]
         for i, f in enumerate(schema.STATS_FIELDS):
@@ -387,17 +383,9 @@ class Writer(threading.Thread):
         """A NaN/Inf on a step that observed no site: its tensors are gone, so where it came from is not guessed.
         The flight recorder observes the next steps in full; a fault that recurs is located there."""
         what = "loss" if p.loss is not None and not _finite(p.loss) else "gradients"
-        conn.execute(
-            "INSERT INTO events (step, kind, site, phase, message, data) VALUES (?, ?, ?, ?, ?, ?)",
-            (
-                p.step,
-                "nonfinite_unknown",
-                None,
-                None,
-                f"non-finite {what} on a step observed by the sentinel only: origin unknown",
-                _event_json({"loss": p.loss, "grad_norm": p.grad_norm, "grad_max": p.row.get("grad_max")}),
-            ),
-        )
+        message = f"non-finite {what} on a step observed by the sentinel only: origin unknown"
+        data = {"loss": p.loss, "grad_norm": p.grad_norm, "grad_max": p.row.get("grad_max")}
+        self._write_event(conn, EventMsg(p.step, EventKind.NONFINITE_UNKNOWN, None, None, message, data))
 
     def _locate(
         self, conn: sqlite3.Connection, p: StepPacket, values: np.ndarray, peaks: np.ndarray, owner: np.ndarray
@@ -406,12 +394,20 @@ class Writer(threading.Thread):
 
         Forward: the first module (in completion order) whose output is non-finite while all of its inputs were
         finite; a child that merely received a non-finite input is not the origin. Backward: the first output
-        gradient (in the order autograd produced them) that is non-finite, after a finite one.
+        gradient (in the order autograd produced them) that is non-finite, after a finite one. A non-finite loss
+        from finite module outputs is named before the backward pass: the gradients it seeds are its consequence.
         """
         worst = np.full(len(p.entries), -1.0)
         np.maximum.at(worst, owner, peaks)
         prev_site = None
-        for phase in ("fwd", "bwd", "param"):
+        for phase in (Phase.FWD, Phase.BWD, Phase.PARAM):
+            if (
+                phase == Phase.BWD
+                and p.loss is not None
+                and not _finite(p.loss)
+                and all(_finite(float(worst[i])) for i, e in enumerate(p.entries) if e.phase == Phase.FWD)
+            ):
+                break  # finite forward outputs and a non-finite loss: the loss event below
             for i, e in enumerate(p.entries):
                 if e.phase != phase:
                     continue
@@ -419,29 +415,18 @@ class Writer(threading.Thread):
                 if _finite(out):
                     prev_site = e.site
                     continue
-                if phase == "fwd":
+                if phase == Phase.FWD:
                     if not np.isfinite(tensor_peaks(values, e.inputs, p.bases)).all():
                         continue
                     msg = "first non-finite output in the forward pass (inputs finite)"
-                elif phase == "bwd":
+                elif phase == Phase.BWD:
                     msg = "first non-finite gradient in the backward pass"
                 else:
                     msg = "non-finite parameter gradient"
                 data = {"value": "nan" if math.isnan(out) else "inf", "after": prev_site}
-                conn.execute(
-                    "INSERT INTO events (step, kind, site, phase, message, data) VALUES (?, ?, ?, ?, ?, ?)",
-                    (p.step, "nonfinite", e.site, phase, msg, json.dumps(data)),
-                )
+                self._write_event(conn, EventMsg(p.step, EventKind.NONFINITE, e.site, phase, msg, data))
                 return
         if p.loss is not None and not _finite(p.loss):
-            conn.execute(
-                "INSERT INTO events (step, kind, site, phase, message, data) VALUES (?, ?, ?, ?, ?, ?)",
-                (
-                    p.step,
-                    "nonfinite",
-                    None,
-                    "loss",
-                    "non-finite loss with finite module outputs",
-                    json.dumps({"value": "nan" if math.isnan(p.loss) else "inf"}),
-                ),
-            )
+            data = {"value": "nan" if math.isnan(p.loss) else "inf"}
+            message = "non-finite loss with finite module outputs"
+            self._write_event(conn, EventMsg(p.step, EventKind.NONFINITE, None, "loss", message, data))

@@ -75,3 +75,34 @@ def test_cli_prints_control_characters_as_escapes(hostile, capsys, argv):
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\x07" not in out
     assert "\\x1b]0;pwned\\x07" in out
+
+
+@pytest.mark.browser
+def test_every_page_renders_under_the_content_security_policy(dash_duo, traces):
+    """Issue 21, item 11: the pages carry a CSP (this server's scripts, Dash's one inline script by its hash,
+    no framing). Chromium enforces it: every page still draws its figures and tables, and the console has no
+    error (a blocked script or style would be one)."""
+    import urllib.request
+
+    # a long poll: the test does not wait for new steps (and no poll races the first render)
+    dash_duo.start_server(create_app(str(traces), poll_ms=600_000, reference=str(traces / "bf16.db")))
+    base = dash_duo.server_url
+    with urllib.request.urlopen(f"{base}/?run=fp16_bad.db", timeout=30) as r:  # what the browser is served
+        assert "frame-ancestors 'none'" in r.headers["Content-Security-Policy"]
+        assert r.headers["X-Frame-Options"] == "DENY"
+    for path, ready in (
+        ("/", f"#{ids.LOSS_GRAPH} .main-svg"),
+        ("/", ".finding"),
+        ("/layers", f"#{ids.LAYERS_HEATMAP} .hm"),
+        ("/layer", f"#{ids.LAYER_HIST} .main-svg"),
+        ("/precision", f"#{ids.PRECISION_TABLE} td"),
+        ("/whatif", f"#{ids.WHATIF_GRAPH} .main-svg"),
+        ("/formats", f"#{ids.FORMATS_SHARES} .main-svg"),
+        ("/compare", f"#{ids.COMPARE_LOSS} .main-svg"),
+    ):
+        query = "?run=fp16_bad.db" + ("&site=8" if path == "/layer" else "")
+        dash_duo.wait_for_page(f"{base}{path}{query}", timeout=20)
+        dash_duo.wait_for_element(ready, timeout=30)
+        assert dash_duo.find_element(f"#{ids.ERROR}").text == "", path
+    errors = [e for e in dash_duo.get_logs() or [] if e.get("level") == "SEVERE"]
+    assert errors == [], errors

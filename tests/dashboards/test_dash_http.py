@@ -1,8 +1,16 @@
 """The dashboard behind a real threaded HTTP server (the one ``app.run`` starts): Host names it answers, concurrent
 requests, and bad input answered with a message on the page instead of a 500."""
 
+import base64
+import hashlib
 import json
+import os
+import re
 import shutil
+import socket
+import sqlite3
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -10,18 +18,18 @@ import urllib.request
 
 import pytest
 import runs
-from ampdoctor.dashboards import hosts, ids
+from ampdoctor.dashboards import hosts, ids, server
 from ampdoctor.dashboards.app import create_app
-from werkzeug.serving import make_server
 
 import ampdoctor
 
 
 class Server:
-    """``app`` served on 127.0.0.1 by werkzeug's threaded server, as ``ampdoctor serve`` runs it."""
+    """``app`` served on 127.0.0.1 by the server ``ampdoctor serve`` runs (werkzeug's, with dashboards/server.py's
+    limits; ``limits``: its keyword arguments)."""
 
-    def __init__(self, app):
-        self.httpd = make_server("127.0.0.1", 0, app.server, threaded=True)
+    def __init__(self, app, **limits):
+        self.httpd = server.make_server(app, "127.0.0.1", 0, **limits)
         self.port = self.httpd.server_port
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
@@ -30,16 +38,18 @@ class Server:
     def close(self):
         self.httpd.shutdown()
 
-    def request(self, path, body=None, host=None):
-        """(status, body text) of a GET (or a POST of ``body`` as JSON), with the Host header ``host``."""
-        headers = {"Content-Type": "application/json", **({"Host": host} if host else {})}
+    def request(self, path, body=None, host=None, headers=None):
+        """(status, body text) of a GET (or a POST of ``body`` as JSON), with the Host header ``host``; the response
+        headers go to ``headers`` (a dict) when given."""
         req = urllib.request.Request(
             f"http://127.0.0.1:{self.port}{path}",
-            headers=headers,
+            headers={"Content-Type": "application/json", **({"Host": host} if host else {})},
             data=None if body is None else json.dumps(body).encode(),
         )
         try:
             with urllib.request.urlopen(req, timeout=60) as r:
+                if headers is not None:
+                    headers.update(r.headers)
                 return r.status, r.read().decode()
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode()
@@ -78,8 +88,8 @@ class Server:
 def serve():
     servers = []
 
-    def start(app):
-        servers.append(Server(app))
+    def start(app, **limits):
+        servers.append(Server(app, **limits))
         return servers[-1]
 
     yield start
@@ -235,3 +245,190 @@ def test_a_failing_callback_says_so_on_the_page(traces, serve, monkeypatch):
     assert status == 200 and resp[ids.ERROR]["children"] == (
         "This view could not be updated: RuntimeError: replay exploded"
     )
+
+
+# -- issue 21, items 9-11: what one request may cost, traces changed under the server, headers ----------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _peak_rss_mb(pid: int) -> float:
+    """The process's peak resident memory (VmHWM), MB."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+
+
+def _post_streamed(port: int, total: int, chunked: bool = False) -> int:
+    """POST ``total`` bytes of a JSON body to /_dash-update-component, 1 MB at a time (the test never holds it),
+    and return the status of the answer."""
+    head = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {total}"
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(
+            f"POST /_dash-update-component HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+            f"{head}\r\n\r\n".encode()
+        )
+        block = b'{"output": "' + b"x" * (2**20 - 12)
+        try:
+            for sent in range(0, total, len(block)):
+                part = block[: min(len(block), total - sent)]
+                s.sendall(b"%x\r\n%s\r\n" % (len(part), part) if chunked else part)
+            if chunked:
+                s.sendall(b"0\r\n\r\n")
+        except OSError:  # the server answered and closed while we were still sending
+            pass
+        return int(s.recv(4096).split(b" ", 2)[1])
+
+
+def test_a_request_body_over_the_limit_is_refused_413_and_costs_no_memory(traces, tmp_path):
+    """Issue 21, item 9: a 300 MB JSON body to /_dash-update-component took the server from 112 MB to 1.6 GB.
+    Now `ampdoctor serve` answers 413 (with a length given, and streamed in chunks without one) and its peak
+    memory stays where it was."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ampdoctor", "serve", str(traces / "bf16.db"), "--port", str(port)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert "ampdoctor dashboard on" in proc.stderr.readline()
+        url = f"http://127.0.0.1:{port}/"
+        assert urllib.request.urlopen(url, timeout=60).status == 200
+        before = _peak_rss_mb(proc.pid)
+        assert _post_streamed(port, 300 * 2**20) == 413
+        assert _post_streamed(port, server.MAX_BODY + 2**20, chunked=True) == 413
+        assert _post_streamed(port, 1000, chunked=True) == 400  # within the limit: read (and not a callback)
+        assert _peak_rss_mb(proc.pid) < before + 64
+        assert urllib.request.urlopen(url, timeout=60).status == 200  # and it goes on serving
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _deleted_fds(path) -> list:
+    """This process's open descriptors on a deleted file of that name."""
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target == f"{path} (deleted)":
+            fds.append(fd)
+    return fds
+
+
+def test_a_trace_replaced_by_rename_is_read_anew(traces, tmp_path, serve):
+    """Issue 21, item 10: what rsync (or cp + mv) does to a served trace. The pool kept the old, deleted file open
+    and the dashboard showed it; now the next request opens (and checks) the file the name holds."""
+    shutil.copy(traces / "ddp" / "run.rank0.db", tmp_path / "a.db")  # 6 steps
+    srv = serve(create_app(str(tmp_path)))
+    count = f"{ids.STEP_COUNT}.children"
+    status, resp = srv.callback(count, {f"{ids.URL}.search": "?run=a.db"})
+    assert status == 200 and resp[ids.STEP_COUNT]["children"] == "6 steps"
+    shutil.copy(traces / "bf16.db", tmp_path / "a.db.partial")  # 30 steps
+    os.replace(tmp_path / "a.db.partial", tmp_path / "a.db")
+    status, resp = srv.callback(count, {f"{ids.URL}.search": "?run=a.db"})
+    assert status == 200 and resp[ids.STEP_COUNT]["children"] == "30 steps"
+    assert _deleted_fds(tmp_path / "a.db") == []
+
+
+RECURSIVE_VIEW = (
+    "ALTER TABLE steps RENAME TO steps_old; CREATE VIEW steps AS WITH RECURSIVE r(x) AS (SELECT 0 UNION ALL "
+    "SELECT x + 1 FROM r) SELECT steps_old.* FROM r, steps_old"
+)
+
+
+def test_a_schema_changed_under_the_server_is_checked_again(traces, tmp_path, serve):
+    """Issue 21, item 10: the steps table replaced by a recursive view after the dashboard opened the trace made
+    the next request spin at 100% CPU forever. SQLite's schema cookie tells the server; the trace is checked
+    again and refused: the request returns at once and shows none of it."""
+    shutil.copy(traces / "bf16.db", tmp_path / "a.db")
+    srv = serve(create_app(str(tmp_path)))
+    count = f"{ids.STEP_COUNT}.children"
+    status, resp = srv.callback(count, {f"{ids.URL}.search": "?run=a.db"})
+    assert status == 200 and resp[ids.STEP_COUNT]["children"] == "30 steps"
+    conn = sqlite3.connect(tmp_path / "a.db")
+    conn.executescript(RECURSIVE_VIEW)
+    conn.close()
+    t0 = time.monotonic()
+    status, resp = srv.callback(count, {f"{ids.URL}.search": "?run=a.db"})
+    assert time.monotonic() - t0 < 10
+    assert status == 200 and "steps" not in json.dumps(resp[ids.STEP_COUNT])
+
+
+def test_every_query_is_bounded_in_time(traces, tmp_path):
+    """The schema may change between a request's check and its queries: a query that would never end is
+    interrupted after the limit (a TraceError, shown on the page); a trace held longer than that, query after
+    query, is not."""
+    shutil.copy(traces / "bf16.db", tmp_path / "a.db")
+    tr = server.open_trace(str(tmp_path / "a.db"), limit_s=1.0)
+    assert server.renew(tr)
+    for _ in range(3):  # 3 s of short queries
+        assert len(tr.steps()) == 30
+        time.sleep(1.0)
+    conn = sqlite3.connect(tmp_path / "a.db")
+    conn.executescript(RECURSIVE_VIEW)
+    conn.close()
+    t0 = time.monotonic()
+    with pytest.raises(ampdoctor.TraceError, match="interrupted"):
+        tr.steps()
+    assert time.monotonic() - t0 < 5
+    assert not server.renew(tr)  # and the next request opens it again (and refuses it)
+    tr.close()
+
+
+def test_partial_requests_are_dropped_and_connections_are_capped(traces, serve):
+    """Issue 21, item 11: 400 partial requests held 400 connections and 403 threads for ever. Now a connection
+    that stops sending is dropped after the socket timeout, and at most max_connections are served at once (one
+    thread each); the ones beyond are answered 503 without a thread."""
+    srv = serve(create_app(str(traces)), max_connections=8, timeout_s=1.5)
+    before = threading.active_count()
+    socks = []
+    for _ in range(40):
+        s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+        s.sendall(b"GET / HTTP/1.1\r\nHost: 127")  # and never the rest
+        socks.append(s)
+    time.sleep(0.5)
+    assert threading.active_count() - before <= 8
+    answers = []
+    for s in socks:
+        try:
+            answers.append(s.recv(4096))  # the 503 at once; the held ones: nothing until the timeout closes them
+        except OSError as exc:
+            answers.append(exc)
+        s.close()
+    assert sum(a.startswith(b"HTTP/1.1 503") for a in answers if isinstance(a, bytes)) == 32
+    assert sum(a == b"" for a in answers) == 8  # closed by the server after 1.5 s of silence
+    assert srv.get("/")[0] == 200
+    deadline = time.monotonic() + 10
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert threading.active_count() <= before
+
+
+def test_pages_forbid_framing_sniffing_referrers_and_foreign_script(traces, serve):
+    """Issue 21, item 11: the pages show local data. Every response says: no framing (X-Frame-Options, CSP
+    frame-ancestors), no type sniffing, no referrer; its CSP allows this server's scripts and exactly the inline
+    script the page holds (by its hash)."""
+    srv = serve(create_app(str(traces)))
+    headers: dict = {}
+    status, page = srv.request("/?run=bf16.db", headers=headers)
+    assert status == 200
+    assert headers["X-Frame-Options"] == "DENY"
+    assert headers["X-Content-Type-Options"] == "nosniff"
+    assert headers["Referrer-Policy"] == "no-referrer"
+    csp = dict(d.strip().split(" ", 1) for d in headers["Content-Security-Policy"].split(";"))
+    assert csp["frame-ancestors"] == "'none'" and csp["default-src"] == "'self'" and csp["object-src"] == "'none'"
+    page = re.sub(r"<!--.*?-->", "", page, flags=re.S)  # (an old-IE notice sits in a comment)
+    inline = re.findall(r"<script(?![^>]*\bsrc=)(?![^>]*application/json)[^>]*>(.*?)</script>", page, re.S)
+    assert inline == ["var renderer = new DashRenderer();"]
+    digest = base64.b64encode(hashlib.sha256(inline[0].encode()).digest()).decode()
+    assert csp["script-src"] == f"'self' 'sha256-{digest}'"
+    for path in ("/_dash-layout", "/_dash-dependencies"):  # the JSON the page fetches carries them too
+        more: dict = {}
+        assert srv.request(path, headers=more)[0] == 200
+        assert (
+            more["X-Frame-Options"] == "DENY" and more["Content-Security-Policy"] == headers["Content-Security-Policy"]
+        )

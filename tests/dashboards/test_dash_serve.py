@@ -2,7 +2,7 @@
 
 import dash
 import pytest
-from ampdoctor.dashboards import data, diagnosis
+from ampdoctor.dashboards import data, diagnosis, server
 from ampdoctor.dashboards.app import create_app, render
 from ampdoctor.dashboards.pages import compare, layer, layers, overview, whatif
 
@@ -10,19 +10,35 @@ from ampdoctor.cli import main
 from ampdoctor.commands import serve as command
 
 
+def _record(monkeypatch, calls: list, apps: list | None = None) -> None:
+    """Record the server ``ampdoctor serve`` would start (dashboards/server.py) instead of serving."""
+
+    class Recorded:
+        def __init__(self, app, host, port):
+            calls.append({"host": host, "port": port, "debug": app.server.debug})
+            if apps is not None:
+                apps.append(app)
+            self.port = port
+
+        def serve_forever(self):
+            pass
+
+        def server_close(self):
+            pass
+
+    monkeypatch.setattr(server, "make_server", Recorded)
+
+
 @pytest.fixture
 def no_server(monkeypatch):
-    """Record app.run instead of serving."""
     calls = []
-    import dash
-
-    monkeypatch.setattr(dash.Dash, "run", lambda self, **kw: calls.append(kw))
+    _record(monkeypatch, calls)
     return calls
 
 
 def test_serve_binds_loopback_by_default(traces, no_server, capsys):
     assert main(["serve", str(traces)]) == 0
-    assert no_server == [{"host": "127.0.0.1", "port": 8050, "debug": False, "use_reloader": False}]
+    assert no_server == [{"host": "127.0.0.1", "port": 8050, "debug": False}]
     err = capsys.readouterr().err
     assert "WARNING" not in err and "http://127.0.0.1:8050/" in err
 
@@ -204,10 +220,8 @@ def test_a_fifo_in_the_served_directory_is_skipped_unopened(traces, tmp_path, mo
     import shutil
     import time
 
-    import dash
-
     apps = []
-    monkeypatch.setattr(dash.Dash, "run", lambda self, **kw: apps.append(self))
+    _record(monkeypatch, [], apps)
     shutil.copy(traces / "bf16.db", tmp_path / "bf16.db")
     os.mkfifo(tmp_path / "early.db")
     assert _finishes(lambda: main(["serve", str(tmp_path)]), tmp_path / "early.db") == 0
@@ -224,7 +238,7 @@ def test_a_fifo_in_the_served_directory_is_skipped_unopened(traces, tmp_path, mo
 def test_serve_answers_the_names_its_options_allow(traces, monkeypatch, capsys):
     """--host and --allow-host reach the app: a wildcard bind answers addresses and the allowed name, not others."""
     apps = []
-    monkeypatch.setattr(dash.Dash, "run", lambda self, **kw: apps.append(self))
+    _record(monkeypatch, [], apps)
     assert main(["serve", str(traces), "--host", "0.0.0.0", "--allow-host", "dash.example"]) == 0
     client = apps[0].server.test_client()
     for host, status in (

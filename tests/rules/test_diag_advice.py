@@ -44,8 +44,13 @@ def test_cpu_recording(overflow_trace):
 def test_gpu_without_bf16_gets_no_bf16_advice(overflow_trace, monkeypatch):
     _with_device(monkeypatch, V100)
     d = {x.rule: x for x in ampdoctor.diagnose(overflow_trace)}["forward-overflow"]
-    assert 'device_type="cuda"' in d.recommendation
+    assert 'device_type="cpu"' not in d.recommendation and '"cpu"' not in d.recommendation
     assert "bfloat16" not in d.recommendation
+    # a set-up block for this recording names its device (the master-weights move of a half-parameter run)
+    from ampdoctor.rules.advice import Setup, master_weights
+
+    block = master_weights(Setup(device="cuda", param_dtype="float16", optimizer="SGD", bf16_supported=False)).text
+    assert 'torch.amp.GradScaler("cuda")' in block and 'device_type="cuda"' in block
 
 
 @pytest.fixture(scope="module")

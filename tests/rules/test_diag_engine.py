@@ -117,3 +117,41 @@ def test_trace_without_steps_is_an_error_not_a_clean_bill(tmp_path):
     ampdoctor.attach(F.mlp(), trace=path).close()
     with pytest.raises(ampdoctor.TraceError, match="no steps recorded"):
         ampdoctor.diagnose(path)
+
+
+def test_suppression_is_declared_and_disabling_hides_only_that_rule(traces, monkeypatch):
+    """cause suppresses symptom (declared on the registry entry); partial only when its finding says so. Disabling
+    cause hides cause's findings only: it is still computed, so symptom stays hidden; a symptom rule that is hidden
+    whatever it finds is not even run for display."""
+    from ampdoctor.rules.result import suppressed_by
+
+    ran = []
+
+    def cause(run):
+        return finding("critical", "cause", "s", evidence={"x": 1})
+
+    def symptom(run):
+        ran.append("symptom")
+        return finding("critical", "symptom", "s", evidence={"x": 1})
+
+    def partial(run):
+        return [
+            finding("warning", "kept", "s", evidence={"keep": True}),
+            finding("warning", "hidden", "s", evidence={"keep": False}),
+        ]
+
+    fake = {
+        "cause": Rule("cause", cause, ""),
+        "symptom": Rule("symptom", symptom, "", suppressed_by=suppressed_by("cause")),
+        "partial": Rule(
+            "partial", partial, "", suppressed_by=suppressed_by("cause", when=lambda own, c: not own.evidence["keep"])
+        ),
+    }
+    monkeypatch.setattr(registry, "RULES", fake)
+    assert [d.title for d in ampdoctor.diagnose(traces["healthy"])] == ["cause", "kept"]
+    assert ran == []  # hidden whatever it would find: not computed for display
+    assert [d.title for d in ampdoctor.diagnose(traces["healthy"], rules={"cause": None})] == ["kept"]
+    from ampdoctor.rules.engine import Run
+
+    run = Run(ampdoctor.load(traces["healthy"]), rules={"cause": None})
+    assert [d.title for d in run.findings_of("symptom")] == ["symptom"]  # computed when asked: it is there, hidden

@@ -89,7 +89,7 @@ def test_dead_relu_is_not_underflow(scaler, trace_path):
     assert all(d.severity != "critical" for d in found), [(d.rule, d.summary) for d in found]
 
 
-# -- dependencies between rules go through the engine ------------------------------------------------------------
+# -- suppression is declared on the registry entry; disabling a rule hides its findings only --------------------------
 def test_slow_convergence_sees_grad_underflow_as_the_user_configured_it(tmp_path):
     ref, path = str(tmp_path / "ref.db"), str(tmp_path / "run.db")
     F.fit(F.mlp(width=64), F.regression(80), 80, ref, precision="fp32", optimizer="adam", lr=1e-2)
@@ -97,9 +97,25 @@ def test_slow_convergence_sees_grad_underflow_as_the_user_configured_it(tmp_path
     F.fit(F.mlp(width=64), F.regression(80), 80, path, scaler=False, optimizer="adam", lr=1e-3)
     default = {d.rule: d for d in ampdoctor.diagnose(path, reference=ref)}
     assert default["grad-underflow"].severity == "warning" and "slow-convergence" not in default
-    for rules in ({"grad-underflow": None}, {"grad-underflow": {"min_share": 0.5}}):
-        found = {d.rule for d in ampdoctor.diagnose(path, reference=ref, rules=rules)}
-        assert "slow-convergence" in found and "grad-underflow" not in found, rules
+    # disabled: not shown, still computed, so it still explains the slow convergence
+    assert ampdoctor.diagnose(path, reference=ref, rules={"grad-underflow": None}) == []
+    # re-thresholded until it finds nothing: nothing explains the gap any more
+    found = {d.rule for d in ampdoctor.diagnose(path, reference=ref, rules={"grad-underflow": {"min_share": 0.5}})}
+    assert "slow-convergence" in found and "grad-underflow" not in found
+
+
+def test_disabling_divergence_hides_only_divergence(trace_path):
+    """issue 19: an SGD run at lr=2.0 diagnoses [divergence]; with divergence disabled, the rules it suppresses
+    (loss-scale-collapse, forward-overflow, ...) stay suppressed: the diagnosis is empty, not a wrong one."""
+    F.fit(F.mlp(), F.regression(20), 20, trace_path, lr=2.0)
+    assert [d.rule for d in ampdoctor.diagnose(trace_path)] == ["divergence"]
+    assert ampdoctor.diagnose(trace_path, rules={"divergence": None}) == []
+    # what divergence suppresses is there, computed: the declared suppression hides it
+    from ampdoctor.rules.engine import Run
+
+    run = Run(ampdoctor.load(trace_path), rules={"divergence": None})
+    hidden = [r for r in ("loss-scale-collapse", "forward-overflow") if run.findings_of(r)]
+    assert hidden, "the fault's other findings should exist, hidden by the suppression"
 
 
 # -- evidence text that reads right ------------------------------------------------------------------------------------

@@ -198,3 +198,27 @@ def test_slow_convergence_fix(trace_path, tmp_path):
     fixed = str(tmp_path / "fixed.db")
     F.fit(F.mlp(width=64), F.regression(80), 80, fixed, precision="fp16", optimizer="adam", lr=group["lr"])
     assert F.diagnose(fixed, reference=ref)[1] == []
+
+
+def test_nan_batches_filter_as_printed(trace_path, tmp_path):
+    """The corrupt-batch filter of loss-scale-collapse, pasted whole (its text names `loader` as the user's data
+    loader), skips the NaN batches: the run trains without a skipped step after calibration."""
+    S.nan_batches(trace_path)
+    d = F.diagnose(trace_path)[0]["loss-scale-collapse"]
+    (block,) = [p.text for p in d.fix if p.kind == "code"]
+    assert "`loader` stands for your data loader" in d.recommendation
+
+    def data():
+        for i, (x, y) in enumerate(F.regression(60)):
+            if i >= 5:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            yield x, y
+
+    ns = {"torch": torch, "loader": data()}
+    exec(block, ns)
+    batches = list(ns["loader"])
+    assert len(batches) == 5 and all(torch.isfinite(x).all() for x, _ in batches)
+    fixed = str(tmp_path / "fixed.db")
+    F.fit(F.mlp(), iter(batches * 4), 20, fixed)
+    assert F.diagnose(fixed)[1] == []

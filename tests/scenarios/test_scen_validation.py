@@ -131,7 +131,7 @@ def test_val_oscillation_fix(reference, trace_path, tmp_path):
     d = F.diagnose(trace_path, reference=reference)[0]["val-oscillation"]
     code = d.recommendation.split(":\n", 1)[1]
     assert re.search(r'^handle = ampdoctor\.keep_fp32\(model, "0"\)', code, re.M)
-    assert "m.float()" in code
+    assert "model[0].float()" in code
     m = model()
     m[0].half()
     exec(code, {"model": m, "torch": torch, "ampdoctor": ampdoctor})

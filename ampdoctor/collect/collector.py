@@ -1,0 +1,260 @@
+"""From training's calls to the step's record: the root forward (a micro-batch starts), each observed module's forward
+and output gradient, the loss (logged, or read in ``scaler.scale``), and the optimizer's update. Each entry runs
+under ``guards.guarded``; what it observes goes into ``record`` (StepRecord), what it learns about the run into
+``facts`` (RunFacts), for the step ``state`` (StepState) the Doctor hands it at every step start."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..trace.vectors import FULL_BLOCK, Entry, Phase
+from . import buffers, hooks, stats
+from .guards import Guard, guarded, no_boundary
+from .options import Observe
+from .record import StepRecord
+from .sites import Sites
+from .state import RunFacts, StepState
+
+WARN_AFTER_STEPS = 3  # steps (or cleared gradients) before a run that is not observed as it should be warns
+# Observations held for one step: a step of 1,000 observed modules with 32 accumulated micro-batches holds ~64k
+# (forward + backward). Beyond this the step boundary is taken to be missing (an optimizer of another model) and
+# the step's observations so far are dropped, so that memory stays bounded.
+MAX_STEP_ENTRIES = 200_000
+MAX_STEP_LOSSES = 64  # micro-batch losses kept apart per step; beyond, they are summed into one
+
+
+class Collector:
+    """The hooks' side of a Doctor. ``on_step_start`` runs at the first micro-batch of each step (the Doctor sends
+    the previous step's packet then, so that a loss logged after ``optimizer.step()`` still joins it)."""
+
+    def __init__(
+        self,
+        guard: Guard,
+        model: torch.nn.Module,
+        modules: list[tuple[str, torch.nn.Module]],
+        sites: Sites,
+        record: StepRecord,
+        facts: RunFacts,
+        params: list[tuple[str, torch.nn.Parameter]],
+        *,
+        boundary_name: str,
+        on_step_start: Callable[[], None],
+        keep_hooks: bool = False,
+    ):
+        self.guard = guard
+        self.model = model
+        self.modules = modules
+        self.sites = sites
+        self.record = record
+        self.facts = facts
+        self.params = params
+        self.state = StepState(0, Observe.NONE, "sentinel", False)  # (the Doctor begins step 0 at once)
+        self.probe = None  # a StepProbe when attach(probe_every=...)
+        self.on_root_call: Callable | None = None  # (args, kwargs) of the step's root forwards (the anomaly replay)
+        self.paused = False  # a replay is running: its root forwards are not micro-batches
+        self._boundary_name = boundary_name
+        self._on_step_start = on_step_start
+        self._anchor = next(iter([*model.parameters(), *model.buffers()]), None)
+        # Per-module hooks are made once and registered only for steps that observe sites (sync_hooks): a sentinel
+        # step runs no Python per module call. A compiled model keeps them (its graphs would change with every
+        # registration); they return at once on steps that observe no site.
+        self._keep_hooks = keep_hooks
+        self._grad_hooks = {path: hooks.eager(functools.partial(self.on_grad, path, mod)) for path, mod in modules}
+        self._fwd_hooks = [(mod, hooks.eager(functools.partial(self.on_forward, path))) for path, mod in modules]
+        self._handles: list = []
+
+    # -- the step's hooks ------------------------------------------------------------------------------------------
+    def begin(self, state: StepState) -> None:
+        """A new step: its state, and the per-module hooks it needs (registering ~25 hooks costs ~30 us, paid when
+        the cadence switches, not every step)."""
+        self.state = state
+        self.record.clear()
+        self.sync_hooks()
+
+    def sync_hooks(self) -> None:
+        want = ((self.state is not None and self.state.observe is not Observe.NONE) or self._keep_hooks) and not (
+            self.guard.off
+        )
+        if want == bool(self._handles):
+            return
+        if want:
+            self._handles = [mod.register_forward_hook(fn) for mod, fn in self._fwd_hooks]
+        else:
+            self.unhook()
+
+    def hook_ids(self) -> set[int]:
+        """The handle ids of the per-module hooks registered now (a replay switches others' hooks off)."""
+        return {h.id for h in self._handles}
+
+    def unhook(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # -- the forward pass ----------------------------------------------------------------------------------------
+    @guarded
+    def on_root_pre(self, module, args, kwargs) -> None:
+        if self.paused or self.facts.external_batches or not torch.is_grad_enabled() or hooks.graph_task_id() != -1:
+            return
+        first = self.state.t_first is None
+        self.start_micro(hooks.first_tensor(args, kwargs))
+        if self.on_root_call is not None:
+            self.on_root_call(args, kwargs, self.state.observe is not Observe.NONE)
+        if first and self.probe is not None:
+            self.probe.begin(self.state.index, args, kwargs)  # the step's first forward: its RNG state, inputs
+
+    def start_micro(self, t: torch.Tensor | None) -> None:
+        """A micro-batch's forward begins: the step's first one ends the data wait; ``t`` gives the batch size."""
+        state, facts = self.state, self.facts
+        if state.t_first is None:
+            state.t_first = time.perf_counter()
+            self._on_step_start()
+            facts.device = self.device_now()  # once a step: a model may be moved
+            self.read_autocast()
+        facts.step_starts += 1
+        state.micro += 1
+        if t is not None and t.dim() > 0:
+            state.samples += int(t.shape[0])
+        state.first_backward = True
+
+    def device_now(self) -> str | None:
+        """The model's device type, read from its first parameter (or buffer): walking the modules to find one
+        costs ~10 us, every step. A moved model keeps its Parameter objects (``.to()`` swaps their data)."""
+        if self._anchor is not None:
+            return self._anchor.device.type
+        return next((t.device.type for t in [*self.model.parameters(), *self.model.buffers()]), None)
+
+    def read_autocast(self) -> None:
+        """Record the autocast state at the step's first forward. Frameworks enter autocast inside ``forward``
+        (accelerate wraps it), after the root pre-hook: the first observed forward inside looks again."""
+        dev, seen = self.facts.device, self.facts.autocast
+        if dev is None or (seen.get("enabled") and seen.get("device_type") == dev):
+            return
+        enabled = torch.is_autocast_enabled(dev)
+        if enabled or not seen:
+            dtype = buffers.dtype_name(torch.get_autocast_dtype(dev)) if enabled else None
+            self.facts.autocast = {"device_type": dev, "enabled": enabled, "dtype": dtype}
+
+    @guarded
+    def on_forward(self, path: str, module, args, output) -> None:
+        state = self.state
+        if state.observe is Observe.NONE or not torch.is_grad_enabled():
+            return
+        if type(output) is torch.Tensor:  # the common case: one tensor out, one in
+            if not output.is_floating_point():
+                return
+            tensors: tuple | list = (output,)
+        else:
+            tensors = hooks.float_tensors(output)
+            if not tensors:
+                return
+        if state.look_at_autocast:
+            state.look_at_autocast = False
+            state.first_backward = True  # (also where no root forward marks the micro-batches)
+            if self.facts.device is None:
+                self.facts.device = self.device_now()
+            self.read_autocast()
+        rec = self.record
+        if len(rec.entries) >= MAX_STEP_ENTRIES:
+            self._drop_observations()
+        sid = self.sites.act.get(path)
+        if sid is None:
+            sid = self.sites.act[path] = self.sites.get(path, "act", module, tensors[0], state.index)
+        if sid in rec.act_seen and hooks.graph_task_id() != -1:
+            return  # checkpoint recomputation: the original forward was already recorded
+        rec.act_seen.add(sid)
+        want = state.observe
+        observe = rec.observe
+        outs = [observe(tensors[0], want)] if len(tensors) == 1 else [observe(t, want) for t in tensors]
+        a0 = args[0] if len(args) == 1 else None
+        if type(a0) is torch.Tensor and a0.is_floating_point():
+            ins = [observe(a0, Observe.PEAK)]
+        else:
+            ins = [observe(t, Observe.PEAK) for t in hooks.float_tensors(args)]
+        rec.entries.append(Entry(sid, Phase.FWD, outs, ins))
+        for t in tensors:
+            if t.requires_grad:
+                t.register_hook(self._grad_hooks[path])
+
+    # -- the backward pass ---------------------------------------------------------------------------------------
+    @guarded  # (on an accelerator autograd's thread: the training thread waits for it)
+    def on_grad(self, path: str, module, grad) -> None:
+        if grad is None:
+            return
+        state = self.state
+        if state.first_backward:
+            state.first_backward = False
+            self._check_missed_step()
+        state.grads_seen = True
+        rec = self.record
+        if len(rec.entries) >= MAX_STEP_ENTRIES:
+            self._drop_observations()
+        sid = self.sites.grad.get(path)
+        if sid is None:
+            sid = self.sites.grad[path] = self.sites.get(path, "grad_out", module, grad, state.index)
+        rec.entries.append(Entry(sid, Phase.BWD, [rec.observe(grad, state.observe)]))
+
+    def _check_missed_step(self) -> None:
+        """At a micro-batch's first backward hook: gradients of an earlier backward of this step that are gone
+        (``zero_grad()``) mean a step passed with no step boundary. Warn once after a few; the step's observations
+        are bounded by MAX_STEP_ENTRIES meanwhile."""
+        if not self.state.grads_seen or any(p.grad is not None for _, p in self.params):
+            return  # (only asked after an earlier backward of this step: accumulated micro-batches)
+        self.facts.missed_steps += 1
+        if self.facts.missed_steps == WARN_AFTER_STEPS:
+            what = f"{self.facts.missed_steps} optimizer steps"
+            self.guard.warn_once("no-boundary", no_boundary(self._boundary_name, what))
+
+    def _drop_observations(self) -> None:
+        """The step has grown past MAX_STEP_ENTRIES: its boundary is missing. Drop what it observed so far (its
+        timing, micro-batches and losses stay), warn once, keep collecting."""
+        self.record.drop_observations()
+        message = (
+            no_boundary(self._boundary_name, f"{MAX_STEP_ENTRIES:,} observations")
+            + "; the observations of the unfinished step are dropped to bound memory"
+        )
+        self.guard.warn_once("bounded", message)
+
+    # -- the optimizer's update ------------------------------------------------------------------------------------
+    @guarded
+    def keep_weights(self) -> None:
+        """Before an optimizer step that records updates: the weights as they are."""
+        self.state.weights_before = [p.detach().clone() for _, p in self.params]
+
+    @guarded
+    def record_updates(self) -> None:
+        """After it: each parameter's update (its value now minus the copy taken before the step)."""
+        state = self.state
+        if state.weights_before is None:
+            return
+        rec = self.record
+        for (name, p), old in zip(self.params, state.weights_before):
+            sid = self.sites.param(name, "update", p, state.index)
+            delta = stats.full(p.detach() - old)
+            rec.entries.append(Entry(sid, Phase.UPDATE, [(rec.add_full(delta), FULL_BLOCK, p.numel())]))
+        state.weights_before = None
+
+    # -- the loss ------------------------------------------------------------------------------------------------
+    def log_loss(self, loss, pending=None) -> None:
+        """A loss of this step (summed over micro-batches). ``pending``: the finished step (boundary.InFlight) a loss
+        logged after its boundary (``optimizer.step()`` before the loss was logged) and before the next step joins."""
+        if isinstance(loss, torch.Tensor):
+            if self.facts.loss_dtype is None:
+                self.facts.loss_dtype = buffers.dtype_name(loss.dtype)
+            if not loss.numel():
+                return
+            # a CPU value is read now (no sync to wait for); an accelerator's joins the step's one transfer
+            loss = loss.item() if loss.numel() == 1 and stats.on_host(loss) else loss.detach().reshape(-1)[0]
+        if loss is None:
+            return
+        state = self.state
+        if len(state.losses) >= MAX_STEP_LOSSES:  # a step without an end: keep one running sum
+            state.losses = [buffers.sum_losses(state.losses)]
+        if state.t_first is None and pending is not None and not pending.has_loss:
+            pending.add_late_loss(loss)  # logged after the optimizer step ended the step
+        else:
+            state.losses.append(loss)

@@ -1,0 +1,47 @@
+"""The training side's state as two plain objects: what one step has gathered so far (StepState: a new one every
+step, never a dozen fields reset by hand), and what training has shown about the run (RunFacts: the observed
+precision configuration, across steps)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .options import Observe
+
+
+@dataclass
+class StepState:
+    """One step between two boundaries. The cadence decides ``observe``/``reason``/``store_hist`` when it starts."""
+
+    index: int
+    observe: Observe
+    reason: str
+    store_hist: bool
+    micro: int = 0  # micro-batches (root forwards or begin_batch calls) seen this step
+    samples: int = 0
+    t_first: float | None = None  # when its first micro-batch started (the end of the data wait)
+    losses: list = field(default_factory=list)  # floats, or 0-d device tensors read with the step's transfer
+    scale_before: Any = None  # the loss scale in force when the step's loss was scaled
+    opt_stepped: bool = False  # the optimizer applied this step (the scaler did not skip it)
+    grads_seen: bool = False  # an output gradient was observed (a backward ran)
+    look_at_autocast: bool = True  # the first observed forward still has to read the autocast state
+    first_backward: bool = False  # the next output gradient is the first of a micro-batch's backward
+    weights_before: list | None = None  # copies of the weights before the optimizer step (update steps only)
+    figures: tuple | None = None  # the sentinel's (gradient norm, largest gradient), once computed
+    spikes: tuple | None = None  # (gradient-norm spike, loss spike), once judged (the running means move once)
+    updates: int = 0  # optimizer updates applied before this step started (its replay is exact while unchanged)
+    replay: Any = None  # the anomaly replay of this step, when one ran
+    replay_record: Any = None  # the replay's full observation of every site (a StepRecord), when it observed
+
+
+@dataclass
+class RunFacts:
+    """What training showed about the run: written into the trace's ``config`` after the first step."""
+
+    device: str | None = None  # the model's device type, read at every step start (a model may move)
+    autocast: dict = field(default_factory=dict)  # device_type, enabled, dtype at the first forward
+    loss_dtype: str | None = None
+    external_batches: bool = False  # begin_batch() marks the micro-batches (frameworks' callbacks)
+    step_starts: int = 0  # micro-batch starts seen (root forwards or begin_batch calls)
+    missed_steps: int = 0  # gradients cleared by zero_grad() while no step boundary came

@@ -1,0 +1,44 @@
+"""attach(budget=...): ampdoctor's measured share of the step time stays near the budget by stretching the sampled
+tiers (never the sentinel, the calibration steps or the flight recorder); every change is recorded."""
+
+import torch
+from anomaly_models import classifier
+from anomaly_models import train as train_classifier
+from runs import mlp, train
+
+import ampdoctor
+
+
+def test_a_budget_stretches_the_sampled_tiers_and_records_each_change(trace_path):
+    """Peaks every step and full statistics every 2nd cost a small model far more than 2% of its step: the budget
+    doubles the intervals window after window, and says so in the trace."""
+    train(
+        mlp(width=16, depth=6),
+        300,
+        precision="fp32",
+        trace=trace_path,
+        attach_options={"peak_every": 1, "every": 2, "hist_every": 4, "budget": 0.02, "live": False},
+    )
+    tr = ampdoctor.load(trace_path)
+    changes = tr.events("cadence")
+    assert len(changes) >= 2
+    stretch = [d["stretch"] for d in changes["data"]]
+    assert stretch == sorted(stretch) and stretch[0] == 2  # (one-way here: the cost stays above the budget)
+    first = int(changes["step"].iloc[0])
+    st = tr.steps().set_index("step")
+    before = st.loc[10:first, "reason"]
+    after = st.loc[int(changes["step"].iloc[-1]) + 1 :, "reason"]
+    assert (before == "sampled").mean() > 0.9  # every step observed sites before
+    assert (after == "sentinel").mean() > 0.5  # most observe none after
+    assert st["loss"].notna().all()  # the sentinel never stopped
+    assert "budget of 2.0%" in changes["message"].iloc[0]
+
+
+def test_under_a_budget_a_one_off_fault_is_still_replayed(trace_path):
+    """The budget never stretches the sentinel or the replay: an outlier batch late in a stretched run is located."""
+    torch.manual_seed(0)
+    train_classifier(classifier(), 180, outlier={157: 28.0}, trace=trace_path, budget=0.005, live=False)
+    tr = ampdoctor.load(trace_path)
+    assert len(tr.events("cadence"))
+    assert 157 in set(tr.events("replay")["step"])
+    assert tr.events("operation").set_index("step").loc[157, "data"]["op"] == "aten::exp"
