@@ -33,6 +33,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from ampdoctor.trace import newfile, schema
+from ampdoctor.trace.messages import EventKind, EventMsg
+from ampdoctor.trace.vectors import Phase
+from ampdoctor.trace.writer import _event_json
 
 GENERATOR_VERSION = 1  # bump when the content changes: cached files of another version are made again
 FP16_LIMIT = 65520.0  # a value scaled at or past this rounds to Inf in FP16
@@ -144,8 +147,17 @@ def _scaler(log2_g: np.ndarray, init: float, always: np.ndarray) -> tuple[np.nda
     return scale, next_, skipped
 
 
-def _levels(n: int, anomalies: np.ndarray, every: int, peak_every: int, hist_every: int, calibration: int):
-    """(level, reason, stores histograms) per step: the default cadence, with the flight recorder after anomalies."""
+def _levels(
+    n: int,
+    anomalies: np.ndarray,
+    every: int,
+    peak_every: int,
+    hist_every: int,
+    calibration: int,
+    replay: bool = False,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(level, reason, stores histograms) per step: the default cadence, with the flight recorder after anomalies;
+    with ``replay``, an anomalous step that observed nothing is replayed and observed in full (reason "replay")."""
     step = np.arange(n)
     level = np.full(n, schema.LEVEL_SENTINEL, dtype=np.int64)
     reason = np.full(n, "sentinel", dtype=object)
@@ -161,6 +173,9 @@ def _levels(n: int, anomalies: np.ndarray, every: int, peak_every: int, hist_eve
     for mask, why in ((alarm, "anomaly"), (step < calibration, "calibration")):
         level[mask], reason[mask], hist[mask] = schema.LEVEL_HIST, why, True
     level[hist] = schema.LEVEL_HIST
+    if replay:
+        again = anomalies & (level == schema.LEVEL_SENTINEL)
+        level[again], reason[again], hist[again] = schema.LEVEL_HIST, "replay", True
     return level, reason, hist
 
 
@@ -214,13 +229,13 @@ class _Writer:
                 peak[grads], inf[grads] = np.nan, 1.0
                 prev = int(ids[order[np.searchsorted(ids[order], ctx["culprit"]) - 1]])
                 events.append(
-                    (
+                    EventMsg(
                         t,
-                        "nonfinite",
+                        EventKind.NONFINITE,
                         int(ctx["culprit"]),
-                        "fwd",
+                        Phase.FWD,
                         "first non-finite output in the forward pass (inputs finite)",
-                        json.dumps({"value": "inf", "after": prev}),
+                        {"value": "inf", "after": prev},
                     )
                 )
             elif ctx["skipped"][t]:  # this step's gradients overflowed: the largest grad_out sites hold Inf
@@ -229,13 +244,13 @@ class _Writer:
                 peak[over], inf[over] = np.inf, 1.0
                 first = int(ids[np.flatnonzero(over)[0]])
                 events.append(
-                    (
+                    EventMsg(
                         t,
-                        "nonfinite",
+                        EventKind.NONFINITE,
                         first,
-                        "bwd",
+                        Phase.BWD,
                         "first non-finite gradient in the backward pass",
-                        json.dumps({"value": "inf", "after": int(ids[np.flatnonzero(is_go[ids])[0]])}),
+                        {"value": "inf", "after": int(ids[np.flatnonzero(is_go[ids])[0]])},
                     )
                 )
             log2_peak = np.where(np.isfinite(peak), log2_peak, np.nan)
@@ -287,15 +302,25 @@ class _Writer:
         c.executemany("INSERT INTO peaks (step, data) VALUES (?, ?)", peaks_rows)
         c.executemany(self.stats_sql, stats_rows)
         c.executemany("INSERT INTO hists VALUES (?, ?, ?, ?)", hist_rows)
-        c.executemany("INSERT INTO events (step, kind, site, phase, message, data) VALUES (?, ?, ?, ?, ?, ?)", events)
+        write_events(c, events)
 
 
-def _event_json(data: dict) -> str:
-    """Event data as the writer encodes it: NaN/Inf numbers as the texts 'nan', 'inf', '-inf'."""
-    plain = {
-        k: ("nan" if v != v else "inf" if v == math.inf else "-inf" if v == -math.inf else v) for k, v in data.items()
-    }
-    return json.dumps(plain, allow_nan=False)
+def write_events(c: sqlite3.Connection, events: list[EventMsg]) -> None:
+    """Events as the writer writes them (trace.writer: the kind and phase as stored, the data as strict JSON)."""
+    c.executemany(
+        "INSERT INTO events (step, kind, site, phase, message, data) VALUES (?, ?, ?, ?, ?, ?)",
+        [
+            (
+                int(m.step),
+                EventKind(m.kind).value,
+                m.site,
+                Phase(m.phase).value if m.phase else None,
+                m.message,
+                _event_json(m.data) if m.data is not None else None,
+            )
+            for m in events
+        ],
+    )
 
 
 def _nan_text(v: float):
@@ -316,12 +341,15 @@ def generate(
     val_every: int = 1000,
     init_scale: float = 65536.0,
     forward_fault: int | None = None,
+    replay: bool = False,
     seed: int = 0,
 ) -> str:
     """Write a generated trace at ``path`` (which must not exist); returns the path. ``blocks`` transformer blocks
     make 11 * blocks + 5 modules and 52 * blocks + 22 sites (19 blocks: 214 modules, 1,010 sites).
     ``init_scale``: the GradScaler's start (2^24 makes the handful of early skips a dozen); ``forward_fault``: the
-    first of 5 steps on which the last block's fc1 outputs Inf (a forward overflow: skipped steps, an Inf loss)."""
+    first of 5 steps on which the last block's fc1 outputs Inf (a forward overflow: skipped steps, an Inf loss);
+    ``replay``: the anomaly replay of attach() (its events, and the replayed steps observed in full), a loss spike and
+    the overhead budget's cadence events."""
     args = dict(
         steps=steps,
         blocks=blocks,
@@ -335,6 +363,8 @@ def generate(
         forward_fault=forward_fault,
         seed=seed,
     )
+    if replay:  # (absent otherwise: files cached without it keep their arguments)
+        args["replay"] = True
     rng = np.random.default_rng(seed)
     sites = Sites(blocks, rng)
     path = newfile.claim(path, False)
@@ -359,7 +389,9 @@ def _write(conn: sqlite3.Connection, sites: Sites, rng: np.random.Generator, a: 
     if a["forward_fault"] is not None:
         forward[a["forward_fault"] : a["forward_fault"] + CLEAN_RUN] = True
     scale, nxt, skipped = _scaler(log2_g, float(a["init_scale"]), forward)
-    level, reason, hist = _levels(n, skipped, a["every"], a["peak_every"], a["hist_every"], a["calibration"])
+    level, reason, hist = _levels(
+        n, skipped, a["every"], a["peak_every"], a["hist_every"], a["calibration"], bool(a.get("replay"))
+    )
     warm = min(2000, max(n // 10, 1))
     lr = np.where(t < warm, 3e-4 * (t + 1) / warm, 3e-5 + 0.5 * (3e-4 - 3e-5) * (1 + np.cos(np.pi * frac)))
     loss = np.exp(np.log(2.2) + (np.log(10.8) - np.log(2.2)) * np.exp(-t / max(n / 20, 50)) + rng.normal(0, 0.03, n))
@@ -421,19 +453,23 @@ def _write(conn: sqlite3.Connection, sites: Sites, rng: np.random.Generator, a: 
         c.executemany(step_sql, rows)
         w.step_sites(idx, level, hist, a["weight_every"], ctx)
         unknown = [int(s) for s in idx[skipped[lo:hi] & (level[lo:hi] == schema.LEVEL_SENTINEL)]]
-        c.executemany(
-            "INSERT INTO events (step, kind, site, phase, message, data) VALUES (?, 'nonfinite_unknown', NULL, "
-            "NULL, ?, ?)",
+        write_events(
+            c,
             [
-                (
+                EventMsg(
                     s,
+                    EventKind.NONFINITE_UNKNOWN,
+                    None,
+                    None,
                     f"non-finite {'loss' if forward[s] else 'gradients'} on a step observed by the sentinel only: "
                     "origin unknown",
-                    _event_json({"loss": float(loss[s]), "grad_norm": grad_norm[s], "grad_max": grad_max[s]}),
+                    {"loss": float(loss[s]), "grad_norm": grad_norm[s], "grad_max": grad_max[s]},
                 )
                 for s in unknown
             ],
         )
+        if a.get("replay"):
+            write_events(c, _replay_events(idx[reason[lo:hi] == "replay"], grad_norm, loss))
         vals = idx[(idx % a["val_every"] == 0) & (idx > 0)]
         c.executemany(
             "INSERT INTO metrics (step, name, value, time) VALUES (?, 'val/loss', ?, ?)",
@@ -598,3 +634,37 @@ def sparse(path: str, *, steps: int = 10_000, sites: int = 10_000, rows: int = 2
     finally:
         conn.close()
     return path
+
+
+def _replay_events(steps: np.ndarray, grad_norm: np.ndarray, loss: np.ndarray) -> list[EventMsg]:
+    """What attach()'s anomaly replay writes for a skipped step that observed nothing (collect/anomaly.Replay's
+    fields: the overflow reproduced, no operation from finite inputs: the scale's), one loss spike and the overhead
+    budget's cadence change, at the first of these steps."""
+    out = []
+    for s in steps.tolist():
+        data = {
+            "step": s,
+            "why": "skipped",
+            "exact": True,
+            "not_exact": [],
+            "backward": True,
+            "observed": True,
+            "outputs_finite": True,
+            "seeds_finite": True,
+            "loss_made_it": False,
+            "reproduced": True,
+            "grad_norm": float(grad_norm[s]) if np.isfinite(grad_norm[s]) else float("inf"),
+            "operation": None,
+            "producers": [],
+            "batch": {},
+            "checks": [],
+            "seconds": 0.05,
+        }
+        out.append(EventMsg(s, EventKind.REPLAY, None, None, f"step {s} replayed: the overflow reproduced", data))
+    if len(steps):
+        s = int(steps[0])
+        spike = {"loss": float(loss[s]) * 8, "running_mean": float(loss[s])}
+        out.append(EventMsg(s, EventKind.LOSS_SPIKE, None, None, "loss jumped far above its running mean", spike))
+        change = {"every": 200, "peak_every": 20, "share": 0.031}
+        out.append(EventMsg(s, EventKind.CADENCE, None, None, "the sampled tiers stretched to keep the budget", change))
+    return out

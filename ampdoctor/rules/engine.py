@@ -152,6 +152,14 @@ class Run:
             self._records[key] = arr
         return self._records[key]
 
+    def at(self, fld: str, kind: str, steps) -> np.ndarray:
+        """[len(steps) x sites] of one statistic at these steps (NaN where none, or beyond the steps this view
+        holds): what a rule reads around given steps of a run of any length."""
+        steps = np.asarray(steps, dtype=np.int64)
+        out = self.trace.records(fld, kind, steps=steps)
+        out[steps >= self.n_steps] = np.nan
+        return out
+
     @cached_property
     def events(self) -> pd.DataFrame:
         return self.trace.events("nonfinite")
