@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import random
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -162,6 +163,43 @@ def test_a_large_files_corrupt_value_is_an_error_or_never_read(tmp_path, monkeyp
         assert rc in (0, 2) and "Traceback" not in err, (what, cmd, err[-400:])
         assert rc == 0 or err.count("\n") == 1, (what, cmd, err)
     assert errors > 80  # most corruptions break a value some view reads
+
+
+def test_a_large_files_value_out_of_range_is_an_error_or_never_read(tmp_path, monkeypatch):
+    """The fuzz tests' values of the right type but out of range (issue 21: a data wait of 1e308 s, a level of 7, a
+    negative count), each in a file read through the large-file path (values checked as read): what the whole-file
+    checks of a small file refuse is a one-line TraceError naming the column, or is in no view (every view as the
+    intact file's); what they accept reads the same through both paths."""
+    from test_fuzz import out_of_range
+
+    base_path = _base(tmp_path)
+    good = _everything(base_path)
+    rng = random.Random(21)
+    errors = 0
+    refused = 0
+    for i in range(20):
+        path = str(tmp_path / f"range{i}.db")
+        shutil.copy(base_path, path)
+        c = sqlite3.connect(path)
+        what = out_of_range(c, rng)
+        c.commit()
+        c.close()
+        monkeypatch.setattr(reader, "FULL_CHECK_BYTES", 1 << 40)
+        try:
+            whole = _everything(path)
+        except ampdoctor.TraceError:
+            whole = None
+            refused += 1
+        monkeypatch.setattr(reader, "FULL_CHECK_BYTES", 0)
+        try:
+            got = _everything(path)
+        except ampdoctor.TraceError as exc:
+            assert "\n" not in str(exc) and path in str(exc), what
+            assert whole is None, (what, str(exc))  # refused only what the whole-file checks refuse
+            errors += 1
+        else:
+            assert _same(got, good if whole is None else whole), what
+    assert refused >= 5 and errors >= 3, (refused, errors)  # the draw exercised the checks of both paths
 
 
 def _base(tmp_path) -> str:

@@ -76,6 +76,7 @@ def stats_at(
         keep = (steps[i] == where[:, 0]) & (ids[j] == where[:, 1])
         for k, f in enumerate(fields):
             vals = arr[keep, 2 + k]
+            checks.check_range("stats", f, vals)
             vals[np.isnan(vals)] = fill
             out[f][i[keep], j[keep]] = vals
     return out

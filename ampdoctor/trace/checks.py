@@ -10,6 +10,8 @@ import numbers
 import sqlite3
 from typing import Any
 
+import numpy as np
+
 from . import schema
 
 
@@ -77,6 +79,43 @@ STEP_COLUMNS = {  # steps column -> (condition, what is wrong otherwise); any ot
     **{c: (NON_NEGATIVE, "not a number >= 0") for c in ("samples_per_s", "loss_scale", "loss_scale_next")},
     **{c: (NON_NEGATIVE, "not a number >= 0") for c in ("grad_norm", "grad_max")},
 }
+
+
+# The same ranges on values already read into numpy (NaN: NULL or the writer's 'nan'), for a large file whose values
+# are checked as they are read: column -> (the values it may hold, what is wrong otherwise).
+def _whole(v: np.ndarray) -> np.ndarray:
+    return np.isfinite(v) & (v >= 0) & (v == np.floor(v))
+
+
+_LEVEL_SET = np.array(LEVELS, dtype=np.float64)
+STEP_RANGES = {
+    **{c: (lambda v: (v == 0) | (v == 1), STEP_COLUMNS[c][1]) for c in ("skipped", "nonfinite")},
+    "level": (lambda v: np.isin(v, _LEVEL_SET), STEP_COLUMNS["level"][1]),
+    **{c: (_whole, STEP_COLUMNS[c][1]) for c in ("samples", "microbatches", "peak_mem")},
+    **{c: (lambda v: (v >= 0) & (v <= MAX_SECONDS), STEP_COLUMNS[c][1]) for c in DURATIONS},
+    "time": (np.isfinite, STEP_COLUMNS["time"][1]),
+    **{
+        c: (lambda v: v >= 0, STEP_COLUMNS[c][1])
+        for c in ("samples_per_s", "loss_scale", "loss_scale_next", "grad_norm", "grad_max")
+    },
+}
+STATS_RANGES = {
+    **{c: (_whole, "not a whole number >= 0") for c in ("calls", *STATS_COUNTS)},
+    **{c: (lambda v: v >= 0, "not a number >= 0") for c in ("scale", "absmax", "minabs", "rms")},
+}
+
+
+def check_range(table: str, column: str, values: np.ndarray) -> None:
+    """The values of a column read into numpy (NaN: none) are in its range (STEP_RANGES, STATS_RANGES)."""
+    rule = (STEP_RANGES if table == "steps" else STATS_RANGES if table == "stats" else {}).get(column)
+    if rule is None:
+        return
+    ok, what = rule
+    with np.errstate(invalid="ignore"):
+        bad = ~(np.isnan(values) | ok(values))
+    if bad.any():
+        v = values[np.flatnonzero(bad)[0]].item()
+        raise Invalid(f"table {table}: column {column} holds {_show(int(v) if v == int(v) else v)}: {what}")
 
 
 def _rules(n_sites: int, n_steps: int) -> dict:

@@ -77,6 +77,7 @@ def read(conn: sqlite3.Connection, lr_groups: bool = True) -> pd.DataFrame:
     df = pd.DataFrame({"step": np.arange(n, dtype=np.int64)})
     for i, f in enumerate(NUMBER_FIELDS):
         col = numbers[:, i]
+        checks.check_range("steps", f, col)  # the ranges the whole-file checks hold a small file to
         if f in FLAG_FIELDS:
             df[f] = np.where(np.isnan(col), 0.0, col).astype(bool)
         elif f in INT_FIELDS:
