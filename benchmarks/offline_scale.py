@@ -4,7 +4,8 @@
 (user + system: what the command itself cost, less sensitive than wall time to a loaded machine) and peak resident
 memory (ru_maxrss from wait4), against the targets of issue 18. ``--before DIR`` runs the same commands with another
 checkout's code (its ampdoctor first on PYTHONPATH) side by side, as ratios; the 20k trace's findings are compared with
-those the code before the rework gave (benchmarks/results/findings-20k-before.json).
+those the code before the rework gave (benchmarks/results/findings-20k-before.json: main's offline side at ab6e3d8,
+with the anomaly replay and FSDP rules, without this rework; its `diagnose --json` took 34 s CPU, 6 min wall).
 
 Run: .venv/bin/python benchmarks/offline_scale.py [--traces 1M,20k,wide,sparse] [--cache DIR] [--before DIR]
 [--json OUT]. Generated traces are kept in --cache (default $TMPDIR/ampdoctor-bench; the 10^6-step one is 2.1 GB and
