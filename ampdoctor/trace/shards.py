@@ -284,6 +284,8 @@ class ShardView(Trace):
         self.path = trace.path
         self._conn = trace._conn
         self._snapshot_depth = 0
+        self._full_check = trace._full_check  # how the rank's file is checked (whole at open, or as read) ...
+        self._checked_rows = trace._checked_rows  # ... and, as read, how far its small tables are (shared)
         self._own = trace
         self._combined = combined
         self.rank = rank
