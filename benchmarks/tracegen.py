@@ -541,7 +541,10 @@ def cached(directory: str, **kwargs) -> str:
     os.makedirs(directory, exist_ok=True)
     defaults = generate.__kwdefaults__ or {}
     a = {**defaults, **kwargs}
-    name = "gen-" + "-".join(f"{k}{a[k]}" for k in ("steps", "blocks", "every", "hist_every", "seed")) + ".db"
+    if not a.get("replay"):  # (a trace without the replay records no such argument: see generate)
+        a.pop("replay", None)
+    keys = ("steps", "blocks", "every", "hist_every", "seed")
+    name = "gen-" + ("replay-" if a.get("replay") else "") + "-".join(f"{k}{a[k]}" for k in keys) + ".db"
     path = os.path.join(directory, name)
     if os.path.exists(path):
         try:
