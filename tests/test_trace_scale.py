@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import random
 import shutil
@@ -226,3 +227,110 @@ def _base(tmp_path) -> str:
     c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     c.close()
     return path
+
+
+# -- divergence's blow-up evidence, chunked and vectorised, against the loops over dense arrays it replaced -----------
+def _ref_update_ratio(run, first: int):
+    """main's (ab6e3d8) loop: largest update RMS / its weights' last RMS before (else 1/sqrt(fan_in))."""
+    from ampdoctor.rules.weights import NO_FAN_IN, _fan_in
+
+    ups, ws = run.sites("update"), run.sites("weight")
+    u_rms, w_rms = run.records("rms", "update"), run.records("rms", "weight")
+    skipped = run.steps["skipped"].to_numpy(bool)
+    w_col = {p: j for j, p in enumerate(ws["path"])}
+    best = None
+    for j, s in enumerate(ups.itertuples()):
+        fan = _fan_in(s.shape)
+        if not fan or run.module_types.get(s.module) in NO_FAN_IN:
+            continue
+        for r in [r for r in np.flatnonzero(np.isfinite(u_rms[:first, j])) if not skipped[r]]:
+            jw = w_col.get(s.path)
+            earlier = w_rms[:r, jw] if jw is not None else np.zeros(0)
+            earlier = earlier[np.isfinite(earlier) & (earlier > 0)]
+            ratio = float(u_rms[r, j]) / (float(earlier[-1]) if len(earlier) else 1.0 / math.sqrt(fan))
+            if best is None or ratio > best[0]:
+                best = (ratio, s.path, r)
+    return best or (None, None, None)
+
+
+def _ref_jump(run, first: int, bad: np.ndarray):
+    """main's loop: the largest one-step move of an output peak that the next observed steps kept."""
+    from ampdoctor import formats
+    from ampdoctor.rules.divergence import _observed
+
+    acts, pk = run.sites("act"), run.records("peak", "act")
+    rows = np.flatnonzero(_observed(run))
+    rows = rows[rows <= first + 1]
+    best = None
+    for a, c in zip(rows[:-1], rows[1:]):
+        if c != a + 1 or c > first:
+            continue
+        for j in range(pk.shape[1]):
+            prev, now, dtype = pk[a, j], pk[c, j], acts["dtype"].iloc[j]
+            if not (np.isfinite(prev) and prev > 0):
+                continue
+            if np.isfinite(now):
+                later = pk[rows[rows > c][:3], j]
+                if now <= 0 or not all((not np.isfinite(v)) or v >= now / 4 for v in later):
+                    continue
+                move = math.log2(now / prev)
+            elif dtype in formats.DTYPE_FORMATS and bad[c]:
+                move = math.log2(formats.get(dtype).max / prev)
+            else:
+                continue
+            key = (move, acts["path"].iloc[j] != ampdoctor.trace.schema.ROOT)
+            if best is None or key > best[0]:
+                best = (key, acts["path"].iloc[j], int(c), float(prev))
+    return (best[0][0], *best[1:]) if best else (None, None, None, None)
+
+
+def _ref_growth(run, first: int):
+    from ampdoctor.rules.divergence import _observed
+
+    acts, pk = run.sites("act"), run.records("peak", "act")
+    rows = np.flatnonzero(_observed(run)[:first])
+    best = None
+    for j in range(pk.shape[1]):
+        col = pk[rows, j]
+        ok = np.isfinite(col) & (col > 0)
+        if ok.sum() >= 2:
+            g = math.log2(col[ok][-1] / col[ok][0])
+            if best is None or g > best[0]:
+                best = (g, acts["path"].iloc[j], [int(rows[ok][0]), int(rows[ok][-1])])
+    return best or (None, None, [])
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [  # a forward overflow at step 700: the evidence over the 700 steps before it; peaks every step, or every 5th
+        {"steps": 900, "blocks": 2, "every": 20, "hist_every": 40, "peak_every": 1, "weight_every": 20},
+        {"steps": 900, "blocks": 3, "every": 20, "hist_every": 40, "peak_every": 5, "init_scale": 2.0**24},
+    ],
+)
+def test_the_blowup_evidence_read_a_chunk_at_a_time_is_the_dense_loops(tmp_path, monkeypatch, kw):
+    """Divergence's blow-up evidence (the largest update against its weights' scale, the largest kept one-step jump of
+    an output peak, into a non-finite one included, the activation growth) streamed over the steps before the first
+    bad one a chunk at a time is what the loops over [steps x sites] arrays gave, ties and chunk boundaries included
+    (chunks of 7 steps and of 2,048)."""
+    from ampdoctor.rules import divergence as D
+    from ampdoctor.rules.engine import Run
+
+    path = tracegen().generate(str(tmp_path / "t.db"), forward_fault=700, seed=3, **kw)
+    run = Run(ampdoctor.load(path))
+    bad = D._bad(run)
+    first = int(np.flatnonzero(bad)[-1])  # the last bad step: the most steps before it
+    assert first >= 700
+    want = (_ref_update_ratio(run, first), _ref_jump(run, first, bad), _ref_growth(run, first))
+    assert want[0][0] is not None and want[1][0] is not None and want[2][0] is not None
+    for chunk in (7, 2048):
+        monkeypatch.setattr(D, "CHUNK", chunk)
+        b = D.Blowup(first_step=first)
+        D._update_ratio(run, first, b)
+        D._jump(run, first, bad, b)
+        D._flat_and_growth(run, first, b)
+        got = (
+            (b.update_ratio, b.update_param, b.update_step),
+            (b.jump, b.jump_site, b.jump_step, b.jump_from),
+            (b.growth, b.growth_site, b.growth_steps),
+        )
+        assert got == want, chunk
