@@ -334,3 +334,19 @@ def test_the_blowup_evidence_read_a_chunk_at_a_time_is_the_dense_loops(tmp_path,
             (b.growth, b.growth_site, b.growth_steps),
         )
         assert got == want, chunk
+
+
+def test_a_trace_without_histograms_is_scanned_and_diagnosed(tmp_path):
+    """The delayed-scaling windows are asked at the histogram steps; a trace with none (e.g. histograms switched off)
+    scans its peaks and diagnoses without them."""
+    from ampdoctor.trace.view import View
+
+    path = tracegen().generate(str(tmp_path / "t.db"), steps=300, blocks=1, seed=4)
+    c = sqlite3.connect(path)
+    c.execute("DELETE FROM hists")
+    c.commit()
+    c.close()
+    tr = ampdoctor.load(path)
+    view = View(tr)
+    assert not len(view.hist_steps) and np.isfinite(view.peak_max("act")).all()
+    assert isinstance(ampdoctor.diagnose(tr), list)

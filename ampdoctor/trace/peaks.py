@@ -214,6 +214,8 @@ class _WindowState:
 
     def add(self, st: np.ndarray, vals: np.ndarray) -> None:
         s, q = self.spec, self.spec.queries
+        if not len(q):  # a trace without histogram steps: no window is asked for
+            return
         div = np.where(s.divide[None, :], s.stored[st][:, None], 1.0)
         with np.errstate(all="ignore"):
             a = vals / div
