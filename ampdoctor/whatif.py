@@ -14,7 +14,6 @@ or the recorded abs max settles it.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +21,9 @@ import numpy as np
 import pandas as pd
 
 from . import formats
+from .trace.reduce import group_median
+from .trace.schema import HIST_HI, HIST_LO
+from .trace.view import View
 
 if TYPE_CHECKING:
     from .trace import Trace
@@ -113,37 +115,123 @@ def shares(counts: np.ndarray, absmax: np.ndarray, fmt: formats.Format, scale: A
 
 
 # -- over a trace -------------------------------------------------------------------------------------------------
+# The histogram steps read are trace.view.View.hist_steps (all of them, or 256 evenly spaced over a long run); every
+# site of a kind is computed at once from the histograms as recorded (one query), with the shares summed over the
+# binades a boundary leaves on each side (prefix sums of the counts: the same integers the dense sums add).
 class Inputs:
-    """What the what-if reads for the sites of one kind, read once: abs max per step, the per-step amax (peaks),
-    the factor that turns stored values into real ones (output gradients carry the loss scale), the anomalous
-    steps; the histograms and the delayed-scaling scales of every site are computed on first use and kept."""
+    """What the what-if reads for the sites of one kind, read once (through a trace.view.View): the abs max and the
+    stored peak at each histogram step, the factor that turns stored values into real ones (output gradients carry the
+    loss scale), the anomalous steps, and the delayed-scaling scales of every site at the histogram steps."""
 
-    def __init__(self, tr: Trace, kind: str) -> None:
-        self.tr, self.kind = tr, kind
-        self.sites = tr.sites(kind)
-        self.column = {int(s): j for j, s in enumerate(self.sites["id"])}
-        steps = tr.steps()
+    def __init__(self, tr, kind: str):
+        self.view = View.of(tr)
+        self.kind = kind
+        self.sites = self.view.sites(kind)
+        self.ids = self.sites["id"].to_numpy(dtype=np.int64)
+        self.column = {int(s): j for j, s in enumerate(self.ids)}
+        steps = self.view.steps
         self.anomalous = steps["skipped"].to_numpy(bool) | steps["nonfinite"].to_numpy(bool)
-        self.peaks = tr.records("peak", kind)
-        self.absmax = tr.records("absmax", kind)
+        self.hsteps = self.view.hist_steps
+        self.absmax = self.view.stat("absmax", kind, self.hsteps)  # [hist steps x sites]
         self.stored = np.ones(len(steps))
         if kind == "grad_out":  # output gradients are stored as backward carries them: scaled
             ls = steps["loss_scale"].to_numpy(float)
             self.stored = np.where(np.isfinite(ls) & (ls > 0), ls, 1.0)
-        self._scales: dict[tuple[str, int, int], Pair] = {}
-        self._hists: dict[int, Pair] = {}
+        self._scales: dict = {}
 
-    def scales(self, name: str, history: int, margin: int) -> Pair:
-        """[steps x sites] delayed-scaling scales and amax counts (``delayed_scales``), all sites at once."""
+    def _cols(self, w) -> np.ndarray:
+        """This kind's sites among the columns of the peaks windows."""
+        where = {int(c): i for i, c in enumerate(w.cols)}
+        return np.array([where[int(s)] for s in self.ids], dtype=np.int64)
+
+    def scales(self, name: str, history: int, margin: int) -> tuple[np.ndarray, np.ndarray]:
+        """[hist steps x sites] delayed-scaling scales and amax counts (``delayed_scales`` at the histogram steps):
+        fmt.max / (max amax of the window before the step) / 2^margin; a step whose window holds none keeps the last
+        scale, which rests on the last amax before it; 1.0 before any."""
         key = (name, history, margin)
         if key not in self._scales:
-            self._scales[key] = delayed_scales(self.peaks / self.stored[:, None], FP8[name], history, margin)
+            w = self.view.windows(history)
+            c = self._cols(w)
+            wmax, held, last = w.wmax[history][:, c], w.count[history][:, c], w.last[:, c]
+            fmt = FP8[name]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                scale = np.where(held > 0, fmt.max / wmax / 2.0**margin, fmt.max / last / 2.0**margin)
+            scale = np.where(np.isnan(scale), 1.0, scale)
+            self._scales[key] = (scale, held.astype(np.float64))
         return self._scales[key]
 
-    def hist(self, sid: int) -> Pair:
-        if sid not in self._hists:
-            self._hists[sid] = self.tr.hist(sid)
-        return self._hists[sid]
+    @property
+    def peak_at(self) -> np.ndarray:
+        """[hist steps x sites]: the stored peak at each histogram step (NaN: NaN, or not observed)."""
+        w = self.view.scan.windows
+        return w.at[:, self._cols(w)]
+
+    def rows(self, ids=None):
+        """The histograms (trace.bulk.Hists) of these sites (default: all of the kind) at the histogram steps."""
+        view = self.view
+        return view.hists.take(view.rows_of(self.ids if ids is None else np.asarray(ids, dtype=np.int64)))
+
+
+def _rows_shares(h, absmax: np.ndarray, fmt: formats.Format, scale) -> dict:
+    """``shares`` over histogram rows as recorded (trace.bulk.Hists), row by row."""
+    e = edges(fmt)
+    scale = np.asarray(scale, dtype=np.float64)
+    total = h.totals
+    n = np.where(total > 0, total, 1.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        over, flush = e.overflow / scale, e.flush / scale
+    top = HIST_HI + 1
+    certain = np.searchsorted(_LOWER, over, side="left" if e.overflow_tie else "right")  # first binade above
+    possible = np.searchsorted(_UPPER, over, side="right")
+    s_lo = np.where(np.isnan(over), 0.0, h.between(certain + HIST_LO, top))
+    s_hi = np.where(np.isnan(over), 0.0, h.between(possible + HIST_LO, top))
+    am = np.asarray(absmax, dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        clear = (am < over) | ((am == over) & (not e.overflow_tie))
+    s_lo, s_hi = np.where(clear, 0, s_lo), np.where(clear, 0, s_hi)
+    s_lo = np.where(~clear & np.isfinite(am) & (s_hi > 0), np.maximum(s_lo, 1), s_lo)
+    f_lo = np.where(np.isnan(flush), 0.0, h.between(HIST_LO, np.searchsorted(_UPPER, flush, side="right") + HIST_LO))
+    f_hi = np.where(np.isnan(flush), 0.0, h.between(HIST_LO, np.searchsorted(_LOWER, flush, side="right") + HIST_LO))
+    return {"sat": (s_lo / n, s_hi / n), "flush": (f_lo / n, f_hi / n), "nonzero": total}
+
+
+def _span(h) -> np.ndarray:
+    """Per row: binades from the smallest to the largest non-zero |x|, both included."""
+    per = h.offsets[1:] - h.offsets[:-1]
+    pos = np.arange(len(h.counts)) - np.repeat(h.offsets[:-1], per)
+    nz = h.counts > 0
+    first = np.minimum.reduceat(np.where(nz, pos, np.iinfo(np.int64).max), h.offsets[:-1]) if len(h) else pos
+    last = np.maximum.reduceat(np.where(nz, pos, -1), h.offsets[:-1]) if len(h) else pos
+    return np.where(last >= 0, last - first + 1, 0)
+
+
+def _whatif_rows(inp: Inputs, h, history: int, margin: int) -> dict:
+    """``site_whatif``'s columns for histogram rows of one kind (any sites), as arrays."""
+    r = np.searchsorted(inp.hsteps, h.step)
+    j = np.searchsorted(inp.ids, h.site)
+    out = {"step": h.step}
+    am = inp.absmax[r, j]
+    for name, fmt in HALF.items():
+        _put(out, name, _rows_shares(h, am, fmt, 1.0))
+    held = None
+    for name, fmt in FP8.items():
+        sc, held = (a[r, j] for a in inp.scales(name, history, margin))
+        s = sc / inp.stored[h.step]  # stored value v = real x * stored; cast x * sc
+        _put(out, name, _rows_shares(h, am, fmt, s))
+        out[f"{name}_scale"] = sc
+    out["nonzero"] = h.totals
+    out["span"] = _span(h)
+    out["history"] = held
+    out["window"] = np.full(len(h), history)
+    out["clean"] = ~inp.anomalous[h.step] & np.isfinite(inp.peak_at[r, j])
+    return out
+
+
+def _judged(out: dict, fp8: bool = True) -> np.ndarray:
+    """``judged`` as a row mask over ``_whatif_rows``' arrays."""
+    if not fp8:
+        return out["clean"]
+    return out["clean"] & (out["history"] >= np.minimum(out["window"], MIN_HELD))
 
 
 def site_whatif(
@@ -155,30 +243,11 @@ def site_whatif(
     (finite amax values the recipe's window held) and ``clean`` (a finished step without NaN/Inf: the ones to judge
     by; an overflowed step's histogram is partial). ``inputs``: an ``Inputs(tr, kind)`` shared by many calls."""
     inp = inputs if inputs is not None else Inputs(tr, kind)
-    peaks, stored = inp.peaks, inp.stored
-    sid = tr.site_id(site, kind)
-    j = inp.column[sid]
-    hsteps, counts = inp.hist(sid)
-    out: dict[str, Any] = {"step": hsteps}
-    if not len(hsteps):
-        return pd.DataFrame(out)
-    counts = counts.astype(np.float64)
-    am = inp.absmax[hsteps, j]
-    for name, fmt in HALF.items():
-        sh = shares(counts, am, fmt, 1.0)
-        _put(out, name, sh)
-    for name, fmt in FP8.items():
-        sc, held = (m[:, j] for m in inp.scales(name, history, margin))
-        s = sc[hsteps] / stored[hsteps]  # stored value v = real x * stored; cast x * sc
-        _put(out, name, shares(counts, am, fmt, s))
-        out[f"{name}_scale"] = sc[hsteps]
-    out["nonzero"] = counts.sum(-1)
-    occupied = counts > 0  # binades between the smallest and the largest non-zero |x|, both included
-    out["span"] = np.where(occupied.any(-1), counts.shape[-1] - occupied[:, ::-1].argmax(-1) - occupied.argmax(-1), 0)
-    out["history"] = held[hsteps]
-    out["window"] = history
-    out["clean"] = ~inp.anomalous[hsteps] & np.isfinite(peaks[hsteps, j])
-    return pd.DataFrame(out)
+    sid = inp.view.trace.site_id(site, kind)
+    h = inp.view.site_hists(sid)
+    if not len(h):
+        return pd.DataFrame({"step": h.step})
+    return pd.DataFrame(_whatif_rows(inp, h, history, margin))
 
 
 def judged(df: pd.DataFrame, fp8: bool = True) -> pd.DataFrame:
@@ -195,31 +264,46 @@ def _put(out: dict[str, Any], name: str, sh: dict[str, Any]) -> None:
         out[f"{name}_{what}_lo"], out[f"{name}_{what}_hi"] = sh[what]
 
 
-def formats_table(
-    tr: Trace, kinds: Iterable[str] = ("act", "grad_out"), *, history: int = HISTORY, margin: int = MARGIN
-) -> pd.DataFrame:
+def site_medians(values: np.ndarray, sites: np.ndarray, keep: np.ndarray) -> dict:
+    """site id -> the median of its kept rows' values (sites without a kept row are left out)."""
+    g, med = group_median(values[keep], sites[keep])
+    return dict(zip(g.tolist(), med.tolist()))
+
+
+def formats_table(tr, kinds=("act", "grad_out"), *, history: int = HISTORY, margin: int = MARGIN) -> pd.DataFrame:
     """Per site: the median over histogram steps of the certainly lost share (saturated + flushed, lo) in each
     format (FP8 only over steps that had an amax history), the FP16 and BF16 headroom in binades (log2 of the
-    overflow edge over the largest recorded |x|) and the median span of the values in binades (FP8 per-tensor
-    scaling can hold log2(448 / 2^-9) = 17.8 binades in E4M3, 31.8 in E5M2)."""
-    rows: list[dict[str, Any]] = []
+    overflow edge over the largest recorded |x|, at the full-statistics steps read) and the median span of the values
+    in binades (FP8 per-tensor scaling can hold log2(448 / 2^-9) = 17.8 binades in E4M3, 31.8 in E5M2)."""
+    rows = []
     for kind in kinds:
         inp = Inputs(tr, kind)
+        h = inp.rows()
+        if not len(h):
+            continue
+        out = _whatif_rows(inp, h, history, margin)
+        count = dict(zip(*np.unique(h.site, return_counts=True)))
+        meds = {}
+        for name in FORMATS:
+            keep = _judged(out, name in FP8)
+            meds[name] = (
+                site_medians(out[f"{name}_sat_lo"] + out[f"{name}_flush_lo"], h.site, keep),
+                site_medians(out[f"{name}_sat_hi"] + out[f"{name}_flush_hi"], h.site, keep),
+            )
+        span = site_medians(out["span"].astype(np.float64), h.site, _judged(out, False))
+        absmax = inp.view.stat("absmax", kind)  # abs max at the full-statistics steps read
         for s in inp.sites.itertuples():
-            df = site_whatif(tr, int(s.id), kind, history=history, margin=margin, inputs=inp)
-            if not len(df):
+            sid = int(s.id)
+            if sid not in count:
                 continue
-            row = {"path": s.path, "kind": kind, "dtype": s.dtype, "hist_steps": len(df)}
+            row = {"path": s.path, "kind": kind, "dtype": s.dtype, "hist_steps": int(count[sid])}
             for name in FORMATS:
-                d = judged(df, name in FP8)
-                lost_lo = d[f"{name}_sat_lo"] + d[f"{name}_flush_lo"]
-                lost_hi = d[f"{name}_sat_hi"] + d[f"{name}_flush_hi"]
-                row[f"{name}_lost"] = float(np.median(lost_lo)) if len(d) else math.nan
-                row[f"{name}_lost_hi"] = float(np.median(lost_hi)) if len(d) else math.nan
-            col = inp.absmax[:, inp.column[int(s.id)]]  # abs max per step
+                row[f"{name}_lost"] = float(meds[name][0].get(sid, math.nan))
+                row[f"{name}_lost_hi"] = float(meds[name][1].get(sid, math.nan))
+            col = absmax[:, inp.column[sid]]
             am = float(np.max(col[np.isfinite(col)])) if np.isfinite(col).any() else math.nan
             for name in HALF:
                 row[f"{name}_headroom"] = math.log2(edges(HALF[name]).overflow / am) if am > 0 else math.nan
-            row["span"] = float(np.median(judged(df, False)["span"])) if len(judged(df, False)) else math.nan
+            row["span"] = float(span.get(sid, math.nan))
             rows.append(row)
     return pd.DataFrame(rows)

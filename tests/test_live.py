@@ -137,3 +137,25 @@ def test_diagnose_while_another_process_writes(tmp_path):
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+
+
+def test_live_checks_keep_their_cpu_share_however_costly_they_get():
+    """The live thread's schedule (LiveDiagnosis.next_wait) over a long run whose checks grow costly (a wide model's
+    trace: each check 10% dearer than the last, from 0.2 s to minutes of CPU): the checks' CPU time stays within
+    MAX_SHARE of the run's time from the second check on (the first, on a trace of a few steps, has nothing to go
+    by), and they never come more often than every MIN_INTERVAL_S."""
+    from ampdoctor.collect import live as L
+
+    lv = L.LiveDiagnosis("unused.db", diagnose=lambda trace, rules=None: [])
+    t, cost, checks = lv.interval, 0.2, 0
+    while t < 24 * 3600:
+        lv.spent += cost  # a check at time t took this much CPU
+        lv._last_cost = cost
+        checks += 1
+        if checks > 1:
+            assert lv.spent <= L.MAX_SHARE * t * 1.0001, (checks, t, lv.spent)
+        wait = lv.next_wait(t)
+        assert wait >= L.MIN_INTERVAL_S
+        t += wait
+        cost *= 1.1
+    assert checks > 20  # and it kept checking

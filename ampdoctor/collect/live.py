@@ -1,10 +1,16 @@
 """Live diagnosis while training writes the trace: the same rules, run off the training thread.
 
-A daemon thread re-reads the trace (a second, read-only SQLite connection; WAL lets it read while the writer
-writes) whenever new steps were committed, runs the rules (``diagnose``: handed in by ``ampdoctor.attach``, so
-that the training side never imports them) and reports each new finding once: one line
-through ``logging``, the ``on_finding`` callback, and, at or above ``halt_on``, a request that the Doctor raises
+A daemon thread re-reads the trace (a second, read-only SQLite connection, kept open; WAL lets it read while the
+writer writes) whenever new steps were committed, runs the rules (``diagnose``: handed in by ``ampdoctor.attach``, so
+that the training side never imports them) and reports each new finding once: one line through ``logging``, the
+``on_finding`` callback, and, at or above ``halt_on``, a request that the Doctor raises
 ``TrainingHalted`` at the next step boundary. Torch-free: it only reads the file.
+
+Its share of the machine is bounded in CPU time, not wall time: every check's CPU time (time.thread_time: what it
+took from training, however long it waited for a core) is added up, and the next check starts only once the checks so
+far plus the next one's expected cost (the last one's, grown with the trace) stay within MAX_SHARE of the time
+training has run. A wide model's trace makes each check costly; the checks then come less often, never more of the
+run.
 """
 
 from __future__ import annotations
@@ -22,9 +28,9 @@ from ..trace import load
 log = logging.getLogger("ampdoctor")
 
 MIN_INTERVAL_S = 5.0  # how often to look at most: a broken run is stopped within seconds, not hours
-MAX_SHARE = 0.02  # checks use at most ~2% of the time (the interval grows with a check's cost): on a
-# 2-core machine the rules compete with training for the cores (measured: ~1.2% over
-# a 3,400-step run of benchmarks/overhead.py's reference model)
+MAX_SHARE = 0.02  # the checks' CPU time stays within ~2% of the run's time (on a 2-core machine the rules compete
+# with training for the cores, and hold the GIL while they run Python)
+GROWTH = 1.5  # the next check reads a longer trace: its cost expected at this much the last one's
 MAX_ERRORS = 3  # consecutive failed checks before live diagnosis gives up
 
 
@@ -68,13 +74,34 @@ class LiveDiagnosis(threading.Thread):
         self._stop_event = threading.Event()
         self._failed = False
         self._errors = 0
+        self._trace: Any = None  # the Trace, kept open between checks
+        self.spent = 0.0  # CPU seconds the checks took so far
+        self._last_cost = 0.0
 
     def run(self) -> None:
+        start = time.perf_counter()
         wait = self.interval
         while not self._stop_event.wait(wait):
-            t0 = time.perf_counter()
+            c0 = time.thread_time()
             self.check()
-            wait = max(self.interval, (time.perf_counter() - t0) / MAX_SHARE)
+            self._last_cost = time.thread_time() - c0
+            self.spent += self._last_cost
+            wait = self.next_wait(time.perf_counter() - start)
+        self._close()
+
+    def next_wait(self, elapsed: float) -> float:
+        """Seconds until the next check: at least the interval, and long enough that the checks' CPU time so far plus
+        the next one's expected cost stay within MAX_SHARE of the run's time."""
+        due = (self.spent + GROWTH * self._last_cost) / MAX_SHARE  # the run's time at which that share holds
+        return max(self.interval, due - elapsed)
+
+    def _close(self) -> None:
+        if self._trace is not None:
+            try:
+                self._trace.close()
+            except Exception:  # closing a read-only connection: nothing to report
+                pass
+            self._trace = None
 
     def stop(self) -> None:
         """No check at the end: the run is over, `ampdoctor diagnose` reads the finished trace."""
@@ -87,16 +114,15 @@ class LiveDiagnosis(threading.Thread):
         if self._failed:
             return
         try:
-            tr = load(self.path)
-            try:
-                n = tr.n_steps
-                if n == self._last_steps or n == 0:
-                    return
-                self._last_steps = n
-                found = self.diagnose(tr, rules=self.rules)
-            finally:
-                tr.close()
+            if self._trace is None:
+                self._trace = load(self.path)
+            n = self._trace.n_steps
+            if n == self._last_steps or n == 0:
+                return
+            self._last_steps = n
+            found = self.diagnose(self._trace, rules=self.rules)
         except Exception as exc:  # never break training: say it once; stop looking if it keeps failing
+            self._close()  # opened afresh next time
             self._errors += 1
             if self._errors == 1:
                 warnings.warn(

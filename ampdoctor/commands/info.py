@@ -8,7 +8,7 @@ import numpy as np
 from ..precision_label import describe_precision
 from ..trace import load, shards
 from ..trace.checks import invalid_settings_note
-from ..trace.observation import cost_line, observation_line
+from ..trace.observation import cost_line, observation_line, summarize
 from ..trace.run import is_multi, load_run, run_pattern
 from .common import EXIT_OK, approx, fmt, ranges
 
@@ -22,7 +22,7 @@ def run(args) -> int:
         return info_ranks(args.trace)
     tr = load(args.trace)
     meta, cfg = tr.meta, tr.config
-    steps = tr.steps()
+    st = tr._checked(summarize, tr)  # aggregate queries: no row read of a 10^6-step table
     sites = tr.sites()
     run = meta.get("run", {})
     print(f"trace      {args.trace}")
@@ -31,12 +31,12 @@ def run(args) -> int:
         f"({run.get('device_name', '')}); torch {run.get('torch', '?')}, ampdoctor {run.get('ampdoctor', '?')}"
     )
     print(
-        f"steps      {len(steps)} recorded"
-        + (f", full statistics at {len(tr.full_steps())}" if len(steps) else "")
+        f"steps      {st.steps} recorded"
+        + (f", full statistics at {len(tr.full_steps())}" if st.steps else "")
         + ("" if "closed" in meta else " (run still open or ended without close())")
     )
-    print("observed   " + observation_line(meta, steps))
-    cost = cost_line(steps)
+    print("observed   " + observation_line(meta, st))
+    cost = cost_line(st)
     if cost:
         print(f"overhead   {cost}")
     kinds = sites.groupby("kind").size().to_dict() if len(sites) else {}
@@ -50,7 +50,7 @@ def run(args) -> int:
     for line in fsdp_lines(cfg, shards.sharding_of(tr), args.trace):
         print(line)
     if cfg.get("optimizer"):
-        print(f"optimizer  {cfg['optimizer']['class']}, lr {fmt(steps['lr'].iloc[-1] if len(steps) else None, 0)}")
+        print(f"optimizer  {cfg['optimizer']['class']}, lr {fmt(st.lr_last if st.steps else None, 0)}")
     sc = cfg.get("scaler")
     if sc:
         settings = ", ".join(f"{k} {sc[k]}" for k in ("growth_factor", "backoff_factor", "growth_interval") if k in sc)
@@ -58,33 +58,26 @@ def run(args) -> int:
         note = invalid_settings_note(cfg)  # settings out of range: taken as unknown by the reader
         if note:
             print(f"note       {note}")
-        scales = steps["loss_scale"].dropna()
-        if len(scales):
+        s = st.scale
+        if s is not None:
             # "last" is the scale in force at the last step, as the report says; the update after it is named apart
-            nxt = steps["loss_scale_next"].dropna()
             print(
-                f"loss scale {scales.iloc[0]:g} at step {int(steps['step'][scales.index[0]])}, last "
-                f"{scales.iloc[-1]:g} at step {int(steps['step'][scales.index[-1]])}, range {scales.min():g} .. "
-                f"{scales.max():g}" + (f"; {nxt.iloc[-1]:g} after the last update" if len(nxt) else "")
+                f"loss scale {s['first']:g} at step {s['first_step']}, last {s['last']:g} at step {s['last_step']}, "
+                f"range {s['min']:g} .. {s['max']:g}"
+                + (f"; {s['next_last']:g} after the last update" if s["next_last"] is not None else "")
             )
-    skipped = steps.index[steps["skipped"]].tolist() if len(steps) else []
-    print(
-        f"skipped    {len(skipped)} step(s)"
-        + (f": {ranges(steps['step'][steps['skipped']].tolist())}" if skipped else "")
-    )
-    if len(steps):
-        finite = steps["loss"].replace([np.inf, -np.inf], np.nan)
-        loss = finite.dropna()
-        if len(loss):
-            bad = steps["step"][finite.isna()]  # the loss is logged in this run: a missing one is NaN/Inf
-            line = f"loss       {loss.iloc[0]:.4g} at step {int(steps['step'][loss.index[0]])}"
-            if len(loss) > 1:
-                line += f" -> {loss.iloc[-1]:.4g} at step {int(steps['step'][loss.index[-1]])}"
-            if len(bad):
-                line += f"; not finite at {len(bad)} step(s): {ranges(bad.astype(int).tolist())}"
+    print(f"skipped    {len(st.skipped)} step(s)" + (f": {ranges(st.skipped)}" if st.skipped else ""))
+    if st.steps:
+        loss = st.loss
+        if loss is not None:
+            line = f"loss       {loss['first']:.4g} at step {loss['first_step']}"
+            if loss["last_step"] != loss["first_step"]:
+                line += f" -> {loss['last']:.4g} at step {loss['last_step']}"
+            if loss["nonfinite"]:
+                line += f"; not finite at {len(loss['nonfinite'])} step(s): {ranges(loss['nonfinite'])}"
             print(line)
         elif tr.config.get("loss_dtype"):  # a loss was seen (its dtype is recorded), never finite
-            print(f"loss       not finite at any of the {len(steps)} step(s)")
+            print(f"loss       not finite at any of the {st.steps} step(s)")
     ev = tr.events("nonfinite")
     if len(ev):
         first = ev.iloc[0]
@@ -136,7 +129,7 @@ def info_ranks(spec: str) -> int:
             f"{'step time':>10s} {'data wait':>10s} {'loss last':>10s}  host / trace"
         )
         for rank, tr in rr.items():
-            st = tr.steps()
+            st = tr.steps(lr_groups=False)
             host = (tr.meta.get("run", {}) or {}).get("host", "?")
             scale = st["loss_scale_next"].dropna()
             loss = st["loss"].replace([np.inf, -np.inf], np.nan).dropna()

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         "inf",
         "scale",
     )
-    cols = {f: tr.records(f, args.kind)[step] for f in fields}
+    cols = {f: v[0] for f, v in tr.stats_at(fields, args.kind, [step]).items()}  # the one step, one query
     rows = []
     for j, site in enumerate(sites.itertuples()):
         if math.isnan(cols["numel"][j]):

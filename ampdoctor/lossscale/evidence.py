@@ -27,7 +27,6 @@ already zero at the recorded scale are not counted (a flushed gradient cannot be
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -36,7 +35,7 @@ import pandas as pd
 
 from .. import formats
 from ..trace import Trace, load
-from ..trace.schema import ROOT
+from ..trace.view import View, containers
 from .scaler import TORCH_DEFAULTS
 
 
@@ -56,17 +55,6 @@ class Evidence:
     has_scaler: bool
     assumed_fp16: bool
     device: str
-
-
-def _compute_dtypes(grads, acts) -> list[str]:
-    """The dtype each gradient site is computed in: a grad_out its own; a param_grad its module's compute dtype (the
-    module's act site), whatever the dtype of the .grad it lands in (an FP16 matmul's weight gradient is FP16)."""
-    act_dtype = dict(zip(acts["path"], acts["dtype"]))
-    out = []
-    for kind, module, dtype in zip(grads["kind"], grads["module"], grads["dtype"]):
-        d = act_dtype.get(module, dtype) if kind == "param_grad" else dtype
-        out.append(str(d or "float32").replace("torch.", ""))
-    return out
 
 
 @dataclass(eq=False)
@@ -91,65 +79,37 @@ class GradientPeaks:
         return self.ratio * formats.FP16.finite_limit
 
 
-def _is_seed(kind: str, shape) -> bool:
-    """The output gradient of a 0-d output: the backward pass's seed (a returned loss), not a model gradient."""
-    return kind == "grad_out" and shape is not None and str(shape) == ""
-
-
-def gradient_peaks(tr: Trace) -> GradientPeaks:
-    st = tr.steps()
-    n = len(st)
-    sc = tr.config.get("scaler") or {}
-    has_scaler = bool(sc.get("enabled")) and bool(st["loss_scale"].notna().any())
-    rec_scale = st["loss_scale"].to_numpy(float) if has_scaler else np.full(n, np.nan)
-    carried = np.where(np.isnan(rec_scale), 1.0, rec_scale)  # the scale the grad_out values carry
-    go, pg = tr.sites("grad_out"), tr.sites("param_grad")
-    grads = pd.concat([go, pg], ignore_index=True)
-    dtypes = _compute_dtypes(grads, tr.sites("act"))
-    seed = np.array([_is_seed(k, sh) for k, sh in zip(grads["kind"], grads["shape"])], dtype=bool)
-    fp16 = np.array([d in ("float16", "half") for d in dtypes], dtype=bool)
-    assumed = bool((~seed).any()) and not fp16[~seed].any()  # an FP32/BF16 run: judged as if computed in FP16
-    if assumed:
-        fp16 |= ~seed
-    limits = np.array(
-        [
-            formats.FP16.finite_limit if f else formats.DTYPE_FORMATS.get(d, formats.FP32).finite_limit
-            for f, d in zip(fp16, dtypes)
-        ],
-        dtype=float,
-    )
-    # peaks with fill=-1: -1 = site not seen that step, NaN = the tensor held a NaN, inf = an inf
-    raw = np.concatenate(
-        [tr.records("peak", "grad_out", fill=-1.0), tr.records("peak", "param_grad", fill=-1.0)], axis=1
-    )
-    finite = np.isfinite(raw) & (raw >= 0)
-    unscaled = np.where(finite, raw, 0.0)
-    unscaled[:, : len(go)] /= carried[:, None]
-    ratio = (unscaled / limits[None, :]).max(axis=1, initial=0.0)  # max over sites of magnitude / format max
-    ratio[~finite.any(axis=1)] = np.nan  # nothing observed: no information
-    nonfinite = (~np.isfinite(raw)).any(axis=1)
+def gradient_peaks(tr: Trace | View) -> GradientPeaks:
+    """Per step, over the peaks of every gradient site (one pass over the peaks: View.scan)."""
+    view = View.of(tr)
+    st = view.steps
+    g = view.gradients
+    fp16 = g.sites["fp16"].to_numpy(bool)
+    # peaks as stored: -1 = site not seen that step, NaN = the tensor held a NaN, inf = an inf
+    ratio = view.per_step(view.scan.ratio, np.nan)  # nothing observed: no information
+    nonfinite = view.per_step(view.scan.bad["grad"], False)
     # The sentinel's largest unscaled parameter gradient, recorded on every step (steps that observe no site
     # included): the weight gradients are computed in their module's dtype, so it counts against that format's max.
     if "grad_max" in st:
         gmax = st["grad_max"].to_numpy(float)
-        on_pg = fp16[len(go) :]
+        on_pg = fp16[~g.scaled]
         pg_limit = (
             formats.FP16.finite_limit if (on_pg.any() if len(on_pg) else fp16.any()) else formats.FP32.finite_limit
         )
         with np.errstate(invalid="ignore"):
             ratio = np.fmax(ratio, np.where(np.isfinite(gmax) & (gmax >= 0), gmax / pg_limit, np.nan))
         nonfinite |= np.isinf(gmax)  # (NaN there is also what a trace without the column reads)
-    grads = grads.assign(compute_dtype=dtypes, fp16=fp16, seed=seed)
-    return GradientPeaks(ratio=ratio, nonfinite=nonfinite, assumed_fp16=assumed, sites=grads)
+    return GradientPeaks(ratio=ratio, nonfinite=nonfinite, assumed_fp16=g.assumed_fp16, sites=g.sites)
 
 
-def gather(tr: Trace) -> Evidence:
+def gather(tr: Trace | View) -> Evidence:
     """The evidence of every step of a trace (a trace without steps is a ValueError)."""
-    st = tr.steps()
+    view = View.of(tr)
+    st = view.steps
     n = len(st)
     if not n:
-        raise ValueError(f"{tr.path}: the trace has no steps yet")
-    cfg = tr.config
+        raise ValueError(f"{view.trace.path}: the trace has no steps yet")
+    cfg = view.config
     sc = cfg.get("scaler") or {}
     has_scaler = bool(sc.get("enabled")) and bool(st["loss_scale"].notna().any())
     run = dict(TORCH_DEFAULTS)
@@ -161,7 +121,7 @@ def gather(tr: Trace) -> Evidence:
 
     rec_scale = st["loss_scale"].to_numpy(float) if has_scaler else np.full(n, np.nan)
     rec_next = st["loss_scale_next"].to_numpy(float) if has_scaler else np.full(n, np.nan)
-    peaks = gradient_peaks(tr)
+    peaks = gradient_peaks(view)
     grads = peaks.sites
     fp16 = grads["fp16"].to_numpy(bool) & ~grads["seed"].to_numpy(bool)
     ratio = peaks.ratio.copy()
@@ -170,8 +130,7 @@ def gather(tr: Trace) -> Evidence:
         ratio = np.fmax(ratio, np.abs(loss) / formats.FP16.finite_limit)
 
     # a non-finite forward (or loss) makes the step overflow whatever the scale
-    act = tr.records("peak", "act", fill=-1.0)
-    always = (~np.isfinite(act)).any(axis=1) | np.isinf(loss)
+    always = view.per_step(view.scan.bad["act"], False) | np.isinf(loss)
     if np.isfinite(loss).any():  # the loss is logged in this run: NaN means a NaN loss
         always |= np.isnan(loss)
     if has_scaler:
@@ -190,11 +149,11 @@ def gather(tr: Trace) -> Evidence:
         always=always,
         threshold=threshold,
         from_neighbours=from_nb,
-        hist=_histograms(tr, grads, fp16, int((grads["kind"] == "grad_out").sum()), n),
+        hist=_histograms(view, grads, fp16, int((grads["kind"] == "grad_out").sum()), n),
         run_settings=run,
         has_scaler=has_scaler,
         assumed_fp16=peaks.assumed_fp16,
-        device=str(tr.meta.get("run", {}).get("device") or "cuda"),
+        device=str(view.meta.get("run", {}).get("device") or "cuda"),
     )
 
 
@@ -222,67 +181,71 @@ def _thresholds(scale, over, always, ratio) -> tuple[np.ndarray, np.ndarray]:
         r = np.full(n, np.nan)
         r[has] = ratio[ref[has]]
         nb_ratio = np.fmax(nb_ratio, r)
-    threshold = np.empty(n)
-    from_nb = np.zeros(n, bool)
     floor = np.nanmin(np.where(over & ~always, scale, np.nan)) if (over & ~always).any() else np.nan
-    for t in range(n):
-        if always[t]:
-            threshold[t] = 0.0
-        elif not over[t]:
-            if np.isnan(own[t]):  # nothing recorded this step: borrow the neighbours' magnitude
-                r = nb_ratio[t]
-                threshold[t] = max(scale[t], 1.0 / r if r > 0 else math.inf) if not np.isnan(r) else math.inf
-                from_nb[t] = True
-            else:
-                threshold[t] = max(own[t], scale[t])
-        else:
-            r = np.fmax(nb_ratio[t], ratio[t])  # its own finite sites are a lower bound on its magnitude
-            est = (1.0 / r if r > 0 else math.inf) if not np.isnan(r) else floor
-            threshold[t] = min(est, scale[t]) if not np.isnan(est) else scale[t]
-            from_nb[t] = True
+
+    def inverse(r):  # 1 / r for r > 0, inf for r <= 0, NaN for NaN
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(np.isnan(r), np.nan, np.where(r > 0, 1.0 / np.where(r > 0, r, 1.0), np.inf))
+
+    def larger(a, b):  # Python's max(a, b): b only where it is strictly larger
+        return np.where(b > a, b, a)
+
+    with np.errstate(invalid="ignore"):
+        borrowed = inverse(nb_ratio)
+        unseen = np.where(np.isnan(nb_ratio), np.inf, larger(scale, borrowed))  # nothing recorded this step
+        seen = larger(own, scale)
+        est = inverse(np.fmax(nb_ratio, ratio))  # its own finite sites are a lower bound on its magnitude
+        est = np.where(np.isnan(est), floor, est)
+        capped = np.where(np.isnan(est), scale, np.where(scale < est, scale, est))
+    threshold = np.where(always, 0.0, np.where(~over, np.where(np.isnan(own), unseen, seen), capped))
+    from_nb = ~always & (over | np.isnan(own))
     return threshold, from_nb
 
 
-def _histograms(tr: Trace, grads, fp16, n_go: int, n: int) -> dict:
+def _histograms(view: View, grads, fp16, n_go: int, n: int) -> dict:
     """Step index -> (log2 of the lower edge of each unscaled binade, counts), over the gradient sites computed in
-    FP16. Container modules are left out: their grad_out is their last child's."""
+    FP16 at the histogram steps read (View.hist_steps). Container modules are left out: their grad_out is their last
+    child's. Counts of one step in the same unscaled binade are added (one entry per binade and step)."""
     paths = list(grads["path"])
-    go_paths = set(paths[:n_go])
-    scale = {"grad_out": tr.records("scale", "grad_out"), "param_grad": tr.records("scale", "param_grad")}
-    col = {
-        "grad_out": {sid: j for j, sid in enumerate(grads["id"][:n_go])},
-        "param_grad": {sid: j for j, sid in enumerate(grads["id"][n_go:])},
-    }
-    binades = np.arange(255, dtype=float) - 127.0
-    edges: dict[int, list] = {}
-    counts: dict[int, list] = {}
-    for i, site in enumerate(grads.itertuples()):
-        if not fp16[i]:
-            continue
-        if site.kind == "grad_out" and _is_container(site.path, go_paths):
-            continue
-        steps, hist = tr.hist(int(site.id))
-        for s, row in zip(steps, hist):
-            if s >= n or not row.any():
-                continue
-            carried = scale[site.kind][s, col[site.kind][int(site.id)]]
-            carried = 1.0 if not np.isfinite(carried) or carried <= 0 else carried
-            nz = np.flatnonzero(row)
-            edges.setdefault(int(s), []).append(binades[nz] - math.log2(carried))
-            counts.setdefault(int(s), []).append(row[nz].astype(float))
-    return {s: (np.concatenate(edges[s]), np.concatenate(counts[s])) for s in edges}
+    outer = containers(paths[:n_go])
+    keep = fp16 & ~np.array([k == "grad_out" and p in outer for k, p in zip(grads["kind"], paths)], dtype=bool)
+    ids = grads["id"].to_numpy(dtype=np.int64)[keep]
+    if not len(ids):
+        return {}
+    h = view.hists.take(view.rows_of(ids))
+    ok = (h.step < n) & (h.totals > 0)
+    h = h.take(np.flatnonzero(ok))
+    if not len(h):
+        return {}
+    hs = view.hist_steps
+    carried = np.ones(len(h))
+    for kind in ("grad_out", "param_grad"):
+        kid = view.sites(kind)["id"].to_numpy()
+        sc = view.stat("scale", kind, hs)
+        mine = np.isin(h.site, kid)
+        if mine.any():
+            carried[mine] = sc[np.searchsorted(hs, h.step[mine]), np.searchsorted(kid, h.site[mine])]
+    carried = np.where(np.isfinite(carried) & (carried > 0), carried, 1.0)
+    per_row = h.offsets[1:] - h.offsets[:-1]
+    row = np.repeat(np.arange(len(h)), per_row)
+    binade = (np.arange(len(h.counts)) - np.repeat(h.offsets[:-1], per_row) + np.repeat(h.lo, per_row)).astype(float)
+    edge = binade - np.log2(carried)[row]
+    step = h.step[row]
+    nz = h.counts > 0
+    step, edge, c = step[nz], edge[nz], h.counts[nz].astype(float)
+    order = np.lexsort((edge, step))
+    step, edge, c = step[order], edge[order], c[order]
+    new = np.ones(len(step), bool)
+    new[1:] = (step[1:] != step[:-1]) | (edge[1:] != edge[:-1])
+    starts = np.flatnonzero(new)
+    step, edge, c = step[starts], edge[starts], np.add.reduceat(c, starts)
+    bounds = np.flatnonzero(np.diff(step)) + 1
+    return {int(s[0]): (e, cc) for s, e, cc in zip(np.split(step, bounds), np.split(edge, bounds), np.split(c, bounds))}
 
 
-def _is_container(path: str, paths: set) -> bool:
-    if path == ROOT:
-        return len(paths) > 1
-    prefix = path + "."
-    return any(p.startswith(prefix) for p in paths)
-
-
-def open_trace(trace_or_path) -> Trace:
-    """A Trace as given, or the one a path names."""
-    if isinstance(trace_or_path, Trace):
+def open_trace(trace_or_path) -> Trace | View:
+    """A Trace (or a View of one) as given, or the one a path names."""
+    if isinstance(trace_or_path, (Trace, View)):
         return trace_or_path
     if isinstance(trace_or_path, (str, os.PathLike)):
         return load(trace_or_path)

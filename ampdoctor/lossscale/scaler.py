@@ -23,6 +23,7 @@ import numpy as np
 
 from .. import formats
 from ..trace.checks import scaler_setting_problem
+from .machine import Machine
 
 # torch.amp.GradScaler defaults: what a run without a recorded scaler is replayed with
 TORCH_DEFAULTS = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
@@ -141,139 +142,67 @@ def resolve(ev, init_scale, growth_factor, backoff_factor, growth_interval) -> d
 def initial_tracker(ev) -> int:
     """Consecutive unskipped steps the scaler had counted when the trace began (0 for a fresh GradScaler): read off
     the first growth when it comes before any skip."""
-    if not ev.has_scaler:
+    if not ev.has_scaler or not len(ev.steps):
         return 0
     gi = ev.run_settings["growth_interval"]
-    for t in range(len(ev.steps)):
-        if ev.rec_over[t]:
-            return 0
-        if ev.rec_next[t] > ev.rec_scale[t]:
-            return max(gi - (t + 1), 0)
-    return 0
+    with np.errstate(invalid="ignore"):
+        event = np.asarray(ev.rec_over, bool) | (np.asarray(ev.rec_next) > np.asarray(ev.rec_scale))
+    if not event.any():
+        return 0
+    t = int(event.argmax())
+    return 0 if ev.rec_over[t] else max(gi - (t + 1), 0)
 
 
-# -- the simulation ------------------------------------------------------------------------------------------------
-def _f32(x):
-    """Round to FP32, as the scale tensor stores it (beyond the FP32 max: inf); a float or an array of them."""
-    with np.errstate(over="ignore"):
-        if isinstance(x, np.ndarray):
-            return x.astype(np.float32).astype(float)
-        return float(np.float32(x))
-
-
+# -- the simulation (machine.py steps it) --------------------------------------------------------------------------
 def simulate(ev, settings: dict, tracker: int = 0) -> Replay:
     """GradScaler over the evidence, step by step, from ``settings`` and a growth tracker at ``tracker``."""
     n = len(ev.steps)
-    scale = _f32(settings["init_scale"])
-    growth, backoff, interval = settings["growth_factor"], settings["backoff_factor"], settings["growth_interval"]
-    scales = np.empty(n)
-    skipped = np.zeros(n, bool)
-    estimated = np.zeros(n, bool)
+    m = Machine(ev, [settings], [tracker], record=True)
+    m.run()
     under = np.full(n, np.nan)
     flushed = np.full(n, np.nan)
-    rec, over, always, thr, nb = ev.rec_scale, ev.rec_over, ev.always, ev.threshold, ev.from_neighbours
-    for t in range(n):
-        scales[t] = scale
-        if scale == rec[t]:
-            skip = bool(over[t])  # the recorded outcome at the recorded scale
-        elif always[t]:
-            skip = True  # non-finite forward or loss: no scale helps
-        elif ev.has_scaler and over[t] and scale > rec[t]:
-            skip = True  # overflow is monotone in the scale
-        elif ev.has_scaler and not over[t] and scale < rec[t]:
-            skip = False
-        else:
-            skip = scale > thr[t]
-            estimated[t] = bool(nb[t])
-        skipped[t] = skip
-        if t in ev.hist:
-            under[t], flushed[t] = shares(ev.hist[t], scale)
-        if skip:
-            scale = _f32(scale * backoff)
-            tracker = 0
-        else:
-            tracker += 1
-            if tracker >= interval:
-                grown = _f32(scale * growth)
-                if math.isfinite(grown):  # torch never grows the scale to inf
-                    scale = grown
-                tracker = 0
+    cache: dict = {}
+    for j, t in enumerate(m.hsteps.tolist()):
+        key = (t, float(m.h_scale[0, j]))
+        if key not in cache:
+            cache[key] = shares(ev.hist[t], key[1])
+        under[t], flushed[t] = cache[key]
     return Replay(
         settings=dict(settings),
         steps=ev.steps.copy(),
-        scales=scales,
-        skipped=skipped,
+        scales=m.scales[0],
+        skipped=m.skipped[0],
         underflow=under,
         flushed=flushed,
-        estimated=estimated,
-        final_scale=scale,
+        estimated=m.estimated[0],
+        final_scale=float(m.scale[0]),
         assumed_fp16=ev.assumed_fp16,
     )
 
 
-def lost_many(ev, settings: list, advance=None) -> list:
-    """``simulate(ev, s).lost`` for each of ``settings`` (each from a fresh tracker), the settings stepped side by side
-    with their state in arrays: ``simulate``'s decisions, FP32 roundings and shares, so the very same numbers.
-
-    The search's inner loop: one pass over the steps for the whole grid instead of one per setting. ``advance(k)``
-    is told as k more settings are done (they all finish together, so in proportion to the steps stepped).
-    """
+def lost_many(ev, settings: list, advance=None, bound: float = math.inf) -> list:
+    """``simulate(ev, s).lost`` for each of ``settings`` (each from a fresh tracker): the same decisions, FP32
+    roundings and shares, so the very same numbers, for the whole grid in one pass over the steps (machine.py).
+    A setting whose skipped steps alone lose more than ``bound`` cannot be the best: it comes back as inf (and is not
+    stepped to the end). ``advance(k)`` is told as k more settings are done."""
     n = len(ev.steps)
-    hist_steps = [t for t in range(n) if t in ev.hist]
-    # the underflow shares of every setting at every histogram step are kept (Replay.lost means them in step order,
-    # as simulate does); settings go in groups that keep those arrays small
-    group = max(1, _SEARCH_CELLS // max(len(hist_steps), 1))
+    hist_steps = [t for t in sorted(ev.hist) if 0 <= t < n]
+    group = max(1, _SEARCH_CELLS // max(len(hist_steps), 1))  # settings x histogram steps held at once
     out: list = []
     for i in range(0, len(settings), group):
-        out += _lost_group(ev, settings[i : i + group], hist_steps, advance)
+        part = settings[i : i + group]
+        m = Machine(ev, part, [0] * len(part), bound=bound)
+        m.run(advance, shares)
+        m.finish()
+        bound = m.bound  # tightened by the settings that finished
+        under = np.full(m.h_scale.shape, np.nan)
+        for j, t in enumerate(m.hsteps.tolist()):
+            col = m.h_scale[:, j]
+            for value in np.unique(col[~np.isnan(col)]):
+                under[col == value, j] = shares(ev.hist[t], float(value))[0]
+        for c in range(len(part)):
+            out.append(math.inf if m.pruned[c] else lost_share(n, int(m.sk[c]), nanmean(under[c][~m.h_skip[c]])))
     return out
-
-
-def _lost_group(ev, settings: list, hist_steps: list, advance) -> list:
-    n, m = len(ev.steps), len(settings)
-    scale = _f32(np.array([s["init_scale"] for s in settings], dtype=float))
-    growth = np.array([s["growth_factor"] for s in settings], dtype=float)
-    backoff = np.array([s["backoff_factor"] for s in settings], dtype=float)
-    interval = np.array([s["growth_interval"] for s in settings], dtype=np.int64)
-    tracker = np.zeros(m, dtype=np.int64)
-    n_skipped = np.zeros(m, dtype=np.int64)
-    column = {t: j for j, t in enumerate(hist_steps)}
-    under = np.full((m, len(hist_steps)), np.nan)
-    skipped_at = np.zeros((m, len(hist_steps)), dtype=bool)
-    rec, over, always, thr = ev.rec_scale, ev.rec_over, ev.always, ev.threshold
-    done = 0
-    for t in range(n):
-        at_rec, over_t = scale == rec[t], bool(over[t])
-        # simulate's cascade, branch for branch (the first that applies decides)
-        if always[t]:
-            skip = ~at_rec | over_t
-        elif ev.has_scaler and over_t:
-            skip = at_rec | (scale > rec[t]) | (scale > thr[t])
-        elif ev.has_scaler:
-            skip = ~at_rec & ~(scale < rec[t]) & (scale > thr[t])
-        else:
-            skip = np.where(at_rec, over_t, scale > thr[t])
-        j = column.get(t)
-        if j is not None:
-            skipped_at[:, j] = skip
-            for value in np.unique(scale):
-                under[scale == value, j] = shares(ev.hist[t], float(value))[0]
-        n_skipped += skip
-        tracker += 1
-        any_skip = skip.any()
-        if any_skip:
-            tracker[skip] = 0
-        grow = tracker >= interval  # never a skipped one: its tracker is 0 < interval
-        if grow.any():
-            grown = _f32(scale[grow] * growth[grow])
-            scale[grow] = np.where(np.isfinite(grown), grown, scale[grow])  # torch never grows the scale to inf
-            tracker[grow] = 0
-        if any_skip:
-            scale[skip] = _f32(scale[skip] * backoff[skip])
-        if advance is not None and m * (t + 1) // n > done:
-            advance(m * (t + 1) // n - done)
-            done = m * (t + 1) // n
-    return [lost_share(n, int(n_skipped[c]), nanmean(under[c][~skipped_at[c]])) for c in range(m)]
 
 
 def shares(hist: tuple, scale: float) -> tuple[float, float]:

@@ -82,7 +82,8 @@ def suggest(trace_or_path, search_factors: bool = False, progress=None) -> Sugge
         for growth, backoff, gi, e in grid
     ]
     bar = iter(progress(grid) if progress else ())
-    lost = lost_many(ev, settings, advance=lambda k: deque(islice(bar, k), maxlen=0))  # the bar, k settings on
+    # the bar, k settings on; a setting whose skips alone lose more than the run's own settings cannot be chosen
+    lost = lost_many(ev, settings, advance=lambda k: deque(islice(bar, k), maxlen=0), bound=baseline.lost)
     deque(bar, maxlen=0)  # and to its end (a bar closes once its list is used up)
     best_key, best_i = None, None
     for i, ((growth, backoff, gi, e), r_lost) in enumerate(zip(grid, lost)):

@@ -304,11 +304,11 @@ def _jumps(run, step: int, jump_binades: float, near_limit: float) -> tuple[list
     scale = np.where(np.isfinite(scale) & (scale > 0), scale, 1.0)
     for kind in ("act", "grad_out"):
         sites = run.sites(kind)
-        peaks = run.records("peak", kind) if len(sites) else None
-        if peaks is None or step >= len(peaks):
+        if not len(sites) or step >= run.n_steps:
             continue
         lo = max(0, step - 200)
-        unscaled = peaks[lo : step + 1] / scale[lo : step + 1, None] if kind == "grad_out" else peaks[lo : step + 1]
+        window = run.at("peak", kind, np.arange(lo, step + 1))  # the step and its history, whatever the run's length
+        unscaled = window / scale[lo : step + 1, None] if kind == "grad_out" else window
         for j, (path, dtype) in enumerate(zip(sites["path"], sites["dtype"])):
             now, past = unscaled[-1, j], unscaled[:-1, j]
             past = past[np.isfinite(past) & (past > 0)]
@@ -317,7 +317,7 @@ def _jumps(run, step: int, jump_binades: float, near_limit: float) -> tuple[list
                 if binades >= jump_binades:
                     jumped.append((f"{path} ({kind})", binades))
             fmt = formats.get(dtype) if dtype in formats.DTYPE_FORMATS else None
-            stored = peaks[step, j]
+            stored = window[-1, j]
             if fmt is not None and (not np.isfinite(stored) or stored >= fmt.max / 2**near_limit):
                 limits.append(f"{path} ({kind}, {dtype})")
     jumped.sort(key=lambda pb: -pb[1])

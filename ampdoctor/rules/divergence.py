@@ -7,6 +7,7 @@ problem: lowering the scale cannot fix it; the scaler and range rules are suppre
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -213,35 +214,65 @@ def blowup(
     return b
 
 
+# Steps of [steps x sites] statistics read at a time by the blow-up evidence: memory bounded whatever the run's length.
+CHUNK = 2048
+
+
 def _update_ratio(run: RunView, first: int, b: Blowup) -> None:
-    """Largest update / weight scale over the weight matrices at the recorded update steps before ``first``."""
+    """Largest update / weight scale over the weight matrices at the recorded update steps before ``first``. The
+    scale: the weights' RMS at their last record before that step, else 1/sqrt(fan_in). Read a chunk of the
+    full-statistics steps at a time, every site at once."""
     ups, ws = run.sites("update"), run.sites("weight")
     if not len(ups):
         return
-    u_rms, w_rms = run.records("rms", "update"), run.records("rms", "weight")
-    skipped = run.steps["skipped"].to_numpy(bool)
     types = run.module_types
+    fans = np.array([fan_in(s.shape) or 0 for s in ups.itertuples()], dtype=np.float64)
+    use = (fans > 0) & ~ups["module"].map(lambda m: types.get(m) in NO_FAN_IN).to_numpy(bool)
+    if not use.any():
+        return
     w_col = {p: j for j, p in enumerate(ws["path"])}
-    best = None
-    for j, s in enumerate(ups.itertuples()):
-        fan = fan_in(s.shape)
-        if not fan or types.get(s.module) in NO_FAN_IN:
-            continue
-        rows = [r for r in np.flatnonzero(np.isfinite(u_rms[:first, j])) if not skipped[r]]
-        for r in rows:
-            jw = w_col.get(s.path)
-            earlier = w_rms[:r, jw] if jw is not None else np.zeros(0)
-            earlier = earlier[np.isfinite(earlier) & (earlier > 0)]
-            scale = float(earlier[-1]) if len(earlier) else 1.0 / math.sqrt(fan)
-            ratio = float(u_rms[r, j]) / scale
-            if best is None or ratio > best[0]:
-                best = (ratio, s.path, int(run.steps["step"].iloc[r]))
-    if best is not None:
-        b.update_ratio, b.update_param, b.update_step = best
+    jw = np.array([w_col.get(p, -1) for p in ups["path"]], dtype=np.int64)
+    skipped = run.steps["skipped"].to_numpy(bool)
+    full = run.full_steps[run.full_steps < first]
+    carry = np.full(len(ups), np.nan)  # per update site: its weights' last RMS > 0 recorded so far
+    default = np.where(fans > 0, 1.0 / np.sqrt(np.where(fans > 0, fans, 1.0)), np.nan)
+    best_ratio = np.full(len(ups), -np.inf)
+    best_step = np.zeros(len(ups), dtype=np.int64)
+    for lo in range(0, len(full), CHUNK):
+        steps = full[lo : lo + CHUNK]
+        u = run.at("rms", "update", steps)
+        w = run.at("rms", "weight", steps)[:, np.maximum(jw, 0)] if len(ws) else np.full(u.shape, np.nan)
+        w[:, jw < 0] = np.nan
+        ok = np.isfinite(w) & (w > 0)
+        last = np.maximum.accumulate(np.where(ok, np.arange(len(steps))[:, None], -1), axis=0)
+        prev = np.vstack([np.full((1, len(ups)), -1), last[:-1]])  # the last record strictly before each row
+        earlier = np.take_along_axis(w, np.maximum(prev, 0), axis=0)
+        scale = np.where(prev >= 0, earlier, np.where(np.isfinite(carry), carry, default)[None, :])
+        valid = np.isfinite(u) & ~skipped[steps][:, None] & use[None, :]
+        with np.errstate(all="ignore"):
+            ratio = np.where(valid, u / scale, -np.inf)
+        k = np.argmax(ratio, axis=0)  # per site, its first largest in this chunk
+        top = ratio[k, np.arange(len(ups))]
+        better = top > best_ratio
+        best_ratio[better], best_step[better] = top[better], steps[k[better]]
+        has = ok.any(axis=0)
+        carry[has] = w[last[-1, has], np.flatnonzero(has)]
+    j = int(np.argmax(best_ratio))  # the first site with the largest
+    if best_ratio[j] > -np.inf:
+        b.update_ratio = float(best_ratio[j])
+        b.update_param = str(ups["path"].iloc[j])
+        b.update_step = int(run.steps["step"].iloc[int(best_step[j])])
 
 
 def _observed(run: RunView) -> np.ndarray:
     return run.steps["level"].fillna(-1).to_numpy(float) >= 0
+
+
+def _peak_blocks(run: RunView, rows: np.ndarray, ahead: int) -> Iterator[tuple[int, np.ndarray]]:
+    """(start, block): the output peaks at ``rows[start : start + CHUNK + ahead]`` (the next ``ahead`` rows too, for
+    what a row's move is checked against), a chunk at a time."""
+    for lo in range(0, len(rows), CHUNK):
+        yield lo, run.at("peak", "act", rows[lo : lo + CHUNK + ahead])
 
 
 def _jump(run: RunView, first: int, bad: np.ndarray, b: Blowup) -> None:
@@ -250,49 +281,57 @@ def _jump(run: RunView, first: int, bad: np.ndarray, b: Blowup) -> None:
     whose move on that step was at least half the largest: the modules after it carried its values. Only a move the
     later steps kept counts."""
     acts = run.sites("act")
-    pk = run.records("peak", "act")
-    if not pk.shape[1]:
+    if not len(acts):
         return
     rows = np.flatnonzero(_observed(run))
     rows = rows[rows <= first + 1]
-    best = None
-    for a, c in zip(rows[:-1], rows[1:]):
-        if c != a + 1 or c > first:
+    limit = np.array(
+        [formats.get(str(d)).max if d in formats.DTYPE_FORMATS else np.nan for d in acts["dtype"]], dtype=np.float64
+    )
+    not_root = (acts["path"] != ROOT).to_numpy(bool)
+    best = None  # ((move, not root), site, row index, peak before)
+    prev_row = None  # the last row of the block before (the pair across two blocks)
+    for lo, pk in _peak_blocks(run, rows, 3):
+        n = min(CHUNK, len(rows) - lo)
+        block = pk if prev_row is None else np.vstack([prev_row, pk])
+        off = 0 if prev_row is None else 1  # block row of rows[lo]
+        prev_row = pk[n - 1 : n]
+        i = np.arange(lo, lo + n)  # the later step of each pair, as an index into rows
+        pair = (i >= 1) & (rows[i] == rows[np.maximum(i - 1, 0)] + 1) & (rows[i] <= first)
+        if not pair.any():
             continue
-        prev, now = pk[a], pk[c]
-        moves: list[tuple[float, str, float]] = []  # (move, path, previous peak) in execution order
-        for j in range(pk.shape[1]):
-            path = str(acts["path"].iloc[j])
-            if not (np.isfinite(prev[j]) and prev[j] > 0):
-                continue
-            fmt = formats.get(str(acts["dtype"].iloc[j])) if acts["dtype"].iloc[j] in formats.DTYPE_FORMATS else None
-            if np.isfinite(now[j]):
-                if now[j] <= 0:
-                    continue
-                move = math.log2(now[j] / prev[j])
-                if not _kept(pk[:, j], rows, c, now[j]):
-                    continue
-            elif fmt is not None and bad[c]:
-                move = math.log2(fmt.max / prev[j])
-            else:
-                continue
-            moves.append((move, path, float(prev[j])))
-        if not moves:
+        i = i[pair]
+        now, before = block[i - lo + off], block[i - lo + off - 1]
+        with np.errstate(all="ignore"):
+            fin = np.isfinite(now)
+            up = before > 0
+            move = np.where(fin, np.log2(now / before), np.log2(limit[None, :] / before))
+            kept = np.ones(now.shape, dtype=bool)
+            for d in range(1, 4):  # the next observed steps keep the move (within 2 binades, or non-finite)
+                there = i + d < len(rows)
+                later = block[np.minimum(i + d - lo + off, len(block) - 1)]
+                kept &= ~there[:, None] | ~np.isfinite(later) | (later >= now / 4)
+        ok = (
+            np.isfinite(before)
+            & up
+            & np.where(fin, (now > 0) & kept, np.isfinite(limit)[None, :] & bad[rows[i]][:, None])
+        )
+        if not ok.any():
             continue
-        top = max(m for m, _, _ in moves)
-        inner = [m for m in moves if m[1] != ROOT] or moves
-        move, path, before = next(m for m in inner if m[0] >= top / 2 or m[0] == top) if top > 0 else max(moves)
-        key = (top, path != ROOT)
+        m = np.where(ok, move, -np.inf)
+        top = m.max()
+        r = int(np.argmax(m.max(axis=1)))  # the first step pair with the largest move
+        # the module named: the first in execution order whose move on that step was at least half the largest
+        # (the modules after it carried its values), an inner module before the root
+        cand = ok[r] & ((m[r] >= top / 2) if top > 0 else (m[r] == top))
+        pref = cand & not_root
+        j = int(np.flatnonzero(pref if pref.any() else cand)[0])
+        key = (float(top), bool(not_root[j]))
         if best is None or key > best[0]:
-            best = (key, path, int(run.steps["step"].iloc[c]), before, move)
+            best = (key, str(acts["path"].iloc[j]), int(rows[i[r]]), float(before[r, j]), float(m[r, j]))
     if best is not None:
-        _, b.jump_site, b.jump_step, b.jump_from, b.jump = best
-
-
-def _kept(col: np.ndarray, rows: np.ndarray, at: int, value: float) -> bool:
-    """The peak stayed up (within 2 binades, or went non-finite) on the observed steps after ``at``."""
-    later = col[rows[rows > at][:3]]
-    return not len(later) or all((not np.isfinite(v)) or v >= value / 4 for v in later)
+        _, b.jump_site, c, b.jump_from, b.jump = best
+        b.jump_step = int(run.steps["step"].iloc[c])
 
 
 def _flat_and_growth(run: RunView, first: int, b: Blowup) -> None:
@@ -304,22 +343,31 @@ def _flat_and_growth(run: RunView, first: int, b: Blowup) -> None:
         b.loss_start, b.loss_best = float(fin[:3].min()), float(smooth.min())
         b.loss_flat = b.loss_best >= NO_PROGRESS * b.loss_start
     acts = run.sites("act")
-    pk = run.records("peak", "act")
     rows = np.flatnonzero(_observed(run)[:first])
-    if len(rows) < 2 or not pk.shape[1]:
+    if len(rows) < 2 or not len(acts):
         return
-    best = None
-    for j in range(pk.shape[1]):
-        col = pk[rows, j]
-        ok = np.isfinite(col) & (col > 0)
-        if ok.sum() < 2:
+    k = len(acts)
+    start, end = np.full(k, np.nan), np.full(k, np.nan)  # per site: its first and last finite peak > 0 ...
+    at_start, at_end = np.zeros(k, dtype=np.int64), np.zeros(k, dtype=np.int64)  # ... and their steps
+    count = np.zeros(k, dtype=np.int64)
+    for lo, pk in _peak_blocks(run, rows, 0):
+        ok = np.isfinite(pk) & (pk > 0)
+        if not ok.any():
             continue
-        start, end = col[ok][0], col[ok][-1]
-        g = math.log2(end / start)
-        if best is None or g > best[0]:
-            best = (g, str(acts["path"].iloc[j]), [int(rows[ok][0]), int(rows[ok][-1])])
-    if best is not None:
-        b.growth, b.growth_site, b.growth_steps = best
+        fresh = (count == 0) & ok.any(axis=0)
+        f = np.argmax(ok, axis=0)
+        start[fresh], at_start[fresh] = pk[f[fresh], fresh], rows[lo + f[fresh]]
+        has = ok.any(axis=0)
+        e = len(pk) - 1 - np.argmax(ok[::-1], axis=0)
+        end[has], at_end[has] = pk[e[has], has], rows[lo + e[has]]
+        count += ok.sum(axis=0)
+    grow = count >= 2
+    if not grow.any():
+        return
+    with np.errstate(all="ignore"):
+        g = np.where(grow, np.log2(end / start), -np.inf)
+    j = int(np.argmax(g))
+    b.growth, b.growth_site, b.growth_steps = float(g[j]), str(acts["path"].iloc[j]), [int(at_start[j]), int(at_end[j])]
 
 
 def finite_blowup(run: RunView) -> dict | None:

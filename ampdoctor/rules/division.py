@@ -144,10 +144,11 @@ def _input_of(paths: list[str], j: int) -> int | None:
 
 def _division(run: RunView, acts, j: int, i: int | None, steps: list[int], min_headroom: float) -> dict | None:
     """The evidence that module ``j`` divided by 0 on ``steps`` (full statistics), or None."""
-    rows = [s for s in steps if s in set(run.full_steps.tolist())]
+    full = set(run.full_steps.tolist())
+    rows = [s for s in steps if s in full]
     if not rows or i is None:
         return None
-    rec = lambda f, col: run.records(f, "act")[rows, col]  # noqa: E731
+    rec = lambda f, col: run.at(f, "act", rows)[:, col]  # noqa: E731
     nan, inf, out_max = rec("nan", j), rec("inf", j), rec("absmax", j)
     in_zeros, in_max, in_min = rec("zeros", i), rec("absmax", i), rec("minabs", i)
     if not (np.isfinite(in_max).all() and (rec("nan", i) == 0).all() and (rec("inf", i) == 0).all()):

@@ -20,6 +20,7 @@ import pandas as pd
 
 from .. import formats
 from ..trace import Trace, TraceError
+from ..trace.view import View
 from . import registry
 from .result import Diagnosis, Rule, python_values, rule_error, worst_first
 
@@ -34,13 +35,14 @@ class Selected(NamedTuple):
 
 
 class Run:
-    """What rules read: a trace plus cached views of it (steps, sites, per-site arrays, configuration)."""
+    """What rules read: a trace plus cached views of it (steps, sites, per-site arrays, configuration), read through a
+    trace.view.View: bounded samples of the full-statistics and histogram steps, one pass over the peaks."""
 
     def __init__(self, trace: Trace, reference: Run | None = None, rules: dict | list | None = None):
         self.trace = trace
+        self.view = View(trace)
         self.reference = reference  # a second run to compare with (slow-convergence)
         self._records: dict = {}
-        self._sites: dict = {}
         self.ranks: dict[int, Run] = {}  # every rank of the run, self included, for the rank rules
         # rules: {id: thresholds or None} as diagnose() takes it, or resolve_rules()'s list
         selected = rules if isinstance(rules, list) else resolve_rules(rules)
@@ -92,7 +94,7 @@ class Run:
         """replay.GradientPeaks of this run: the largest unscaled gradients, as the replay reads them."""
         from ..lossscale import gradient_peaks
 
-        return gradient_peaks(self.trace)
+        return gradient_peaks(self.view)
 
     @cached_property
     def suggestion(self):
@@ -102,18 +104,18 @@ class Run:
         from ..lossscale import suggest
 
         try:
-            return suggest(self.trace)
+            return suggest(self.view)
         except (ValueError, OverflowError, TypeError):
             return None
 
     # -- tables --------------------------------------------------------------------------------------------------
-    @cached_property
+    @property
     def steps(self) -> pd.DataFrame:
-        return self.trace.steps()
+        return self.view.steps
 
-    @cached_property
+    @property
     def meta(self) -> dict:
-        return self.trace.meta
+        return self.view.meta
 
     @property
     def config(self) -> dict:
@@ -124,13 +126,21 @@ class Run:
         return self.meta.get("run", {}) or {}
 
     def sites(self, kind: str) -> pd.DataFrame:
-        if kind not in self._sites:
-            self._sites[kind] = self.trace.sites(kind)
-        return self._sites[kind]
+        return self.view.sites(kind)
+
+    @property
+    def stat_steps(self) -> np.ndarray:
+        """The full-statistics steps the rules read statistics at (all of them, or View.MAX_STEPS evenly spaced)."""
+        return self.view.stat_steps
+
+    def stat(self, fld: str, kind: str) -> np.ndarray:
+        """[stat_steps x sites] of one full statistic (NaN where a site has none at a step)."""
+        return self.view.stat(fld, kind)
 
     def records(self, fld: str, kind: str) -> np.ndarray:
         """[steps x sites] of one statistic, aligned with ``steps``: a trace still being written may have grown
-        between the two reads, so rows are cut (or NaN-padded) to the steps this view holds."""
+        between the two reads, so rows are cut (or NaN-padded) to the steps this view holds. Dense: for short runs
+        (the rules read ``stat`` and ``view.scan`` instead)."""
         key = (fld, kind)
         if key not in self._records:
             arr = self.trace.records(fld, kind)
@@ -141,6 +151,14 @@ class Run:
                 arr = np.vstack([arr, np.full((n - len(arr), arr.shape[1]), np.nan)])
             self._records[key] = arr
         return self._records[key]
+
+    def at(self, fld: str, kind: str, steps) -> np.ndarray:
+        """[len(steps) x sites] of one statistic at these steps (NaN where none, or beyond the steps this view
+        holds): what a rule reads around given steps of a run of any length."""
+        steps = np.asarray(steps, dtype=np.int64)
+        out = self.trace.records(fld, kind, steps=steps)
+        out[steps >= self.n_steps] = np.nan
+        return out
 
     @cached_property
     def events(self) -> pd.DataFrame:
@@ -155,9 +173,10 @@ class Run:
     def metrics(self) -> pd.DataFrame:
         return self.trace.metrics()
 
-    @cached_property
+    @property
     def full_steps(self) -> np.ndarray:
-        return self.trace.full_steps()
+        """Every step with full statistics."""
+        return self.view.full_steps
 
     # -- precision configuration ---------------------------------------------------------------------------------
     @property

@@ -28,49 +28,58 @@ HISTORIES = (1, 16, 128, W.HISTORY)
 MARGINS = (0, 1, 2, 3, 4)
 
 
-def _lost(df, name: str) -> float:
-    d = W.judged(df)
-    if not len(d):
-        return float("nan")
-    return float(np.median(d[f"{name}_sat_lo"] + d[f"{name}_flush_lo"]))
-
-
-def _parts(df, name: str) -> tuple[float, float]:
-    d = W.judged(df)
-    return float(np.median(d[f"{name}_sat_lo"])), float(np.median(d[f"{name}_flush_lo"]))
+def _lost(out: dict, sites: np.ndarray, name: str) -> tuple[dict, dict, dict]:
+    """site -> the median over its judged rows of the share certainly lost in ``name`` (saturated + flushed), and of
+    the saturated and the flushed shares apart (sites without a judged row are left out)."""
+    keep = W._judged(out)
+    return (
+        W.site_medians(out[f"{name}_sat_lo"] + out[f"{name}_flush_lo"], sites, keep),
+        W.site_medians(out[f"{name}_sat_lo"], sites, keep),
+        W.site_medians(out[f"{name}_flush_lo"], sites, keep),
+    )
 
 
 def assess(tr, kinds=("act", "grad_out"), min_lost: float = MIN_LOST) -> list[dict]:
     """The sites that lose at least ``min_lost`` under the default recipe, with their best (format, history,
-    margin) and the share lost there."""
+    margin) and the share lost there. Every site of a kind at once (its histogram rows as read, one what-if over all
+    of them); the recipe search only over the sites that lose."""
     out = []
     for kind in kinds:
         inp = W.Inputs(tr, kind)
-        for s in inp.sites.itertuples():
-            name = KIND_FORMAT[kind]
-            base = W.site_whatif(tr, int(s.id), kind, inputs=inp)
-            if len(W.judged(base)) < MIN_STEPS:
-                continue
-            lost = _lost(base, name)
-            if not lost >= min_lost:
-                continue
-            sat, flush = _parts(base, name)
+        h = inp.rows()
+        if not len(h):
+            continue
+        name = KIND_FORMAT[kind]
+        base = W._whatif_rows(inp, h, W.HISTORY, W.MARGIN)
+        judged = dict(zip(*np.unique(h.site[W._judged(base)], return_counts=True)))
+        lost, sat, flush = _lost(base, h.site, name)
+        losing = [
+            s for s in inp.sites.itertuples() if judged.get(int(s.id), 0) >= MIN_STEPS and lost[int(s.id)] >= min_lost
+        ]
+        if not losing:
+            continue
+        sub = inp.rows([int(s.id) for s in sorted(losing, key=lambda s: s.id)])
+        search = {}
+        for hist, m in itertools.product(HISTORIES, MARGINS):
+            rows = W._whatif_rows(inp, sub, hist, m)
+            search[(hist, m)] = {fmt: _lost(rows, sub.site, fmt)[0] for fmt in ("e4m3", "e5m2")}
+        for s in losing:
+            sid = int(s.id)
             best = None
-            for h, m in itertools.product(HISTORIES, MARGINS):
-                df = W.site_whatif(tr, int(s.id), kind, history=h, margin=m, inputs=inp)
+            for hist, m in itertools.product(HISTORIES, MARGINS):
                 for fmt in ("e4m3", "e5m2"):
-                    v = _lost(df, fmt)
-                    key = (v, fmt != name, m, -h)  # least lost; then the recipe's own format, small margin
+                    v = float(search[(hist, m)][fmt].get(sid, float("nan")))
+                    key = (v, fmt != name, m, -hist)  # least lost; then the recipe's own format, small margin
                     if best is None or key < best[0]:
-                        best = (key, {"format": fmt, "history": h, "margin": m, "lost": v})
+                        best = (key, {"format": fmt, "history": hist, "margin": m, "lost": v})
             out.append(
                 {
                     "path": s.path,
                     "kind": kind,
                     "format": name,
-                    "lost": lost,
-                    "saturated": sat,
-                    "flushed": flush,
+                    "lost": float(lost[sid]),
+                    "saturated": float(sat[sid]),
+                    "flushed": float(flush[sid]),
                     "best": best[1],
                     "kept": best[1]["lost"] < min_lost,
                 }
@@ -87,7 +96,7 @@ def _recipe(hist: int, margin: int, fmt: str) -> str:
 
 
 def fp8_readiness(run, *, min_lost=MIN_LOST):
-    rows = assess(run.trace, min_lost=min_lost)
+    rows = assess(run.view, min_lost=min_lost)
     if not rows:
         return None
     kept = [r for r in rows if r["kept"] and r["best"]["format"] == r["format"]]

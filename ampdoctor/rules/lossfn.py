@@ -132,11 +132,11 @@ def _output(run: RunView, steps: list[int]) -> dict:
     out["path"] = paths[j] if paths[j] != ROOT else name
     out["dtype"] = str(acts["dtype"].iloc[j])
     rows = [s for s in steps if s < run.n_steps]
-    peak = run.records("peak", "act")[rows, j] if rows else np.zeros(0)
-    absmax = run.records("absmax", "act")[rows, j] if rows else np.zeros(0)
-    zeros = run.records("zeros", "act")[rows, j] if rows else np.zeros(0)
-    numel = run.records("numel", "act")[rows, j] if rows else np.zeros(0)
-    mean = run.records("mean", "act")[rows, j] if rows else np.zeros(0)
+    peak = run.at("peak", "act", rows)[:, j] if rows else np.zeros(0)
+    absmax = run.at("absmax", "act", rows)[:, j] if rows else np.zeros(0)
+    zeros = run.at("zeros", "act", rows)[:, j] if rows else np.zeros(0)
+    numel = run.at("numel", "act", rows)[:, j] if rows else np.zeros(0)
+    mean = run.at("mean", "act", rows)[:, j] if rows else np.zeros(0)
     with np.errstate(all="ignore"):
         total = np.abs(mean) * numel
     total = total[np.isfinite(total)]

@@ -54,7 +54,8 @@ def origins(run: RunView) -> Origins | None:
     # The module whose outputs approached the limit, not the last straw: when the modules just before the first
     # overflowing one already ran within a binade of the max, the earliest of them produced the values.
     acts = run.sites("act")
-    culprit, tipped = _producer(acts, run.records("peak", "act"), counts, formats.FP16.max)
+    top = run.view.peak_max("act")  # per module: its largest finite output over every observed step
+    culprit, tipped = _producer(acts, top, counts, formats.FP16.max)
     # Where a replay traced the step down to its operations, they decide: a value made inside a module's own forward
     # is that module's, whatever child carried it out (the module walk only sees module outputs).
     steps = set(fwd["step"].astype(int))
@@ -81,7 +82,8 @@ def forward_overflow(run: RunView, *, min_steps: int = 1, critical_share: float 
         return None
     fwd, counts, culprit, tipped = o.events, o.counts, o.culprit, o.tipped
     acts = run.sites("act")
-    peaks = run.records("peak", "act")
+    top = run.view.peak_max("act")  # per module: its largest finite output over every observed step
+    first_at = run.view.scan.site_argmax[acts["id"].to_numpy()]  # the step of that output (-1: none)
     steps = fwd["step"].astype(int).tolist()
     own = fwd.loc[fwd["path"].isin([culprit] + tipped), "step"].astype(int).tolist()
     if not own:  # the replays found the values made inside a module the module walk did not name: its steps
@@ -95,11 +97,9 @@ def forward_overflow(run: RunView, *, min_steps: int = 1, critical_share: float 
     # How close the module's output ran to the FP16 max on the steps where it stayed finite.
     last_finite, peak_step = None, None
     if len(row):
-        col = peaks[:, int(np.flatnonzero(acts["path"].to_numpy() == culprit)[0])]
-        ok = np.isfinite(col)
-        if ok.any():
-            peak_step = int(np.flatnonzero(ok)[np.argmax(col[ok])])
-            last_finite = float(col[peak_step])
+        j = int(np.flatnonzero(acts["path"].to_numpy() == culprit)[0])
+        if first_at[j] >= 0:
+            peak_step, last_finite = int(first_at[j]), float(top[j])
     share = len(set(steps)) / max(run.n_steps, 1)
     loss = run.steps["loss"].to_numpy(float)
     # a NaN loss is stored as NULL: count missing losses only where the run logs a loss at all
@@ -236,18 +236,19 @@ def _checked_fixes(run: RunView, ops: list, culprit: str) -> tuple[list, dict]:
     return fixes, out
 
 
-def _producer(acts, peaks, counts, limit: float) -> tuple[str, list]:
+def _producer(acts, top, counts, limit: float) -> tuple[str, list]:
     """(producer, modules that tipped its values over). From each module where an overflow showed, walk back in
     execution order through the modules whose finite outputs came within a binade of the limit: the earliest of that
     unbroken chain produced the values (a chain of one: the module itself). The producer behind the most overflowing
     steps is the culprit; the others that lead back to it only tipped its values over."""
     paths = acts["path"].tolist()
-    top = np.where(np.isfinite(peaks), peaks, -1.0).max(axis=0) if peaks.shape[1] else np.zeros(0)
+    top = np.where(np.isfinite(top), top, -1.0)  # per module: largest finite output (-1: none)
+    where = {p: i for i, p in enumerate(paths)}
 
     def origin(path: str) -> str:
-        if path not in paths:
+        if path not in where:
             return path
-        i = paths.index(path)
+        i = where[path]
         producer = i
         for j in range(i - 1, -1, -1):
             if paths[j] == ROOT or paths[i].startswith(paths[j] + "."):

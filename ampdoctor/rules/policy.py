@@ -117,13 +117,14 @@ def precision_policy(run: RunView, *, min_softmax_underflow: float = MIN_SOFTMAX
             )
     soft = acts[acts["module_type"].isin(SOFTMAX_TYPES) & acts["dtype"].isin(formats.REDUCED)]
     if len(soft):
-        fs = run.full_steps
-        n = run.records("numel", "act")
-        under = run.records("fp16_sub", "act") + run.records("fp16_flush", "act")
+        fs = run.stat_steps  # the full-statistics steps read (all of them, or evenly spaced ones)
+        n = run.stat("numel", "act")
+        under = run.stat("fp16_sub", "act") + run.stat("fp16_flush", "act")
+        column = {int(sid): j for j, sid in enumerate(acts["id"])}
         for _idx, site in soft.iterrows():
-            j = int(np.flatnonzero(acts["id"].to_numpy() == site["id"])[0])
+            j = column[int(site["id"])]
             with np.errstate(all="ignore"):
-                share = under[fs, j] / n[fs, j] if site["dtype"] == "float16" else np.zeros(len(fs))
+                share = under[:, j] / n[:, j] if site["dtype"] == "float16" else np.zeros(len(fs))
             share = share[np.isfinite(share)]
             if len(share) and float(np.median(share)) >= min_softmax_underflow:
                 items.append(

@@ -39,13 +39,20 @@ def _observed_nonfinite(run: RunView) -> np.ndarray:
     return st["nonfinite"].to_numpy(bool) & (st["level"].fillna(0).to_numpy(float) >= 0)
 
 
+def _act_bad(run: RunView) -> np.ndarray:
+    """Per step: some module output was NaN/Inf or not observed (a step without peaks observed none), from the one
+    pass over the peaks."""
+    view = run.view
+    scan = view.scan
+    return view.per_step(scan.bad["act"] | scan.unseen["act"], True)
+
+
 def forward_nonfinite_steps(run: RunView) -> set:
     """Steps in which a forward output or the loss was non-finite (loss scaling cannot cause or fix these)."""
     ev = run.events
     steps = set(ev.loc[ev["phase"].isin(["fwd", "loss"]), "step"].astype(int))
-    acts = run.records("peak", "act")
-    if acts.shape[1]:
-        steps |= set(np.flatnonzero((~np.isfinite(acts)).any(axis=1) & _observed_nonfinite(run)).tolist())
+    if len(run.sites("act")):
+        steps |= set(np.flatnonzero(_act_bad(run) & _observed_nonfinite(run)).tolist())
     loss = run.steps["loss"].to_numpy(float)
     steps |= set(np.flatnonzero(~np.isfinite(loss) & ~np.isnan(loss)).tolist())
     return steps
@@ -142,12 +149,7 @@ def nonfinite_origins(run: RunView, steps: list[int]) -> dict:
     loss function, its value or its gradient w.r.t. the model's output, from finite model outputs)."""
     ev = run.events
     ev = ev[ev["step"].isin(steps)]
-    acts = run.records("peak", "act")
-    act_bad = (
-        set(np.flatnonzero((~np.isfinite(acts)).any(axis=1) & _observed_nonfinite(run)).tolist())
-        if acts.shape[1]
-        else set()
-    )
+    act_bad = set(np.flatnonzero(_act_bad(run) & _observed_nonfinite(run)).tolist()) if len(run.sites("act")) else set()
     out: dict = {"forward": {}, "loss": 0, "input": 0, "gradient": {}, "unknown": 0}
     by_step = {int(s): g for s, g in ev.groupby("step")}
     at_output = output_gradient_steps(run)

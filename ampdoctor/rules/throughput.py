@@ -27,8 +27,11 @@ def net_step_time(steps):
 def input_pipeline_bound(run, *, min_share=MIN_DATA_SHARE, warning_share=WARNING_SHARE, warmup=WARMUP_STEPS):
     if (run.config or {}).get("step_start", "forward") is None:
         return None  # no step start was seen (the attached module's forward never ran): no data wait known
-    st = run.steps.iloc[warmup:].copy()
-    st["net_time"] = net_step_time(st)  # the data wait holds no observer time; the step time does
+    cols = ["step", "step_time", "data_time", "samples_per_s"] + (
+        ["observer_time"] if "observer_time" in run.steps else []
+    )
+    st = run.steps[cols].iloc[warmup:]  # the columns this rule reads, not a copy of the whole table
+    st = st.assign(net_time=net_step_time(st))  # the data wait holds no observer time; the step time does
     st = st[np.isfinite(st["data_time"]) & np.isfinite(st["net_time"]) & (st["net_time"] > 0)]
     if len(st) < 5:
         return None

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import formats
-from ..trace.schema import ROOT
+from ..trace.reduce import col_median, group_median
+from ..trace.schema import HIST_LO, ROOT
+from ..trace.view import containers
 from . import advice as A
 from .fix import code, text
 from .result import Diagnosis, RunView, finding
@@ -30,11 +32,13 @@ FLOOR_BINADES = 3
 MATERIAL_NORM_LOSS = 2.0 ** -(FP16.mantissa_bits + 1)
 
 
-def _clean_full_steps(run) -> np.ndarray:
+def _clean_full_steps(run) -> tuple[np.ndarray, np.ndarray]:
+    """(the clean full-statistics steps the statistics are read at, their rows in ``run.stat(...)``)."""
     st = run.steps
     ok = ~st["skipped"].to_numpy(bool) & ~st["nonfinite"].to_numpy(bool)
-    fs = run.full_steps
-    return fs[ok[fs]] if len(fs) else fs
+    fs = run.stat_steps
+    rows = np.flatnonzero(ok[fs]) if len(fs) else np.zeros(0, dtype=np.int64)
+    return fs[rows], rows
 
 
 def _layer(site) -> str:
@@ -46,12 +50,17 @@ def _is_container(path: str, paths) -> bool:
     return (path == ROOT and len(paths) > 1) or any(p.startswith(path + ".") for p in paths)
 
 
+def _outer(sites) -> set:
+    """The container modules among these sites' paths (``_is_container`` for all of them, in linear time)."""
+    return containers(sites["path"].tolist())
+
+
 @dataclass
 class Site:
     """One FP16 gradient site's underflow evidence over the clean full-statistics steps."""
 
     site: object  # the sites-table row
-    col: int  # its column in run.records(..., kind)
+    col: int  # its column in run.stat(..., kind)
     share: float  # median share of elements in the subnormal range
     zeros: float  # median share of exact zeros
     unscaled_max: float
@@ -89,43 +98,48 @@ class Site:
 def underflow_sites(run, kinds=("grad_out", "param_grad")) -> list[Site]:
     """Per FP16 gradient site (containers left out): subnormal, zero and bottom-binade shares over clean
     full-statistics steps, and for an all-zero one the dead forward output that explains it, if any."""
-    steps = _clean_full_steps(run)
+    steps, srows = _clean_full_steps(run)
     rows: list[Site] = []
     if not len(steps):
         return rows
     for kind in kinds:
         sites = run.sites(kind)
-        paths = set(sites["path"]) if kind == "grad_out" else set()
+        outer = _outer(sites) if kind == "grad_out" else set()
         half = [
             j
             for j in np.flatnonzero(sites["dtype"].to_numpy() == "float16")
-            if not _is_container(sites["path"].iloc[j], paths) and str(sites["shape"].iloc[j]) != ""
+            if sites["path"].iloc[j] not in outer and str(sites["shape"].iloc[j]) != ""
         ]
         if not half:
             continue
-        n = run.records("numel", kind)[np.ix_(steps, half)]
-        sub = run.records("fp16_sub", kind)[np.ix_(steps, half)]
-        zeros = run.records("zeros", kind)[np.ix_(steps, half)]
-        absmax = run.records("absmax", kind)[np.ix_(steps, half)]
-        scale = run.records("scale", kind)[np.ix_(steps, half)]
-        rms = run.records("rms", kind)[np.ix_(steps, half)]
+        take = np.ix_(srows, half)
+        n, sub, zeros = (run.stat(f, kind)[take] for f in ("numel", "fp16_sub", "zeros"))
+        absmax, scale, rms = (run.stat(f, kind)[take] for f in ("absmax", "scale", "rms"))
         with np.errstate(all="ignore"):
             share, zshare = sub / n, zeros / n
             unscaled = absmax / np.where(np.isfinite(scale) & (scale > 0), scale, 1.0)
+        ok = np.isfinite(share)  # per site, the medians over the steps where its share is known
+        share_med = col_median(np.where(ok, share, np.nan))
+        zeros_med = col_median(np.where(ok, zshare, np.nan))
+        zeros_med[(ok & np.isnan(zshare)).any(axis=0)] = np.nan  # np.median of values holding a NaN
+        with np.errstate(invalid="ignore"):
+            top = np.where(np.isfinite(unscaled).any(axis=0), np.fmax.reduce(unscaled, axis=0), np.nan)
+        r = np.where(ok, rms, np.nan)
+        rms_med = np.where(np.isfinite(r).any(axis=0), col_median(r), np.nan)
+        ids = sites["id"].to_numpy()[half]
+        floor = _floor_shares(run, ids)
         for j, col in enumerate(half):
-            ok = np.isfinite(share[:, j])
-            if not ok.any():
+            if not ok[:, j].any():
                 continue
-            site = sites.iloc[col]
             rows.append(
                 Site(
-                    site,
+                    sites.iloc[col],
                     int(col),
-                    float(np.median(share[ok, j])),
-                    float(np.median(zshare[ok, j])),
-                    float(np.nanmax(unscaled[:, j])) if np.isfinite(unscaled[:, j]).any() else math.nan,
-                    floor=_floor_share(run, kind, int(col), int(site["id"])),
-                    rms=float(np.nanmedian(rms[ok, j])) if np.isfinite(rms[ok, j]).any() else math.nan,
+                    float(share_med[j]),
+                    float(zeros_med[j]),
+                    float(top[j]),
+                    floor=floor.get(int(ids[j]), 0.0),
+                    rms=float(rms_med[j]),
                 )
             )
     for r in rows:
@@ -134,16 +148,17 @@ def underflow_sites(run, kinds=("grad_out", "param_grad")) -> list[Site]:
     return rows
 
 
-def _floor_share(run, kind: str, col: int, site_id: int) -> float:
-    """Median share of a site's non-zero elements in the bottom binades of FP16's subnormal range, as recorded."""
-    steps, counts = run.trace.hist(site_id)
-    if not len(steps):
-        return 0.0
-    lo = FP16.subnormal_exp + 127  # column of binade 2^-24
+def _floor_shares(run, ids: np.ndarray) -> dict:
+    """Per site: the median share of its non-zero elements in the bottom binades of FP16's subnormal range, as
+    recorded (over its histogram steps read; sites without one are left out)."""
+    view = run.view
+    h = view.hists.take(view.rows_of(ids))
+    lo = FP16.subnormal_exp  # binade 2^-24
     with np.errstate(all="ignore"):
-        share = counts[:, lo : lo + FLOOR_BINADES].sum(axis=1) / counts.sum(axis=1)
-    share = share[np.isfinite(share)]
-    return float(np.median(share)) if len(share) else 0.0
+        share = h.between(lo, lo + FLOOR_BINADES) / h.totals
+    ok = np.isfinite(share)
+    sites, med = group_median(share[ok], h.site[ok])
+    return dict(zip(sites.tolist(), med.tolist()))
 
 
 def _dead_output(run, site) -> str:
@@ -151,8 +166,8 @@ def _dead_output(run, site) -> str:
     after it (the gradient flows back through that zero-masked output), or for a parameter gradient the module run
     just before (its input). Then an all-zero gradient is masked, not flushed. "" when none is."""
     acts = run.sites("act")
-    fs = _clean_full_steps(run)
-    if not len(acts) or not len(fs):
+    _, rows = _clean_full_steps(run)
+    if not len(acts) or not len(rows):
         return ""
     paths = acts["path"].tolist()
     module = _layer(site)
@@ -160,37 +175,46 @@ def _dead_output(run, site) -> str:
         return ""
     i = paths.index(module)
     with np.errstate(all="ignore"):
-        zshare = run.records("zeros", "act")[fs] / run.records("numel", "act")[fs]
+        zshare = run.stat("zeros", "act")[rows] / run.stat("numel", "act")[rows]
     order = ([i - 1] if site["kind"] == "param_grad" else []) + list(range(i, len(paths)))
+    medians = col_median(np.where(np.isfinite(zshare), zshare, np.nan))
     for j in order:
         if j < 0 or paths[j] == ROOT or _is_container(paths[j], [module]):
             continue
-        col = zshare[:, j]
-        col = col[np.isfinite(col)]
-        if len(col) and float(np.median(col)) >= VANISHED_ZEROS:
+        if np.isfinite(zshare[:, j]).any() and float(medians[j]) >= VANISHED_ZEROS:
             return paths[j]
     return ""
 
 
+def shares_at(run, kind: str, ids, target: float) -> dict:
+    """Per site of ``kind`` (ids): the median share of its non-zero elements below the FP16 normal range had the loss
+    scale been ``target`` (its histograms, shifted by target / the scale each row carried; exact for powers of two),
+    over its clean histogram steps; sites without one are left out. All sites in one pass."""
+    view = run.view
+    ids = np.asarray(ids, dtype=np.int64)
+    h = view.hists.take(view.rows_of(ids))
+    st = run.steps
+    ok = ~st["skipped"].to_numpy(bool)[h.step] & ~st["nonfinite"].to_numpy(bool)[h.step]
+    h = h.take(np.flatnonzero(ok))
+    if not len(h):
+        return {}
+    kid = run.sites(kind)["id"].to_numpy()
+    hs = view.hist_steps
+    carried = view.stat("scale", kind, hs)[np.searchsorted(hs, h.step), np.searchsorted(kid, h.site)]
+    carried = np.where(np.isfinite(carried) & (carried > 0), carried, 1.0)
+    total = h.totals
+    cut = FP16.normal_exp - np.round(np.log2(target / carried)).astype(np.int64) + 127  # column of 2^-14 at target
+    with np.errstate(all="ignore"):
+        share = h.between(HIST_LO, HIST_LO + np.maximum(cut, 0)) / total
+    keep = total > 0
+    sites, med = group_median(share[keep], h.site[keep])
+    return dict(zip(sites.tolist(), med.tolist()))
+
+
 def share_at(run, kind: str, col: int, site_id: int, target: float) -> float | None:
     """Median share of a site's non-zero elements below the FP16 normal range had the loss scale been ``target``
-    (its histograms, shifted by target / the scale each row carried; exact for powers of two)."""
-    steps, counts = run.trace.hist(site_id)
-    if not len(steps):
-        return None
-    ok = ~run.steps["skipped"].to_numpy(bool)[steps] & ~run.steps["nonfinite"].to_numpy(bool)[steps]
-    if not ok.any():
-        return None
-    carried = run.records("scale", kind)[steps[ok], col]
-    carried = np.where(np.isfinite(carried) & (carried > 0), carried, 1.0)
-    shares = []
-    for row, c in zip(counts[ok], carried):
-        total = row.sum()
-        if total <= 0:
-            continue
-        cut = FP16.normal_exp - round(math.log2(target / c)) + 127  # column of 2^-14 at ``target``
-        shares.append(row[: max(cut, 0)].sum() / total)
-    return float(np.median(shares)) if shares else None
+    (``shares_at`` for one site; None without a clean histogram step)."""
+    return shares_at(run, kind, [site_id], target).get(int(site_id))
 
 
 def _severity(run, bad: list[Site], min_share: float, reachable: float) -> tuple[str, str]:
@@ -237,7 +261,7 @@ def grad_underflow(run: RunView, *, min_share: float = MIN_SHARE) -> Diagnosis |
     g, clean = grad_out_peaks(run)
     gmax = float(np.nanmax(g[clean])) if (clean & np.isfinite(g)).any() else float("nan")
     reachable = A.suggest_scale(gmax, margin=1.0)  # the largest power of two that keeps gmax under the max
-    steps = _clean_full_steps(run)
+    steps, _ = _clean_full_steps(run)
     in_force = run.steps["loss_scale"].to_numpy(float)[steps] if run.scaler_on else np.ones(len(steps))
     scale_now = float(np.nanmedian(in_force)) if len(in_force) else 1.0
     init_rec = (
@@ -360,17 +384,16 @@ def fp16_readiness(run: RunView, *, min_share: float = MIN_SHARE) -> Diagnosis |
     if run.fp16 or run.scaler_on:
         return None  # an FP16 run speaks for itself; a scaler means amp-inactive
     acts = run.sites("act")
-    peaks = run.records("peak", "act")
     over = []
-    if peaks.shape[1]:
-        with np.errstate(all="ignore"):
-            mx = np.nanmax(np.where(np.isfinite(peaks), peaks, np.nan), axis=0)
+    if len(acts):
+        mx = run.view.peak_max("act")  # per module: its largest finite output over every observed step
+        count = run.view.scan.site_overflows[acts["id"].to_numpy()]
         for j in np.flatnonzero(FP16.overflows(mx)):  # rounds past 65504 in a cast (>= 65520)
-            over.append((acts["path"].iloc[j], float(mx[j]), int(FP16.overflows(peaks[:, j]).sum())))
+            over.append((acts["path"].iloc[j], float(mx[j]), int(count[j])))
     # execution order (site order): the first module that overflows is where it starts, later ones inherit it;
     # a container (the root included) that overflows only because a child does is left out
-    over_paths = [p for p, *_ in over]
-    inner = [o for o in over if not any(q != o[0] and (o[0] == ROOT or q.startswith(o[0] + ".")) for q in over_paths)]
+    outer = containers([p for p, *_ in over])
+    inner = [o for o in over if o[0] not in outer]
     gsites = run.sites("grad_out")
     g, clean = grad_out_peaks(run)  # as the replay reads them: a returned loss's own gradient is not one
     gmax = float(np.nanmax(g[clean])) if (clean & np.isfinite(g)).any() else float("nan")
@@ -379,11 +402,11 @@ def fp16_readiness(run: RunView, *, min_share: float = MIN_SHARE) -> Diagnosis |
         return None
     scale = float(sug.settings["init_scale"])
     under = []
-    paths = set(gsites["path"])
-    for j, site in enumerate(gsites.itertuples()):
-        if _is_container(site.path, paths) or str(site.shape) == "":
-            continue
-        share = share_at(run, "grad_out", j, int(site.id), scale)
+    outer = _outer(gsites)
+    eligible = [site for site in gsites.itertuples() if site.path not in outer and str(site.shape) != ""]
+    shares = shares_at(run, "grad_out", [site.id for site in eligible], scale)
+    for site in eligible:
+        share = shares.get(int(site.id))
         if share is not None and share >= min_share:
             under.append((site.path, share))
     under.sort(key=lambda u: -u[1])

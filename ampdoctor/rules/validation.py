@@ -8,6 +8,7 @@ import math
 import numpy as np
 
 from .. import formats
+from ..trace.reduce import theil_sen_line
 from ..trace.schema import ROOT
 from . import advice as A
 from . import precision
@@ -63,14 +64,12 @@ def _sigma(r: np.ndarray) -> float:
 def residuals(steps: np.ndarray, values: np.ndarray, late_share: float = LATE_SHARE) -> dict | None:
     """Late-segment residuals of the metric around its Theil-Sen trend, in its own units and (when positive) in
     log units, with their robust dispersions (``_sigma``) and the share of sign changes between neighbours."""
-    from scipy.stats import theilslopes  # scipy only when a trend is actually fitted
-
     cut = round(len(values) * (1.0 - late_share))
     x, v = steps[cut:].astype(float), values[cut:]
     if len(v) < MIN_POINTS:
         return None
-    fit = theilslopes(v, x)
-    r = v - (fit.intercept + fit.slope * x)
+    slope, intercept = theil_sen_line(v, x)  # scipy.stats.theilslopes' numbers, without importing scipy.stats
+    r = v - (intercept + slope * x)
     tiny = 1e-9 * float(np.max(np.abs(v)))  # rounding residue of an exact fit is no sign
     signs = np.sign(r[np.abs(r) > tiny])
     flips = float(np.mean(signs[1:] != signs[:-1])) if len(signs) > 1 else 0.0
@@ -78,7 +77,7 @@ def residuals(steps: np.ndarray, values: np.ndarray, late_share: float = LATE_SH
         "residuals": r,
         "dispersion": _sigma(r),
         "sign_changes": flips,
-        "slope": float(fit.slope),
+        "slope": float(slope),
         "steps": [int(x[0]), int(x[-1])],
         "points": len(v),
         "range": [float(v.min()), float(v.max())],
@@ -86,8 +85,8 @@ def residuals(steps: np.ndarray, values: np.ndarray, late_share: float = LATE_SH
     }
     if (v > 0).all():
         y = np.log(v)
-        lfit = theilslopes(y, x)
-        out["log_dispersion"] = _sigma(y - (lfit.intercept + lfit.slope * x))
+        lslope, lintercept = theil_sen_line(y, x)
+        out["log_dispersion"] = _sigma(y - (lintercept + lslope * x))
     return out
 
 
@@ -116,11 +115,11 @@ def culprits(run) -> list[tuple[str, str]]:
     half = acts[acts["dtype"].isin(formats.REDUCED) & (acts["path"] != ROOT)]
     if not len(half):
         return []
-    peaks = run.records("absmax", "act")
-    ids = acts["id"].to_numpy()
+    peaks = run.stat("absmax", "act")  # at the full-statistics steps read
+    column = {int(sid): j for j, sid in enumerate(acts["id"])}
     scored = []
     for _, site in half.iterrows():
-        j = int(np.flatnonzero(ids == site["id"])[0])
+        j = column[int(site["id"])]
         col = peaks[:, j]
         col = col[np.isfinite(col) & (col > 0)]
         if len(col):

@@ -36,21 +36,24 @@ def weight_update_lost(
         return None
     up = run.sites("update")
     pg = run.sites("param_grad")
-    upd_zero, upd_n = run.records("zeros", "update"), run.records("numel", "update")
-    g_zero, g_n = run.records("zeros", "param_grad"), run.records("numel", "param_grad")
-    g_rms = run.records("rms", "param_grad")
-    w_rms = run.records("rms", "weight")
-    skipped = run.steps["skipped"].to_numpy(bool)
-    lr = run.steps["lr"].to_numpy(float)
+    # at the full-statistics steps read: row i is step fs[i]
+    fs = run.stat_steps
+    upd_zero, upd_n = run.stat("zeros", "update"), run.stat("numel", "update")
+    g_zero, g_n = run.stat("zeros", "param_grad"), run.stat("numel", "param_grad")
+    g_rms = run.stat("rms", "param_grad")
+    w_rms = run.stat("rms", "weight")
+    skipped = run.steps["skipped"].to_numpy(bool)[fs]
+    lr = run.steps["lr"].to_numpy(float)[fs]
     lost_total, n_total, per, steps_used = 0.0, 0.0, {}, set()
     ratios = []
+    up_col = {p: j for j, p in reversed(list(enumerate(up["path"])))}  # the first site of each path
+    pg_col = {p: j for j, p in reversed(list(enumerate(pg["path"])))}
+    w_col = {int(sid): j for j, sid in enumerate(w["id"])}
     for _, site in half.iterrows():
-        ju = np.flatnonzero(up["path"].to_numpy() == site["path"])
-        jg = np.flatnonzero(pg["path"].to_numpy() == site["path"])
-        jw = int(np.flatnonzero(w["id"].to_numpy() == site["id"])[0])
-        if not len(ju) or not len(jg):
+        jw = w_col[int(site["id"])]
+        if site["path"] not in up_col or site["path"] not in pg_col:
             continue
-        ju, jg = int(ju[0]), int(jg[0])
+        ju, jg = up_col[site["path"]], pg_col[site["path"]]
         rows = np.flatnonzero(np.isfinite(upd_n[:, ju]) & np.isfinite(g_n[:, jg]) & ~skipped)
         if not len(rows):
             continue
@@ -63,7 +66,7 @@ def weight_update_lost(
         per[site["path"]] = share
         lost_total += share * numel
         n_total += numel
-        steps_used.update(rows.tolist())
+        steps_used.update(fs[rows].tolist())
         fmt = formats.get(site["dtype"])
         wr = np.nanmedian(w_rms[rows, jw]) if np.isfinite(w_rms[rows, jw]).any() else np.nan
         ur = np.nanmedian(lr[rows] * g_rms[rows, jg])
@@ -129,10 +132,11 @@ def grad_range_anomaly(
         return None  # "the others" needs at least two other layers
     st = run.steps
     clean = ~st["skipped"].to_numpy(bool) & ~st["nonfinite"].to_numpy(bool)
-    fs = [s for s in run.full_steps if clean[s]]
+    rows = np.flatnonzero(clean[run.stat_steps])  # the clean full-statistics steps read
+    fs = run.stat_steps[rows].tolist()
     if not fs:
         return None
-    rms = run.records("rms", "param_grad")[np.ix_(fs, [j for j, _ in mats])]
+    rms = run.stat("rms", "param_grad")[np.ix_(rows, [j for j, _ in mats])]
     with np.errstate(all="ignore"):
         logr = np.log10(np.where(rms > 0, rms, np.nan))
     has = np.isfinite(logr).any(axis=0)  # an all-NaN column would make nanmedian warn
@@ -145,8 +149,7 @@ def grad_range_anomaly(
     # each layer against the median of the *other* layers
     idx = np.flatnonzero(ok)
     dev = np.full(len(g), np.nan)
-    for i in idx:
-        dev[i] = g[i] - np.median(g[idx[idx != i]])
+    dev[idx] = g[idx] - _median_of_others(g[idx])
     outliers = [(mats[i][1].path, float(dev[i]), float(10 ** g[i])) for i in idx if abs(dev[i]) >= grad_decades]
     faults = [
         (p, w["ratio"], w["rms"], w["fan_in_rms"], w["module"]) for p, w in weight_faults(run, weight_decades).items()
@@ -198,11 +201,28 @@ def grad_range_anomaly(
     )
 
 
+def _median_of_others(v: np.ndarray) -> np.ndarray:
+    """For each element, np.median of all the other elements (k >= 2), without a loop: in sorted order, dropping the
+    element at position p shifts the order statistics above p down by one."""
+    k = len(v)
+    order = np.argsort(v, kind="stable")
+    a = v[order]
+    pos = np.empty(k, dtype=np.int64)
+    pos[order] = np.arange(k)
+    m = k - 1  # elements left
+
+    def nth(r: np.ndarray) -> np.ndarray:  # the r-th smallest of the others
+        return a[np.where(r < pos, r, r + 1)]
+
+    lo, hi = nth(np.full(k, (m - 1) // 2)), nth(np.full(k, m // 2))
+    return np.where(m % 2 == 1, lo, (lo + hi) / 2)
+
+
 def weight_faults(run: RunView, weight_decades: float = WEIGHT_DECADES) -> dict:
     """Weight matrices whose RMS at their first record is at least ``weight_decades`` off 1/sqrt(fan_in), worst
     first: parameter path -> {"rms", "fan_in_rms", "ratio", "module"} (shared as ``Run.weight_faults``)."""
     w = run.sites("weight")
-    w_rms = run.records("rms", "weight")
+    w_rms = run.stat("rms", "weight")  # the first full-statistics step read is the run's first
     types = run.module_types
     faults = []
     for j, s in enumerate(w.itertuples()):

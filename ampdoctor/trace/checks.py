@@ -10,6 +10,8 @@ import numbers
 import sqlite3
 from typing import Any
 
+import numpy as np
+
 from . import schema
 
 
@@ -77,6 +79,43 @@ STEP_COLUMNS = {  # steps column -> (condition, what is wrong otherwise); any ot
     **{c: (NON_NEGATIVE, "not a number >= 0") for c in ("samples_per_s", "loss_scale", "loss_scale_next")},
     **{c: (NON_NEGATIVE, "not a number >= 0") for c in ("grad_norm", "grad_max")},
 }
+
+
+# The same ranges on values already read into numpy (NaN: NULL or the writer's 'nan'), for a large file whose values
+# are checked as they are read: column -> (the values it may hold, what is wrong otherwise).
+def _whole(v: np.ndarray) -> np.ndarray:
+    return np.isfinite(v) & (v >= 0) & (v == np.floor(v))
+
+
+_LEVEL_SET = np.array(LEVELS, dtype=np.float64)
+STEP_RANGES = {
+    **{c: (lambda v: (v == 0) | (v == 1), STEP_COLUMNS[c][1]) for c in ("skipped", "nonfinite")},
+    "level": (lambda v: np.isin(v, _LEVEL_SET), STEP_COLUMNS["level"][1]),
+    **{c: (_whole, STEP_COLUMNS[c][1]) for c in ("samples", "microbatches", "peak_mem")},
+    **{c: (lambda v: (v >= 0) & (v <= MAX_SECONDS), STEP_COLUMNS[c][1]) for c in DURATIONS},
+    "time": (np.isfinite, STEP_COLUMNS["time"][1]),
+    **{
+        c: (lambda v: v >= 0, STEP_COLUMNS[c][1])
+        for c in ("samples_per_s", "loss_scale", "loss_scale_next", "grad_norm", "grad_max")
+    },
+}
+STATS_RANGES = {
+    **{c: (_whole, "not a whole number >= 0") for c in ("calls", *STATS_COUNTS)},
+    **{c: (lambda v: v >= 0, "not a number >= 0") for c in ("scale", "absmax", "minabs", "rms")},
+}
+
+
+def check_range(table: str, column: str, values: np.ndarray) -> None:
+    """The values of a column read into numpy (NaN: none) are in its range (STEP_RANGES, STATS_RANGES)."""
+    rule = (STEP_RANGES if table == "steps" else STATS_RANGES if table == "stats" else {}).get(column)
+    if rule is None:
+        return
+    ok, what = rule
+    with np.errstate(invalid="ignore"):
+        bad = ~(np.isnan(values) | ok(values))
+    if bad.any():
+        v = values[np.flatnonzero(bad)[0]].item()
+        raise Invalid(f"table {table}: column {column} holds {_show(int(v) if v == int(v) else v)}: {what}")
 
 
 def _rules(n_sites: int, n_steps: int) -> dict:
@@ -147,9 +186,11 @@ def _rules(n_sites: int, n_steps: int) -> dict:
     }
 
 
-def check_tables(conn: sqlite3.Connection) -> None:
+def check_tables(conn: sqlite3.Connection, values: bool = True) -> tuple[int, int]:
     """Every table of the format is a plain table (not a view: a recursive one would hang every query) with its
-    columns as declared; the step and site ids are dense; every value has its column's type and range."""
+    columns as declared, and the step and site ids are dense; with ``values``, every value of every table has its
+    column's type and range (a scan of the whole file: the reader does it for small files, and checks the values
+    of a large one as it reads them). Returns (sites, steps)."""
     for table, columns in EXPECTED.items():
         row = conn.execute("SELECT type, sql FROM sqlite_master WHERE name = ? COLLATE NOCASE", (table,)).fetchone()
         if row is None:
@@ -165,20 +206,34 @@ def check_tables(conn: sqlite3.Connection) -> None:
             raise Invalid(f"table {table}: column {missing[0][0]} missing or not declared {missing[0][1]}")
     n_sites = _dense(conn, "sites", "id")
     n_steps = _dense(conn, "steps", "step")
-    deep = f"length(data) - length(replace(replace(data, '[', ''), '{{', '')) > {MAX_DEPTH}"
-    for (text,) in conn.execute(f"SELECT data FROM events WHERE typeof(data) = 'text' AND {deep}"):
-        parse_json(text, "events.data")  # SQLite accepts JSON up to 1000 deep; we do not
+    check_values(conn, VALUE_TABLES if values else ("sites",), n_sites, n_steps)
+    return n_sites, n_steps
+
+
+VALUE_TABLES = ("meta", "sites", "steps", "peaks", "stats", "hists", "events", "metrics", "probes")
+
+
+def check_values(conn: sqlite3.Connection, tables, n_sites: int, n_steps: int, after: dict | None = None) -> None:
+    """Every value of these tables has its column's type and range (rows with a rowid above ``after[table]`` only,
+    where given: the rows added since the last check of a growing trace)."""
+    if "events" in tables:
+        deep = f"length(data) - length(replace(replace(data, '[', ''), '{{', '')) > {MAX_DEPTH}"
+        for (text,) in conn.execute(f"SELECT data FROM events WHERE typeof(data) = 'text' AND {deep}"):
+            parse_json(text, "events.data")  # SQLite accepts JSON up to 1000 deep; we do not
     present = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     steps_have = {r[1] for r in conn.execute("PRAGMA table_info(steps)")}
     for table, rules in _rules(n_sites, n_steps).items():
-        if table in schema.OPTIONAL_TABLES and table not in present:
+        if table not in tables or (table in schema.OPTIONAL_TABLES and table not in present):
             continue
         if table == "steps":
             rules = [r for r in rules if r[0] in steps_have]
         where = " OR ".join(f"NOT ({cond.format(c=col)})" for col, cond, _ in rules)
-        if conn.execute(f"SELECT EXISTS (SELECT 1 FROM {table} WHERE {where})").fetchone()[0]:
+        since = f"rowid > {int(after[table])} AND " if after and table in after else ""
+        if conn.execute(f"SELECT EXISTS (SELECT 1 FROM {table} WHERE {since}({where}))").fetchone()[0]:
             for col, cond, what in rules:
-                bad = conn.execute(f"SELECT {col} FROM {table} WHERE NOT ({cond.format(c=col)}) LIMIT 1").fetchone()
+                bad = conn.execute(
+                    f"SELECT {col} FROM {table} WHERE {since}NOT ({cond.format(c=col)}) LIMIT 1"
+                ).fetchone()
                 if bad is not None:
                     raise Invalid(f"table {table}: column {col} holds {_show(bad[0])}: {what}")
 

@@ -1,8 +1,10 @@
 """Read-only view of a trace file. Offline side: no torch import.
 
 A trace may come from anyone, so it is checked when opened (files.py: a regular SQLite file, opened read-only;
-checks.py: plain tables with their declared columns, value types, dense step and site ids, JSON well-formed and
-shallow), every allocation is sized by rows that exist, and whatever else is wrong becomes a one-line TraceError.
+checks.py: plain tables with their declared columns, dense step and site ids; in a file up to FULL_CHECK_BYTES every
+value's type and range, JSON well-formed and shallow), the values of a larger file are checked as they are read (a
+whole-file check would cost more than any command: ~30 s for a 10^6-step run), every allocation is sized by rows that
+exist, and whatever else is wrong becomes a one-line TraceError.
 """
 
 from __future__ import annotations
@@ -15,8 +17,15 @@ import sqlite3
 import numpy as np
 import pandas as pd
 
-from . import checks, files, schema
-from .schema import HIST_HI, HIST_LO, TraceError
+from . import bulk, checks, files, schema
+from . import steps as steps_table
+from .schema import TraceError
+
+# Files up to this size (with their -wal) have every value checked when opened (~0.3 s at this size); larger ones
+# have each value checked as a view reads it.
+FULL_CHECK_BYTES = 8 << 20
+# records() without steps= allocates [steps x sites]: refused beyond this many cells (read long runs by steps=).
+DENSE_CELLS = 1 << 26
 
 
 class Trace:
@@ -39,9 +48,12 @@ class Trace:
                 f"{self.path}: trace format {version} is newer than this ampdoctor reads "
                 f"(up to {schema.VERSION}); upgrade ampdoctor"
             )
+        size = sum(os.path.getsize(self.path + x) for x in ("", "-wal") if os.path.isfile(self.path + x))
+        self._full_check = size <= FULL_CHECK_BYTES
+        self._checked_rows: dict = {}  # small tables of a large file: rowid up to which their values are checked
         try:
             with self.snapshot():  # one state of the file for all checks (a live trace grows)
-                self._checked(checks.check_tables, self._conn)
+                self._checked(checks.check_tables, self._conn, self._full_check)
                 _ = self.meta  # parsed and type-checked; raises on a malformed entry
         except TraceError:
             self._conn.close()
@@ -68,6 +80,23 @@ class Trace:
                 f"{self.path}: corrupt trace ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0][:80] if str(exc) else ''})"
             ) from None
+
+    def _check_table(self, table: str) -> None:
+        """The values of a small table (events, metrics, probes) of a large file, checked before it is read: the rows
+        added since the last check (probes, a table without rowids: all of them when their number changed)."""
+        if self._full_check or not self._has(table):
+            return
+        rowid = table != "probes"
+        top = self._query(f"SELECT max(rowid) FROM {table}" if rowid else f"SELECT count(*) FROM {table}")[0][0]
+        if top is None or top == self._checked_rows.get(table):
+            return
+        n_sites = self._query("SELECT count(*) FROM sites")[0][0]
+        after = {table: self._checked_rows[table]} if rowid and table in self._checked_rows else None
+        self._checked(checks.check_values, self._conn, (table,), n_sites, self.n_steps, after)
+        self._checked_rows[table] = top
+
+    def _has(self, table: str) -> bool:
+        return bool(self._query("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)))
 
     def close(self) -> None:
         self._conn.close()
@@ -136,12 +165,11 @@ class Trace:
         return self._query("SELECT count(*) FROM steps")[0][0]
 
     # -- tables ------------------------------------------------------------------------------------------------
-    def steps(self) -> pd.DataFrame:
-        """One row per optimizer step (skipped steps included)."""
-        have = {r[1] for r in self._query("PRAGMA table_info(steps)")}
-        cols = [f if f in have else "NULL" for f in schema.STEP_FIELDS]  # a trace from before the later columns
-        rows = self._query(f"SELECT {','.join(cols)} FROM steps ORDER BY step")
-        return self._checked(_steps_frame, rows)
+    def steps(self, lr_groups: bool = True) -> pd.DataFrame:
+        """One row per optimizer step (skipped steps included): schema.STEP_FIELDS, ``lr`` the first parameter group's
+        learning rate, and unless ``lr_groups`` is False, ``lr_groups`` every group's."""
+        with self.snapshot():
+            return self._checked(steps_table.read, self._conn, lr_groups)
 
     def sites(self, kind: str | None = None) -> pd.DataFrame:
         """Observed sites: id, path, module, kind, module_type, dtype, shape, first_step."""
@@ -154,12 +182,13 @@ class Trace:
         rows = self._query(sql + " ORDER BY id", args)
         if any(not isinstance(r[0], int) or not isinstance(r[1], str) or not isinstance(r[2], str) for r in rows):
             raise TraceError(f"{self.path}: corrupt trace (a site without an integer id, a path or a module)")
-        return pd.DataFrame(
-            rows, columns=["id", "path", "module", "kind", "module_type", "dtype", "shape", "first_step"]
-        )
+        df = pd.DataFrame(rows, columns=["id", "path", "module", "kind", "module_type", "dtype", "shape", "first_step"])
+        df["id"] = df["id"].astype(np.int64)  # (an empty table's columns would be objects)
+        return df
 
     def metrics(self, name: str | None = None) -> pd.DataFrame:
         """Logged scalars (log_metric): step, name, value, time."""
+        self._check_table("metrics")
         sql, args = "SELECT step, name, value, time FROM metrics", ()
         if name is not None:
             sql, args = sql + " WHERE name = ?", (name,)
@@ -173,8 +202,9 @@ class Trace:
         rel_err (norm-wise relative error against the FP32 recomputation), max_err (max |error| / max |FP32 output|),
         ref_norm, ref_absmax. Empty for a run without probes (and for traces written before the table existed)."""
         cols = ["step", "site", "path", "module_type", "calls", "k", "numel", "dtype", *schema.PROBE_FIELDS]
-        if not self._query("SELECT name FROM sqlite_master WHERE type = 'table' AND name = 'probes'"):
+        if not self._has("probes"):
             return pd.DataFrame(columns=cols)
+        self._check_table("probes")
         rows = self._query(
             f"SELECT p.step, p.site, s.path, s.module_type, p.calls, p.k, p.numel, p.dtype, "
             f"{', '.join('p.' + f for f in schema.PROBE_FIELDS)} FROM probes p "
@@ -187,6 +217,7 @@ class Trace:
 
     def events(self, kind: str | None = None) -> pd.DataFrame:
         """Events (e.g. kind "nonfinite": where the first NaN/Inf of a step came from), with the site path."""
+        self._check_table("events")
         sql = (
             "SELECT e.step, e.kind, e.site, s.path, s.kind, e.phase, e.message, e.data FROM events e "
             "LEFT JOIN sites s ON s.id = e.site"
@@ -201,37 +232,91 @@ class Trace:
 
     def full_steps(self) -> np.ndarray:
         """Steps that have full statistics."""
-        rows = self._query("SELECT DISTINCT step FROM stats WHERE typeof(step) = 'integer' AND step >= 0 ORDER BY step")
-        return np.array([r[0] for r in rows], dtype=np.int64)
+        with self.snapshot():
+            return self._checked(bulk.distinct_steps, self._conn, "stats", self.n_steps)
+
+    def hist_steps(self) -> np.ndarray:
+        """Steps that have histograms."""
+        with self.snapshot():
+            return self._checked(bulk.distinct_steps, self._conn, "hists", self.n_steps)
+
+    @property
+    def n_sites(self) -> int:
+        return self._query("SELECT count(*) FROM sites")[0][0]
 
     # -- per-site arrays ---------------------------------------------------------------------------------------
-    def records(self, field: str, kind: str = "act", fill: float = np.nan) -> np.ndarray:
-        """[steps x sites] array of one statistic; columns follow ``sites(kind)``, row i is step i.
+    def records(self, field: str, kind: str = "act", fill: float = np.nan, steps=None) -> np.ndarray:
+        """[steps x sites] array of one statistic; columns follow ``sites(kind)``, row i is step i, or with ``steps``
+        (an array of steps) row i is step ``steps[i]``: a long run is read by the steps a question needs.
 
         ``field`` is "peak" (max |x| every step; NaN/Inf when the tensor held one) or one of the full statistics
         (schema.STATS_FIELDS), present at full-statistics steps only. Steps or sites without a value get ``fill``.
         """
         _check_kind(kind)
-        ids = self.sites(kind)["id"].to_numpy()
-        n = self.n_steps
-        out = np.full((n, len(ids)), fill, dtype=np.float64)
-        if not len(ids) or not n:
-            return out
-        if field == "peak":
-            rows = self._query("SELECT step, data FROM peaks WHERE step >= 0 AND step < ? ORDER BY step", (n,))
-            self._checked(_fill_peaks, out, rows, ids, fill)
-            return out
-        if field not in schema.STATS_FIELDS and field not in ("scale", "calls"):
+        if field != "peak" and field not in schema.STATS_FIELDS and field not in ("scale", "calls"):
             raise ValueError(
                 f"Argument field should be 'peak' or one of {', '.join(schema.STATS_FIELDS)}, but given {field!r}"
             )
-        rows = self._query(
-            f"SELECT step, site, {field} FROM stats WHERE site BETWEEN ? AND ? AND step >= 0 AND step < ?",
-            (int(ids.min()), int(ids.max()), n),
-        )
-        if rows:
-            self._checked(_fill_stats, out, rows, ids, fill)
+        ids = self.sites(kind)["id"].to_numpy()
+        n = self.n_steps
+        want = np.arange(n) if steps is None else np.asarray(steps, dtype=np.int64)
+        if steps is None and n * len(ids) > DENSE_CELLS:
+            raise TraceError(
+                f"{self.path}: {n} steps x {len(ids)} {kind} sites is too large to read at once; read it by steps"
+            )
+        out = np.full((len(want), len(ids)), fill, dtype=np.float64)
+        if not len(ids) or not len(want):
+            return out
+        uniq, inverse = np.unique(want, return_inverse=True)
+        uniq_ok = uniq[(uniq >= 0) & (uniq < n)]
+        if field == "peak":
+            width = int(ids.max()) + 1
+            got = np.full((len(uniq_ok), len(ids)), fill)
+            with self.snapshot():
+                self._checked(bulk.check_steps, self._conn, "peaks", n)
+                rows = self._query(
+                    f"SELECT step, data FROM peaks WHERE step IN ({','.join(map(str, uniq_ok.tolist()))})"
+                    if steps is not None
+                    else "SELECT step, data FROM peaks WHERE step >= 0 AND step < ? ORDER BY step",
+                    () if steps is not None else (n,),
+                )
+            self._checked(_fill_peaks, got, rows, ids, fill, uniq_ok, width)
+        else:
+            with self.snapshot():
+                got = self._checked(bulk.stats_at, self._conn, (field,), uniq_ok, ids, self.n_sites, fill)[field]
+        full = np.full((len(uniq), len(ids)), fill)
+        full[np.searchsorted(uniq, uniq_ok)] = got
+        out[:] = full[inverse]
         return out
+
+    def stats_at(self, fields, kind: str | None, steps) -> dict[str, np.ndarray]:
+        """field -> [len(steps) x sites of ``kind`` (None: every site)] full statistics at these (sorted, distinct)
+        steps, NaN where none: several statistics of a bounded set of steps in one query."""
+        if kind is not None:
+            _check_kind(kind)
+        bad = [f for f in fields if f not in schema.STATS_FIELDS and f not in ("scale", "calls")]
+        if bad:
+            raise ValueError(f"Argument fields should be from {', '.join(schema.STATS_FIELDS)}, but given {bad[0]!r}")
+        ids = self.sites(kind)["id"].to_numpy()
+        with self.snapshot():
+            return self._checked(
+                bulk.stats_at, self._conn, tuple(fields), np.asarray(steps, dtype=np.int64), ids, self.n_sites
+            )
+
+    def hists_at(self, steps, sites=None) -> bulk.Hists:
+        """The histograms at these (sorted) steps of these sites (sorted ids; None: every site), read in one query and
+        kept as recorded (bulk.Hists): a bounded set of steps of many sites."""
+        ids = None if sites is None else np.asarray(sites, dtype=np.int64)
+        with self.snapshot():
+            return self._checked(bulk.hists_at, self._conn, np.asarray(steps, dtype=np.int64), self.n_sites, ids)
+
+    def peak_chunks(self, n_steps: int | None = None):
+        """The peaks rows in step order as (steps, float32 [k x sites]) chunks of a few MB (-1: not observed)."""
+        n = self.n_steps if n_steps is None else n_steps
+        width = self.n_sites
+        chunks = bulk.peak_chunks(self._conn, n, width)
+        while (item := self._checked(next, chunks, None)) is not None:
+            yield item
 
     def hist(self, site: int | str, kind: str | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(steps, counts[len(steps) x 255]) exponent histogram of one site; column j is binade 2^(j-127).
@@ -240,8 +325,9 @@ class Trace:
         ``zeros``, ``nan``, ``inf`` statistics); e = -127 holds every non-zero |x| < 2^-126 (FP32 subnormals).
         """
         sid = self.site_id(site, kind)
-        rows = self._query("SELECT step, lo, counts FROM hists WHERE site = ? ORDER BY step", (sid,))
-        return self._checked(_hist_rows, rows)
+        with self.snapshot():
+            h = self._checked(bulk.hists_of, self._conn, sid, self.n_sites, self.n_steps)
+        return h.step, h.dense()
 
     def site_id(self, site: int | str, kind: str | None = None) -> int:
         """Site id from an id or a path (with kind when the path has several)."""
@@ -258,35 +344,6 @@ class Trace:
         return int(rows[0][0])
 
 
-def _steps_frame(rows: list) -> pd.DataFrame:
-    """The steps table as a DataFrame: numbers as floats (the writer's 'nan' text is NaN), lr from its JSON list."""
-    df = pd.DataFrame(rows, columns=list(schema.STEP_FIELDS))
-    lrs = [checks.parse_json(v, "steps.lr") if v else None for v in df["lr"]]
-    for v in lrs:
-        if v is not None:
-            checks.check_value(v, [(checks.NUM, None)], "steps.lr")
-    df["lr_groups"] = lrs
-    df["lr"] = [float(v[0]) if v and v[0] is not None else np.nan for v in lrs]
-    for col in ("skipped", "nonfinite"):
-        df[col] = _numbers(df[col]).fillna(0).astype(bool)
-    for col in (
-        "time",
-        "step_time",
-        "data_time",
-        "samples_per_s",
-        "loss",
-        "loss_scale",
-        "loss_scale_next",
-        "grad_norm",
-        "grad_max",
-        "observer_time",
-    ):
-        df[col] = _numbers(df[col]).astype(float)
-    for col in ("samples", "microbatches", "peak_mem", "level"):
-        df[col] = _numbers(df[col])
-    return df
-
-
 _NAN_TEXT = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}  # how the writer stores a NaN loss (REAL NaN is NULL)
 
 
@@ -297,46 +354,21 @@ def _numbers(col: pd.Series) -> pd.Series:
     return pd.to_numeric(col, errors="raise")
 
 
-def _columns_of(ids: np.ndarray, sites: np.ndarray) -> np.ndarray:
-    """Column of each site id in ``ids`` (sorted), -1 where it is not one of them; no table sized by id values."""
-    pos = np.minimum(np.searchsorted(ids, sites), len(ids) - 1)
-    return np.where(ids[pos] == sites, pos, -1)
-
-
-def _fill_peaks(out: np.ndarray, rows: list, ids: np.ndarray, fill: float) -> None:
+def _fill_peaks(out: np.ndarray, rows: list, ids: np.ndarray, fill: float, steps: np.ndarray, width: int) -> None:
+    """Rows of ``out`` (one per step of ``steps``) from peaks rows; negative stored values are ``fill``."""
     for step, blob in rows:
         if not isinstance(blob, bytes) or len(blob) % 4:
             raise checks.Invalid(f"peaks of step {step} are not float32 values")
-        arr = np.frombuffer(blob, dtype="<f4")
+        if not isinstance(step, int):
+            raise checks.Invalid(f"a peaks row of step {step!r:.20}")
+        i = np.searchsorted(steps, step)
+        if i >= len(steps) or steps[i] != step:
+            continue
+        arr = np.frombuffer(blob, dtype="<f4", count=min(len(blob) // 4, width))
         take = ids < len(arr)
         vals = arr[ids[take]].astype(np.float64)
         vals[vals < 0] = fill
-        out[step, np.flatnonzero(take)] = vals
-
-
-def _fill_stats(out: np.ndarray, rows: list, ids: np.ndarray, fill: float) -> None:
-    arr = np.array(rows, dtype=np.float64)
-    where = arr[:, :2]
-    if not np.isfinite(where).all() or (where != np.floor(where)).any():
-        raise checks.Invalid("a stats row without an integer step and site")
-    j = _columns_of(ids, where[:, 1].astype(np.int64))
-    keep = j >= 0
-    vals = arr[keep, 2]
-    vals[np.isnan(vals)] = fill
-    out[where[keep, 0].astype(np.int64), j[keep]] = vals
-
-
-def _hist_rows(rows: list) -> tuple[np.ndarray, np.ndarray]:
-    steps = np.array([r[0] for r in rows], dtype=np.int64)
-    counts = np.zeros((len(rows), HIST_HI - HIST_LO + 1), dtype=np.int64)
-    for i, (_, lo, blob) in enumerate(rows):
-        if not isinstance(lo, int) or not isinstance(blob, bytes) or len(blob) % 8:
-            raise checks.Invalid("a histogram row without an integer binade and int64 counts")
-        c = np.frombuffer(blob, dtype="<i8")
-        if lo < HIST_LO or lo + len(c) - 1 > HIST_HI or (c < 0).any():
-            raise checks.Invalid(f"a histogram spans binades {lo}..{lo + len(c) - 1}, outside {HIST_LO}..{HIST_HI}")
-        counts[i, lo - HIST_LO : lo - HIST_LO + len(c)] = c
-    return steps, counts
+        out[i, np.flatnonzero(take)] = vals
 
 
 def _event_data(text) -> dict:

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 import pandas as pd
 
-from . import checks
+from . import bulk, checks
 from .reader import Trace
 from .schema import HIST_HI, HIST_LO, TraceError
 
@@ -284,6 +284,8 @@ class ShardView(Trace):
         self.path = trace.path
         self._conn = trace._conn
         self._snapshot_depth = 0
+        self._full_check = trace._full_check  # how the rank's file is checked (whole at open, or as read) ...
+        self._checked_rows = trace._checked_rows  # ... and, as read, how far its small tables are (shared)
         self._own = trace
         self._combined = combined
         self.rank = rank
@@ -299,8 +301,8 @@ class ShardView(Trace):
         with self._own.snapshot():
             yield self
 
-    def steps(self) -> pd.DataFrame:
-        st = self._own.steps()
+    def steps(self, lr_groups: bool = True) -> pd.DataFrame:
+        st = self._own.steps(lr_groups)
         norm, peak = self._combined.grad_figures()
         idx = st["step"].to_numpy(dtype=np.int64)
         st["grad_norm_shard"], st["grad_max_shard"] = st["grad_norm"], st["grad_max"]
@@ -318,7 +320,14 @@ class ShardView(Trace):
         ]
         return sites.assign(shape=whole)
 
-    def records(self, field: str, kind: str = "act", fill: float = np.nan) -> np.ndarray:
+    def records(self, field: str, kind: str = "act", fill: float = np.nan, steps=None) -> np.ndarray:
+        if steps is not None:  # the rows of these steps (the combined figures are kept for every step)
+            steps = np.asarray(steps, dtype=np.int64)
+            whole = self.records(field, kind, fill)
+            out = np.full((len(steps), whole.shape[1]), fill)
+            ok = (steps >= 0) & (steps < len(whole))
+            out[ok] = whole[steps[ok]]
+            return out
         out = self._own.records(field, kind, fill)
         if kind not in SHARDED_KINDS or field not in COMBINED or not out.shape[1]:
             return out
@@ -333,6 +342,79 @@ class ShardView(Trace):
             elif self._combined.is_sharded(p, kind):  # a shard's trace is missing: no whole-tensor figure
                 out[:, j] = fill
         return out
+
+    # -- the bounded reads of trace.view.View, with the whole tensors in place of the shards ---------------------------
+    def _whole_columns(self, field: str, kind: str | None) -> Iterator[tuple[int, np.ndarray | None]]:
+        """(column in a [.. x sites(kind)] array, the whole tensor's values over every step, None where a shard's
+        trace is missing) of each sharded site of ``kind`` (None: every kind)."""
+        sites = self._own.sites(kind)
+        for k in SHARDED_KINDS:
+            if kind is not None and kind != k:
+                continue
+            col, comb = self._combined.records(field, k)
+            for j in np.flatnonzero((sites["kind"] == k).to_numpy(bool)):
+                p = str(sites["path"].iloc[j])
+                if p in col:
+                    yield int(j), comb[:, col[p]]
+                elif self._combined.is_sharded(p, k):
+                    yield int(j), None
+
+    def stats_at(self, fields, kind: str | None, steps) -> dict[str, np.ndarray]:
+        out = self._own.stats_at(fields, kind, steps)
+        steps = np.asarray(steps, dtype=np.int64)
+        for f in fields:
+            if f not in COMBINED or f == "peak":
+                continue
+            for j, v in self._whole_columns(f, kind):
+                out[f][:, j] = np.nan if v is None else _at(v, steps)
+        return out
+
+    def peak_chunks(self, n_steps: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        whole = list(self._whole_columns("peak", None))  # column = site id (every site, in id order)
+        for steps, block in self._own.peak_chunks(n_steps):
+            for j, v in whole:
+                if j < block.shape[1]:  # -1: not observed (no shard's trace, or a step beyond the combined)
+                    block[:, j] = -1.0 if v is None else np.where(steps < len(v), _at(v, steps), -1.0)
+            yield steps, block
+
+    def hists_at(self, steps, sites=None) -> bulk.Hists:
+        own = self._own.hists_at(steps, sites)
+        table = self._own.sites()
+        want = set(np.asarray(sites, dtype=np.int64).tolist()) if sites is not None else None
+        steps = np.asarray(steps, dtype=np.int64)
+        parts: list[tuple[int, int, np.ndarray]] = []  # (step, site, 255 counts) of the whole tensors
+        replaced = []
+        for sid, path, k in zip(table["id"], table["path"], table["kind"]):
+            if (want is not None and int(sid) not in want) or not self._combined.is_sharded(path, k):
+                continue
+            replaced.append(int(sid))
+            if path in self._combined.incomplete:
+                continue
+            hs, counts = self._combined.hist(path, k)
+            for i in np.flatnonzero(np.isin(hs, steps)):
+                parts.append((int(hs[i]), int(sid), counts[i]))
+        if not replaced:
+            return own
+        keep = own.take(np.flatnonzero(~np.isin(own.site, replaced)))
+        rows = [(int(keep.step[r]), int(keep.site[r]), r) for r in range(len(keep))]
+        rows += [(st, sid, -1 - i) for i, (st, sid, _) in enumerate(parts)]
+        rows.sort(key=lambda t: (t[0], t[1]))
+        lo, chunks = [], []
+        for _, _, r in rows:
+            if r >= 0:
+                lo.append(int(keep.lo[r]))
+                chunks.append(keep.counts[keep.offsets[r] : keep.offsets[r + 1]])
+            else:
+                lo.append(HIST_LO)
+                chunks.append(np.asarray(parts[-1 - r][2], dtype=np.int64))
+        sizes = np.array([len(c) for c in chunks], dtype=np.int64)
+        return bulk.Hists(
+            np.array([t[0] for t in rows], dtype=np.int64),
+            np.array([t[1] for t in rows], dtype=np.int64),
+            np.array(lo, dtype=np.int64),
+            np.concatenate(([0], np.cumsum(sizes))),
+            np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64),
+        )
 
     def hist(self, site: int | str, kind: str | None = None) -> tuple[np.ndarray, np.ndarray]:
         sid = self._own.site_id(site, kind)

@@ -1,0 +1,183 @@
+"""The steps table as a DataFrame, read in time linear in its rows and in memory bounded by them: the numbers of a
+chunk of rows go into numpy at once (no Python object kept per value), the learning-rate JSON is parsed once per
+change (a schedule changes it every step: a fast path for the usual one-group list), and the observation reason, which
+is "sentinel" on most steps, is read only where it is not. Every value read is checked as it is read (numbers, or the
+writer's 'nan' / 'inf' texts; JSON lists of numbers; text reasons): a malformed row is a ``checks.Invalid``.
+Offline side: no torch.
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+
+import numpy as np
+import pandas as pd
+
+from . import checks, schema
+
+CHUNK = 65536  # rows converted at a time: a few MB of Python objects whatever the length of the run
+TEXT_FIELDS = ("lr", "reason")
+NUMBER_FIELDS = tuple(f for f in schema.STEP_FIELDS if f not in TEXT_FIELDS and f != "step")
+FLOAT_FIELDS = (
+    "time",
+    "step_time",
+    "data_time",
+    "samples_per_s",
+    "loss",
+    "loss_scale",
+    "loss_scale_next",
+    "grad_norm",
+    "grad_max",
+    "observer_time",
+)
+INT_FIELDS = ("samples", "microbatches", "peak_mem", "level")  # integers, NaN where missing
+FLAG_FIELDS = ("skipped", "nonfinite")  # booleans, missing = False
+# Columns that hold one value on most steps: read where they differ from it (skips and non-finite steps are rare, a
+# step observes its sites one time in ten, the batch size and micro-batches hardly change) instead of on every row.
+SPARSE = {"skipped": 0, "nonfinite": 0, "level": -1, "samples": None, "microbatches": None, "peak_mem": None}
+_JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+# A chunk of learning-rate texts in the writer's usual form (one-group lists of plain numbers) is parsed at once, by
+# Python's own (correctly rounded) float parsing; any other text sends its chunk through the JSON parser.
+_NOT_PLAIN = re.compile(  # a character or a place a plain list does not have; one "[...]" a line
+    r"[^0-9.eE+\-\[\]\n, ]|(?<![eE])\+|(?:^|\n)[^\[]|[^\]](?:\n|$)|\[ *,|, *\]|, *,"
+)
+_OTHER_GROUPS = re.compile(r" *,[^\n]*\]")  # ", x, y]" after a list's first number
+
+
+def read(conn: sqlite3.Connection, lr_groups: bool = True) -> pd.DataFrame:
+    """One row per step, columns as schema.STEP_FIELDS (``lr``: the first group's learning rate) plus ``lr_groups``
+    (every group's, as recorded) unless ``lr_groups`` is False. Run inside one read transaction (Trace.snapshot)."""
+    have = {r[1] for r in conn.execute("PRAGMA table_info(steps)")}
+    n = conn.execute("SELECT count(*) FROM steps").fetchone()[0]
+    numbers = np.empty((n, len(NUMBER_FIELDS) + 1))  # the last column: the learning rate parsed by SQLite
+    dense = [i for i, f in enumerate(NUMBER_FIELDS) if f not in SPARSE or f not in have]
+    sparse = [i for i in range(len(NUMBER_FIELDS)) if i not in dense]
+    numbers[:, sparse] = _sparse(conn, [NUMBER_FIELDS[i] for i in sparse], n)
+    cols = [f if f in have else "NULL" for f in (NUMBER_FIELDS[i] for i in dense)]  # (columns a trace may lack)
+    groups: list | None = [] if lr_groups else None
+    parsed = _LrParser()
+    lr_col = "lr" if "lr" in have else "NULL"
+    cur = conn.execute(f"SELECT {','.join(cols)}, {lr_col} FROM steps ORDER BY step")
+    at = 0
+    while True:
+        rows = cur.fetchmany(CHUNK)
+        if not rows:
+            break
+        k = len(rows)
+        if at + k > n:
+            raise checks.Invalid("the steps table changed while it was read")
+        numbers[at : at + k, dense] = np.array([r[:-1] for r in rows], dtype=np.float64)
+        texts = [r[-1] for r in rows]
+        plain = None if groups is not None else _plain_lrs(texts)
+        numbers[at : at + k, -1] = plain if plain is not None else parsed.first(texts, groups)
+        at += k
+    if at != n:
+        raise checks.Invalid("the steps table changed while it was read")
+    df = pd.DataFrame({"step": np.arange(n, dtype=np.int64)})
+    for i, f in enumerate(NUMBER_FIELDS):
+        col = numbers[:, i]
+        checks.check_range("steps", f, col)  # the ranges the whole-file checks hold a small file to
+        if f in FLAG_FIELDS:
+            df[f] = np.where(np.isnan(col), 0.0, col).astype(bool)
+        elif f in INT_FIELDS:
+            whole = (
+                not np.isnan(col).any() and bool((col == np.floor(col)).all()) and np.abs(col).max(initial=0) < 2**53
+            )
+            df[f] = col.astype(np.int64) if whole else col
+        else:
+            df[f] = col
+    df["lr"] = numbers[:, -1]
+    df["reason"] = _reasons(conn, n, "reason" in have)
+    df = df[list(schema.STEP_FIELDS)]
+    if groups is not None:
+        df["lr_groups"] = groups
+    return df
+
+
+def _plain_lrs(texts: list):
+    """The learning rates of a chunk of texts that are all one-number JSON lists (or NULL, or empty: NaN), parsed
+    in one pass; None when one is not."""
+    big = (
+        "\n".join("[]" if t is None else t for t in texts)
+        if all(isinstance(t, str) or t is None for t in texts)
+        else ""
+    )
+    if not big or big.count("[") != len(texts) or big.count("]") != len(texts) or _NOT_PLAIN.search(big):
+        return None
+    if "," in big:  # several groups: the first one's (the others are numbers too: the characters said so)
+        big = _OTHER_GROUPS.sub("]", big)
+    try:
+        return np.array(big.replace("[]", "nan").replace("[", "").replace("]", "").split("\n"), dtype=np.float64)
+    except ValueError:  # e.g. "[1e]": the JSON parser says what is wrong
+        return None
+
+
+def _sparse(conn: sqlite3.Connection, cols: list, n: int) -> np.ndarray:
+    """[n x cols] of columns that hold one value on most rows (SPARSE: that value, or when None the first row's),
+    read in one scan where any of them holds another (numbers, or the writer's NaN texts, as the dense read)."""
+    if not cols:
+        return np.zeros((n, 0))
+    first = conn.execute(f"SELECT {', '.join(cols)} FROM steps ORDER BY step LIMIT 1").fetchone()
+    default = [SPARSE[c] if SPARSE[c] is not None else (first[i] if first else None) for i, c in enumerate(cols)]
+    out = np.tile(np.array([default], dtype=np.float64), (n, 1))
+    where = " OR ".join(f"{c} IS NOT ?" for c in cols)
+    rows = conn.execute(
+        f"SELECT step, {', '.join(cols)} FROM steps WHERE typeof(step) = 'integer' AND step >= 0 AND step < ? "
+        f"AND ({where})",
+        (n, *default),
+    ).fetchall()
+    if rows:
+        arr = np.array([r[1:] for r in rows], dtype=np.float64)
+        out[np.array([r[0] for r in rows], dtype=np.int64)] = arr
+    return out
+
+
+class _LrParser:
+    """Learning rates from the JSON lists the writer records, parsed once per distinct consecutive text."""
+
+    def __init__(self):
+        self.last_text: object = None
+        self.last = (np.nan, None)
+
+    def parse(self, text) -> tuple[float, list | None]:
+        if text is None or text == "":
+            return np.nan, None
+        if isinstance(text, str) and text[:1] == "[" and text[-1:] == "]" and _JSON_NUMBER.fullmatch(text[1:-1]):
+            v = float(text[1:-1])
+            return v, [v]
+        v = checks.parse_json(text, "steps.lr") if isinstance(text, str) else text
+        if not isinstance(v, list):
+            raise checks.Invalid(f"table steps: column lr holds {text!r:.40}: not a JSON list of numbers")
+        checks.check_value(v, [(checks.NUM, None)], "steps.lr")
+        return (float(v[0]) if v and v[0] is not None else np.nan), v
+
+    def first(self, texts: list, groups: list | None) -> np.ndarray:
+        out = np.empty(len(texts))
+        for i, t in enumerate(texts):
+            if t != self.last_text or type(t) is not type(self.last_text):
+                self.last = self.parse(t)
+                self.last_text = t
+            out[i] = self.last[0]
+            if groups is not None:
+                groups.append(self.last[1])
+        return out
+
+
+def _reasons(conn: sqlite3.Connection, n: int, have: bool) -> np.ndarray:
+    """Why each step observed what it did: "sentinel" on most steps, so only the other rows are read."""
+    out = np.full(n, "sentinel" if have else None, dtype=object)
+    if not have:
+        return out
+    rows = conn.execute(
+        "SELECT step, reason FROM steps WHERE reason IS NOT 'sentinel' AND typeof(step) = 'integer' "
+        "AND step >= 0 AND step < ?",
+        (n,),
+    ).fetchall()
+    if rows:
+        steps, why = zip(*rows)
+        bad = [w for w in set(why) if w is not None and not isinstance(w, str)]
+        if bad:
+            raise checks.Invalid(f"table steps: column reason holds {bad[0]!r:.40}: not text")
+        out[np.array(steps, dtype=np.int64)] = np.array(why, dtype=object)
+    return out
