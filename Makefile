@@ -30,7 +30,7 @@ lint: install
 	$(BIN)/mypy
 
 test: install browser lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests
 
 bench: install
 	$(BIN)/pip install -q -e ".[bench]"

@@ -11,6 +11,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from . import cards
+
 # The objects shown (a Any, a Any, a Any, a Any) are typed Any: their modules import this one to show
 # themselves, so naming their classes here, even for the type checker only, would close an import cycle.
 
@@ -75,12 +77,11 @@ def _fix(d: Any) -> str:
 def finding_card(d: Any) -> str:
     """One finding as the report shows it: severity, rule, ranks, title, summary, layers and steps, evidence, fix."""
     sev = _e(d.severity)
-    ranks = list(d.ranks or [])
-    rank = f" · rank{'s' if len(ranks) > 1 else ''} {_e(', '.join(map(str, ranks)))}" if ranks else ""
+    ranks = cards.ranks_label(d)
+    rank = f" · {_e(ranks)}" if ranks else ""
     layers = ", ".join(map(str, d.layers or [])) or "-"
-    steps = list(d.steps or [])
-    span = f"steps {steps[0]}–{steps[-1]}" if len(steps) == 2 else ""
-    ev = "".join(f"<tr><th>{_e(k)}</th><td>{_e(_short(v))}</td></tr>" for k, v in (d.evidence or {}).items())
+    span = cards.steps_label(d)
+    ev = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in cards.evidence_items(d))
     return (
         f'<div class="finding {sev}"><div><span class="sev">{sev}</span><span class="rule">{_e(d.rule)}</span>'
         f"{rank}</div><h3>{_e(d.title)}</h3><p>{_e(d.summary)}</p>"

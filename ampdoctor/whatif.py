@@ -205,7 +205,7 @@ def _span(h) -> np.ndarray:
     return np.where(last >= 0, last - first + 1, 0)
 
 
-def _whatif_rows(inp: Inputs, h, history: int, margin: int) -> dict:
+def whatif_rows(inp: Inputs, h, history: int, margin: int) -> dict:
     """``site_whatif``'s columns for histogram rows of one kind (any sites), as arrays."""
     r = np.searchsorted(inp.hsteps, h.step)
     j = np.searchsorted(inp.ids, h.site)
@@ -227,8 +227,8 @@ def _whatif_rows(inp: Inputs, h, history: int, margin: int) -> dict:
     return out
 
 
-def _judged(out: dict, fp8: bool = True) -> np.ndarray:
-    """``judged`` as a row mask over ``_whatif_rows``' arrays."""
+def judged_mask(out: dict, fp8: bool = True) -> np.ndarray:
+    """``judged`` as a row mask over ``whatif_rows``' arrays."""
     if not fp8:
         return out["clean"]
     return out["clean"] & (out["history"] >= np.minimum(out["window"], MIN_HELD))
@@ -247,7 +247,7 @@ def site_whatif(
     h = inp.view.site_hists(sid)
     if not len(h):
         return pd.DataFrame({"step": h.step})
-    return pd.DataFrame(_whatif_rows(inp, h, history, margin))
+    return pd.DataFrame(whatif_rows(inp, h, history, margin))
 
 
 def judged(df: pd.DataFrame, fp8: bool = True) -> pd.DataFrame:
@@ -281,16 +281,16 @@ def formats_table(tr, kinds=("act", "grad_out"), *, history: int = HISTORY, marg
         h = inp.rows()
         if not len(h):
             continue
-        out = _whatif_rows(inp, h, history, margin)
+        out = whatif_rows(inp, h, history, margin)
         count = dict(zip(*np.unique(h.site, return_counts=True)))
         meds = {}
         for name in FORMATS:
-            keep = _judged(out, name in FP8)
+            keep = judged_mask(out, name in FP8)
             meds[name] = (
                 site_medians(out[f"{name}_sat_lo"] + out[f"{name}_flush_lo"], h.site, keep),
                 site_medians(out[f"{name}_sat_hi"] + out[f"{name}_flush_hi"], h.site, keep),
             )
-        span = site_medians(out["span"].astype(np.float64), h.site, _judged(out, False))
+        span = site_medians(out["span"].astype(np.float64), h.site, judged_mask(out, False))
         absmax = inp.view.stat("absmax", kind)  # abs max at the full-statistics steps read
         for s in inp.sites.itertuples():
             sid = int(s.id)

@@ -561,7 +561,7 @@ def test_the_dashboard_data_layer_takes_values_out_of_range(tmp_path, base, long
     """The dashboard's data layer (what its pages and the HTML report draw) on traces with values out of range:
     every function returns, or the trace is refused with a TraceError; nothing else raises. (The findings the
     pages show are the diagnose command's, fuzzed above.)"""
-    from ampdoctor.dashboards import data
+    from ampdoctor.dashboards import data, matrix
 
     rng = random.Random("out-of-range dashboard")
     reference = ampdoctor.load(base)
@@ -577,16 +577,18 @@ def test_the_dashboard_data_layer_takes_values_out_of_range(tmp_path, base, long
             sid = int(tr.sites("grad_out")["id"].iloc[0])
             for fn in (
                 data.run_summary,
-                data.precision_rows,
+                lambda t: data.precision_rows(t, None),  # (while the diagnosis runs)
+                lambda t: data.precision_rows(t, []),
                 data.scaler_settings,
                 data.whatif,
                 data.formats_rows,  # (formats_shares reads the same table)
                 data.probe_series,
                 lambda t: data.whatif(t, init_scale=2.0**10, growth_interval=5),
                 lambda t: data.site_info(t, sid),
-                lambda t: data.layer_series(t, sid, "grad_out"),
+                *[lambda t, s=s: matrix.site_series(t, sid, s) for s in matrix.STATS],
+                lambda t: matrix.site_hist(t, sid),
                 lambda t: data.compare_layers(t, reference),
-                *[lambda t, s=s: data.layer_matrix(t, s, "grad_out", unscale=True) for s in data.STATS],
+                *[lambda t, s=s: matrix.layer_matrix(t, "grad_out", s) for s in matrix.STATS],
             ):
                 fn(tr)
             read += 1

@@ -147,6 +147,7 @@ NEUTRAL = (
     "ampdoctor.roundoff",
     "ampdoctor.islands",
     "ampdoctor.autocast_ops",
+    "ampdoctor.cards",
 )
 # A Trace, a Diagnosis or a Replay shown in a notebook hands its display to the notebook views (_repr_html_, imported
 # when a notebook asks): the one way up the flow, for display only.

@@ -254,7 +254,8 @@ def _ref_update_ratio(run, first: int):
 
 
 def _ref_jump(run, first: int, bad: np.ndarray):
-    """main's loop: the largest one-step move of an output peak that the next observed steps kept."""
+    """The dense loop: the largest one-step move of an output peak that the next observed steps kept; on that step,
+    the first module (execution order, an inner one before the root) that moved at least half as much."""
     from ampdoctor import formats
     from ampdoctor.rules.divergence import _observed
 
@@ -265,6 +266,7 @@ def _ref_jump(run, first: int, bad: np.ndarray):
     for a, c in zip(rows[:-1], rows[1:]):
         if c != a + 1 or c > first:
             continue
+        moves = []
         for j in range(pk.shape[1]):
             prev, now, dtype = pk[a, j], pk[c, j], acts["dtype"].iloc[j]
             if not (np.isfinite(prev) and prev > 0):
@@ -278,10 +280,17 @@ def _ref_jump(run, first: int, bad: np.ndarray):
                 move = math.log2(formats.get(dtype).max / prev)
             else:
                 continue
-            key = (move, acts["path"].iloc[j] != ampdoctor.trace.schema.ROOT)
-            if best is None or key > best[0]:
-                best = (key, acts["path"].iloc[j], int(c), float(prev))
-    return (best[0][0], *best[1:]) if best else (None, None, None, None)
+            moves.append((move, acts["path"].iloc[j], float(prev)))
+        if not moves:
+            continue
+        top = max(m for m, _, _ in moves)
+        cand = [m for m in moves if (m[0] >= top / 2 if top > 0 else m[0] == top)]
+        inner = [m for m in cand if m[1] != ampdoctor.trace.schema.ROOT] or cand
+        move, path, prev = inner[0]
+        key = (top, path != ampdoctor.trace.schema.ROOT)
+        if best is None or key > best[0]:
+            best = (key, move, path, int(c), prev)
+    return best[1:] if best else (None, None, None, None)
 
 
 def _ref_growth(run, first: int):

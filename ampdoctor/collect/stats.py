@@ -114,7 +114,9 @@ def native(wait: bool = False) -> ModuleType | None:
         return _kernels
     with _load_lock:
         if _load_thread is None:
-            _load_thread = threading.Thread(target=_load, name="ampdoctor-kernels", daemon=True)
+            # not a daemon: a script that ends while the kernels compile waits for them (seconds, once) instead of
+            # the interpreter tearing down LLVM mid-compilation ("terminate called without an active exception")
+            _load_thread = threading.Thread(target=_load, name="ampdoctor-kernels", daemon=False)
             _load_thread.start()
     if wait:
         _load_thread.join()

@@ -22,7 +22,7 @@ def run(args) -> int:
         return info_ranks(args.trace)
     tr = load(args.trace)
     meta, cfg = tr.meta, tr.config
-    st = tr._checked(summarize, tr)  # aggregate queries: no row read of a 10^6-step table
+    st = tr.checked(summarize, tr)  # aggregate queries: no row read of a 10^6-step table
     sites = tr.sites()
     run = meta.get("run", {})
     print(f"trace      {args.trace}")

@@ -190,7 +190,7 @@ class Machine:
         _, family = np.unique(np.stack([self.interval, self.growth, self.backoff], axis=1), axis=0, return_inverse=True)
         family = family.reshape(-1)
         target = np.full(family.max() + 1 if len(family) else 0, CHECKPOINT, dtype=np.int64)
-        self._prune(np.flatnonzero(self.active))
+        self.prune(np.flatnonzero(self.active))
         while True:
             alive = np.flatnonzero(self.active)
             if not len(alive):
@@ -300,9 +300,9 @@ class Machine:
         self.window[c] = np.where(has, np.clip(grow, WINDOW_MIN, WINDOW_MAX), np.minimum(2 * length + 1, WINDOW_MAX))
         self.window[c] = 1 << np.ceil(np.log2(np.maximum(self.window[c], WINDOW_MIN))).astype(np.int64)
         self.active[c[self.pos[c] >= n]] = False
-        self._prune(c[self.active[c]])
+        self.prune(c[self.active[c]])
 
-    def _prune(self, c: np.ndarray) -> None:
+    def prune(self, c: np.ndarray) -> None:
         """Drop the settings whose skipped steps alone will lose more than the bound: not the best."""
         if not math.isfinite(self.bound) or not len(c):
             return

@@ -58,7 +58,7 @@ def run_one(m, k: int) -> None:
     while t < n:
         if t >= look:
             m.scale[k], m.tracker[k], m.sk[k], m.pos[k] = s, tr, sk, t
-            m._prune(np.array([k]))
+            m.prune(np.array([k]))
             if not m.active[k]:
                 return
             look = t + PRUNE_EVERY

@@ -31,7 +31,7 @@ MARGINS = (0, 1, 2, 3, 4)
 def _lost(out: dict, sites: np.ndarray, name: str) -> tuple[dict, dict, dict]:
     """site -> the median over its judged rows of the share certainly lost in ``name`` (saturated + flushed), and of
     the saturated and the flushed shares apart (sites without a judged row are left out)."""
-    keep = W._judged(out)
+    keep = W.judged_mask(out)
     return (
         W.site_medians(out[f"{name}_sat_lo"] + out[f"{name}_flush_lo"], sites, keep),
         W.site_medians(out[f"{name}_sat_lo"], sites, keep),
@@ -50,8 +50,8 @@ def assess(tr, kinds=("act", "grad_out"), min_lost: float = MIN_LOST) -> list[di
         if not len(h):
             continue
         name = KIND_FORMAT[kind]
-        base = W._whatif_rows(inp, h, W.HISTORY, W.MARGIN)
-        judged = dict(zip(*np.unique(h.site[W._judged(base)], return_counts=True)))
+        base = W.whatif_rows(inp, h, W.HISTORY, W.MARGIN)
+        judged = dict(zip(*np.unique(h.site[W.judged_mask(base)], return_counts=True)))
         lost, sat, flush = _lost(base, h.site, name)
         losing = [
             s for s in inp.sites.itertuples() if judged.get(int(s.id), 0) >= MIN_STEPS and lost[int(s.id)] >= min_lost
@@ -61,7 +61,7 @@ def assess(tr, kinds=("act", "grad_out"), min_lost: float = MIN_LOST) -> list[di
         sub = inp.rows([int(s.id) for s in sorted(losing, key=lambda s: s.id)])
         search = {}
         for hist, m in itertools.product(HISTORIES, MARGINS):
-            rows = W._whatif_rows(inp, sub, hist, m)
+            rows = W.whatif_rows(inp, sub, hist, m)
             search[(hist, m)] = {fmt: _lost(rows, sub.site, fmt)[0] for fmt in ("e4m3", "e5m2")}
         for s in losing:
             sid = int(s.id)

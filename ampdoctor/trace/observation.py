@@ -41,7 +41,7 @@ def summarize(trace) -> Summary:
     """A trace's Summary (ampdoctor.trace.Trace): one scan of the steps table for the counts and sums, two for the
     levels and reasons of the steps that observed something, index reads for the first and last values; the number
     columns it aggregates are checked (max() in the same scan, and value by value where that finds text)."""
-    q = trace._query
+    q = trace.query
     have = {r[1] for r in q("PRAGMA table_info(steps)")}
     col = lambda c: c if c in have else "NULL"  # noqa: E731 (a trace from before the later columns)
     with trace.snapshot():

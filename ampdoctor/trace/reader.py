@@ -53,20 +53,20 @@ class Trace:
         self._checked_rows: dict = {}  # small tables of a large file: rowid up to which their values are checked
         try:
             with self.snapshot():  # one state of the file for all checks (a live trace grows)
-                self._checked(checks.check_tables, self._conn, self._full_check)
+                self.checked(checks.check_tables, self._conn, self._full_check)
                 _ = self.meta  # parsed and type-checked; raises on a malformed entry
         except TraceError:
             self._conn.close()
             raise
 
     # -- plumbing ----------------------------------------------------------------------------------------------
-    def _query(self, sql: str, args=()) -> list:
+    def query(self, sql: str, args=()) -> list:
         try:
             return self._conn.execute(sql, args).fetchall()
         except sqlite3.DatabaseError as exc:
             raise TraceError(f"{self.path}: corrupt or unreadable trace ({exc})") from None
 
-    def _checked(self, fn, *args):
+    def checked(self, fn, *args):
         """``fn(*args)``, its complaints about the file (checks.Invalid, or a value numpy or pandas cannot take)
         turned into one TraceError line."""
         try:
@@ -87,16 +87,16 @@ class Trace:
         if self._full_check or not self._has(table):
             return
         rowid = table != "probes"
-        top = self._query(f"SELECT max(rowid) FROM {table}" if rowid else f"SELECT count(*) FROM {table}")[0][0]
+        top = self.query(f"SELECT max(rowid) FROM {table}" if rowid else f"SELECT count(*) FROM {table}")[0][0]
         if top is None or top == self._checked_rows.get(table):
             return
-        n_sites = self._query("SELECT count(*) FROM sites")[0][0]
+        n_sites = self.query("SELECT count(*) FROM sites")[0][0]
         after = {table: self._checked_rows[table]} if rowid and table in self._checked_rows else None
-        self._checked(checks.check_values, self._conn, (table,), n_sites, self.n_steps, after)
+        self.checked(checks.check_values, self._conn, (table,), n_sites, self.n_steps, after)
         self._checked_rows[table] = top
 
     def _has(self, table: str) -> bool:
-        return bool(self._query("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)))
+        return bool(self.query("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)))
 
     def close(self) -> None:
         self._conn.close()
@@ -124,8 +124,8 @@ class Trace:
         """Every read inside sees one state of the file (one SQLite read transaction): for analyses that combine
         several tables of a trace that is still being written. Re-entrant."""
         if self._snapshot_depth == 0:
-            self._query("BEGIN")
-            self._query("SELECT count(*) FROM sqlite_master")  # a deferred transaction starts at its first read
+            self.query("BEGIN")
+            self.query("SELECT count(*) FROM sqlite_master")  # a deferred transaction starts at its first read
         self._snapshot_depth += 1
         try:
             yield self
@@ -152,8 +152,8 @@ class Trace:
     @property
     def meta(self) -> dict:
         """Run metadata: versions, device, precision configuration (see docs/trace-format.md)."""
-        rows = self._query("SELECT key, value FROM meta")
-        return self._checked(lambda: {k: checks.meta_value(k, v) for k, v in rows})
+        rows = self.query("SELECT key, value FROM meta")
+        return self.checked(lambda: {k: checks.meta_value(k, v) for k, v in rows})
 
     @property
     def config(self) -> dict:
@@ -162,14 +162,14 @@ class Trace:
 
     @property
     def n_steps(self) -> int:
-        return self._query("SELECT count(*) FROM steps")[0][0]
+        return self.query("SELECT count(*) FROM steps")[0][0]
 
     # -- tables ------------------------------------------------------------------------------------------------
     def steps(self, lr_groups: bool = True) -> pd.DataFrame:
         """One row per optimizer step (skipped steps included): schema.STEP_FIELDS, ``lr`` the first parameter group's
         learning rate, and unless ``lr_groups`` is False, ``lr_groups`` every group's."""
         with self.snapshot():
-            return self._checked(steps_table.read, self._conn, lr_groups)
+            return self.checked(steps_table.read, self._conn, lr_groups)
 
     def sites(self, kind: str | None = None) -> pd.DataFrame:
         """Observed sites: id, path, module, kind, module_type, dtype, shape, first_step."""
@@ -179,7 +179,7 @@ class Trace:
             _check_kind(kind)
             sql += " WHERE kind = ?"
             args = (kind,)
-        rows = self._query(sql + " ORDER BY id", args)
+        rows = self.query(sql + " ORDER BY id", args)
         if any(not isinstance(r[0], int) or not isinstance(r[1], str) or not isinstance(r[2], str) for r in rows):
             raise TraceError(f"{self.path}: corrupt trace (a site without an integer id, a path or a module)")
         df = pd.DataFrame(rows, columns=["id", "path", "module", "kind", "module_type", "dtype", "shape", "first_step"])
@@ -192,8 +192,8 @@ class Trace:
         sql, args = "SELECT step, name, value, time FROM metrics", ()
         if name is not None:
             sql, args = sql + " WHERE name = ?", (name,)
-        df = pd.DataFrame(self._query(sql + " ORDER BY step, rowid", args), columns=["step", "name", "value", "time"])
-        self._checked(lambda: df.__setitem__("value", _numbers(df["value"]).astype(float)))
+        df = pd.DataFrame(self.query(sql + " ORDER BY step, rowid", args), columns=["step", "name", "value", "time"])
+        self.checked(lambda: df.__setitem__("value", _numbers(df["value"]).astype(float)))
         return df
 
     def probes(self) -> pd.DataFrame:
@@ -205,7 +205,7 @@ class Trace:
         if not self._has("probes"):
             return pd.DataFrame(columns=cols)
         self._check_table("probes")
-        rows = self._query(
+        rows = self.query(
             f"SELECT p.step, p.site, s.path, s.module_type, p.calls, p.k, p.numel, p.dtype, "
             f"{', '.join('p.' + f for f in schema.PROBE_FIELDS)} FROM probes p "
             f"LEFT JOIN sites s ON s.id = p.site ORDER BY p.step, p.site"
@@ -225,24 +225,24 @@ class Trace:
         args: tuple = ()
         if kind is not None:
             sql, args = sql + " WHERE e.kind = ?", (kind,)
-        rows = self._query(sql + " ORDER BY e.id", args)
+        rows = self.query(sql + " ORDER BY e.id", args)
         df = pd.DataFrame(rows, columns=["step", "kind", "site", "path", "site_kind", "phase", "message", "data"])
-        df["data"] = self._checked(lambda: [_event_data(d) for d in df["data"]])
+        df["data"] = self.checked(lambda: [_event_data(d) for d in df["data"]])
         return df
 
     def full_steps(self) -> np.ndarray:
         """Steps that have full statistics."""
         with self.snapshot():
-            return self._checked(bulk.distinct_steps, self._conn, "stats", self.n_steps)
+            return self.checked(bulk.distinct_steps, self._conn, "stats", self.n_steps)
 
     def hist_steps(self) -> np.ndarray:
         """Steps that have histograms."""
         with self.snapshot():
-            return self._checked(bulk.distinct_steps, self._conn, "hists", self.n_steps)
+            return self.checked(bulk.distinct_steps, self._conn, "hists", self.n_steps)
 
     @property
     def n_sites(self) -> int:
-        return self._query("SELECT count(*) FROM sites")[0][0]
+        return self.query("SELECT count(*) FROM sites")[0][0]
 
     # -- per-site arrays ---------------------------------------------------------------------------------------
     def records(self, field: str, kind: str = "act", fill: float = np.nan, steps=None) -> np.ndarray:
@@ -273,17 +273,17 @@ class Trace:
             width = int(ids.max()) + 1
             got = np.full((len(uniq_ok), len(ids)), fill)
             with self.snapshot():
-                self._checked(bulk.check_steps, self._conn, "peaks", n)
-                rows = self._query(
+                self.checked(bulk.check_steps, self._conn, "peaks", n)
+                rows = self.query(
                     f"SELECT step, data FROM peaks WHERE step IN ({','.join(map(str, uniq_ok.tolist()))})"
                     if steps is not None
                     else "SELECT step, data FROM peaks WHERE step >= 0 AND step < ? ORDER BY step",
                     () if steps is not None else (n,),
                 )
-            self._checked(_fill_peaks, got, rows, ids, fill, uniq_ok, width)
+            self.checked(_fill_peaks, got, rows, ids, fill, uniq_ok, width)
         else:
             with self.snapshot():
-                got = self._checked(bulk.stats_at, self._conn, (field,), uniq_ok, ids, self.n_sites, fill)[field]
+                got = self.checked(bulk.stats_at, self._conn, (field,), uniq_ok, ids, self.n_sites, fill)[field]
         full = np.full((len(uniq), len(ids)), fill)
         full[np.searchsorted(uniq, uniq_ok)] = got
         out[:] = full[inverse]
@@ -299,7 +299,7 @@ class Trace:
             raise ValueError(f"Argument fields should be from {', '.join(schema.STATS_FIELDS)}, but given {bad[0]!r}")
         ids = self.sites(kind)["id"].to_numpy()
         with self.snapshot():
-            return self._checked(
+            return self.checked(
                 bulk.stats_at, self._conn, tuple(fields), np.asarray(steps, dtype=np.int64), ids, self.n_sites
             )
 
@@ -308,14 +308,14 @@ class Trace:
         kept as recorded (bulk.Hists): a bounded set of steps of many sites."""
         ids = None if sites is None else np.asarray(sites, dtype=np.int64)
         with self.snapshot():
-            return self._checked(bulk.hists_at, self._conn, np.asarray(steps, dtype=np.int64), self.n_sites, ids)
+            return self.checked(bulk.hists_at, self._conn, np.asarray(steps, dtype=np.int64), self.n_sites, ids)
 
     def peak_chunks(self, n_steps: int | None = None):
         """The peaks rows in step order as (steps, float32 [k x sites]) chunks of a few MB (-1: not observed)."""
         n = self.n_steps if n_steps is None else n_steps
         width = self.n_sites
         chunks = bulk.peak_chunks(self._conn, n, width)
-        while (item := self._checked(next, chunks, None)) is not None:
+        while (item := self.checked(next, chunks, None)) is not None:
             yield item
 
     def hist(self, site: int | str, kind: str | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -326,7 +326,7 @@ class Trace:
         """
         sid = self.site_id(site, kind)
         with self.snapshot():
-            h = self._checked(bulk.hists_of, self._conn, sid, self.n_sites, self.n_steps)
+            h = self.checked(bulk.hists_of, self._conn, sid, self.n_sites, self.n_steps)
         return h.step, h.dense()
 
     def site_id(self, site: int | str, kind: str | None = None) -> int:
@@ -334,7 +334,7 @@ class Trace:
         if isinstance(site, (int, np.integer)):
             return int(site)
         sql, args = "SELECT id, kind FROM sites WHERE path = ?", (site,)
-        rows = self._query(sql, args)
+        rows = self.query(sql, args)
         if kind is not None:
             rows = [r for r in rows if r[1] == kind]
         if not rows:

@@ -95,7 +95,7 @@ class View:
         if len(steps) <= 4 or n_sites * MAX_STEPS <= SPARSE_CELLS:
             return MAX_STEPS
         probe = sample(steps, 16)
-        rows = self.trace._query(f"SELECT count(*) FROM {table} WHERE step IN ({','.join(map(str, probe.tolist()))})")
+        rows = self.trace.query(f"SELECT count(*) FROM {table} WHERE step IN ({','.join(map(str, probe.tolist()))})")
         if rows[0][0] * 16 >= n_sites * len(probe):
             return MAX_STEPS
         return max(4, min(MAX_STEPS, SPARSE_CELLS // n_sites))
