@@ -85,7 +85,7 @@ def test_default_tiers_say_which_steps_observed_what(trace_path):
         "calibration" if s < 3 else "sampled" if s in full | peaks else "sentinel" for s in range(30)
     ]
     assert tr.full_steps().tolist() == sorted(full)
-    observed = [r[0] for r in tr._query("SELECT step FROM peaks ORDER BY step")]
+    observed = [r[0] for r in tr.query("SELECT step FROM peaks ORDER BY step")]
     assert observed == sorted(full | peaks)  # a sentinel step stores no per-site row
     act = tr.records("peak", "act")
     assert np.isnan(act[7]).all() and np.isfinite(act[5]).all()

@@ -230,9 +230,10 @@ def rank_straggler(run, *, min_lag_share=MIN_LAG_SHARE, slow_ratio=SLOW_RATIO, w
         data_lag[r] = m["data"] - float(np.median([o["data"] for o in others]))
         step_ratio[r] = m["step"] / max(float(np.median([o["step"] for o in others])), 1e-9)
         compute_lag[r] = (m["step"] - m["data"]) - float(np.median([o["step"] - o["data"] for o in others]))
-    worst = max(data_lag, key=data_lag.get)  # a late input pipeline first, where it explains the lag
+    # the rank that holds the others back the most, in seconds: its data wait, or its own compute
+    worst = max(data_lag, key=data_lag.get)
     kind, lag = "data", data_lag[worst]
-    if lag < min_lag_share * step_all or lag < compute_lag[worst]:  # (a slow rank's data wait moves by noise too)
+    if lag < min_lag_share * step_all or lag < max(compute_lag.values()):
         worst = max(step_ratio, key=step_ratio.get)
         kind, lag = "compute", step_ratio[worst] - 1
         if step_ratio[worst] < slow_ratio:
