@@ -273,7 +273,7 @@ def setup_wandb(w):
 VARIANTS = {
     "bare": None,
     "ampdoctor defaults": lambda w: setup_ampdoctor(w),
-    "ampdoctor defaults, budget=0.03": lambda w: setup_ampdoctor(w, budget=0.03),
+    "ampdoctor defaults (budget 0.03)": lambda w: setup_ampdoctor(w, budget=0.03),
     "ampdoctor debug": lambda w: setup_ampdoctor(w, mode="debug"),
     "ampdoctor defaults (torch passes)": lambda w: setup_ampdoctor(w, native=False),
     "ampdoctor debug (torch passes)": lambda w: setup_ampdoctor(w, native=False, mode="debug"),
