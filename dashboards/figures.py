@@ -480,20 +480,7 @@ def layer_heatmap(
         note(fig, "black: NaN/Inf recorded")
     ticks = dict(type="category", autorange="reversed", tickmode="array", tickvals=labels, ticktext=labels)
     fig.update_yaxes(automargin=True, **ticks)
-    for i in rows:
-        if m.labels[i] in highlight:
-            k = labels.index(text(m.labels[i]))
-            fig.add_shape(
-                type="rect",
-                xref="paper",
-                x0=0,
-                x1=1,
-                yref="y",
-                y0=k - 0.5,
-                y1=k + 0.5,
-                line=dict(color=COLORS["highlight"], width=2),
-                name="highlight",
-            )
+    _outline_rows(fig, [labels.index(text(m.labels[i])) for i in rows if m.labels[i] in highlight])
     if x_range is not None:
         fig.update_xaxes(range=[x_range[0] - 0.5, x_range[1] + 0.5], autorange=False)
     return fig
@@ -881,20 +868,25 @@ def formats_figure(
             hovertemplate="%{y}: %{x:.3g}% lost in %{fullData.name}<extra></extra>",
         )
     fig.update_yaxes(autorange="reversed", automargin=True, tickmode="array", tickvals=labels)
-    for i, lab in enumerate(labels):
-        if lab in {text(h) for h in highlight}:
-            fig.add_shape(
-                type="rect",
-                xref="paper",
-                x0=0,
-                x1=1,
-                yref="y",
-                y0=i - 0.5,
-                y1=i + 0.5,
-                line=dict(color=COLORS["highlight"], width=2),
-                name="highlight",
-            )
+    shown = {text(h) for h in highlight}
+    _outline_rows(fig, [i for i, lab in enumerate(labels) if lab in shown])
     return fig
+
+
+def _outline_rows(fig: go.Figure, rows: list[int]) -> None:
+    """A highlight frame around each of ``rows`` (positions on a categorical y axis), across the plot's width."""
+    for k in rows:
+        fig.add_shape(
+            type="rect",
+            xref="paper",
+            x0=0,
+            x1=1,
+            yref="y",
+            y0=k - 0.5,
+            y1=k + 0.5,
+            line=dict(color=COLORS["highlight"], width=2),
+            name="highlight",
+        )
 
 
 __all__ = ["GRAPH_CONFIG", "MAX_POINTS", "downsample"]

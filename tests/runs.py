@@ -21,6 +21,32 @@ def mlp(width=64, depth=3, d_in=32, d_out=1, seed=0, norm=False):
     return torch.nn.Sequential(*layers)
 
 
+def every_table_trace(path: str) -> str:
+    """A real FP16 + GradScaler run that leaves a row in every table of the trace at ``path``: the scale starts too
+    high (skipped steps, non-finite events), full statistics and histograms every other step, a logged metric; the
+    file checkpointed (no -wal beside it)."""
+    import sqlite3
+
+    model = mlp(width=16, depth=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    with ampdoctor.attach(
+        model, optimizer=opt, scaler=scaler, trace=path, every=2, hist_every=2, weight_every=2, live=False
+    ) as doc:
+        for i, (x, y) in enumerate(batches(6)):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            scaler.scale(torch.nn.functional.mse_loss(out.float(), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+            doc.log_metric("val/acc", 0.5 + i / 100)
+    c = sqlite3.connect(path)
+    c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    c.close()
+    return path
+
+
 def batches(n, batch=32, d_in=32, d_out=1, seed=1):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(d_in, d_out, generator=g)

@@ -30,24 +30,9 @@ COMMANDS = ("info", "layers", "diagnose", "replay", "report")
 def base(tmp_path_factory):
     """A real trace with a row in every table: FP16 + GradScaler starting too high (skipped steps, non-finite
     events), full statistics and histograms every other step, a logged metric."""
-    import torch
-    from runs import batches, mlp
+    from runs import every_table_trace
 
-    path = str(tmp_path_factory.mktemp("fuzz") / "base.db")
-    model = mlp(width=16, depth=2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
-    with ampdoctor.attach(
-        model, optimizer=opt, scaler=scaler, trace=path, every=2, hist_every=2, weight_every=2, live=False
-    ) as doc:
-        for i, (x, y) in enumerate(batches(6)):
-            opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.float16):
-                out = model(x)
-            scaler.scale(torch.nn.functional.mse_loss(out.float(), y)).backward()
-            scaler.step(opt)
-            scaler.update()
-            doc.log_metric("val/acc", 0.5 + i / 100)
+    path = every_table_trace(str(tmp_path_factory.mktemp("fuzz") / "base.db"))
     c = sqlite3.connect(path)
     assert all(c.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in TABLES)
     c.close()

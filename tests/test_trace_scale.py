@@ -205,28 +205,9 @@ def test_a_large_files_value_out_of_range_is_an_error_or_never_read(tmp_path, mo
 
 def _base(tmp_path) -> str:
     """The fuzz tests' base trace (a real FP16 run with a row in every table), made here."""
-    import torch
-    from runs import batches, mlp
+    from runs import every_table_trace
 
-    path = str(tmp_path / "base.db")
-    model = mlp(width=16, depth=2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
-    with ampdoctor.attach(
-        model, optimizer=opt, scaler=scaler, trace=path, every=2, hist_every=2, weight_every=2, live=False
-    ) as doc:
-        for i, (x, y) in enumerate(batches(6)):
-            opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.float16):
-                out = model(x)
-            scaler.scale(torch.nn.functional.mse_loss(out.float(), y)).backward()
-            scaler.step(opt)
-            scaler.update()
-            doc.log_metric("val/acc", 0.5 + i / 100)
-    c = sqlite3.connect(path)
-    c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    c.close()
-    return path
+    return every_table_trace(str(tmp_path / "base.db"))
 
 
 # -- divergence's blow-up evidence, chunked and vectorised, against the loops over dense arrays it replaced -----------

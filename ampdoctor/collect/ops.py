@@ -152,13 +152,18 @@ class OpTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # (unannota
     def first(self) -> OpRecord | None:
         """The operation that counts: the first whose NaN/Inf reached a result; where none was seen reaching one (a
         result outside what ``reached`` was told), the first that made one."""
-        pick = min(self._reached) if self._reached else 0
-        return self.candidates[pick][0] if self.candidates else None
+        counted = self._counted()
+        return counted[0] if counted else None
 
     @property
     def chain(self) -> list[OpRecord]:
-        pick = min(self._reached) if self._reached else 0
-        return self.candidates[pick][1] if self.candidates else []
+        counted = self._counted()
+        return counted[1] if counted else []
+
+    def _counted(self) -> tuple[OpRecord, list[OpRecord]] | None:
+        if not self.candidates:
+            return None
+        return self.candidates[min(self._reached) if self._reached else 0]
 
     def reached(self, tensors: Iterable[object]) -> None:
         """``tensors`` are results of the step (the model's outputs, the parameters' gradients): the candidates whose
