@@ -30,6 +30,8 @@ MIN_LAG_SHARE = 0.20
 # A rank 30% slower per step than the median of the others (ranks that do not wait for each other show it in the
 # step time itself): the same job on the same hardware differs by a few percent.
 SLOW_RATIO = 1.3
+# A rank's compute lag this many times the worst data lag names a compute straggler instead (see rank_straggler).
+COMPUTE_OVER_DATA = 2.0
 
 
 def _rank_label(ranks) -> str:
@@ -230,10 +232,12 @@ def rank_straggler(run, *, min_lag_share=MIN_LAG_SHARE, slow_ratio=SLOW_RATIO, w
         data_lag[r] = m["data"] - float(np.median([o["data"] for o in others]))
         step_ratio[r] = m["step"] / max(float(np.median([o["step"] for o in others])), 1e-9)
         compute_lag[r] = (m["step"] - m["data"]) - float(np.median([o["step"] - o["data"] for o in others]))
-    # the rank that holds the others back the most, in seconds: its data wait, or its own compute
+    # the rank that holds the others back the most: a late input pipeline, unless a rank's own compute lags at least
+    # COMPUTE_OVER_DATA times as much (under DDP the ranks that wait for a late one show its lag as compute, about
+    # once: that is its wait, not theirs)
     worst = max(data_lag, key=data_lag.get)
     kind, lag = "data", data_lag[worst]
-    if lag < min_lag_share * step_all or lag < max(compute_lag.values()):
+    if lag < min_lag_share * step_all or max(compute_lag.values()) >= COMPUTE_OVER_DATA * lag:
         worst = max(step_ratio, key=step_ratio.get)
         kind, lag = "compute", step_ratio[worst] - 1
         if step_ratio[worst] < slow_ratio:
