@@ -205,13 +205,14 @@ def rank_scale_divergence(run):
 
 def _medians(x, warmup: int) -> dict | None:
     st = x.steps.iloc[warmup:]
-    st = st.assign(step_time=net_step_time(st))  # ampdoctor's own time taken out
+    st = st.assign(gross=st["step_time"], step_time=net_step_time(st))  # ampdoctor's own time taken out
     st = st[np.isfinite(st["step_time"]) & (st["step_time"] > 0)]
     if len(st) < MIN_TIMED_STEPS:
         return None
     data = st["data_time"].where(np.isfinite(st["data_time"]), 0.0)
     return {
         "step": float(st["step_time"].median()),
+        "gross": float(st["gross"].median()),
         "data": float(data.median()),
         "samples": float(st["samples"].median()) if st["samples"].notna().any() else None,
         "host": x.info.get("host"),
@@ -230,7 +231,10 @@ def rank_straggler(run, *, min_lag_share=MIN_LAG_SHARE, slow_ratio=SLOW_RATIO, w
     for r, m in med.items():
         others = [o for q, o in med.items() if q != r]
         data_lag[r] = m["data"] - float(np.median([o["data"] for o in others]))
-        step_ratio[r] = m["step"] / max(float(np.median([o["step"] for o in others])), 1e-9)
+        # slower with ampdoctor's own time and without it: ranks that wait for each other every step have one
+        # period, and the time one rank's observer takes (a replay, the flight recorder) is a wait in the others'
+        # steps that taking it out of that rank alone would show as their compute
+        step_ratio[r] = min(m[k] / max(float(np.median([o[k] for o in others])), 1e-9) for k in ("step", "gross"))
         compute_lag[r] = (m["step"] - m["data"]) - float(np.median([o["step"] - o["data"] for o in others]))
     # the rank that holds the others back the most: a late input pipeline, unless a rank's own compute lags at least
     # COMPUTE_OVER_DATA times as much (under DDP the ranks that wait for a late one show its lag as compute, about
