@@ -32,12 +32,13 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ampdoctor.trace import newfile, schema
+from ampdoctor.trace import blocks, newfile, schema
 from ampdoctor.trace.messages import EventKind, EventMsg
 from ampdoctor.trace.vectors import Phase
 from ampdoctor.trace.writer import _event_json
 
-GENERATOR_VERSION = 1  # bump when the content changes: cached files of another version are made again
+GENERATOR_VERSION = 2  # bump when the content changes: files of another version are made again (a name of their own)
+# (2: the step blocks the writer packs, trace.blocks)
 FP16_LIMIT = 65520.0  # a value scaled at or past this rounds to Inf in FP16
 CLEAN_RUN = 5  # steps observed in full after an anomaly (the cadence's flight recorder)
 GROWTH_INTERVAL = 2000
@@ -425,6 +426,7 @@ def _write(conn: sqlite3.Connection, sites: Sites, rng: np.random.Generator, a: 
     )
     w = _Writer(c, sites, rng)
     step_sql = f"INSERT INTO steps ({','.join(schema.STEP_FIELDS)}) VALUES ({','.join('?' * len(schema.STEP_FIELDS))})"
+    packer = blocks.Packer()  # the step blocks the writer packs (trace.blocks)
     for lo in range(0, n, CHUNK):
         hi = min(n, lo + CHUNK)
         idx = np.arange(lo, hi)
@@ -451,6 +453,27 @@ def _write(conn: sqlite3.Connection, sites: Sites, rng: np.random.Generator, a: 
             observer[lo:hi].tolist(),
         )
         c.executemany(step_sql, rows)
+        columns = {
+            "time": times[lo:hi],
+            "step_time": step_time[lo:hi],
+            "data_time": data_time[lo:hi],
+            "samples": np.full(hi - lo, 256.0),
+            "samples_per_s": 256 / step_time[lo:hi],
+            "loss": loss[lo:hi],
+            "loss_scale": scale[lo:hi],
+            "loss_scale_next": nxt[lo:hi],
+            "skipped": skipped[lo:hi],
+            "grad_norm": grad_norm[lo:hi],
+            "microbatches": np.ones(hi - lo),
+            "peak_mem": np.full(hi - lo, 40e9),
+            "level": level[lo:hi],
+            "nonfinite": skipped[lo:hi],
+            "grad_max": grad_max[lo:hi],
+            "observer_time": observer[lo:hi],
+            "lr": lr[lo:hi],
+        }
+        numbers = np.column_stack([np.asarray(columns[f], dtype=np.float64) for f in blocks.FIELDS])
+        c.executemany(blocks.INSERT, packer.add_many(lo, numbers, reason[lo:hi].tolist()))
         w.step_sites(idx, level, hist, a["weight_every"], ctx)
         unknown = [int(s) for s in idx[skipped[lo:hi] & (level[lo:hi] == schema.LEVEL_SENTINEL)]]
         write_events(
@@ -544,7 +567,12 @@ def cached(directory: str, **kwargs) -> str:
     if not a.get("replay"):  # (a trace without the replay records no such argument: see generate)
         a.pop("replay", None)
     keys = ("steps", "blocks", "every", "hist_every", "seed")
-    name = "gen-" + ("replay-" if a.get("replay") else "") + "-".join(f"{k}{a[k]}" for k in keys) + ".db"
+    name = (
+        f"gen-v{GENERATOR_VERSION}-"
+        + ("replay-" if a.get("replay") else "")
+        + "-".join(f"{k}{a[k]}" for k in keys)
+        + ".db"
+    )
     path = os.path.join(directory, name)
     if os.path.exists(path):
         try:

@@ -340,3 +340,65 @@ def test_a_trace_without_histograms_is_scanned_and_diagnosed(tmp_path):
     view = View(tr)
     assert not len(view.hist_steps) and np.isfinite(view.peak_max("act")).all()
     assert isinstance(ampdoctor.diagnose(tr), list)
+
+
+LEAN = {"live": False, "replay": False}  # (what this test reads is the steps table: no replays to wait for)
+
+
+@pytest.fixture(scope="module")
+def blocked_trace(tmp_path_factory):
+    """A real FP16 run (a scale high enough to skip steps, so that reasons and flags vary; a learning rate that
+    changes after every step) written with blocks of 4 steps: 5 whole blocks and 3 steps after them."""
+    import torch
+    from runs import mlp, train
+
+    from ampdoctor.trace import blocks
+
+    path = str(tmp_path_factory.mktemp("blocks") / "run.db")
+    model = mlp(width=32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(blocks, "SIZE", 4)
+    try:
+
+        def schedule(step, model, doc):
+            opt.param_groups[0]["lr"] = 0.01 / (1 + step)
+
+        train(model, 23, init_scale=2.0**28, optimizer=opt, trace=path, on_step=schedule, attach_options=LEAN)
+    finally:
+        mp.undo()
+    return path
+
+
+@pytest.mark.parametrize("damage", ["none", "a block missing", "a block cut short", "blocks of another version"])
+def test_the_steps_packed_into_blocks_read_as_their_rows(blocked_trace, tmp_path, damage):
+    """The writer packs the steps' numbers into blocks (trace.blocks) that a reader takes at once; what it reads is
+    what the rows say, and a block that does not continue the blocks before it sends the reader to the rows."""
+    path = str(tmp_path / "run.db")
+    shutil.copy(blocked_trace, path)
+    rows_only = str(tmp_path / "rows.db")
+    shutil.copy(blocked_trace, rows_only)
+    with sqlite3.connect(rows_only) as c:
+        c.execute("DROP TABLE step_blocks")
+    with sqlite3.connect(path) as c:
+        assert [r[0] for r in c.execute("SELECT first FROM step_blocks ORDER BY first")] == [0, 4, 8, 12, 16]
+        if damage == "a block missing":
+            c.execute("DELETE FROM step_blocks WHERE first = 4")
+        elif damage == "a block cut short":
+            c.execute("UPDATE step_blocks SET data = substr(data, 1, 100) WHERE first = 4")
+        elif damage == "blocks of another version":  # a column added later, in the middle
+            for first, fields, data in c.execute("SELECT first, fields, data FROM step_blocks").fetchall():
+                cols = np.frombuffer(data, dtype="<f8").reshape(-1, 4)
+                more = np.concatenate([cols[:3], np.full((1, 4), 7.0), cols[3:]])
+                names = fields.split(",")
+                c.execute(
+                    "UPDATE step_blocks SET fields = ?, data = ? WHERE first = ?",
+                    (",".join([*names[:3], "later", *names[3:]]), more.astype("<f8").tobytes(), first),
+                )
+    got = ampdoctor.load(path).steps(lr_groups=False)
+    want = ampdoctor.load(rows_only).steps(lr_groups=False)
+    assert len(want) == 23 and want["skipped"].any() and want["lr"].nunique() == 22
+    assert (want["reason"] != "sentinel").any()  # (the flight recorder after the skips)
+    pd_testing = pytest.importorskip("pandas.testing")
+    pd_testing.assert_frame_equal(got, want, check_exact=True)
+    assert ampdoctor.load(path).steps().drop(columns="lr_groups").equals(want)  # every group's: from the rows

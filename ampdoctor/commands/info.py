@@ -22,7 +22,7 @@ def run(args) -> int:
         return info_ranks(args.trace)
     tr = load(args.trace)
     meta, cfg = tr.meta, tr.config
-    st = tr.checked(summarize, tr)  # aggregate queries: no row read of a 10^6-step table
+    st = tr.checked(summarize, tr)  # the steps as numbers (the writer's blocks): no Python object per value
     sites = tr.sites()
     run = meta.get("run", {})
     print(f"trace      {args.trace}")

@@ -1,14 +1,15 @@
 """What a trace observed and what observing cost: the lines ``ampdoctor info``, the dashboard overview and the report
-show, from a steps DataFrame or, for a run of any length, from a few aggregate queries over the steps table (Summary:
-no row of it read into Python but the steps that are the answer, e.g. the skipped ones). Offline side: no torch."""
+show, from a steps DataFrame or a Summary of one (``summarize``: what ``info`` prints, read at once from the writer's
+step blocks however long the run). Offline side: no torch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
+import pandas as pd
 
-from . import checks, schema
+from . import schema
 
 _LEVEL_NAMES = {
     schema.LEVEL_SENTINEL: "sentinel only",
@@ -17,15 +18,11 @@ _LEVEL_NAMES = {
     schema.LEVEL_HIST: "full statistics + histograms",
 }
 LEVEL_NAMES = _LEVEL_NAMES  # public: the dashboard's observation line reads it
-# a value SQLite holds as a number, finite (a NaN REAL is NULL there; the writer stores NaN as the text 'nan')
-_FINITE = "(typeof({c}) IN ('integer', 'real') AND abs({c}) <= 1.7976931348623157e308)"
-# what the reader accepts in a number column: a number, NULL, or the writer's NaN/Inf texts
-_NUMBER = "(typeof({c}) IN ('integer', 'real', 'null') OR {c} IN ('nan', 'inf', '-inf'))"
 
 
 @dataclass
 class Summary:
-    """The figures of a trace's steps that ``info`` prints, from aggregate queries (``summarize``)."""
+    """The figures of a trace's steps that ``info`` prints (``summarize``)."""
 
     steps: int
     levels: dict  # level -> steps
@@ -38,106 +35,55 @@ class Summary:
 
 
 def summarize(trace) -> Summary:
-    """A trace's Summary (ampdoctor.trace.Trace): one scan of the steps table for the counts and sums, two for the
-    levels and reasons of the steps that observed something, index reads for the first and last values; the number
-    columns it aggregates are checked (max() in the same scan, and value by value where that finds text)."""
-    q = trace.query
-    have = {r[1] for r in q("PRAGMA table_info(steps)")}
-    col = lambda c: c if c in have else "NULL"  # noqa: E731 (a trace from before the later columns)
-    with trace.snapshot():
-        numbers = ("step_time", "observer_time", "loss", "loss_scale", "loss_scale_next", "skipped", "level")
-        st, ot, ls = col("step_time"), col("observer_time"), col("loss_scale")
-        fin = "({c} - {c} = 0 AND typeof({c}) != 'text')"  # finite (inf - inf is NaN, which SQLite calls NULL)
-
-        def aggregates(f: str) -> str:  # f: a finiteness test (a cheaper one when a column holds no text)
-            both = f"{f.format(c=st)} AND {f.format(c=ot)}"
-            return (
-                f"sum(CASE WHEN {both} THEN {st} END), sum(CASE WHEN {both} THEN {ot} END), count({ot}), "
-                f"min(CASE WHEN {f.format(c=ls)} THEN {ls} END), max(CASE WHEN {f.format(c=ls)} THEN {ls} END)"
-            )
-
-        # one scan: counts and sums, and max() of every number column, which is text or a blob when any value is
-        # (SQLite orders NULL < numbers < text < blobs): then the column is checked value by value, and the sums
-        # taken again with the text left out
-        sums = q(
-            f"SELECT count(*), {aggregates('({c} - {c} = 0)')}, "
-            f"group_concat(CASE WHEN {col('skipped')} IS NOT NULL AND {col('skipped')} != 0 THEN step END), "
-            f"group_concat(CASE WHEN {fin.format(c=col('loss'))} THEN NULL ELSE step END), "  # NULL, NaN, Inf
-            + ", ".join(f"max({col(c)})" for c in numbers)
-            + " FROM steps"
-        )[0]
-        n = sums[0]
-        for c, top in zip(numbers, sums[8:]):
-            if isinstance(top, (str, bytes)) and q(f"SELECT 1 FROM steps WHERE NOT {_NUMBER.format(c=c)} LIMIT 1"):
-                raise checks.Invalid(f"table steps: column {c} holds a value that is not a number")
-        if any(isinstance(sums[i], str) for i in (8, 9, 11)):  # a 'nan' text in step_time, observer_time, loss_scale
-            sums = (sums[0], *q(f"SELECT {aggregates(fin)} FROM steps")[0], *sums[6:])
-        lv, why = col("level"), col("reason")
-        # the levels and reasons of the steps that observed something, grouped (the sentinel's: the rest)
-        levels_seen = q(f"SELECT {lv}, count(*) FROM steps WHERE {lv} IS NOT -1 GROUP BY 1")
-        reasons_seen = q(f"SELECT {why}, count(*), min(step) FROM steps WHERE {why} IS NOT 'sentinel' GROUP BY 1")
-        sentinel_first = q(f"SELECT min(step) FROM steps WHERE {why} = 'sentinel'")[0][0]
-        groups = [(v, None, k, 0) for v, k in levels_seen] + [(-1, None, n - sum(k for _, k in levels_seen), 0)]
-        groups += [(None, r, k, first) for r, k, first in reasons_seen]
-        groups.append((None, "sentinel", n - sum(k for _, k, _ in reasons_seen), sentinel_first))
-        scale = _first_last(q, "loss_scale", have)
-        nxt = _first_last(q, "loss_scale_next", have)
-        loss = _first_last(q, "loss", have, finite=True)
-        skipped = _steps(sums[6])
-        bad_loss = _steps(sums[7]) if loss is not None else []
-        lr = q("SELECT lr FROM steps ORDER BY step DESC LIMIT 1") if "lr" in have else []
-    levels: dict = {}
-    reasons: dict = {}
-    first_seen: dict = {}
-    for level, reason, count, first in groups:
-        if not count:
-            continue
-        if level is not None:
-            lv = int(level) if float(level).is_integer() else level
-            levels[lv] = levels.get(lv, 0) + count
-        if reason is not None:
-            reasons[reason] = reasons.get(reason, 0) + count
-            first_seen[reason] = min(first_seen.get(reason, first), first)
+    """A trace's Summary (ampdoctor.trace.Trace), from its steps read as numbers (``Trace.steps``: the writer's step
+    blocks at once, the rows after them; checked as they are read)."""
+    st = trace.steps(lr_groups=False)
+    n = len(st)
+    step = st["step"].to_numpy()
+    level = st["level"].to_numpy(dtype=float)
+    seen = ~np.isnan(level) & (level != schema.LEVEL_SENTINEL)
+    lv, k = np.unique(level[seen], return_counts=True)
+    levels = {int(v) if float(v).is_integer() else float(v): int(c) for v, c in zip(lv, k)}
+    if n - int(seen.sum()):
+        levels[schema.LEVEL_SENTINEL] = n - int(seen.sum())
+    why = st["reason"]
+    other = why[why != "sentinel"].dropna()
+    groups = pd.DataFrame({"reason": other, "step": step[other.index]}).groupby("reason")["step"].agg(["size", "min"])
+    first_seen = {str(r): int(m) for r, m in groups["min"].items()}
+    reasons = {str(r): int(c) for r, c in groups["size"].items()}
+    sentinel = step[(why == "sentinel").to_numpy()]
+    if len(sentinel):
+        reasons["sentinel"], first_seen["sentinel"] = len(sentinel), int(sentinel[0])
     order = sorted(reasons, key=lambda r: (-reasons[r], first_seen[r]))
-    cost = None
-    run_s, obs_s, timed = sums[1], sums[2], sums[3]
-    if timed and run_s is not None and run_s > 0:
-        cost = {"share": (obs_s or 0.0) / run_s, "seconds": obs_s or 0.0, "run_seconds": run_s}
+    scale = _first_last(step, st["loss_scale"].to_numpy(dtype=float))
+    nxt = _first_last(step, st["loss_scale_next"].to_numpy(dtype=float))
+    loss_values = st["loss"].to_numpy(dtype=float)
+    loss = _first_last(step, loss_values)
+    if scale is not None:
+        finite = st["loss_scale"][np.isfinite(st["loss_scale"])]
+        scale.update(min=float(finite.min()), max=float(finite.max()), next_last=nxt and nxt["last"])
+    if loss is not None:
+        loss["nonfinite"] = step[~np.isfinite(loss_values)].tolist()
+    lr = st["lr"].iloc[-1] if n else np.nan
     return Summary(
         steps=n,
         levels=levels,
         reasons={r: reasons[r] for r in order},
-        cost=cost,
-        scale=None if scale is None else {**scale, "min": sums[4], "max": sums[5], "next_last": nxt and nxt["last"]},
-        skipped=skipped,
-        loss=None if loss is None else {**loss, "nonfinite": bad_loss},
-        lr_last=_lr(lr[0][0]) if lr else None,
+        cost=observer_cost(st),
+        scale=scale,
+        skipped=step[st["skipped"].to_numpy(dtype=bool)].tolist(),
+        loss=loss,
+        lr_last=None if np.isnan(lr) else float(lr),
     )
 
 
-def _steps(text) -> list:
-    """Steps from a group_concat of integers (None: none)."""
-    return [int(v) for v in text.split(",")] if text else []
-
-
-def _first_last(q, c: str, have: set, finite: bool = False) -> dict | None:
-    """The first and the last value of a column (non-NULL; with ``finite``, finite numbers) and their steps."""
-    if c not in have:
+def _first_last(step: np.ndarray, values: np.ndarray) -> dict | None:
+    """The first and the last finite value of a column and their steps (None: no finite value)."""
+    at = np.flatnonzero(np.isfinite(values))
+    if not len(at):
         return None
-    where = _FINITE.format(c=c) if finite else f"{c} IS NOT NULL AND {_FINITE.format(c=c)}"
-    first = q(f"SELECT step, {c} FROM steps WHERE {where} ORDER BY step LIMIT 1")
-    if not first:
-        return None
-    last = q(f"SELECT step, {c} FROM steps WHERE {where} ORDER BY step DESC LIMIT 1")
-    return {"first": float(first[0][1]), "first_step": first[0][0], "last": float(last[0][1]), "last_step": last[0][0]}
-
-
-def _lr(text) -> float | None:
-    v = checks.parse_json(text, "steps.lr") if text else None
-    if v is None:
-        return None
-    checks.check_value(v, [(checks.NUM, None)], "steps.lr")
-    return float(v[0]) if v and v[0] is not None else None
+    a, b = int(at[0]), int(at[-1])
+    return {"first": float(values[a]), "first_step": int(step[a]), "last": float(values[b]), "last_step": int(step[b])}
 
 
 def observer_cost(steps) -> dict | None:

@@ -47,10 +47,12 @@ STEP_FIELDS = (
     "grad_max",
     "observer_time",
 )
+# the numeric step columns (not the step, the learning rates' JSON text, the reason's text)
+STEP_NUMBERS = tuple(f for f in STEP_FIELDS if f not in ("step", "lr", "reason"))
 # Columns added after the first traces were written (same format version: a reader gives them as missing there).
 LATER_STEP_FIELDS = ("reason", "grad_max", "observer_time")
 PROBE_FIELDS = ("rel_err", "max_err", "ref_norm", "ref_absmax")  # probes table (added in 0.1; absent before)
-OPTIONAL_TABLES = ("probes",)  # added after the first traces were written: a trace without them still reads
+OPTIONAL_TABLES = ("probes", "step_blocks")  # added after the first traces were written: traces without them read
 KINDS = ("act", "grad_out", "param_grad", "weight", "update")
 ROOT = "(model)"  # how the root module is named in site paths
 
@@ -81,6 +83,8 @@ CREATE TABLE steps (
     loss REAL, lr TEXT, loss_scale REAL, loss_scale_next REAL, skipped INTEGER, grad_norm REAL,
     microbatches INTEGER, peak_mem INTEGER, level INTEGER, nonfinite INTEGER, reason TEXT, grad_max REAL,
     observer_time REAL);
+CREATE TABLE step_blocks (first INTEGER PRIMARY KEY, n INTEGER NOT NULL, fields TEXT NOT NULL, data BLOB NOT NULL,
+    reasons TEXT);
 CREATE TABLE peaks (step INTEGER PRIMARY KEY, data BLOB NOT NULL);
 CREATE TABLE stats (
     step INTEGER NOT NULL, site INTEGER NOT NULL, scale REAL, calls INTEGER,

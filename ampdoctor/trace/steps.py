@@ -14,11 +14,11 @@ import sqlite3
 import numpy as np
 import pandas as pd
 
-from . import checks, schema
+from . import blocks, checks, schema
 
 CHUNK = 65536  # rows converted at a time: a few MB of Python objects whatever the length of the run
 TEXT_FIELDS = ("lr", "reason")
-NUMBER_FIELDS = tuple(f for f in schema.STEP_FIELDS if f not in TEXT_FIELDS and f != "step")
+NUMBER_FIELDS = schema.STEP_NUMBERS
 FLOAT_FIELDS = (
     "time",
     "step_time",
@@ -47,19 +47,25 @@ _OTHER_GROUPS = re.compile(r" *,[^\n]*\]")  # ", x, y]" after a list's first num
 
 def read(conn: sqlite3.Connection, lr_groups: bool = True) -> pd.DataFrame:
     """One row per step, columns as schema.STEP_FIELDS (``lr``: the first group's learning rate) plus ``lr_groups``
-    (every group's, as recorded) unless ``lr_groups`` is False. Run inside one read transaction (Trace.snapshot)."""
+    (every group's, as recorded) unless ``lr_groups`` is False. Run inside one read transaction (Trace.snapshot).
+    Without ``lr_groups`` the steps the writer packed into blocks (trace.blocks) are read from there, the others
+    from the rows."""
     have = {r[1] for r in conn.execute("PRAGMA table_info(steps)")}
     n = conn.execute("SELECT count(*) FROM steps").fetchone()[0]
+    packed = blocks.read(conn, n) if not lr_groups else None
+    start = packed.n if packed is not None else 0  # the first step read from the rows
     numbers = np.empty((n, len(NUMBER_FIELDS) + 1))  # the last column: the learning rate parsed by SQLite
+    if packed is not None:
+        numbers[:start] = packed.values
     dense = [i for i, f in enumerate(NUMBER_FIELDS) if f not in SPARSE or f not in have]
     sparse = [i for i in range(len(NUMBER_FIELDS)) if i not in dense]
-    numbers[:, sparse] = _sparse(conn, [NUMBER_FIELDS[i] for i in sparse], n)
+    numbers[start:, sparse] = _sparse(conn, [NUMBER_FIELDS[i] for i in sparse], start, n)
     cols = [f if f in have else "NULL" for f in (NUMBER_FIELDS[i] for i in dense)]  # (columns a trace may lack)
     groups: list | None = [] if lr_groups else None
     parsed = _LrParser()
     lr_col = "lr" if "lr" in have else "NULL"
-    cur = conn.execute(f"SELECT {','.join(cols)}, {lr_col} FROM steps ORDER BY step")
-    at = 0
+    cur = conn.execute(f"SELECT {','.join(cols)}, {lr_col} FROM steps WHERE step >= ? ORDER BY step", (start,))
+    at = start
     while True:
         rows = cur.fetchmany(CHUNK)
         if not rows:
@@ -88,7 +94,10 @@ def read(conn: sqlite3.Connection, lr_groups: bool = True) -> pd.DataFrame:
         else:
             df[f] = col
     df["lr"] = numbers[:, -1]
-    df["reason"] = _reasons(conn, n, "reason" in have)
+    reasons = _reasons(conn, start, n, "reason" in have)
+    if packed is not None:
+        reasons[:start] = packed.reasons
+    df["reason"] = reasons
     df = df[list(schema.STEP_FIELDS)]
     if groups is not None:
         df["lr_groups"] = groups
@@ -113,23 +122,25 @@ def _plain_lrs(texts: list):
         return None
 
 
-def _sparse(conn: sqlite3.Connection, cols: list, n: int) -> np.ndarray:
-    """[n x cols] of columns that hold one value on most rows (SPARSE: that value, or when None the first row's),
-    read in one scan where any of them holds another (numbers, or the writer's NaN texts, as the dense read)."""
+def _sparse(conn: sqlite3.Connection, cols: list, start: int, n: int) -> np.ndarray:
+    """[n - start x cols] of columns that hold one value on most rows (SPARSE: that value, or when None the first
+    row's), read in one scan where any of them holds another (numbers, or the writer's NaN texts, as the dense
+    read), steps [start, n)."""
     if not cols:
-        return np.zeros((n, 0))
-    first = conn.execute(f"SELECT {', '.join(cols)} FROM steps ORDER BY step LIMIT 1").fetchone()
-    default = [SPARSE[c] if SPARSE[c] is not None else (first[i] if first else None) for i, c in enumerate(cols)]
-    out = np.tile(np.array([default], dtype=np.float64), (n, 1))
+        return np.zeros((n - start, 0))
+    first = conn.execute(f"SELECT {', '.join(cols)} FROM steps WHERE step >= ? ORDER BY step LIMIT 1", (start,))
+    row = first.fetchone()
+    default = [SPARSE[c] if SPARSE[c] is not None else (row[i] if row else None) for i, c in enumerate(cols)]
+    out = np.tile(np.array([default], dtype=np.float64), (n - start, 1))
     where = " OR ".join(f"{c} IS NOT ?" for c in cols)
     rows = conn.execute(
-        f"SELECT step, {', '.join(cols)} FROM steps WHERE typeof(step) = 'integer' AND step >= 0 AND step < ? "
+        f"SELECT step, {', '.join(cols)} FROM steps WHERE typeof(step) = 'integer' AND step >= ? AND step < ? "
         f"AND ({where})",
-        (n, *default),
+        (start, n, *default),
     ).fetchall()
     if rows:
         arr = np.array([r[1:] for r in rows], dtype=np.float64)
-        out[np.array([r[0] for r in rows], dtype=np.int64)] = arr
+        out[np.array([r[0] for r in rows], dtype=np.int64) - start] = arr
     return out
 
 
@@ -164,15 +175,16 @@ class _LrParser:
         return out
 
 
-def _reasons(conn: sqlite3.Connection, n: int, have: bool) -> np.ndarray:
-    """Why each step observed what it did: "sentinel" on most steps, so only the other rows are read."""
+def _reasons(conn: sqlite3.Connection, start: int, n: int, have: bool) -> np.ndarray:
+    """Why each step observed what it did: "sentinel" on most steps, so only the other rows (from ``start``) are
+    read."""
     out = np.full(n, "sentinel" if have else None, dtype=object)
     if not have:
         return out
     rows = conn.execute(
         "SELECT step, reason FROM steps WHERE reason IS NOT 'sentinel' AND typeof(step) = 'integer' "
-        "AND step >= 0 AND step < ?",
-        (n,),
+        "AND step >= ? AND step < ?",
+        (start, n),
     ).fetchall()
     if rows:
         steps, why = zip(*rows)

@@ -17,7 +17,7 @@ from collections import deque
 import numpy as np
 
 from .. import formats
-from . import newfile, schema, vectors
+from . import blocks, newfile, schema, vectors
 from .messages import Close, EventKind, EventMsg, MetaMsg, MetricMsg, ProbeMsg, SiteMsg, StepPacket, Sync
 from .vectors import FullPlan, Layout, Phase, tensor_peaks
 
@@ -75,7 +75,8 @@ class Writer(threading.Thread):
         self.log_every: int | None = None
         self._site_names: dict[int, tuple[str, str]] = {}
         self._layouts: dict = {}  # id(entries) -> (entries, bases, Layout), the entries kept alive
-        self._lr_json = (None, None)
+        self._lr_json: tuple[object, str | None, float] = (None, None, math.nan)  # the last lr, its JSON, its first
+        self._blocks = blocks.Packer()
         self._skipped_total = 0
         self.dropped = 0  # messages SQLite could not store (see _write_item)
         self._handlers = {
@@ -277,7 +278,7 @@ class Writer(threading.Thread):
         if layout.full_plan is not None:
             self._write_full(conn, run, values, layout.full_plan)
 
-        rows = []
+        rows, block_rows = [], []
         for k, p in enumerate(run):
             # 3. where a non-finite value came from (the training thread decided whether there was one)
             if p.nonfinite and p.row.get("level") == schema.LEVEL_SENTINEL:
@@ -299,6 +300,11 @@ class Writer(threading.Thread):
                 lr=self._lr_text(lr),
             )
             rows.append([_sql(v) for v in map(row.get, schema.STEP_FIELDS)])
+            packed = self._blocks.add(
+                p.step, [*map(blocks.number, map(row.get, schema.STEP_NUMBERS)), self._lr_json[2]], row.get("reason")
+            )
+            if packed is not None:
+                block_rows.append(packed)
             self._skipped_total += int(p.skipped)
             if self.log_every and (p.step + 1) % self.log_every == 0:
                 log.info(self._health(p, uniq, site_peak[k]))
@@ -306,15 +312,17 @@ class Writer(threading.Thread):
             f"INSERT INTO steps ({','.join(schema.STEP_FIELDS)}) VALUES ({','.join('?' * len(schema.STEP_FIELDS))})",
             rows,
         )
+        conn.executemany(blocks.INSERT, block_rows)
 
     def _lr_text(self, lr) -> str | None:
         """The learning rates as JSON, encoded again only when they change (most steps repeat the last ones)."""
         if lr is None:
+            self._lr_json = (None, None, math.nan)
             return None
-        last, text = self._lr_json
-        if lr != last:
+        last, text, _ = self._lr_json
+        if lr != last or text is None:
             text = json.dumps(lr)
-            self._lr_json = (lr, text)
+            self._lr_json = (lr, text, blocks.first_lr(text))
         return text
 
     def _health(self, p: StepPacket, sites: np.ndarray, peaks: np.ndarray) -> str:
