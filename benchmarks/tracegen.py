@@ -37,8 +37,8 @@ from ampdoctor.trace.messages import EventKind, EventMsg
 from ampdoctor.trace.vectors import Phase
 from ampdoctor.trace.writer import _event_json
 
-GENERATOR_VERSION = 2  # bump when the content changes: files of another version are made again (a name of their own)
-# (2: the step blocks the writer packs, trace.blocks)
+GENERATOR_VERSION = 3  # bump when the content changes: files of another version are made again (a name of their own)
+# (3: the step blocks the writer packs, trace.blocks)
 FP16_LIMIT = 65520.0  # a value scaled at or past this rounds to Inf in FP16
 CLEAN_RUN = 5  # steps observed in full after an anomaly (the cadence's flight recorder)
 GROWTH_INTERVAL = 2000

@@ -15,7 +15,6 @@ import json
 import math
 import sqlite3
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -23,13 +22,15 @@ import numpy.typing as npt
 from . import checks, schema
 
 SIZE = 4096  # steps per block: ~600 KB of values; the rows after the last whole block are at most SIZE - 1
-# the columns a block holds, in its BLOB's order: the numeric step columns, then the first group's learning rate
+# the columns a block holds, in its BLOB's order: the numeric step columns, the first group's learning rate, and the
+# reason as an index into the block's list of reasons
 FIELDS = schema.STEP_NUMBERS + ("lr",)
-FIELDS_TEXT = ",".join(FIELDS)
+REASON = "reason"
+WRITTEN = ",".join(FIELDS + (REASON,))
 INSERT = "INSERT INTO step_blocks (first, n, fields, data, reasons) VALUES (?, ?, ?, ?, ?)"
-DEFAULT_REASON = "sentinel"  # a step observed by the sentinel only: most steps; a block lists the others
 
-Row = tuple[int, int, str, bytes, str | None]
+Row = tuple[int, int, str, bytes, str]
+ALL = list(range(len(FIELDS)))  # a block written with these FIELDS: every column where it is
 
 
 def number(v: object) -> float:
@@ -51,100 +52,77 @@ class Packer:
     def __init__(self, size: int | None = None) -> None:
         self.size = size or SIZE
         self.first = 0  # the step the block being filled starts at
-        self.values: list[Sequence[float]] = []  # one tuple of FIELDS per step
-        self.reasons: dict[str, str | None] = {}  # offset in the block -> reason, where not DEFAULT_REASON
+        self.values: list[Sequence[float]] = []  # one sequence of FIELDS per step
+        self.codes: list[int] = []  # per step: its reason's index in self.names
+        self.names: dict[str | None, int] = {}
 
     def add(self, step: int, values: Sequence[float], reason: str | None) -> Row | None:
         """One step's FIELDS values; the block's row when this step completes it. A step that does not follow the
         last one (the writer numbers them 0, 1, ...: not expected) starts the blocks over after it."""
         if step != self.first + len(self.values):
-            self.first, self.values, self.reasons = step + 1, [], {}
+            self._start(step + 1)
             return None
-        if reason != DEFAULT_REASON:
-            self.reasons[str(len(self.values))] = reason
         self.values.append(values)
+        self.codes.append(self.names.setdefault(reason, len(self.names)))
         return self._full() if len(self.values) == self.size else None
 
+    def _start(self, first: int) -> None:
+        self.first, self.values, self.codes, self.names = first, [], [], {}
+
     def _full(self) -> Row:
-        data = np.asarray(self.values, dtype="<f8").T.tobytes()  # column after column
-        row = (self.first, self.size, FIELDS_TEXT, data, json.dumps(self.reasons) if self.reasons else None)
-        self.first, self.values, self.reasons = self.first + self.size, [], {}
+        data = np.empty((len(FIELDS) + 1, self.size), dtype="<f8")  # column after column
+        data[:-1] = np.asarray(self.values, dtype=np.float64).T
+        data[-1] = self.codes
+        row = (self.first, self.size, WRITTEN, data.tobytes(), json.dumps(list(self.names)))
+        self._start(self.first + self.size)
         return row
 
     def add_many(self, first: int, values: npt.NDArray[np.float64], reasons: Sequence[str | None]) -> list[Row]:
         """Consecutive steps from ``first`` ([steps x FIELDS]: a generated run's, chunk by chunk): the rows of the
-        blocks they complete; whole blocks are taken as they are."""
-        out, i = [], 0
-        while i < len(values):
-            if not self.values and first + i == self.first and len(values) - i >= self.size:
-                self.values = list(values[i : i + self.size])
-                why = reasons[i : i + self.size]
-                self.reasons = {str(k): r for k, r in enumerate(why) if r != DEFAULT_REASON}
-                out.append(self._full())
-                i += self.size
-            else:
-                row = self.add(first + i, values[i], reasons[i])
-                out.extend([row] if row is not None else [])
-                i += 1
-        return out
+        blocks they complete."""
+        rows = [self.add(first + i, v, r) for i, (v, r) in enumerate(zip(values, reasons))]
+        return [r for r in rows if r is not None]
 
 
-class Blocks(NamedTuple):
-    """The steps [0, n) read from blocks: values [n x FIELDS] and the reason of each step."""
-
-    n: int
-    values: npt.NDArray[np.float64]
-    reasons: npt.NDArray[np.object_]
-
-
-def read(conn: sqlite3.Connection, n_steps: int) -> Blocks:
-    """The blocks that continue each other from step 0, up to ``n_steps`` (the rows the steps table holds): a trace
-    without blocks gives n = 0. Inside the caller's read transaction."""
-    empty = Blocks(0, np.empty((0, len(FIELDS))), np.empty(0, dtype=object))
+def read(conn: sqlite3.Connection, out: npt.NDArray[np.float64], reasons: npt.NDArray[np.object_]) -> int:
+    """Fill ``out`` ([steps x FIELDS], best in column order) and ``reasons`` (one per step) from the blocks that
+    continue each other from step 0, as far as ``out`` reaches (the rows the steps table holds); how many steps they
+    gave (0: a trace without blocks). Inside the caller's read transaction."""
     if not conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'step_blocks'").fetchone():
-        return empty
-    rows = conn.execute("SELECT first, n, fields, data, reasons FROM step_blocks ORDER BY first").fetchall()
-    parts: list[npt.NDArray[np.float64]] = []
-    reasons: dict[int, str | None] = {}
+        return 0
     at = 0
-    for first, n, fields, data, why in rows:
-        if first != at or not isinstance(n, int) or n <= 0 or at + n > n_steps:
+    for first, n, fields, data, names in conn.execute(
+        "SELECT first, n, fields, data, reasons FROM step_blocks ORDER BY first"
+    ):
+        if first != at or not isinstance(n, int) or n <= 0 or at + n > len(out):
             break
         cols = _columns(fields)
         if cols is None or not isinstance(data, bytes) or len(data) != 8 * n * len(fields.split(",")):
             break
-        parts.append(np.frombuffer(data, dtype="<f8").reshape(-1, n)[cols].T)
-        reasons.update(_reasons(why, first, n))
+        block = np.frombuffer(data, dtype="<f8").reshape(-1, n)
+        out[at : at + n] = (block[: len(FIELDS)] if fields == WRITTEN else block[cols[:-1]]).T
+        reasons[at : at + n] = _reasons(names, block[cols[-1]])
         at += n
-    if not parts:
-        return empty
-    why_all = np.full(at, DEFAULT_REASON, dtype=object)
-    for step, reason in reasons.items():
-        why_all[step] = reason
-    return Blocks(at, np.concatenate(parts), why_all)
+    return at
 
 
 def _columns(fields: object) -> list[int] | None:
-    """Where each of FIELDS sits in a block written with ``fields`` (a later version may add columns); None when a
-    block lacks one of them."""
-    if fields == FIELDS_TEXT:
-        return list(range(len(FIELDS)))
+    """Where each of FIELDS, then the reason, sits in a block written with ``fields`` (a later version may add
+    columns); None when a block lacks one of them."""
+    if fields == WRITTEN:
+        return ALL + [len(FIELDS)]
     if not isinstance(fields, str):
         return None
     have = {f: i for i, f in enumerate(fields.split(","))}
-    return [have[f] for f in FIELDS] if all(f in have for f in FIELDS) else None
+    return [have[f] for f in FIELDS + (REASON,)] if all(f in have for f in FIELDS + (REASON,)) else None
 
 
-def _reasons(text: object, first: int, n: int) -> dict[int, str | None]:
-    """A block's reasons other than the default: {offset: text or null} as JSON, offsets within the block."""
-    if text is None:
-        return {}
-    value = checks.parse_json(text, "step_blocks.reasons") if isinstance(text, str) else None
-    if not isinstance(value, dict):
-        raise checks.Invalid(f"table step_blocks: column reasons holds {text!r:.40}: not a JSON object")
-    out: dict[int, str | None] = {}
-    for k, v in value.items():
-        if not (k.isdigit() and int(k) < n) or not (v is None or isinstance(v, str)):
-            raise checks.Invalid(f"table step_blocks: column reasons holds {k!r}: {v!r:.40}: not an offset and a text")
-        out[first + int(k)] = v
-    return out
+def _reasons(text: object, codes: npt.NDArray[np.float64]) -> npt.NDArray[np.object_]:
+    """A block's reasons: its list of reason texts (JSON, null allowed) taken at each step's index."""
+    names = checks.parse_json(text, "step_blocks.reasons") if isinstance(text, str) else None
+    if not isinstance(names, list) or not all(v is None or isinstance(v, str) for v in names):
+        raise checks.Invalid(f"table step_blocks: column reasons holds {text!r:.40}: not a JSON list of texts")
+    at = codes.astype(np.int64)
+    if (at != codes).any() or (at < 0).any() or (at >= len(names)).any():
+        raise checks.Invalid("table step_blocks: a reason index out of the block's list")
+    return np.array(names + [None], dtype=object)[:-1][at]

@@ -52,11 +52,10 @@ def read(conn: sqlite3.Connection, lr_groups: bool = True) -> pd.DataFrame:
     from the rows."""
     have = {r[1] for r in conn.execute("PRAGMA table_info(steps)")}
     n = conn.execute("SELECT count(*) FROM steps").fetchone()[0]
-    packed = blocks.read(conn, n) if not lr_groups else None
-    start = packed.n if packed is not None else 0  # the first step read from the rows
-    numbers = np.empty((n, len(NUMBER_FIELDS) + 1))  # the last column: the learning rate parsed by SQLite
-    if packed is not None:
-        numbers[:start] = packed.values
+    # column after column (each column is a frame's column); the last one: the learning rate
+    numbers = np.empty((n, len(NUMBER_FIELDS) + 1), order="F")
+    reasons = np.full(n, "sentinel" if "reason" in have else None, dtype=object)
+    start = 0 if lr_groups else blocks.read(conn, numbers, reasons)  # the first step read from the rows
     dense = [i for i, f in enumerate(NUMBER_FIELDS) if f not in SPARSE or f not in have]
     sparse = [i for i in range(len(NUMBER_FIELDS)) if i not in dense]
     numbers[start:, sparse] = _sparse(conn, [NUMBER_FIELDS[i] for i in sparse], start, n)
@@ -94,9 +93,7 @@ def read(conn: sqlite3.Connection, lr_groups: bool = True) -> pd.DataFrame:
         else:
             df[f] = col
     df["lr"] = numbers[:, -1]
-    reasons = _reasons(conn, start, n, "reason" in have)
-    if packed is not None:
-        reasons[:start] = packed.reasons
+    _reasons(conn, start, n, reasons, "reason" in have)
     df["reason"] = reasons
     df = df[list(schema.STEP_FIELDS)]
     if groups is not None:
@@ -175,12 +172,11 @@ class _LrParser:
         return out
 
 
-def _reasons(conn: sqlite3.Connection, start: int, n: int, have: bool) -> np.ndarray:
-    """Why each step observed what it did: "sentinel" on most steps, so only the other rows (from ``start``) are
-    read."""
-    out = np.full(n, "sentinel" if have else None, dtype=object)
+def _reasons(conn: sqlite3.Connection, start: int, n: int, out: np.ndarray, have: bool) -> None:
+    """Why each step from ``start`` observed what it did, into ``out`` (which holds "sentinel", the reason of most
+    steps): only the other rows are read."""
     if not have:
-        return out
+        return
     rows = conn.execute(
         "SELECT step, reason FROM steps WHERE reason IS NOT 'sentinel' AND typeof(step) = 'integer' "
         "AND step >= ? AND step < ?",
@@ -192,4 +188,3 @@ def _reasons(conn: sqlite3.Connection, start: int, n: int, have: bool) -> np.nda
         if bad:
             raise checks.Invalid(f"table steps: column reason holds {bad[0]!r:.40}: not text")
         out[np.array(steps, dtype=np.int64)] = np.array(why, dtype=object)
-    return out
