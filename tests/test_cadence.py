@@ -262,10 +262,11 @@ def test_time_rules_judge_the_step_net_of_ampdoctor(trace_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # no intra-op thread pool to wait on a loaded machine's other core
     try:
-        bare = loop(None, *fresh(), 24)
+        before = loop(None, *fresh(), 24)
         model, opt = fresh()
         with ampdoctor.attach(model, optimizer=opt, trace=trace_path, live=False, mode="debug") as doc:
             loop(doc, model, opt, 24)
+        after = loop(None, *fresh(), 24)  # the unobserved share before and after: a loaded machine's drift
     finally:
         torch.set_num_threads(threads)
     st = ampdoctor.load(trace_path).steps().iloc[2:]
@@ -273,7 +274,12 @@ def test_time_rules_judge_the_step_net_of_ampdoctor(trace_path):
     found = {d.rule: d for d in ampdoctor.diagnose(trace_path)}
     net = found["input-pipeline-bound"].evidence["data_share_median"]
     assert float(np.median(st["observer_time"] / st["step_time"])) > 0.2  # ampdoctor is a large part of a step
-    assert abs(net - bare) < 0.15 < net - gross, (bare, net, gross)
+    # the rule takes most of ampdoctor's share back out: the net share closes at least half the gap between the
+    # gross one and the unobserved run's (observer_time is a lower bound: torch's dispatch into a Python hook is not
+    # timed), and goes no further than the unobserved share
+    bare = (min(before, after), max(before, after))
+    assert net - gross > max(0.15, 0.5 * (bare[0] - gross)), (bare, net, gross)
+    assert net < bare[1] + 0.15, (bare, net, gross)
 
 
 def test_report_and_overview_say_what_ampdoctor_cost(trace_path):
