@@ -10,6 +10,7 @@ from ..trace import load, shards
 from ..trace.checks import invalid_settings_note
 from ..trace.observation import cost_line, observation_line, summarize
 from ..trace.run import is_multi, load_run, run_pattern
+from ..trace.schema import LEVEL_FULL
 from .common import EXIT_OK, approx, fmt, ranges
 
 
@@ -32,7 +33,7 @@ def run(args) -> int:
     )
     print(
         f"steps      {st.steps} recorded"
-        + (f", full statistics at {len(tr.full_steps())}" if st.steps else "")
+        + (f", full statistics at {sum(k for lv, k in st.levels.items() if lv >= LEVEL_FULL)}" if st.steps else "")
         + ("" if "closed" in meta else " (run still open or ended without close())")
     )
     print("observed   " + observation_line(meta, st))

@@ -35,43 +35,42 @@ class Summary:
 
 
 def summarize(trace) -> Summary:
-    """A trace's Summary (ampdoctor.trace.Trace), from its steps read as numbers (``Trace.steps``: the writer's step
-    blocks at once, the rows after them; checked as they are read)."""
-    st = trace.steps(lr_groups=False)
-    n = len(st)
-    step = st["step"].to_numpy()
-    level = st["level"].to_numpy(dtype=float)
+    """A trace's Summary (ampdoctor.trace.Trace), from its steps read as arrays (``Trace.step_columns``: the writer's
+    step blocks at once, the rows after them; checked as they are read)."""
+    st = trace.step_columns()
+    n = len(st["step"])
+    step, level = st["step"], st["level"]
     seen = ~np.isnan(level) & (level != schema.LEVEL_SENTINEL)
     lv, k = np.unique(level[seen], return_counts=True)
     levels = {int(v) if float(v).is_integer() else float(v): int(c) for v, c in zip(lv, k)}
     if n - int(seen.sum()):
         levels[schema.LEVEL_SENTINEL] = n - int(seen.sum())
-    why = st["reason"]
-    other = why[why != "sentinel"].dropna()
-    groups = pd.DataFrame({"reason": other, "step": step[other.index]}).groupby("reason")["step"].agg(["size", "min"])
-    first_seen = {str(r): int(m) for r, m in groups["min"].items()}
-    reasons = {str(r): int(c) for r, c in groups["size"].items()}
-    sentinel = step[(why == "sentinel").to_numpy()]
-    if len(sentinel):
-        reasons["sentinel"], first_seen["sentinel"] = len(sentinel), int(sentinel[0])
+    codes, names = pd.factorize(st["reason"], use_na_sentinel=True)  # (a trace without reasons: all missing)
+    counts = np.bincount(codes[codes >= 0], minlength=len(names))
+    firsts = np.full(len(names), n, dtype=np.int64)
+    np.minimum.at(firsts, codes[codes >= 0], step[codes >= 0])
+    reasons = {str(r): int(c) for r, c in zip(names, counts)}
+    first_seen = {str(r): int(f) for r, f in zip(names, firsts)}
     order = sorted(reasons, key=lambda r: (-reasons[r], first_seen[r]))
-    scale = _first_last(step, st["loss_scale"].to_numpy(dtype=float))
-    nxt = _first_last(step, st["loss_scale_next"].to_numpy(dtype=float))
-    loss_values = st["loss"].to_numpy(dtype=float)
-    loss = _first_last(step, loss_values)
+    scale = _first_last(step, st["loss_scale"])
+    nxt = _first_last(step, st["loss_scale_next"])
+    loss = _first_last(step, st["loss"])
     if scale is not None:
         finite = st["loss_scale"][np.isfinite(st["loss_scale"])]
         scale.update(min=float(finite.min()), max=float(finite.max()), next_last=nxt and nxt["last"])
     if loss is not None:
-        loss["nonfinite"] = step[~np.isfinite(loss_values)].tolist()
-    lr = st["lr"].iloc[-1] if n else np.nan
+        loss["nonfinite"] = step[~np.isfinite(st["loss"])].tolist()
+    ok = np.isfinite(st["observer_time"]) & np.isfinite(st["step_time"])
+    run_s, obs_s = float(st["step_time"][ok].sum()), float(st["observer_time"][ok].sum())
+    timed = bool((~np.isnan(st["observer_time"])).any()) and run_s > 0
+    lr = st["lr"][-1] if n else np.nan
     return Summary(
         steps=n,
         levels=levels,
         reasons={r: reasons[r] for r in order},
-        cost=observer_cost(st),
+        cost={"share": obs_s / run_s, "seconds": obs_s, "run_seconds": run_s} if timed else None,
         scale=scale,
-        skipped=step[st["skipped"].to_numpy(dtype=bool)].tolist(),
+        skipped=step[np.nan_to_num(st["skipped"]) != 0].tolist(),
         loss=loss,
         lr_last=None if np.isnan(lr) else float(lr),
     )

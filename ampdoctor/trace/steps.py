@@ -50,9 +50,35 @@ def read(conn: sqlite3.Connection, lr_groups: bool = True) -> pd.DataFrame:
     (every group's, as recorded) unless ``lr_groups`` is False. Run inside one read transaction (Trace.snapshot).
     Without ``lr_groups`` the steps the writer packed into blocks (trace.blocks) are read from there, the others
     from the rows."""
+    numbers, reasons, groups = columns(conn, lr_groups)
+    n = len(numbers)
+    df = pd.DataFrame({"step": np.arange(n, dtype=np.int64)})
+    for i, f in enumerate(NUMBER_FIELDS):
+        col = numbers[:, i]
+        if f in FLAG_FIELDS:
+            df[f] = np.where(np.isnan(col), 0.0, col).astype(bool)
+        elif f in INT_FIELDS:
+            whole = (
+                not np.isnan(col).any() and bool((col == np.floor(col)).all()) and np.abs(col).max(initial=0) < 2**53
+            )
+            df[f] = col.astype(np.int64) if whole else col
+        else:
+            df[f] = col
+    df["lr"] = numbers[:, -1]
+    df["reason"] = reasons
+    df = df[list(schema.STEP_FIELDS)]
+    if groups is not None:
+        df["lr_groups"] = groups
+    return df
+
+
+def columns(conn: sqlite3.Connection, lr_groups: bool = False) -> tuple[np.ndarray, np.ndarray, list | None]:
+    """The steps as arrays, checked (``read`` without the frame, for a reader of a few columns of a long run):
+    [steps x NUMBER_FIELDS + lr] in column order (NaN where a row has no value), the reasons, and every group's
+    learning rates when ``lr_groups`` (then read from the rows, not the blocks)."""
     have = {r[1] for r in conn.execute("PRAGMA table_info(steps)")}
     n = conn.execute("SELECT count(*) FROM steps").fetchone()[0]
-    # column after column (each column is a frame's column); the last one: the learning rate
+    # column after column; the last one: the learning rate
     numbers = np.empty((n, len(NUMBER_FIELDS) + 1), order="F")
     reasons = np.full(n, "sentinel" if "reason" in have else None, dtype=object)
     start = 0 if lr_groups else blocks.read(conn, numbers, reasons)  # the first step read from the rows
@@ -79,26 +105,10 @@ def read(conn: sqlite3.Connection, lr_groups: bool = True) -> pd.DataFrame:
         at += k
     if at != n:
         raise checks.Invalid("the steps table changed while it was read")
-    df = pd.DataFrame({"step": np.arange(n, dtype=np.int64)})
     for i, f in enumerate(NUMBER_FIELDS):
-        col = numbers[:, i]
-        checks.check_range("steps", f, col)  # the ranges the whole-file checks hold a small file to
-        if f in FLAG_FIELDS:
-            df[f] = np.where(np.isnan(col), 0.0, col).astype(bool)
-        elif f in INT_FIELDS:
-            whole = (
-                not np.isnan(col).any() and bool((col == np.floor(col)).all()) and np.abs(col).max(initial=0) < 2**53
-            )
-            df[f] = col.astype(np.int64) if whole else col
-        else:
-            df[f] = col
-    df["lr"] = numbers[:, -1]
+        checks.check_range("steps", f, numbers[:, i])  # the ranges the whole-file checks hold a small file to
     _reasons(conn, start, n, reasons, "reason" in have)
-    df["reason"] = reasons
-    df = df[list(schema.STEP_FIELDS)]
-    if groups is not None:
-        df["lr_groups"] = groups
-    return df
+    return numbers, reasons, groups
 
 
 def _plain_lrs(texts: list):
