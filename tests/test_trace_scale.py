@@ -402,3 +402,60 @@ def test_the_steps_packed_into_blocks_read_as_their_rows(blocked_trace, tmp_path
     pd_testing = pytest.importorskip("pandas.testing")
     pd_testing.assert_frame_equal(got, want, check_exact=True)
     assert ampdoctor.load(path).steps().drop(columns="lr_groups").equals(want)  # every group's: from the rows
+
+
+def test_the_delayed_scaling_windows_read_a_chunk_at_a_time_are_the_dense_ones():
+    """The windows the FP8 what-if asks of the peaks (trace.peaks.scan, fed a few rows at a time) hold what a
+    direct reading of every row gives: per query step and history h, over the steps q - h .. q - 1, the largest
+    finite positive value (output gradients divided by their loss scale) and how many there were, the last one
+    before q, and the value stored at q."""
+    from ampdoctor.trace import peaks as P
+
+    rng = np.random.default_rng(3)
+    n_steps, n_sites = 3000, 7
+    steps = np.sort(rng.choice(n_steps, 900, replace=False))  # the steps with a peaks row
+    vals = rng.lognormal(0, 3, (len(steps), n_sites)).astype(np.float32)
+    odd = rng.random(vals.shape)
+    vals[odd < 0.1] = -1.0  # not observed
+    vals[(odd >= 0.1) & (odd < 0.13)] = np.nan
+    vals[(odd >= 0.13) & (odd < 0.15)] = np.inf
+    vals[(odd >= 0.15) & (odd < 0.17)] = 0.0
+    stored = np.exp2(rng.integers(0, 16, n_steps)).astype(float)
+    cols, divide = np.array([0, 2, 3, 6]), np.array([False, False, True, True])
+    queries = np.sort(rng.choice(n_steps, 60, replace=False))
+    histories = (1, 16, 128, 1024)
+
+    def windows() -> P.Windows:
+        return P.Windows(cols=cols, divide=divide, stored=stored, queries=queries, histories=histories)
+
+    # the direct reading
+    a = vals[:, cols].astype(np.float64) / np.where(divide[None, :], stored[steps][:, None], 1.0)
+    a = np.where(np.isfinite(a) & (a > 0), a, np.nan)
+    want_max = {h: np.full((len(queries), len(cols)), np.nan) for h in histories}
+    want_count = {h: np.zeros((len(queries), len(cols)), dtype=np.int64) for h in histories}
+    want_last = np.full((len(queries), len(cols)), np.nan)
+    want_at = np.full((len(queries), len(cols)), np.nan)
+    for i, q in enumerate(queries):
+        for h in histories:
+            part = a[(steps >= q - h) & (steps < q)]
+            want_count[h][i] = (~np.isnan(part)).sum(axis=0)
+            for j in range(len(cols)):
+                held = part[:, j][~np.isnan(part[:, j])]
+                want_max[h][i, j] = held.max() if len(held) else np.nan
+        before = a[steps < q]
+        for j in range(len(cols)):
+            held = before[:, j][~np.isnan(before[:, j])]
+            want_last[i, j] = held[-1] if len(held) else np.nan
+        row = np.flatnonzero(steps == q)
+        if len(row):
+            v = vals[row[0], cols].astype(np.float64)
+            want_at[i] = np.where(v >= 0, v, np.nan)
+
+    for rows in (1, 7, 64, len(steps)):  # chunks of rows as the reader yields them
+        chunks = [(steps[k : k + rows], vals[k : k + rows]) for k in range(0, len(steps), rows)]
+        got = P.scan(iter(chunks), n_sites, {}, None, windows()).windows
+        for h in histories:
+            np.testing.assert_array_equal(got.wmax[h], want_max[h])
+            np.testing.assert_array_equal(got.count[h], want_count[h])
+        np.testing.assert_array_equal(got.last, want_last)
+        np.testing.assert_array_equal(got.at, want_at)
