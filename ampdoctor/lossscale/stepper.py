@@ -28,19 +28,19 @@ def run_one(m, k: int) -> None:
     """Step setting ``k`` of Machine ``m`` from where it stands to the end of the trace, or until the bound drops it."""
     lists = m.__dict__.get("_lists")
     if lists is None:
-        blocks = -(-m.n // m.BLOCK) if m.n else 0
-        has_hist = np.zeros(blocks, bool)
-        has_hist[m.hsteps // m.BLOCK] = True
+        in_block: dict[int, list[tuple[int, int]]] = {}  # block -> its histogram steps and their columns
+        for j, t in enumerate(m.hsteps.tolist()):
+            in_block.setdefault(t // m.BLOCK, []).append((t, j))
         lists = m.__dict__["_lists"] = (
             m.rec.tolist(),
             m.over.tolist(),
             m.always.tolist(),
             m.thr.tolist(),
             m.block_floor.tolist(),
-            has_hist.tolist(),
+            in_block,
             {int(t): j for j, t in enumerate(m.hsteps.tolist())},
         )
-    rec, over, always, thr, floor, hist_block, hcol = lists
+    rec, over, always, thr, floor, in_block, hcol = lists
     n, block, hs = m.n, m.BLOCK, m.ev.has_scaler
     s, tr, sk, t = float(m.scale[k]), int(m.tracker[k]), int(m.sk[k]), int(m.pos[k])
     g, b, iv = float(m.growth[k]), float(m.backoff[k]), int(m.interval[k])
@@ -62,9 +62,11 @@ def run_one(m, k: int) -> None:
             if not m.active[k]:
                 return
             look = t + PRUNE_EVERY
-        if t % block == 0 and t + block <= n and not hist_block[t // block]:
+        if t % block == 0 and t + block <= n:
             last = grown(s, (tr + block - 1) // iv)  # the largest scale in force within the block
             if last <= floor[t // block]:  # no step of the block skips at these scales
+                for th, j in in_block.get(t // block, ()):  # its histogram steps: the scale the schedule reached
+                    h_scale[j], h_skip[j] = grown(s, (tr + th - t) // iv), False
                 s = grown(s, (tr + block) // iv)
                 tr = (tr + block) % iv
                 t += block
