@@ -11,13 +11,19 @@ did not remove the fault there is not printed as the fix."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
+import pandas as pd
 
 from .. import autocast_ops, formats
+from ..trace import Trace
 from . import advice as A
-from .fix import code, text
-from .result import finding
+from .fix import Part, code, text
+from .result import Diagnosis, finding
+from .runview import RunView
+
+Replay = dict[str, Any]  # one replay event's data (collect/anomaly.py): step, why, batch, operation, checks, ...
 
 # A replayed step whose batch peak was at least this many times the run's usual one (the median over recent
 # sampled steps) had an outlier batch: ordinary batches vary by 2-3x at most in their peak.
@@ -41,7 +47,7 @@ LASTING_FACTOR = 100.0
 HARM_FACTOR = 1.5
 
 
-def within_steps(own, outlier) -> bool:
+def within_steps(own: Diagnosis, outlier: Diagnosis) -> bool:
     """Suppression (registry): every step another finding concerns is the outlier batch's step."""
     return (
         bool(own.steps)
@@ -50,48 +56,51 @@ def within_steps(own, outlier) -> bool:
     )
 
 
-def batches_collapsed_scale(own, collapse) -> bool:
+def batches_collapsed_scale(own: Diagnosis, collapse: Diagnosis) -> bool:
     """Suppression (registry): an outlier batch with NaN/Inf inputs on a step of a loss-scale collapse that the
     non-finite input batches explain: one incident of a pattern the collapse already names (and fixes for every
     batch)."""
-    first, last = (collapse.steps or [None, None])[0], (collapse.steps or [None, None])[-1]
     return (
         collapse.evidence.get("cause_origin") == "input"
         and bool(own.evidence.get("nonfinite_inputs"))
-        and first is not None
-        and first <= own.evidence["step"] <= last
+        and bool(collapse.steps)
+        and collapse.steps[0] <= own.evidence["step"] <= collapse.steps[-1]
     )
 
 
-def replays(run) -> list[dict]:
-    """The replay events' data, one per replayed step (the anomalies the default tiers would have lost)."""
-    if "_replays" not in run.__dict__:
-        ev = run.trace.events("replay")
-        run._replays = [d for d in ev["data"] if isinstance(d, dict) and "step" in d and "failed" not in d]
-    return run._replays
+def replays(run: RunView) -> list[Replay]:
+    """The replay events' data, one per replayed step (the anomalies the default tiers would have lost); read once
+    per Run (``Run.replays``)."""
+    return run.replays
 
 
-def passed(replay: dict, fix: str) -> dict | None:
+def replay_data(trace: Trace) -> list[Replay]:
+    """The data of a trace's replay events that name their step (a replay that failed is left out)."""
+    ev = trace.events("replay")
+    return [d for d in ev["data"] if isinstance(d, dict) and "step" in d and "failed" not in d]
+
+
+def passed(replay: Replay, fix: str) -> dict[str, Any] | None:
     """The first check of a kind (keep_fp32, bf16, loss_scale) that removed the fault on the replayed step."""
     return next((c for c in replay.get("checks", []) if c.get("fix") == fix and c.get("finite")), None)
 
 
-def failed(replay: dict, fix: str) -> list[dict]:
+def failed(replay: Replay, fix: str) -> list[dict[str, Any]]:
     return [c for c in replay.get("checks", []) if c.get("fix") == fix and not c.get("finite")]
 
 
-def where_made(replay: dict) -> dict | None:
+def where_made(replay: Replay) -> dict[str, Any] | None:
     """The operation that made the values (the first of the producer chain, else the one that overflowed)."""
-    chain = [*replay.get("producers", []), replay.get("operation")] if replay.get("operation") else []
+    chain: list[dict[str, Any]] = [*replay.get("producers", []), replay["operation"]] if replay.get("operation") else []
     return chain[0] if chain else None
 
 
-def op_text(op: dict) -> str:
+def op_text(op: dict[str, Any]) -> str:
     line = f" at {op['line']}" if op.get("line") else ""
     return f"{op['op']} in {op['module']} ({op['dtype']}){line}"
 
 
-def keep_checked(step: int, keep: dict) -> str:
+def keep_checked(step: int, keep: dict[str, Any]) -> str:
     """What a passed keep_fp32 check says (the scale its backward needed, when below the step's)."""
     backoff = (
         f" (its backward at a loss scale of {keep['at_scale']:g}, which the GradScaler backs off to in a few skipped "
@@ -103,10 +112,10 @@ def keep_checked(step: int, keep: dict) -> str:
     return f"Checked on step {step} (the step replayed with this change): finite with {modules} in FP32{backoff}:"
 
 
-def checked_fixes(run, replay: dict) -> list:
+def checked_fixes(run: RunView, replay: Replay) -> list[Part]:
     """The precision fixes the replay tried and that removed the NaN/Inf on the replayed step, as fix parts."""
     step = replay["step"]
-    parts = []
+    parts: list[Part] = []
     keep = passed(replay, "keep_fp32")
     if keep is not None:
         parts += [text(keep_checked(step, keep)), *A.keep_fp32(A.Setup.of(run), keep["modules"])]
@@ -125,8 +134,10 @@ def checked_fixes(run, replay: dict) -> list:
     return parts
 
 
-def outlier_batch(run, *, min_factor=OUTLIER_FACTOR, guard_factor=GUARD_FACTOR):
-    found = []
+def outlier_batch(
+    run: RunView, *, min_factor: float = OUTLIER_FACTOR, guard_factor: float = GUARD_FACTOR
+) -> list[Diagnosis]:
+    found: list[Diagnosis] = []
     for r in replays(run):
         batch = r.get("batch", {})
         factor = batch.get("factor")
@@ -210,9 +221,14 @@ def outlier_batch(run, *, min_factor=OUTLIER_FACTOR, guard_factor=GUARD_FACTOR):
 
 
 def loss_spike(
-    run, *, jump_binades=JUMP_BINADES, near_limit=NEAR_LIMIT_BINADES, min_factor=OUTLIER_FACTOR, harm_factor=HARM_FACTOR
-):
-    found = []
+    run: RunView,
+    *,
+    jump_binades: float = JUMP_BINADES,
+    near_limit: float = NEAR_LIMIT_BINADES,
+    min_factor: float = OUTLIER_FACTOR,
+    harm_factor: float = HARM_FACTOR,
+) -> list[Diagnosis]:
+    found: list[Diagnosis] = []
     last = -INCIDENT_GAP - 1
     for r in replays(run):
         if r.get("why") not in ("loss_spike", "grad_spike"):
@@ -281,25 +297,28 @@ def loss_spike(
     return found
 
 
-def _hurt(st, step: int, base: float, factor: float) -> bool:
+def _hurt(st: pd.DataFrame, step: int, base: float, factor: float) -> bool:
     after = st["loss"].iloc[step : step + INCIDENT_GAP + 1].to_numpy(float)
     if not len(after) or not base > 0:
         return False
     return bool((~np.isfinite(after)).any() or after.max() >= factor * base)
 
 
-def _shaken_off(st, step: int, base: float, factor: float) -> bool:
+def _shaken_off(st: pd.DataFrame, step: int, base: float, factor: float) -> bool:
     after = st["loss"].iloc[step + 1 : step + 1 + INCIDENT_GAP].to_numpy(float)
     if len(after) < INCIDENT_GAP or not base > 0 or not np.isfinite(after).all():
         return False  # the run ended there, or went non-finite: not shaken off
     return bool(np.median(after) < factor * base)
 
 
-def _jumps(run, step: int, jump_binades: float, near_limit: float) -> tuple[list, list]:
+def _jumps(
+    run: RunView, step: int, jump_binades: float, near_limit: float
+) -> tuple[list[tuple[str, float]], list[str]]:
     """(layers whose peak at ``step`` exceeded their history's median by ``jump_binades`` binades, worst first;
     layers within ``near_limit`` binades of their format's max at ``step``). Output gradients are compared unscaled
     (a scale that grew is not a jump) and against the limit as stored (scaled: that is what the format held)."""
-    jumped, limits = [], []
+    jumped: list[tuple[str, float]] = []
+    limits: list[str] = []
     scale = run.steps["loss_scale"].to_numpy(float)
     scale = np.where(np.isfinite(scale) & (scale > 0), scale, 1.0)
     for kind in ("act", "grad_out"):
@@ -324,7 +343,7 @@ def _jumps(run, step: int, jump_binades: float, near_limit: float) -> tuple[list
     return jumped, limits
 
 
-def _clip_fix(run, step: int) -> list:
+def _clip_fix(run: RunView, step: int) -> list[Part]:
     """Clip the gradient norm: one batch then cannot move the weights far (after unscaling, with a GradScaler)."""
     norms = run.steps["grad_norm"].to_numpy(float)[:step]
     norms = norms[np.isfinite(norms)]
@@ -342,10 +361,10 @@ def _clip_fix(run, step: int) -> list:
     ]
 
 
-def healed(run):
+def healed(run: RunView) -> list[Diagnosis]:
     """heal=True kept modules in FP32 during the run: each intervention, and the line that makes it permanent."""
     ev = run.trace.events("heal")
-    found = []
+    found: list[Diagnosis] = []
     for _, row in ev.iterrows():
         data = row["data"] if isinstance(row["data"], dict) else {}
         path = data.get("module")
@@ -371,7 +390,7 @@ def healed(run):
     return found
 
 
-def on_cuda_in_fp32(op: dict | None) -> bool:
+def on_cuda_in_fp32(op: dict[str, Any] | None) -> bool:
     """Whether CUDA autocast would compute this operation in FP32 (a fault of its half-precision output seen on the
     CPU would not happen there)."""
     return op is not None and autocast_ops.computes_in_float32_on(op["op"], "cuda")
