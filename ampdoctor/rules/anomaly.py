@@ -11,6 +11,7 @@ did not remove the fault there is not printed as the fix."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -112,26 +113,68 @@ def keep_checked(step: int, keep: dict[str, Any]) -> str:
     return f"Checked on step {step} (the step replayed with this change): finite with {modules} in FP32{backoff}:"
 
 
-def checked_fixes(run: RunView, replay: Replay) -> list[Part]:
-    """The precision fixes the replay tried and that removed the NaN/Inf on the replayed step, as fix parts."""
-    step = replay["step"]
-    parts: list[Part] = []
-    keep = passed(replay, "keep_fp32")
-    if keep is not None:
-        parts += [text(keep_checked(step, keep)), *A.keep_fp32(A.Setup.of(run), keep["modules"])]
-    note = A.bf16_note(A.Setup.of(run)) if passed(replay, "bf16") is not None else []
-    if note:
-        lead = "Or, checked" if parts else "Checked"  # an alternative to the fix before it
-        parts += [text(f"{lead} on step {step}: finite in BF16 (FP32's exponent range, no loss scaling):"), *note[1:]]
-    scale = passed(replay, "loss_scale")
-    if scale is not None:
-        parts += [
-            text(
-                f"{'Or, checked' if parts else 'Checked'} on step {step}: finite at a loss scale of {scale['scale']:g}:"
-            ),
-            code(A.scaler_line(run, init_scale=scale["scale"])),
-        ]
-    return parts
+@dataclass
+class Checked:
+    """What the replays' precision checks showed on their steps (``checked_fixes``): the fix parts of the checks that
+    removed the NaN/Inf (the first of each kind, with its step), and what was tried."""
+
+    parts: list[Part] = field(default_factory=list)
+    keep: dict[str, Any] | None = None  # the first keep_fp32 check that removed it
+    keep_failed: bool = False  # a replay tried keep_fp32 and none of its islands removed it
+    bf16: bool | None = None  # whether the first BF16 check removed it (None: BF16 was not tried)
+
+    @property
+    def keep_fp32_failed(self) -> bool:
+        """keep_fp32 was tried and did not remove the NaN/Inf on any replayed step: not the fix to print."""
+        return self.keep_failed and self.keep is None
+
+
+def checked_fixes(run: RunView, replays: list[Replay], *, note_failed_keep: bool = False) -> Checked:
+    """The precision fixes the replays tried and that removed the NaN/Inf on their step, as fix parts, the first of
+    each kind (keep_fp32, BF16, a lower loss scale) in the replays' order; an alternative to a fix before it reads
+    "Or, checked". ``note_failed_keep``: also say (once) where keep_fp32 was tried and did not remove it."""
+    setup = A.Setup.of(run)
+    out = Checked()
+    scale_seen = False
+    for r in replays:
+        step = r["step"]
+        keep = passed(r, "keep_fp32")
+        if keep is not None and out.keep is None:
+            out.keep = keep
+            out.parts += [text(keep_checked(step, keep)), *A.keep_fp32(setup, keep["modules"])]
+        tried = failed(r, "keep_fp32")
+        if note_failed_keep and tried and keep is None and not out.keep_failed:  # said once, at the first step tried
+            out.keep_failed = True
+            kept = "; ".join(" and ".join(t["modules"]) for t in tried)
+            why = (
+                "the forward was finite then, but the backward through the half-precision modules overflowed even "
+                "at a loss scale 2^16 times lower"
+                if tried[-1].get("forward_finite")
+                else "the modules after them cast the values back to half precision, or they are beyond any "
+                "format's reach"
+            )
+            out.parts.append(
+                text(f"Keeping {kept} in FP32 was tried on step {step} and did not remove the NaN/Inf ({why}).")
+            )
+        bf16 = [c for c in r.get("checks", []) if c.get("fix") == "bf16"]
+        if bf16 and out.bf16 is None:
+            out.bf16 = bool(bf16[0].get("finite"))
+            note = A.bf16_note(setup) if out.bf16 else []
+            if note:
+                lead = "Or, checked" if out.keep is not None else "Checked"  # an alternative to the FP32 module
+                out.parts += [
+                    text(f"{lead} on step {step}: finite in BF16 (FP32's exponent range, no loss scaling):"),
+                    *note[1:],
+                ]
+        scale = passed(r, "loss_scale")
+        if scale is not None and not scale_seen:
+            scale_seen = True
+            lead = "Or, checked" if out.parts else "Checked"
+            out.parts += [
+                text(f"{lead} on step {step}: finite at a loss scale of {scale['scale']:g}:"),
+                code(A.scaler_line(run, init_scale=scale["scale"])),
+            ]
+    return out
 
 
 def outlier_batch(
@@ -167,7 +210,7 @@ def outlier_batch(
             effect = ""
         usual = batch.get("usual_peak")
         limit = float(f"{guard_factor * usual:.3g}") if usual else None
-        fix = checked_fixes(run, r) if not nonfinite_inputs else []
+        fix = checked_fixes(run, [r]).parts if not nonfinite_inputs else []
         fix += [
             text(
                 f"Find that batch{who} in the data (its inputs: {fingerprint}) and clean or normalise it; or skip "

@@ -11,8 +11,8 @@ from .. import formats
 from ..trace.schema import ROOT, observed_ancestor
 from . import advice as A
 from . import anomaly
-from .fix import Part, text
-from .result import Diagnosis, Evidence, finding
+from .fix import text
+from .result import Diagnosis, finding
 from .runview import FloatArray, Origins, RunView
 
 # Critical when at least this share of steps had a non-finite forward: the run is then mostly skipped or NaN.
@@ -99,9 +99,10 @@ def forward_overflow(run: RunView, *, min_steps: int = 1, critical_share: float 
     where = culprit if not others else f"{culprit} (and {', '.join(others)}, which overflowed too)"
     setup = A.Setup.of(run)
     ops = o.operations or []
-    fixes, checked = _checked_fixes(run, ops, culprit)
-    kept = set(checked["keep"]["modules"]) if checked.get("keep") else set()
-    if not checked.get("keep_fp32_failed") and not kept >= {culprit, *others}:  # not printed twice
+    checked = anomaly.checked_fixes(run, ops, note_failed_keep=True)
+    fixes = checked.parts
+    kept = set(checked.keep["modules"]) if checked.keep else set()
+    if not checked.keep_fp32_failed and not kept >= {culprit, *others}:  # not printed twice
         fixes += [
             text(
                 f"Run {where} in FP32 inside autocast (loss scaling cannot fix a forward overflow; its FP32 "
@@ -127,7 +128,7 @@ def forward_overflow(run: RunView, *, min_steps: int = 1, critical_share: float 
                 "the weights (a change of the model) removes the cause."
             )
         ] + fixes
-    if dtype == "float16" and "bf16" not in checked:
+    if dtype == "float16" and checked.bf16 is None:
         fixes += A.bf16_note(setup)
     # Evidence that the updates, not the format, drove the values there, short of deciding it (divergence decides
     # where it is decisive and hides this finding): say so, and do not call the range the cause with certainty.
@@ -181,47 +182,10 @@ def forward_overflow(run: RunView, *, min_steps: int = 1, critical_share: float 
             "other_modules": {str(k): int(v) for k, v in counts["count"].items()},
             "doubt": doubt,
             "operation": op,
-            "checks": checked.get("all", []),
+            "checks": [c for r in ops for c in r.get("checks", [])],
         },
         fix=fixes,
     )
-
-
-def _checked_fixes(run: RunView, ops: list[anomaly.Replay], culprit: str) -> tuple[list[Part], Evidence]:
-    """What the replays tried on the failing steps: the fixes that removed the NaN/Inf there (printed first, each
-    with its step), and which ones did not (keep_fp32_failed: keep_fp32 of the culprit is then not printed as the
-    fix; "bf16" in the dict: BF16 was tried, so its untested note is not added)."""
-    out: Evidence = {"all": [c for r in ops for c in r.get("checks", [])]}
-    fixes: list[Part] = []
-    for r in ops:
-        keep = anomaly.passed(r, "keep_fp32")
-        if keep is not None and "keep" not in out:
-            out["keep"] = keep
-            fixes += [text(anomaly.keep_checked(r["step"], keep)), *A.keep_fp32(A.Setup.of(run), keep["modules"])]
-        tried = anomaly.failed(r, "keep_fp32")
-        if tried and keep is None and not out.get("keep_fp32_failed"):  # said once, at the first step tried
-            out["keep_fp32_failed"] = True
-            kept = "; ".join(" and ".join(t["modules"]) for t in tried)
-            why = (
-                "the forward was finite then, but the backward through the half-precision modules overflowed even "
-                "at a loss scale 2^16 times lower"
-                if tried[-1].get("forward_finite")
-                else "the modules after them cast the values back to half precision, or they are beyond any "
-                "format's reach"
-            )
-            fixes.append(
-                text(f"Keeping {kept} in FP32 was tried on step {r['step']} and did not remove the NaN/Inf ({why}).")
-            )
-        bf16 = [c for c in r.get("checks", []) if c.get("fix") == "bf16"]
-        if bf16 and "bf16" not in out:
-            out["bf16"] = bf16[0]["finite"]
-            note = A.bf16_note(A.Setup.of(run)) if bf16[0]["finite"] else []
-            if note:
-                lead = "Or, checked" if out.get("keep") else "Checked"  # an alternative to the FP32 module
-                fixes += [text(f"{lead} on step {r['step']}: finite in BF16 (FP32's exponent range):"), *note[1:]]
-    if out.get("keep") is not None:
-        out.pop("keep_fp32_failed", None)
-    return fixes, out
 
 
 def _producer(acts: pd.DataFrame, top: FloatArray, counts: pd.DataFrame, limit: float) -> tuple[str, list[str]]:
