@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import Union
 
 from ..severity import SEVERITIES
 from ..trace import Trace
@@ -15,7 +16,7 @@ from .registry import RULES
 from .result import Diagnosis, Rule
 
 # What diagnose reads: a Trace or RankRun, a trace's path, or a directory, glob or list of one run's rank traces.
-TraceSource = Trace | RankRun | str | os.PathLike[str] | list[str] | tuple[str, ...]
+TraceSource = Union[Trace, RankRun, str, "os.PathLike[str]", list[str], tuple[str, ...]]
 
 __all__ = ["RULES", "SEVERITIES", "Diagnosis", "Rule", "Run", "diagnose"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import NotRequired, TypedDict
+from typing import TypedDict
 
 import numpy as np
 import pandas as pd
@@ -77,21 +77,24 @@ NO_PROGRESS = 0.9
 MIN_FLAT_STEPS = 10
 
 
-class Trend(TypedDict):
-    """The loss and gradient-norm trend of a run that blew up (``trend``, ``finite_blowup``): divergence's evidence."""
-
+class _Trend(TypedDict):
     first_nonfinite_step: int | None
     blowup_step: int
     nonfinite_steps: int
     loss_start: float
     loss_peak: float
-    loss_late_median: NotRequired[float]
     loss_rise: float
     grad_norm_growth: float
     grad_growth_from_overflow: float
     gradient_growth: float
     lowest_scale_still_nonfinite: float | None
     nonfinite_at_every_scale: bool
+
+
+class Trend(_Trend, total=False):
+    """The loss and gradient-norm trend of a run that blew up (``trend``, ``finite_blowup``): divergence's evidence."""
+
+    loss_late_median: float  # (finite_blowup's: the median loss over the run's second half)
 
 
 def _bad(run: RunView) -> BoolArray:
