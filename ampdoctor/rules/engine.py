@@ -97,7 +97,8 @@ class Run:
         entry = self._selected.get(rule_id)
         rule = entry.rule if entry is not None else registry.RULES[rule_id]
         over = entry.over if entry is not None else {}
-        return float(over.get(name, rule.thresholds[name]))
+        value: float = over.get(name, rule.thresholds[name])
+        return value
 
     # -- the gradient evidence the rules share with the replay (one definition) --------------------------------------
     @cached_property
@@ -244,7 +245,7 @@ class Run:
     @property
     def capability(self) -> tuple[int, ...] | None:
         cap = self.info.get("capability")
-        return tuple(int(c) for c in cap) if cap else None
+        return tuple(cap) if cap else None
 
     # -- helpers -------------------------------------------------------------------------------------------------
     def step_range(self, steps: Iterable[Any]) -> list[int]:

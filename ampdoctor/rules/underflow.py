@@ -49,7 +49,8 @@ def _clean_full_steps(run: RunView) -> tuple[IntArray, IntArray]:
 
 
 def _layer(site: pd.Series) -> str:
-    return str(site.module if site.kind in ("param_grad", "weight", "update") else site.path)
+    layer: str = site.module if site.kind in ("param_grad", "weight", "update") else site.path
+    return layer
 
 
 def _is_container(path: str, paths: Sequence[str]) -> bool:
