@@ -14,13 +14,17 @@ or the recorded abs max settles it.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 import pandas as pd
 
 from . import formats
+from .trace.bulk import Hists
+from .trace.peaks import Windows
 from .trace.reduce import group_median
 from .trace.schema import HIST_HI, HIST_LO
 from .trace.view import View
@@ -28,7 +32,13 @@ from .trace.view import View
 if TYPE_CHECKING:
     from .trace import Trace
 
-Pair = tuple[np.ndarray, np.ndarray]
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
+Pair = tuple[npt.NDArray[Any], npt.NDArray[Any]]  # (lo, hi) counts or shares; (over, flush) masks for ``lost``
+# ``whatif_rows``' columns by name: per histogram row, floats (shares, scales), ints (step, span, window), bools
+# (clean): the dtype is the column's.
+Columns = dict[str, npt.NDArray[Any]]
 
 FP8 = {"e4m3": formats.FP8_E4M3, "e5m2": formats.FP8_E5M2}
 HALF = {"fp16": formats.FP16, "bf16": formats.BF16}
@@ -67,50 +77,52 @@ def lost(values: Any, fmt: formats.Format) -> Pair:
     return over, (a > 0) & (a <= e.flush)
 
 
-def above(counts: np.ndarray, edge: Any, tie: bool, absmax: Any = None) -> Pair:
+def above(counts: npt.NDArray[np.int64], edge: npt.ArrayLike, tie: bool, absmax: npt.ArrayLike | None = None) -> Pair:
     """(lo, hi) counts of histogram rows (last axis: 255 binades) with |x| > edge (>= when ``tie``); ``edge`` and
     ``absmax`` broadcast per row."""
-    edge = np.asarray(edge, dtype=np.float64)[..., None]
-    certain = (edge < _LOWER) | ((edge == _LOWER) & tie)
-    possible = edge < _UPPER
+    at = np.asarray(edge, dtype=np.float64)[..., None]
+    certain = (at < _LOWER) | ((at == _LOWER) & tie)
+    possible = at < _UPPER
     lo, hi = (counts * certain).sum(-1), (counts * possible).sum(-1)
     if absmax is not None:
         am = np.asarray(absmax, dtype=np.float64)
-        clear = (am < edge[..., 0]) | ((am == edge[..., 0]) & (not tie))
+        clear = (am < at[..., 0]) | ((am == at[..., 0]) & (not tie))
         lo, hi = np.where(clear, 0, lo), np.where(clear, 0, hi)
         lo = np.where(~clear & np.isfinite(am) & (hi > 0), np.maximum(lo, 1), lo)
     return lo, hi
 
 
-def below(counts: np.ndarray, edge: Any) -> Pair:
+def below(counts: npt.NDArray[np.int64], edge: npt.ArrayLike) -> Pair:
     """(lo, hi) counts of histogram rows with 0 < |x| <= edge."""
-    edge = np.asarray(edge, dtype=np.float64)[..., None]
-    return (counts * (edge >= _UPPER)).sum(-1), (counts * (edge >= _LOWER)).sum(-1)
+    at = np.asarray(edge, dtype=np.float64)[..., None]
+    return (counts * (at >= _UPPER)).sum(-1), (counts * (at >= _LOWER)).sum(-1)
 
 
 def delayed_scales(
-    amax: np.ndarray, fmt: formats.Format, history: int = HISTORY, margin: int = MARGIN
-) -> tuple[np.ndarray, np.ndarray]:
+    amax: npt.ArrayLike, fmt: formats.Format, history: int = HISTORY, margin: int = MARGIN
+) -> tuple[FloatArray, FloatArray]:
     """The per-step scale of the delayed-scaling recipe, fmt.max / (max of the amax of the previous ``history``
     steps) / 2^margin, and how many finite amax values that window held. A step whose window holds none keeps the
     previous scale (1.0 at first, as Transformer Engine starts); a non-finite amax (an overflowed step) is left out.
     ``amax``: one value per step, or [steps x sites] (every column at once)."""
-    amax = np.asarray(amax, dtype=np.float64)
-    a = pd.DataFrame(np.where(np.isfinite(amax) & (amax > 0), amax, np.nan).reshape(len(amax), -1)).shift(1)
+    values = np.asarray(amax, dtype=np.float64)
+    a = pd.DataFrame(np.where(np.isfinite(values) & (values > 0), values, np.nan).reshape(len(values), -1)).shift(1)
     window = a.rolling(history, min_periods=1)
-    scale = pd.DataFrame(fmt.max / window.max().to_numpy() / 2.0**margin).ffill().fillna(1.0).to_numpy()
-    held = window.count().fillna(0).to_numpy()
-    return (scale, held) if amax.ndim > 1 else (scale[:, 0], held[:, 0])
+    scale: FloatArray = pd.DataFrame(fmt.max / window.max().to_numpy() / 2.0**margin).ffill().fillna(1.0).to_numpy()
+    held: FloatArray = window.count().fillna(0).to_numpy()
+    return (scale, held) if values.ndim > 1 else (scale[:, 0], held[:, 0])
 
 
-def shares(counts: np.ndarray, absmax: np.ndarray, fmt: formats.Format, scale: Any) -> dict[str, Any]:
+def shares(
+    counts: npt.NDArray[np.int64], absmax: npt.ArrayLike, fmt: formats.Format, scale: npt.ArrayLike
+) -> dict[str, Any]:
     """Per row: saturated and flushed shares (lo, hi) of the non-zero values when x * scale is cast to ``fmt``."""
     e = edges(fmt)
-    scale = np.asarray(scale, dtype=np.float64)
+    by = np.asarray(scale, dtype=np.float64)
     total = counts.sum(-1).astype(np.float64)
     n = np.where(total > 0, total, 1.0)
-    s_lo, s_hi = above(counts, e.overflow / scale, e.overflow_tie, absmax)
-    f_lo, f_hi = below(counts, e.flush / scale)
+    s_lo, s_hi = above(counts, e.overflow / by, e.overflow_tie, absmax)
+    f_lo, f_hi = below(counts, e.flush / by)
     return {"sat": (s_lo / n, s_hi / n), "flush": (f_lo / n, f_hi / n), "nonzero": total}
 
 
@@ -123,7 +135,7 @@ class Inputs:
     stored peak at each histogram step, the factor that turns stored values into real ones (output gradients carry the
     loss scale), the anomalous steps, and the delayed-scaling scales of every site at the histogram steps."""
 
-    def __init__(self, tr, kind: str):
+    def __init__(self, tr: Trace | View, kind: str) -> None:
         self.view = View.of(tr)
         self.kind = kind
         self.sites = self.view.sites(kind)
@@ -133,24 +145,25 @@ class Inputs:
         self.anomalous = steps["skipped"].to_numpy(bool) | steps["nonfinite"].to_numpy(bool)
         self.hsteps = self.view.hist_steps
         self.absmax = self.view.stat("absmax", kind, self.hsteps)  # [hist steps x sites]
-        self.stored = np.ones(len(steps))
+        self.stored: FloatArray = np.ones(len(steps))
         if kind == "grad_out":  # output gradients are stored as backward carries them: scaled
             ls = steps["loss_scale"].to_numpy(float)
             self.stored = np.where(np.isfinite(ls) & (ls > 0), ls, 1.0)
-        self._scales: dict = {}
+        self._scales: dict[tuple[str, int, int], tuple[FloatArray, FloatArray]] = {}
 
-    def _cols(self, w) -> np.ndarray:
+    def _cols(self, w: Windows) -> IntArray:
         """This kind's sites among the columns of the peaks windows."""
         where = {int(c): i for i, c in enumerate(w.cols)}
         return np.array([where[int(s)] for s in self.ids], dtype=np.int64)
 
-    def scales(self, name: str, history: int, margin: int) -> tuple[np.ndarray, np.ndarray]:
+    def scales(self, name: str, history: int, margin: int) -> tuple[FloatArray, FloatArray]:
         """[hist steps x sites] delayed-scaling scales and amax counts (``delayed_scales`` at the histogram steps):
         fmt.max / (max amax of the window before the step) / 2^margin; a step whose window holds none keeps the last
         scale, which rests on the last amax before it; 1.0 before any."""
         key = (name, history, margin)
         if key not in self._scales:
             w = self.view.windows(history)
+            assert w.last is not None  # (a scan's windows always hold the last amax)
             c = self._cols(w)
             wmax, held, last = w.wmax[history][:, c], w.count[history][:, c], w.last[:, c]
             fmt = FP8[name]
@@ -161,26 +174,29 @@ class Inputs:
         return self._scales[key]
 
     @property
-    def peak_at(self) -> np.ndarray:
+    def peak_at(self) -> FloatArray:
         """[hist steps x sites]: the stored peak at each histogram step (NaN: NaN, or not observed)."""
         w = self.view.scan.windows
-        return w.at[:, self._cols(w)]
+        assert w is not None and w.at is not None  # (View.scan always computes the windows at the histogram steps)
+        at: FloatArray = w.at[:, self._cols(w)]
+        return at
 
-    def rows(self, ids=None):
+    def rows(self, ids: Iterable[int] | None = None) -> Hists:
         """The histograms (trace.bulk.Hists) of these sites (default: all of the kind) at the histogram steps."""
         view = self.view
-        return view.hists.take(view.rows_of(self.ids if ids is None else np.asarray(ids, dtype=np.int64)))
+        return view.hists.take(view.rows_of(self.ids if ids is None else np.asarray(list(ids), dtype=np.int64)))
 
 
-def _rows_shares(h, absmax: np.ndarray, fmt: formats.Format, scale) -> dict:
+def _rows_shares(h: Hists, absmax: FloatArray, fmt: formats.Format, scale: npt.ArrayLike) -> dict[str, Any]:
     """``shares`` over histogram rows as recorded (trace.bulk.Hists), row by row."""
     e = edges(fmt)
-    scale = np.asarray(scale, dtype=np.float64)
+    by = np.asarray(scale, dtype=np.float64)
     total = h.totals
     n = np.where(total > 0, total, 1.0)
     with np.errstate(divide="ignore", invalid="ignore"):
-        over, flush = e.overflow / scale, e.flush / scale
-    top = HIST_HI + 1
+        over, flush = e.overflow / by, e.flush / by
+    # (0-d arrays: Hists.between broadcasts a binade number as it does an array of them, but is annotated with arrays)
+    lowest, top = np.asarray(HIST_LO), np.asarray(HIST_HI + 1)
     certain = np.searchsorted(_LOWER, over, side="left" if e.overflow_tie else "right")  # first binade above
     possible = np.searchsorted(_UPPER, over, side="right")
     s_lo = np.where(np.isnan(over), 0.0, h.between(certain + HIST_LO, top))
@@ -190,26 +206,27 @@ def _rows_shares(h, absmax: np.ndarray, fmt: formats.Format, scale) -> dict:
         clear = (am < over) | ((am == over) & (not e.overflow_tie))
     s_lo, s_hi = np.where(clear, 0, s_lo), np.where(clear, 0, s_hi)
     s_lo = np.where(~clear & np.isfinite(am) & (s_hi > 0), np.maximum(s_lo, 1), s_lo)
-    f_lo = np.where(np.isnan(flush), 0.0, h.between(HIST_LO, np.searchsorted(_UPPER, flush, side="right") + HIST_LO))
-    f_hi = np.where(np.isnan(flush), 0.0, h.between(HIST_LO, np.searchsorted(_LOWER, flush, side="right") + HIST_LO))
+    f_lo = np.where(np.isnan(flush), 0.0, h.between(lowest, np.searchsorted(_UPPER, flush, side="right") + HIST_LO))
+    f_hi = np.where(np.isnan(flush), 0.0, h.between(lowest, np.searchsorted(_LOWER, flush, side="right") + HIST_LO))
     return {"sat": (s_lo / n, s_hi / n), "flush": (f_lo / n, f_hi / n), "nonzero": total}
 
 
-def _span(h) -> np.ndarray:
+def _span(h: Hists) -> IntArray:
     """Per row: binades from the smallest to the largest non-zero |x|, both included."""
     per = h.offsets[1:] - h.offsets[:-1]
     pos = np.arange(len(h.counts)) - np.repeat(h.offsets[:-1], per)
     nz = h.counts > 0
     first = np.minimum.reduceat(np.where(nz, pos, np.iinfo(np.int64).max), h.offsets[:-1]) if len(h) else pos
     last = np.maximum.reduceat(np.where(nz, pos, -1), h.offsets[:-1]) if len(h) else pos
-    return np.where(last >= 0, last - first + 1, 0)
+    span: IntArray = np.where(last >= 0, last - first + 1, 0)
+    return span
 
 
-def whatif_rows(inp: Inputs, h, history: int, margin: int) -> dict:
+def whatif_rows(inp: Inputs, h: Hists, history: int, margin: int) -> Columns:
     """``site_whatif``'s columns for histogram rows of one kind (any sites), as arrays."""
     r = np.searchsorted(inp.hsteps, h.step)
     j = np.searchsorted(inp.ids, h.site)
-    out = {"step": h.step}
+    out: Columns = {"step": h.step}
     am = inp.absmax[r, j]
     for name, fmt in HALF.items():
         _put(out, name, _rows_shares(h, am, fmt, 1.0))
@@ -221,17 +238,19 @@ def whatif_rows(inp: Inputs, h, history: int, margin: int) -> dict:
         out[f"{name}_scale"] = sc
     out["nonzero"] = h.totals
     out["span"] = _span(h)
+    assert held is not None  # (FP8 holds two formats)
     out["history"] = held
     out["window"] = np.full(len(h), history)
     out["clean"] = ~inp.anomalous[h.step] & np.isfinite(inp.peak_at[r, j])
     return out
 
 
-def judged_mask(out: dict, fp8: bool = True) -> np.ndarray:
+def judged_mask(out: Columns, fp8: bool = True) -> BoolArray:
     """``judged`` as a row mask over ``whatif_rows``' arrays."""
+    clean: BoolArray = out["clean"]
     if not fp8:
-        return out["clean"]
-    return out["clean"] & (out["history"] >= np.minimum(out["window"], MIN_HELD))
+        return clean
+    return clean & (out["history"] >= np.minimum(out["window"], MIN_HELD))
 
 
 def site_whatif(
@@ -264,13 +283,15 @@ def _put(out: dict[str, Any], name: str, sh: dict[str, Any]) -> None:
         out[f"{name}_{what}_lo"], out[f"{name}_{what}_hi"] = sh[what]
 
 
-def site_medians(values: np.ndarray, sites: np.ndarray, keep: np.ndarray) -> dict:
+def site_medians(values: FloatArray, sites: IntArray, keep: BoolArray) -> dict[int, float]:
     """site id -> the median of its kept rows' values (sites without a kept row are left out)."""
     g, med = group_median(values[keep], sites[keep])
     return dict(zip(g.tolist(), med.tolist()))
 
 
-def formats_table(tr, kinds=("act", "grad_out"), *, history: int = HISTORY, margin: int = MARGIN) -> pd.DataFrame:
+def formats_table(
+    tr: Trace | View, kinds: Sequence[str] = ("act", "grad_out"), *, history: int = HISTORY, margin: int = MARGIN
+) -> pd.DataFrame:
     """Per site: the median over histogram steps of the certainly lost share (saturated + flushed, lo) in each
     format (FP8 only over steps that had an amax history), the FP16 and BF16 headroom in binades (log2 of the
     overflow edge over the largest recorded |x|, at the full-statistics steps read) and the median span of the values

@@ -7,7 +7,7 @@
    with log-normal activations (exp(2.5 x): ~25 binades) and of its output gradients (stored scaled); our own hooks
    capture the same tensors. For each histogram step and format, the count a real cast of the captured tensor loses
    lies within ampdoctor's [lo, hi] (FP8 at the delayed-scaling recipe's scale, output gradients unscaled first).
-(tests/test_whatif.py checks the same on the CPU.)
+(tests/test_whatif.py checks the same on the CPU, with this module's casts, values, model and comparison.)
 """
 
 from __future__ import annotations
@@ -64,11 +64,12 @@ class Exp(nn.Module):
         return torch.exp(2.5 * x)
 
 
-def wide_run(device: str, path: str) -> tuple[list, list]:
-    """FP16 autocast + GradScaler growing its scale every 2 steps (lr 0: the tensors keep their distribution),
-    histograms at every step; the activations of layer 0 and the output gradients of layer 1, captured."""
-    import device_models as M
-
+def wide_model(
+    steps: int,
+) -> tuple[nn.Module, list[torch.Tensor], list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The wide run's model (log-normal activations into a layer whose outputs, and so gradients, are of order 1),
+    ``steps`` batches, and the lists our own hooks fill with layer 0's activations and layer 1's output gradients
+    (tests/test_whatif.py trains the same on the CPU)."""
     torch.manual_seed(0)
     model = nn.Sequential(Exp(), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
     with torch.no_grad():
@@ -82,7 +83,16 @@ def wide_run(device: str, path: str) -> tuple[list, list]:
 
     model[1].register_forward_hook(on_output)
     g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g)) for _ in range(W.MIN_HELD + 8)]
+    data = [(torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g)) for _ in range(steps)]
+    return model, acts, grads, data
+
+
+def wide_run(device: str, path: str) -> tuple[list, list]:
+    """FP16 autocast + GradScaler growing its scale every 2 steps (lr 0: the tensors keep their distribution),
+    histograms at every step; the activations of layer 0 and the output gradients of layer 1, captured."""
+    import device_models as M
+
+    model, acts, grads, data = wide_model(W.MIN_HELD + 8)
     M.train(
         model,
         data,

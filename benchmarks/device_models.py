@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +20,9 @@ import torch
 from torch import nn
 
 import ampdoctor
+
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from demo import backward_and_step  # (the end of a step as the demo, examples/demo.py, writes it)
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
 OUTLIER_STEP = 37  # neither a calibration step (< 10) nor a sampled one (every 10th): a sentinel-only step
@@ -164,15 +169,9 @@ def train(
             with torch.autocast(device, dtype=dtype or torch.float32, enabled=dtype is not None):
                 loss = forward(model, x, y) if forward is not None else loss_fn(model(x), y)
             opt.zero_grad(set_to_none=True)
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-            else:
-                if doctor is not None:
-                    doctor.log_loss(loss)
-                loss.backward()
-                opt.step()
+            if scaler is None and doctor is not None:
+                doctor.log_loss(loss)
+            backward_and_step(loss, opt, scaler)
             losses.append(loss.detach())
             if item_every and step % item_every == item_every - 1:
                 loss.item()

@@ -228,14 +228,9 @@ def _loop(setup: Setup, doctor, data, steps: int, label: str, batch: int, g) -> 
         # small to matter).
         loss = torch.nn.functional.cross_entropy(out.float(), y, label_smoothing=0.1)
         opt.zero_grad(set_to_none=True)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            doctor.log_loss(loss)
-            opt.step()
+        if scaler is None:
+            doctor.log_loss(loss)  # (with a GradScaler, ampdoctor reads it from scaler.scale(loss))
+        backward_and_step(loss, opt, scaler)
         if step % 50 == 49 or step == steps - 1:
             acc = accuracy(setup, xv, yv)
             doctor.log_metric("val/acc", acc)
@@ -245,6 +240,21 @@ def _loop(setup: Setup, doctor, data, steps: int, label: str, batch: int, g) -> 
                 **({"scale": f"{scaler.get_scale():g}"} if scaler is not None else {}),
             )
     return acc
+
+
+def backward_and_step(
+    loss: torch.Tensor, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None
+) -> None:
+    """The end of a training step: through the GradScaler where the run has one (it skips a step whose gradients
+    hold Inf/NaN and adjusts its scale), else a plain backward and optimizer step. (benchmarks/device_models.py's loop
+    ends its steps with this one too.)"""
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        loss.backward()
+        optimizer.step()
 
 
 def accuracy(setup: Setup, x, y) -> float:

@@ -1,6 +1,9 @@
 """The format what-if against real torch casts: exact round-to-nearest boundaries value by value, and the shares
 derived from a real run's histograms (delayed scaling, loss scale) against casting the tensors that run produced."""
 
+import os
+import sys
+
 import numpy as np
 import probe_models as M
 import pytest
@@ -11,37 +14,9 @@ import ampdoctor
 from ampdoctor import whatif as W
 from ampdoctor.rules import fp8 as R
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-
-
-def real_loss(y: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(saturated/overflowed, flushed) masks of a real cast of float32 ``y`` to the format: torch's E4M3 cast
-    saturates, so there a value is saturated when its cast differs from the cast at a 16x lower exponent (scaling
-    by 16 is exact, and rounds the same where no range limit applies)."""
-    dt = DTYPES[name]
-    c = y.to(dt).float()
-    flushed = (c == 0) & (y != 0)
-    if name == "e4m3":
-        lower = (y / 16).to(dt).float() * 16
-        over = (c.abs() == torch.finfo(dt).max) & (c != lower)
-    else:
-        over = torch.isinf(c)
-    return over, flushed
-
-
-def boundary_values(name: str) -> torch.Tensor:
-    """float32 values around every boundary a cast to the format has (and a log-uniform spread)."""
-    fmt = W.FORMATS[name]
-    e = W.edges(fmt)
-    pts = np.array([e.overflow, e.flush, fmt.max, fmt.min_subnormal, fmt.min_normal], dtype=np.float32)
-    with np.errstate(over="ignore"):
-        near = [pts, np.nextafter(pts, np.float32(np.inf)), np.nextafter(pts, np.float32(0)), pts * 1.5, pts * 0.75]
-    g = np.random.default_rng(0)
-    lo, hi = np.log2(fmt.min_subnormal) - 3, min(np.log2(fmt.max) + 3, 127.9)
-    spread = np.exp2(g.uniform(lo, hi, 20000)).astype(np.float32)
-    v = np.concatenate(near + [spread])
-    v = v[np.isfinite(v)]
-    return torch.from_numpy(np.concatenate([v, -v]))
+sys.path.append(os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+# (the casts, values, model and comparison benchmarks/device_check.py's section 6 checks on a GPU)
+from device_fp8 import DTYPES, boundary_values, compare, real_loss, wide_model
 
 
 @pytest.mark.parametrize("name", list(DTYPES))
@@ -53,13 +28,6 @@ def test_value_boundaries_match_real_casts(name):
     assert over.any() and flushed.any() and (~over & ~flushed).any()
 
 
-class Exp(nn.Module):
-    """Log-normal activations: exp(2.5 x) spans ~25 binades, more than E4M3's ~18."""
-
-    def forward(self, x):
-        return torch.exp(2.5 * x)
-
-
 # steps of the wide run: the FP8 verdicts judge steps whose delayed scale rests on whatif.MIN_HELD amax values
 STEPS = W.MIN_HELD + 8
 
@@ -68,20 +36,8 @@ STEPS = W.MIN_HELD + 8
 def wide_run(tmp_path_factory):
     """FP16 autocast + GradScaler growing its scale every 2 steps (lr 0: the tensors keep their distribution);
     every step's histogram, and the tensors themselves captured by our own hooks."""
-    torch.manual_seed(0)
-    model = nn.Sequential(Exp(), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
-    with torch.no_grad():
-        model[1].weight.mul_(1e-3)  # outputs (and so gradients) of order 1: no step overflows
-    acts, grads = [], []
-    model[0].register_forward_hook(lambda m, a, o: acts.append(o.detach().clone()))
-
-    def on_output(m, a, o):
-        o.register_hook(lambda g: grads.append(g.detach().clone()))
-
-    model[1].register_forward_hook(on_output)
+    model, acts, grads, data = wide_model(STEPS)
     path = str(tmp_path_factory.mktemp("whatif") / "wide.db")
-    g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g)) for _ in range(STEPS)]
     M.train(
         model,
         iter(data),
@@ -95,19 +51,9 @@ def wide_run(tmp_path_factory):
 
 
 def _check(df, tensors, stored_scale, name):
-    exact = 0
-    for row in df.itertuples():
-        x = tensors[row.step].float()
-        x = x[torch.isfinite(x)]  # an Inf/NaN is not in the histogram: lost before any cast
-        s = getattr(row, f"{name}_scale") if name in W.FP8 else 1.0
-        y = (x / stored_scale[row.step]) * s if name in W.FP8 else x
-        over, flushed = real_loss(y.float(), name)
-        nz = float((x != 0).sum())
-        for what, real in (("sat", over), ("flush", flushed)):
-            lo, hi = getattr(row, f"{name}_{what}_lo") * nz, getattr(row, f"{name}_{what}_hi") * nz
-            got = float(real.sum())
-            assert lo - 1e-6 <= got <= hi + 1e-6, (name, what, row.step, lo, got, hi)
-            exact += lo == hi
+    """Every histogram step's real cast loses a count within ampdoctor's [lo, hi]; the number of exact intervals."""
+    _, exact, _, misses = compare(df, tensors, stored_scale, name)
+    assert not misses, (name, misses[:5])
     return exact
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from typing import Any, TextIO
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 
@@ -27,21 +28,21 @@ def printable(text: str) -> str:
 class Printable:
     """A command's standard output, written through printable()."""
 
-    def __init__(self, stream):
+    def __init__(self, stream: TextIO) -> None:
         self._stream = stream
 
     def write(self, text: str) -> int:
         return self._stream.write(printable(text))
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:  # everything else as the stream has it (flush, encoding, ...)
         return getattr(self._stream, name)
 
 
-def _missing(v) -> bool:
+def _missing(v: object) -> bool:
     return v is None or (isinstance(v, float) and math.isnan(v))
 
 
-def fmt(v, width=10) -> str:
+def fmt(v: object, width: int = 10) -> str:
     """A table cell: 3 significant digits, scientific outside [1e-3, 1e5), '-' for a missing value."""
     if _missing(v):
         return "-".rjust(width)
@@ -54,33 +55,33 @@ def fmt(v, width=10) -> str:
     return str(v).rjust(width)
 
 
-def approx(v, unit: str = "") -> str:
+def approx(v: float | None, unit: str = "") -> str:
     """A value to 3 significant digits with its unit; '-' when missing or not finite."""
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return "-"
     return f"{v:.3g}{unit}"
 
 
-def exact(v) -> str:
+def exact(v: float | None) -> str:
     """A loss scale (or any setting) written so it pastes back exactly: integers whole, the rest to 6 digits."""
-    if _missing(v):
+    if v is None or _missing(v):
         return "-"
     return str(int(v)) if float(v).is_integer() and abs(v) < 1e16 else f"{v:.6g}"
 
 
-def pct(v) -> str:
+def pct(v: float | None) -> str:
     """A share (0..1) as a percentage with 2 decimals."""
-    return "-" if _missing(v) else f"{100.0 * v:.2f}%"
+    return "-" if v is None or _missing(v) else f"{100.0 * v:.2f}%"
 
 
-def share(count, numel) -> str:
+def share(count: float | None, numel: float | None) -> str:
     """``count`` of ``numel`` elements as a percentage; '-' when either is unknown."""
     if count is None or numel is None or numel == 0 or (isinstance(count, float) and math.isnan(count)):
         return "-"
     return f"{100.0 * count / numel:.2f}%"
 
 
-def evidence(v) -> str:
+def evidence(v: object) -> str:
     """An evidence value on one line: floats to 4 digits, anything else as JSON cut at 80 characters."""
     if isinstance(v, float):
         return f"{v:.4g}"
@@ -90,7 +91,9 @@ def evidence(v) -> str:
 
 def ranges(steps: list[int]) -> str:
     """Step numbers as runs (``0-9, 12, 15-17``), the first 12 runs."""
-    out, start, prev = [], None, None
+    out: list[str] = []
+    start: int | None = None
+    prev = 0  # (read only once start is set)
     for s in steps:
         if start is None:
             start = prev = s

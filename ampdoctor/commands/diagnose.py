@@ -9,6 +9,7 @@ import textwrap
 
 from ..rules import diagnose
 from ..rules.registry import RULES
+from ..rules.result import Diagnosis
 from ..severity import SEVERITIES, at_least
 from ..trace.checks import invalid_settings_note
 from ..trace.run import RankRun, is_multi, load, run_pattern
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_FINDINGS if any(at_least(d.severity, args.fail_on) for d in findings) else EXIT_OK
 
 
-def report(path: str, findings) -> str:
+def report(path: str, findings: list[Diagnosis]) -> str:
     """The human-readable report: one block per finding, worst first."""
     path = path if isinstance(path, str) else " ".join(path)
     if not findings:

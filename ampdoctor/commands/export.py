@@ -4,12 +4,15 @@ folder per rank (``rank0/``, ...) and the tables a ``rank`` column."""
 
 from __future__ import annotations
 
+import argparse
 import os
 
 from ..export import Exporter, ExportError, make_sinks
-from ..export.sinks import CSV, Parquet, TensorBoard
+from ..export.rows import Point
+from ..export.sinks import CSV, Parquet, Sink, TensorBoard
 from ..export.spec import default_folder
 from ..rules import diagnose
+from ..rules.result import Diagnosis
 from ..trace import load
 from ..trace.run import is_multi, load_run
 from .common import EXIT_OK, UsageError
@@ -17,7 +20,7 @@ from .common import EXIT_OK, UsageError
 TARGETS = ("tensorboard", "parquet", "csv")
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", nargs="+", help="trace file (.db), or a directory, glob or files of one run's ranks")
     parser.add_argument("--to", required=True, choices=TARGETS, help="what to write")
     parser.add_argument("--out", default=None, metavar="DIR", help="folder to write into (default: next to the trace)")
@@ -30,7 +33,7 @@ def add_arguments(parser) -> None:
     )
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     if args.every is not None and args.every < 1:
         raise UsageError(f"ampdoctor export: --every should be a positive integer, but given {args.every}")
     multi = is_multi(args.trace)
@@ -54,18 +57,19 @@ def _spec(to: str, out: str) -> str:
     return f"{to}:{out}"
 
 
-def _export_ranks(spec, to: str, out: str, every: int | None) -> int:
+def _export_ranks(spec: list[str], to: str, out: str, every: int | None) -> int:
     """Each rank's steps, one after the other; the findings of the run (the rank rules included) once."""
     with load_run(spec) as rr:
         paths = rr.paths
         findings = diagnose(rr)
     kw = {} if every is None else {"every": every}
     written = 0
-    table = None
+    table: CSV | Parquet | None = None
     if to != "tensorboard":
         table = (CSV if to == "csv" else Parquet)(out, rank=min(paths), **kw)
     try:
         for rank, path in paths.items():
+            sink: Sink
             if table is not None:
                 table.rank = rank
                 sink = _Borrowed(table)
@@ -85,19 +89,20 @@ def _export_ranks(spec, to: str, out: str, every: int | None) -> int:
     return written
 
 
-class _Borrowed:
+class _Borrowed(Sink):
     """One table shared by the ranks' exporters: each writes its rows, none closes it."""
 
-    def __init__(self, sink):
+    def __init__(self, sink: Sink) -> None:
+        super().__init__(sink.every, sink.prefix, sink.step_offset)
         self._sink = sink
 
-    def wants(self, p) -> bool:
+    def wants(self, p: Point) -> bool:
         return self._sink.wants(p)
 
-    def write(self, points) -> None:
+    def write(self, points: list[Point]) -> None:
         self._sink.write(points)
 
-    def findings(self, new, everything, step) -> None:
+    def findings(self, new: list[Diagnosis], everything: list[Diagnosis], step: int) -> None:
         pass
 
     def flush(self) -> None:

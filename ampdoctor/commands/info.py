@@ -3,6 +3,9 @@ directory or glob of one run's ranks, the ranks side by side."""
 
 from __future__ import annotations
 
+import argparse
+from typing import Any
+
 import numpy as np
 
 from ..precision_label import describe_precision
@@ -14,11 +17,11 @@ from ..trace.schema import LEVEL_FULL
 from .common import EXIT_OK, approx, fmt, ranges
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", nargs="+", help="trace file (.db), or a directory, glob or files of one run's ranks")
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     if is_multi(args.trace):  # a directory or glob of one run's ranks
         return info_ranks(args.trace)
     tr = load(args.trace)
@@ -161,13 +164,13 @@ def info_ranks(spec: str) -> int:
     return EXIT_OK
 
 
-def fsdp_lines(cfg: dict, sharding: shards.Sharding | None, path: str | None) -> list[str]:
+def fsdp_lines(cfg: dict[str, Any], sharding: shards.Sharding | None, path: str | None) -> list[str]:
     """FSDP's mixed-precision policy per group of units, and (one rank's trace) what share of the tensors it holds."""
     fsdp = cfg.get("fsdp") or {}
     units = fsdp.get("units") or {}
     out = []
     if units:
-        groups: dict[tuple, list[str]] = {}
+        groups: dict[tuple[tuple[str, Any], ...], list[str]] = {}
         for unit, u in units.items():
             key = tuple((k, v) for k, v in sorted(u.items()) if k not in ("params", "compute", "reduce"))
             groups.setdefault(key, []).append(unit)

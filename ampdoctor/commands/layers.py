@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from ..trace import load
+from ..trace import Trace, load
 from .common import EXIT_OK, UsageError, fmt, share
 
 SORT_KEYS = ("order", "absmax", "minabs", "mean", "rms", "fp16_under", "fp16_over", "zeros", "nonfinite")
@@ -102,8 +102,9 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _run_probe(tr, args) -> int:
+def _run_probe(tr: Trace, args: argparse.Namespace) -> int:
     """``layers --probe``: each module's half-precision error against FP32 at one probed step, worst ratio first."""
+    from ..roundoff import fix_line, format_table, unit_roundoff
     from ..rules import precision
     from ..rules.engine import Run
 
@@ -120,9 +121,9 @@ def _run_probe(tr, args) -> int:
     rows = pr[pr["step"] == step].to_dict("records")
     print(
         f"probe at step {step} ({len(probed)} probed steps): {dtype} output against FP32 from the same inputs; "
-        f"bound sqrt(k)*u, u = {precision.unit_roundoff(dtype):.3g}"
+        f"bound sqrt(k)*u, u = {unit_roundoff(dtype):.3g}"
     )
-    print(precision.format_table(rows, dtype))
+    print(format_table(rows, dtype))
     ev = tr.events("probe")
     skipped = ev[ev["step"] == step]["data"].iloc[0].get("skipped", {}) if len(ev[ev["step"] == step]) else {}
     for path, why in skipped.items():
@@ -130,7 +131,7 @@ def _run_probe(tr, args) -> int:
     named = [v for v in precision.layer_verdicts(run) if v["named"]]
     if named:
         print(f"precision loss over the probed steps: {', '.join(v['path'] for v in named)}; fix:")
-        print(precision.fix_line([v["path"] for v in named]))
+        print(fix_line([v["path"] for v in named]))
     else:
         print("no layer loses more precision than its size explains")
     return EXIT_OK

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from ..lossscale import TORCH_DEFAULTS, gradscaler_code, replay, suggest
-from ..trace import load
+from ..lossscale import TORCH_DEFAULTS, Replay, gradscaler_code, replay, suggest
+from ..trace import Trace, load
 from ..trace.checks import invalid_settings_note, scaler_setting_problem
 from .common import EXIT_OK, UsageError, exact, pct, ranges
 
@@ -46,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _column(r) -> dict:
+def _column(r: Replay) -> dict[str, str]:
     n = len(r.steps)
     return {
         "skipped steps": f"{r.n_skipped} ({pct(r.n_skipped / n)})",
@@ -58,7 +59,7 @@ def _column(r) -> dict:
     }
 
 
-def _settings_line(s: dict) -> str:
+def _settings_line(s: dict[str, float]) -> str:
     return (
         f"init_scale {exact(s['init_scale'])}, growth_factor {s['growth_factor']:g}, "
         f"backoff_factor {s['backoff_factor']:g}, growth_interval {s['growth_interval']}"
@@ -148,14 +149,14 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _at_scale_one(tr) -> float:
+def _at_scale_one(tr: Trace) -> float:
     """Underflow of a run without a scaler: the shares at scale 1 (what happened)."""
     u = replay(tr, init_scale=1.0, growth_interval=10**9).underflow
     u = u[~np.isnan(u)]
     return float(u.mean()) if len(u) else float("nan")
 
 
-def _recorded_notes(config: dict, st: pd.DataFrame) -> list[str]:
+def _recorded_notes(config: dict[str, Any], st: pd.DataFrame) -> list[str]:
     """What of the run's own settings the replay could not take from the trace (replaced by torch's defaults)."""
     notes = [invalid_settings_note(config)]
     first = st["loss_scale"].dropna()

@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _inputs(traces: list, reference: str | None) -> list:
+def _inputs(traces: list[str], reference: str | None) -> list[str]:
     """The files a report reads (it must not write over any of them)."""
     return [*traces, *([reference] if reference else [])]
 

@@ -31,6 +31,7 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 import pandas as pd
 
 from .. import formats
@@ -38,20 +39,25 @@ from ..trace import Trace, load
 from ..trace.view import View, containers
 from .scaler import TORCH_DEFAULTS
 
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
+Histograms = dict[int, tuple[FloatArray, FloatArray]]  # step index -> (log2 lower edge of each binade, counts)
+
 
 @dataclass
 class Evidence:
     """What the trace says about each step (arrays indexed like ``trace.steps()``), prepared once per trace."""
 
-    steps: np.ndarray
-    rec_scale: np.ndarray  # scale in force (NaN: no scaler recorded)
-    rec_next: np.ndarray  # scale after update
-    rec_over: np.ndarray  # overflowed at the recorded scale (skipped; without a scaler: non-finite grads)
-    always: np.ndarray  # non-finite forward or loss: overflows at every scale
-    threshold: np.ndarray  # estimated largest scale that does not overflow
-    from_neighbours: np.ndarray  # threshold of an overflowed step (estimate from neighbouring steps)
-    hist: dict  # step index -> (log2 lower edge of each unscaled binade, counts)
-    run_settings: dict
+    steps: IntArray
+    rec_scale: FloatArray  # scale in force (NaN: no scaler recorded)
+    rec_next: FloatArray  # scale after update
+    rec_over: BoolArray  # overflowed at the recorded scale (skipped; without a scaler: non-finite grads)
+    always: BoolArray  # non-finite forward or loss: overflows at every scale
+    threshold: FloatArray  # estimated largest scale that does not overflow
+    from_neighbours: BoolArray  # threshold of an overflowed step (estimate from neighbouring steps)
+    hist: Histograms  # step index -> (log2 lower edge of each unscaled binade, counts)
+    run_settings: dict[str, float]  # init_scale, growth_factor, backoff_factor, growth_interval
     has_scaler: bool
     assumed_fp16: bool
     device: str
@@ -67,13 +73,13 @@ class GradientPeaks:
     not a gradient the model computed; it counts only where it really was FP16 (an FP16 loss overflows when scaled).
     """
 
-    ratio: np.ndarray  # per step: max |unscaled gradient| / format max (NaN: nothing observed)
-    nonfinite: np.ndarray  # per step: some observed gradient held Inf/NaN
+    ratio: FloatArray  # per step: max |unscaled gradient| / format max (NaN: nothing observed)
+    nonfinite: BoolArray  # per step: some observed gradient held Inf/NaN
     assumed_fp16: bool  # no gradient was computed in FP16: every one is judged against the FP16 max
     sites: pd.DataFrame  # grad_out then param_grad sites, with their compute dtype and whether a seed
 
     @property
-    def fp16_equivalent(self) -> np.ndarray:
+    def fp16_equivalent(self) -> FloatArray:
         """Per step, the largest unscaled gradient in FP16 terms: the scale s overflows FP16 when s * this rounds
         past 65504 (> finite_limit, i.e. >= 65520)."""
         return self.ratio * formats.FP16.finite_limit
@@ -86,8 +92,10 @@ def gradient_peaks(tr: Trace | View) -> GradientPeaks:
     g = view.gradients
     fp16 = g.sites["fp16"].to_numpy(bool)
     # peaks as stored: -1 = site not seen that step, NaN = the tensor held a NaN, inf = an inf
-    ratio = view.per_step(view.scan.ratio, np.nan)  # nothing observed: no information
-    nonfinite = view.per_step(view.scan.bad["grad"], False)
+    scan = view.scan
+    assert scan.ratio is not None  # (the full scan computes the gradient ratio)
+    ratio = view.per_step(scan.ratio, np.nan)  # nothing observed: no information
+    nonfinite = view.per_step(scan.bad["grad"], False)
     # The sentinel's largest unscaled parameter gradient, recorded on every step (steps that observe no site
     # included): the weight gradients are computed in their module's dtype, so it counts against that format's max.
     if "grad_max" in st:
@@ -157,7 +165,9 @@ def gather(tr: Trace | View) -> Evidence:
     )
 
 
-def _thresholds(scale, over, always, ratio) -> tuple[np.ndarray, np.ndarray]:
+def _thresholds(
+    scale: FloatArray, over: BoolArray, always: BoolArray, ratio: FloatArray
+) -> tuple[FloatArray, BoolArray]:
     """Per step, the largest scale that does not overflow (the step overflows at S > threshold).
 
     Finite step: max / its largest unscaled magnitude, and at least the scale it survived. Overflowed step: the larger
@@ -183,12 +193,14 @@ def _thresholds(scale, over, always, ratio) -> tuple[np.ndarray, np.ndarray]:
         nb_ratio = np.fmax(nb_ratio, r)
     floor = np.nanmin(np.where(over & ~always, scale, np.nan)) if (over & ~always).any() else np.nan
 
-    def inverse(r):  # 1 / r for r > 0, inf for r <= 0, NaN for NaN
+    def inverse(r: FloatArray) -> FloatArray:  # 1 / r for r > 0, inf for r <= 0, NaN for NaN
         with np.errstate(divide="ignore", invalid="ignore"):
-            return np.where(np.isnan(r), np.nan, np.where(r > 0, 1.0 / np.where(r > 0, r, 1.0), np.inf))
+            out: FloatArray = np.where(np.isnan(r), np.nan, np.where(r > 0, 1.0 / np.where(r > 0, r, 1.0), np.inf))
+            return out
 
-    def larger(a, b):  # Python's max(a, b): b only where it is strictly larger
-        return np.where(b > a, b, a)
+    def larger(a: FloatArray, b: FloatArray) -> FloatArray:  # Python's max(a, b): b only where it is strictly larger
+        out: FloatArray = np.where(b > a, b, a)
+        return out
 
     with np.errstate(invalid="ignore"):
         borrowed = inverse(nb_ratio)
@@ -202,7 +214,7 @@ def _thresholds(scale, over, always, ratio) -> tuple[np.ndarray, np.ndarray]:
     return threshold, from_nb
 
 
-def _histograms(view: View, grads, fp16, n_go: int, n: int) -> dict:
+def _histograms(view: View, grads: pd.DataFrame, fp16: BoolArray, n_go: int, n: int) -> Histograms:
     """Step index -> (log2 of the lower edge of each unscaled binade, counts), over the gradient sites computed in
     FP16 at the histogram steps read (View.hist_steps). Container modules are left out: their grad_out is their last
     child's. Counts of one step in the same unscaled binade are added (one entry per binade and step)."""
@@ -243,7 +255,7 @@ def _histograms(view: View, grads, fp16, n_go: int, n: int) -> dict:
     return {int(s[0]): (e, cc) for s, e, cc in zip(np.split(step, bounds), np.split(edge, bounds), np.split(c, bounds))}
 
 
-def open_trace(trace_or_path) -> Trace | View:
+def open_trace(trace_or_path: Trace | View | str | os.PathLike[str]) -> Trace | View:
     """A Trace (or a View of one) as given, or the one a path names."""
     if isinstance(trace_or_path, (Trace, View)):
         return trace_or_path

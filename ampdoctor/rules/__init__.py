@@ -4,20 +4,26 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import Union
 
 from ..severity import SEVERITIES
 from ..trace import Trace
 from ..trace.run import RankRun
 from ..trace.run import load as load_any
-from .engine import Run, diagnose_trace, resolve_rules
+from .engine import RuleOptions, Run, diagnose_trace, resolve_rules
 from .multirank import diagnose_ranks
 from .registry import RULES
 from .result import Diagnosis, Rule
 
+# What diagnose reads: a Trace or RankRun, a trace's path, or a directory, glob or list of one run's rank traces.
+TraceSource = Union[Trace, RankRun, str, "os.PathLike[str]", list[str], tuple[str, ...]]
+
 __all__ = ["RULES", "SEVERITIES", "Diagnosis", "Rule", "Run", "diagnose"]
 
 
-def diagnose(trace_or_path, reference=None, rules: dict | None = None) -> list[Diagnosis]:
+def diagnose(
+    trace_or_path: TraceSource, reference: TraceSource | None = None, rules: RuleOptions | None = None
+) -> list[Diagnosis]:
     """Run every registered rule over a trace; findings worst first.
 
     ``reference``: an optional second trace (e.g. the same model in FP32) for the rules that compare.
@@ -33,7 +39,7 @@ def diagnose(trace_or_path, reference=None, rules: dict | None = None) -> list[D
         return diagnose_trace(tr, ref, selected)
 
 
-def _as_trace(obj, what: str) -> Trace | RankRun:
+def _as_trace(obj: object, what: str) -> Trace | RankRun:
     if isinstance(obj, (Trace, RankRun)):
         return obj
     if isinstance(obj, (str, os.PathLike, list, tuple)):

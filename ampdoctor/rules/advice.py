@@ -8,13 +8,16 @@ be printed for."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from .. import formats
 from ..islands import code_line
 from ..lossscale import TORCH_DEFAULTS
 from ..trace.schema import ROOT
 from .fix import Part, code, text
+from .runview import RunView
 
 # Headroom kept below the FP16 max when choosing a loss scale: gradients grow during training and one batch is
 # not the worst batch; 2^3 leaves three binades before the next overflow.
@@ -34,13 +37,15 @@ class Setup:
     autocast: str | None = None  # the autocast dtype; None: no autocast region
     scaler: bool = False  # a GradScaler is enabled
     optimizer: str | None = "SGD"  # the optimizer class; None: no optimizer seen
-    hyper: dict = field(default_factory=dict)  # HYPER values of its first parameter group
+    hyper: dict[str, Any] = field(default_factory=dict)  # HYPER values of its first parameter group
     bf16_supported: bool = True
-    capability: tuple | None = None
-    module_dtypes: dict = field(default_factory=dict)  # module path -> the dtype its own parameters are stored in
+    capability: tuple[int, ...] | None = None
+    module_dtypes: dict[str, str] = field(
+        default_factory=dict
+    )  # module path -> the dtype its own parameters are stored in
 
     @classmethod
-    def of(cls, run) -> Setup:
+    def of(cls, run: RunView) -> Setup:
         cfg = run.config
         counts = {k: v for k, v in (cfg.get("param_dtypes") or {}).items() if isinstance(v, (int, float))}
         ac = run.autocast
@@ -70,7 +75,7 @@ class Setup:
         return self.autocast or (self.param_dtype if self.half_params else "float16")
 
 
-def dev(run) -> str:
+def dev(run: RunView | Setup) -> str:
     return "cuda" if run.device == "cuda" else run.device
 
 
@@ -89,7 +94,7 @@ def pow2(x: float) -> str:
     return f"{x:.1f}" if x < 2**17 or e != int(e) else f"2.0**{int(e)}"
 
 
-def scaler_line(run, **settings) -> str:
+def scaler_line(run: RunView, **settings: float) -> str:
     args = "".join(f", {k}={pow2(v) if k == 'init_scale' else v}" for k, v in settings.items())
     if run.config.get("fsdp"):  # FSDP: a GradScaler would judge this rank's shard alone (rules/fsdp.py)
         return (
@@ -99,7 +104,7 @@ def scaler_line(run, **settings) -> str:
     return f'scaler = torch.amp.GradScaler("{dev(run)}"{args})'
 
 
-def autocast_block(run, dtype: str = "float16") -> str:
+def autocast_block(run: RunView | Setup, dtype: str = "float16") -> str:
     return f'with torch.autocast(device_type="{dev(run)}", dtype=torch.{dtype}):\n    loss = loss_fn(model(x), y)'
 
 
@@ -153,7 +158,7 @@ def master_weights(setup: Setup, dtype: str | None = None, scaler: str | None = 
     return code(*lines)
 
 
-def keep_fp32(setup: Setup, paths) -> list[Part]:
+def keep_fp32(setup: Setup, paths: Sequence[str]) -> list[Part]:
     """Run ``paths`` in FP32 inside autocast; a run without autocast (half-precision parameters) first moves to FP32
     master weights with autocast, since keep_fp32 changes nothing outside an autocast region."""
     line = keep_fp32_line(paths)
@@ -171,7 +176,7 @@ def keep_fp32(setup: Setup, paths) -> list[Part]:
     return [code(line)]
 
 
-def fp32_island(setup: Setup, paths) -> list[Part]:
+def fp32_island(setup: Setup, paths: Sequence[str]) -> list[Part]:
     """Modules whose outputs are small (a normalisation) computed in FP32: inside autocast their parameters in FP32
     and keep_fp32; in a half-precision model without autocast their parameters in FP32 with their inputs cast up and
     their outputs cast back to the model's dtype (O2-style FP32 normalisation layers)."""
@@ -225,7 +230,7 @@ def clip_lines(setup: Setup, max_norm: float = 1.0) -> list[str]:
     ]
 
 
-def lower_lr(run, lr: float | None, new_lr: float | None, warmup: int, adaptive: bool) -> list[Part]:
+def lower_lr(run: RunView | Setup, lr: float | None, new_lr: float | None, warmup: int, adaptive: bool) -> list[Part]:
     """A lower learning rate and a warm-up (and, for an optimizer whose step follows the gradient, clipping)."""
     setup = run if isinstance(run, Setup) else Setup.of(run)
     opt = setup.optimizer or "the optimizer"
@@ -260,7 +265,7 @@ def lower_lr(run, lr: float | None, new_lr: float | None, warmup: int, adaptive:
     return fix
 
 
-def bf16_note(run) -> list:
+def bf16_note(run: RunView | Setup) -> list[Part]:
     """The BF16 alternative (fix parts), offered only where the recorded device supports it."""
     if not run.bf16_supported:
         return []
@@ -279,7 +284,7 @@ def bf16_note(run) -> list:
     ]
 
 
-def tf32_note(run) -> list:
+def tf32_note(run: RunView | Setup) -> list[Part]:
     """TF32 matmuls on Ampere and newer (fix parts): FP32 speed-up without half-precision range issues."""
     cap = run.capability
     if run.device == "cuda" and cap and cap[0] >= 8:
@@ -303,7 +308,7 @@ def attr(path: str) -> str:
     return ".".join(out)
 
 
-def keep_fp32_line(paths) -> str:
+def keep_fp32_line(paths: Sequence[str]) -> str:
     return code_line(paths)
 
 

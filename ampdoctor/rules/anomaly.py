@@ -11,13 +11,20 @@ did not remove the fault there is not printed as the fix."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+import pandas as pd
 
 from .. import autocast_ops, formats
+from ..trace import Trace
 from . import advice as A
-from .fix import code, text
-from .result import finding
+from .fix import Part, code, text
+from .result import Diagnosis, finding
+from .runview import RunView
+
+Replay = dict[str, Any]  # one replay event's data (collect/anomaly.py): step, why, batch, operation, checks, ...
 
 # A replayed step whose batch peak was at least this many times the run's usual one (the median over recent
 # sampled steps) had an outlier batch: ordinary batches vary by 2-3x at most in their peak.
@@ -41,7 +48,7 @@ LASTING_FACTOR = 100.0
 HARM_FACTOR = 1.5
 
 
-def within_steps(own, outlier) -> bool:
+def within_steps(own: Diagnosis, outlier: Diagnosis) -> bool:
     """Suppression (registry): every step another finding concerns is the outlier batch's step."""
     return (
         bool(own.steps)
@@ -50,48 +57,51 @@ def within_steps(own, outlier) -> bool:
     )
 
 
-def batches_collapsed_scale(own, collapse) -> bool:
+def batches_collapsed_scale(own: Diagnosis, collapse: Diagnosis) -> bool:
     """Suppression (registry): an outlier batch with NaN/Inf inputs on a step of a loss-scale collapse that the
     non-finite input batches explain: one incident of a pattern the collapse already names (and fixes for every
     batch)."""
-    first, last = (collapse.steps or [None, None])[0], (collapse.steps or [None, None])[-1]
     return (
         collapse.evidence.get("cause_origin") == "input"
         and bool(own.evidence.get("nonfinite_inputs"))
-        and first is not None
-        and first <= own.evidence["step"] <= last
+        and bool(collapse.steps)
+        and collapse.steps[0] <= own.evidence["step"] <= collapse.steps[-1]
     )
 
 
-def replays(run) -> list[dict]:
-    """The replay events' data, one per replayed step (the anomalies the default tiers would have lost)."""
-    if "_replays" not in run.__dict__:
-        ev = run.trace.events("replay")
-        run._replays = [d for d in ev["data"] if isinstance(d, dict) and "step" in d and "failed" not in d]
-    return run._replays
+def replays(run: RunView) -> list[Replay]:
+    """The replay events' data, one per replayed step (the anomalies the default tiers would have lost); read once
+    per Run (``Run.replays``)."""
+    return run.replays
 
 
-def passed(replay: dict, fix: str) -> dict | None:
+def replay_data(trace: Trace) -> list[Replay]:
+    """The data of a trace's replay events that name their step (a replay that failed is left out)."""
+    ev = trace.events("replay")
+    return [d for d in ev["data"] if isinstance(d, dict) and "step" in d and "failed" not in d]
+
+
+def passed(replay: Replay, fix: str) -> dict[str, Any] | None:
     """The first check of a kind (keep_fp32, bf16, loss_scale) that removed the fault on the replayed step."""
     return next((c for c in replay.get("checks", []) if c.get("fix") == fix and c.get("finite")), None)
 
 
-def failed(replay: dict, fix: str) -> list[dict]:
+def failed(replay: Replay, fix: str) -> list[dict[str, Any]]:
     return [c for c in replay.get("checks", []) if c.get("fix") == fix and not c.get("finite")]
 
 
-def where_made(replay: dict) -> dict | None:
+def where_made(replay: Replay) -> dict[str, Any] | None:
     """The operation that made the values (the first of the producer chain, else the one that overflowed)."""
-    chain = [*replay.get("producers", []), replay.get("operation")] if replay.get("operation") else []
+    chain: list[dict[str, Any]] = [*replay.get("producers", []), replay["operation"]] if replay.get("operation") else []
     return chain[0] if chain else None
 
 
-def op_text(op: dict) -> str:
+def op_text(op: dict[str, Any]) -> str:
     line = f" at {op['line']}" if op.get("line") else ""
     return f"{op['op']} in {op['module']} ({op['dtype']}){line}"
 
 
-def keep_checked(step: int, keep: dict) -> str:
+def keep_checked(step: int, keep: dict[str, Any]) -> str:
     """What a passed keep_fp32 check says (the scale its backward needed, when below the step's)."""
     backoff = (
         f" (its backward at a loss scale of {keep['at_scale']:g}, which the GradScaler backs off to in a few skipped "
@@ -103,30 +113,74 @@ def keep_checked(step: int, keep: dict) -> str:
     return f"Checked on step {step} (the step replayed with this change): finite with {modules} in FP32{backoff}:"
 
 
-def checked_fixes(run, replay: dict) -> list:
-    """The precision fixes the replay tried and that removed the NaN/Inf on the replayed step, as fix parts."""
-    step = replay["step"]
-    parts = []
-    keep = passed(replay, "keep_fp32")
-    if keep is not None:
-        parts += [text(keep_checked(step, keep)), *A.keep_fp32(A.Setup.of(run), keep["modules"])]
-    note = A.bf16_note(A.Setup.of(run)) if passed(replay, "bf16") is not None else []
-    if note:
-        lead = "Or, checked" if parts else "Checked"  # an alternative to the fix before it
-        parts += [text(f"{lead} on step {step}: finite in BF16 (FP32's exponent range, no loss scaling):"), *note[1:]]
-    scale = passed(replay, "loss_scale")
-    if scale is not None:
-        parts += [
-            text(
-                f"{'Or, checked' if parts else 'Checked'} on step {step}: finite at a loss scale of {scale['scale']:g}:"
-            ),
-            code(A.scaler_line(run, init_scale=scale["scale"])),
-        ]
-    return parts
+@dataclass
+class Checked:
+    """What the replays' precision checks showed on their steps (``checked_fixes``): the fix parts of the checks that
+    removed the NaN/Inf (the first of each kind, with its step), and what was tried."""
+
+    parts: list[Part] = field(default_factory=list)
+    keep: dict[str, Any] | None = None  # the first keep_fp32 check that removed it
+    keep_failed: bool = False  # a replay tried keep_fp32 and none of its islands removed it
+    bf16: bool | None = None  # whether the first BF16 check removed it (None: BF16 was not tried)
+
+    @property
+    def keep_fp32_failed(self) -> bool:
+        """keep_fp32 was tried and did not remove the NaN/Inf on any replayed step: not the fix to print."""
+        return self.keep_failed and self.keep is None
 
 
-def outlier_batch(run, *, min_factor=OUTLIER_FACTOR, guard_factor=GUARD_FACTOR):
-    found = []
+def checked_fixes(run: RunView, replays: list[Replay], *, note_failed_keep: bool = False) -> Checked:
+    """The precision fixes the replays tried and that removed the NaN/Inf on their step, as fix parts, the first of
+    each kind (keep_fp32, BF16, a lower loss scale) in the replays' order; an alternative to a fix before it reads
+    "Or, checked". ``note_failed_keep``: also say (once) where keep_fp32 was tried and did not remove it."""
+    setup = A.Setup.of(run)
+    out = Checked()
+    scale_seen = False
+    for r in replays:
+        step = r["step"]
+        keep = passed(r, "keep_fp32")
+        if keep is not None and out.keep is None:
+            out.keep = keep
+            out.parts += [text(keep_checked(step, keep)), *A.keep_fp32(setup, keep["modules"])]
+        tried = failed(r, "keep_fp32")
+        if note_failed_keep and tried and keep is None and not out.keep_failed:  # said once, at the first step tried
+            out.keep_failed = True
+            kept = "; ".join(" and ".join(t["modules"]) for t in tried)
+            why = (
+                "the forward was finite then, but the backward through the half-precision modules overflowed even "
+                "at a loss scale 2^16 times lower"
+                if tried[-1].get("forward_finite")
+                else "the modules after them cast the values back to half precision, or they are beyond any "
+                "format's reach"
+            )
+            out.parts.append(
+                text(f"Keeping {kept} in FP32 was tried on step {step} and did not remove the NaN/Inf ({why}).")
+            )
+        bf16 = [c for c in r.get("checks", []) if c.get("fix") == "bf16"]
+        if bf16 and out.bf16 is None:
+            out.bf16 = bool(bf16[0].get("finite"))
+            note = A.bf16_note(setup) if out.bf16 else []
+            if note:
+                lead = "Or, checked" if out.keep is not None else "Checked"  # an alternative to the FP32 module
+                out.parts += [
+                    text(f"{lead} on step {step}: finite in BF16 (FP32's exponent range, no loss scaling):"),
+                    *note[1:],
+                ]
+        scale = passed(r, "loss_scale")
+        if scale is not None and not scale_seen:
+            scale_seen = True
+            lead = "Or, checked" if out.parts else "Checked"
+            out.parts += [
+                text(f"{lead} on step {step}: finite at a loss scale of {scale['scale']:g}:"),
+                code(A.scaler_line(run, init_scale=scale["scale"])),
+            ]
+    return out
+
+
+def outlier_batch(
+    run: RunView, *, min_factor: float = OUTLIER_FACTOR, guard_factor: float = GUARD_FACTOR
+) -> list[Diagnosis]:
+    found: list[Diagnosis] = []
     for r in replays(run):
         batch = r.get("batch", {})
         factor = batch.get("factor")
@@ -156,7 +210,7 @@ def outlier_batch(run, *, min_factor=OUTLIER_FACTOR, guard_factor=GUARD_FACTOR):
             effect = ""
         usual = batch.get("usual_peak")
         limit = float(f"{guard_factor * usual:.3g}") if usual else None
-        fix = checked_fixes(run, r) if not nonfinite_inputs else []
+        fix = checked_fixes(run, [r]).parts if not nonfinite_inputs else []
         fix += [
             text(
                 f"Find that batch{who} in the data (its inputs: {fingerprint}) and clean or normalise it; or skip "
@@ -210,9 +264,14 @@ def outlier_batch(run, *, min_factor=OUTLIER_FACTOR, guard_factor=GUARD_FACTOR):
 
 
 def loss_spike(
-    run, *, jump_binades=JUMP_BINADES, near_limit=NEAR_LIMIT_BINADES, min_factor=OUTLIER_FACTOR, harm_factor=HARM_FACTOR
-):
-    found = []
+    run: RunView,
+    *,
+    jump_binades: float = JUMP_BINADES,
+    near_limit: float = NEAR_LIMIT_BINADES,
+    min_factor: float = OUTLIER_FACTOR,
+    harm_factor: float = HARM_FACTOR,
+) -> list[Diagnosis]:
+    found: list[Diagnosis] = []
     last = -INCIDENT_GAP - 1
     for r in replays(run):
         if r.get("why") not in ("loss_spike", "grad_spike"):
@@ -281,25 +340,28 @@ def loss_spike(
     return found
 
 
-def _hurt(st, step: int, base: float, factor: float) -> bool:
+def _hurt(st: pd.DataFrame, step: int, base: float, factor: float) -> bool:
     after = st["loss"].iloc[step : step + INCIDENT_GAP + 1].to_numpy(float)
     if not len(after) or not base > 0:
         return False
     return bool((~np.isfinite(after)).any() or after.max() >= factor * base)
 
 
-def _shaken_off(st, step: int, base: float, factor: float) -> bool:
+def _shaken_off(st: pd.DataFrame, step: int, base: float, factor: float) -> bool:
     after = st["loss"].iloc[step + 1 : step + 1 + INCIDENT_GAP].to_numpy(float)
     if len(after) < INCIDENT_GAP or not base > 0 or not np.isfinite(after).all():
         return False  # the run ended there, or went non-finite: not shaken off
     return bool(np.median(after) < factor * base)
 
 
-def _jumps(run, step: int, jump_binades: float, near_limit: float) -> tuple[list, list]:
+def _jumps(
+    run: RunView, step: int, jump_binades: float, near_limit: float
+) -> tuple[list[tuple[str, float]], list[str]]:
     """(layers whose peak at ``step`` exceeded their history's median by ``jump_binades`` binades, worst first;
     layers within ``near_limit`` binades of their format's max at ``step``). Output gradients are compared unscaled
     (a scale that grew is not a jump) and against the limit as stored (scaled: that is what the format held)."""
-    jumped, limits = [], []
+    jumped: list[tuple[str, float]] = []
+    limits: list[str] = []
     scale = run.steps["loss_scale"].to_numpy(float)
     scale = np.where(np.isfinite(scale) & (scale > 0), scale, 1.0)
     for kind in ("act", "grad_out"):
@@ -324,7 +386,7 @@ def _jumps(run, step: int, jump_binades: float, near_limit: float) -> tuple[list
     return jumped, limits
 
 
-def _clip_fix(run, step: int) -> list:
+def _clip_fix(run: RunView, step: int) -> list[Part]:
     """Clip the gradient norm: one batch then cannot move the weights far (after unscaling, with a GradScaler)."""
     norms = run.steps["grad_norm"].to_numpy(float)[:step]
     norms = norms[np.isfinite(norms)]
@@ -342,10 +404,10 @@ def _clip_fix(run, step: int) -> list:
     ]
 
 
-def healed(run):
+def healed(run: RunView) -> list[Diagnosis]:
     """heal=True kept modules in FP32 during the run: each intervention, and the line that makes it permanent."""
     ev = run.trace.events("heal")
-    found = []
+    found: list[Diagnosis] = []
     for _, row in ev.iterrows():
         data = row["data"] if isinstance(row["data"], dict) else {}
         path = data.get("module")
@@ -371,7 +433,7 @@ def healed(run):
     return found
 
 
-def on_cuda_in_fp32(op: dict | None) -> bool:
+def on_cuda_in_fp32(op: dict[str, Any] | None) -> bool:
     """Whether CUDA autocast would compute this operation in FP32 (a fault of its half-precision output seen on the
     CPU would not happen there)."""
     return op is not None and autocast_ops.computes_in_float32_on(op["op"], "cuda")

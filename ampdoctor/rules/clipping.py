@@ -11,7 +11,8 @@ import numpy as np
 from . import advice as A
 from .divergence import ADAPTIVE
 from .fix import code, text
-from .result import Diagnosis, RunView, finding
+from .result import Diagnosis, finding
+from .runview import RunView
 
 # clip_grad_norm_ scales the gradients by max_norm / (norm + 1e-6): the clipped norm is max_norm to ~1e-6 relative,
 # and the recorded norm carries float32 rounding (~1e-7). The norms of gradients no clip touched vary between

@@ -6,8 +6,9 @@ import numpy as np
 import pandas as pd
 
 from . import precision
-from .fix import code, text
-from .result import Diagnosis, RunView, finding
+from .fix import Part, code, text
+from .result import Diagnosis, finding
+from .runview import FloatArray, RunView
 from .scaling import MAX_SKIP_SHARE
 
 # Steps needed to reach the same loss: 1.5x the reference's is beyond run-to-run noise of a small seed-matched run
@@ -21,20 +22,21 @@ MIN_STEPS = 10
 ALPHA = 0.01
 
 
-def smooth(values: np.ndarray) -> np.ndarray:
+def smooth(values: FloatArray) -> FloatArray:
     """Rolling median over ~5% of the run (at least 3 steps): one noisy batch does not reach a level early."""
     w = max(3, len(values) // 20)
-    return pd.Series(values).rolling(w, min_periods=1, center=True).median().to_numpy()
+    out: FloatArray = pd.Series(values).rolling(w, min_periods=1, center=True).median().to_numpy()
+    return out
 
 
-def first_at_or_below(curve: np.ndarray, level: float) -> int | None:
+def first_at_or_below(curve: FloatArray, level: float) -> int | None:
     hit = np.flatnonzero(curve <= level)
     return int(hit[0]) if len(hit) else None
 
 
-def material(own, underflow) -> bool:
+def material(own: Diagnosis, underflow: Diagnosis) -> bool:
     """Suppression (registry): gradient underflow beyond advice (warning or critical) explains slow convergence."""
-    return underflow.severity != "info"
+    return bool(underflow.severity != "info")
 
 
 def slow_convergence(
@@ -56,7 +58,7 @@ def slow_convergence(
     start, best = sb[0], float(np.nanmin(sb))
     if not start > best:
         return None
-    rows = {}
+    rows: dict[float, tuple[float, int, int | None]] = {}
     for k in LEVELS:
         level = start - k * (start - best)
         rb, ra = first_at_or_below(sb[:n], level), first_at_or_below(sa[:n], level)
@@ -80,19 +82,20 @@ def slow_convergence(
     lr = float(run.steps["lr"].dropna().iloc[-1]) if run.steps["lr"].notna().any() else None
     lr_ref = float(ref.steps["lr"].dropna().iloc[-1]) if ref.steps["lr"].notna().any() else None
     reached = f"at step {ra}" if ra is not None else f"not within {n} steps"
-    fix = "Nothing numeric (skips, non-finite values, underflow) explains it. "
+    plain = "Nothing numeric (skips, non-finite values, underflow) explains it. "
+    fix: list[Part]
     if lr and lr_ref and lr < lr_ref:
         # A lower learning rate than the reference's explains a gap larger than the usual AMP adjustment can close.
         fix = [
             text(
-                fix + f"This run's learning rate {lr:.3g} is below the reference's {lr_ref:.3g}; start from "
+                plain + f"This run's learning rate {lr:.3g} is below the reference's {lr_ref:.3g}; start from "
                 "the reference's:"
             ),
             code("for group in optimizer.param_groups:", f'    group["lr"] = {lr_ref:.3g}  # was {lr:.3g}'),
             text("With the same learning rate, raise it 10-30%, the usual AMP adjustment:"),
         ]
     else:
-        fix = [text(fix + "Raise the learning rate 10-30%, the usual AMP adjustment:")]
+        fix = [text(plain + "Raise the learning rate 10-30%, the usual AMP adjustment:")]
     if lr:
         fix.append(
             code("for group in optimizer.param_groups:", f'    group["lr"] = {lr * 1.2:.3g}  # was {lr:.3g} (+20%)')

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from typing import TypedDict
 
 import numpy as np
 import pandas as pd
@@ -16,7 +16,8 @@ import pandas as pd
 from .. import formats
 from ..trace.schema import ROOT
 from . import advice as A
-from .result import Diagnosis, RunView, finding
+from .result import Diagnosis, finding
+from .runview import Blowup, BoolArray, FloatArray, IntArray, RunView
 from .scaling import forward_nonfinite_steps, nonfinite_origins
 from .weights import NO_FAN_IN, fan_in
 
@@ -76,16 +77,36 @@ NO_PROGRESS = 0.9
 MIN_FLAT_STEPS = 10
 
 
-def _bad(run: RunView) -> np.ndarray:
+class _Trend(TypedDict):
+    first_nonfinite_step: int | None
+    blowup_step: int
+    nonfinite_steps: int
+    loss_start: float
+    loss_peak: float
+    loss_rise: float
+    grad_norm_growth: float
+    grad_growth_from_overflow: float
+    gradient_growth: float
+    lowest_scale_still_nonfinite: float | None
+    nonfinite_at_every_scale: bool
+
+
+class Trend(_Trend, total=False):
+    """The loss and gradient-norm trend of a run that blew up (``trend``, ``finite_blowup``): divergence's evidence."""
+
+    loss_late_median: float  # (finite_blowup's: the median loss over the run's second half)
+
+
+def _bad(run: RunView) -> BoolArray:
     st = run.steps
     loss = st["loss"].to_numpy(float)
-    bad = st["skipped"].to_numpy(bool) | st["nonfinite"].to_numpy(bool)
+    bad: BoolArray = st["skipped"].to_numpy(bool) | st["nonfinite"].to_numpy(bool)
     if np.isfinite(loss).any():  # the run logs its loss: a missing one is a NaN
         bad |= ~np.isfinite(loss)
     return bad
 
 
-def trend(run: RunView, window=WINDOW) -> dict | None:
+def trend(run: RunView, window: int = WINDOW) -> Trend | None:
     """Loss and gradient-norm trend from the start to shortly after the first non-finite step, or None."""
     st = run.steps
     bad = _bad(run)
@@ -128,42 +149,6 @@ def trend(run: RunView, window=WINDOW) -> dict | None:
         "lowest_scale_still_nonfinite": low,
         "nonfinite_at_every_scale": low <= EVERY_SCALE,
     }
-
-
-@dataclass
-class Blowup:
-    """What the updates did to the weights before the first non-finite step: the evidence that tells an optimisation
-    that left the range from a format too narrow for a healthy run (shared as ``Run.blowup``)."""
-
-    first_step: int  # the first non-finite or skipped step
-    update_ratio: float | None = None  # largest update RMS / the weights' scale, at a recorded update step before
-    update_param: str | None = None
-    update_step: int | None = None
-    jump: float | None = None  # largest one-step move of a module's output peak (binades; into non-finite: a bound)
-    jump_site: str | None = None
-    jump_step: int | None = None
-    jump_from: float | None = None  # its peak on the step before
-    loss_flat: bool | None = None  # the loss made no progress before the first non-finite step
-    loss_start: float | None = None
-    loss_best: float | None = None
-    growth: float | None = None  # largest growth of a module's output peak before the first non-finite step
-    growth_site: str | None = None
-    growth_steps: list = field(default_factory=list)
-    decisive: list = field(default_factory=list)  # sentences: evidence that decides for divergence
-    partial: list = field(default_factory=list)  # sentences: evidence that points that way but does not decide
-
-    def evidence(self) -> dict:
-        return {
-            "update_to_weight_ratio": self.update_ratio,
-            "update_param": self.update_param,
-            "update_step": self.update_step,
-            "one_step_jump_binades": self.jump,
-            "jump_module": self.jump_site,
-            "jump_step": self.jump_step,
-            "loss_made_no_progress": self.loss_flat,
-            "activation_growth_binades": self.growth,
-            "growth_module": self.growth_site,
-        }
 
 
 def blowup(
@@ -264,18 +249,19 @@ def _update_ratio(run: RunView, first: int, b: Blowup) -> None:
         b.update_step = int(run.steps["step"].iloc[int(best_step[j])])
 
 
-def _observed(run: RunView) -> np.ndarray:
-    return run.steps["level"].fillna(-1).to_numpy(float) >= 0
+def _observed(run: RunView) -> BoolArray:
+    observed: BoolArray = run.steps["level"].fillna(-1).to_numpy(float) >= 0
+    return observed
 
 
-def _peak_blocks(run: RunView, rows: np.ndarray, ahead: int) -> Iterator[tuple[int, np.ndarray]]:
+def _peak_blocks(run: RunView, rows: IntArray, ahead: int) -> Iterator[tuple[int, FloatArray]]:
     """(start, block): the output peaks at ``rows[start : start + CHUNK + ahead]`` (the next ``ahead`` rows too, for
     what a row's move is checked against), a chunk at a time."""
     for lo in range(0, len(rows), CHUNK):
         yield lo, run.at("peak", "act", rows[lo : lo + CHUNK + ahead])
 
 
-def _jump(run: RunView, first: int, bad: np.ndarray, b: Blowup) -> None:
+def _jump(run: RunView, first: int, bad: BoolArray, b: Blowup) -> None:
     """Largest move of an output peak between two consecutive observed steps up to ``first`` (into a non-finite peak
     on the first bad step: the headroom it had, a lower bound). The module named is the first, in execution order,
     whose move on that step was at least half the largest: the modules after it carried its values. Only a move the
@@ -289,7 +275,7 @@ def _jump(run: RunView, first: int, bad: np.ndarray, b: Blowup) -> None:
         [formats.get(str(d)).max if d in formats.DTYPE_FORMATS else np.nan for d in acts["dtype"]], dtype=np.float64
     )
     not_root = (acts["path"] != ROOT).to_numpy(bool)
-    best = None  # ((move, not root), site, row index, peak before)
+    best: tuple[tuple[float, bool], str, int, float, float] | None = None  # ((move, not root), site, row, peak before)
     prev_row = None  # the last row of the block before (the pair across two blocks)
     for lo, pk in _peak_blocks(run, rows, 3):
         n = min(CHUNK, len(rows) - lo)
@@ -370,7 +356,7 @@ def _flat_and_growth(run: RunView, first: int, b: Blowup) -> None:
     b.growth, b.growth_site, b.growth_steps = float(g[j]), str(acts["path"].iloc[j]), [int(at_start[j]), int(at_end[j])]
 
 
-def finite_blowup(run: RunView) -> dict | None:
+def finite_blowup(run: RunView) -> Trend | None:
     """A run that diverged without a single non-finite value (FP32 and BF16 hold a blown-up loss): its loss over
     the second half of the run stayed at FINITE_RISE x where it started. None otherwise."""
     st = run.steps
@@ -402,7 +388,7 @@ def finite_blowup(run: RunView) -> dict | None:
     }
 
 
-def _overflow_growth(run: RunView, bad: np.ndarray, first: int, end: int) -> float:
+def _overflow_growth(run: RunView, bad: BoolArray, first: int, end: int) -> float:
     """A lower bound on how much the largest gradient grew: a step whose gradients overflowed at scale S held a
     gradient >= 65504 / S, against the largest gradient of the clean steps before the first non-finite one (the
     replay's definition of the largest unscaled gradient). NaN without a scaler or a clean start."""
@@ -419,7 +405,7 @@ def _overflow_growth(run: RunView, bad: np.ndarray, first: int, end: int) -> flo
     return float(max(bounds) / start.max()) if bounds else math.nan
 
 
-def _reference_diverged(ref, min_loss_rise: float) -> bool | None:
+def _reference_diverged(ref: RunView | None, min_loss_rise: float) -> bool | None:
     """Did the reference run diverge too? None without one."""
     if ref is None:
         return None
@@ -542,7 +528,7 @@ def _ratio_at(run: RunView, b: Blowup | None, lr: float | None) -> float | None:
     return b.update_ratio * lr / then
 
 
-def _lr_before(run: RunView, t: dict) -> float | None:
+def _lr_before(run: RunView, t: Trend) -> float | None:
     """The learning rate in force when the run blew up (the last one logged before the blow-up step)."""
     lrs = run.steps["lr"].to_numpy(float)
     at = min(int(np.searchsorted(run.steps["step"].to_numpy(int), t["blowup_step"])), len(lrs) - 1)
@@ -553,4 +539,5 @@ def _lr_before(run: RunView, t: dict) -> float | None:
 def _round_down(x: float) -> float:
     """One significant digit, rounded down (0.0089 -> 0.008): a learning rate to paste."""
     e = math.floor(math.log10(x))
-    return math.floor(x / 10**e) * 10**e
+    unit: float = 10**e  # (an int for e >= 0, as before)
+    return math.floor(x / unit) * unit

@@ -8,13 +8,15 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pandas as pd
 
 from .. import formats
 from ..trace.schema import ROOT
 from . import advice as A
 from .fix import code, text
 from .policy import NORM_TYPES
-from .result import Diagnosis, RunView, finding
+from .result import Diagnosis, Evidence, finding
+from .runview import FloatArray, RunView
 
 # A module whose finite outputs stayed 8 binades (256x) under its format's max did not overflow them.
 MIN_HEADROOM_BINADES = 8.0
@@ -26,7 +28,7 @@ VARIANCE_EPS = 1e-5
 NORM_EPS = 1e-4
 
 
-def same_module(own, division) -> bool:
+def same_module(own: Diagnosis, division: Diagnosis) -> bool:
     """Suppression (registry): the module forward-overflow (or loss-scale-collapse) names is this division's."""
     return division.evidence["module"] in (own.evidence.get("module"), own.evidence.get("cause_module"))
 
@@ -39,7 +41,9 @@ def division_by_zero(
         return None
     acts = run.sites("act")
     paths = acts["path"].tolist()
-    found = []
+    found: list[
+        tuple[str, int, int | None, list[int], Evidence]
+    ] = []  # (module, column, input column, steps, evidence)
     for path in o.counts.index:
         path = str(path)
         if path not in paths:
@@ -142,13 +146,18 @@ def _input_of(paths: list[str], j: int) -> int | None:
     return None
 
 
-def _division(run: RunView, acts, j: int, i: int | None, steps: list[int], min_headroom: float) -> dict | None:
+def _division(
+    run: RunView, acts: pd.DataFrame, j: int, i: int | None, steps: list[int], min_headroom: float
+) -> Evidence | None:
     """The evidence that module ``j`` divided by 0 on ``steps`` (full statistics), or None."""
     full = set(run.full_steps.tolist())
     rows = [s for s in steps if s in full]
     if not rows or i is None:
         return None
-    rec = lambda f, col: run.at(f, "act", rows)[:, col]  # noqa: E731
+
+    def rec(f: str, col: int) -> FloatArray:
+        return run.at(f, "act", rows)[:, col]
+
     nan, inf, out_max = rec("nan", j), rec("inf", j), rec("absmax", j)
     in_zeros, in_max, in_min = rec("zeros", i), rec("absmax", i), rec("minabs", i)
     if not (np.isfinite(in_max).all() and (rec("nan", i) == 0).all() and (rec("inf", i) == 0).all()):
@@ -194,6 +203,6 @@ def _division(run: RunView, acts, j: int, i: int | None, steps: list[int], min_h
     }
 
 
-def _normalisation(acts, j: int) -> bool:
+def _normalisation(acts: pd.DataFrame, j: int) -> bool:
     mtype, path = str(acts["module_type"].iloc[j]), str(acts["path"].iloc[j])
     return mtype in NORM_TYPES or "norm" in mtype.lower() or "norm" in path.rsplit(".", 1)[-1].lower()

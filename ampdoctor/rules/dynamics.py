@@ -12,7 +12,8 @@ from ..lossscale import TORCH_DEFAULTS
 from ..trace.reduce import theil_sen
 from . import advice as A
 from .fix import code, text
-from .result import finding
+from .result import Diagnosis, Evidence, finding
+from .runview import FloatArray, IntArray, RunView
 from .scaling import MAX_SKIP_SHARE, forward_nonfinite_steps, grad_out_peaks
 
 FP16 = formats.FP16
@@ -44,20 +45,20 @@ LATE_SKIP_FACTOR = 2.0
 TARGET_SKIP_SHARE = 1 / 500
 
 
-def _trend(y: np.ndarray, x: np.ndarray) -> tuple[float, float, float]:
+def _trend(y: FloatArray, x: IntArray) -> tuple[float, float, float]:
     """(slope, low, high): Theil-Sen slope of y over x (sorted) with its confidence interval; past 2,048 points,
     over the medians of 2,048 runs of consecutive points (reduce.theil_sen)."""
     return theil_sen(y, x, alpha=CONFIDENCE)
 
 
-def _log_loss(run) -> tuple[np.ndarray, np.ndarray]:
+def _log_loss(run: RunView) -> tuple[IntArray, FloatArray]:
     st = run.steps
     loss = st["loss"].to_numpy(float)
     ok = np.isfinite(loss) & (loss > 0)
     return st["step"].to_numpy(int)[ok], np.log(loss[ok])
 
 
-def trend_break(run, late_share: float = LATE_SHARE, min_worsening: float = MIN_WORSENING) -> dict | None:
+def trend_break(run: RunView, late_share: float = LATE_SHARE, min_worsening: float = MIN_WORSENING) -> Evidence | None:
     """The late loss trend is worse than the earlier one *and* the run degrades over the late segment: it falls
     further behind the reference run (log-loss gap rising) or, without a reference, its own loss rises."""
     steps, y = _log_loss(run)
@@ -68,7 +69,7 @@ def trend_break(run, late_share: float = LATE_SHARE, min_worsening: float = MIN_
     if not late[1] > early[2]:
         return None  # the late trend is not worse than the earlier one
     span = float(steps[-1] - steps[cut])
-    out = {
+    out: Evidence = {
         "break_step": int(steps[cut]),
         "early_slope": early[0],
         "late_slope": late[0],
@@ -102,7 +103,9 @@ def trend_break(run, late_share: float = LATE_SHARE, min_worsening: float = MIN_
     return out
 
 
-def stuck_scale(run, cut_step: int, min_decline: float = MIN_DECLINE, min_headroom: float = MIN_HEADROOM):
+def stuck_scale(
+    run: RunView, cut_step: int, min_decline: float = MIN_DECLINE, min_headroom: float = MIN_HEADROOM
+) -> Evidence | None:
     """Dynamic (a): the scale did not grow over the late segment while the unscaled gradients fell into the FP16
     underflow range. Returns the evidence and the growth interval that keeps up with the decline, or None."""
     st = run.steps
@@ -151,7 +154,7 @@ def stuck_scale(run, cut_step: int, min_decline: float = MIN_DECLINE, min_headro
     }
 
 
-def skip_cycles(run, cut_step: int, max_skip_share: float = MAX_SKIP_SHARE):
+def skip_cycles(run: RunView, cut_step: int, max_skip_share: float = MAX_SKIP_SHARE) -> Evidence | None:
     """Dynamic (b): repeated overflow/skip cycles in the late segment: the scale regrows and overflows again."""
     st = run.steps
     late = st["step"].to_numpy(int) >= cut_step
@@ -181,7 +184,9 @@ def skip_cycles(run, cut_step: int, max_skip_share: float = MAX_SKIP_SHARE):
     }
 
 
-def explain(run, cut_step: int, min_decline: float = MIN_DECLINE, min_headroom: float = MIN_HEADROOM) -> dict | None:
+def explain(
+    run: RunView, cut_step: int, min_decline: float = MIN_DECLINE, min_headroom: float = MIN_HEADROOM
+) -> Evidence | None:
     """Which scaler dynamic of an FP16 + GradScaler run explains a late break, with the setting that fixes it."""
     if not (run.fp16 and run.scaler_on):
         return None
@@ -189,8 +194,13 @@ def explain(run, cut_step: int, min_decline: float = MIN_DECLINE, min_headroom: 
 
 
 def late_degradation(
-    run, *, late_share=LATE_SHARE, min_worsening=MIN_WORSENING, min_decline=MIN_DECLINE, min_headroom=MIN_HEADROOM
-):
+    run: RunView,
+    *,
+    late_share: float = LATE_SHARE,
+    min_worsening: float = MIN_WORSENING,
+    min_decline: float = MIN_DECLINE,
+    min_headroom: float = MIN_HEADROOM,
+) -> Diagnosis | None:
     if not (run.fp16 and run.scaler_on):
         return None  # the dynamics below are those of an FP16 loss scaler
     brk = trend_break(run, late_share, min_worsening)

@@ -11,11 +11,13 @@ side: no torch import.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
 from functools import cached_property
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 import pandas as pd
 
 from .. import formats
@@ -23,6 +25,13 @@ from ..trace import Trace, TraceError
 from ..trace.view import View
 from . import registry
 from .result import Diagnosis, Rule, python_values, rule_error, worst_first
+from .runview import Blowup, FloatArray, IntArray, Origins, WeightFault
+
+if TYPE_CHECKING:
+    from ..lossscale import GradientPeaks, Suggestion
+
+# What ``diagnose(rules=...)`` takes per rule id: threshold overrides, or None/False to hide the rule (True: as is).
+RuleOptions = dict[str, "dict[str, float] | bool | None"]
 
 
 class Selected(NamedTuple):
@@ -30,7 +39,7 @@ class Selected(NamedTuple):
     rule the user disabled is still computed where another rule's findings are suppressed by it)."""
 
     rule: Rule
-    over: dict
+    over: dict[str, float]
     shown: bool = True
 
 
@@ -38,18 +47,20 @@ class Run:
     """What rules read: a trace plus cached views of it (steps, sites, per-site arrays, configuration), read through a
     trace.view.View: bounded samples of the full-statistics and histogram steps, one pass over the peaks."""
 
-    def __init__(self, trace: Trace, reference: Run | None = None, rules: dict | list | None = None):
+    def __init__(
+        self, trace: Trace, reference: Run | None = None, rules: RuleOptions | list[Selected] | None = None
+    ) -> None:
         self.trace = trace
         self.view = View(trace)
         self.reference = reference  # a second run to compare with (slow-convergence)
-        self._records: dict = {}
+        self._records: dict[tuple[str, str], FloatArray] = {}
         self.ranks: dict[int, Run] = {}  # every rank of the run, self included, for the rank rules
         # rules: {id: thresholds or None} as diagnose() takes it, or resolve_rules()'s list
         selected = rules if isinstance(rules, list) else resolve_rules(rules)
         self._selected = {s.rule.id: Selected(*s) for s in selected}
         self._results: dict[str, list[Diagnosis]] = {}
         self.errors: dict[str, Diagnosis] = {}  # rule id -> the notice shown in place of a rule that raised
-        self._running: set = set()
+        self._running: set[str] = set()
 
     # -- rules over this run ----------------------------------------------------------------------------------------
     def findings_of(self, rule_id: str) -> list[Diagnosis]:
@@ -86,18 +97,19 @@ class Run:
         entry = self._selected.get(rule_id)
         rule = entry.rule if entry is not None else registry.RULES[rule_id]
         over = entry.over if entry is not None else {}
-        return over.get(name, rule.thresholds[name])
+        value: float = over.get(name, rule.thresholds[name])
+        return value
 
     # -- the gradient evidence the rules share with the replay (one definition) --------------------------------------
     @cached_property
-    def gradient_peaks(self):
+    def gradient_peaks(self) -> GradientPeaks:
         """replay.GradientPeaks of this run: the largest unscaled gradients, as the replay reads them."""
         from ..lossscale import gradient_peaks
 
         return gradient_peaks(self.view)
 
     @cached_property
-    def suggestion(self):
+    def suggestion(self) -> Suggestion | None:
         """replay.suggest over this run: the scaler settings every rule that suggests a scale quotes; None when the
         replay cannot start from the scaler settings the trace records (out of range: a rule that needs it then
         has no evidence, and says nothing)."""
@@ -114,30 +126,32 @@ class Run:
         return self.view.steps
 
     @property
-    def meta(self) -> dict:
+    def meta(self) -> dict[str, Any]:
         return self.view.meta
 
     @property
-    def config(self) -> dict:
-        return self.meta.get("config", {}) or {}
+    def config(self) -> dict[str, Any]:
+        config: dict[str, Any] = self.meta.get("config", {}) or {}
+        return config
 
     @property
-    def info(self) -> dict:
-        return self.meta.get("run", {}) or {}
+    def info(self) -> dict[str, Any]:
+        info: dict[str, Any] = self.meta.get("run", {}) or {}
+        return info
 
     def sites(self, kind: str) -> pd.DataFrame:
         return self.view.sites(kind)
 
     @property
-    def stat_steps(self) -> np.ndarray:
+    def stat_steps(self) -> IntArray:
         """The full-statistics steps the rules read statistics at (all of them, or View.MAX_STEPS evenly spaced)."""
         return self.view.stat_steps
 
-    def stat(self, fld: str, kind: str) -> np.ndarray:
+    def stat(self, fld: str, kind: str) -> FloatArray:
         """[stat_steps x sites] of one full statistic (NaN where a site has none at a step)."""
         return self.view.stat(fld, kind)
 
-    def records(self, fld: str, kind: str) -> np.ndarray:
+    def records(self, fld: str, kind: str) -> FloatArray:
         """[steps x sites] of one statistic, aligned with ``steps``: a trace still being written may have grown
         between the two reads, so rows are cut (or NaN-padded) to the steps this view holds. Dense: for short runs
         (the rules read ``stat`` and ``view.scan`` instead)."""
@@ -152,12 +166,12 @@ class Run:
             self._records[key] = arr
         return self._records[key]
 
-    def at(self, fld: str, kind: str, steps) -> np.ndarray:
+    def at(self, fld: str, kind: str, steps: Iterable[int] | npt.ArrayLike) -> FloatArray:
         """[len(steps) x sites] of one statistic at these steps (NaN where none, or beyond the steps this view
         holds): what a rule reads around given steps of a run of any length."""
-        steps = np.asarray(steps, dtype=np.int64)
-        out = self.trace.records(fld, kind, steps=steps)
-        out[steps >= self.n_steps] = np.nan
+        rows = np.asarray(steps, dtype=np.int64)
+        out: FloatArray = self.trace.records(fld, kind, steps=rows)
+        out[rows >= self.n_steps] = np.nan
         return out
 
     @cached_property
@@ -174,7 +188,7 @@ class Run:
         return self.trace.metrics()
 
     @property
-    def full_steps(self) -> np.ndarray:
+    def full_steps(self) -> IntArray:
         """Every step with full statistics."""
         return self.view.full_steps
 
@@ -184,12 +198,14 @@ class Run:
         return len(self.steps)
 
     @property
-    def autocast(self) -> dict:
-        return self.config.get("autocast", {}) or {}
+    def autocast(self) -> dict[str, Any]:
+        autocast: dict[str, Any] = self.config.get("autocast", {}) or {}
+        return autocast
 
     @property
-    def scaler(self) -> dict:
-        return self.config.get("scaler") or {}
+    def scaler(self) -> dict[str, Any]:
+        scaler: dict[str, Any] = self.config.get("scaler") or {}
+        return scaler
 
     @property
     def scaler_on(self) -> bool:
@@ -200,7 +216,7 @@ class Run:
         """The reduced dtype the model computed in (autocast dtype, else the dominant half activation dtype)."""
         ac = self.autocast
         if ac.get("enabled") and ac.get("dtype") in formats.REDUCED:
-            return ac["dtype"]
+            return str(ac["dtype"])
         acts = self.sites("act")
         half = acts[acts["dtype"].isin(formats.REDUCED)]
         if len(half):
@@ -212,7 +228,7 @@ class Run:
         return self.compute_dtype == "float16"
 
     @cached_property
-    def module_types(self) -> dict:
+    def module_types(self) -> dict[str, str]:
         """module path -> module class name (from the activation sites)."""
         acts = self.sites("act")
         return dict(zip(acts["path"], acts["module_type"]))
@@ -227,18 +243,18 @@ class Run:
         return bool(self.info.get("bf16_supported", self.device == "cpu"))
 
     @property
-    def capability(self) -> tuple | None:
+    def capability(self) -> tuple[int, ...] | None:
         cap = self.info.get("capability")
         return tuple(cap) if cap else None
 
     # -- helpers -------------------------------------------------------------------------------------------------
-    def step_range(self, steps) -> list:
-        steps = [int(s) for s in steps]
-        return [min(steps), max(steps)] if steps else []
+    def step_range(self, steps: Iterable[Any]) -> list[int]:
+        ints = [int(s) for s in steps]
+        return [min(ints), max(ints)] if ints else []
 
     # -- evidence several rules read (computed once, with the thresholds of the rule it belongs to) ------------------
     @cached_property
-    def weight_faults(self) -> dict:
+    def weight_faults(self) -> dict[str, WeightFault]:
         """Weight matrices whose RMS is far off 1/sqrt(fan_in) at their first record (grad-range-anomaly's
         ``weight_decades``): parameter path -> {"rms", "fan_in_rms", "ratio", "module"}."""
         from .weights import weight_faults
@@ -246,7 +262,7 @@ class Run:
         return weight_faults(self, self.threshold("grad-range-anomaly", "weight_decades"))
 
     @cached_property
-    def blowup(self):
+    def blowup(self) -> Blowup | None:
         """What the updates did to the weights before the first non-finite step (divergence.Blowup; None without
         non-finite steps after a finite start), with divergence's thresholds: divergence decides by it, and
         forward-overflow says when it points that way without deciding."""
@@ -256,26 +272,38 @@ class Run:
         return blowup(self, **{n: self.threshold("divergence", n) for n in names})
 
     @cached_property
-    def overflow_origins(self):
+    def overflow_origins(self) -> Origins | None:
         """The forward overflows of this run traced back to the modules that produced the values
-        (overflow.Origins; None without a forward non-finite event)."""
+        (overflow.origins; None without a forward non-finite event)."""
         from .overflow import origins
 
         return origins(self)
 
+    @cached_property
+    def replays(self) -> list[dict[str, Any]]:
+        """The replay events' data, one per replayed step (anomaly.replay_data)."""
+        from .anomaly import replay_data
 
-def resolve_rules(rules: dict | None) -> list[Selected]:
+        return replay_data(self.trace)
+
+    @cached_property
+    def probes(self) -> pd.DataFrame:
+        """The run's probe table (Trace.probes), read once."""
+        return self.trace.probes()
+
+
+def resolve_rules(rules: RuleOptions | None) -> list[Selected]:
     """Every registry entry with its threshold overrides; ``rules={id: None}`` (or False) hides a rule's findings
     (``shown`` False: it is computed only where another rule is suppressed by it)."""
     if rules is not None and not isinstance(rules, dict):
         raise TypeError(f"Argument rules should be of type dict, but given {type(rules)}")
-    rules = dict(rules or {})
-    unknown = [k for k in rules if k not in registry.RULES]
+    options = dict(rules or {})
+    unknown = [k for k in options if k not in registry.RULES]
     if unknown:
         raise ValueError(f"Unknown rule id {unknown[0]!r}; known: {', '.join(registry.RULES)}")
     out = []
     for rid, rule in registry.RULES.items():
-        over = rules.get(rid, {})
+        over = options.get(rid, {})
         if over is None or over is False:
             out.append(Selected(rule, {}, False))
             continue
@@ -291,7 +319,7 @@ def resolve_rules(rules: dict | None) -> list[Selected]:
     return out
 
 
-def run_rule(rule: Rule, run: Run, over: dict) -> tuple[list[Diagnosis], Diagnosis | None]:
+def run_rule(rule: Rule, run: Run, over: dict[str, float]) -> tuple[list[Diagnosis], Diagnosis | None]:
     """The one place a rule runs: (its findings with its id and plain evidence, no evidence no finding; None), or
     for a rule that raised ([], the notice shown in its place): one rule never takes the whole diagnosis down."""
     try:

@@ -3,6 +3,7 @@ them); the CLI, the dashboard, the report and the live log render these parts, n
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 KINDS = ("text", "code")
@@ -15,7 +16,7 @@ class Part:
     kind: str
     text: str
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"Argument kind should be one of {', '.join(KINDS)}, but given {self.kind!r}")
 
@@ -30,12 +31,12 @@ def code(*lines: str) -> Part:
     return Part("code", "\n".join(lines))
 
 
-def plain(parts) -> str:
+def plain(parts: Iterable[Part]) -> str:
     """The parts as one plain text, one part after the other (``Diagnosis.recommendation``)."""
     return "\n".join(p.text for p in parts)
 
 
-def of(value) -> list:
+def of(value: str | Iterable[Part | Mapping[str, str]] | None) -> list[Part]:
     """Parts from what a rule or a JSON file gives: Parts, {"kind", "text"} dicts, or a plain string (one text)."""
     if isinstance(value, str):
         return [text(value)] if value else []

@@ -10,13 +10,18 @@ end of whatif's interval: no guess about the binade a boundary cuts).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
+from typing import TypedDict
 
 import numpy as np
 
 from .. import whatif as W
+from ..trace import Trace
+from ..trace.view import View
 from . import advice as A
-from .fix import code, text
-from .result import finding
+from .fix import Part, code, text
+from .result import Diagnosis, finding
+from .runview import IntArray, RunView
 
 # 1% of a tensor's non-zero values clipped or zeroed: beyond the loss FP8's 3-bit (E4M3) rounding already brings
 # (relative error up to 6%), and well above the ~1e-5 a Gaussian tensor's tail below amax * 2^-18 holds.
@@ -28,7 +33,29 @@ HISTORIES = (1, 16, 128, W.HISTORY)
 MARGINS = (0, 1, 2, 3, 4)
 
 
-def _lost(out: dict, sites: np.ndarray, name: str) -> tuple[dict, dict, dict]:
+class Recipe(TypedDict):
+    """A delayed-scaling recipe for one site and the share it would lose there."""
+
+    format: str
+    history: int
+    margin: int
+    lost: float
+
+
+class SiteLoss(TypedDict):
+    """A site that loses under the default recipe (``assess``): its shares lost, and the best recipe for it."""
+
+    path: str
+    kind: str
+    format: str
+    lost: float
+    saturated: float
+    flushed: float
+    best: Recipe
+    kept: bool
+
+
+def _lost(out: W.Columns, sites: IntArray, name: str) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
     """site -> the median over its judged rows of the share certainly lost in ``name`` (saturated + flushed), and of
     the saturated and the flushed shares apart (sites without a judged row are left out)."""
     keep = W.judged_mask(out)
@@ -39,11 +66,11 @@ def _lost(out: dict, sites: np.ndarray, name: str) -> tuple[dict, dict, dict]:
     )
 
 
-def assess(tr, kinds=("act", "grad_out"), min_lost: float = MIN_LOST) -> list[dict]:
+def assess(tr: Trace | View, kinds: Sequence[str] = ("act", "grad_out"), min_lost: float = MIN_LOST) -> list[SiteLoss]:
     """The sites that lose at least ``min_lost`` under the default recipe, with their best (format, history,
     margin) and the share lost there. Every site of a kind at once (its histogram rows as read, one what-if over all
     of them); the recipe search only over the sites that lose."""
-    out = []
+    out: list[SiteLoss] = []
     for kind in kinds:
         inp = W.Inputs(tr, kind)
         h = inp.rows()
@@ -59,19 +86,20 @@ def assess(tr, kinds=("act", "grad_out"), min_lost: float = MIN_LOST) -> list[di
         if not losing:
             continue
         sub = inp.rows([int(s.id) for s in sorted(losing, key=lambda s: s.id)])
-        search = {}
+        search: dict[tuple[int, int], dict[str, dict[int, float]]] = {}
         for hist, m in itertools.product(HISTORIES, MARGINS):
             rows = W.whatif_rows(inp, sub, hist, m)
             search[(hist, m)] = {fmt: _lost(rows, sub.site, fmt)[0] for fmt in ("e4m3", "e5m2")}
         for s in losing:
             sid = int(s.id)
-            best = None
+            best: tuple[tuple[float, bool, int, int], Recipe] | None = None
             for hist, m in itertools.product(HISTORIES, MARGINS):
                 for fmt in ("e4m3", "e5m2"):
                     v = float(search[(hist, m)][fmt].get(sid, float("nan")))
                     key = (v, fmt != name, m, -hist)  # least lost; then the recipe's own format, small margin
                     if best is None or key < best[0]:
                         best = (key, {"format": fmt, "history": hist, "margin": m, "lost": v})
+            assert best is not None  # (HISTORIES and MARGINS are not empty)
             out.append(
                 {
                     "path": s.path,
@@ -95,7 +123,7 @@ def _recipe(hist: int, margin: int, fmt: str) -> str:
     )
 
 
-def fp8_readiness(run, *, min_lost=MIN_LOST):
+def fp8_readiness(run: RunView, *, min_lost: float = MIN_LOST) -> Diagnosis | None:
     rows = assess(run.view, min_lost=min_lost)
     if not rows:
         return None
@@ -117,7 +145,7 @@ def fp8_readiness(run, *, min_lost=MIN_LOST):
         f"{worst['path']} ({worst['kind']}, {worst['format'].upper()}): {A.pct(worst['lost'])} "
         f"({A.pct(worst['saturated'])} saturated, {A.pct(worst['flushed'])} flushed to zero)."
     )
-    fix = []
+    fix: list[Part] = []
     if kept:
         # the settings that keep the most of them, as one recipe (histories and margins are per recipe, not layer)
         choice = max(

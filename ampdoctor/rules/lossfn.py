@@ -9,13 +9,15 @@ import math
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
 from .. import formats
 from ..trace.schema import ROOT
 from . import advice as A
 from .fix import Part, code, text
 from .policy import SOFTMAX_TYPES
-from .result import Diagnosis, RunView, finding
+from .result import Diagnosis, Evidence, finding
+from .runview import RunView
 from .scaling import output_gradient_steps
 
 FP16 = formats.FP16
@@ -29,12 +31,12 @@ CRITICAL_SHARE = 0.5
 MIN_GRADIENT_STEPS = 2
 
 
-def collapse_from_loss(own, theirs) -> bool:
+def collapse_from_loss(own: Diagnosis, theirs: Diagnosis) -> bool:
     """Suppression (registry): a loss scale collapsing because the loss function keeps producing Inf/NaN."""
-    return own.evidence.get("cause_origin") == "loss"
+    return bool(own.evidence.get("cause_origin") == "loss")
 
 
-def skips_from_loss(own, theirs) -> bool:
+def skips_from_loss(own: Diagnosis, theirs: Diagnosis) -> bool:
     """Suppression (registry): early skips that are, for the most part, the loss function's overflows (its gradient
     at the model's output), not a too-high initial scale: they recur at every scale the scaler falls to."""
     skipped = set(own.evidence.get("skipped_steps", []))
@@ -104,10 +106,11 @@ def _observed_bad(run: RunView) -> list[int]:
     st = run.steps
     bad = st["skipped"].to_numpy(bool) | st["nonfinite"].to_numpy(bool)
     seen = st["level"].fillna(-1).to_numpy(float) >= 0
-    return st.loc[bad & seen, "step"].astype(int).tolist()
+    observed: list[int] = st.loc[bad & seen, "step"].astype(int).tolist()
+    return observed
 
 
-def _output(run: RunView, steps: list[int]) -> dict:
+def _output(run: RunView, steps: list[int]) -> Evidence:
     """The model's output on those steps: path, dtype, largest |value|, share of exact zeros, a probability?"""
     acts = run.sites("act")
     paths = acts["path"].tolist()
@@ -161,7 +164,7 @@ def _output(run: RunView, steps: list[int]) -> dict:
     return out
 
 
-def _last_leaf(paths: list[str], acts) -> str | None:
+def _last_leaf(paths: list[str], acts: pd.DataFrame) -> str | None:
     """The last module to complete that is not a container of others (its output is the model's, for a
     Sequential-style model)."""
     for p in reversed(paths):
@@ -170,7 +173,9 @@ def _last_leaf(paths: list[str], acts) -> str | None:
     return None
 
 
-def _mechanism(run: RunView, setup, out: dict, loss_dtype, value: list, grad: list) -> tuple[str, str, bool, list]:
+def _mechanism(
+    run: RunView, setup: A.Setup, out: Evidence, loss_dtype: str | None, value: list[int], grad: list[int]
+) -> tuple[str, str, bool, list[Part]]:
     """(mechanism, the evidence that decided it, sure?, fix parts)."""
     half_out = out["dtype"] in formats.REDUCED
     peak = out["peak"]

@@ -10,18 +10,18 @@ from ..severity import RANK
 from ..trace import Trace, TraceError
 from ..trace.run import RankRun
 from . import engine
-from .engine import Run, Selected, run_rule
+from .engine import RuleOptions, Run, Selected, run_rule
 from .result import Diagnosis, worst_first
 
 
-def reference_for(ref, rank: int):
+def reference_for(ref: Trace | RankRun | None, rank: int) -> Trace | None:
     """The reference trace for one rank: the same rank of a reference run, else its lowest rank."""
     if isinstance(ref, RankRun):
         return ref.traces.get(rank) or next(iter(ref))
     return ref
 
 
-def diagnose_ranks(tr, ref, selected: list[Selected]) -> list[Diagnosis]:
+def diagnose_ranks(tr: Trace | RankRun, ref: Trace | RankRun | None, selected: list[Selected]) -> list[Diagnosis]:
     """Findings of a RankRun (or of one Trace against a reference run), worst first."""
     selected = [Selected(*s) for s in selected]
     if isinstance(tr, Trace):
@@ -60,7 +60,7 @@ def _across(runs: dict[int, Run], selected: list[Selected]) -> list[Diagnosis]:
     return out
 
 
-def rank_findings(rr: RankRun, rules: dict | None = None) -> list[Diagnosis]:
+def rank_findings(rr: RankRun, rules: RuleOptions | None = None) -> list[Diagnosis]:
     """Only the rank rules over a RankRun (the dashboard adds them to each rank's own findings)."""
     selected = [s for s in engine.resolve_rules(rules) if s.rule.scope == "ranks" and s.shown]
     with contextlib.ExitStack() as stack:
@@ -76,7 +76,7 @@ def rank_findings(rr: RankRun, rules: dict | None = None) -> list[Diagnosis]:
 def _merge(found: list[tuple[int, Diagnosis]]) -> list[Diagnosis]:
     """One finding per rule, title and culprit layers: the worst rank's (lowest rank on a tie), naming every
     rank it fired on; its evidence is that rank's, and says so."""
-    groups: dict[tuple, list[tuple[int, Diagnosis]]] = {}
+    groups: dict[tuple[str, str, tuple[str, ...]], list[tuple[int, Diagnosis]]] = {}
     for rank, d in found:
         groups.setdefault((d.rule, d.title, tuple(map(str, d.layers))), []).append((rank, d))
     out = []

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -13,7 +12,8 @@ from ..trace.schema import ROOT, observed_ancestor
 from . import advice as A
 from . import anomaly
 from .fix import text
-from .result import Diagnosis, RunView, finding
+from .result import Diagnosis, finding
+from .runview import FloatArray, Origins, RunView
 
 # Critical when at least this share of steps had a non-finite forward: the run is then mostly skipped or NaN.
 CRITICAL_SHARE = 0.5
@@ -22,18 +22,6 @@ CRITICAL_SHARE = 0.5
 def _looks_like_attention(path: str, mtype: str) -> bool:
     text = f"{path} {mtype}".lower()
     return "attn" in text or "attention" in text
-
-
-@dataclass
-class Origins:
-    """The forward overflows of a run traced back to the module that produced the values (shared through
-    ``Run.overflow_origins``: loss-scale-collapse counts a tipping module's steps as its producer's)."""
-
-    events: pd.DataFrame  # the forward non-finite events (phase "fwd"), less those of weights an update made NaN
-    counts: pd.DataFrame  # per module: how many steps, first and last step (most steps first)
-    culprit: str  # the producer behind the most overflowing steps
-    tipped: list[str]  # modules that only tipped the culprit's near-limit values over
-    operations: list = None  # the replays' operations (dicts with their producers) on these steps, if any
 
 
 def origins(run: RunView) -> Origins | None:
@@ -62,18 +50,18 @@ def origins(run: RunView) -> Origins | None:
     ops = [r for r in anomaly.replays(run) if r["step"] in steps and (r.get("operation") or {}).get("phase") == "fwd"]
     if ops:
         paths = set(acts["path"])
-        made = [observed_ancestor(anomaly.where_made(r)["module"], paths) for r in ops]
+        made = [observed_ancestor((anomaly.where_made(r) or r["operation"])["module"], paths) for r in ops]
         culprit = max(set(made), key=made.count)
         seen = {observed_ancestor(r["operation"]["module"], paths) for r in ops} - {culprit}
         tipped = [p for p in seen if not culprit.startswith(p + ".") and p != ROOT]
     return Origins(fwd, counts, culprit, tipped, ops)
 
 
-def after_blowup(own, divergence) -> bool:
+def after_blowup(own: Diagnosis, divergence: Diagnosis) -> bool:
     """Suppression (registry): an overflow that starts at or after the first non-finite step of a diverged run is
     the blow-up's symptom, divergence's finding."""
     first = divergence.evidence.get("first_nonfinite_step")
-    return first is not None and own.evidence["first_overflow_step"] >= first
+    return first is not None and bool(own.evidence["first_overflow_step"] >= first)
 
 
 def forward_overflow(run: RunView, *, min_steps: int = 1, critical_share: float = CRITICAL_SHARE) -> Diagnosis | None:
@@ -111,9 +99,10 @@ def forward_overflow(run: RunView, *, min_steps: int = 1, critical_share: float 
     where = culprit if not others else f"{culprit} (and {', '.join(others)}, which overflowed too)"
     setup = A.Setup.of(run)
     ops = o.operations or []
-    fixes, checked = _checked_fixes(run, ops, culprit)
-    kept = set(checked["keep"]["modules"]) if checked.get("keep") else set()
-    if not checked.get("keep_fp32_failed") and not kept >= {culprit, *others}:  # not printed twice
+    checked = anomaly.checked_fixes(run, ops, note_failed_keep=True)
+    fixes = checked.parts
+    kept = set(checked.keep["modules"]) if checked.keep else set()
+    if not checked.keep_fp32_failed and not kept >= {culprit, *others}:  # not printed twice
         fixes += [
             text(
                 f"Run {where} in FP32 inside autocast (loss scaling cannot fix a forward overflow; its FP32 "
@@ -139,7 +128,7 @@ def forward_overflow(run: RunView, *, min_steps: int = 1, critical_share: float 
                 "the weights (a change of the model) removes the cause."
             )
         ] + fixes
-    if dtype == "float16" and "bf16" not in checked:
+    if dtype == "float16" and checked.bf16 is None:
         fixes += A.bf16_note(setup)
     # Evidence that the updates, not the format, drove the values there, short of deciding it (divergence decides
     # where it is decisive and hides this finding): say so, and do not call the range the cause with certainty.
@@ -156,7 +145,7 @@ def forward_overflow(run: RunView, *, min_steps: int = 1, critical_share: float 
             )
         ] + fixes
     headroom = fmt.max / last_finite if last_finite else None
-    if last_finite:
+    if headroom:
         peak_text = (
             f"its largest finite output was {A.fmt_num(last_finite)} (step {peak_step}), "
             f"{headroom:.3g}x ({math.log2(headroom):.2f} binades) under the {fmt.name.upper()} max "
@@ -193,55 +182,18 @@ def forward_overflow(run: RunView, *, min_steps: int = 1, critical_share: float 
             "other_modules": {str(k): int(v) for k, v in counts["count"].items()},
             "doubt": doubt,
             "operation": op,
-            "checks": checked.get("all", []),
+            "checks": [c for r in ops for c in r.get("checks", [])],
         },
         fix=fixes,
     )
 
 
-def _checked_fixes(run: RunView, ops: list, culprit: str) -> tuple[list, dict]:
-    """What the replays tried on the failing steps: the fixes that removed the NaN/Inf there (printed first, each
-    with its step), and which ones did not (keep_fp32_failed: keep_fp32 of the culprit is then not printed as the
-    fix; "bf16" in the dict: BF16 was tried, so its untested note is not added)."""
-    out: dict = {"all": [c for r in ops for c in r.get("checks", [])]}
-    fixes: list = []
-    for r in ops:
-        keep = anomaly.passed(r, "keep_fp32")
-        if keep is not None and "keep" not in out:
-            out["keep"] = keep
-            fixes += [text(anomaly.keep_checked(r["step"], keep)), *A.keep_fp32(A.Setup.of(run), keep["modules"])]
-        tried = anomaly.failed(r, "keep_fp32")
-        if tried and keep is None and not out.get("keep_fp32_failed"):  # said once, at the first step tried
-            out["keep_fp32_failed"] = True
-            kept = "; ".join(" and ".join(t["modules"]) for t in tried)
-            why = (
-                "the forward was finite then, but the backward through the half-precision modules overflowed even "
-                "at a loss scale 2^16 times lower"
-                if tried[-1].get("forward_finite")
-                else "the modules after them cast the values back to half precision, or they are beyond any "
-                "format's reach"
-            )
-            fixes.append(
-                text(f"Keeping {kept} in FP32 was tried on step {r['step']} and did not remove the NaN/Inf ({why}).")
-            )
-        bf16 = [c for c in r.get("checks", []) if c.get("fix") == "bf16"]
-        if bf16 and "bf16" not in out:
-            out["bf16"] = bf16[0]["finite"]
-            note = A.bf16_note(A.Setup.of(run)) if bf16[0]["finite"] else []
-            if note:
-                lead = "Or, checked" if out.get("keep") else "Checked"  # an alternative to the FP32 module
-                fixes += [text(f"{lead} on step {r['step']}: finite in BF16 (FP32's exponent range):"), *note[1:]]
-    if out.get("keep") is not None:
-        out.pop("keep_fp32_failed", None)
-    return fixes, out
-
-
-def _producer(acts, top, counts, limit: float) -> tuple[str, list]:
+def _producer(acts: pd.DataFrame, top: FloatArray, counts: pd.DataFrame, limit: float) -> tuple[str, list[str]]:
     """(producer, modules that tipped its values over). From each module where an overflow showed, walk back in
     execution order through the modules whose finite outputs came within a binade of the limit: the earliest of that
     unbroken chain produced the values (a chain of one: the module itself). The producer behind the most overflowing
     steps is the culprit; the others that lead back to it only tipped its values over."""
-    paths = acts["path"].tolist()
+    paths: list[str] = acts["path"].tolist()
     top = np.where(np.isfinite(top), top, -1.0)  # per module: largest finite output (-1: none)
     where = {p: i for i, p in enumerate(paths)}
 
@@ -258,8 +210,8 @@ def _producer(acts, top, counts, limit: float) -> tuple[str, list]:
             producer = j
         return paths[producer]
 
-    steps: dict = {}
-    first: dict = {}
+    steps: dict[str, int] = {}
+    first: dict[str, int] = {}
     for path, row in counts.iterrows():
         o = origin(str(path))
         steps[o] = steps.get(o, 0) + int(row["count"])

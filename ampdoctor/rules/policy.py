@@ -4,11 +4,13 @@ half precision)."""
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 
 from .. import formats
 from . import advice as A
 from .fix import code, text
-from .result import Diagnosis, RunView, finding
+from .result import Diagnosis, finding
+from .runview import RunView
 
 NORM_TYPES = (
     "BatchNorm1d",
@@ -29,7 +31,7 @@ SOFTMAX_TYPES = ("Softmax", "LogSoftmax", "Softmin", "Softmax2d")
 MIN_SOFTMAX_UNDERFLOW = 0.01
 
 
-def _reduced_acts(run):
+def _reduced_acts(run: RunView) -> pd.DataFrame:
     acts = run.sites("act")
     return acts[acts["dtype"].isin(formats.REDUCED)]
 
@@ -153,7 +155,7 @@ def precision_policy(run: RunView, *, min_softmax_underflow: float = MIN_SOFTMAX
     )
 
 
-def _grouped(whats: list) -> list:
+def _grouped(whats: list[str]) -> list[str]:
     """Each distinct statement once, with how many modules it is true of ("... (6 modules)")."""
     counts = {w: whats.count(w) for w in dict.fromkeys(whats)}
     return [w if n == 1 else f"{w} ({n} modules)" for w, n in counts.items()]

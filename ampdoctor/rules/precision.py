@@ -5,7 +5,10 @@ the verdict over a run's probed steps and the finding."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+import pandas as pd
 
 from ..roundoff import (  # noqa: F401 (re-exported: the rule and its users read them here)
     MIN_RATIO,
@@ -20,32 +23,33 @@ from ..roundoff import (  # noqa: F401 (re-exported: the rule and its users read
 )
 from . import advice as A
 from .fix import code, text
-from .result import finding
+from .result import Diagnosis, finding
+from .runview import RunView
 
 # A layer is named when it exceeds the bound at at least half of the probed steps (one odd batch is not a layer).
 MIN_SHARE = 0.5
 
 
 # -- over a trace ------------------------------------------------------------------------------------------------
-def compute_dtype(run) -> str:
+def compute_dtype(run: RunView) -> str:
     return run.compute_dtype or "float16"
 
 
-def probes(run):
-    """The run's probe table (Trace.probes), read once per Run."""
-    if "_probes" not in run.__dict__:
-        run._probes = run.trace.probes()
-    return run._probes
+def probes(run: RunView) -> pd.DataFrame:
+    """The run's probe table (Trace.probes), read once per Run (``Run.probes``)."""
+    return run.probes
 
 
-def layer_verdicts(run, min_ratio: float = MIN_RATIO, min_share: float = MIN_SHARE) -> list[dict]:
+def layer_verdicts(run: RunView, min_ratio: float = MIN_RATIO, min_share: float = MIN_SHARE) -> list[dict[str, Any]]:
     """Per probed layer over the probed steps: median and worst error, bound, share of steps over the bound; the
-    named layers (``named``) worst first, then the rest."""
+    named layers (``named``) worst first, then the rest. Keys: path, module_type, k, bound, rel_err_median,
+    rel_err_max, max_err_median, ratio, share_over, probed_steps, steps ([first, last]), named. (Plain dicts: the
+    dashboard's probe_series hands them on as such.)"""
     pr = probes(run)
     if not len(pr):
         return []
     dtype = compute_dtype(run)
-    out = []
+    out: list[dict[str, Any]] = []
     for path, g in pr.groupby("path", sort=False):
         k = float(g["k"].max())
         b = bound(k, dtype)
@@ -72,7 +76,7 @@ def layer_verdicts(run, min_ratio: float = MIN_RATIO, min_share: float = MIN_SHA
     return sorted(out, key=lambda v: (not v["named"], -v["ratio"]))
 
 
-def measured_culprits(run) -> list[tuple[str, str]]:
+def measured_culprits(run: RunView) -> list[tuple[str, str]]:
     """(layer, why) for the layers the probe measured losing precision; for val-oscillation's blame."""
     return [
         (
@@ -95,7 +99,7 @@ def _convert(path: str, dtype: str) -> str:
     )
 
 
-def precision_loss(run, *, min_ratio=MIN_RATIO, min_share=MIN_SHARE):
+def precision_loss(run: RunView, *, min_ratio: float = MIN_RATIO, min_share: float = MIN_SHARE) -> Diagnosis | None:
     verdicts = layer_verdicts(run, min_ratio, min_share)
     named = [v for v in verdicts if v["named"]]
     if not named:

@@ -8,12 +8,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TypedDict
+
 import numpy as np
 import pandas as pd
 
 from . import advice as A
 from .fix import code, text
-from .result import finding
+from .result import Diagnosis, finding
+from .runview import RunView
 from .throughput import net_step_time
 
 # Steps with a non-finite forward or loss on some ranks only. One such step is already a fact worth reporting: a
@@ -34,12 +38,22 @@ SLOW_RATIO = 1.3
 COMPUTE_OVER_DATA = 2.0
 
 
-def _rank_label(ranks) -> str:
+class Medians(TypedDict):
+    """One rank's median step and data wait (seconds) after the warm-up (``_medians``)."""
+
+    step: float
+    data: float
+    samples: float | None
+    host: str | None
+    n: int
+
+
+def _rank_label(ranks: Iterable[int]) -> str:
     ranks = sorted(ranks)
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def _local_nonfinite(run) -> dict[int, str | None]:
+def _local_nonfinite(run: RunView) -> dict[int, str | None]:
     """Steps whose forward pass or loss was non-finite on this rank (step -> module where it started, None for
     the loss): what the rank itself produced. A gradient made non-finite by the all-reduce is not counted."""
     out: dict[int, str | None] = {}
@@ -54,7 +68,9 @@ def _local_nonfinite(run) -> dict[int, str | None]:
     return out
 
 
-def rank_nonfinite(run, *, min_steps=MIN_STEPS, critical_share=CRITICAL_SHARE):
+def rank_nonfinite(
+    run: RunView, *, min_steps: int = MIN_STEPS, critical_share: float = CRITICAL_SHARE
+) -> Diagnosis | None:
     if len(run.ranks) < 2:
         return None
     local = {r: _local_nonfinite(x) for r, x in run.ranks.items()}
@@ -119,7 +135,7 @@ def rank_nonfinite(run, *, min_steps=MIN_STEPS, critical_share=CRITICAL_SHARE):
     )
 
 
-def _scale_table(run) -> pd.DataFrame | None:
+def _scale_table(run: RunView) -> pd.DataFrame | None:
     """Per step (rows) and rank (columns): the loss scale after update(); None without a scaler on every rank."""
     cols = {}
     for r, x in sorted(run.ranks.items()):
@@ -130,7 +146,7 @@ def _scale_table(run) -> pd.DataFrame | None:
     return pd.DataFrame(cols).dropna()
 
 
-def rank_scale_divergence(run):
+def rank_scale_divergence(run: RunView) -> Diagnosis | None:
     if len(run.ranks) < 2:
         return None
     table = _scale_table(run)
@@ -144,7 +160,7 @@ def rank_scale_divergence(run):
     before = {r: float(run.ranks[r].steps.set_index("step")["loss_scale"].get(step, np.nan)) for r in ranks}
     after = {r: float(table.at[step, r]) for r in ranks}
     skipped = {r: bool(run.ranks[r].steps.set_index("step")["skipped"].get(step, False)) for r in ranks}
-    groups: dict[tuple, list[int]] = {}
+    groups: dict[tuple[float, bool], list[int]] = {}
     for r in ranks:
         groups.setdefault((after[r], skipped[r]), []).append(r)
     ordered = sorted(groups.values(), key=len)
@@ -203,7 +219,7 @@ def rank_scale_divergence(run):
     )
 
 
-def _medians(x, warmup: int) -> dict | None:
+def _medians(x: RunView, warmup: int) -> Medians | None:
     st = x.steps.iloc[warmup:]
     st = st.assign(gross=st["step_time"], step_time=net_step_time(st))  # ampdoctor's own time taken out
     st = st[np.isfinite(st["step_time"]) & (st["step_time"] > 0)]
@@ -220,14 +236,18 @@ def _medians(x, warmup: int) -> dict | None:
     }
 
 
-def rank_straggler(run, *, min_lag_share=MIN_LAG_SHARE, slow_ratio=SLOW_RATIO, warmup=WARMUP_STEPS):
+def rank_straggler(
+    run: RunView, *, min_lag_share: float = MIN_LAG_SHARE, slow_ratio: float = SLOW_RATIO, warmup: int = WARMUP_STEPS
+) -> Diagnosis | None:
     if len(run.ranks) < 2:
         return None
     med = {r: m for r, x in sorted(run.ranks.items()) if (m := _medians(x, warmup)) is not None}
     if len(med) < 2:
         return None
     step_all = float(np.median([m["step"] for m in med.values()]))
-    data_lag, step_ratio, compute_lag = {}, {}, {}
+    data_lag: dict[int, float] = {}
+    step_ratio: dict[int, float] = {}
+    compute_lag: dict[int, float] = {}
     for r, m in med.items():
         others = [o for q, o in med.items() if q != r]
         data_lag[r] = m["data"] - float(np.median([o["data"] for o in others]))
@@ -239,10 +259,10 @@ def rank_straggler(run, *, min_lag_share=MIN_LAG_SHARE, slow_ratio=SLOW_RATIO, w
     # the rank that holds the others back the most: a late input pipeline, unless a rank's own compute lags at least
     # COMPUTE_OVER_DATA times as much (under DDP the ranks that wait for a late one show its lag as compute, about
     # once: that is its wait, not theirs)
-    worst = max(data_lag, key=data_lag.get)
+    worst = max(data_lag, key=data_lag.__getitem__)
     kind, lag = "data", data_lag[worst]
     if lag < min_lag_share * step_all or max(compute_lag.values()) >= COMPUTE_OVER_DATA * lag:
-        worst = max(step_ratio, key=step_ratio.get)
+        worst = max(step_ratio, key=step_ratio.__getitem__)
         kind, lag = "compute", step_ratio[worst] - 1
         if step_ratio[worst] < slow_ratio:
             return None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -15,9 +16,9 @@ import numpy as np
 from ..severity import RANK, SEVERITIES
 from . import fix as F
 
-# What a rule reads: the engine's Run (engine.py). Rule modules cannot import the engine (it imports them through the
-# registry), so their ``run`` parameters are annotated with this name.
-RunView = Any
+# A finding's evidence (and the partial evidence rules build it from): named figures as measured (numbers, strings,
+# step lists, nested dicts of them), made plain Python (JSON-safe on export) by python_values.
+Evidence = dict[str, Any]
 
 
 @dataclass
@@ -28,15 +29,16 @@ class Diagnosis:
     severity: str
     title: str
     summary: str
-    layers: list = field(default_factory=list)
-    steps: list = field(default_factory=list)  # [first, last] step concerned ([] when not step-bound)
-    evidence: dict = field(default_factory=dict)
+    layers: list[str] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)  # [first, last] step concerned ([] when not step-bound)
+    evidence: Evidence = field(default_factory=dict)
     recommendation: str = ""  # the fix as plain text (fix's parts, one after the other)
-    ranks: list = field(default_factory=list)  # the ranks concerned, in a multi-rank run ([]: one trace)
-    fix: list = field(default_factory=list)  # the fix as fix.Part items: text and code runnable as printed
+    ranks: list[int] = field(default_factory=list)  # the ranks concerned, in a multi-rank run ([]: one trace)
+    fix: list[F.Part] = field(default_factory=list)  # the fix as fix.Part items: text and code runnable as printed
 
-    def to_dict(self) -> dict:
-        return _plain(asdict(self))
+    def to_dict(self) -> dict[str, Any]:
+        plain: dict[str, Any] = _plain(asdict(self))
+        return plain
 
     def _repr_html_(self) -> str:  # notebooks: the report's finding card (ampdoctor/notebook.py)
         from ..notebook import diagnosis_html
@@ -44,7 +46,7 @@ class Diagnosis:
         return diagnosis_html(self)
 
 
-def python_values(v, json_safe: bool = False):
+def python_values(v: Any, json_safe: bool = False) -> Any:
     """Copy with numpy scalars as Python numbers; ``json_safe`` also writes non-finite floats as strings."""
     if isinstance(v, dict):
         return {str(k): python_values(x, json_safe) for k, x in v.items()}
@@ -60,7 +62,7 @@ def python_values(v, json_safe: bool = False):
     return v
 
 
-def _plain(v):
+def _plain(v: Any) -> Any:
     return python_values(v, json_safe=True)
 
 
@@ -88,13 +90,13 @@ class Rule:
     findings hide this one's (declared here, not asked for inside the check)."""
 
     id: str
-    check: Callable
+    check: Callable[..., Diagnosis | list[Diagnosis] | None]
     about: str
     scope: str = "trace"  # "ranks": runs once over all the ranks of a run (Run.ranks), see multirank.py
     suppressed_by: tuple[Suppression, ...] = ()
 
     @property
-    def thresholds(self) -> dict:
+    def thresholds(self) -> dict[str, Any]:
         """The rule's thresholds and their defaults (the check's keyword-only arguments)."""
         return {
             p.name: p.default
@@ -108,12 +110,12 @@ def finding(
     title: str,
     summary: str,
     *,
-    layers=(),
-    steps=(),
-    evidence=None,
-    fix=(),
+    layers: Iterable[str] = (),
+    steps: Iterable[int] = (),
+    evidence: Mapping[str, Any] | None = None,
+    fix: Iterable[F.Part] = (),
     recommendation: str = "",
-    ranks=(),
+    ranks: Iterable[int] = (),
 ) -> Diagnosis:
     """A Diagnosis whose rule id the engine fills in; ``fix``: fix.Part items (a plain ``recommendation`` is one
     text part)."""

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, TypedDict
+
 import numpy as np
 
 from .. import formats
 from . import advice as A
 from .fix import code, text
-from .result import Diagnosis, RunView, finding
+from .result import Diagnosis, finding
+from .runview import BoolArray, FloatArray, RunView
+
+if TYPE_CHECKING:
+    from ..lossscale import Suggestion
 
 # A GradScaler halves its scale once per overflowing step, so a run started at 2^16 whose gradients need 2^13
 # skips 3 steps while calibrating; PyTorch's own default skips "a handful". Five or more skips in the
@@ -23,7 +29,17 @@ COLLAPSE_HALVINGS = 4
 MAX_SKIP_SHARE = 0.05
 
 
-def grad_out_peaks(run: RunView):
+class NonfiniteOrigins(TypedDict):
+    """Where the non-finite values of some steps came from (``nonfinite_origins``): steps per origin."""
+
+    forward: dict[str, int]  # module -> steps whose first non-finite value was its output
+    loss: int
+    input: int
+    gradient: dict[str, int]  # module -> steps whose first non-finite value was its gradient
+    unknown: int
+
+
+def grad_out_peaks(run: RunView) -> tuple[FloatArray, BoolArray]:
     """(largest unscaled gradient per step in FP16 terms [n], clean-step mask), as the replay defines it (output and
     parameter gradients; a returned loss's gradient w.r.t. itself is not one): replay.GradientPeaks."""
     peaks = run.gradient_peaks
@@ -32,22 +48,24 @@ def grad_out_peaks(run: RunView):
     return g, clean
 
 
-def _observed_nonfinite(run: RunView) -> np.ndarray:
+def _observed_nonfinite(run: RunView) -> BoolArray:
     """Steps that observed their sites and held a NaN/Inf: the rows where a NaN peak is a value, not the NaN that
     fills a step observed by the sentinel only."""
     st = run.steps
-    return st["nonfinite"].to_numpy(bool) & (st["level"].fillna(0).to_numpy(float) >= 0)
+    observed: BoolArray = st["nonfinite"].to_numpy(bool) & (st["level"].fillna(0).to_numpy(float) >= 0)
+    return observed
 
 
-def _act_bad(run: RunView) -> np.ndarray:
+def _act_bad(run: RunView) -> BoolArray:
     """Per step: some module output was NaN/Inf or not observed (a step without peaks observed none), from the one
     pass over the peaks."""
     view = run.view
     scan = view.scan
-    return view.per_step(scan.bad["act"] | scan.unseen["act"], True)
+    bad: BoolArray = view.per_step(scan.bad["act"] | scan.unseen["act"], True)
+    return bad
 
 
-def forward_nonfinite_steps(run: RunView) -> set:
+def forward_nonfinite_steps(run: RunView) -> set[int]:
     """Steps in which a forward output or the loss was non-finite (loss scaling cannot cause or fix these)."""
     ev = run.events
     steps = set(ev.loc[ev["phase"].isin(["fwd", "loss"]), "step"].astype(int))
@@ -122,12 +140,12 @@ def init_scale_too_high(
     )
 
 
-def suggestion_line(sug) -> str:
+def suggestion_line(sug: Suggestion) -> str:
     """The replay's suggested GradScaler as a line to paste (the same code `replay --suggest` prints)."""
     return "scaler = " + sug.code
 
 
-def output_gradient_steps(run: RunView) -> set:
+def output_gradient_steps(run: RunView) -> set[int]:
     """Steps whose loss was finite but whose first non-finite value was the first gradient of the backward pass (the
     loss's gradient w.r.t. the model's output: no finite gradient came before it). The loss function's own backward
     made it, e.g. log's 1/p at a probability rounded to 0."""
@@ -144,13 +162,13 @@ def output_gradient_steps(run: RunView) -> set:
     }
 
 
-def nonfinite_origins(run: RunView, steps: list[int]) -> dict:
+def nonfinite_origins(run: RunView, steps: list[int]) -> NonfiniteOrigins:
     """Where the non-finite values of these steps came from: counts per origin class and culprit layer ("loss": the
     loss function, its value or its gradient w.r.t. the model's output, from finite model outputs)."""
     ev = run.events
     ev = ev[ev["step"].isin(steps)]
     act_bad = set(np.flatnonzero(_act_bad(run) & _observed_nonfinite(run)).tolist()) if len(run.sites("act")) else set()
-    out: dict = {"forward": {}, "loss": 0, "input": 0, "gradient": {}, "unknown": 0}
+    out: NonfiniteOrigins = {"forward": {}, "loss": 0, "input": 0, "gradient": {}, "unknown": 0}
     by_step = {int(s): g for s, g in ev.groupby("step")}
     at_output = output_gradient_steps(run)
     for s in steps:
@@ -205,7 +223,7 @@ def loss_scale_collapse(
     # a module that only tipped another's near-limit values over: name the producer forward-overflow names
     o = run.overflow_origins
     producer = {t: o.culprit for t in o.tipped} if o is not None else {}
-    merged: dict = {}
+    merged: dict[str, int] = {}
     for p, n in org["forward"].items():
         merged[producer.get(p, p)] = merged.get(producer.get(p, p), 0) + n
     org["forward"] = merged

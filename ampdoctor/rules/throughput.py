@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pandas as pd
 
 from . import advice as A
 from .fix import code, text
-from .result import finding
+from .result import Diagnosis, finding
+from .runview import RunView
 
 # A third of each step spent waiting for the next batch caps any compute speed-up (AMP's included) at 1.5x.
 MIN_DATA_SHARE = 0.30
@@ -17,14 +19,16 @@ WARNING_SHARE = 0.50
 WARMUP_STEPS = 2  # the first steps pay for worker start-up and allocation, not for the pipeline
 
 
-def net_step_time(steps):
+def net_step_time(steps: pd.DataFrame) -> pd.Series:
     """Step times without ampdoctor's own host time (``observer_time``; traces without it: as recorded): what the
     training would have taken unobserved, which every time-based judgement uses."""
     own = steps["observer_time"].fillna(0.0) if "observer_time" in steps else 0.0
     return (steps["step_time"] - own).clip(lower=0.0)
 
 
-def input_pipeline_bound(run, *, min_share=MIN_DATA_SHARE, warning_share=WARNING_SHARE, warmup=WARMUP_STEPS):
+def input_pipeline_bound(
+    run: RunView, *, min_share: float = MIN_DATA_SHARE, warning_share: float = WARNING_SHARE, warmup: int = WARMUP_STEPS
+) -> Diagnosis | None:
     if (run.config or {}).get("step_start", "forward") is None:
         return None  # no step start was seen (the attached module's forward never ran): no data wait known
     cols = ["step", "step_time", "data_time", "samples_per_s"] + (

@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+import pandas as pd
 
 from .. import formats
 from ..trace.reduce import col_median, group_median
 from ..trace.schema import HIST_LO, ROOT
 from ..trace.view import containers
 from . import advice as A
-from .fix import code, text
-from .result import Diagnosis, RunView, finding
+from .fix import Part, code, text
+from .result import Diagnosis, finding
+from .runview import IntArray, RunView
 from .scaling import grad_out_peaks, suggestion_line
+
+if TYPE_CHECKING:
+    from ..lossscale import Suggestion
 
 FP16 = formats.FP16
 # A value in FP16's subnormal range [2^-24, 2^-14) keeps fewer than 10 mantissa bits (relative error up to 50% at
@@ -32,7 +39,7 @@ FLOOR_BINADES = 3
 MATERIAL_NORM_LOSS = 2.0 ** -(FP16.mantissa_bits + 1)
 
 
-def _clean_full_steps(run) -> tuple[np.ndarray, np.ndarray]:
+def _clean_full_steps(run: RunView) -> tuple[IntArray, IntArray]:
     """(the clean full-statistics steps the statistics are read at, their rows in ``run.stat(...)``)."""
     st = run.steps
     ok = ~st["skipped"].to_numpy(bool) & ~st["nonfinite"].to_numpy(bool)
@@ -41,16 +48,17 @@ def _clean_full_steps(run) -> tuple[np.ndarray, np.ndarray]:
     return fs[rows], rows
 
 
-def _layer(site) -> str:
-    return site.module if site.kind in ("param_grad", "weight", "update") else site.path
+def _layer(site: pd.Series) -> str:
+    layer: str = site.module if site.kind in ("param_grad", "weight", "update") else site.path
+    return layer
 
 
-def _is_container(path: str, paths) -> bool:
+def _is_container(path: str, paths: Sequence[str]) -> bool:
     """A module whose output gradient is its last child's (the root included): counted once, at the child."""
     return (path == ROOT and len(paths) > 1) or any(p.startswith(path + ".") for p in paths)
 
 
-def _outer(sites) -> set:
+def _outer(sites: pd.DataFrame) -> set[str]:
     """The container modules among these sites' paths (``_is_container`` for all of them, in linear time)."""
     return containers(sites["path"].tolist())
 
@@ -59,7 +67,7 @@ def _outer(sites) -> set:
 class Site:
     """One FP16 gradient site's underflow evidence over the clean full-statistics steps."""
 
-    site: object  # the sites-table row
+    site: pd.Series  # the sites-table row
     col: int  # its column in run.stat(..., kind)
     share: float  # median share of elements in the subnormal range
     zeros: float  # median share of exact zeros
@@ -95,7 +103,7 @@ class Site:
         return min(1.0, FP16.min_subnormal / 2 * math.sqrt(self.flushed) / self.rms)
 
 
-def underflow_sites(run, kinds=("grad_out", "param_grad")) -> list[Site]:
+def underflow_sites(run: RunView, kinds: Sequence[str] = ("grad_out", "param_grad")) -> list[Site]:
     """Per FP16 gradient site (containers left out): subnormal, zero and bottom-binade shares over clean
     full-statistics steps, and for an all-zero one the dead forward output that explains it, if any."""
     steps, srows = _clean_full_steps(run)
@@ -104,7 +112,7 @@ def underflow_sites(run, kinds=("grad_out", "param_grad")) -> list[Site]:
         return rows
     for kind in kinds:
         sites = run.sites(kind)
-        outer = _outer(sites) if kind == "grad_out" else set()
+        outer: set[str] = _outer(sites) if kind == "grad_out" else set()
         half = [
             j
             for j in np.flatnonzero(sites["dtype"].to_numpy() == "float16")
@@ -124,8 +132,8 @@ def underflow_sites(run, kinds=("grad_out", "param_grad")) -> list[Site]:
         zeros_med[(ok & np.isnan(zshare)).any(axis=0)] = np.nan  # np.median of values holding a NaN
         with np.errstate(invalid="ignore"):
             top = np.where(np.isfinite(unscaled).any(axis=0), np.fmax.reduce(unscaled, axis=0), np.nan)
-        r = np.where(ok, rms, np.nan)
-        rms_med = np.where(np.isfinite(r).any(axis=0), col_median(r), np.nan)
+        rms_ok = np.where(ok, rms, np.nan)
+        rms_med = np.where(np.isfinite(rms_ok).any(axis=0), col_median(rms_ok), np.nan)
         ids = sites["id"].to_numpy()[half]
         floor = _floor_shares(run, ids)
         for j, col in enumerate(half):
@@ -148,20 +156,20 @@ def underflow_sites(run, kinds=("grad_out", "param_grad")) -> list[Site]:
     return rows
 
 
-def _floor_shares(run, ids: np.ndarray) -> dict:
+def _floor_shares(run: RunView, ids: IntArray) -> dict[int, float]:
     """Per site: the median share of its non-zero elements in the bottom binades of FP16's subnormal range, as
     recorded (over its histogram steps read; sites without one are left out)."""
     view = run.view
     h = view.hists.take(view.rows_of(ids))
     lo = FP16.subnormal_exp  # binade 2^-24
     with np.errstate(all="ignore"):
-        share = h.between(lo, lo + FLOOR_BINADES) / h.totals
+        share = h.between(lo, lo + FLOOR_BINADES) / h.totals  # type: ignore[arg-type]  # (Hists.between broadcasts binade numbers; annotated with arrays only)
     ok = np.isfinite(share)
     sites, med = group_median(share[ok], h.site[ok])
     return dict(zip(sites.tolist(), med.tolist()))
 
 
-def _dead_output(run, site) -> str:
+def _dead_output(run: RunView, site: pd.Series) -> str:
     """The forward output that is all zero on this gradient's path, e.g. a dead ReLU: its own module's, a module run
     after it (the gradient flows back through that zero-masked output), or for a parameter gradient the module run
     just before (its input). Then an all-zero gradient is masked, not flushed. "" when none is."""
@@ -169,7 +177,7 @@ def _dead_output(run, site) -> str:
     _, rows = _clean_full_steps(run)
     if not len(acts) or not len(rows):
         return ""
-    paths = acts["path"].tolist()
+    paths: list[str] = acts["path"].tolist()
     module = _layer(site)
     if module not in paths:
         return ""
@@ -186,13 +194,12 @@ def _dead_output(run, site) -> str:
     return ""
 
 
-def shares_at(run, kind: str, ids, target: float) -> dict:
+def shares_at(run: RunView, kind: str, ids: Iterable[int], target: float) -> dict[int, float]:
     """Per site of ``kind`` (ids): the median share of its non-zero elements below the FP16 normal range had the loss
     scale been ``target`` (its histograms, shifted by target / the scale each row carried; exact for powers of two),
     over its clean histogram steps; sites without one are left out. All sites in one pass."""
     view = run.view
-    ids = np.asarray(ids, dtype=np.int64)
-    h = view.hists.take(view.rows_of(ids))
+    h = view.hists.take(view.rows_of(np.asarray(list(ids), dtype=np.int64)))
     st = run.steps
     ok = ~st["skipped"].to_numpy(bool)[h.step] & ~st["nonfinite"].to_numpy(bool)[h.step]
     h = h.take(np.flatnonzero(ok))
@@ -205,19 +212,19 @@ def shares_at(run, kind: str, ids, target: float) -> dict:
     total = h.totals
     cut = FP16.normal_exp - np.round(np.log2(target / carried)).astype(np.int64) + 127  # column of 2^-14 at target
     with np.errstate(all="ignore"):
-        share = h.between(HIST_LO, HIST_LO + np.maximum(cut, 0)) / total
+        share = h.between(HIST_LO, HIST_LO + np.maximum(cut, 0)) / total  # type: ignore[arg-type]  # (Hists.between broadcasts binade numbers; annotated with arrays only)
     keep = total > 0
     sites, med = group_median(share[keep], h.site[keep])
     return dict(zip(sites.tolist(), med.tolist()))
 
 
-def share_at(run, kind: str, col: int, site_id: int, target: float) -> float | None:
+def share_at(run: RunView, kind: str, col: int, site_id: int, target: float) -> float | None:
     """Median share of a site's non-zero elements below the FP16 normal range had the loss scale been ``target``
     (``shares_at`` for one site; None without a clean histogram step)."""
     return shares_at(run, kind, [site_id], target).get(int(site_id))
 
 
-def _severity(run, bad: list[Site], min_share: float, reachable: float) -> tuple[str, str]:
+def _severity(run: RunView, bad: list[Site], min_share: float, reachable: float) -> tuple[str, str]:
     """(severity, why) from the evidence of material loss: gradients flushed (lost) rather than only imprecise, and
     whether the scaler can still lift them (the scale's headroom) or only a change of precision can."""
     if any(r.vanished and not r.dead for r in bad):
@@ -312,13 +319,13 @@ def grad_underflow(run: RunView, *, min_share: float = MIN_SHARE) -> Diagnosis |
     )
 
 
-def scale_fell(own, overflow) -> bool:
+def scale_fell(own: Diagnosis, overflow: Diagnosis) -> bool:
     """Suppression (registry): a scale that fell below its start because of a forward overflow holds the gradients
     low; fix the overflow first, the underflow may be gone with it."""
     return bool(own.evidence.get("scale_fell"))
 
 
-def _fix(run: RunView, sug, scale_now: float, unliftable: str | None) -> list:
+def _fix(run: RunView, sug: Suggestion, scale_now: float, unliftable: str | None) -> list[Part]:
     """The replay's scaler (the same line `replay --suggest` prints), FP32 for a layer no scale lifts, BF16."""
     init, interval = float(sug.settings["init_scale"]), int(sug.settings["growth_interval"])
     found = (
@@ -373,7 +380,7 @@ def _fix(run: RunView, sug, scale_now: float, unliftable: str | None) -> list:
     return fix + A.bf16_note(setup)
 
 
-def _own_settings(run, sug) -> bool:
+def _own_settings(run: RunView, sug: Suggestion) -> bool:
     """Whether the replay's suggestion is the scaler this run already has."""
     own = run.config.get("scaler") or {}
     keys = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
@@ -384,7 +391,7 @@ def fp16_readiness(run: RunView, *, min_share: float = MIN_SHARE) -> Diagnosis |
     if run.fp16 or run.scaler_on:
         return None  # an FP16 run speaks for itself; a scaler means amp-inactive
     acts = run.sites("act")
-    over = []
+    over: list[tuple[str, float, int]] = []
     if len(acts):
         mx = run.view.peak_max("act")  # per module: its largest finite output over every observed step
         count = run.view.scan.site_overflows[acts["id"].to_numpy()]
@@ -401,7 +408,7 @@ def fp16_readiness(run: RunView, *, min_share: float = MIN_SHARE) -> Diagnosis |
     if sug is None:
         return None
     scale = float(sug.settings["init_scale"])
-    under = []
+    under: list[tuple[str, float]] = []
     outer = _outer(gsites)
     eligible = [site for site in gsites.itertuples() if site.path not in outer and str(site.shape) != ""]
     shares = shares_at(run, "grad_out", [site.id for site in eligible], scale)
@@ -412,7 +419,7 @@ def fp16_readiness(run: RunView, *, min_share: float = MIN_SHARE) -> Diagnosis |
     under.sort(key=lambda u: -u[1])
     if not inner and not under:
         return None
-    parts, fix = [], []
+    parts: list[str] = []
     if inner:
         parts.append(
             f"{len(inner)} module(s) output values above the FP16 max (worst {inner[0][0]}: "

@@ -4,6 +4,7 @@ it (typically normalisation layers whose running statistics are kept in half pre
 from __future__ import annotations
 
 import math
+from typing import TypedDict
 
 import numpy as np
 
@@ -14,7 +15,8 @@ from . import advice as A
 from . import precision
 from .fix import text
 from .policy import NORM_TYPES
-from .result import Diagnosis, RunView, finding
+from .result import Diagnosis, Evidence, finding
+from .runview import FloatArray, IntArray, RunView
 
 BATCHNORM_TYPES = ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm")
 
@@ -45,7 +47,20 @@ def _is_validation(name: str) -> bool:
     return head in VALIDATION_PREFIXES
 
 
-def _series(run, name: str) -> tuple[np.ndarray, np.ndarray]:
+class Residuals(TypedDict):
+    """A metric's late segment around its trend (``residuals``)."""
+
+    residuals: FloatArray
+    dispersion: float
+    sign_changes: float
+    slope: float
+    steps: list[int]
+    points: int
+    range: list[float]
+    log_dispersion: float | None
+
+
+def _series(run: RunView, name: str) -> tuple[IntArray, FloatArray]:
     m = run.metrics
     if not len(m):
         return np.array([], int), np.array([])
@@ -55,13 +70,13 @@ def _series(run, name: str) -> tuple[np.ndarray, np.ndarray]:
     return steps[ok], v[ok]
 
 
-def _sigma(r: np.ndarray) -> float:
+def _sigma(r: FloatArray) -> float:
     """Robust dispersion around the trend: the median absolute residual as a Gaussian sigma. About the trend, not
     about the residuals' median (MAD): a metric alternating between two levels has a MAD near 0."""
     return float(np.median(np.abs(r)) * 1.4826)  # 1.4826 = 1 / Phi^-1(3/4)
 
 
-def residuals(steps: np.ndarray, values: np.ndarray, late_share: float = LATE_SHARE) -> dict | None:
+def residuals(steps: IntArray, values: FloatArray, late_share: float = LATE_SHARE) -> Residuals | None:
     """Late-segment residuals of the metric around its Theil-Sen trend, in its own units and (when positive) in
     log units, with their robust dispersions (``_sigma``) and the share of sign changes between neighbours."""
     cut = round(len(values) * (1.0 - late_share))
@@ -73,7 +88,7 @@ def residuals(steps: np.ndarray, values: np.ndarray, late_share: float = LATE_SH
     tiny = 1e-9 * float(np.max(np.abs(v)))  # rounding residue of an exact fit is no sign
     signs = np.sign(r[np.abs(r) > tiny])
     flips = float(np.mean(signs[1:] != signs[:-1])) if len(signs) > 1 else 0.0
-    out = {
+    out: Residuals = {
         "residuals": r,
         "dispersion": _sigma(r),
         "sign_changes": flips,
@@ -90,7 +105,7 @@ def residuals(steps: np.ndarray, values: np.ndarray, late_share: float = LATE_SH
     return out
 
 
-def culprits(run) -> list[tuple[str, str]]:
+def culprits(run: RunView) -> list[tuple[str, str]]:
     """(layer, why) for the layers whose precision is worst: normalisation layers whose parameters and running
     statistics are in half precision, then normalisation layers computing in half precision, then the other
     half-precision layers by their headroom under the format's max. Empty for an FP32 run. Layers the precision
@@ -100,7 +115,8 @@ def culprits(run) -> list[tuple[str, str]]:
     pdt = run.config.get("module_param_dtypes", {}) or {}
     types = run.module_types
     half_act = dict(zip(acts["path"], acts["dtype"]))
-    out, seen = [], set()
+    out: list[tuple[str, str]] = []
+    seen: set[str] = set()
     for path, mtype in types.items():
         if mtype in NORM_TYPES and pdt.get(path) in formats.REDUCED:
             out.append((path, f"{mtype} keeps its parameters and running statistics in {pdt[path]}"))
@@ -136,12 +152,20 @@ def culprits(run) -> list[tuple[str, str]]:
     return [(p, why) for _, p, why in scored[:3]]
 
 
-def _compare(run, name, late_share, min_ratio, alpha, min_dispersion, min_sign_changes) -> dict | None:
+def _compare(
+    run: RunView,
+    name: str,
+    late_share: float,
+    min_ratio: float,
+    alpha: float,
+    min_dispersion: float,
+    min_sign_changes: float,
+) -> Evidence | None:
     steps, v = _series(run, name)
     own = residuals(steps, v, late_share)
     if own is None or own["sign_changes"] < min_sign_changes:
         return None  # too few points, or a smooth curve rather than an oscillation
-    ev = {
+    ev: Evidence = {
         "metric": name,
         "points": own["points"],
         "late_steps": own["steps"],

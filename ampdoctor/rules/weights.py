@@ -6,13 +6,15 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import numpy.typing as npt
 
 from .. import formats
 from ..trace.schema import ROOT
 from . import advice as A
 from .fix import code, text
 from .policy import NORM_TYPES
-from .result import Diagnosis, RunView, finding
+from .result import Diagnosis, finding
+from .runview import FloatArray, RunView, WeightFault
 
 # An update below half an ULP of its weight rounds back to the weight: the element did not move although its
 # gradient was non-zero. 10% of the parameters frozen that way is material; 90% means training has stalled.
@@ -136,7 +138,7 @@ def grad_range_anomaly(
     fs = run.stat_steps[rows].tolist()
     if not fs:
         return None
-    rms = run.stat("rms", "param_grad")[np.ix_(rows, [j for j, _ in mats])]
+    rms = run.stat("rms", "param_grad")[np.ix_(rows, np.array([j for j, _ in mats], dtype=np.int64))]
     with np.errstate(all="ignore"):
         logr = np.log10(np.where(rms > 0, rms, np.nan))
     has = np.isfinite(logr).any(axis=0)  # an all-NaN column would make nanmedian warn
@@ -201,7 +203,7 @@ def grad_range_anomaly(
     )
 
 
-def _median_of_others(v: np.ndarray) -> np.ndarray:
+def _median_of_others(v: FloatArray) -> FloatArray:
     """For each element, np.median of all the other elements (k >= 2), without a loop: in sorted order, dropping the
     element at position p shifts the order statistics above p down by one."""
     k = len(v)
@@ -211,20 +213,20 @@ def _median_of_others(v: np.ndarray) -> np.ndarray:
     pos[order] = np.arange(k)
     m = k - 1  # elements left
 
-    def nth(r: np.ndarray) -> np.ndarray:  # the r-th smallest of the others
+    def nth(r: npt.NDArray[np.int64]) -> FloatArray:  # the r-th smallest of the others
         return a[np.where(r < pos, r, r + 1)]
 
     lo, hi = nth(np.full(k, (m - 1) // 2)), nth(np.full(k, m // 2))
     return np.where(m % 2 == 1, lo, (lo + hi) / 2)
 
 
-def weight_faults(run: RunView, weight_decades: float = WEIGHT_DECADES) -> dict:
+def weight_faults(run: RunView, weight_decades: float = WEIGHT_DECADES) -> dict[str, WeightFault]:
     """Weight matrices whose RMS at their first record is at least ``weight_decades`` off 1/sqrt(fan_in), worst
     first: parameter path -> {"rms", "fan_in_rms", "ratio", "module"} (shared as ``Run.weight_faults``)."""
     w = run.sites("weight")
     w_rms = run.stat("rms", "weight")  # the first full-statistics step read is the run's first
     types = run.module_types
-    faults = []
+    faults: list[tuple[str, WeightFault]] = []
     for j, s in enumerate(w.itertuples()):
         fan = _fan_in(s.shape)
         if not fan or types.get(s.module) in NO_FAN_IN:
@@ -270,11 +272,13 @@ def weights_nonfinite(run: RunView) -> Diagnosis | None:
     cls = opt.get("class") or "the optimizer"
     eps = (opt.get("groups") or [{}])[0].get("eps")
     fmt = formats.get(dtype) if dtype else None
-    eps_lost = bool(fmt and cls in EPS_OPTIMIZERS and isinstance(eps, (int, float)) and eps <= fmt.min_subnormal / 2)
+    eps_lost = bool(
+        fmt is not None and cls in EPS_OPTIMIZERS and isinstance(eps, (int, float)) and eps <= fmt.min_subnormal / 2
+    )
     why = (
         f"{cls}'s eps={eps:g} rounds to 0 in {dtype} (its smallest subnormal is {A.fmt_num(fmt.min_subnormal)}), "
         "so where the squared gradient underflows too its update divides by zero"
-        if eps_lost
+        if eps_lost and fmt is not None
         else f"the {cls} update produced values the {dtype or 'parameter'} weights cannot hold"
     )
     if dtype:
@@ -297,7 +301,7 @@ def weights_nonfinite(run: RunView) -> Diagnosis | None:
                 "    optimizer.step()",
             ),
         ]
-    if eps_lost:
+    if eps_lost and fmt is not None:
         fix += [
             text(
                 f"Or, keeping {dtype} weights, an eps the format holds as a normal number "
@@ -328,7 +332,7 @@ def weights_nonfinite(run: RunView) -> Diagnosis | None:
     )
 
 
-def eps_not_lost(own, divergence) -> bool:
+def eps_not_lost(own: Diagnosis, divergence: Diagnosis) -> bool:
     """Suppression (registry): weights that blew up with a diverged run are divergence's finding, unless an eps lost
     to the format explains them (then the update divides by zero whatever the learning rate)."""
     return not own.evidence.get("eps_lost")

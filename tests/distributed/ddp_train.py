@@ -15,33 +15,19 @@ diagnosis printed), run as written. Each phase also writes the scale GradScaler 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
 
 import torch
 import torch.distributed as dist
+from rank_job import arguments, batches, mlp, run_phases
 
 import ampdoctor
 
 
-def model_and_data(steps: int, seed: int):
-    torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts them)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)
-    )
-    g = torch.Generator().manual_seed(seed)  # each rank its own shard
-    w = torch.randn(16, 1, generator=g)
-    data = []
-    for _ in range(steps):
-        x = torch.randn(16, 16, generator=g)
-        data.append((x, x @ w))
-    return model, data
-
-
 def train(phase: str, out: str, args, rank: int) -> None:
-    model, data = model_and_data(args.steps, seed=100 + rank)
+    model, data = mlp(), batches(args.steps, rank)
     net = torch.nn.parallel.DistributedDataParallel(model) if phase == "ddp" else model
     step_code = compile(open(args.step_code).read(), args.step_code, "exec") if phase == "fixed" else None
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
@@ -82,23 +68,9 @@ def train(phase: str, out: str, args, rank: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--fault-rank", type=int, default=1)
-    ap.add_argument("--nan-steps", type=int, nargs="*", default=[6, 14])
+    ap = arguments(steps=24, nan_steps=[6, 14], phases=["ddp", "manual"], step_code="phase fixed")
     ap.add_argument("--slow-ms", type=float, default=40.0)
-    ap.add_argument("--phases", nargs="+", default=["ddp", "manual"])
-    ap.add_argument("--step-code", default=None, help="phase fixed: the lines from backward() to update()")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        for phase in args.phases:
-            train(phase, args.out, args, dist.get_rank())
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    run_phases(train, ap.parse_args())
 
 
 if __name__ == "__main__":

@@ -22,12 +22,12 @@ the statistics of its whole gradient, weight and update, counted with real casts
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
 import torch
 import torch.distributed as dist
+from rank_job import arguments, batches, mlp, run_phases
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, MixedPrecisionPolicy, fully_shard
 
@@ -66,23 +66,16 @@ def stats(t: torch.Tensor) -> dict:
 
 
 def data(steps: int, rank: int, args, fault: bool) -> list:
-    g = torch.Generator().manual_seed(100 + rank)  # each rank its own shard of the data
-    w = torch.randn(16, 1, generator=g)
-    out = []
-    for step in range(steps):
-        x = torch.randn(16, 16, generator=g)
-        y = x @ w
+    out = batches(steps, rank)
+    for step, (x, _) in enumerate(out):
         if fault and rank == args.fault_rank and step in args.nan_steps:
-            x[0] = 3e38  # a corrupt sample: finite in FP32 and BF16, the first Linear overflows on it
-        out.append((x, y))
+            # a corrupt sample (its target was computed before): finite in FP32 and BF16, the first Linear overflows
+            x[0] = 3e38
     return out
 
 
 def build(phase: str, args) -> tuple[torch.nn.Module, dict]:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)
-    )
+    model = mlp()
     ns: dict = {"torch": torch}
     if phase in ("fsdp1", "fsdp1orig"):
         mp = MixedPrecision(param_dtype=torch.bfloat16)
@@ -194,24 +187,11 @@ def train(phase: str, out: str, args, rank: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--fault-rank", type=int, default=1)
-    ap.add_argument("--nan-steps", type=int, nargs="*", default=[5, 13])
-    ap.add_argument("--phases", nargs="+", default=["bf16", "fp16", "fsdp1", "fsdp1orig", "hsdp", "lonely"])
+    phases = ["bf16", "fp16", "fsdp1", "fsdp1orig", "hsdp", "lonely"]
+    ap = arguments(steps=20, nan_steps=[5, 13], phases=phases, step_code="phase fp16fixed")
     ap.add_argument("--policy-code", default=None, help="phases fixed/fp16fixed: code that defines mp_policy")
     ap.add_argument("--scaler-code", default=None, help="phase fp16fixed: code that defines scaler")
-    ap.add_argument("--step-code", default=None, help="phase fp16fixed: the lines from backward() to update()")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        for phase in args.phases:
-            train(phase, args.out, args, dist.get_rank())
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    run_phases(train, ap.parse_args())
 
 
 if __name__ == "__main__":
