@@ -39,9 +39,11 @@ COMPUTE_OVER_DATA = 2.0
 
 
 class Medians(TypedDict):
-    """One rank's median step and data wait (seconds) after the warm-up (``_medians``)."""
+    """One rank's median step and data wait (seconds) after the warm-up (``_medians``): the step net of ampdoctor's
+    own time and as recorded (``gross``)."""
 
     step: float
+    gross: float
     data: float
     samples: float | None
     host: str | None
