@@ -169,7 +169,15 @@ def wait_text(driver, selector: str, words, timeout: float = 1800.0) -> float:
     return float("inf")
 
 
-def bench_trace(trace: str, n_steps: int) -> dict:
+def _grad_site(trace: str) -> int:
+    """The id of the trace's first output-gradient site (the Layer page's subject)."""
+    from ampdoctor.trace import load
+
+    with load(trace) as tr:
+        return int(tr.sites("grad_out")["id"].iloc[0])
+
+
+def bench_trace(trace: str, n_steps: int, report: bool = True) -> dict:
     out: dict = {}
     cache = tempfile.mkdtemp(prefix="ampdoctor-bench-cache-")
     driver, profile = browser()
@@ -180,7 +188,7 @@ def bench_trace(trace: str, n_steps: int) -> dict:
         t_first = time.perf_counter()
         t, state = visit(driver, f"{url}/?run={run}", ids.LOSS_GRAPH)
         out["overview, first visit (s)"] = (t, state)
-        site = "1"  # an output-gradient site of dash_tracegen's model
+        site = str(_grad_site(trace))
         pages = {
             "layers": (f"/layers?run={run}", ids.LAYERS_HEATMAP),
             "layer": (f"/layer?run={run}&site={site}&stat=fp16_under", ids.LAYER_SERIES),
@@ -205,6 +213,8 @@ def bench_trace(trace: str, n_steps: int) -> dict:
         driver.quit()
         shutil.rmtree(profile, ignore_errors=True)
         shutil.rmtree(cache, ignore_errors=True)
+    if not report:
+        return out
     html = tempfile.mktemp(suffix=".html", prefix="ampdoctor-bench-")
     t0 = time.perf_counter()
     rep = subprocess.Popen(
@@ -230,18 +240,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="20000x1010,1000000x1000", help="STEPSxSITES, comma-separated")
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "ampdoctor-bench"))
+    ap.add_argument("--trace", action="append", default=[], help="a trace to measure instead (repeatable)")
+    ap.add_argument("--no-report", action="store_true", help="the dashboard only (benchmarks/offline_scale.py: report)")
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     print(f"load average at start: {os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs)")
     results = {}
-    for size in args.sizes.split(","):
+    for trace in args.trace:
+        from ampdoctor.trace import load
+
+        with load(trace) as tr:
+            n = tr.n_steps
+        results[os.path.basename(trace)] = bench_trace(trace, n, not args.no_report)
+        print(f"{trace}: done", flush=True)
+    for size in [] if args.trace else args.sizes.split(","):
         steps, sites = (int(v) for v in size.lower().split("x"))
         trace = os.path.join(args.dir, f"steps{steps}-sites{sites}.db")
         if not os.path.exists(trace):
             t0 = time.perf_counter()
             dash_tracegen.generate(trace, steps, sites)
             print(f"generated {trace} ({os.path.getsize(trace) / 2**20:.0f} MB) in {time.perf_counter() - t0:.0f} s")
-        results[size] = bench_trace(trace, steps)
+        results[size] = bench_trace(trace, steps, not args.no_report)
         print(f"{size}: done", flush=True)
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
     keys = list(next(iter(results.values())))

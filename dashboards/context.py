@@ -57,6 +57,7 @@ class Context:
         self._topping_up: set = set()  # paths whose summary a request is updating now
         self._opening: dict = {}  # path -> Lock held while the file is first opened
         self._diagnosed: dict = {}  # run key -> (version, time.monotonic() the version was asked for)
+        self._formats: dict = {}  # run key -> (version, formats table {column: values} or None, its error)
 
     def runs(self) -> dict:
         """Traces under the root (rescanned at most every second, so new runs show up)."""
@@ -275,9 +276,27 @@ class Context:
                     cache.save_json(version, found)
             if found.get("error"):
                 raise jobs.Failed(found["error"])
+            with self._lock:
+                self._formats[key] = (version, found.get("formats"), found.get("formats_error"))
             return [diagnosis.from_dict(d) for d in found["findings"]]
 
         return self.jobs.get((key, "findings"), version, work, wait=wait)
+
+    def formats_table(self, key: str, wait: float = 0.0) -> tuple[Any, jobs.State | None, str | None]:
+        """(the run's formats table as a DataFrame or None, the diagnosis' state, the table's error): the table comes
+        with the diagnosis (diagjob: from the rules' own reads), cached on disk with it."""
+        import pandas as pd
+
+        st = self.diagnosis_state(key, wait=wait)
+        if st is None or st.value is None:
+            return None, st, None
+        with self._lock:
+            version, table, error = self._formats.get(key, (None, None, None))
+        if version != st.version:
+            return None, st, None
+        if table is None:
+            return None, st, error or "no formats table"
+        return pd.DataFrame(table), st, None
 
     def generation(self) -> int:
         """Bumped whenever background work ends: views that show its results redraw."""
