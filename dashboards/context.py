@@ -54,7 +54,7 @@ class Context:
         self.jobs = jobs.Jobs(workers=2)
         self.diagnose_in = diagnose_in  # "process" (default: the server stays responsive) or "thread"
         self._summaries: dict = {}  # path -> series.StepSummary
-        self._topping_up: set = set()  # paths whose summary a request is updating now
+        self._topping_up: dict = {}  # path -> Lock held while a request tops its summary up
         self._opening: dict = {}  # path -> Lock held while the file is first opened
         self._diagnosed: dict = {}  # run key -> (version, time.monotonic() the version was asked for)
         self._formats: dict = {}  # run key -> (version, formats table {column: values} or None, its error)
@@ -197,15 +197,10 @@ class Context:
         if behind < series.BUCKET:
             return sm, None
         if behind <= SYNC_SUMMARY_STEPS:
-            with self._lock:  # one thread tops it up; another request draws what is there
-                busy = run.path in self._topping_up
-                self._topping_up.add(run.path)
-            if not busy:
-                try:
-                    sm.update(tr)
-                finally:
-                    with self._lock:
-                        self._topping_up.discard(run.path)
+            with self._lock:
+                topping = self._topping_up.setdefault(run.path, threading.Lock())
+            with topping:  # one thread tops it up (a bounded read); another request waits for it, then draws it all
+                sm.update(tr)
             return sm, None
 
         def build(t: Trace) -> Any:
@@ -215,6 +210,10 @@ class Context:
 
         state = self.background(key, "summary", build, wait=0.0)
         return sm, state
+
+    def summary_state(self, key: str) -> jobs.State | None:
+        """The state of the run's summary built in the background (None: none started), without starting one."""
+        return self.jobs.peek((key, "summary"))
 
     def steps(
         self, key: str, x0: Any = None, x1: Any = None, max_points: int = series.MAX_POINTS

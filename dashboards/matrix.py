@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .series import clip_range, n_steps, sql
+from .series import MAX_POINTS, clip_range, n_steps, sql
 
 if TYPE_CHECKING:
     from ampdoctor.trace import Trace
@@ -314,7 +314,9 @@ def _peak_chunks(tr: Trace, ids: np.ndarray, steps: np.ndarray, stat: Stat, samp
 
 
 # -- one site --------------------------------------------------------------------------------------------------
-def site_series(tr: Trace, site_id: int, stat: str, x0: Any = None, x1: Any = None, max_points: int = 4000) -> Any:
+def site_series(
+    tr: Trace, site_id: int, stat: str, x0: Any = None, x1: Any = None, max_points: int = MAX_POINTS
+) -> Any:
     """(steps, values, NaN/Inf steps as [(first, last)]) of one site's ``stat`` over [x0, x1]: every recorded step
     of the range read, then at most ``max_points`` points kept with each bucket's minimum and maximum
     (series.downsample: a spike is never dropped); the NaN/Inf steps from every step. Values are the raw statistic

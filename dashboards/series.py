@@ -23,7 +23,10 @@ from ampdoctor.trace import TraceError
 if TYPE_CHECKING:
     from ampdoctor.trace import Trace
 
-MAX_POINTS = 4000  # per line: 2,000 buckets of (min, max) when a range is longer
+# per line: 1,000 buckets of (min, max) when a range is longer: about one bucket per pixel column of a chart (a chart
+# is ~1,100 px wide on a laptop screen), whose extremes are the pixels drawn; more points are not seen, only drawn
+# (each one costs the browser: four charts of 4,000 points took ~2.5 s to draw in Chromium on a loaded 2-core machine)
+MAX_POINTS = 2000
 # the columns the step charts draw (steps table); finite values only, NaN/Inf/NULL become NaN
 COLUMNS = ("loss", "loss_scale", "grad_norm", "step_time", "data_time", "samples_per_s")
 _FINITE = "CASE WHEN typeof({c}) IN ('integer', 'real') AND abs({c}) <= 1.7976931348623157e308 THEN {c} END"
