@@ -97,9 +97,19 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
+def _yield_cpu() -> None:
+    """Run at a lower priority than the server: on a machine of two cores the rules would otherwise take the core the
+    page's charts are drawn with (a first visit waits for them, not for the findings)."""
+    try:
+        os.nice(10)
+    except OSError:  # not allowed here: the same priority
+        pass
+
+
 def main() -> int:
     """Answer specs until stdin closes. Anything the rules print goes to stderr: stdout carries the answers."""
     _limit_memory()
+    _yield_cpu()
     _exit_with_parent()
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
     sys.stdout = sys.stderr
