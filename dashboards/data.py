@@ -297,19 +297,23 @@ def scaler_settings(tr: Trace) -> dict:
     return out
 
 
-def recorded_scale(tr: Trace) -> dict:
+def recorded_scale(tr: Trace, s: Any) -> dict:
     """The run's own loss scale and skipped steps, as whatif() returns them with nothing simulated yet (drawn at
-    once while the replay runs in the background)."""
-    rows = sql(tr, f"SELECT step, {_finite_sql('loss_scale')}, ifnull(skipped, 0) != 0 FROM steps ORDER BY step")
-    rec = np.array(rows, dtype=float).reshape(-1, 3)
+    once while the replay runs in the background), from the step series the charts draw (``s``: series.read's, the
+    range's minimum and maximum per bucket on a long run): never every step read in a request."""
+    x, y = s.envelope("loss_scale") if s.n else (np.array([], np.int64), np.array([]))
+    skipped = np.zeros(len(x), bool)
+    for a, b in s.skipped:  # a point inside a skipped interval (a bucket that holds a skipped step)
+        skipped |= (x >= a) & (x <= b)
     return {
-        "steps": rec[:, 0].astype(np.int64),
-        "recorded": rec[:, 1],
-        "recorded_skipped": rec[:, 2] > 0,
-        "simulated": np.full(len(rec), np.nan),
-        "simulated_skipped": np.zeros(len(rec), bool),
+        "steps": np.asarray(x, dtype=np.int64),
+        "recorded": np.asarray(y, dtype=float),
+        "recorded_skipped": skipped,
+        "simulated": np.full(len(x), np.nan),
+        "simulated_skipped": np.zeros(len(x), bool),
         "settings": scaler_settings(tr),
         "engine": "replaying",
+        "n": s.n,
     }
 
 

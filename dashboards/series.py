@@ -148,6 +148,24 @@ def read(
     return s
 
 
+def values_at(tr: Trace, col: str, steps: Any) -> np.ndarray:
+    """One of COLUMNS at these steps (finite values, NaN otherwise): a rowid seek per step, never a scan."""
+    steps = np.asarray(steps, dtype=np.int64)
+    if col not in COLUMNS:
+        raise ValueError(f"Argument col should be one of {', '.join(COLUMNS)}, but given {col!r}")
+    out = np.full(len(steps), np.nan)
+    if not len(steps):
+        return out
+    rows = sql(
+        tr, f"SELECT step, {_FINITE.format(c=col)} FROM steps WHERE step IN ({','.join(map(str, steps.tolist()))})"
+    )
+    got = {int(a): b for a, b in rows if isinstance(a, int)}
+    for i, st in enumerate(steps.tolist()):
+        v = got.get(st)
+        out[i] = np.nan if v is None else float(v)
+    return out
+
+
 def _select(tr: Trace, where: str, args: Any) -> np.ndarray:
     """[rows x (step, skipped, non-finite, *COLUMNS)] float64: finite values, NaN for NaN/Inf/NULL."""
     have = {r[1] for r in sql(tr, "PRAGMA table_info(steps)")}
