@@ -1,8 +1,9 @@
 """The dashboard and the report on long runs, measured as a user meets them: `ampdoctor serve` in its own process,
 the pages opened in headless Chromium, `ampdoctor report` in its own process.
 
-For each generated trace (benchmarks/dash_tracegen.py: default tiers; 20,000 steps x 1,010 sites and 1,000,000 x
-1,000 by default, kept in --dir for later runs) it prints:
+For each generated trace (benchmarks/tracegen.py, as benchmarks/offline_scale.py: default tiers, a GPT-like model of
+19 blocks, 1,010 sites; 20,000 and 1,000,000 steps by default, kept in --dir for later runs; or --trace FILE) it
+prints:
 - the server's start (the command checks the trace before it serves),
 - per page, the seconds from navigation until the page is usable (its chart or table drawn with data; a preview of
   a long range counts, and is said), on the first visit (an empty cache) and for the overview on a second visit
@@ -12,7 +13,8 @@ For each generated trace (benchmarks/dash_tracegen.py: default tiers; 20,000 ste
 each against its target (issue 18: overview <= 2 s first visit, every page <= 3 s; report <= 20 s, <= 1 GB,
 <= 10 MB).
 
-    python benchmarks/dashboard.py [--sizes 20000x1010,1000000x1000] [--dir /tmp/ampdoctor-bench]
+    python benchmarks/dashboard.py [--sizes 20000x19,1000000x19] [--dir /tmp/ampdoctor-bench] [--trace FILE]
+        [--no-report]
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ import urllib.request
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import dash_tracegen
 import psutil
+import tracegen
 from ampdoctor.dashboards import ids
 
 MEMORY_MB = 6144  # the diagnosis process's and the report's address space: a failure, not the machine swapping
@@ -169,7 +171,15 @@ def wait_text(driver, selector: str, words, timeout: float = 1800.0) -> float:
     return float("inf")
 
 
-def bench_trace(trace: str, n_steps: int) -> dict:
+def _grad_site(trace: str) -> int:
+    """The id of the trace's first output-gradient site (the Layer page's subject)."""
+    from ampdoctor.trace import load
+
+    with load(trace) as tr:
+        return int(tr.sites("grad_out")["id"].iloc[0])
+
+
+def bench_trace(trace: str, n_steps: int, report: bool = True) -> dict:
     out: dict = {}
     cache = tempfile.mkdtemp(prefix="ampdoctor-bench-cache-")
     driver, profile = browser()
@@ -180,7 +190,7 @@ def bench_trace(trace: str, n_steps: int) -> dict:
         t_first = time.perf_counter()
         t, state = visit(driver, f"{url}/?run={run}", ids.LOSS_GRAPH)
         out["overview, first visit (s)"] = (t, state)
-        site = "1"  # an output-gradient site of dash_tracegen's model
+        site = str(_grad_site(trace))
         pages = {
             "layers": (f"/layers?run={run}", ids.LAYERS_HEATMAP),
             "layer": (f"/layer?run={run}&site={site}&stat=fp16_under", ids.LAYER_SERIES),
@@ -205,6 +215,8 @@ def bench_trace(trace: str, n_steps: int) -> dict:
         driver.quit()
         shutil.rmtree(profile, ignore_errors=True)
         shutil.rmtree(cache, ignore_errors=True)
+    if not report:
+        return out
     html = tempfile.mktemp(suffix=".html", prefix="ampdoctor-bench-")
     t0 = time.perf_counter()
     rep = subprocess.Popen(
@@ -228,20 +240,31 @@ def bench_trace(trace: str, n_steps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="20000x1010,1000000x1000", help="STEPSxSITES, comma-separated")
+    ap.add_argument(
+        "--sizes",
+        default="20000x19,1000000x19",
+        help="STEPSxBLOCKS, comma-separated (benchmarks/tracegen.py: 19 blocks are 214 modules, 1,010 sites)",
+    )
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "ampdoctor-bench"))
+    ap.add_argument("--trace", action="append", default=[], help="a trace to measure instead (repeatable)")
+    ap.add_argument("--no-report", action="store_true", help="the dashboard only (benchmarks/offline_scale.py: report)")
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     print(f"load average at start: {os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs)")
     results = {}
-    for size in args.sizes.split(","):
-        steps, sites = (int(v) for v in size.lower().split("x"))
-        trace = os.path.join(args.dir, f"steps{steps}-sites{sites}.db")
-        if not os.path.exists(trace):
-            t0 = time.perf_counter()
-            dash_tracegen.generate(trace, steps, sites)
-            print(f"generated {trace} ({os.path.getsize(trace) / 2**20:.0f} MB) in {time.perf_counter() - t0:.0f} s")
-        results[size] = bench_trace(trace, steps)
+    for trace in args.trace:
+        from ampdoctor.trace import load
+
+        with load(trace) as tr:
+            n = tr.n_steps
+        results[os.path.basename(trace)] = bench_trace(trace, n, not args.no_report)
+        print(f"{trace}: done", flush=True)
+    for size in [] if args.trace else args.sizes.split(","):
+        steps, blocks = (int(v) for v in size.lower().split("x"))
+        t0 = time.perf_counter()
+        trace = tracegen.cached(args.dir, steps=steps, blocks=blocks)  # the traces offline_scale.py measures
+        print(f"{trace} ({os.path.getsize(trace) / 2**20:.0f} MB) ready in {time.perf_counter() - t0:.0f} s")
+        results[size] = bench_trace(trace, steps, not args.no_report)
         print(f"{size}: done", flush=True)
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
     keys = list(next(iter(results.values())))

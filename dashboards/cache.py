@@ -25,7 +25,7 @@ from .series import sql
 if TYPE_CHECKING:
     from ampdoctor.trace import Trace
 
-FORMAT = 1  # bump when what is cached changes shape
+FORMAT = 2  # bump when what is cached changes shape (2: the diagnosis carries the formats table)
 
 
 def cache_dir() -> str | None:

@@ -54,9 +54,10 @@ class Context:
         self.jobs = jobs.Jobs(workers=2)
         self.diagnose_in = diagnose_in  # "process" (default: the server stays responsive) or "thread"
         self._summaries: dict = {}  # path -> series.StepSummary
-        self._topping_up: set = set()  # paths whose summary a request is updating now
+        self._topping_up: dict = {}  # path -> Lock held while a request tops its summary up
         self._opening: dict = {}  # path -> Lock held while the file is first opened
         self._diagnosed: dict = {}  # run key -> (version, time.monotonic() the version was asked for)
+        self._formats: dict = {}  # run key -> (version, formats table {column: values} or None, its error)
 
     def runs(self) -> dict:
         """Traces under the root (rescanned at most every second, so new runs show up)."""
@@ -196,15 +197,10 @@ class Context:
         if behind < series.BUCKET:
             return sm, None
         if behind <= SYNC_SUMMARY_STEPS:
-            with self._lock:  # one thread tops it up; another request draws what is there
-                busy = run.path in self._topping_up
-                self._topping_up.add(run.path)
-            if not busy:
-                try:
-                    sm.update(tr)
-                finally:
-                    with self._lock:
-                        self._topping_up.discard(run.path)
+            with self._lock:
+                topping = self._topping_up.setdefault(run.path, threading.Lock())
+            with topping:  # one thread tops it up (a bounded read); another request waits for it, then draws it all
+                sm.update(tr)
             return sm, None
 
         def build(t: Trace) -> Any:
@@ -214,6 +210,10 @@ class Context:
 
         state = self.background(key, "summary", build, wait=0.0)
         return sm, state
+
+    def summary_state(self, key: str) -> jobs.State | None:
+        """The state of the run's summary built in the background (None: none started), without starting one."""
+        return self.jobs.peek((key, "summary"))
 
     def steps(
         self, key: str, x0: Any = None, x1: Any = None, max_points: int = series.MAX_POINTS
@@ -275,9 +275,27 @@ class Context:
                     cache.save_json(version, found)
             if found.get("error"):
                 raise jobs.Failed(found["error"])
+            with self._lock:
+                self._formats[key] = (version, found.get("formats"), found.get("formats_error"))
             return [diagnosis.from_dict(d) for d in found["findings"]]
 
         return self.jobs.get((key, "findings"), version, work, wait=wait)
+
+    def formats_table(self, key: str, wait: float = 0.0) -> tuple[Any, jobs.State | None, str | None]:
+        """(the run's formats table as a DataFrame or None, the diagnosis' state, the table's error): the table comes
+        with the diagnosis (diagjob: from the rules' own reads), cached on disk with it."""
+        import pandas as pd
+
+        st = self.diagnosis_state(key, wait=wait)
+        if st is None or st.value is None:
+            return None, st, None
+        with self._lock:
+            version, table, error = self._formats.get(key, (None, None, None))
+        if version != st.version:
+            return None, st, None
+        if table is None:
+            return None, st, error or "no formats table"
+        return pd.DataFrame(table), st, None
 
     def generation(self) -> int:
         """Bumped whenever background work ends: views that show its results redraw."""

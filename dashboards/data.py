@@ -18,7 +18,7 @@ from ampdoctor.lossscale import TORCH_DEFAULTS
 from ampdoctor.lossscale import replay as _replay
 from ampdoctor.precision_label import describe_precision
 from ampdoctor.rules.policy import NORM_TYPES, SOFTMAX_TYPES
-from ampdoctor.trace.observation import LEVEL_NAMES
+from ampdoctor.trace import observation
 from ampdoctor.trace.schema import ROOT
 
 from . import matrix
@@ -37,17 +37,18 @@ def _finite_sql(c: str) -> str:
     return f"CASE WHEN typeof({c}) IN ('integer','real') AND abs({c}) <= 1.7e308 THEN {c} END"
 
 
-def run_summary(tr: Trace) -> list[tuple[str, str]]:
+def run_summary(tr: Trace, run: Any = None) -> list[tuple[str, str]]:
     """(label, value) rows: steps, model, precision configuration with observed dtypes, scaler, skips, what was
-    observed and what observing cost. Aggregates in SQLite: a million steps cost one scan."""
+    observed and what observing cost. From the steps the rules' ``run`` already holds when given (the report), else
+    from aggregate queries (ampdoctor.trace.observation.summarize: a million steps cost a few scans, no row read)."""
     meta, cfg = tr.meta, tr.config
-    run = meta.get("run", {}) or {}
+    info = meta.get("run", {}) or {}
     n = n_steps(tr)
     sites = tr.sites()
     rows = [
         ("trace", os.path.basename(tr.path)),
         ("steps", f"{n:,}" + ("" if "closed" in meta else " (run still writing)")),
-        ("model", f"{run.get('model', '?')} ({run.get('params', 0):,} parameters) on {run.get('device', '?')}"),
+        ("model", f"{info.get('model', '?')} ({info.get('params', 0):,} parameters) on {info.get('device', '?')}"),
         ("precision", describe_precision(cfg)),
     ]
     if len(sites):
@@ -70,35 +71,19 @@ def run_summary(tr: Trace) -> list[tuple[str, str]]:
     else:
         rows.append(("scaler", "none"))
     if n:
-        fl, fs = _finite_sql("loss"), _finite_sql("loss_scale")
-        agg = sql(
-            tr,
-            f"SELECT sum(ifnull(skipped, 0) != 0), sum(ifnull(nonfinite, 0) != 0), min({fs}), max({fs}), "
-            f"count({fs}), sum(CASE WHEN {_finite_sql('observer_time')} IS NOT NULL AND "
-            f"{_finite_sql('step_time')} IS NOT NULL THEN step_time END), "
-            f"sum(CASE WHEN {_finite_sql('step_time')} IS NOT NULL THEN {_finite_sql('observer_time')} END) "
-            "FROM steps",
-        )[0]
-        n_skip, n_bad = int(agg[0] or 0), int(agg[1] or 0)
-        rows.append(("skipped steps", f"{n_skip:,} ({100.0 * n_skip / n:.1f}%)"))
-        rows.append(("non-finite steps", f"{n_bad:,}"))
-        if agg[4]:
-            first = sql(tr, f"SELECT {fs} FROM steps WHERE {fs} IS NOT NULL ORDER BY step LIMIT 1")[0][0]
-            last = sql(tr, f"SELECT {fs} FROM steps WHERE {fs} IS NOT NULL ORDER BY step DESC LIMIT 1")[0][0]
-            rows.append(("loss scale", f"{first:g} at start, {last:g} last, range {agg[2]:g} .. {agg[3]:g}"))
-        first = sql(tr, f"SELECT {fl} FROM steps WHERE {fl} IS NOT NULL ORDER BY step LIMIT 1")
-        last = sql(tr, f"SELECT {fl} FROM steps WHERE {fl} IS NOT NULL ORDER BY step DESC LIMIT 1")
-        if first and last:
-            rows.append(("loss", f"{first[0][0]:.4g} -> {last[0][0]:.4g}"))
-        rows.append(("observed", _observation_line(tr, meta)))
-        if agg[5] and agg[6] is not None and agg[5] > 0:
-            rows.append(
-                (
-                    "overhead",
-                    f"ampdoctor cost {100 * agg[6] / agg[5]:.1f}% of this run ({agg[6]:.3g} s of {agg[5]:.3g} s "
-                    "on the training thread)",
-                )
-            )
+        steps = run.view.steps if run is not None else observation.summarize(tr)
+        fig = _step_figures(tr, steps)
+        rows.append(("skipped steps", f"{fig['skipped']:,} ({100.0 * fig['skipped'] / n:.1f}%)"))
+        rows.append(("non-finite steps", f"{fig['nonfinite']:,}"))
+        if fig["scale"] is not None:
+            first, last, lo, hi = fig["scale"]
+            rows.append(("loss scale", f"{first:g} at start, {last:g} last, range {lo:g} .. {hi:g}"))
+        if fig["loss"] is not None:
+            rows.append(("loss", f"{fig['loss'][0]:.4g} -> {fig['loss'][1]:.4g}"))
+        rows.append(("observed", observation.observation_line(meta, steps)))
+        cost = observation.cost_line(steps)
+        if cost is not None:
+            rows.append(("overhead", cost))
     ev = sql(
         tr,
         "SELECT e.step, s.path, s.kind, e.phase FROM events e LEFT JOIN sites s ON s.id = e.site "
@@ -111,39 +96,39 @@ def run_summary(tr: Trace) -> list[tuple[str, str]]:
     return rows
 
 
-def _observation_line(tr: Trace, meta: dict) -> str:
-    """Which steps observed what (the same line as ``ampdoctor info``), from counts per level and reason."""
-    run = meta.get("run", {}) or {}
-    mode = run.get("mode")
-    parts = []
-    if mode is not None:
-        cadence = (
-            f"peaks every {run.get('peak_every')}, full every {run.get('every')}, first "
-            f"{run.get('calibration')} in full"
-            if mode == "default"
-            else "every site, every step"
-        )
-        parts.append(f"mode {mode} ({cadence})")
-    levels = sql(tr, "SELECT level, count(*) FROM steps WHERE level IS NOT NULL GROUP BY level ORDER BY level DESC")
-    if levels:
-        parts.append(", ".join(f"{LEVEL_NAMES.get(lv, lv)} {c:,}" for lv, c in levels))
-    have = {r[1] for r in sql(tr, "PRAGMA table_info(steps)")}
-    if "reason" in have:
-        why = sql(tr, "SELECT reason, count(*) FROM steps WHERE reason IS NOT NULL GROUP BY reason ORDER BY 2 DESC")
-        why = [(k, v) for k, v in why if k != "sentinel"]
-        if why:
-            parts.append("why: " + ", ".join(f"{k} {v:,}" for k, v in why))
-    return "; ".join(parts) or "-"
+def _step_figures(tr: Trace, steps: Any) -> dict:
+    """The summary's step figures from a steps DataFrame or an observation.Summary: skipped and non-finite (flagged)
+    step counts, the loss scale's (first, last, min, max) and the finite loss's (first, last), None when none."""
+    if isinstance(steps, observation.Summary):
+        nonfinite = sql(tr, "SELECT count(*) FROM steps WHERE ifnull(nonfinite, 0) != 0")[0][0]
+        sc, loss = steps.scale, steps.loss
+        return {
+            "skipped": len(steps.skipped),
+            "nonfinite": int(nonfinite or 0),
+            "scale": None if sc is None or sc["min"] is None else (sc["first"], sc["last"], sc["min"], sc["max"]),
+            "loss": None if loss is None else (loss["first"], loss["last"]),
+        }
+    scale = steps["loss_scale"].to_numpy(float)
+    scale = scale[np.isfinite(scale)]
+    loss = steps["loss"].to_numpy(float)
+    loss = loss[np.isfinite(loss)]
+    return {
+        "skipped": int(steps["skipped"].sum()),
+        "nonfinite": int(steps["nonfinite"].sum()),
+        "scale": (scale[0], scale[-1], scale.min(), scale.max()) if len(scale) else None,
+        "loss": (loss[0], loss[-1]) if len(loss) else None,
+    }
 
 
-def compute_dtype(tr: Trace) -> str | None:
-    """The reduced dtype the run computed in, as the rules judge it (rules.engine.Run.compute_dtype)."""
+def compute_dtype(tr: Trace, run: Any = None) -> str | None:
+    """The reduced dtype the run computed in, as the rules judge it (rules.engine.Run.compute_dtype); ``run``: the
+    rules' Run of ``tr`` when there is one (diagnosis.diagnose_run)."""
     from ampdoctor.rules.engine import Run
 
-    return Run(tr).compute_dtype
+    return (run if run is not None else Run(tr)).compute_dtype
 
 
-def default_view(tr: Trace, found: list | None = None) -> tuple[str, str]:
+def default_view(tr: Trace, found: list | None = None, run: Any = None) -> tuple[str, str]:
     """(kind, statistic) the Layers page opens with: the view of the first finding that names layers, else what
     matters in the run's precision (FP16: output-gradient underflow; BF16 and FP32: log2 abs max, whose range
     both formats hold); never an FP16 statistic on a run that has no FP16 in it."""
@@ -156,7 +141,7 @@ def default_view(tr: Trace, found: list | None = None) -> tuple[str, str]:
             if p.get("kind") in KINDS and p.get("stat") in STATS:
                 return p["kind"], p["stat"]
     have = set(tr.sites()["kind"])
-    dtype = compute_dtype(tr)
+    dtype = compute_dtype(tr, run)
     if dtype == "float16" and "grad_out" in have:
         return "grad_out", "fp16_under"
     kind = "grad_out" if "grad_out" in have else next((k for k in KINDS if k in have), "act")
@@ -199,7 +184,7 @@ def allocation(module_type: str, compute: str | None) -> str:
     return "follows its input"
 
 
-def precision_rows(tr: Trace, found: list | None) -> list[dict]:
+def precision_rows(tr: Trace, found: list | None, run: Any = None) -> list[dict]:
     """The run module by module (plus the loss and the weight update): type, what the allocation asks, the dtypes
     it computed and kept, and the verdict: exactly the findings that name the module (the rules' judgement, never
     one of this page's own). ``found`` None: the diagnosis is not done yet."""
@@ -208,7 +193,7 @@ def precision_rows(tr: Trace, found: list | None) -> list[dict]:
     act = sites[sites["kind"] == "act"]
     grad = sites[sites["kind"] == "grad_out"].drop_duplicates("path").set_index("path")["dtype"].to_dict()
     pdt = cfg.get("module_param_dtypes", {}) or {}
-    compute = compute_dtype(tr)
+    compute = compute_dtype(tr, run)
     modules = set(act["path"])
 
     def names(d: Diagnosis, path: str) -> bool:  # the module itself, or one of its parameters (not a child module)
@@ -312,19 +297,23 @@ def scaler_settings(tr: Trace) -> dict:
     return out
 
 
-def recorded_scale(tr: Trace) -> dict:
+def recorded_scale(tr: Trace, s: Any) -> dict:
     """The run's own loss scale and skipped steps, as whatif() returns them with nothing simulated yet (drawn at
-    once while the replay runs in the background)."""
-    rows = sql(tr, f"SELECT step, {_finite_sql('loss_scale')}, ifnull(skipped, 0) != 0 FROM steps ORDER BY step")
-    rec = np.array(rows, dtype=float).reshape(-1, 3)
+    once while the replay runs in the background), from the step series the charts draw (``s``: series.read's, the
+    range's minimum and maximum per bucket on a long run): never every step read in a request."""
+    x, y = s.envelope("loss_scale") if s.n else (np.array([], np.int64), np.array([]))
+    skipped = np.zeros(len(x), bool)
+    for a, b in s.skipped:  # a point inside a skipped interval (a bucket that holds a skipped step)
+        skipped |= (x >= a) & (x <= b)
     return {
-        "steps": rec[:, 0].astype(np.int64),
-        "recorded": rec[:, 1],
-        "recorded_skipped": rec[:, 2] > 0,
-        "simulated": np.full(len(rec), np.nan),
-        "simulated_skipped": np.zeros(len(rec), bool),
+        "steps": np.asarray(x, dtype=np.int64),
+        "recorded": np.asarray(y, dtype=float),
+        "recorded_skipped": skipped,
+        "simulated": np.full(len(x), np.nan),
+        "simulated_skipped": np.zeros(len(x), bool),
         "settings": scaler_settings(tr),
         "engine": "replaying",
+        "n": s.n,
     }
 
 
@@ -406,17 +395,19 @@ def compare_layers(tr_a: Trace, tr_b: Trace, stat: str = "absmax_log2", kind: st
 FORMAT_NAMES = {"fp16": "FP16", "bf16": "BF16", "e4m3": "E4M3", "e5m2": "E5M2"}
 
 
-def format_table(tr: Trace) -> pd.DataFrame:
-    """Per site (activations, output gradients), what each format would lose (ampdoctor.whatif.formats_table)."""
+def format_table(tr: Any) -> pd.DataFrame:
+    """Per site (activations, output gradients), what each format would lose (ampdoctor.whatif.formats_table).
+    ``tr``: a Trace, or the rules' Run of one (its View read once for both kinds, and shared with the diagnosis)."""
     from ampdoctor import whatif
+    from ampdoctor.trace.view import View
 
-    return whatif.formats_table(tr)
+    return whatif.formats_table(View.of(tr))
 
 
-def default_format(tr: Trace) -> str:
+def default_format(tr: Trace, run: Any = None) -> str:
     """The format the Formats page ranks by: the one the run computes in (FP16 or BF16), else FP16 (what an FP32
     run would move to first)."""
-    return "bf16" if compute_dtype(tr) == "bfloat16" else "fp16"
+    return "bf16" if compute_dtype(tr, run) == "bfloat16" else "fp16"
 
 
 def formats_rows(table: Any, by: str = "fp16") -> list[dict]:
@@ -468,14 +459,16 @@ def formats_shares(table: Any, by: str = "fp16", max_rows: int = 40, only: Any =
     return labels, {n.upper(): table[f"{n}_lost"].to_numpy(float) for n in whatif.FORMATS}
 
 
-def probe_series(tr: Trace, max_layers: int = 12, include: Any = ()) -> tuple[dict, dict, list[dict]]:
+def probe_series(tr: Trace, max_layers: int = 12, include: Any = (), run: Any = None) -> tuple[dict, dict, list[dict]]:
     """Probe error over steps: ({layer: (steps, rel_err)}, {layer: sqrt(k)*u bound}, per-layer verdicts), the
-    named layers and the largest ratios first (and the ``include`` layers, whatever their rank)."""
+    named layers and the largest ratios first (and the ``include`` layers, whatever their rank). ``run``: the rules'
+    Run of ``tr`` when there is one (its probe table read once)."""
     from ampdoctor.rules import precision
     from ampdoctor.rules.engine import Run as _DiagRun
 
-    verdicts = precision.layer_verdicts(_DiagRun(tr))
-    pr = tr.probes()
+    run = run if run is not None else _DiagRun(tr)
+    verdicts = precision.layer_verdicts(run)
+    pr = precision.probes(run)
     series, bounds = {}, {}
     shown = verdicts[:max_layers] + [v for v in verdicts[max_layers:] if v["path"] in include]
     for v in shown:

@@ -3,7 +3,9 @@
 A separate process keeps the server answering while the rules run (they hold the GIL for seconds on a long run),
 and a diagnosis that runs out of memory or crashes ends that process, not the dashboard. The process reads one
 JSON spec a line on stdin, {"trace", "reference", "peers": {rank: path}, "group"}, and answers each with one JSON
-line on stdout: {"findings": [Diagnosis.to_dict(), ...], "error": null | "Type: message", "seconds": s}. (Not
+line on stdout: {"findings": [Diagnosis.to_dict(), ...], "error": null | "Type: message", "seconds": s, "formats":
+{column: [values]} | null, "formats_error": null | "Type: message"}: the formats table (ampdoctor.whatif) is computed
+from the rules' own reads of the trace (its histograms, statistics and peaks pass), not from the file again. (Not
 multiprocessing: its spawned workers import the parent's main script again, which a script serving the dashboard
 without a ``__main__`` guard would not survive.)
 """
@@ -14,6 +16,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 
 def run(spec: dict) -> dict:
@@ -27,7 +30,8 @@ def run(spec: dict) -> dict:
     try:
         tr = load(spec["trace"])
         ref = load(spec["reference"]) if spec.get("reference") else None
-        found = diagnosis.findings(tr, ref)
+        found, rules_run = diagnosis.diagnose_run(tr, ref)
+        formats, formats_error = _formats(rules_run)
         peers = {int(r): p for r, p in (spec.get("peers") or {}).items()}
         if len(peers) > 1:
             from ampdoctor.rules.multirank import rank_findings
@@ -36,7 +40,13 @@ def run(spec: dict) -> dict:
             if all(t.n_steps for t in traces.values()):
                 found += rank_findings(RankRun(spec.get("group") or "", traces, max(traces) + 1))
         found = diagnosis.worst_first(found)
-        return {"findings": [d.to_dict() for d in found], "error": None, "seconds": time.perf_counter() - t0}
+        return {
+            "findings": [d.to_dict() for d in found],
+            "error": None,
+            "seconds": time.perf_counter() - t0,
+            "formats": formats,
+            "formats_error": formats_error,
+        }
     except MemoryError:
         return {
             "findings": [],
@@ -45,6 +55,21 @@ def run(spec: dict) -> dict:
         }
     except Exception as exc:  # one line for the page; the server goes on
         return {"findings": [], "error": f"{type(exc).__name__}: {exc}", "seconds": time.perf_counter() - t0}
+
+
+def _formats(rules_run: Any) -> tuple[dict | None, str | None]:
+    """The formats table of the diagnosed trace as {column: [values]} (None and the error when it fails: the
+    findings still go to the page)."""
+    from . import data
+
+    if rules_run.n_steps == 0:
+        return None, None
+    try:
+        return data.format_table(rules_run).to_dict(orient="list"), None
+    except MemoryError:
+        return None, "MemoryError: the formats table ran out of memory on this trace"
+    except Exception as exc:
+        return None, f"{type(exc).__name__}: {exc}"
 
 
 def _limit_memory() -> None:
@@ -72,9 +97,19 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
+def _yield_cpu() -> None:
+    """Run at a lower priority than the server: on a machine of two cores the rules would otherwise take the core the
+    page's charts are drawn with (a first visit waits for them, not for the findings)."""
+    try:
+        os.nice(10)
+    except OSError:  # not allowed here: the same priority
+        pass
+
+
 def main() -> int:
     """Answer specs until stdin closes. Anything the rules print goes to stderr: stdout carries the answers."""
     _limit_memory()
+    _yield_cpu()
     _exit_with_parent()
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
     sys.stdout = sys.stderr

@@ -3,11 +3,13 @@ parts, the layers and ranks they name. No plotly, no dash: the dashboard pages a
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 from ampdoctor.cards import LABELS, evidence_items, label, ranks_label, steps_label  # noqa: F401  (the views read them here)
 from ampdoctor.rules import diagnose as _diagnose
 from ampdoctor.rules import fix as F
+from ampdoctor.rules.engine import Run, resolve_rules
 from ampdoctor.rules.result import Diagnosis
 
 if TYPE_CHECKING:
@@ -20,6 +22,27 @@ def findings(tr: Trace, reference: Trace | None = None) -> list:
         return []
     out = list(_diagnose(tr, reference=reference) if reference is not None else _diagnose(tr))
     return worst_first(out)
+
+
+def diagnose_run(tr: Trace, reference: Trace | None = None) -> tuple[list, Run]:
+    """The diagnosis of a trace, worst first, and the rules' Run it was read through: its View holds the steps table,
+    the sampled statistics and histograms and the one pass over the peaks, which the report's formats, probe and step
+    charts read again without going back to the file (at 10^6 steps that pass is most of the diagnosis' time).
+
+    The same findings as ``ampdoctor.diagnose(tr)`` (engine.diagnose_trace's loop over the per-trace rules, on a Run
+    made here so that it can be kept; tests/dashboards/test_dash_report.py compares the two)."""
+    selected = resolve_rules(None)
+    run = Run(tr, Run(reference, rules=selected) if reference is not None else None, rules=selected)
+    if tr.n_steps == 0:
+        return [], run
+    out: list = []
+    with tr.snapshot(), reference.snapshot() if reference is not None else contextlib.nullcontext():
+        for s in selected:
+            if s.shown and s.rule.scope == "trace":
+                out += run.shown_findings(s.rule)
+                if s.rule.id in run.errors:
+                    out.append(run.errors[s.rule.id])
+    return worst_first(out), run
 
 
 def worst_first(found: list) -> list:

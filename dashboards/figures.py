@@ -689,6 +689,8 @@ def whatif_figure(r: dict, highlight: Any = None, x_range: Any = None, uirevisio
     fig = go.Figure(layout=_layout(title, uirevision, height=360, xaxis=dict(title="step")))
     ys = []
     bands = []
+    # zoomed: the range's own steps downsampled (full resolution once it is short enough), not the whole run's
+    shown = (steps >= x_range[0]) & (steps <= x_range[1]) if x_range is not None else np.ones(len(steps), bool)
     for name, vals, skips, color, dash, band in (
         ("recorded", r["recorded"], r["recorded_skipped"], COLORS["scale"], None, BAND_COLORS["skipped"]),
         ("simulated", r["simulated"], r["simulated_skipped"], COLORS["sim"], "dash", "rgba(148,103,189,0.2)"),
@@ -699,7 +701,7 @@ def whatif_figure(r: dict, highlight: Any = None, x_range: Any = None, uirevisio
         if not np.isfinite(y).any():
             continue
         ys.append(y)
-        x, yy = downsample(steps, y)
+        x, yy = downsample(steps[shown], y[shown])
         fig.add_scatter(
             x=x,
             y=yy,

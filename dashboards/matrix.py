@@ -14,9 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ampdoctor.trace.schema import LEVEL_HIST
-
-from .series import clip_range, n_steps, sql
+from .series import MAX_POINTS, clip_range, n_steps, sql
 
 if TYPE_CHECKING:
     from ampdoctor.trace import Trace
@@ -112,20 +110,15 @@ class LayerMatrix:
 
 
 def recorded_steps(tr: Trace, what: str, a: int = 0, b: int | None = None) -> np.ndarray:
-    """Steps of [a, b] that recorded ``what``: "stats" (full statistics), "peaks" or "hists"."""
+    """Steps of [a, b] that recorded ``what``: "stats" (full statistics), "peaks" or "hists". The statistics and
+    histogram steps are found by the reader's index seeks (Trace.full_steps / hist_steps: one per recorded step, no
+    scan of the steps table or of the statistics' rows)."""
     b = n_steps(tr) - 1 if b is None else b
     if what == "peaks":
         rows = sql(tr, "SELECT step FROM peaks WHERE step BETWEEN ? AND ? ORDER BY step", (a, b))
         return np.array([r[0] for r in rows], dtype=np.int64)
-    # the steps table says what each step recorded (level): a scan of it, not of the far larger stats table
-    level = 1 if what == "stats" else LEVEL_HIST
-    rows = sql(tr, "SELECT step FROM steps WHERE level >= ? AND step BETWEEN ? AND ? ORDER BY step", (level, a, b))
-    steps = np.array([r[0] for r in rows], dtype=np.int64)
-    table = "stats" if what == "stats" else "hists"
-    if not len(steps) and sql(tr, f"SELECT 1 FROM {table} LIMIT 1"):  # a trace from before the tiers
-        rows = sql(tr, f"SELECT DISTINCT step FROM {table} WHERE step BETWEEN ? AND ? ORDER BY step", (a, b))
-        steps = np.array([r[0] for r in rows], dtype=np.int64)
-    return steps
+    steps = tr.full_steps() if what == "stats" else tr.hist_steps()
+    return steps[(steps >= a) & (steps <= b)]
 
 
 def cost(tr: Trace, kind: str, stat: str, x0: Any = None, x1: Any = None) -> int:
@@ -141,11 +134,19 @@ def cost(tr: Trace, kind: str, stat: str, x0: Any = None, x1: Any = None) -> int
 
 
 def layer_matrix(
-    tr: Trace, kind: str, stat: str, x0: Any = None, x1: Any = None, max_cols: int = MAX_COLS, preview: bool = False
+    tr: Trace,
+    kind: str,
+    stat: str,
+    x0: Any = None,
+    x1: Any = None,
+    max_cols: int = MAX_COLS,
+    preview: bool = False,
+    memo: dict | None = None,
 ) -> LayerMatrix:
     """``stat`` of every site of ``kind`` over [x0, x1] (the whole run by default), binned to ``max_cols``
     columns (worst kept). ``preview``: at most PREVIEW_COLS evenly chosen recorded steps, for the first paint of
-    a range too long to read in a request."""
+    a range too long to read in a request. ``memo``: a dict kept across calls (the report's heat maps): the peaks
+    are then read once for every site, whichever kinds the heat maps draw."""
     if stat not in STATS:
         raise ValueError(f"Argument stat should be one of {', '.join(STATS)}, but given {stat!r}")
     if kind not in KINDS:
@@ -164,18 +165,17 @@ def layer_matrix(
     if preview and len(steps) > PREVIEW_COLS:
         steps = steps[np.unique(np.linspace(0, len(steps) - 1, PREVIEW_COLS).astype(int))]
     edges = _edges(steps, max_cols)  # bin j holds steps[edges[j]:edges[j+1]]
-    vals = np.full((len(ids), len(edges)), -np.inf)
-    bad = np.zeros((len(ids), len(edges)), dtype=bool)
     sampled = preview and total > len(steps)
-    if len(steps) and src == "stats" and not sampled and len(steps) * len(ids) > SQL_ROWS:
-        _stat_bins(tr, ids, steps, edges, STATS[stat], vals, bad)
-    elif len(steps):
-        reader = _peak_chunks if src == "peaks" else _stat_chunks
-        for st, col, v, nf in reader(tr, ids, steps, STATS[stat], sampled=sampled):
-            k = np.searchsorted(steps[edges], st, side="right") - 1
-            ok = np.isfinite(v)
-            np.maximum.at(vals, (col[ok], k[ok]), v[ok])
-            np.logical_or.at(bad, (col, k), nf)
+    if src == "peaks" and memo is not None:  # every site's peaks binned once, this kind's rows taken
+        key = ("peaks", a, b, max_cols, preview)
+        if key not in memo:
+            every = tr.sites()["id"].to_numpy(dtype=np.int64)
+            memo[key] = (every, *_binned(tr, every, steps, edges, STATS[stat], src, sampled))
+        every, all_vals, all_bad = memo[key]
+        rows = np.searchsorted(every, ids)
+        vals, bad = all_vals[rows].copy(), all_bad[rows]
+    else:
+        vals, bad = _binned(tr, ids, steps, edges, STATS[stat], src, sampled)
     vals[np.isneginf(vals)] = np.nan
     if STATS[stat].log2:
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -185,6 +185,37 @@ def layer_matrix(
     return m
 
 
+def _binned(
+    tr: Trace, ids: np.ndarray, steps: np.ndarray, edges: np.ndarray, stat: Stat, src: str, sampled: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """([sites x bins] worst finite value, -inf where none; [sites x bins] NaN/Inf held) of ``ids`` at ``steps``."""
+    vals = np.full((len(ids), len(edges)), -np.inf)
+    bad = np.zeros((len(ids), len(edges)), dtype=bool)
+    if not len(steps):
+        return vals, bad
+    if src == "stats" and not sampled and len(steps) * len(ids) > SQL_ROWS:
+        _stat_bins(tr, ids, steps, edges, stat, vals, bad)
+        return vals, bad
+    starts = steps[edges]
+    reader = _peak_chunks if src == "peaks" else _stat_chunks
+    for st, v, nf in reader(tr, ids, steps, stat, sampled=sampled):
+        _fold(vals, bad, np.searchsorted(starts, st, side="right") - 1, v, nf)
+    if src == "peaks":
+        vals[vals < 0] = -np.inf  # a negative peak: the site was not observed
+    return vals, bad
+
+
+def _fold(vals: np.ndarray, bad: np.ndarray, k: np.ndarray, v: np.ndarray, nf: np.ndarray) -> None:
+    """Fold a chunk ``v`` [rows x sites] (-inf: no finite value) and ``nf`` (NaN/Inf held), whose rows fall in the
+    non-decreasing bins ``k``, into ``vals`` / ``bad`` [sites x bins] in place: one reduction per chunk, not per row."""
+    if not len(k):
+        return
+    starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
+    cols = k[starts]
+    vals[:, cols] = np.maximum(vals[:, cols], np.maximum.reduceat(v, starts, axis=0).T)
+    bad[:, cols] |= np.logical_or.reduceat(nf, starts, axis=0).T
+
+
 def _edges(steps: np.ndarray, max_cols: int) -> np.ndarray:
     if len(steps) <= max_cols:
         return np.arange(len(steps))
@@ -192,24 +223,23 @@ def _edges(steps: np.ndarray, max_cols: int) -> np.ndarray:
 
 
 _CHUNK_ROWS = 200_000
+_PEAK_CHUNK_VALUES = 1 << 20  # float32 peaks decoded at a time (4 MB)
 SQL_ROWS = 1_000_000  # past this many rows a matrix is reduced in SQLite, bin by bin, not row by row in Python
 
 
 def _stat_bins(
     tr: Trace, ids: np.ndarray, steps: np.ndarray, edges: np.ndarray, stat: Stat, vals: np.ndarray, bad: np.ndarray
 ) -> None:
-    """Each bin's worst value per site computed by SQLite (one query per bin over its step range, in the stats
-    table's key order): the rows never cross into Python. Fills ``vals`` and ``bad`` in place."""
+    """Each bin's worst value per site computed by SQLite (one query per bin over its steps, in the stats table's key
+    order): the rows never cross into Python. Fills ``vals`` and ``bad`` in place."""
     lo, hi = int(ids.min()), int(ids.max())
-    starts = steps[edges]
-    ends = np.append(steps[edges[1:]] - 1, steps[-1])
     finite = f"CASE WHEN abs({stat.expr}) <= 1.7e308 THEN {stat.expr} END"
+    # the bin's steps listed: each is a seek on the key (step, site) to this kind's sites, not every site's rows
     query = (
-        f"SELECT site, max({finite}), max({BAD}) FROM stats WHERE step BETWEEN ? AND ? AND site BETWEEN ? AND ? "
-        "GROUP BY site"
+        "SELECT site, max({f}), max({bad}) FROM stats WHERE step IN ({steps}) AND site BETWEEN ? AND ? GROUP BY site"
     )
-    for j, (a, b) in enumerate(zip(starts.tolist(), ends.tolist())):
-        rows = sql(tr, query, (a, b, lo, hi))
+    for j, part in enumerate(np.split(steps, edges[1:])):
+        rows = sql(tr, query.format(f=finite, bad=BAD, steps=",".join(map(str, part.tolist()))), (lo, hi))
         if not rows:
             continue
         arr = np.array(rows, dtype=float).reshape(-1, 3)
@@ -222,8 +252,8 @@ def _stat_bins(
 
 
 def _stat_chunks(tr: Trace, ids: np.ndarray, steps: np.ndarray, stat: Stat, sampled: bool) -> Any:
-    """(steps, site columns, values, NaN/Inf held) of the stats rows of ``steps``, a few hundred thousand rows at
-    a time; only the rows of ``ids``'s sites (one kind) are kept."""
+    """(steps, values [steps x sites], NaN/Inf held [steps x sites]) of the stats rows of ``steps``, a few hundred
+    thousand rows at a time; only the rows of ``ids``'s sites (one kind) are kept (-inf where a site has none)."""
     lo, hi = int(ids.min()), int(ids.max())
     per = max(1, _CHUNK_ROWS // max(1, len(ids)))
     for i in range(0, len(steps), per):
@@ -239,79 +269,89 @@ def _stat_chunks(tr: Trace, ids: np.ndarray, steps: np.ndarray, stat: Stat, samp
         if not rows:
             continue
         arr = np.array(rows, dtype=float)
-        col = np.searchsorted(ids, arr[:, 1].astype(np.int64))
-        col = np.minimum(col, len(ids) - 1)
+        col = np.minimum(np.searchsorted(ids, arr[:, 1].astype(np.int64)), len(ids) - 1)
         keep = ids[col] == arr[:, 1]
-        yield arr[keep, 0].astype(np.int64), col[keep], arr[keep, 2], arr[keep, 3] > 0
+        st, row = np.unique(arr[keep, 0].astype(np.int64), return_inverse=True)
+        v = np.full((len(st), len(ids)), -np.inf)
+        nf = np.zeros((len(st), len(ids)), dtype=bool)
+        val = arr[keep, 2]
+        ok = np.isfinite(val)
+        v[row[ok], col[keep][ok]] = val[ok]
+        nf[row, col[keep]] = arr[keep, 3] > 0
+        yield st, v, nf
 
 
 def _peak_chunks(tr: Trace, ids: np.ndarray, steps: np.ndarray, stat: Stat, sampled: bool) -> Any:
-    """The peaks rows of ``steps`` (one float32 per site id; negative: not observed that step)."""
-    per = 2000
+    """(steps, values [steps x sites], NaN/Inf held) of the peaks rows of ``steps`` (a float32 per site id, negative:
+    not observed that step; -inf in the values where a site has no finite peak), decoded a chunk at a time."""
+    width = int(ids.max()) + 1
+    per = max(16, _PEAK_CHUNK_VALUES // width)
     for i in range(0, len(steps), per):
         part = steps[i : i + per]
         where = (
             f"step IN ({','.join(map(str, part.tolist()))})" if sampled else f"step BETWEEN {part[0]} AND {part[-1]}"
         )
-        rows = sql(tr, f"SELECT step, data FROM peaks WHERE {where} ORDER BY step")
-        st, cols, vals, bad = [], [], [], []
-        for step, blob in rows:
-            if not isinstance(blob, bytes) or len(blob) % 4:
-                continue
-            arr = np.frombuffer(blob, dtype="<f4")
-            take = ids < len(arr)
-            v = arr[ids[take]].astype(np.float64)
-            seen = ~(v < 0)
-            c = np.flatnonzero(take)[seen]
-            v = v[seen]
-            st.append(np.full(len(c), step, dtype=np.int64))
-            cols.append(c)
-            vals.append(v)
-            bad.append(~np.isfinite(v))
-        if st:
-            yield np.concatenate(st), np.concatenate(cols), np.concatenate(vals), np.concatenate(bad)
+        rows = [
+            (s, b)
+            for s, b in sql(tr, f"SELECT step, data FROM peaks WHERE {where} ORDER BY step")
+            if isinstance(b, bytes) and not len(b) % 4
+        ]
+        if not rows:
+            continue
+        sizes = {len(b) for _, b in rows}
+        if len(sizes) == 1 and min(sizes) >= 4 * width:  # every row holds these sites: one buffer
+            full = np.frombuffer(b"".join(b for _, b in rows), dtype="<f4").reshape(len(rows), -1)
+        else:
+            full = np.full((len(rows), width), -1.0, dtype=np.float32)
+            for j, (_, blob) in enumerate(rows):
+                got = np.frombuffer(blob, dtype="<f4", count=min(len(blob) // 4, width))
+                full[j, : len(got)] = got
+        v = full if len(ids) == full.shape[1] and ids[-1] == len(ids) - 1 else full[:, ids]  # (every site: no copy)
+        finite = np.isfinite(v)
+        nonfinite = np.isnan(v) | (v == np.inf)  # NaN/Inf seen (negative, -inf included: not observed)
+        # float32 kept (4 bytes a value); a negative value, or -inf, is "no finite peak" after the reduction
+        yield np.array([s for s, _ in rows], dtype=np.int64), np.where(finite, v, np.float32(-np.inf)), nonfinite
 
 
 # -- one site --------------------------------------------------------------------------------------------------
-def site_series(tr: Trace, site_id: int, stat: str, x0: Any = None, x1: Any = None, max_points: int = 4000) -> Any:
-    """(steps, values, NaN/Inf steps as [(first, last)]) of one site's ``stat`` over [x0, x1], at most
-    ``max_points`` recorded steps (evenly chosen when there are more: their extremes are in the heat map's
-    bins). Values are the raw statistic (the figure takes log2 where the statistic says so)."""
-    from .series import intervals
+def site_series(
+    tr: Trace, site_id: int, stat: str, x0: Any = None, x1: Any = None, max_points: int = MAX_POINTS
+) -> Any:
+    """(steps, values, NaN/Inf steps as [(first, last)]) of one site's ``stat`` over [x0, x1]: every recorded step
+    of the range read, then at most ``max_points`` points kept with each bucket's minimum and maximum
+    (series.downsample: a spike is never dropped); the NaN/Inf steps from every step. Values are the raw statistic
+    (the figure takes log2 where the statistic says so)."""
+    from .series import downsample, intervals
 
     n = n_steps(tr)
     if not n:
         return np.array([], np.int64), np.array([]), []
     a, b = clip_range(n, x0, x1)
     spec = STATS[stat]
-    src = "peaks" if spec.expr is None else "stats"
-    steps = recorded_steps(tr, src, a, b)
-    if len(steps) > max_points:
-        steps = steps[np.unique(np.linspace(0, len(steps) - 1, max_points).astype(int))]
-    if not len(steps):
-        return steps, np.array([]), []
-    listed = ",".join(map(str, steps.tolist()))
-    if src == "peaks":
+    if spec.expr is None:  # the peaks table holds the peak steps only: a rowid range
         j = int(site_id)
-        rows = sql(tr, f"SELECT step, substr(data, {4 * j + 1}, 4) FROM peaks WHERE step IN ({listed}) ORDER BY step")
-        x, y = [], []
-        for step, blob in rows:
-            if isinstance(blob, bytes) and len(blob) == 4:
-                v = float(np.frombuffer(blob, dtype="<f4")[0])
-                if not v < 0:
-                    x.append(step)
-                    y.append(v)
-        x, y = np.array(x, dtype=np.int64), np.array(y, dtype=float)
+        rows = sql(tr, f"SELECT step, substr(data, {4 * j + 1}, 4) FROM peaks WHERE step BETWEEN ? AND ?", (a, b))
+        rows = [(s, blob) for s, blob in rows if isinstance(blob, bytes) and len(blob) == 4]
+        x = np.array([s for s, _ in rows], dtype=np.int64)
+        y = np.frombuffer(b"".join(blob for _, blob in rows), dtype="<f4").astype(np.float64)
+        seen = ~(y < 0)  # negative: the site was not observed that step
+        x, y = x[seen], y[seen]
         bad = ~np.isfinite(y)
     else:
+        steps = recorded_steps(tr, "stats", a, b)
+        if not len(steps):
+            return steps, np.array([]), []
         rows = sql(
             tr,
-            f"SELECT step, {spec.expr}, {BAD} FROM stats WHERE site = ? AND step IN ({listed}) ORDER BY step",
+            f"SELECT step, {spec.expr}, {BAD} FROM stats WHERE site = ? AND step IN "
+            f"({','.join(map(str, steps.tolist()))}) ORDER BY step",
             (int(site_id),),
         )
         arr = np.array(rows, dtype=float).reshape(-1, 3)
         x, y, bad = arr[:, 0].astype(np.int64), arr[:, 1], arr[:, 2] > 0
-    return x, np.where(np.isfinite(y), y, np.nan), intervals(x, bad)
+    y = np.where(np.isfinite(y), y, np.nan)
+    xs, ys = downsample(x, y, max_points)
+    return xs, ys, intervals(x, bad)
 
 
 def site_hist(tr: Trace, site_id: int, x0: Any = None, x1: Any = None, max_rows: int = 2000) -> Any:

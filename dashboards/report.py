@@ -194,12 +194,14 @@ def _report_rows(m: matrix.LayerMatrix, named: set, paths: list | None) -> list:
     return [index[p] for p in paths if p in index], paths
 
 
-def key_figures(tr: Trace, found: list, figs: Figures) -> dict:
-    """Every figure the findings point to, plus the run's own: {(page, key): figure id}."""
-    s = series.read(tr, summary=_summary(tr))
+def key_figures(tr: Trace, found: list, figs: Figures, run: Any = None, max_points: int = series.MAX_POINTS) -> dict:
+    """Every figure the findings point to, plus the run's own: {(page, key): figure id}. ``run``: the rules' Run the
+    findings were read through (its steps table is not read again); ``max_points``: points per line of a step chart
+    past which it is downsampled (each bucket's minimum and maximum kept)."""
+    s = series.read(tr, max_points=max_points, summary=_summary(tr, run, max_points))
     where = {("/", k): v for k, v in _step_figures(tr, figs, s).items()}
     named = {str(p) for d in found for p in d.layers or []}
-    views = [data.default_view(tr, found), ("grad_out", "absmax_log2"), ("act", "absmax_log2")]
+    views = [data.default_view(tr, found, run), ("grad_out", "absmax_log2"), ("act", "absmax_log2")]
     for d in found:
         for link in evidence.links(d):
             p = dict(link.params)
@@ -207,10 +209,11 @@ def key_figures(tr: Trace, found: list, figs: Figures) -> dict:
                 views.append((p.get("kind"), p.get("stat")))
     have = set(tr.sites()["kind"])
     paths = None
+    memo: dict = {}  # the peaks read once for every heat map
     for kind, stat in views:
         if kind not in have or stat not in matrix.STATS or ("/layers", kind, stat) in where:
             continue
-        m = matrix.layer_matrix(tr, kind, stat)
+        m = matrix.layer_matrix(tr, kind, stat, memo=memo)
         rows, chosen = _report_rows(m, named, paths)
         paths = paths or chosen
         title = f"{m.label}: {m.kind_label}" + (
@@ -228,7 +231,7 @@ def key_figures(tr: Trace, found: list, figs: Figures) -> dict:
             if site is None:
                 continue
             stat = p.get("stat", "absmax_log2")
-            x, y, bad = matrix.site_series(tr, int(site["id"]), stat)
+            x, y, bad = matrix.site_series(tr, int(site["id"]), stat, max_points=max_points)
             spec = matrix.STATS[stat]
             label = f"{spec.label} of {site['path']} ({matrix.KIND_LABELS.get(site['kind'], site['kind'])})"
             limits = []
@@ -243,9 +246,13 @@ def key_figures(tr: Trace, found: list, figs: Figures) -> dict:
     return where
 
 
-def _summary(tr: Trace) -> series.StepSummary | None:
-    if series.n_steps(tr) <= series.MAX_POINTS:
+def _summary(tr: Trace, run: Any = None, max_points: int = series.MAX_POINTS) -> series.StepSummary | None:
+    """The step summary a run longer than ``max_points`` steps is drawn from: from the steps the rules' Run already
+    holds when given, else read from the file (in chunks)."""
+    if series.n_steps(tr) <= max_points:
         return None
+    if run is not None:
+        return series.StepSummary.of_steps(tr, run.view.steps)
     sm = series.StepSummary()
     sm.update(tr)
     return sm
@@ -282,10 +289,11 @@ def _link_targets(d: Diagnosis, where: dict) -> list[tuple[str, str]]:
     return out
 
 
-def formats_section(tr: Trace, found: list) -> str:
-    """Formats: the probe's error against FP32 over the steps, and what each format would lose per site."""
+def formats_section(tr: Trace, found: list, run: Any = None) -> str:
+    """Formats: the probe's error against FP32 over the steps, and what each format would lose per site. ``run``:
+    the rules' Run the findings were read through (its histograms, statistics and peaks pass are not read again)."""
     sel = [str(p) for d in found if d.rule in ("precision-loss", "fp8-readiness", "fp16-readiness") for p in d.layers]
-    series_, bounds, verdicts = data.probe_series(tr, include=sel)
+    series_, bounds, verdicts = data.probe_series(tr, include=sel, run=run)
     named = [v["path"] for v in verdicts if v["named"]]
     probe = (
         f"<p>Measured precision loss (against FP32): {html.escape(', '.join(named))}</p>"
@@ -297,8 +305,8 @@ def formats_section(tr: Trace, found: list) -> str:
     figs = Figures()
     if verdicts:
         figs.add("fig-probe", "probe", figures.probe_error_figure(series_, bounds, highlight=set(sel)))
-    table = data.format_table(tr)
-    by = data.default_format(tr)
+    table = data.format_table(run if run is not None else tr)
+    by = data.default_format(tr, run)
     labels, lost = data.formats_shares(table, by)
     figs.add("fig-formats", "formats", figures.formats_figure(labels, lost, data.FORMAT_NAMES[by]))
     rows = data.formats_rows(table, by)
@@ -311,8 +319,9 @@ def formats_section(tr: Trace, found: list) -> str:
     )
 
 
-def precision_section(tr: Trace, found: list) -> str:
-    rows = data.precision_rows(tr, found)
+def precision_section(tr: Trace, found: list, run: Any = None) -> str:
+    """The precision map: the diagnosis' verdict on every module (``run``: the rules' Run, for its compute dtype)."""
+    rows = data.precision_rows(tr, found, run)
     flagged = [r for r in rows if r["verdict"] != "ok"]
     return (
         '<h2 id="precision">Precision map</h2><p>Recommended: matrix multiplies and convolutions compute in FP16/BF16; '
@@ -328,19 +337,24 @@ def precision_section(tr: Trace, found: list) -> str:
 STAGES = ("diagnosis", "figures", "precision map", "formats", "comparison")
 
 
-def build_report(tr: Trace, reference: Trace | None = None, progress: Any = None) -> str:
-    """The report as one HTML string; ``progress(stage)``, when given, is called as each of STAGES starts."""
+def build_report(
+    tr: Trace, reference: Trace | None = None, progress: Any = None, max_points: int = series.MAX_POINTS
+) -> str:
+    """The report as one HTML string; ``progress(stage)``, when given, is called as each of STAGES starts.
+    ``max_points``: points per line past which a series is downsampled, each bucket's minimum and maximum kept."""
     stage = progress or (lambda name: None)
     stage("diagnosis")
-    found = diagnosis.findings(tr, reference)
-    summary = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in data.run_summary(tr))
+    found, run = diagnosis.diagnose_run(tr, reference)
+    summary = "".join(
+        f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in data.run_summary(tr, run)
+    )
     stage("figures")
     figs = Figures()
-    where = key_figures(tr, found, figs)
+    where = key_figures(tr, found, figs, run, max_points)
     stage("precision map")
-    precision = precision_section(tr, found)
+    precision = precision_section(tr, found, run)
     stage("formats")
-    formats_html = formats_section(tr, found)
+    formats_html = formats_section(tr, found, run)
     stage("comparison")
     compare = ""
     if reference is not None:
@@ -351,8 +365,11 @@ def build_report(tr: Trace, reference: Trace | None = None, progress: Any = None
             "loss",
             figures.compare_loss_figure(
                 [
-                    (os.path.basename(tr.path), series.read(tr, summary=_summary(tr))),
-                    (os.path.basename(reference.path), series.read(reference, summary=_summary(reference))),
+                    (os.path.basename(tr.path), series.read(tr, summary=_summary(tr, run, max_points))),
+                    (
+                        os.path.basename(reference.path),
+                        series.read(reference, summary=_summary(reference, run.reference, max_points)),
+                    ),
                 ]
             ),
         )
@@ -409,8 +426,11 @@ def page(title: str, found: list, body: str, facts: str = "") -> str:
 """
 
 
-def write_report(tr: Trace, out: str, reference: Trace | None = None, progress: Any = None) -> str:
-    text = build_report(tr, reference, progress)
+def write_report(
+    tr: Trace, out: str, reference: Trace | None = None, progress: Any = None, max_points: int = series.MAX_POINTS
+) -> str:
+    """Write the report of ``tr`` (build_report) to ``out``; returns ``out``."""
+    text = build_report(tr, reference, progress, max_points)
     with open(out, "w", encoding="utf-8") as f:
         f.write(text)
     return out

@@ -201,7 +201,7 @@ def status_line(ctx: Context, run: str) -> Any:
             parts.append(html.Span(f"{what}: {st.elapsed():.0f} s", className="busy", id="diagnosis-status"))
         elif st.error and not st.current:
             parts.append(html.Span(f"diagnosis failed: {st.error}", className="bad", id="diagnosis-status"))
-    _, sm_state = ctx.summary(run)
+    sm_state = ctx.summary_state(run)  # (the charts start it: a status poll reads nothing)
     if sm_state is not None and sm_state.running:
         parts.append(html.Span(f"summarising every step: {sm_state.elapsed():.0f} s", className="busy"))
     return parts or None

@@ -1,6 +1,7 @@
 """Formats: per layer, what FP16 / BF16 / FP8 (E4M3, E5M2 with delayed scaling) would lose, ranked by the format
 the run computes in (or the one a finding asks about), and the precision-loss probe's measured error against FP32.
-Both are read in the background on a long run; the page says so meanwhile."""
+The probe results are read in the background; the formats table comes with the diagnosis (from the rules' own reads of
+the trace, cached on disk with the findings); the page says what it waits for meanwhile."""
 
 from __future__ import annotations
 
@@ -101,14 +102,19 @@ def update(ctx: Context, by: Any, q: Any, page: Any, version: Any, search: str |
             else "No probe results in this trace: attach(..., probe_every=N) records them."
         )
         probe_fig = figures.probe_error_figure(series, bounds, highlight=set(sel))
-    tab = ctx.background(run, "formats-table", data.format_table, wait=2.0)
-    if tab.value is None:
-        words = f"reading every site's histograms ({tab.elapsed():.0f} s)" if tab.running else (tab.error or "")
+    lost_by_site, st, error = ctx.formats_table(run, wait=2.0)
+    if lost_by_site is None:
+        if st is not None and st.value is None and st.running:
+            words = f"diagnosing: {st.elapsed():.0f} s (the formats table comes from the same reads of the trace)"
+        elif st is not None and st.error and st.value is None:
+            words = f"The diagnosis failed: {st.error}"
+        else:
+            words = f"The formats table failed: {error}" if error else "waiting for the diagnosis"
         return verdict, probe_fig, figures.empty("Share of non-zero values lost per format", words), None, []
     name = data.FORMAT_NAMES[by]
-    labels, lost = data.formats_shares(tab.value, by)
+    labels, lost = data.formats_shares(lost_by_site, by)
     if sel:
-        more_labels, more = data.formats_shares(tab.value, by, only=sel)
+        more_labels, more = data.formats_shares(lost_by_site, by, only=sel)
         for lab, i in zip(more_labels, range(len(more_labels))):
             if lab not in labels:
                 labels.append(lab)
@@ -117,7 +123,7 @@ def update(ctx: Context, by: Any, q: Any, page: Any, version: Any, search: str |
     fig = figures.formats_figure(
         labels, lost, name, highlight={f"{p} ({k})" for p in sel for k in ("activations", "output gradients")}
     )
-    rows = data.formats_rows(tab.value, by)
+    rows = data.formats_rows(lost_by_site, by)
     keep = matches([r["layer"] for r in rows], q)
     rows = [r for r, k in zip(rows, keep) if k]
     if sel:

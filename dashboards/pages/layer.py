@@ -147,11 +147,8 @@ def update(ctx: Context, version: Any, search: str | None, stat: Any = "absmax_l
     )
     hs, counts = matrix.site_hist(tr, sid, *(r or (None, None)))
     scales = None
-    if kind == "grad_out" and len(hs):
-        s = series.read(tr, int(hs.min()), int(hs.max()), max_points=10**9) if len(hs) <= 4000 else None
-        if s is not None:
-            lookup = dict(zip(s.x.tolist(), s.lo["loss_scale"].tolist()))
-            scales = [lookup.get(int(h), float("nan")) for h in hs]
+    if kind == "grad_out" and len(hs):  # the loss scale at the histogram steps only (a seek each, not every step)
+        scales = series.values_at(tr, "loss_scale", hs).tolist()
     hist = figures.exponent_hist_figure(
         hs, counts, scales, kind=matrix.KIND_LABELS.get(kind, kind), x_range=shown, highlight=hl, uirevision=rev
     )

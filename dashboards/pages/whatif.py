@@ -188,11 +188,11 @@ def update(
     key = tuple(sorted(args.items()))
     state = ctx.background(run, ("whatif", key), lambda t: data.whatif(t, **args), wait=2.0)
     if state.value is None or not state.current:  # the recorded scale at once, the replay when it is done
-        r = ctx.cached(run, "recorded-scale", data.recorded_scale)
+        r = data.recorded_scale(tr, ctx.steps(run, *(zoom_range(zoom) or (None, None))))
         fig = figures.whatif_figure(r, x_range=zoom_range(zoom), uirevision=uirevision(run, PAGE))
         if state.error and not state.running:
             return fig, html.Span(f"The replay failed: {state.error}", id="whatif-error", className="bad"), note, sug
-        return fig, f"replaying GradScaler over {len(r['steps']):,} steps: {state.elapsed():.0f} s", note, sug
+        return fig, f"replaying GradScaler over {r['n']:,} steps: {state.elapsed():.0f} s", note, sug
     r = state.value
     fig = figures.whatif_figure(r, x_range=zoom_range(zoom), uirevision=uirevision(run, PAGE))
     s = r["settings"]

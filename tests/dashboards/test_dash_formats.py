@@ -1,6 +1,7 @@
 """The Formats page, its figures and the report's Formats section on a real probed run with a fragile layer."""
 
 import numpy as np
+import pandas as pd
 import probe_models as M
 import pytest
 from ampdoctor.dashboards import data, figures, ids
@@ -45,10 +46,24 @@ def test_figures_show_the_probe_error_and_the_format_shares(probed):
     assert len(rows) == len(table)  # every site (the page pages through them), none dropped
 
 
-def test_formats_page_and_report_section(probed):
+def test_formats_page_and_report_section(probed, tmp_path, monkeypatch):
+    """The page's table comes with the diagnosis (the diagnosis process computes it from the rules' reads of the
+    trace, and it is cached on disk with the findings): while the diagnosis runs the page says so, then it shows
+    exactly what ampdoctor.whatif.formats_table computes from the file."""
+    monkeypatch.setenv("AMPDOCTOR_CACHE_DIR", str(tmp_path))
     ctx = create_app(str(probed)).ampdoctor
     _, page = render(ctx, "/formats", "?run=frag.db")
     assert ids.FORMATS_PROBE in str(page) and ids.FORMATS_SHARES in str(page)
+    _, shares, listing, _ = formats.update(ctx, "fp16", "", 1, None, "?run=frag.db")[1:]
+    if listing is None:  # the diagnosis is still running: the chart says so, it is not blank
+        assert "diagnosing" in shares.layout.annotations[0].text
+    assert ctx.findings_and_error("frag.db")[1] is None  # (waits for the diagnosis)
+    table, state, error = ctx.formats_table("frag.db")
+    assert error is None and state.current
+    pd.testing.assert_frame_equal(table, data.format_table(ampdoctor.load(str(probed / "frag.db"))))
+    again = create_app(str(probed)).ampdoctor  # a restart: from the cache on disk, with the findings
+    assert again.findings_and_error("frag.db")[1] is None
+    pd.testing.assert_frame_equal(again.formats_table("frag.db")[0], table)
     verdict, _, _, table, _ = formats.update(ctx, "fp16", "", 1, None, "?run=frag.db")
     assert verdict == "Measured precision loss: 0" and ids.FORMATS_TABLE in str(table)
     html = build_report(ctx.trace("frag.db"))

@@ -2,13 +2,16 @@
 budget, keeps every spike and skipped step, reads only the range it shows, and the step summary survives a restart
 through the cache on disk."""
 
+import base64
 import importlib.util
+import json
 import os
+import re
 import time
 
 import numpy as np
 import pytest
-from ampdoctor.dashboards import cache, figures, matrix, series
+from ampdoctor.dashboards import cache, figures, matrix, report, series
 from ampdoctor.dashboards.app import create_app
 from ampdoctor.dashboards.pages import layer, layers, overview, whatif
 
@@ -116,3 +119,52 @@ def test_a_long_heat_map_is_read_in_chunks_with_a_preview_first(long_run, monkey
     np.testing.assert_array_equal(in_sql.nonfinite, whole.nonfinite)
     preview = matrix.layer_matrix(tr, "act", "fp16_under", preview=True)
     assert preview.preview and preview.values.shape[1] <= matrix.PREVIEW_COLS < whole.recorded
+
+
+def _report_figures(text: str) -> dict:
+    """{figure id: plotly JSON} of a report's embedded figures."""
+    found = re.findall(
+        r'<script type="application/json" class="figure" data-target="([^"]+)-plot">(.*?)</script>', text
+    )
+    return {fid: json.loads(body.replace("<\\/", "</")) for fid, body in found}
+
+
+def _array(v) -> np.ndarray:
+    """A plotly JSON array: a list, or a typed array ({"dtype", "bdata"})."""
+    if isinstance(v, dict) and "bdata" in v:
+        return np.frombuffer(base64.b64decode(v["bdata"]), dtype=np.dtype(v["dtype"]))
+    return np.asarray([np.nan if a is None else a for a in v], dtype=float)
+
+
+def test_report_of_a_long_run_is_small_and_keeps_every_spike(long_run):
+    """The report of 20,000 steps at a budget of 400 points a line: every step chart within it, the loss spike and the
+    lowest loss to the bit, every skipped step under a band, and the figures' JSON bounded by the budget (at 10^6
+    steps and the default budget the whole file is ~3.6 MB: benchmarks/README.md)."""
+    tr = ampdoctor.load(long_run)
+    st = tr.steps()
+    text = report.build_report(tr, max_points=400)
+    figs = _report_figures(text)
+    lines = {
+        fid: [t for t in f["data"] if t.get("type") == "scatter" and not (t.get("meta") or {}).get("band")]
+        for fid, f in figs.items()
+        if fid in ("fig-loss", "fig-scale", "fig-norm", "fig-time")
+    }
+    assert len(lines) == 4
+    for fid, traces in lines.items():
+        assert traces, fid
+        assert all(0 < len(_array(t["x"])) <= 400 for t in traces), fid
+    raw = [_array(t["y"]) for t in lines["fig-loss"] if not (t.get("meta") or {}).get("smoothed")]
+    loss = st["loss"].to_numpy(float)
+    assert max(np.nanmax(y) for y in raw) == np.nanmax(loss)  # the spike at step N_STEPS // 3
+    assert min(np.nanmin(y) for y in raw) == np.nanmin(loss)
+    bands = [t for f in figs.values() for t in f["data"] if (t.get("meta") or {}).get("band")]
+    skipped = st["step"][st["skipped"]].to_numpy()
+    spans = [
+        (a + 0.5, b - 0.5)
+        for t in bands
+        if "skipped" in t.get("name", "")
+        for a, b in zip(_array(t["x"])[0::6], _array(t["x"])[2::6])
+    ]
+    assert all(any(a <= s <= b for a, b in spans) for s in skipped)
+    payload = sum(len(json.dumps(f)) for f in figs.values())
+    assert payload < 600_000, payload  # 400 points a line (every step drawn: 2.3 MB)

@@ -128,6 +128,21 @@ def test_report_with_reference_compares(traces, tmp_path):
 
 
 @pytest.mark.parametrize(
+    "name, reference", [("fp16_under.db", None), ("fp16_bad.db", None), ("bf16.db", None), ("fp16_bad.db", "bf16.db")]
+)
+def test_the_report_diagnoses_as_ampdoctor_diagnose(traces, name, reference):
+    """The report keeps the rules' Run it diagnosed with (its reads serve the figures): the findings are exactly
+    ``ampdoctor.diagnose``'s, in its order, evidence and fixes included."""
+    tr = ampdoctor.load(traces / name)
+    ref = ampdoctor.load(traces / reference) if reference else None
+    found, run = diagnosis.diagnose_run(tr, ref)
+    expected = ampdoctor.diagnose(tr, reference=ref) if ref is not None else ampdoctor.diagnose(tr)
+    assert [d.to_dict() for d in found] == [d.to_dict() for d in expected]
+    assert found or name == "bf16.db"  # (a healthy BF16 run has nothing to find)
+    assert run.trace is tr and run.view.steps is run.view.steps  # one read, kept
+
+
+@pytest.mark.parametrize(
     "argv, message",
     [
         (["report", "/no/such/trace.db"], "ampdoctor report: /no/such/trace.db: no such file"),

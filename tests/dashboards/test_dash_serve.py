@@ -162,7 +162,7 @@ def test_findings_are_cached_and_a_failing_rule_does_not_break_the_overview(trac
         calls.append(tr.path)
         raise IndexError("boolean index did not match")
 
-    monkeypatch.setattr(diagnosis, "findings", failing)
+    monkeypatch.setattr(diagnosis, "diagnose_run", failing)
     ctx = create_app(str(traces), diagnose_in="thread").ampdoctor
     assert ctx.findings_and_error("bf16.db") == ([], "IndexError: boolean index did not match")
     assert ctx.findings("bf16.db") == [] and len(calls) == 1  # same trace content: not run again
