@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from ampdoctor.cards import LABELS, evidence_items, label, ranks_label, steps_label  # noqa: F401  (the views read them here)
 from ampdoctor.rules import diagnose as _diagnose
 from ampdoctor.rules import fix as F
-from ampdoctor.rules.engine import Run, resolve_rules
+from ampdoctor.rules.engine import Run, resolve_rules, trace_findings
 from ampdoctor.rules.result import Diagnosis
 
 if TYPE_CHECKING:
@@ -27,22 +27,13 @@ def findings(tr: Trace, reference: Trace | None = None) -> list:
 def diagnose_run(tr: Trace, reference: Trace | None = None) -> tuple[list, Run]:
     """The diagnosis of a trace, worst first, and the rules' Run it was read through: its View holds the steps table,
     the sampled statistics and histograms and the one pass over the peaks, which the report's formats, probe and step
-    charts read again without going back to the file (at 10^6 steps that pass is most of the diagnosis' time).
-
-    The same findings as ``ampdoctor.diagnose(tr)`` (engine.diagnose_trace's loop over the per-trace rules, on a Run
-    made here so that it can be kept; tests/dashboards/test_dash_report.py compares the two)."""
+    charts read again without going back to the file (at 10^6 steps that pass is most of the diagnosis' time). The
+    findings are ``ampdoctor.diagnose(tr)``'s (tests/dashboards/test_dash_report.py compares the two)."""
     selected = resolve_rules(None)
-    run = Run(tr, Run(reference, rules=selected) if reference is not None else None, rules=selected)
     if tr.n_steps == 0:
-        return [], run
-    out: list = []
+        return [], Run(tr, Run(reference, rules=selected) if reference is not None else None, rules=selected)
     with tr.snapshot(), reference.snapshot() if reference is not None else contextlib.nullcontext():
-        for s in selected:
-            if s.shown and s.rule.scope == "trace":
-                out += run.shown_findings(s.rule)
-                if s.rule.id in run.errors:
-                    out.append(run.errors[s.rule.id])
-    return worst_first(out), run
+        return trace_findings(tr, reference, selected)
 
 
 def worst_first(found: list) -> list:

@@ -332,6 +332,13 @@ def run_rule(rule: Rule, run: Run, over: dict[str, float]) -> tuple[list[Diagnos
 
 def diagnose_trace(tr: Trace, ref: Trace | None, selected: list[Selected]) -> list[Diagnosis]:
     """The shown findings of the per-trace rules over one trace (against an optional reference), worst first."""
+    return trace_findings(tr, ref, selected)[0]
+
+
+def trace_findings(tr: Trace, ref: Trace | None, selected: list[Selected]) -> tuple[list[Diagnosis], Run]:
+    """``diagnose_trace``'s findings and the Run they were read through: its View keeps what the rules read (the
+    steps, the sampled statistics and histograms, the pass over the peaks) for a caller that shows them (the
+    report)."""
     selected = [Selected(*s) for s in selected]
     run = Run(tr, Run(ref, rules=selected) if ref is not None else None, rules=selected)
     if run.n_steps == 0:
@@ -342,4 +349,4 @@ def diagnose_trace(tr: Trace, ref: Trace | None, selected: list[Selected]) -> li
             out += run.shown_findings(s.rule)
             if s.rule.id in run.errors:
                 out.append(run.errors[s.rule.id])
-    return worst_first(out, {s.rule.id: i for i, s in enumerate(selected)})
+    return worst_first(out, {s.rule.id: i for i, s in enumerate(selected)}), run
