@@ -42,3 +42,28 @@ def test_under_a_budget_a_one_off_fault_is_still_replayed(trace_path):
     assert len(tr.events("cadence"))
     assert 157 in set(tr.events("replay")["step"])
     assert tr.events("operation").set_index("step").loc[157, "data"]["op"] == "aten::exp"
+
+
+def test_under_a_budget_the_live_checks_keep_a_third_of_it(trace_path):
+    """The live rules run on another thread but hold the GIL that training's Python waits for: under budget=b their
+    CPU time stays within b/3 of the run's time (their schedule over a long run whose checks grow costly), never
+    more than without a budget."""
+    from ampdoctor.collect import live as L
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampdoctor.attach(model, optimizer=opt, trace=trace_path, budget=0.03) as doc:
+        assert doc.live is not None and doc.live.share == 0.01
+    with ampdoctor.attach(model, optimizer=opt, trace=trace_path + ".2", budget=0.3) as doc:
+        assert doc.live is not None and doc.live.share == L.MAX_SHARE
+    lv = L.LiveDiagnosis("unused.db", diagnose=lambda trace, rules=None: [], share=0.01)
+    t, cost, checks = lv.interval, 0.2, 0
+    while t < 24 * 3600:
+        lv.spent += cost
+        lv._last_cost = cost
+        checks += 1
+        if checks > 1:
+            assert lv.spent <= 0.01 * t * 1.0001, (checks, t, lv.spent)
+        t += lv.next_wait(t)
+        cost *= 1.1
+    assert checks > 10
