@@ -67,3 +67,19 @@ def test_under_a_budget_the_live_checks_keep_a_third_of_it(trace_path):
         t += lv.next_wait(t)
         cost *= 1.1
     assert checks > 10
+
+
+def test_a_step_that_waited_does_not_undo_the_stretch():
+    """A window of steps where ampdoctor costs 10% of each, one of which waited 10 s (an evaluation, a checkpoint, a
+    paused process): the budget still sees 10% and stretches; a window where it costs 0.5% relaxes again."""
+    from ampdoctor.collect.cadence import BUDGET_WINDOW, Budget, Cadence
+
+    cadence = Cadence()
+    budget = Budget(0.03, cadence)
+    changes = [budget.update(0.0001, 10.0 if k == 7 else 0.001, "sentinel") for k in range(BUDGET_WINDOW)]
+    assert changes[:-1] == [None] * (BUDGET_WINDOW - 1) and changes[-1] is not None
+    assert cadence.stretch == 2 and changes[-1]["peak_every"] == 20
+    assert changes[-1]["share"] > 0.09
+    for _ in range(BUDGET_WINDOW):
+        change = budget.update(0.000005, 0.001, "sentinel")
+    assert change is not None and cadence.stretch == 1
