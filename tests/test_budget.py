@@ -42,3 +42,44 @@ def test_under_a_budget_a_one_off_fault_is_still_replayed(trace_path):
     assert len(tr.events("cadence"))
     assert 157 in set(tr.events("replay")["step"])
     assert tr.events("operation").set_index("step").loc[157, "data"]["op"] == "aten::exp"
+
+
+def test_under_a_budget_the_live_checks_keep_a_third_of_it(trace_path):
+    """The live rules run on another thread but hold the GIL that training's Python waits for: under budget=b their
+    CPU time stays within b/3 of the run's time (their schedule over a long run whose checks grow costly), never
+    more than without a budget."""
+    from ampdoctor.collect import live as L
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampdoctor.attach(model, optimizer=opt, trace=trace_path, budget=0.03) as doc:
+        assert doc.live is not None and doc.live.share == 0.01
+    with ampdoctor.attach(model, optimizer=opt, trace=trace_path + ".2", budget=0.3) as doc:
+        assert doc.live is not None and doc.live.share == L.MAX_SHARE
+    lv = L.LiveDiagnosis("unused.db", diagnose=lambda trace, rules=None: [], share=0.01)
+    t, cost, checks = lv.interval, 0.2, 0
+    while t < 24 * 3600:
+        lv.spent += cost
+        lv._last_cost = cost
+        checks += 1
+        if checks > 1:
+            assert lv.spent <= 0.01 * t * 1.0001, (checks, t, lv.spent)
+        t += lv.next_wait(t)
+        cost *= 1.1
+    assert checks > 10
+
+
+def test_a_step_that_waited_does_not_undo_the_stretch():
+    """A window of steps where ampdoctor costs 10% of each, one of which waited 10 s (an evaluation, a checkpoint, a
+    paused process): the budget still sees 10% and stretches; a window where it costs 0.5% relaxes again."""
+    from ampdoctor.collect.cadence import BUDGET_WINDOW, Budget, Cadence
+
+    cadence = Cadence()
+    budget = Budget(0.03, cadence)
+    changes = [budget.update(0.0001, 10.0 if k == 7 else 0.001, "sentinel") for k in range(BUDGET_WINDOW)]
+    assert changes[:-1] == [None] * (BUDGET_WINDOW - 1) and changes[-1] is not None
+    assert cadence.stretch == 2 and changes[-1]["peak_every"] == 20
+    assert changes[-1]["share"] > 0.09
+    for _ in range(BUDGET_WINDOW):
+        change = budget.update(0.000005, 0.001, "sentinel")
+    assert change is not None and cadence.stretch == 1

@@ -85,7 +85,11 @@ class Capture:
         the run's usual magnitude (on steps that observe sites)."""
         if self.paused or len(self.calls) >= MAX_CALLS:
             return
-        tensors = hooks.float_tensors((args, kwargs)) + _int_tensors((args, kwargs))
+        a0 = args[0] if len(args) == 1 and not kwargs else None
+        if type(a0) is torch.Tensor:  # the common case, without walking the arguments: one tensor
+            tensors = [a0] if not a0.is_floating_point() or a0.layout == torch.strided else []
+        else:
+            tensors = hooks.float_tensors((args, kwargs)) + _int_tensors((args, kwargs))
         dev = self.device()
         ac = None
         if dev is not None and torch.is_autocast_enabled(dev.type):
@@ -105,7 +109,10 @@ class Capture:
         if self.paused or not self.calls or not torch.is_grad_enabled():
             return
         call = self.calls[-1]
-        outs = hooks.float_tensors(output)
+        if type(output) is torch.Tensor:  # the common case, without walking the output
+            outs = [output] if output.is_floating_point() and output.layout == torch.strided else []
+        else:
+            outs = hooks.float_tensors(output)
         call.outputs = len(outs)
         for i, t in enumerate(outs):
             if t.requires_grad and t.numel() <= SEED_KEEP_MAX:

@@ -146,6 +146,7 @@ class StepEnd:
         self._grad_figures = buffers.GradFigures()
         self._half_params = any(p.dtype in (torch.float16, torch.bfloat16) for _, p in params)
         self._known_entries: list[Any] = []  # the entries of recent steps' distinct layouts, newest first
+        self._no_entries: list[Entry] = []  # every sentinel step's (never appended to)
         self._bad_weights = 0
         self.t_prev_end = time.perf_counter()
 
@@ -200,12 +201,15 @@ class StepEnd:
         grad_slots = plan.buffers if plan is not None and observe is Observe.PEAK else ()
         copy = rec.start_transfer(grad_slots)  # the step's one transfer
         # Same control flow as a recent step (the tiers alternate a few layouts): the writer reuses its Layout.
-        same = next((e for e in self._known_entries if e == entries), None)
-        if same is not None:
-            entries = same
+        if not entries:
+            entries = self._no_entries  # a sentinel step
         else:
-            self._known_entries.insert(0, entries)
-            del self._known_entries[4:]
+            same = next((e for e in self._known_entries if e == entries), None)
+            if same is not None:
+                entries = same
+            else:
+                self._known_entries.insert(0, entries)
+                del self._known_entries[4:]
         # No forward of the attached module and no begin_batch() this step: when the data arrived is unknown, so
         # the data wait is left empty (a wait of the whole step would make the time rules blame the input pipeline).
         started = state.t_first is not None
@@ -229,12 +233,14 @@ class StepEnd:
         state = flight.state
         step = state.index
         values, bases, bad = flight.copy.result()
-        extra_base = bases[EXTRAS_BLOCK]
+        extras = values[bases[EXTRAS_BLOCK] :].tolist()  # (Python floats in one call)
 
         def pick(off: int | None) -> float | None:
-            return None if off is None else float(values[extra_base + off])
+            return None if off is None else extras[off]
 
-        scale, scale_next = (v if o is None else pick(o) for o, v in zip(flight.scale_offs, flight.scales))
+        (off_before, off_after), (before, after) = flight.scale_offs, flight.scales
+        scale = before if off_before is None else pick(off_before)
+        scale_next = after if off_after is None else pick(off_after)
         row = flight.row
         row["grad_max"] = pick(flight.offsets["max"])
         loss, grad_norm = pick(flight.offsets["loss"]), pick(flight.offsets["norm"])

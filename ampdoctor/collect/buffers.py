@@ -89,7 +89,7 @@ class GradFigures:
     def __call__(self, params: list[tuple[str, torch.nn.Parameter]]) -> tuple[Any, ...]:
         """Floats on the CPU, else 0-d device tensors that join the step's one transfer; (None, None) without
         gradients."""
-        grads = [p.grad for _, p in params if p.grad is not None]
+        grads = [g for g in [p.grad for _, p in params] if g is not None]  # (.grad read once each)
         if not grads:
             return None, None
         if self._key != (len(grads), grads[0].device, grads[0].dtype):  # (model.to(), model.half())

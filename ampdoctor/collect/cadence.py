@@ -134,27 +134,27 @@ class Cadence:
 
 
 class Budget:
-    """Keeps ampdoctor's measured share of the step time (its observer_time over the step time) under ``share`` by
-    stretching the cadence's sampled tiers; ``update`` says when it changed them."""
+    """Keeps ampdoctor's measured share of the step time under ``share`` by stretching the cadence's sampled tiers;
+    ``update`` says when it changed them. The share of a window is the mean of its steps' shares (observer_time over
+    step_time): a step that waited (an evaluation, a checkpoint, a stalled loader, a paused process) counts as one
+    step, not as its length, which would make ampdoctor's cost look negligible and undo the stretch."""
 
     def __init__(self, share: float, cadence: Cadence) -> None:
         self.share = share
         self.cadence = cadence
-        self._observer = 0.0
-        self._total = 0.0
+        self._shares = 0.0
         self._steps = 0
 
     def update(self, observer_time: float, step_time: float, reason: str) -> dict[str, Any] | None:
         """One finished step's times; at the end of a window, the new cadence (a dict for the trace) or None."""
-        if reason in ("anomaly", "calibration", "replay", "debug"):
+        if reason in ("anomaly", "calibration", "replay", "debug") or step_time <= 0:
             return None  # never stretched, so not what the budget steers
-        self._observer += observer_time
-        self._total += step_time
+        self._shares += min(observer_time / step_time, 1.0)
         self._steps += 1
-        if self._steps < BUDGET_WINDOW or self._total <= 0:
+        if self._steps < BUDGET_WINDOW:
             return None
-        measured = self._observer / self._total
-        self._observer = self._total = 0.0
+        measured = self._shares / self._steps
+        self._shares = 0.0
         self._steps = 0
         c = self.cadence
         before = c.stretch

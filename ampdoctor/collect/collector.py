@@ -107,7 +107,8 @@ class Collector:
         if self.paused or self.facts.external_batches or not torch.is_grad_enabled() or hooks.graph_task_id() != -1:
             return
         first = self.state.t_first is None
-        self.start_micro(hooks.first_tensor(args, kwargs))
+        a0 = args[0] if args else None
+        self.start_micro(a0 if type(a0) is torch.Tensor else hooks.first_tensor(args, kwargs))
         if self.on_root_call is not None:
             self.on_root_call(args, kwargs, self.state.observe is not Observe.NONE)
         if first and self.probe is not None:

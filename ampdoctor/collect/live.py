@@ -59,6 +59,7 @@ class LiveDiagnosis(threading.Thread):
         halt_on: str | None = None,
         rules: dict[str, Any] | None = None,
         interval: float = MIN_INTERVAL_S,
+        share: float = MAX_SHARE,
     ) -> None:
         super().__init__(name="ampdoctor-live", daemon=True)
         self.path = path
@@ -67,6 +68,7 @@ class LiveDiagnosis(threading.Thread):
         self.halt_on = halt_on
         self.rules = rules
         self.interval = interval
+        self.share = min(share, MAX_SHARE)  # the checks' CPU time as a share of the run's (an overhead budget's part)
         self.halt = None  # the finding that asks to stop training
         self.findings: list[Any] = []  # every finding reported so far, in order
         self._reported: set[Any] = set()
@@ -91,8 +93,8 @@ class LiveDiagnosis(threading.Thread):
 
     def next_wait(self, elapsed: float) -> float:
         """Seconds until the next check: at least the interval, and long enough that the checks' CPU time so far plus
-        the next one's expected cost stay within MAX_SHARE of the run's time."""
-        due = (self.spent + GROWTH * self._last_cost) / MAX_SHARE  # the run's time at which that share holds
+        the next one's expected cost stay within ``share`` (MAX_SHARE, or less under a budget) of the run's time."""
+        due = (self.spent + GROWTH * self._last_cost) / self.share  # the run's time at which that share holds
         return max(self.interval, due - elapsed)
 
     def _close(self) -> None:

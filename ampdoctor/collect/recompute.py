@@ -91,7 +91,7 @@ def accumulation_length(module: torch.nn.Module, args: tuple[Any, ...]) -> int:
 # -- RNG and upcasting -------------------------------------------------------------------------------------------
 def rng_get(device: torch.device | None) -> RngState:
     cuda = torch.cuda.get_rng_state(device) if device is not None and device.type == "cuda" else None
-    return torch.get_rng_state(), cuda, device
+    return torch.default_generator.get_state(), cuda, device  # (torch.get_rng_state() without its wrapper)
 
 
 def rng_set(state: RngState) -> None:

@@ -16,8 +16,6 @@ from . import buffers, sharded, stats
 from .options import Observe
 from .transfer import Ready, Transfer
 
-_NUMBERS = {float, int}
-
 
 class StepRecord:
     def __init__(self) -> None:
@@ -29,29 +27,36 @@ class StepRecord:
         for buf in self._bufs.values():
             buf.clear()
         self.entries: list[Entry] = []
-        self._fulls: list[torch.Tensor] = []
+        self._fulls: list[torch.Tensor | np.ndarray] = []  # (numpy: the native kernel's, already on the host)
+        self._device_fulls = False  # a full vector is a device tensor
         self._full_len = 0
         # floats, or 0-d tensors on an accelerator (read with the step's transfer)
         self._extras: list[float | torch.Tensor] = []
+        self._device_extras = False  # an extra is a device tensor (read with the step's transfer)
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, tuple[int, str, int]]] = {}
         self.act_seen: set[int] = set()  # sites whose forward was recorded this step (checkpointing recomputes)
 
     def drop_observations(self) -> None:
         """Forget what the step observed so far (its step figures stay): the step has no end in sight."""
-        extras = self._extras
+        extras, device_extras = self._extras, self._device_extras
         self.clear()
-        self._extras = extras
+        self._extras, self._device_extras = extras, device_extras
 
-    def add_full(self, vec: torch.Tensor) -> int:
+    def add_full(self, vec: torch.Tensor | np.ndarray) -> int:
         off = self._full_len
+        if not self._device_fulls and not isinstance(vec, np.ndarray) and not stats.on_host(vec):
+            self._device_fulls = True
         self._fulls.append(vec)
         self._full_len += FULL_LEN
         return off
 
     def add_extra(self, v: float | torch.Tensor) -> int:
         """A step figure: a float, or a 0-d tensor (read now if it is on the CPU, where that costs no sync)."""
-        if isinstance(v, torch.Tensor) and stats.on_host(v):
-            v = v.item()
+        if isinstance(v, torch.Tensor):
+            if stats.on_host(v):
+                v = v.item()
+            else:
+                self._device_extras = True
         self._extras.append(v)
         return len(self._extras) - 1
 
@@ -82,7 +87,8 @@ class StepRecord:
             return hit[2]
         n = t.numel()
         if want is Observe.FULL:
-            ref = (self.add_full(stats.full(t)), FULL_BLOCK, n)
+            vec = stats.full_host(t)
+            ref = (self.add_full(vec if vec is not None else stats.full(t)), FULL_BLOCK, n)
         else:  # PeakList.add inlined: two calls fewer per observed tensor
             d = t.detach()
             buf = self._bufs.get(d.dtype)
@@ -102,32 +108,33 @@ class StepRecord:
         blocks: list[torch.Tensor] = []
         bases: dict[str, int] = {}
         n = 0
-        every: list[buffers.PeakList | buffers.SlotBuffer] = [*self._bufs.values(), *grad_buffers]
-        for buf in every:
+        for buf in self._bufs.values():
             if buf.n:
                 bases[buf.block_name] = n
                 blocks.append(buf.block())
                 n += buf.n
+        for slots in grad_buffers:
+            if slots.n:
+                bases[slots.block_name] = n
+                blocks.append(slots.block())
+                n += slots.n
+        extras = self._extras
+        if not blocks and not self._fulls and not self._device_extras:  # a sentinel step on the CPU
+            return HostCopy(Ready(np.array(extras, dtype=np.float64)), {FULL_BLOCK: 0, EXTRAS_BLOCK: 0}, 0, 0)
         bases[FULL_BLOCK] = n
         bases[EXTRAS_BLOCK] = n + self._full_len
-        extras = self._extras
         n_fulls = len(self._fulls)
-        if not blocks and not self._fulls and {type(e) for e in extras} <= _NUMBERS:
-            return HostCopy(Ready(np.array(extras, dtype=np.float64)), bases, n, 0)  # a sentinel step on the CPU
-        on_cpu = (
-            all(stats.on_host(b) for b in blocks)
-            and all(stats.on_host(f) for f in self._fulls)
-            and not any(isinstance(e, torch.Tensor) for e in extras)
-        )
+        on_cpu = all([stats.on_host(b) for b in blocks]) and not self._device_fulls and not self._device_extras
         if on_cpu:  # already on the host: numpy copies, no torch op per block
             values = np.concatenate(
                 [buffers.host_float64(b) for b in blocks]
-                + [f.numpy() for f in self._fulls]
+                + [f if isinstance(f, np.ndarray) else f.numpy() for f in self._fulls]
                 + [np.array(extras, dtype=np.float64)]
             )
             return HostCopy(Ready(values), bases, n, n_fulls)
-        dev = next(t.device for t in [*blocks, *self._fulls, *extras] if isinstance(t, torch.Tensor))
-        parts = [b.to(dev, torch.float64) for b in blocks] + [f.to(dev) for f in self._fulls]
+        fulls = [torch.from_numpy(f) if isinstance(f, np.ndarray) else f for f in self._fulls]
+        dev = next(t.device for t in [*blocks, *fulls, *extras] if isinstance(t, torch.Tensor))
+        parts = [b.to(dev, torch.float64) for b in blocks] + [f.to(dev) for f in fulls]
         if extras:
             parts.append(
                 torch.stack(
@@ -159,7 +166,7 @@ class HostCopy:
         count)."""
         values = self.copy.values()
         n = self._n_peaks
-        bad = not np.isfinite(values[:n]).all()
+        bad = bool(n) and not np.isfinite(values[:n]).all()  # (a sentinel step has no peaks: no numpy call)
         if self._n_fulls:
             fulls = values[n : self.bases[EXTRAS_BLOCK]].reshape(-1, FULL_LEN)
             bad = bad or bool(fulls[:, HEAD + KEY_INF :].any())

@@ -34,7 +34,7 @@ from .boundary import InFlight, StepEnd, read_scale
 from .cadence import Budget, Cadence
 from .collector import Collector
 from .guards import Guard, guarded
-from .live import LiveDiagnosis, TrainingHalted
+from .live import MAX_SHARE, LiveDiagnosis, TrainingHalted
 from .options import Boundary, Observe, Options
 from .probe import StepProbe
 from .record import StepRecord
@@ -46,6 +46,7 @@ log = logging.getLogger("ampdoctor")
 # Finished steps whose values may still be on their way from an accelerator before the oldest is waited for: the
 # verdict (and the flight recorder, the replay) comes at most this many steps late.
 MAX_IN_FLIGHT = 2
+LIVE_PART_OF_BUDGET = 3  # attach(budget=b): the live checks' CPU share is at most b / 3 (and MAX_SHARE)
 
 
 class Doctor:
@@ -142,6 +143,7 @@ class Doctor:
         put = self._put
         stats.native()  # the native kernels start loading now, beside the first (calibration) steps
         # FSDP: a sharded parameter is read as this rank's shard (collect/sharded.py), never gathered
+        self._first_param = next(iter(model.parameters()), None)
         self._params = sharded.local_params(model, [(n, p) for n, p in model.named_parameters() if p.requires_grad])
         self._record = StepRecord()
         self._sites = Sites(model, put)
@@ -202,8 +204,16 @@ class Doctor:
         self._install()
         if options.wants_live:
             assert diagnose is not None  # (checked in __init__)
+            # Under an overhead budget the live checks get a third of it (their CPU time, on another thread, holds the
+            # GIL that training's Python waits for); the training thread's share is the Budget's to keep.
+            share = options.budget / LIVE_PART_OF_BUDGET if options.budget is not None else MAX_SHARE
             self._live = LiveDiagnosis(
-                self.path, diagnose, on_finding=options.on_finding, halt_on=options.halt_on, rules=options.rules
+                self.path,
+                diagnose,
+                on_finding=options.on_finding,
+                halt_on=options.halt_on,
+                rules=options.rules,
+                share=share,
             )
             self._live.start()
         if options.export is not None:  # sinks made here: a bad spec or a missing package fails attach
@@ -278,8 +288,10 @@ class Doctor:
         if self.guard.off:
             return
         self._updates += 1
-        self._collector.state.opt_stepped = True
-        self._collector.record_updates()
+        state = self._collector.state
+        state.opt_stepped = True
+        if state.weights_before is not None:
+            self._collector.record_updates()
         if self._boundary is Boundary.OPTIMIZER:
             self._end_step(skipped=False)
 
@@ -443,7 +455,9 @@ class Doctor:
             capture.on_output(module, args, output)
 
     def _device(self) -> torch.device | None:
-        anchor = next(iter(self.model.parameters()), None)
+        """The model's device, read from its first parameter at each root call: walking the modules to find it
+        costs microseconds every step. A moved model keeps its Parameter objects (``.to()`` swaps their data)."""
+        anchor = self._first_param
         return anchor.device if anchor is not None else None
 
     def _pause(self, on: bool) -> None:

@@ -58,20 +58,37 @@ HOST_READS = True
 
 def on_host(t: torch.Tensor) -> bool:
     """Whether reading t's values now costs no device sync."""
-    return HOST_READS and t.device.type == "cpu"
+    return HOST_READS and t.is_cpu  # (t.device makes a torch.device each call)
+
+
+def full_host(x: torch.Tensor) -> np.ndarray | None:
+    """``full(x)`` as a numpy array, for the common case of a debug step (a contiguous CPU tensor the native kernel
+    reads in one call, once loaded); None otherwise (``full`` then serves)."""
+    k = _kernels
+    if k is None or not HOST_READS:
+        return None
+    try:
+        if not x.is_cpu:
+            return None
+        kind = _KIND.get(x.dtype)
+        n = x.numel()
+        if kind is not None and 0 < n < PAR_MIN and x.is_contiguous() and not x.is_neg():
+            out = np.empty(FULL_LEN)
+            k.full(x.data_ptr(), n, kind, _CONTIGUOUS, _EDGES, _NO_ROWS, _NO_STATE, out)
+            return out
+    except Exception:  # a tensor the kernel cannot read through its pointer (a subclass): full() decides
+        pass
+    return None
 
 
 def full(x: torch.Tensor) -> torch.Tensor:
     """Full statistics of x as FULL_LEN float64 values (see module docstring for the layout)."""
+    out = full_host(x)  # the common case (a debug step calls this for every tensor it observes)
+    if out is not None:
+        return torch.from_numpy(out)
     k = _kernels
     if k is not None and HOST_READS and x.is_cpu:
-        try:  # the common case inline (a debug step calls this for every tensor it observes)
-            kind = _KIND.get(x.dtype)
-            n = x.numel()
-            if kind is not None and 0 < n < PAR_MIN and x.is_contiguous() and not x.is_neg():
-                out = np.empty(FULL_LEN)
-                k.full(x.data_ptr(), n, kind, _CONTIGUOUS, _EDGES, _NO_ROWS, _NO_STATE, out)
-                return torch.from_numpy(out)
+        try:
             vec = _full_native(k, x)
         except Exception:  # a tensor the kernel cannot read through its pointer (a subclass): the torch passes
             vec = None
@@ -214,14 +231,24 @@ def grad_norm_peak(k: ModuleType, grads: list[torch.Tensor]) -> tuple[float, flo
     does not read (or not on the CPU). Dtype, device and layout are checked on every call, as the kernel reads
     numel values from each data pointer: a gradient whose values are not one dense block (a strided view) is
     copied first (norm and peak do not depend on the order of the values)."""
-    kinds = [_KIND.get(g.dtype, -1) if g.is_cpu else -1 for g in grads]
+    kinds = [_HOST_KIND.get((g.dtype, g.is_cpu), -1) for g in grads]
     if -1 in kinds:
         return None
-    grads = [g if g.is_contiguous() or _dense(g) else g.contiguous() for g in grads]  # (kept alive until read)
+    if not all([g.is_contiguous() for g in grads]):
+        grads = [g if g.is_contiguous() or _dense(g) else g.contiguous() for g in grads]  # (kept alive until read)
     addrs = np.array([g.data_ptr() for g in grads], dtype=np.int64)
-    counts = np.array([g.numel() for g in grads], dtype=np.int64)
-    norm_peak: tuple[float, float] = k.norm_peak(addrs, counts, np.array(kinds, dtype=np.int64))
+    counts = [g.numel() for g in grads]
+    # The kinds and counts of a run's gradients repeat every step: their arrays are made again only when they change.
+    # (one tuple, read and replaced whole: another thread's run never mixes its counts with these pointers)
+    plan = _LAST_PLAN[0]
+    if plan is None or plan[0] != kinds or plan[2] != counts:
+        plan = _LAST_PLAN[0] = (kinds, np.array(kinds, dtype=np.int64), counts, np.array(counts, dtype=np.int64))
+    norm_peak: tuple[float, float] = k.norm_peak(addrs, plan[3], plan[1])
     return norm_peak
+
+
+_HOST_KIND = {(dtype, True): kind for dtype, kind in _KIND.items()}  # (dtype, is_cpu) -> the kernel's kind
+_LAST_PLAN: list[Any] = [None]  # (kinds, their array, counts, their array) of the last call
 
 
 def _dense(g: torch.Tensor) -> bool:
