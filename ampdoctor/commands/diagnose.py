@@ -11,6 +11,7 @@ from ..rules import diagnose
 from ..rules.registry import RULES
 from ..rules.result import Diagnosis
 from ..severity import SEVERITIES, at_least
+from ..trace import load as load_trace
 from ..trace.checks import invalid_settings_note
 from ..trace.run import RankRun, is_multi, load, run_pattern
 from .common import EXIT_FINDINGS, EXIT_OK, UsageError, evidence, printable
@@ -81,7 +82,7 @@ def shard_note(spec: str | list[str]) -> str | None:
     if is_multi(spec):
         return None
     path = spec[0] if isinstance(spec, list) else spec
-    with load(path) as tr:
+    with load_trace(path) as tr:  # (one trace: is_multi said so)
         if "sharding" not in tr.meta:
             return None
     return (

@@ -163,7 +163,7 @@ def _floor_shares(run: RunView, ids: IntArray) -> dict[int, float]:
     h = view.hists.take(view.rows_of(ids))
     lo = FP16.subnormal_exp  # binade 2^-24
     with np.errstate(all="ignore"):
-        share = h.between(lo, lo + FLOOR_BINADES) / h.totals  # type: ignore[arg-type]  # (Hists.between broadcasts binade numbers; annotated with arrays only)
+        share = h.between(lo, lo + FLOOR_BINADES) / h.totals
     ok = np.isfinite(share)
     sites, med = group_median(share[ok], h.site[ok])
     return dict(zip(sites.tolist(), med.tolist()))
@@ -212,7 +212,7 @@ def shares_at(run: RunView, kind: str, ids: Iterable[int], target: float) -> dic
     total = h.totals
     cut = FP16.normal_exp - np.round(np.log2(target / carried)).astype(np.int64) + 127  # column of 2^-14 at target
     with np.errstate(all="ignore"):
-        share = h.between(HIST_LO, HIST_LO + np.maximum(cut, 0)) / total  # type: ignore[arg-type]  # (Hists.between broadcasts binade numbers; annotated with arrays only)
+        share = h.between(HIST_LO, HIST_LO + np.maximum(cut, 0)) / total
     keep = total > 0
     sites, med = group_median(share[keep], h.site[keep])
     return dict(zip(sites.tolist(), med.tolist()))

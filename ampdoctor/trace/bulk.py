@@ -8,9 +8,12 @@ Offline side: numpy only.
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from . import checks
 from .schema import HIST_HI, HIST_LO
@@ -52,7 +55,12 @@ def _in_list(steps: np.ndarray) -> str:
 
 
 def stats_at(
-    conn: sqlite3.Connection, fields: tuple, steps: np.ndarray, ids: np.ndarray, n_sites: int, fill: float = np.nan
+    conn: sqlite3.Connection,
+    fields: tuple[str, ...],
+    steps: np.ndarray,
+    ids: np.ndarray,
+    n_sites: int,
+    fill: float = np.nan,
 ) -> dict[str, np.ndarray]:
     """field -> [len(steps) x len(ids)] statistics at these steps (sorted, distinct) of these sites (sorted ids);
     ``fill`` where a site has no row. Every row of those steps is read and its site checked (of ``n_sites``)."""
@@ -109,22 +117,23 @@ class Hists:
     @property
     def cumulative(self) -> np.ndarray:
         """Running sum of the counts with a 0 in front (int64: exact)."""
-        c = self.__dict__.get("_cum")
+        c: npt.NDArray[np.int64] | None = self.__dict__.get("_cum")
         if c is None:
             c = self.__dict__["_cum"] = np.concatenate(([0], np.cumsum(self.counts, dtype=np.int64)))
         return c
 
-    def between(self, first: np.ndarray, stop: np.ndarray) -> np.ndarray:
+    def between(self, first: npt.ArrayLike, stop: npt.ArrayLike) -> npt.NDArray[np.float64]:
         """Per row, the values in binades first .. stop - 1 (binade numbers; broadcast per row)."""
         n = self.offsets[1:] - self.offsets[:-1]
         a = np.clip(np.asarray(first) - self.lo, 0, n)
         b = np.clip(np.asarray(stop) - self.lo, 0, n)
         b = np.maximum(a, b)
         cum = self.cumulative
-        return (cum[self.offsets[:-1] + b] - cum[self.offsets[:-1] + a]).astype(np.float64)
+        out: npt.NDArray[np.float64] = (cum[self.offsets[:-1] + b] - cum[self.offsets[:-1] + a]).astype(np.float64)
+        return out
 
     @property
-    def totals(self) -> np.ndarray:
+    def totals(self) -> npt.NDArray[np.float64]:
         return self.between(HIST_LO, HIST_HI + 1)
 
     def dense(self) -> np.ndarray:
@@ -175,7 +184,7 @@ def hists_of(conn: sqlite3.Connection, site: int, n_sites: int, n_steps: int) ->
     return _hists([(r[0], r[3], r[4], r[5]) for r in rows if r[3] is not None])
 
 
-def _hists(rows: list) -> Hists:
+def _hists(rows: list[tuple[Any, ...]]) -> Hists:
     if not rows:
         z = np.zeros(0, dtype=np.int64)
         return Hists(z, z, z, np.zeros(1, dtype=np.int64), z)
@@ -199,7 +208,9 @@ def _hists(rows: list) -> Hists:
     )
 
 
-def peak_chunks(conn: sqlite3.Connection, n_steps: int, width: int):
+def peak_chunks(
+    conn: sqlite3.Connection, n_steps: int, width: int
+) -> Iterator[tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]]:
     """The peaks rows of steps 0 .. n_steps - 1 in step order, as (steps, float32 [k x width]) chunks (-1: a site not
     observed, or beyond the row's sites)."""
     check_steps(conn, "peaks", n_steps)

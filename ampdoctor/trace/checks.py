@@ -8,9 +8,11 @@ import json
 import math
 import numbers
 import sqlite3
-from typing import Any
+from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from . import schema
 
@@ -20,7 +22,7 @@ class Invalid(Exception):
 
 
 # -- tables --------------------------------------------------------------------------------------------------------
-def _expected_columns() -> dict:
+def _expected_columns() -> dict[str, list[tuple[str, str, int]]]:
     """table -> [(name, declared type, pk)] as schema.DDL lays them out (read off an in-memory database)."""
     mem = sqlite3.connect(":memory:")
     try:
@@ -83,12 +85,18 @@ STEP_COLUMNS = {  # steps column -> (condition, what is wrong otherwise); any ot
 
 # The same ranges on values already read into numpy (NaN: NULL or the writer's 'nan'), for a large file whose values
 # are checked as they are read: column -> (the values it may hold, what is wrong otherwise).
-def _whole(v: np.ndarray) -> np.ndarray:
-    return np.isfinite(v) & (v >= 0) & (v == np.floor(v))
+def _whole(v: npt.NDArray[np.float64]) -> npt.NDArray[np.bool_]:
+    ok: npt.NDArray[np.bool_] = np.isfinite(v) & (v >= 0) & (v == np.floor(v))
+    return ok
 
 
 _LEVEL_SET = np.array(LEVELS, dtype=np.float64)
-STEP_RANGES = {
+if TYPE_CHECKING:  # (typing names past Python 3.9: for the type checker only)
+    from typing import TypeAlias
+
+    # a column's range: (the values it may hold -> which of them do, what is wrong otherwise)
+    Range: TypeAlias = tuple[Callable[[npt.NDArray[np.float64]], npt.NDArray[np.bool_]], str]
+STEP_RANGES: dict[str, Range] = {
     **{c: (lambda v: (v == 0) | (v == 1), STEP_COLUMNS[c][1]) for c in ("skipped", "nonfinite")},
     "level": (lambda v: np.isin(v, _LEVEL_SET), STEP_COLUMNS["level"][1]),
     **{c: (_whole, STEP_COLUMNS[c][1]) for c in ("samples", "microbatches", "peak_mem")},
@@ -99,13 +107,13 @@ STEP_RANGES = {
         for c in ("samples_per_s", "loss_scale", "loss_scale_next", "grad_norm", "grad_max")
     },
 }
-STATS_RANGES = {
+STATS_RANGES: dict[str, Range] = {
     **{c: (_whole, "not a whole number >= 0") for c in ("calls", *STATS_COUNTS)},
     **{c: (lambda v: v >= 0, "not a number >= 0") for c in ("scale", "absmax", "minabs", "rms")},
 }
 
 
-def check_range(table: str, column: str, values: np.ndarray) -> None:
+def check_range(table: str, column: str, values: npt.NDArray[np.float64]) -> None:
     """The values of a column read into numpy (NaN: none) are in its range (STEP_RANGES, STATS_RANGES)."""
     rule = (STEP_RANGES if table == "steps" else STATS_RANGES if table == "stats" else {}).get(column)
     if rule is None:
@@ -118,7 +126,7 @@ def check_range(table: str, column: str, values: np.ndarray) -> None:
         raise Invalid(f"table {table}: column {column} holds {_show(int(v) if v == int(v) else v)}: {what}")
 
 
-def _rules(n_sites: int, n_steps: int) -> dict:
+def _rules(n_sites: int, n_steps: int) -> dict[str, list[tuple[str, str, str]]]:
     """table -> [(column, SQL condition every row must meet, what is wrong otherwise)]. The writer commits a step's
     peaks, statistics and histograms with its steps row, so those name steps that exist; events and metrics may
     name the step still being written."""
@@ -213,7 +221,9 @@ def check_tables(conn: sqlite3.Connection, values: bool = True) -> tuple[int, in
 VALUE_TABLES = ("meta", "sites", "steps", "peaks", "stats", "hists", "events", "metrics", "probes")
 
 
-def check_values(conn: sqlite3.Connection, tables, n_sites: int, n_steps: int, after: dict | None = None) -> None:
+def check_values(
+    conn: sqlite3.Connection, tables: Collection[str], n_sites: int, n_steps: int, after: dict[str, int] | None = None
+) -> None:
     """Every value of these tables has its column's type and range (rows with a rowid above ``after[table]`` only,
     where given: the rows added since the last check of a growing trace)."""
     if "events" in tables:
@@ -238,15 +248,15 @@ def check_values(conn: sqlite3.Connection, tables, n_sites: int, n_steps: int, a
                     raise Invalid(f"table {table}: column {col} holds {_show(bad[0])}: {what}")
 
 
-def _dense(conn, table: str, col: str) -> int:
+def _dense(conn: sqlite3.Connection, table: str, col: str) -> int:
     """Rows of a table whose integer key must run 0, 1, ... without gaps (its INTEGER PRIMARY KEY: unique)."""
     n, lo, hi = conn.execute(f"SELECT count(*), min({col}), max({col}) FROM {table}").fetchone()
     if n and (lo != 0 or hi != n - 1):
         raise Invalid(f"table {table}: {col} runs {lo}..{hi} over {n} rows, not 0..{n - 1}")
-    return n
+    return int(n)  # (count(*): an int)
 
 
-def _show(v) -> str:
+def _show(v: object) -> str:
     text = repr(v)
     return text if len(text) <= 40 else text[:37] + "..."
 
@@ -255,7 +265,7 @@ def _show(v) -> str:
 MAX_DEPTH = 32  # the writer nests 3 deep; a bound keeps every later walk over a value cheap and recursion-free
 
 
-def parse_json(text, what: str):
+def parse_json(text: object, what: str) -> Any:
     """A JSON value from the file, nesting bounded (a 200,000-deep array is refused, not parsed into a crash)."""
     if text is None:
         return None
@@ -278,7 +288,11 @@ def parse_json(text, what: str):
 
 # Types of the meta values the writer records; keys not listed are free (a later writer may add some).
 NUM, INT, STR, BOOL = "number", "integer", "text", "true/false"
-RUN = {
+if TYPE_CHECKING:
+    # What a value must be (check_value): a type name, alternatives (None: null), [item spec], {key: spec} (an
+    # object) or ({key spec: value spec},) (a mapping).
+    Spec: TypeAlias = str | tuple["Spec | None", ...] | list["Spec"] | dict[str, "Spec"]
+RUN: dict[str, Spec] = {
     "ampdoctor": STR,
     "torch": STR,
     "python": STR,
@@ -298,7 +312,7 @@ RUN = {
     "capability": [INT],
     "bf16_supported": BOOL,
 }
-CONFIG = {
+CONFIG: dict[str, Spec] = {
     "autocast": {"enabled": BOOL, "dtype": (STR, None), "device_type": (STR, None)},
     "param_dtypes": ({STR: INT},),
     "module_param_dtypes": ({STR: STR},),
@@ -314,12 +328,12 @@ CONFIG = {
         "growth_interval": (NUM, None),
     },
 }
-CLOSED = {"steps": INT, "time": NUM}
-META = {"run": RUN, "config": CONFIG, "closed": CLOSED}
-EVENT_DATA = {"value": STR, "after": (INT, None), "params": [STR], "count": INT}
+CLOSED: dict[str, Spec] = {"steps": INT, "time": NUM}
+META: dict[str, Spec] = {"run": RUN, "config": CONFIG, "closed": CLOSED}
+EVENT_DATA: dict[str, Spec] = {"value": STR, "after": (INT, None), "params": [STR], "count": INT}
 
 
-def check_value(v, spec, what: str) -> None:
+def check_value(v: object, spec: Spec, what: str) -> None:
     """``v`` against ``spec``: a type name, a tuple of alternatives (None: null), [item spec], {key: spec} (an object;
     keys not named are free) or ({key spec: value spec},) (a mapping)."""
     if isinstance(spec, tuple) and not (len(spec) == 1 and isinstance(spec[0], dict)):
@@ -336,7 +350,7 @@ def check_value(v, spec, what: str) -> None:
     if isinstance(spec, tuple):  # ({key spec: value spec},): a mapping
         if not isinstance(v, dict):
             raise Invalid(f"{what} is {_show(v)}, not an object")
-        ((_kspec, vspec),) = spec[0].items()
+        ((_kspec, vspec),) = cast("dict[str, Spec]", spec[0]).items()
         for k, item in v.items():
             check_value(item, vspec, f"{what}[{k!r}]")
         return
@@ -363,7 +377,7 @@ def check_value(v, spec, what: str) -> None:
         raise Invalid(f"{what} is {_show(v)}, not {_name(spec)}")
 
 
-def _name(spec) -> str:
+def _name(spec: Spec) -> str:
     return spec if isinstance(spec, str) else "a list" if isinstance(spec, list) else "an object"
 
 
@@ -405,7 +419,7 @@ def scaler_setting_problem(key: str, value: object) -> str | None:
     return None if ok else SCALER_SETTINGS[key]
 
 
-def _set_aside_invalid(scaler: dict) -> None:
+def _set_aside_invalid(scaler: dict[str, Any]) -> None:
     """Settings that cannot be GradScaler's go from ``scaler`` to ``scaler["invalid"]`` ({setting: value}): the
     readers of the trace then take them as unknown (torch's default where they need one) and say so."""
     invalid = {
@@ -417,7 +431,7 @@ def _set_aside_invalid(scaler: dict) -> None:
         scaler["invalid"] = invalid
 
 
-def invalid_settings_note(config: dict) -> str | None:
+def invalid_settings_note(config: dict[str, Any]) -> str | None:
     """One line naming the scaler settings the reader set aside as unknown, or None."""
     invalid = (config.get("scaler") or {}).get("invalid") or {}
     if not invalid:

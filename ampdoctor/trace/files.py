@@ -14,6 +14,7 @@ import stat
 import tempfile
 import urllib.parse
 import weakref
+from collections.abc import Callable
 
 from .schema import TraceError
 
@@ -74,22 +75,22 @@ def _uri(path: str) -> str:
     return "file:" + urllib.parse.quote(os.path.abspath(path), safe="/")
 
 
-def _ids(conn) -> tuple[int, int]:
+def _ids(conn: sqlite3.Connection) -> tuple[int, int]:
     return conn.execute("PRAGMA application_id").fetchone()[0], conn.execute("PRAGMA user_version").fetchone()[0]
 
 
 class _CopyConnection(sqlite3.Connection):
     """A connection to a private copy of a trace; closing it (or dropping it) removes the copy."""
 
-    removes = None
+    removes: Callable[[], object] | None = None
 
-    def close(self):
+    def close(self) -> None:
         super().close()
         if self.removes is not None:
             self.removes()
 
 
-def connect(path: str):
+def connect(path: str) -> tuple[sqlite3.Connection, int, int]:
     """Read-only connection: (conn, application id, format version).
 
     A WAL reader needs the -shm file next to the trace. In a read-only directory SQLite reads the WAL only through

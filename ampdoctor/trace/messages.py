@@ -5,6 +5,7 @@ stays on the offline side of the import graph."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, NamedTuple
@@ -69,8 +70,8 @@ class ProbeMsg(NamedTuple):
     """A probed step: per-module rows (step, site, calls, k, numel, dtype, *PROBE_FIELDS) and what was skipped."""
 
     step: int
-    rows: list
-    info: dict
+    rows: Sequence[tuple[Any, ...]]
+    info: dict[str, Any]
 
 
 class Sync(NamedTuple):
@@ -89,9 +90,9 @@ class StepPacket:
     observation sits in it, and the verdict the training thread reached (the writer does not decide again)."""
 
     step: int
-    row: dict  # steps-table fields known on the training thread
+    row: dict[str, Any]  # steps-table fields known on the training thread
     values: np.ndarray  # the step's one host transfer
-    bases: dict  # where each block starts in values: "p<dtype>" peaks, "f" full vectors, "x" extras
+    bases: dict[str, int]  # where each block starts in values: "p<dtype>" peaks, "f" full vectors, "x" extras
     entries: list[Entry]
     loss: float | None
     scale: float | None

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 import sqlite3
+from collections.abc import Iterator
 
 from . import schema
 
 
-def free_names(path: str):
+def free_names(path: str) -> Iterator[str]:
     """``path``, then ``path`` with -1, -2, ... before the extension: the names a new trace may take."""
     yield path
     stem, ext = os.path.splitext(path)

@@ -5,13 +5,18 @@ step blocks however long the run). Offline side: no torch."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 import pandas as pd
 
 from . import schema
 
-_LEVEL_NAMES = {
+if TYPE_CHECKING:
+    from .reader import Trace
+
+_LEVEL_NAMES: dict[float, str] = {
     schema.LEVEL_SENTINEL: "sentinel only",
     schema.LEVEL_PEAK: "peaks",
     schema.LEVEL_FULL: "full statistics",
@@ -25,16 +30,16 @@ class Summary:
     """The figures of a trace's steps that ``info`` prints (``summarize``)."""
 
     steps: int
-    levels: dict  # level -> steps
-    reasons: dict  # reason -> steps, most frequent first
-    cost: dict | None  # observer_cost's
-    scale: dict | None  # first, first_step, last, last_step, min, max, next_last (None: no scale recorded)
-    skipped: list = field(default_factory=list)  # steps
-    loss: dict | None = None  # first, first_step, last, last_step, nonfinite (steps); None: no finite loss
+    levels: dict[float, int]  # level -> steps
+    reasons: dict[str, int]  # reason -> steps, most frequent first
+    cost: dict[str, float] | None  # observer_cost's
+    scale: dict[str, Any] | None  # first, first_step, last, last_step, min, max, next_last (None: no scale recorded)
+    skipped: list[int] = field(default_factory=list)  # steps
+    loss: dict[str, Any] | None = None  # first, first_step, last, last_step, nonfinite (steps); None: no finite loss
     lr_last: float | None = None
 
 
-def summarize(trace) -> Summary:
+def summarize(trace: Trace) -> Summary:
     """A trace's Summary (ampdoctor.trace.Trace), from its steps read as arrays (``Trace.step_columns``: the writer's
     step blocks at once, the rows after them; checked as they are read)."""
     st = trace.step_columns()
@@ -76,7 +81,7 @@ def summarize(trace) -> Summary:
     )
 
 
-def _first_last(step: np.ndarray, values: np.ndarray) -> dict | None:
+def _first_last(step: npt.NDArray[np.int64], values: npt.NDArray[np.float64]) -> dict[str, Any] | None:
     """The first and the last finite value of a column and their steps (None: no finite value)."""
     at = np.flatnonzero(np.isfinite(values))
     if not len(at):
@@ -85,7 +90,7 @@ def _first_last(step: np.ndarray, values: np.ndarray) -> dict | None:
     return {"first": float(values[a]), "first_step": int(step[a]), "last": float(values[b]), "last_step": int(step[b])}
 
 
-def observer_cost(steps) -> dict | None:
+def observer_cost(steps: pd.DataFrame | Summary) -> dict[str, float] | None:
     """ampdoctor's host time on the training thread against the run's time (the sum of the step times, which
     include it): {"share", "seconds", "run_seconds"}; None for a trace that does not record it."""
     if isinstance(steps, Summary):
@@ -99,7 +104,7 @@ def observer_cost(steps) -> dict | None:
     return {"share": obs_s / run_s, "seconds": obs_s, "run_seconds": run_s}
 
 
-def cost_line(steps) -> str | None:
+def cost_line(steps: pd.DataFrame | Summary) -> str | None:
     """ "ampdoctor cost 1.8% of this run (0.42 s of 23.1 s on the training thread)", or None. ``steps``: the steps
     DataFrame or a Summary."""
     c = observer_cost(steps)
@@ -111,7 +116,7 @@ def cost_line(steps) -> str | None:
     )
 
 
-def observation_line(meta: dict, steps) -> str:
+def observation_line(meta: dict[str, Any], steps: pd.DataFrame | Summary) -> str:
     """Which steps observed what: the mode, and the steps per level and per reason. ``steps``: the steps DataFrame
     or a Summary."""
     run = meta.get("run", {})

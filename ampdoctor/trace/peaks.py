@@ -16,15 +16,20 @@ site not observed that step. Offline side: numpy only.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
+import numpy.typing as npt
 import pandas as pd
 
 from .. import formats
 
 # The amax history lengths the format what-if evaluates (Transformer Engine's DelayedScaling default is 1024).
 HISTORIES = (1, 16, 128, 1024)
+
+T = TypeVar("T", bound=np.generic)
 
 
 @dataclass
@@ -51,7 +56,7 @@ def _compute_dtypes(grads: pd.DataFrame, acts: pd.DataFrame) -> list[str]:
     return out
 
 
-def is_seed(kind: str, shape) -> bool:
+def is_seed(kind: str, shape: object) -> bool:
     """The output gradient of a 0-d output: the backward pass's seed (a returned loss), not a model gradient."""
     return kind == "grad_out" and shape is not None and str(shape) == ""
 
@@ -103,9 +108,10 @@ class Windows:
     divide: np.ndarray  # bool per col
     stored: np.ndarray  # per step
     queries: np.ndarray
-    histories: tuple
-    wmax: dict = field(default_factory=dict)  # h -> [queries x cols], NaN where the window held none
-    count: dict = field(default_factory=dict)  # h -> [queries x cols]
+    histories: tuple[int, ...]
+    # h -> [queries x cols], NaN where the window held none
+    wmax: dict[int, npt.NDArray[np.float64]] = field(default_factory=dict)
+    count: dict[int, npt.NDArray[np.int64]] = field(default_factory=dict)  # h -> [queries x cols]
     last: np.ndarray | None = None  # [queries x cols], NaN where there was none
     at: np.ndarray | None = None  # [queries x cols]: the stored peak at the query step (NaN: none observed)
 
@@ -118,20 +124,29 @@ class Scan:
     site_max: np.ndarray  # per site: largest finite peak, NaN when none
     site_argmax: np.ndarray  # per site: the first step with that peak, -1 when none
     site_overflows: np.ndarray  # per site: peaks that round past FP16's max (Inf included)
-    bad: dict  # group -> per row: a site of the group held NaN/Inf
-    unseen: dict  # group -> per row: a site of the group was not observed
+    bad: dict[str, npt.NDArray[np.bool_]]  # group -> per row: a site of the group held NaN/Inf
+    unseen: dict[str, npt.NDArray[np.bool_]]  # group -> per row: a site of the group was not observed
     ratio: np.ndarray | None  # per row (Ratio)
     windows: Windows | None
 
 
-def scan(chunks, n_sites: int, groups: dict, ratio: Ratio | None = None, windows: Windows | None = None) -> Scan:
+def scan(
+    chunks: Iterable[tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]],
+    n_sites: int,
+    groups: dict[str, np.ndarray],
+    ratio: Ratio | None = None,
+    windows: Windows | None = None,
+) -> Scan:
     """Reduce the peaks rows ``chunks`` yields ((steps, float32 [k x width]) in step order, -1 where a site was not
     observed) for ``n_sites`` sites; ``groups``: name -> site ids."""
     site_max = np.full(n_sites, -np.inf)
     site_arg = np.full(n_sites, -1, dtype=np.int64)
     over = np.zeros(n_sites, dtype=np.int64)
     edge = formats.FP16
-    steps, bad, unseen, ratios = [], {g: [] for g in groups}, {g: [] for g in groups}, []
+    steps: list[npt.NDArray[np.int64]] = []
+    bad: dict[str, list[npt.NDArray[np.bool_]]] = {g: [] for g in groups}
+    unseen: dict[str, list[npt.NDArray[np.bool_]]] = {g: [] for g in groups}
+    ratios: list[npt.NDArray[np.float64]] = []
     win = _WindowState(windows) if windows is not None else None
     take = {g: _columns(ids) for g, ids in groups.items()}
     r_cols = _columns(ratio.cols) if ratio is not None else None
@@ -158,7 +173,10 @@ def scan(chunks, n_sites: int, groups: dict, ratio: Ratio | None = None, windows
             win.add(st, vals[:, w_cols].astype(np.float64))
     none = site_arg < 0
     site_max[none] = np.nan
-    cat = lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dt)  # noqa: E731
+
+    def cat(xs: list[npt.NDArray[T]], dt: npt.DTypeLike) -> npt.NDArray[T]:
+        return np.concatenate(xs) if xs else np.zeros(0, dt)
+
     return Scan(
         steps=cat(steps, np.int64),
         site_max=site_max,
@@ -171,7 +189,7 @@ def scan(chunks, n_sites: int, groups: dict, ratio: Ratio | None = None, windows
     )
 
 
-def _columns(ids: np.ndarray):
+def _columns(ids: np.ndarray) -> slice | npt.NDArray[np.int64]:
     """A slice for ids that run on without a gap (a view, no copy), else the ids."""
     ids = np.asarray(ids, dtype=np.int64)
     if len(ids) and np.array_equal(ids, np.arange(ids[0], ids[0] + len(ids))):
@@ -194,7 +212,7 @@ def _ratio(raw: np.ndarray, st: np.ndarray, r: Ratio) -> np.ndarray:
         finite = np.isfinite(raw) & (raw >= 0)
     unscaled = np.where(finite, raw, 0.0)
     unscaled[:, r.scaled] /= r.carried[st][:, None]
-    out = (unscaled / r.limits[None, :]).max(axis=1, initial=0.0)
+    out: npt.NDArray[np.float64] = (unscaled / r.limits[None, :]).max(axis=1, initial=0.0)
     out[~finite.any(axis=1)] = np.nan
     return out
 
@@ -220,10 +238,10 @@ class _WindowState:
         with np.errstate(all="ignore"):
             a = vals / div
             a = np.where(np.isfinite(a) & (a > 0), a, np.nan)
-        i = np.searchsorted(q, st)
-        hit = (i < len(q)) & (q[np.minimum(i, len(q) - 1)] == st)
+        qi = np.searchsorted(q, st)
+        hit = (qi < len(q)) & (q[np.minimum(qi, len(q) - 1)] == st)
         if hit.any():
-            self.at[i[hit]] = np.where(vals[hit] >= 0, vals[hit], np.nan)  # NaN/Inf as stored; -1: not observed
+            self.at[qi[hit]] = np.where(vals[hit] >= 0, vals[hit], np.nan)  # NaN/Inf as stored; -1: not observed
         first = np.searchsorted(q, st[0], side="right")  # windows end before q: only queries after a row count
         for i in range(first, np.searchsorted(q, st[-1] + max(s.histories), side="right")):
             t = int(q[i])

@@ -13,8 +13,11 @@ import contextlib
 import copy
 import os
 import sqlite3
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 import pandas as pd
 
 from . import bulk, checks, files, schema
@@ -27,11 +30,17 @@ FULL_CHECK_BYTES = 8 << 20
 # records() without steps= allocates [steps x sites]: refused beyond this many cells (read long runs by steps=).
 DENSE_CELLS = 1 << 26
 
+T = TypeVar("T")
+if TYPE_CHECKING:  # (typing names past Python 3.9: for the type checker only)
+    from typing import Self, TypeVarTuple, Unpack
+
+    Args = TypeVarTuple("Args")
+
 
 class Trace:
     """A trace opened read-only. Every query reads the file again, so a trace being written shows new steps."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike[str]):
         self.path = os.fspath(path)
         self._snapshot_depth = 0
         files.check_file(self.path)
@@ -50,7 +59,9 @@ class Trace:
             )
         size = sum(os.path.getsize(self.path + x) for x in ("", "-wal") if os.path.isfile(self.path + x))
         self._full_check = size <= FULL_CHECK_BYTES
-        self._checked_rows: dict = {}  # small tables of a large file: rowid up to which their values are checked
+        self._checked_rows: dict[
+            str, int
+        ] = {}  # small tables of a large file: rowid up to which their values are checked
         try:
             with self.snapshot():  # one state of the file for all checks (a live trace grows)
                 self.checked(checks.check_tables, self._conn, self._full_check)
@@ -60,13 +71,13 @@ class Trace:
             raise
 
     # -- plumbing ----------------------------------------------------------------------------------------------
-    def query(self, sql: str, args=()) -> list:
+    def query(self, sql: str, args: Sequence[object] = ()) -> list[Any]:
         try:
             return self._conn.execute(sql, args).fetchall()
         except sqlite3.DatabaseError as exc:
             raise TraceError(f"{self.path}: corrupt or unreadable trace ({exc})") from None
 
-    def checked(self, fn, *args):
+    def checked(self, fn: Callable[[Unpack[Args]], T], *args: Unpack[Args]) -> T:
         """``fn(*args)``, its complaints about the file (checks.Invalid, or a value numpy or pandas cannot take)
         turned into one TraceError line."""
         try:
@@ -120,7 +131,7 @@ class Trace:
         return clone
 
     @contextlib.contextmanager
-    def snapshot(self):
+    def snapshot(self) -> Iterator[Self]:
         """Every read inside sees one state of the file (one SQLite read transaction): for analyses that combine
         several tables of a trace that is still being written. Re-entrant."""
         if self._snapshot_depth == 0:
@@ -134,10 +145,10 @@ class Trace:
             if self._snapshot_depth == 0:
                 self._conn.rollback()
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
@@ -150,19 +161,21 @@ class Trace:
 
     # -- run level ---------------------------------------------------------------------------------------------
     @property
-    def meta(self) -> dict:
+    def meta(self) -> dict[str, Any]:
         """Run metadata: versions, device, precision configuration (see docs/trace-format.md)."""
         rows = self.query("SELECT key, value FROM meta")
         return self.checked(lambda: {k: checks.meta_value(k, v) for k, v in rows})
 
     @property
-    def config(self) -> dict:
+    def config(self) -> dict[str, Any]:
         """The observed precision configuration (autocast, dtypes, optimizer, scaler)."""
-        return self.meta.get("config", {})
+        config: dict[str, Any] = self.meta.get("config", {})
+        return config
 
     @property
     def n_steps(self) -> int:
-        return self.query("SELECT count(*) FROM steps")[0][0]
+        n: int = self.query("SELECT count(*) FROM steps")[0][0]
+        return n
 
     # -- tables ------------------------------------------------------------------------------------------------
     def steps(self, lr_groups: bool = True) -> pd.DataFrame:
@@ -183,7 +196,7 @@ class Trace:
     def sites(self, kind: str | None = None) -> pd.DataFrame:
         """Observed sites: id, path, module, kind, module_type, dtype, shape, first_step."""
         sql = "SELECT id, path, module, kind, module_type, dtype, shape, first_step FROM sites"
-        args: tuple = ()
+        args: tuple[str, ...] = ()
         if kind is not None:
             _check_kind(kind)
             sql += " WHERE kind = ?"
@@ -198,7 +211,8 @@ class Trace:
     def metrics(self, name: str | None = None) -> pd.DataFrame:
         """Logged scalars (log_metric): step, name, value, time."""
         self._check_table("metrics")
-        sql, args = "SELECT step, name, value, time FROM metrics", ()
+        sql = "SELECT step, name, value, time FROM metrics"
+        args: tuple[str, ...] = ()
         if name is not None:
             sql, args = sql + " WHERE name = ?", (name,)
         df = pd.DataFrame(self.query(sql + " ORDER BY step, rowid", args), columns=["step", "name", "value", "time"])
@@ -231,7 +245,7 @@ class Trace:
             "SELECT e.step, e.kind, e.site, s.path, s.kind, e.phase, e.message, e.data FROM events e "
             "LEFT JOIN sites s ON s.id = e.site"
         )
-        args: tuple = ()
+        args: tuple[str, ...] = ()
         if kind is not None:
             sql, args = sql + " WHERE e.kind = ?", (kind,)
         rows = self.query(sql + " ORDER BY e.id", args)
@@ -251,10 +265,13 @@ class Trace:
 
     @property
     def n_sites(self) -> int:
-        return self.query("SELECT count(*) FROM sites")[0][0]
+        n: int = self.query("SELECT count(*) FROM sites")[0][0]
+        return n
 
     # -- per-site arrays ---------------------------------------------------------------------------------------
-    def records(self, field: str, kind: str = "act", fill: float = np.nan, steps=None) -> np.ndarray:
+    def records(
+        self, field: str, kind: str = "act", fill: float = np.nan, steps: npt.ArrayLike | None = None
+    ) -> npt.NDArray[np.float64]:
         """[steps x sites] array of one statistic; columns follow ``sites(kind)``, row i is step i, or with ``steps``
         (an array of steps) row i is step ``steps[i]``: a long run is read by the steps a question needs.
 
@@ -298,7 +315,7 @@ class Trace:
         out[:] = full[inverse]
         return out
 
-    def stats_at(self, fields, kind: str | None, steps) -> dict[str, np.ndarray]:
+    def stats_at(self, fields: Sequence[str], kind: str | None, steps: npt.ArrayLike) -> dict[str, np.ndarray]:
         """field -> [len(steps) x sites of ``kind`` (None: every site)] full statistics at these (sorted, distinct)
         steps, NaN where none: several statistics of a bounded set of steps in one query."""
         if kind is not None:
@@ -312,14 +329,16 @@ class Trace:
                 bulk.stats_at, self._conn, tuple(fields), np.asarray(steps, dtype=np.int64), ids, self.n_sites
             )
 
-    def hists_at(self, steps, sites=None) -> bulk.Hists:
+    def hists_at(self, steps: npt.ArrayLike, sites: npt.ArrayLike | None = None) -> bulk.Hists:
         """The histograms at these (sorted) steps of these sites (sorted ids; None: every site), read in one query and
         kept as recorded (bulk.Hists): a bounded set of steps of many sites."""
         ids = None if sites is None else np.asarray(sites, dtype=np.int64)
         with self.snapshot():
             return self.checked(bulk.hists_at, self._conn, np.asarray(steps, dtype=np.int64), self.n_sites, ids)
 
-    def peak_chunks(self, n_steps: int | None = None):
+    def peak_chunks(
+        self, n_steps: int | None = None
+    ) -> Iterator[tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]]:
         """The peaks rows in step order as (steps, float32 [k x sites]) chunks of a few MB (-1: not observed)."""
         n = self.n_steps if n_steps is None else n_steps
         width = self.n_sites
@@ -363,7 +382,9 @@ def _numbers(col: pd.Series) -> pd.Series:
     return pd.to_numeric(col, errors="raise")
 
 
-def _fill_peaks(out: np.ndarray, rows: list, ids: np.ndarray, fill: float, steps: np.ndarray, width: int) -> None:
+def _fill_peaks(
+    out: np.ndarray, rows: list[tuple[Any, ...]], ids: np.ndarray, fill: float, steps: np.ndarray, width: int
+) -> None:
     """Rows of ``out`` (one per step of ``steps``) from peaks rows; negative stored values are ``fill``."""
     for step, blob in rows:
         if not isinstance(blob, bytes) or len(blob) % 4:
@@ -380,8 +401,8 @@ def _fill_peaks(out: np.ndarray, rows: list, ids: np.ndarray, fill: float, steps
         out[i, np.flatnonzero(take)] = vals
 
 
-def _event_data(text) -> dict:
-    d = checks.parse_json(text, "events.data") if text else {}
+def _event_data(text: object) -> dict[str, Any]:
+    d: dict[str, Any] = checks.parse_json(text, "events.data") if text else {}
     checks.check_value(d, checks.EVENT_DATA, "events.data")
     return d
 
@@ -391,7 +412,7 @@ def _check_kind(kind: str) -> None:
         raise ValueError(f"Argument kind should be one of {', '.join(schema.KINDS)}, but given {kind!r}")
 
 
-def is_trace(path: str | os.PathLike) -> bool:
+def is_trace(path: str | os.PathLike[str]) -> bool:
     """Cheap test for directory scans: a SQLite header carrying the trace's application id. A trace still being
     written in WAL mode may carry the id only in its -wal file until the first checkpoint; then it is opened."""
     path = os.fspath(path)
@@ -413,6 +434,6 @@ def is_trace(path: str | os.PathLike) -> bool:
     return True
 
 
-def load(path: str | os.PathLike) -> Trace:
+def load(path: str | os.PathLike[str]) -> Trace:
     """Open a trace read-only; raises TraceError with one line on a missing, empty, corrupt or foreign file."""
     return Trace(path)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import glob
 import os
 import re
+from collections.abc import ItemsView, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .files import SIDE_FILES
 from .reader import Trace
@@ -20,6 +22,12 @@ from .shards import Combined
 TRACE_EXT = (".db", ".sqlite", ".sqlite3", ".trace")
 _GLOB = re.compile(r"[*?\[]")
 _RANK_DIGITS = re.compile(r"(rank)?\d+$", re.IGNORECASE)
+if TYPE_CHECKING:  # (typing names past Python 3.9: for the type checker only)
+    from typing import Self, TypeAlias
+
+    PathArg: TypeAlias = str | os.PathLike[str]
+    # What load_run takes: a directory, a glob, or a list (tuple) of trace files.
+    RunSpec: TypeAlias = PathArg | list[str] | list[os.PathLike[str]] | list[PathArg] | tuple[PathArg, ...]
 
 
 @dataclass(frozen=True)
@@ -75,13 +83,13 @@ class RankRun:
     def __getitem__(self, rank: int) -> Trace:
         return self.traces[rank]
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Trace]:
         return iter(self.traces.values())
 
     def __len__(self) -> int:
         return len(self.traces)
 
-    def items(self):
+    def items(self) -> ItemsView[int, Trace]:
         return self.traces.items()
 
     def close(self) -> None:
@@ -107,10 +115,10 @@ class RankRun:
         (shards.ShardView), else the trace itself."""
         return {rank: self.combined.view(rank) for rank in self.traces}
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
@@ -122,7 +130,7 @@ class RankRun:
         return rankrun_html(self)
 
 
-def is_multi(spec) -> bool:
+def is_multi(spec: RunSpec) -> bool:
     """A directory, a glob pattern or a list of files (what ``load_run`` takes), as opposed to one trace file."""
     if isinstance(spec, (list, tuple)):
         return True
@@ -130,7 +138,7 @@ def is_multi(spec) -> bool:
     return os.path.isdir(spec) or (not os.path.exists(spec) and bool(_GLOB.search(spec)))
 
 
-def _files(spec) -> list[str]:
+def _files(spec: RunSpec) -> list[str]:
     if isinstance(spec, (list, tuple)):
         names = [os.fspath(p) for p in spec]
         for n in names:
@@ -143,7 +151,7 @@ def _files(spec) -> list[str]:
         names = sorted(os.path.join(spec, n) for n in os.listdir(spec) if n.lower().endswith(TRACE_EXT))
         where = f"{spec}: no trace files ({', '.join('*' + e for e in TRACE_EXT)}) in this directory"
     else:
-        names = sorted(n for n in glob.glob(spec) if not n.endswith(SIDE_FILES))  # SQLite's, not traces
+        names = sorted(n for n in glob.glob(os.fspath(spec)) if not n.endswith(SIDE_FILES))  # SQLite's, not traces
         where = f"{spec}: no file matches this pattern"
     names = [n for n in names if os.path.isfile(n)]  # regular files only: a FIFO would block the open
     if not names:
@@ -157,14 +165,14 @@ def run_pattern(path: str) -> str:
     return _RANK_DIGITS.sub(lambda m: (m.group(1) or "") + "*", stem) + ext
 
 
-def _label(spec) -> str:
+def _label(spec: RunSpec) -> str:
     if not isinstance(spec, (list, tuple)):
         return os.fspath(spec)
     names = [os.fspath(p) for p in spec]
     return " ".join(names) if len(names) <= 3 else f"{names[0]} ... ({len(names)} files)"
 
 
-def load_run(spec) -> RankRun:
+def load_run(spec: RunSpec) -> RankRun:
     """Open the per-rank traces of one run: a directory (its trace files), a glob (``runs/exp-*.db``) or a list
     of trace files (what a shell makes of an unquoted glob).
 
@@ -208,7 +216,10 @@ def load_run(spec) -> RankRun:
     return RankRun(spec, traces, max(worlds))
 
 
-def load(spec) -> Trace | RankRun:
+def load(spec: RunSpec) -> Trace | RankRun:
     """A trace file gives its Trace (exactly ``ampdoctor.trace.load``); a directory, glob or list of files gives
     the RankRun of its per-rank traces. Raises TraceError with one line on bad input."""
-    return load_run(spec) if is_multi(spec) else load_trace(spec)
+    if is_multi(spec):
+        return load_run(spec)
+    assert not isinstance(spec, (list, tuple))  # (is_multi: a list or tuple is a run)
+    return load_trace(spec)

@@ -57,7 +57,7 @@ KINDS = ("act", "grad_out", "param_grad", "weight", "update")
 ROOT = "(model)"  # how the root module is named in site paths
 
 
-def observed_ancestor(path: str, paths: set) -> str:
+def observed_ancestor(path: str, paths: set[str]) -> str:
     """The module itself when among the observed ``paths``, else its nearest observed ancestor (the root at worst)."""
     parts = path.split(".")
     for i in range(len(parts), 0, -1):

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import ItemsView, Iterator
+from collections.abc import ItemsView, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 import pandas as pd
 
 from . import bulk, checks
@@ -43,8 +44,12 @@ SUMS = ("numel", "nan", "inf", "zeros", "fp16_over", "fp16_sub", "fp16_flush", "
 COMBINED = (*SUMS, "absmax", "minabs", "mean", "rms", "peak")
 HIST_BINS = HIST_HI - HIST_LO + 1
 
-_SPEC = {"placements": [checks.STR], "shards": checks.INT, "replica": checks.INT}
-_SHARDING = {"engine": checks.STR, "specs": [_SPEC], "params": ({checks.STR: [(checks.INT, [checks.INT])]},)}
+_SPEC: checks.Spec = {"placements": [checks.STR], "shards": checks.INT, "replica": checks.INT}
+_SHARDING: checks.Spec = {
+    "engine": checks.STR,
+    "specs": [_SPEC],
+    "params": ({checks.STR: [(checks.INT, [checks.INT])]},),
+}
 
 
 @dataclass(frozen=True)
@@ -320,7 +325,9 @@ class ShardView(Trace):
         ]
         return sites.assign(shape=whole)
 
-    def records(self, field: str, kind: str = "act", fill: float = np.nan, steps=None) -> np.ndarray:
+    def records(
+        self, field: str, kind: str = "act", fill: float = np.nan, steps: npt.ArrayLike | None = None
+    ) -> npt.NDArray[np.float64]:
         if steps is not None:  # the rows of these steps (the combined figures are kept for every step)
             steps = np.asarray(steps, dtype=np.int64)
             whole = self.records(field, kind, fill)
@@ -359,7 +366,7 @@ class ShardView(Trace):
                 elif self._combined.is_sharded(p, k):
                     yield int(j), None
 
-    def stats_at(self, fields, kind: str | None, steps) -> dict[str, np.ndarray]:
+    def stats_at(self, fields: Sequence[str], kind: str | None, steps: npt.ArrayLike) -> dict[str, np.ndarray]:
         out = self._own.stats_at(fields, kind, steps)
         steps = np.asarray(steps, dtype=np.int64)
         for f in fields:
@@ -377,7 +384,7 @@ class ShardView(Trace):
                     block[:, j] = -1.0 if v is None else np.where(steps < len(v), _at(v, steps), -1.0)
             yield steps, block
 
-    def hists_at(self, steps, sites=None) -> bulk.Hists:
+    def hists_at(self, steps: npt.ArrayLike, sites: npt.ArrayLike | None = None) -> bulk.Hists:
         own = self._own.hists_at(steps, sites)
         table = self._own.sites()
         want = set(np.asarray(sites, dtype=np.int64).tolist()) if sites is not None else None

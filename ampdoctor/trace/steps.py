@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import re
 import sqlite3
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
+import numpy.typing as npt
 import pandas as pd
 
 from . import blocks, checks, schema
@@ -43,6 +46,11 @@ _NOT_PLAIN = re.compile(  # a character or a place a plain list does not have; o
     r"[^0-9.eE+\-\[\]\n, ]|(?<![eE])\+|(?:^|\n)[^\[]|[^\]](?:\n|$)|\[ *,|, *\]|, *,"
 )
 _OTHER_GROUPS = re.compile(r" *,[^\n]*\]")  # ", x, y]" after a list's first number
+if TYPE_CHECKING:  # (typing names past Python 3.9: for the type checker only)
+    from typing import TypeAlias
+
+    # every group's learning rate of one step, as recorded (None: a JSON null)
+    Groups: TypeAlias = list[float | None]
 
 
 def read(conn: sqlite3.Connection, lr_groups: bool = True) -> pd.DataFrame:
@@ -72,7 +80,9 @@ def read(conn: sqlite3.Connection, lr_groups: bool = True) -> pd.DataFrame:
     return df
 
 
-def columns(conn: sqlite3.Connection, lr_groups: bool = False) -> tuple[np.ndarray, np.ndarray, list | None]:
+def columns(
+    conn: sqlite3.Connection, lr_groups: bool = False
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.object_], list[Groups | None] | None]:
     """The steps as arrays, checked (``read`` without the frame, for a reader of a few columns of a long run):
     [steps x NUMBER_FIELDS + lr] in column order (NaN where a row has no value), the reasons, and every group's
     learning rates when ``lr_groups`` (then read from the rows, not the blocks)."""
@@ -86,7 +96,7 @@ def columns(conn: sqlite3.Connection, lr_groups: bool = False) -> tuple[np.ndarr
     sparse = [i for i in range(len(NUMBER_FIELDS)) if i not in dense]
     numbers[start:, sparse] = _sparse(conn, [NUMBER_FIELDS[i] for i in sparse], start, n)
     cols = [f if f in have else "NULL" for f in (NUMBER_FIELDS[i] for i in dense)]  # (columns a trace may lack)
-    groups: list | None = [] if lr_groups else None
+    groups: list[Groups | None] | None = [] if lr_groups else None
     parsed = _LrParser()
     lr_col = "lr" if "lr" in have else "NULL"
     cur = conn.execute(f"SELECT {','.join(cols)}, {lr_col} FROM steps WHERE step >= ? ORDER BY step", (start,))
@@ -111,13 +121,12 @@ def columns(conn: sqlite3.Connection, lr_groups: bool = False) -> tuple[np.ndarr
     return numbers, reasons, groups
 
 
-def _plain_lrs(texts: list):
+def _plain_lrs(texts: Sequence[object]) -> npt.NDArray[np.float64] | None:
     """The learning rates of a chunk of texts that are all one-number JSON lists (or NULL, or empty: NaN), parsed
     in one pass; None when one is not."""
+    strs = cast("Sequence[str | None]", texts)  # (when all are: the condition below)
     big = (
-        "\n".join("[]" if t is None else t for t in texts)
-        if all(isinstance(t, str) or t is None for t in texts)
-        else ""
+        "\n".join("[]" if t is None else t for t in strs) if all(isinstance(t, str) or t is None for t in texts) else ""
     )
     if not big or big.count("[") != len(texts) or big.count("]") != len(texts) or _NOT_PLAIN.search(big):
         return None
@@ -129,7 +138,7 @@ def _plain_lrs(texts: list):
         return None
 
 
-def _sparse(conn: sqlite3.Connection, cols: list, start: int, n: int) -> np.ndarray:
+def _sparse(conn: sqlite3.Connection, cols: list[str], start: int, n: int) -> npt.NDArray[np.float64]:
     """[n - start x cols] of columns that hold one value on most rows (SPARSE: that value, or when None the first
     row's), read in one scan where any of them holds another (numbers, or the writer's NaN texts, as the dense
     read), steps [start, n)."""
@@ -154,23 +163,23 @@ def _sparse(conn: sqlite3.Connection, cols: list, start: int, n: int) -> np.ndar
 class _LrParser:
     """Learning rates from the JSON lists the writer records, parsed once per distinct consecutive text."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.last_text: object = None
-        self.last = (np.nan, None)
+        self.last: tuple[float, Groups | None] = (np.nan, None)
 
-    def parse(self, text) -> tuple[float, list | None]:
+    def parse(self, text: object) -> tuple[float, Groups | None]:
         if text is None or text == "":
             return np.nan, None
         if isinstance(text, str) and text[:1] == "[" and text[-1:] == "]" and _JSON_NUMBER.fullmatch(text[1:-1]):
             v = float(text[1:-1])
             return v, [v]
-        v = checks.parse_json(text, "steps.lr") if isinstance(text, str) else text
-        if not isinstance(v, list):
+        parsed = checks.parse_json(text, "steps.lr") if isinstance(text, str) else text
+        if not isinstance(parsed, list):
             raise checks.Invalid(f"table steps: column lr holds {text!r:.40}: not a JSON list of numbers")
-        checks.check_value(v, [(checks.NUM, None)], "steps.lr")
-        return (float(v[0]) if v and v[0] is not None else np.nan), v
+        checks.check_value(parsed, [(checks.NUM, None)], "steps.lr")
+        return (float(parsed[0]) if parsed and parsed[0] is not None else np.nan), parsed
 
-    def first(self, texts: list, groups: list | None) -> np.ndarray:
+    def first(self, texts: Sequence[object], groups: list[Groups | None] | None) -> npt.NDArray[np.float64]:
         out = np.empty(len(texts))
         for i, t in enumerate(texts):
             if t != self.last_text or type(t) is not type(self.last_text):

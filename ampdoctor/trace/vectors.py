@@ -13,9 +13,10 @@ formats.Format.flush_at) fall inside binades, and a binade histogram cannot plac
 from __future__ import annotations
 
 from enum import Enum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
 from .. import formats
 
@@ -57,7 +58,7 @@ def _f32_bits(v: float) -> int:
     return b
 
 
-def _edges() -> tuple[tuple, tuple]:
+def _edges() -> tuple[tuple[str, ...], tuple[int, ...]]:
     """The counts ``full`` keeps besides the histogram: for each edge, how many |x| lie at or below it (as a float32
     bit pattern; a strict "<" threshold t becomes the float32 just below t). Returns (names, bit patterns)."""
     names, bits = ["zero"], [0]
@@ -77,10 +78,12 @@ I_ABSMAX = HEAD - 1
 FULL_LEN = HEAD + HIST_KEYS
 
 
-def _binades(hist512: np.ndarray) -> np.ndarray:
+def _binades(hist512: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
     """512 key counts (last axis) -> counts per exponent field 0..254 (binade e = field - 127; NaN/Inf left out).
     Field 0 holds the zeros and the FP32 subnormals together; ``derive`` takes the zeros out."""
-    return hist512[..., 0:510:2] + hist512[..., 1:510:2]  # (a sum over an axis of 2 is 20x slower)
+    # (a sum over an axis of 2 is 20x slower)
+    out: npt.NDArray[np.float64] = hist512[..., 0:510:2] + hist512[..., 1:510:2]
+    return out
 
 
 def merge_rows(mat: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -94,7 +97,9 @@ def merge_rows(mat: np.ndarray, starts: np.ndarray) -> np.ndarray:
     return out
 
 
-def derive_many(mat: np.ndarray, numel: np.ndarray) -> tuple[dict, np.ndarray]:
+def derive_many(
+    mat: npt.NDArray[np.float64], numel: npt.ArrayLike
+) -> tuple[dict[str, npt.NDArray[np.float64]], npt.NDArray[np.float64]]:
     """Statistics (schema.STATS_FIELDS -> one array with a value per row) and the binade histograms (rows of counts for
     e = -127..127) of full vectors stacked as rows; numel per row."""
     numel = np.asarray(numel, dtype=np.float64)
@@ -132,7 +137,7 @@ def derive_many(mat: np.ndarray, numel: np.ndarray) -> tuple[dict, np.ndarray]:
     return stats, bins
 
 
-def derive(vec: np.ndarray, numel: int) -> tuple[dict, np.ndarray]:
+def derive(vec: npt.ArrayLike, numel: int) -> tuple[dict[str, float], npt.NDArray[np.float64]]:
     """Statistics dict (schema.STATS_FIELDS) and the binade histogram (counts for e = -127..127) of one full
     vector."""
     with np.errstate(all="ignore"):
@@ -146,14 +151,16 @@ class Entry(NamedTuple):
 
     site: int
     phase: Phase
-    values: list  # per tensor: (offset, block, numel); FULL_BLOCK: FULL_LEN values, else a peak_block's [min, max]
-    inputs: list = []  # noqa: RUF012 (a NamedTuple's default, never mutated)  forward only, same layout
+    values: list[
+        tuple[int, str, int]
+    ]  # per tensor: (offset, block, numel); FULL_BLOCK: FULL_LEN values, else a peak_block's [min, max]
+    inputs: list[tuple[int, str, int]] = []  # noqa: RUF012 (a NamedTuple's default, never mutated)  forward only, same layout
 
 
 class Layout:
     """Index arrays for the entries of a step (built once per distinct layout, reused while steps repeat it)."""
 
-    def __init__(self, entries: list[Entry], bases: dict):
+    def __init__(self, entries: list[Entry], bases: dict[str, int]):
         refs = [r for e in entries for r in e.values]
         n = len(refs)
         self.offs = np.fromiter((o + bases[m] for o, m, _ in refs), dtype=np.int64, count=n)
@@ -191,8 +198,8 @@ class FullPlan:
     with one peaks-only call would get partial numbers), their full vectors' offsets grouped by site, and what
     each site's row needs besides (total numel, calls, whether it is a backward site, stored with the scale)."""
 
-    def __init__(self, entries: list[Entry], bases: dict):
-        per_site: dict[int, list] = {}
+    def __init__(self, entries: list[Entry], bases: dict[str, int]):
+        per_site: dict[int, list[Any]] = {}
         for e in entries:
             d = per_site.setdefault(e.site, [[], [], 0, e.phase, True])  # offsets, numels, calls, phase, all full
             d[2] += 1
@@ -212,7 +219,7 @@ class FullPlan:
         self.bwd = np.array([d[3] == Phase.BWD for _, d in keep], dtype=bool)
 
 
-def tensor_peaks(values: np.ndarray, refs: list[tuple[int, str, int]], bases: dict) -> np.ndarray:
+def tensor_peaks(values: np.ndarray, refs: list[tuple[int, str, int]], bases: dict[str, int]) -> np.ndarray:
     """max |x| of each referenced tensor (see Layout.peaks)."""
     if not refs:
         return np.zeros(0)

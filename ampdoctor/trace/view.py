@@ -10,9 +10,12 @@ per-step gradient). A run of up to MAX_STEPS full-statistics steps is read whole
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import cached_property
+from typing import Any, cast
 
 import numpy as np
+import numpy.typing as npt
 import pandas as pd
 
 from . import peaks as P
@@ -41,19 +44,19 @@ class View:
 
     def __init__(self, trace: Trace):
         self.trace = trace
-        self._sites: dict = {}
-        self._stats: dict = {}
-        self._windows: dict = {}
+        self._sites: dict[str | None, pd.DataFrame] = {}
+        self._stats: dict[tuple[str, str | None, bytes], np.ndarray] = {}  # (field, kind, steps) -> values
+        self._windows: dict[int, P.Windows] = {}
 
     @staticmethod
-    def of(obj) -> View:
+    def of(obj: object) -> View:
         """The View of a Trace (a new one), a View itself, or an object holding one (``.view``, a rules Run)."""
         if isinstance(obj, View):
             return obj
         view = getattr(obj, "view", None)
         if isinstance(view, View):
             return view
-        return View(obj)
+        return View(cast(Trace, obj))  # (anything else: a Trace)
 
     # -- tables --------------------------------------------------------------------------------------------------
     @cached_property
@@ -65,12 +68,13 @@ class View:
         return len(self.steps)
 
     @cached_property
-    def meta(self) -> dict:
+    def meta(self) -> dict[str, Any]:
         return self.trace.meta
 
     @property
-    def config(self) -> dict:
-        return self.meta.get("config", {}) or {}
+    def config(self) -> dict[str, Any]:
+        config: dict[str, Any] = self.meta.get("config", {}) or {}
+        return config
 
     def sites(self, kind: str | None = None) -> pd.DataFrame:
         if kind not in self._sites:
@@ -164,12 +168,16 @@ class View:
     def windows(self, history: int) -> P.Windows:
         """The delayed-scaling windows of one amax history length (a length outside P.HISTORIES: one more pass)."""
         if history in P.HISTORIES:
-            return self.scan.windows
+            windows = self.scan.windows
+            assert windows is not None  # (_scan always asks for windows)
+            return windows
         if history not in self._windows:
-            self._windows[history] = self._scan((history,), windows_only=True).windows
+            windows = self._scan((history,), windows_only=True).windows
+            assert windows is not None
+            self._windows[history] = windows
         return self._windows[history]
 
-    def _scan(self, histories: tuple, windows_only: bool = False) -> P.Scan:
+    def _scan(self, histories: tuple[int, ...], windows_only: bool = False) -> P.Scan:
         n = len(self.sites())
         acts, go, pg = (self.sites(k)["id"].to_numpy() for k in ("act", "grad_out", "param_grad"))
         st = self.steps
@@ -190,15 +198,17 @@ class View:
 
     def peak_max(self, kind: str) -> np.ndarray:
         """Per site of ``kind``: the largest finite peak over every observed step (NaN: none)."""
-        return self.scan.site_max[self.sites(kind)["id"].to_numpy()]
+        peak: npt.NDArray[np.float64] = self.scan.site_max[self.sites(kind)["id"].to_numpy()]
+        return peak
 
     def nonfinite_rows(self, group: str, unseen: bool) -> np.ndarray:
         """Steps with a peaks row where a site of ``group`` held NaN/Inf (or, with ``unseen``, was not observed)."""
         s = self.scan
         bad = s.bad[group] | s.unseen[group] if unseen else s.bad[group]
-        return s.steps[bad]
+        steps: npt.NDArray[np.int64] = s.steps[bad]
+        return steps
 
-    def per_step(self, rows: np.ndarray, fill) -> np.ndarray:
+    def per_step(self, rows: np.ndarray, fill: float) -> np.ndarray:
         """A per-row array of the scan spread over every step (``fill`` for the steps without a peaks row)."""
         out = np.full(self.n_steps, fill, dtype=np.asarray(rows).dtype)
         ok = self.scan.steps < self.n_steps
@@ -206,7 +216,7 @@ class View:
         return out
 
 
-def containers(paths) -> set:
+def containers(paths: Iterable[str]) -> set[str]:
     """The module paths among ``paths`` whose output gradient is their last child's: a path some other path lies
     under, and the root when there is any other module. Linear in the total length of the paths."""
     present = set(paths)

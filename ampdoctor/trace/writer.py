@@ -13,13 +13,23 @@ import sqlite3
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from .. import formats
 from . import blocks, newfile, schema, vectors
 from .messages import Close, EventKind, EventMsg, MetaMsg, MetricMsg, ProbeMsg, SiteMsg, StepPacket, Sync
-from .vectors import FullPlan, Layout, Phase, tensor_peaks
+from .vectors import Entry, FullPlan, Layout, Phase, tensor_peaks
+
+if TYPE_CHECKING:  # (typing names past Python 3.9: for the type checker only)
+    from typing import TypeAlias
+
+    # what the training side puts on the queue (messages.py), and what the writer thread stores one by one
+    Message: TypeAlias = SiteMsg | MetaMsg | MetricMsg | ProbeMsg | EventMsg
+    Item: TypeAlias = Message | StepPacket | Sync | Close
 
 log = logging.getLogger("ampdoctor")
 
@@ -38,16 +48,16 @@ LAYOUTS_KEPT = 8
 BUSY_TIMEOUT_MS = 120_000
 
 
-def _sql(v):
+def _sql(v: object) -> object:
     """SQLite stores a NaN REAL as NULL ("no value"); a NaN loss is data, so it is stored as the text 'nan'."""
     return "nan" if isinstance(v, float) and math.isnan(v) else v
 
 
-def _event_json(data) -> str:
+def _event_json(data: object) -> str:
     """Event data as strict JSON: a NaN/Inf number becomes the text 'nan', 'inf' or '-inf' (JSON has no such
     numbers; Python would write NaN/Infinity, which SQLite's json functions, and the reader's checks, reject)."""
 
-    def plain(v):
+    def plain(v: object) -> object:
         if isinstance(v, float) and not math.isfinite(v):
             return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
         if isinstance(v, dict):
@@ -68,18 +78,20 @@ class Writer(threading.Thread):
         """``path``: the trace to create; FileExistsError when it exists, unless ``free_name``: then the first
         free name of ``free_names(path)`` is taken (``self.path`` says which)."""
         super().__init__(name="ampdoctor-writer", daemon=True)
-        self._items: deque = deque()
+        self._items: deque[Item] = deque()
         self._wake = threading.Event()
         self.error: BaseException | None = None
         self.n_sites = 0
         self.log_every: int | None = None
         self._site_names: dict[int, tuple[str, str]] = {}
-        self._layouts: dict = {}  # id(entries) -> (entries, bases, Layout), the entries kept alive
+        self._layouts: dict[
+            int, tuple[list[Entry], dict[str, int], Layout]
+        ] = {}  # id(entries) -> (entries, bases, Layout), the entries kept alive
         self._lr_json: tuple[object, str | None, float] = (None, None, math.nan)  # the last lr, its JSON, its first
         self._blocks = blocks.Packer()
         self._skipped_total = 0
         self.dropped = 0  # messages SQLite could not store (see _write_item)
-        self._handlers = {
+        self._handlers: dict[type[Message], Callable[[sqlite3.Connection, Any], None]] = {
             SiteMsg: self._write_site,
             MetaMsg: self._write_meta,
             MetricMsg: self._write_metric,
@@ -87,7 +99,7 @@ class Writer(threading.Thread):
             EventMsg: self._write_event,
         }
         self.path = newfile.claim(path, free_name)
-        self._conn = newfile.open_new(self.path)
+        self._conn: sqlite3.Connection | None = newfile.open_new(self.path)
 
     # -- training-thread side ----------------------------------------------------------------------------------
     def put(self, item: SiteMsg | MetaMsg | MetricMsg | EventMsg | ProbeMsg | StepPacket) -> None:
@@ -124,13 +136,13 @@ class Writer(threading.Thread):
             self._items.append(Close())
             self._wake.set()
             self.join(timeout)
-        elif self._conn is not None and not self._started.is_set():
+        elif self._conn is not None and not self._started.is_set():  # type: ignore[attr-defined]  # Thread's own flag
             self._conn.close()
             self._conn = None
 
     # -- writer thread -------------------------------------------------------------------------------------------
     def run(self) -> None:
-        conn = self._conn
+        conn = cast(sqlite3.Connection, self._conn)  # (open until run() ends)
         items = self._items
         last_commit = -math.inf  # the first drain commits at once: a new trace is readable soon
         dirty = closing = False
@@ -156,7 +168,7 @@ class Writer(threading.Thread):
                     if type(item) is Sync:
                         synced.append(item.done)
                         continue
-                    self._write_item(conn, item)
+                    self._write_item(conn, item)  # type: ignore[arg-type]  # (a Message: the type() tests above)
                     dirty = True
                 if steps:
                     self._write_steps(conn, steps)
@@ -184,7 +196,7 @@ class Writer(threading.Thread):
             conn.close()
             self._conn = None
 
-    def _write_item(self, conn: sqlite3.Connection, item) -> None:
+    def _write_item(self, conn: sqlite3.Connection, item: Message) -> None:
         """One message other than a step. A value SQLite cannot store (an integer past 64 bits, text that is not
         valid UTF-8) drops that message with one log line, never the writer: the file, not the item, is what a
         failure of the disk or the database looks like."""
@@ -314,7 +326,7 @@ class Writer(threading.Thread):
         )
         conn.executemany(blocks.INSERT, block_rows)
 
-    def _lr_text(self, lr) -> str | None:
+    def _lr_text(self, lr: object) -> str | None:
         """The learning rates as JSON, encoded again only when they change (most steps repeat the last ones)."""
         if lr is None:
             self._lr_json = (None, None, math.nan)
@@ -342,8 +354,8 @@ class Writer(threading.Thread):
             if room < worst_room:
                 worst, worst_room = name, room
         if worst is not None:
-            room = "non-finite" if worst_room == -math.inf else f"{worst_room:.1f} binades below 65504"
-            parts.append(f"worst FP16 headroom {worst[0]} ({worst[1]}): {room}")
+            headroom = "non-finite" if worst_room == -math.inf else f"{worst_room:.1f} binades below 65504"
+            parts.append(f"worst FP16 headroom {worst[0]} ({worst[1]}): {headroom}")
         return " | ".join(parts)
 
     def _write_full(self, conn: sqlite3.Connection, run: list[StepPacket], values: np.ndarray, plan: FullPlan) -> None:
@@ -353,8 +365,8 @@ class Writer(threading.Thread):
         if not n_sites:
             return
         k = len(run)
-        cols = (plan.offs[:, None] + np.arange(vectors.FULL_LEN)).reshape(-1)
-        mat = values.take(cols, axis=1).reshape(k * n_tensors, vectors.FULL_LEN)  # (take: contiguous, no second copy)
+        at = (plan.offs[:, None] + np.arange(vectors.FULL_LEN)).reshape(-1)
+        mat = values.take(at, axis=1).reshape(k * n_tensors, vectors.FULL_LEN)  # (take: contiguous, no second copy)
         starts = (np.arange(k)[:, None] * n_tensors + plan.starts[None, :]).reshape(-1)
         st, bins = vectors.derive_many(vectors.merge_rows(mat, starts), np.tile(plan.numel, k))
         scale = np.repeat([p.scale if p.scale is not None else 1.0 for p in run], n_sites)
@@ -374,7 +386,7 @@ class Writer(threading.Thread):
             return
         rows = np.flatnonzero(due)
         occupied = bins[rows] > 0
-        any_ = occupied.any(axis=1)
+        any_: npt.NDArray[np.bool_] = occupied.any(axis=1)  # type: ignore[assignment]  # (by axis: an array)
         lo = occupied.argmax(axis=1)
         hi = bins.shape[1] - 1 - occupied[:, ::-1].argmax(axis=1)
         counts = bins[rows].astype("<i8")
