@@ -279,13 +279,14 @@ class StepSummary:
         v = arr[:, 3:].reshape(-1, BUCKET, len(COLUMNS))
         ok = np.isfinite(v)
         with np.errstate(invalid="ignore"):
-            self.lo = np.vstack([self.lo, np.where(ok, v, np.inf).min(axis=1)])
+            lo = np.vstack([self.lo, np.where(ok, v, np.inf).min(axis=1)])
             self.hi = np.vstack([self.hi, np.where(ok, v, -np.inf).max(axis=1)])
         self.sum = np.vstack([self.sum, np.where(ok, v, 0.0).sum(axis=1)])
         self.cnt = np.vstack([self.cnt, ok.sum(axis=1)])
         sc = arr[:, 3 + COLUMNS.index("loss_scale")]
         flags = np.stack([arr[:, 1] > 0, arr[:, 2] > 0, ~np.isnan(sc) & (sc <= 0)], axis=1)
         self.flags = np.vstack([self.flags, flags.reshape(-1, BUCKET, 3).sum(axis=1)])
+        self.lo = lo  # last: n_buckets (its length) grows once every array holds the new buckets
 
     def to_arrays(self) -> dict:
         key = np.array([np.nan if v is None else float(v) for v in (self.key or ())], dtype=float)
@@ -313,17 +314,22 @@ class StepSummary:
         return sm
 
     def view(self, tr: Trace, a: int, b: int, n: int, max_points: int) -> StepSeries:
-        """[a, b] in at most ``max_points // 2`` groups of whole buckets; steps past the summary read exactly."""
-        done = self.n_buckets * BUCKET
+        """[a, b] in at most ``max_points // 2`` groups of whole buckets; steps past the summary read exactly. The
+        arrays are taken once, at one length: a background update may be appending to them meanwhile."""
+        parts = (self.lo, self.hi, self.sum, self.cnt, self.flags)
+        done = min(len(p) for p in parts) * BUCKET
+        if done <= a:
+            return _exact(tr, a, b, n) if b - a + 1 <= max_points else _preview(tr, a, b, n, max_points)
         i0, i1 = a // BUCKET, min(b, done - 1) // BUCKET
         k = -(-(i1 - i0 + 1) // max(1, max_points // 2))  # buckets per group
         starts = np.arange(i0, i1 + 1, k)
         with np.errstate(invalid="ignore", divide="ignore"):
-            lo = np.minimum.reduceat(self.lo[i0 : i1 + 1], starts - i0, axis=0)
-            hi = np.maximum.reduceat(self.hi[i0 : i1 + 1], starts - i0, axis=0)
-            tot = np.add.reduceat(self.sum[i0 : i1 + 1], starts - i0, axis=0)
-            cnt = np.add.reduceat(self.cnt[i0 : i1 + 1], starts - i0, axis=0)
-            flags = np.add.reduceat(self.flags[i0 : i1 + 1], starts - i0, axis=0)
+            at = starts - i0
+            lo = np.minimum.reduceat(parts[0][i0 : i1 + 1], at, axis=0)
+            hi = np.maximum.reduceat(parts[1][i0 : i1 + 1], at, axis=0)
+            tot = np.add.reduceat(parts[2][i0 : i1 + 1], at, axis=0)
+            cnt = np.add.reduceat(parts[3][i0 : i1 + 1], at, axis=0)
+            flags = np.add.reduceat(parts[4][i0 : i1 + 1], at, axis=0)
             mean = np.where(cnt > 0, tot / cnt, np.nan)
         lo[~np.isfinite(lo)], hi[~np.isfinite(hi)] = np.nan, np.nan
         x = np.maximum(starts * BUCKET, a)
