@@ -274,11 +274,14 @@ def test_time_rules_judge_the_step_net_of_ampdoctor(trace_path):
     found = {d.rule: d for d in ampdoctor.diagnose(trace_path)}
     net = found["input-pipeline-bound"].evidence["data_share_median"]
     assert float(np.median(st["observer_time"] / st["step_time"])) > 0.2  # ampdoctor is a large part of a step
-    # the rule takes most of ampdoctor's share back out: the net share closes at least half the gap between the
-    # gross one and the unobserved run's (observer_time is a lower bound: torch's dispatch into a Python hook is not
-    # timed), and goes no further than the unobserved share
+    # the rule takes ampdoctor's recorded share back out: the net share is the recorded steps' own (data wait over
+    # the step less ampdoctor's time), well above the gross one, and nearer the unobserved run's than the gross one
+    # is, never past it. (observer_time is a lower bound: torch's dispatch into a Python hook is not timed, and on a
+    # loaded machine that untimed part is a varying share of a debug step, so how near is not a fixed figure.)
+    recorded = float(np.median(st["data_time"] / (st["step_time"] - st["observer_time"])))
+    assert net == pytest.approx(recorded, rel=0.05), (net, recorded)
     bare = (min(before, after), max(before, after))
-    assert net - gross > max(0.15, 0.5 * (bare[0] - gross)), (bare, net, gross)
+    assert net - gross > 0.15 and bare[0] - net < bare[0] - gross, (bare, net, gross)
     assert net < bare[1] + 0.15, (bare, net, gross)
 
 
