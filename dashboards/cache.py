@@ -134,7 +134,8 @@ def load_arrays(name: str) -> dict[str, npt.NDArray[Any]] | None:
 
 def save_arrays(name: str, arrays: dict[str, npt.NDArray[Any]]) -> bool:
     path = _path(name, "npz")
-    return path is not None and _write(path, lambda f: np.savez(f, **arrays))  # type: ignore[arg-type]  # (numpy's stub: **kwds read as its own flags)
+    # numpy's stub types savez's **kwds as its own keyword flags (allow_pickle: bool), not as arrays
+    return path is not None and _write(path, lambda f: np.savez(f, **arrays))  # type: ignore[arg-type]
 
 
 def prefix_files(prefix: str, ext: str) -> list[str]:

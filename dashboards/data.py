@@ -445,7 +445,7 @@ def formats_rows(table: Any, by: str = "fp16") -> list[dict[str, Any]]:
 
 def formats_shares(
     table: Any, by: str = "fp16", max_rows: int = 40, only: Any = ()
-) -> tuple[list[str], dict[str, np.ndarray]]:
+) -> tuple[list[str], dict[str, Any]]:
     """(labels, {format: lost shares}) of the sites worst in format ``by`` (and the ``only`` layers when given),
     for the formats bar chart. ``table``: format_table()'s, or a trace (it is computed)."""
     from ampdoctor import whatif

@@ -6,7 +6,12 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from ampdoctor.cards import LABELS, evidence_items, label, ranks_label, steps_label  # noqa: F401  (the views read them here)
+# (the views read these here: re-exported)
+from ampdoctor.cards import LABELS as LABELS
+from ampdoctor.cards import evidence_items as evidence_items
+from ampdoctor.cards import label as label
+from ampdoctor.cards import ranks_label as ranks_label
+from ampdoctor.cards import steps_label as steps_label
 from ampdoctor.rules import diagnose as _diagnose
 from ampdoctor.rules import fix as F
 from ampdoctor.rules.engine import Run, resolve_rules, trace_findings
