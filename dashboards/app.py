@@ -15,6 +15,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 import dash
+import flask
 from dash import Input, Output, State, dcc, html
 from dash.exceptions import DependencyException
 from flask import Response, request
@@ -38,7 +39,7 @@ PAGES = {  # path -> (nav label, module)
 _log = logging.getLogger(__name__)
 
 
-def run_options(ctx: Context) -> list[dict]:
+def run_options(ctx: Context) -> list[dict[str, Any]]:
     """Run picker entries: per-rank traces of one run next to each other, then the reference."""
     runs = sorted(ctx.runs().items(), key=lambda kv: (kv[1].group, kv[1].rank or 0, kv[0]))
     options = [{"label": catalog.run_label(r), "value": k} for k, r in runs]
@@ -132,10 +133,10 @@ def create_app(
         suppress_callback_exceptions=True,
         assets_folder=os.path.join(os.path.dirname(__file__), "assets"),
         serve_locally=True,
-        update_title=None,
+        update_title=None,  # type: ignore[arg-type]  # None: no title change while updating (dash accepts it)
         on_error=_failed,
     )
-    app.ampdoctor = ctx
+    app.ampdoctor = ctx  # type: ignore[attr-defined]  # the Context, for `ampdoctor serve` and the tests
     server.harden(app)  # server.py: request size limit, security headers
     app.layout = html.Div(
         [
@@ -153,7 +154,9 @@ def create_app(
         className="page",
     )
 
-    @app.server.before_request
+    flask_app: flask.Flask = app.server
+
+    @flask_app.before_request
     def _check_host() -> Any:
         ok = policy.allows(request.host)
         if ok:
@@ -167,7 +170,7 @@ def create_app(
             mimetype="text/plain",
         )
 
-    @app.server.teardown_request
+    @flask_app.teardown_request
     def _release(_exc: Any) -> Any:
         ctx.release()
 
@@ -217,7 +220,7 @@ def create_app(
     def _status(_: Any, search: str | None) -> Any:
         """What is being computed in the background for this run, and for how long ("diagnosing: 3 s")."""
         run = parse_search(search).get("run") or ctx.default_key()
-        if ctx.resolve(run) is None or ctx.trace(run) is None:
+        if run is None or ctx.resolve(run) is None or ctx.trace(run) is None:
             return None
         return status_line(ctx, run)
 
@@ -240,7 +243,7 @@ def create_app(
     for _, module in PAGES.values():
         module.register(app, ctx)
 
-    @app.server.errorhandler(DependencyException)
+    @flask_app.errorhandler(DependencyException)
     def _unknown_file(_: Any) -> tuple[str, int]:
         # a made-up component-suite path ("../..."): not found, not a 500 with a traceback
         return "not found", 404

@@ -14,9 +14,10 @@ import hashlib
 import json
 import os
 import tempfile
-from typing import TYPE_CHECKING, Any, Callable
+from typing import IO, TYPE_CHECKING, Any, Callable
 
 import numpy as np
+import numpy.typing as npt
 
 from ampdoctor import __version__
 
@@ -50,10 +51,10 @@ def identity(tr: Trace) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
-def fingerprint(tr: Trace) -> list:
+def fingerprint(tr: Trace) -> list[Any]:
     """What the trace holds now, cheaply: the last row or key of every table (primary-key look-ups, no scans).
     Any new step, statistic, event, metric or probe changes it."""
-    out: list = []
+    out: list[Any] = []
     for table, key in (
         ("steps", "step"),
         ("stats", "step"),
@@ -87,7 +88,7 @@ def _path(name: str, ext: str) -> str | None:
     return None if d is None else os.path.join(d, f"{name}.{ext}")
 
 
-def _write(path: str, write: Callable) -> bool:
+def _write(path: str, write: Callable[[IO[bytes]], object]) -> bool:
     """Write through a temporary file in the same directory, then rename: a reader never sees half a file."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
     try:
@@ -120,7 +121,7 @@ def save_json(name: str, value: Any) -> bool:
     return _write(path, lambda f: f.write(data))
 
 
-def load_arrays(name: str) -> dict | None:
+def load_arrays(name: str) -> dict[str, npt.NDArray[Any]] | None:
     path = _path(name, "npz")
     if path is None or not os.path.exists(path):
         return None
@@ -131,9 +132,10 @@ def load_arrays(name: str) -> dict | None:
         return None
 
 
-def save_arrays(name: str, arrays: dict) -> bool:
+def save_arrays(name: str, arrays: dict[str, npt.NDArray[Any]]) -> bool:
     path = _path(name, "npz")
-    return path is not None and _write(path, lambda f: np.savez(f, **arrays))
+    # numpy's stub types savez's **kwds as its own keyword flags (allow_pickle: bool), not as arrays
+    return path is not None and _write(path, lambda f: np.savez(f, **arrays))  # type: ignore[arg-type]
 
 
 def prefix_files(prefix: str, ext: str) -> list[str]:

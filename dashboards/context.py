@@ -16,6 +16,9 @@ from ampdoctor.trace import TraceError
 from . import cache, catalog, diagnosis, jobs, ranks, series, server
 
 if TYPE_CHECKING:
+    import subprocess
+
+    from ampdoctor.rules.result import Diagnosis
     from ampdoctor.trace import Trace
 
 REFERENCE_KEY = "reference"
@@ -38,28 +41,32 @@ class Context:
         root: str,
         reference: str | None = None,
         poll_ms: int = 1500,
-        files: set | None = None,
+        files: set[str] | None = None,
         diagnose_in: str = "process",
-    ):
+    ) -> None:
         self.root = os.path.realpath(root)
         self.reference_path = reference
         self.poll_ms = poll_ms
         self._lock = threading.Lock()  # guards the dicts below; never held around file I/O
-        self._idle: dict = {}  # path -> [Trace] not borrowed by any thread
+        self._idle: dict[str, list[Trace]] = {}  # path -> [Trace] not borrowed by any thread
         self._local = threading.local()  # .held: path -> Trace borrowed by this thread
-        self._cache: dict = {}
-        self._runs: tuple[float, dict] = (0.0, {})
+        self._cache: dict[tuple[Any, ...], Any] = {}
+        self._runs: tuple[float, dict[str, catalog.Run]] = (0.0, {})
         self.files = files  # a glob or list of one run's files: only these are served
-        self._rank_meta: dict = {}  # path -> (rank, world size) from the trace's metadata
+        self._rank_meta: dict[str, tuple[int, int] | None] = {}  # path -> (rank, world size) from the trace's metadata
         self.jobs = jobs.Jobs(workers=2)
         self.diagnose_in = diagnose_in  # "process" (default: the server stays responsive) or "thread"
-        self._summaries: dict = {}  # path -> series.StepSummary
-        self._topping_up: dict = {}  # path -> Lock held while a request tops its summary up
-        self._opening: dict = {}  # path -> Lock held while the file is first opened
-        self._diagnosed: dict = {}  # run key -> (version, time.monotonic() the version was asked for)
-        self._formats: dict = {}  # run key -> (version, formats table {column: values} or None, its error)
+        self._summaries: dict[str, series.StepSummary] = {}  # path -> series.StepSummary
+        self._topping_up: dict[str, threading.Lock] = {}  # path -> Lock held while a request tops its summary up
+        self._opening: dict[str, threading.Lock] = {}  # path -> Lock held while the file is first opened
+        self._diagnosed: dict[
+            str, tuple[str, float]
+        ] = {}  # run key -> (version, time.monotonic() the version was asked for)
+        self._formats: dict[
+            str, tuple[str, dict[str, list[Any]] | None, str | None]
+        ] = {}  # run key -> (version, formats table {column: values} or None, its error)
 
-    def runs(self) -> dict:
+    def runs(self) -> dict[str, catalog.Run]:
         """Traces under the root (rescanned at most every second, so new runs show up)."""
         with self._lock:
             stamp, runs = self._runs
@@ -83,7 +90,7 @@ class Context:
         runs = self.runs()
         return next(iter(runs), None)
 
-    def peers(self, key: str) -> dict:
+    def peers(self, key: str) -> dict[int, str]:
         """rank -> run key of every rank of the run ``key`` belongs to ({} for a run of one trace)."""
         me = self.resolve(key)
         if me is None or me.rank is None:
@@ -123,15 +130,16 @@ class Context:
             except TraceError:
                 return None
 
-    def _held(self) -> dict:
+    def _held(self) -> dict[str, Trace]:
         if not hasattr(self._local, "held"):
             self._local.held = {}
-        return self._local.held
+        held: dict[str, Trace] = self._local.held
+        return held
 
     def release(self) -> None:
         """Give the traces this thread borrowed back to the pool (at the end of each request)."""
         held, self._local.held = self._held(), {}
-        surplus = []
+        surplus: list[Trace] = []
         with self._lock:
             for path, tr in held.items():
                 idle = self._idle.setdefault(path, [])
@@ -144,7 +152,7 @@ class Context:
         tr = self.trace(key)
         return 0 if tr is None else series.n_steps(tr)
 
-    def cached(self, key: str, what: Any, fn: Callable) -> Any:
+    def cached(self, key: str, what: Any, fn: Callable[[Trace], Any]) -> Any:
         """``fn(trace)`` computed once per (run, trace length, what): a live trace invalidates itself as it grows."""
         tr = self.trace(key)
         if tr is None:
@@ -161,16 +169,16 @@ class Context:
             self._cache[k] = value
         return value
 
-    def background(self, key: str, what: Any, fn: Callable, wait: float = 1.0) -> jobs.State:
+    def background(self, key: str, what: Any, fn: Callable[[Trace], Any], wait: float = 1.0) -> jobs.State:
         """``fn(trace)`` for the run ``key`` at its current length, computed in the background on a trace of its
         own; waits up to ``wait`` s (a short job shows at once). The state says whether the value is current."""
         run = self.resolve(key)
         n = self.n_steps(key)
 
         def work() -> Any:
-            tr = self._open(run.path)
-            if tr is None:
-                raise jobs.Failed(f"{run.key} could not be opened as a trace")
+            tr = self._open(run.path) if run is not None else None
+            if tr is None:  # (run.key is key)
+                raise jobs.Failed(f"{key} could not be opened as a trace")
             try:
                 return fn(tr)
             finally:
@@ -226,10 +234,10 @@ class Context:
         return series.read(tr, x0, x1, max_points, sm)
 
     # -- the diagnosis ---------------------------------------------------------------------------------------------
-    def findings(self, key: str) -> list:
+    def findings(self, key: str) -> list[Diagnosis]:
         return self.findings_and_error(key)[0]
 
-    def findings_and_error(self, key: str, wait: float = 30.0) -> tuple[list, str | None]:
+    def findings_and_error(self, key: str, wait: float = 30.0) -> tuple[list[Diagnosis], str | None]:
         """The run's findings, worst first, and None; or [] and the error when a rule failed on this snapshot of
         a live trace (the next poll tries again): someone else's rule never breaks the page. Waits up to ``wait``
         s for a diagnosis in progress (the views use diagnosis_state, which does not wait)."""
@@ -251,7 +259,7 @@ class Context:
         if series.n_steps(tr) == 0:
             return jobs.State(value=[], current=True)
         ref = self.trace(REFERENCE_KEY) if self.reference_path and key != REFERENCE_KEY else None
-        peers = {r: self.resolve(k).path for r, k in self.peers(key).items()}
+        peers = {r: p.path for r, k in self.peers(key).items() if (p := self.resolve(k)) is not None}
         peer_traces = [self.trace(k) for k in self.peers(key).values()]
         version = cache.key("findings", tr, ref, *peer_traces, extra=sorted(peers.items()))
         with self._lock:
@@ -262,7 +270,7 @@ class Context:
                 self._diagnosed[key] = (version, time.monotonic())
         spec = {
             "trace": run.path,
-            "reference": os.path.realpath(self.reference_path) if ref is not None else None,
+            "reference": os.path.realpath(self.reference_path) if ref is not None and self.reference_path else None,
             "peers": {str(r): p for r, p in peers.items()},
             "group": run.group,
         }
@@ -310,10 +318,10 @@ class _Worker:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._proc = None
+        self._proc: subprocess.Popen[str] | None = None
         self._done = 0
 
-    def run(self, spec: dict) -> dict:
+    def run(self, spec: dict[str, Any]) -> dict[str, Any]:
         import subprocess
         import sys
 
@@ -329,10 +337,12 @@ class _Worker:
                     bufsize=1,
                 )
                 self._done = 0
+            stdin, stdout = self._proc.stdin, self._proc.stdout
+            assert stdin is not None and stdout is not None  # (opened with pipes)
             try:
-                self._proc.stdin.write(json.dumps(spec) + "\n")
-                self._proc.stdin.flush()
-                line = self._proc.stdout.readline()
+                stdin.write(json.dumps(spec) + "\n")
+                stdin.flush()
+                line = stdout.readline()
             except OSError:
                 line = ""
             if not line:
@@ -342,11 +352,13 @@ class _Worker:
                     "error": "the diagnosis process died (out of memory?); it runs again as the trace grows",
                 }
             self._done += 1
-            return json.loads(line)
+            out: dict[str, Any] = json.loads(line)
+            return out
 
     def _stop(self) -> None:
         if self._proc is not None:
             try:
+                assert self._proc.stdin is not None  # (opened with a pipe)
                 self._proc.stdin.close()
                 self._proc.wait(timeout=5)
             except Exception:
@@ -357,7 +369,7 @@ class _Worker:
 _WORKER = _Worker()
 
 
-def _diagnose(spec: dict, where: str) -> dict:
+def _diagnose(spec: dict[str, Any], where: str) -> dict[str, Any]:
     """Run diagjob over ``spec``: in the diagnosis process (the default), or in this thread."""
     from . import diagjob
 

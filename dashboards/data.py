@@ -96,7 +96,7 @@ def run_summary(tr: Trace, run: Any = None) -> list[tuple[str, str]]:
     return rows
 
 
-def _step_figures(tr: Trace, steps: Any) -> dict:
+def _step_figures(tr: Trace, steps: Any) -> dict[str, Any]:
     """The summary's step figures from a steps DataFrame or an observation.Summary: skipped and non-finite (flagged)
     step counts, the loss scale's (first, last, min, max) and the finite loss's (first, last), None when none."""
     if isinstance(steps, observation.Summary):
@@ -128,7 +128,7 @@ def compute_dtype(tr: Trace, run: Any = None) -> str | None:
     return (run if run is not None else Run(tr)).compute_dtype
 
 
-def default_view(tr: Trace, found: list | None = None, run: Any = None) -> tuple[str, str]:
+def default_view(tr: Trace, found: list[Diagnosis] | None = None, run: Any = None) -> tuple[str, str]:
     """(kind, statistic) the Layers page opens with: the view of the first finding that names layers, else what
     matters in the run's precision (FP16: output-gradient underflow; BF16 and FP32: log2 abs max, whose range
     both formats hold); never an FP16 statistic on a run that has no FP16 in it."""
@@ -148,7 +148,7 @@ def default_view(tr: Trace, found: list | None = None, run: Any = None) -> tuple
     return kind, "absmax_log2"
 
 
-def site_info(tr: Trace, site_id: int) -> dict | None:
+def site_info(tr: Trace, site_id: int) -> dict[str, Any] | None:
     s = tr.sites()
     row = s[s["id"] == site_id]
     if not len(row):
@@ -156,7 +156,7 @@ def site_info(tr: Trace, site_id: int) -> dict | None:
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.iloc[0].to_dict().items()}
 
 
-def find_site(tr: Trace, path: str, kind: str | None) -> dict | None:
+def find_site(tr: Trace, path: str, kind: str | None) -> dict[str, Any] | None:
     """The site of a layer path (a module or a parameter) and kind; the closest one when that kind was not
     recorded for it (a parameter of the module, another kind), None when the layer is not in the trace."""
     s = tr.sites()
@@ -184,7 +184,7 @@ def allocation(module_type: str, compute: str | None) -> str:
     return "follows its input"
 
 
-def precision_rows(tr: Trace, found: list | None, run: Any = None) -> list[dict]:
+def precision_rows(tr: Trace, found: list[Diagnosis] | None, run: Any = None) -> list[dict[str, Any]]:
     """The run module by module (plus the loss and the weight update): type, what the allocation asks, the dtypes
     it computed and kept, and the verdict: exactly the findings that name the module (the rules' judgement, never
     one of this page's own). ``found`` None: the diagnosis is not done yet."""
@@ -272,7 +272,7 @@ def precision_rows(tr: Trace, found: list | None, run: Any = None) -> list[dict]
 ROOT_UNIT = "(model)"  # the FSDP unit of the root module, as the trace's config names it
 
 
-def _fsdp_policy(u: dict) -> str:
+def _fsdp_policy(u: dict[str, Any]) -> str:
     """An FSDP unit's policy in a cell: "param float16 · reduce float16 (reduce_dtype unset) · 1,234 parameters"."""
     out = [f"param {u.get('param_dtype') or 'float32'}", f"reduce {u.get('reduce') or u.get('reduce_dtype') or '?'}"]
     if u.get("reduce") and not u.get("reduce_dtype"):
@@ -283,7 +283,7 @@ def _fsdp_policy(u: dict) -> str:
 
 
 # -- what-if -----------------------------------------------------------------------------------------------------
-def scaler_settings(tr: Trace) -> dict:
+def scaler_settings(tr: Trace) -> dict[str, Any]:
     """The scaler's recorded settings, PyTorch GradScaler defaults for what was not recorded."""
     sc = tr.config.get("scaler") or {}
     out = dict(TORCH_DEFAULTS)
@@ -297,7 +297,7 @@ def scaler_settings(tr: Trace) -> dict:
     return out
 
 
-def recorded_scale(tr: Trace, s: Any) -> dict:
+def recorded_scale(tr: Trace, s: Any) -> dict[str, Any]:
     """The run's own loss scale and skipped steps, as whatif() returns them with nothing simulated yet (drawn at
     once while the replay runs in the background), from the step series the charts draw (``s``: series.read's, the
     range's minimum and maximum per bucket on a long run): never every step read in a request."""
@@ -323,7 +323,7 @@ def whatif(
     growth_factor: Any = None,
     backoff_factor: Any = None,
     growth_interval: Any = None,
-) -> dict:
+) -> dict[str, Any]:
     """Recorded vs simulated loss scale and skipped steps for other scaler settings."""
     args = {
         "init_scale": init_scale,
@@ -410,7 +410,7 @@ def default_format(tr: Trace, run: Any = None) -> str:
     return "bf16" if compute_dtype(tr, run) == "bfloat16" else "fp16"
 
 
-def formats_rows(table: Any, by: str = "fp16") -> list[dict]:
+def formats_rows(table: Any, by: str = "fp16") -> list[dict[str, Any]]:
     """Per site: the share of non-zero values each format would lose (saturated or flushed; FP8 with Transformer
     Engine's default delayed scaling) and the headroom, worst in format ``by`` first (every site: the page pages).
     ``table``: format_table()'s, or a trace."""
@@ -443,7 +443,9 @@ def formats_rows(table: Any, by: str = "fp16") -> list[dict]:
     ]
 
 
-def formats_shares(table: Any, by: str = "fp16", max_rows: int = 40, only: Any = ()) -> tuple[list, dict]:
+def formats_shares(
+    table: Any, by: str = "fp16", max_rows: int = 40, only: Any = ()
+) -> tuple[list[str], dict[str, Any]]:
     """(labels, {format: lost shares}) of the sites worst in format ``by`` (and the ``only`` layers when given),
     for the formats bar chart. ``table``: format_table()'s, or a trace (it is computed)."""
     from ampdoctor import whatif
@@ -459,7 +461,9 @@ def formats_shares(table: Any, by: str = "fp16", max_rows: int = 40, only: Any =
     return labels, {n.upper(): table[f"{n}_lost"].to_numpy(float) for n in whatif.FORMATS}
 
 
-def probe_series(tr: Trace, max_layers: int = 12, include: Any = (), run: Any = None) -> tuple[dict, dict, list[dict]]:
+def probe_series(
+    tr: Trace, max_layers: int = 12, include: Any = (), run: Any = None
+) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], dict[str, Any], list[dict[str, Any]]]:
     """Probe error over steps: ({layer: (steps, rel_err)}, {layer: sqrt(k)*u bound}, per-layer verdicts), the
     named layers and the largest ratios first (and the ``include`` layers, whatever their rank). ``run``: the rules'
     Run of ``tr`` when there is one (its probe table read once)."""

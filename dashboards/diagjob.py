@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 
-def run(spec: dict) -> dict:
+def run(spec: dict[str, Any]) -> dict[str, Any]:
     """Diagnose ``spec["trace"]`` (against ``spec["reference"]``) plus the rank rules over ``spec["peers"]``."""
     from ampdoctor.trace import load
     from ampdoctor.trace.run import RankRun
@@ -57,7 +57,7 @@ def run(spec: dict) -> dict:
         return {"findings": [], "error": f"{type(exc).__name__}: {exc}", "seconds": time.perf_counter() - t0}
 
 
-def _formats(rules_run: Any) -> tuple[dict | None, str | None]:
+def _formats(rules_run: Any) -> tuple[dict[str, list[Any]] | None, str | None]:
     """The formats table of the diagnosed trace as {column: [values]} (None and the error when it fails: the
     findings still go to the page)."""
     from . import data

@@ -4,9 +4,14 @@ parts, the layers and ranks they name. No plotly, no dash: the dashboard pages a
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ampdoctor.cards import LABELS, evidence_items, label, ranks_label, steps_label  # noqa: F401  (the views read them here)
+# (the views read these here: re-exported)
+from ampdoctor.cards import LABELS as LABELS
+from ampdoctor.cards import evidence_items as evidence_items
+from ampdoctor.cards import label as label
+from ampdoctor.cards import ranks_label as ranks_label
+from ampdoctor.cards import steps_label as steps_label
 from ampdoctor.rules import diagnose as _diagnose
 from ampdoctor.rules import fix as F
 from ampdoctor.rules.engine import Run, resolve_rules, trace_findings
@@ -16,7 +21,7 @@ if TYPE_CHECKING:
     from ampdoctor.trace import Trace
 
 
-def findings(tr: Trace, reference: Trace | None = None) -> list:
+def findings(tr: Trace, reference: Trace | None = None) -> list[Diagnosis]:
     """The diagnosis of a trace, worst first; [] when no step is recorded yet."""
     if tr.n_steps == 0:
         return []
@@ -24,7 +29,7 @@ def findings(tr: Trace, reference: Trace | None = None) -> list:
     return worst_first(out)
 
 
-def diagnose_run(tr: Trace, reference: Trace | None = None) -> tuple[list, Run]:
+def diagnose_run(tr: Trace, reference: Trace | None = None) -> tuple[list[Diagnosis], Run]:
     """The diagnosis of a trace, worst first, and the rules' Run it was read through: its View holds the steps table,
     the sampled statistics and histograms and the one pass over the peaks, which the report's formats, probe and step
     charts read again without going back to the file (at 10^6 steps that pass is most of the diagnosis' time). The
@@ -36,7 +41,7 @@ def diagnose_run(tr: Trace, reference: Trace | None = None) -> tuple[list, Run]:
         return trace_findings(tr, reference, selected)
 
 
-def worst_first(found: list) -> list:
+def worst_first(found: list[Diagnosis]) -> list[Diagnosis]:
     """Findings in the rules package's one order (result.worst_first: severity, then the registry's order of the
     rules, then the ranks): a rank's own findings and the rank rules' sort together as ``ampdoctor diagnose``
     sorts them."""
@@ -46,7 +51,7 @@ def worst_first(found: list) -> list:
     return rules_worst_first(found, {s.rule.id: i for i, s in enumerate(resolve_rules(None))})
 
 
-def from_dict(d: dict) -> Diagnosis:
+def from_dict(d: dict[str, Any]) -> Diagnosis:
     """A finding back from its JSON form (Diagnosis.to_dict(); non-finite numbers came back as text)."""
     fields = {k: d.get(k) for k in ("rule", "severity", "title", "summary", "recommendation")}
     return Diagnosis(

@@ -26,7 +26,7 @@ class Link:
 
     label: str
     page: str
-    params: tuple = ()
+    params: tuple[tuple[str, Any], ...] = ()
     rank: int | None = None
     layer: str | None = None  # the layer this link opens (for the culprit list)
 
@@ -43,7 +43,7 @@ def span(d: Diagnosis) -> tuple[int, int] | None:
     return (a, b) if a <= b else (b, a)
 
 
-def zoom(d: Diagnosis, pad: float = 0.25, least: int = 10) -> tuple:
+def zoom(d: Diagnosis, pad: float = 0.25, least: int = 10) -> tuple[tuple[str, Any], ...]:
     """URL parameters that zoom to the finding's steps (padded on both sides) and outline them."""
     s = span(d)
     if s is None:
@@ -135,15 +135,15 @@ def _rank(d: Diagnosis) -> int | None:
     return int(ranks[0]) if ranks else None
 
 
-def _ranks_of(d: Diagnosis) -> tuple:
+def _ranks_of(d: Diagnosis) -> tuple[tuple[str, Any], ...]:
     return tuple(("rank", int(r)) for r in getattr(d, "ranks", None) or [])
 
 
-def _sel(layers: Any) -> tuple:
+def _sel(layers: Any) -> tuple[tuple[str, Any], ...]:
     return tuple(("sel", p) for p in list(layers)[:20])
 
 
-def whatif_params(settings: dict) -> tuple:
+def whatif_params(settings: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     """What-if URL parameters of scaler settings (the keys GradScaler takes)."""
     names = {
         "init_scale": "init",
@@ -161,7 +161,7 @@ def whatif_params(settings: dict) -> tuple:
 
 def links(d: Diagnosis) -> list[Link]:
     """The views that prove finding ``d``, the most telling first."""
-    ev = getattr(d, "evidence", None) or {}
+    ev: dict[str, Any] = getattr(d, "evidence", None) or {}
     rule = getattr(d, "rule", "")
     layers = [str(p) for p in (getattr(d, "layers", None) or [])]
     rank = _rank(d)
@@ -282,7 +282,7 @@ def links(d: Diagnosis) -> list[Link]:
             )
         )
     elif rule == "outlier-batch":
-        op = ev.get("operation") if isinstance(ev.get("operation"), dict) else {}
+        op = o if isinstance(o := ev.get("operation"), dict) else {}
         module = str(op.get("module") or (layers[0] if layers else ""))
         if module:
             out.append(layer_link(d, module))
@@ -296,7 +296,12 @@ def links(d: Diagnosis) -> list[Link]:
         span_ = span(d)
         if module and span_ is not None:  # from the steps whose replays confirmed the fix to the end of the run
             first = min([span_[0], *(int(s) for s in ev.get("confirmed_on") or [])])
-            params = (("path", module), ("kind", "act"), ("stat", "nonfinite"), ("x0", max(0, first - 5)))
+            params: tuple[tuple[str, Any], ...] = (
+                ("path", module),
+                ("kind", "act"),
+                ("stat", "nonfinite"),
+                ("x0", max(0, first - 5)),
+            )
             params += (("x1", span_[1] + 5), ("hl", f"{span_[0]}-{span_[1]}"))
             label = f"{module}: NaN/Inf of its activations before and after it was kept in FP32"
             out.append(Link(label, "/layer", params, rank, module))

@@ -45,7 +45,7 @@ BAND_COLORS = {
 }
 GRID = "rgba(128,128,128,0.25)"
 # plotly's own cloud upload ("Share chart" / "Edit in Chart Studio") is off everywhere: these are private runs
-GRAPH_CONFIG = {
+GRAPH_CONFIG: dict[str, Any] = {
     "displaylogo": False,
     "showSendToCloud": False,
     "showEditInChartStudio": False,
@@ -54,7 +54,7 @@ GRAPH_CONFIG = {
     "modeBarButtonsToRemove": ["sendChartToCloud", "sendDataToCloud", "editInChartStudio", "lasso2d", "select2d"],
     "toImageButtonOptions": {"format": "png", "scale": 2},
 }
-_LAYOUT = dict(
+_LAYOUT: dict[str, Any] = dict(
     template="plotly_white",
     paper_bgcolor="rgba(0,0,0,0)",
     plot_bgcolor="rgba(0,0,0,0)",
@@ -73,7 +73,7 @@ def text(name: Any) -> str:
     return html.escape(str(name), quote=False)
 
 
-def _layout(title: str, uirevision: Any = None, **kw: Any) -> dict:
+def _layout(title: str, uirevision: Any = None, **kw: Any) -> dict[str, Any]:
     out = dict(_LAYOUT, **kw)
     out["title"] = dict(_LAYOUT["title"], text=text(title))
     if uirevision is not None:
@@ -114,7 +114,7 @@ def note(fig: go.Figure, words: str) -> go.Figure:
     return fig
 
 
-def _log2_ticks(lo: float, hi: float) -> dict:
+def _log2_ticks(lo: float, hi: float) -> dict[str, Any]:
     lo, hi = math.floor(lo), math.ceil(hi)
     step = max(1, (hi - lo) // 8)
     vals = list(range(lo, hi + 1, step))
@@ -127,8 +127,8 @@ def band_trace(name: str, spans: Any, color: str, count: int | None = None) -> g
     0..1 axis (thousands of bands stay one trace; a legend click hides them). ``meta`` marks it as a band."""
     if not spans:
         return None
-    xs: list = []
-    ys: list = []
+    xs: list[float | None] = []
+    ys: list[float | None] = []
     for a, b in spans:
         xs += [a - 0.5, a - 0.5, b + 0.5, b + 0.5, a - 0.5, None]
         ys += [0, 1, 1, 0, 0, None]
@@ -241,8 +241,10 @@ def _smooth_source(s: StepSeries, col: str, positive: bool = False) -> Any:
     return s.x + (s.width - 1) / 2, y, s.width
 
 
-def _step_bands(s: StepSeries, skipped: Any = True, nonfinite: Any = True, zero: bool = False) -> list:
-    out = []
+def _step_bands(
+    s: StepSeries, skipped: Any = True, nonfinite: Any = True, zero: bool = False
+) -> list[tuple[str, list[tuple[int, int]], str, int | None]]:
+    out: list[tuple[str, list[tuple[int, int]], str, int | None]] = []
     if skipped:
         out.append(("skipped steps", s.skipped, BAND_COLORS["skipped"], s.n_skipped))
     if nonfinite:
@@ -355,7 +357,7 @@ def step_time_figure(s: StepSeries, highlight: Any = None, x_range: Any = None, 
     st, dt = s.mean.get("step_time"), s.mean.get("data_time")
     if not s.n or st is None or not np.isfinite(st).any():
         return empty(title, "no step times recorded", uirevision)
-    dt = np.where(np.isfinite(dt), dt, 0.0)
+    dt = np.where(np.isfinite(dt), dt, 0.0) if dt is not None else np.zeros_like(st)  # (no data times: no wait)
     compute = np.clip(st - dt, 0, None)
     fig = go.Figure(layout=_layout(title, uirevision, xaxis=dict(title="step"), yaxis=dict(title="seconds")))
     hover = "%{fullData.name}: %{y:.4g} s<extra></extra>"
@@ -424,7 +426,7 @@ def layer_heatmap(
     labels = [text(m.labels[i]) for i in rows]
     z = np.where(np.isfinite(binned), binned, np.nan)
     unit = label
-    zrange: dict = {}
+    zrange: dict[str, Any] = {}
     finite = z[np.isfinite(z)]
     if scale == "log" and m.stat != "absmax_log2":
         pos = finite[finite > 0]
@@ -680,7 +682,7 @@ def site_stat_figure(
 
 
 # -- what-if / compare / ranks ----------------------------------------------------------------------------------
-def whatif_figure(r: dict, highlight: Any = None, x_range: Any = None, uirevision: Any = None) -> go.Figure:
+def whatif_figure(r: dict[str, Any], highlight: Any = None, x_range: Any = None, uirevision: Any = None) -> go.Figure:
     """Recorded against simulated loss scale (log2), the skipped steps of each as bands."""
     title = "Loss scale: recorded and simulated"
     steps = np.asarray(r["steps"])
@@ -799,7 +801,10 @@ def ranks_figure(
 
 # -- formats ------------------------------------------------------------------------------------------------------
 def probe_error_figure(
-    series: dict, bounds: dict, highlight: Any = (), title: str = "Probe: relative error against FP32"
+    series: dict[str, tuple[np.ndarray, np.ndarray]],
+    bounds: dict[str, Any],
+    highlight: Any = (),
+    title: str = "Probe: relative error against FP32",
 ) -> Any:
     """Per layer, its norm-wise relative error at each probed step (log10) and its sqrt(k)*u bound (dotted); the
     ``highlight`` layers drawn thick."""
@@ -840,7 +845,7 @@ def probe_error_figure(
 
 
 def formats_figure(
-    labels: Any, lost: dict, by: str | None = None, title: str | None = None, highlight: Any = ()
+    labels: Any, lost: dict[str, Any], by: str | None = None, title: str | None = None, highlight: Any = ()
 ) -> Any:
     """Grouped bars: per site, the share of its non-zero values each format would saturate or flush, the sites
     ranked by the format ``by``; when no site loses anything in any format, a sentence instead of empty axes."""

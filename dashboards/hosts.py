@@ -37,7 +37,7 @@ def hostname(value: str | None) -> str | None:
     return name.rstrip(".")
 
 
-def _ip(name: str):
+def _ip(name: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     try:
         return ipaddress.ip_address(name)
     except ValueError:
@@ -57,7 +57,7 @@ class HostPolicy:
     """The names a server answers: ``names`` (plus loopback), any IP address when ``any_ip``, anything when
     ``names`` holds ``*``."""
 
-    names: frozenset = frozenset(LOOPBACK_NAMES)
+    names: frozenset[str] = frozenset(LOOPBACK_NAMES)
     any_ip: bool = False
 
     def allows(self, header: str | None) -> bool | None:
@@ -71,10 +71,10 @@ class HostPolicy:
         return ", ".join(sorted(self.names)) + (", any IP address" if self.any_ip else "")
 
 
-def for_bind(host: str, allow: tuple = ()) -> HostPolicy:
+def for_bind(host: str, allow: tuple[str, ...] = ()) -> HostPolicy:
     """The policy of a server bound to ``host`` with ``--allow-host`` names ``allow``."""
     bind = host.strip("[]").lower()
-    names = set(LOOPBACK_NAMES) | {ANY if a.strip() == ANY else hostname(a) for a in allow} - {None}
+    names = set(LOOPBACK_NAMES) | {n for a in allow if (n := ANY if a.strip() == ANY else hostname(a)) is not None}
     if is_loopback(bind):
         return HostPolicy(frozenset(names))
     if bind in WILDCARDS:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -41,12 +41,12 @@ class Jobs:
     def __init__(self, workers: int = 2, on_done: Any = None) -> None:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ampdoctor-view")
         self._lock = threading.Lock()
-        self._state: dict = {}  # key -> State
-        self._futures: dict = {}  # key -> (version, Future)
+        self._state: dict[Any, State] = {}  # key -> State
+        self._futures: dict[Any, tuple[Any, Future[None]]] = {}  # key -> (version, Future)
         self._on_done = on_done  # called with the key when a job ends (the views poll for it)
         self.generation = 0  # bumped whenever a job ends
 
-    def get(self, key: Any, version: Any, fn: Callable, wait: float = 0.0) -> State:
+    def get(self, key: Any, version: Any, fn: Callable[[], Any], wait: float = 0.0) -> State:
         """The state of job ``key`` at ``version``; starts ``fn()`` in the background when that version has not
         been computed and is not being computed. Waits up to ``wait`` seconds for it first (a quick job then
         shows at once, with no "computing" flash)."""
@@ -73,7 +73,7 @@ class Jobs:
             st = self._state.get(key)
             return None if st is None else State(st.value, st.current, st.since, st.error, st.version)
 
-    def _run(self, key: Any, version: Any, fn: Callable) -> None:
+    def _run(self, key: Any, version: Any, fn: Callable[[], Any]) -> None:
         try:
             value, error = fn(), None
         except Failed as exc:

@@ -66,8 +66,8 @@ class LayerMatrix:
     kind: str
     steps: np.ndarray
     site_ids: np.ndarray
-    labels: list
-    types: list
+    labels: list[str]
+    types: list[str]
     values: np.ndarray
     nonfinite: np.ndarray | None = None
     preview: bool = False  # some recorded steps only, while the whole range is read in the background
@@ -87,7 +87,7 @@ class LayerMatrix:
         """Per site: whether it held NaN/Inf at some recorded step of the range."""
         if self.nonfinite is None or not self.nonfinite.size:
             return np.zeros(len(self.labels), bool)
-        return self.nonfinite.any(axis=1)
+        return np.asarray(self.nonfinite.any(axis=1))
 
     @property
     def label(self) -> str:
@@ -141,7 +141,7 @@ def layer_matrix(
     x1: Any = None,
     max_cols: int = MAX_COLS,
     preview: bool = False,
-    memo: dict | None = None,
+    memo: dict[Any, Any] | None = None,
 ) -> LayerMatrix:
     """``stat`` of every site of ``kind`` over [x0, x1] (the whole run by default), binned to ``max_cols``
     columns (worst kept). ``preview``: at most PREVIEW_COLS evenly chosen recorded steps, for the first paint of

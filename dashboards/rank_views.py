@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 MAX_RANK_LINES = 16  # more lines than this are unreadable; the table still lists every rank
 
 
-def rank_rows(rr: Any) -> list[dict]:
+def rank_rows(rr: Any) -> list[dict[str, Any]]:
     """One row per rank: steps, skipped, non-finite steps, last loss scale, median step time and data wait."""
     rows = []
     for rank, tr in rr.items():
@@ -41,7 +41,7 @@ def rank_rows(rr: Any) -> list[dict]:
     return rows
 
 
-def rank_figures(rr: Any) -> list:
+def rank_figures(rr: Any) -> list[Any]:
     """Loss, loss scale (log2), step time and data wait of every rank (the first MAX_RANK_LINES), one figure each,
     from each rank's downsampled steps (extremes kept)."""
     per = [(rank, series.read(tr, summary=_summary(tr))) for rank, tr in list(rr.items())[:MAX_RANK_LINES]]
@@ -63,7 +63,7 @@ def _summary(tr: Trace) -> Any:
     return sm
 
 
-def _table(rows: list[dict]) -> str:
+def _table(rows: list[dict[str, Any]]) -> str:
     head = "".join(f"<th>{html.escape(k)}</th>" for k in rows[0])
     body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in r.values()) + "</tr>" for r in rows)
     return f'<table class="data-table"><tr>{head}</tr>{body}</table>'

@@ -6,15 +6,19 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from ampdoctor.trace import TraceError
 
 from . import server
 
+if TYPE_CHECKING:
+    from .catalog import Run
+
 _TRAILING_NUMBER = re.compile(r"[._-]?\d+$")
 
 
-def _rank_meta(path: str, cache: dict) -> tuple[int, int] | None:
+def _rank_meta(path: str, cache: dict[str, tuple[int, int] | None]) -> tuple[int, int] | None:
     """(rank, world size) from a trace's metadata, read once per file; None when unreadable or not distributed."""
     if path not in cache:
         try:
@@ -22,14 +26,15 @@ def _rank_meta(path: str, cache: dict) -> tuple[int, int] | None:
             if not isinstance(run, dict) or not run:
                 return None  # a trace just created: its run entry is not written yet; asked again at the next scan
             rank, world = run.get("rank"), run.get("world_size")
-            ok = isinstance(rank, int) and isinstance(world, int) and world > 1
-            cache[path] = (rank, world) if ok else None
+            cache[path] = (rank, world) if isinstance(rank, int) and isinstance(world, int) and world > 1 else None
         except TraceError:
             return None  # maybe still being created: asked again at the next scan
     return cache[path]
 
 
-def with_ranks(runs: dict, cache: dict, files: set | None = None) -> dict:
+def with_ranks(
+    runs: dict[str, Run], cache: dict[str, tuple[int, int] | None], files: set[str] | None = None
+) -> dict[str, Run]:
     """``runs`` (catalog.discover_runs), restricted to ``files`` when given, with the rank and group of every
     per-rank trace whose name has a trailing number that its metadata confirms as its rank."""
     out = {}
@@ -40,7 +45,7 @@ def with_ranks(runs: dict, cache: dict, files: set | None = None) -> dict:
             stem = os.path.splitext(key)[0]
             m = _TRAILING_NUMBER.search(stem)
             meta = _rank_meta(run.path, cache) if m else None
-            if meta is not None and int(m.group(0).lstrip("._-")) == meta[0]:
+            if m is not None and meta is not None and int(m.group(0).lstrip("._-")) == meta[0]:
                 run = replace(run, group=stem[: m.start()] or stem, rank=meta[0])
         out[key] = run
     return out

@@ -98,7 +98,7 @@ def fix_html(d: Diagnosis) -> str:
     return "\n".join(out)
 
 
-def finding_html(d: Diagnosis, anchor: str = "", links: list | None = None) -> str:
+def finding_html(d: Diagnosis, anchor: str = "", links: list[tuple[str, str]] | None = None) -> str:
     """A finding as HTML: severity, rule, title, summary, layers and steps, evidence rows, the figures of this
     report that show it (``links``: (label, figure id)), the fix."""
     sev = html.escape(str(getattr(d, "severity", "info")))
@@ -126,7 +126,7 @@ def _ranks(d: Diagnosis) -> str:
     return f" · {html.escape(label)}" if label else ""
 
 
-def _table(rows: list[dict], bad_col: str | None = "verdict") -> str:
+def _table(rows: list[dict[str, Any]], bad_col: str | None = "verdict") -> str:
     if not rows:
         return "<p>nothing recorded</p>"
     head = "".join(f"<th>{html.escape(k)}</th>" for k in rows[0])
@@ -173,7 +173,7 @@ def _fid(*parts: Any) -> str:
     return "fig-" + re.sub(r"[^A-Za-z0-9_-]+", "-", "-".join(str(p) for p in parts)).strip("-")[:80]
 
 
-def _step_figures(tr: Trace, figs: Figures, s: Any) -> dict:
+def _step_figures(tr: Trace, figs: Figures, s: Any) -> dict[str, str]:
     """Loss, loss scale, gradient norm, step time: page "/" of the dashboard."""
     return {
         "loss": figs.add("fig-loss", "Loss", figures.loss_figure(s)),
@@ -183,7 +183,7 @@ def _step_figures(tr: Trace, figs: Figures, s: Any) -> dict:
     }
 
 
-def _report_rows(m: matrix.LayerMatrix, named: set, paths: list | None) -> list:
+def _report_rows(m: matrix.LayerMatrix, named: set[str], paths: list[str] | None) -> tuple[list[int], list[str]]:
     """The rows a report heat map shows: the same layers, in model order, in every heat map (``paths``, chosen by
     the first one: the layers the findings name, then the worst)."""
     index = {p: i for i, p in enumerate(m.labels)}
@@ -194,22 +194,28 @@ def _report_rows(m: matrix.LayerMatrix, named: set, paths: list | None) -> list:
     return [index[p] for p in paths if p in index], paths
 
 
-def key_figures(tr: Trace, found: list, figs: Figures, run: Any = None, max_points: int = series.MAX_POINTS) -> dict:
+def key_figures(
+    tr: Trace, found: list[Diagnosis], figs: Figures, run: Any = None, max_points: int = series.MAX_POINTS
+) -> dict[tuple[Any, ...], str]:
     """Every figure the findings point to, plus the run's own: {(page, key): figure id}. ``run``: the rules' Run the
     findings were read through (its steps table is not read again); ``max_points``: points per line of a step chart
     past which it is downsampled (each bucket's minimum and maximum kept)."""
     s = series.read(tr, max_points=max_points, summary=_summary(tr, run, max_points))
-    where = {("/", k): v for k, v in _step_figures(tr, figs, s).items()}
+    where: dict[tuple[Any, ...], str] = {("/", k): v for k, v in _step_figures(tr, figs, s).items()}
     named = {str(p) for d in found for p in d.layers or []}
-    views = [data.default_view(tr, found, run), ("grad_out", "absmax_log2"), ("act", "absmax_log2")]
+    views: list[tuple[Any, Any]] = [
+        data.default_view(tr, found, run),
+        ("grad_out", "absmax_log2"),
+        ("act", "absmax_log2"),
+    ]
     for d in found:
         for link in evidence.links(d):
             p = dict(link.params)
             if link.page == "/layers" and (p.get("kind"), p.get("stat")) not in views:
                 views.append((p.get("kind"), p.get("stat")))
     have = set(tr.sites()["kind"])
-    paths = None
-    memo: dict = {}  # the peaks read once for every heat map
+    paths: list[str] | None = None
+    memo: dict[Any, Any] = {}  # the peaks read once for every heat map
     for kind, stat in views:
         if kind not in have or stat not in matrix.STATS or ("/layers", kind, stat) in where:
             continue
@@ -258,7 +264,7 @@ def _summary(tr: Trace, run: Any = None, max_points: int = series.MAX_POINTS) ->
     return sm
 
 
-def _link_targets(d: Diagnosis, where: dict) -> list[tuple[str, str]]:
+def _link_targets(d: Diagnosis, where: dict[tuple[Any, ...], str]) -> list[tuple[str, str]]:
     """(label, figure id) of the report's figures that show finding ``d``'s evidence."""
     out = []
     for link in evidence.links(d) + evidence.culprit_links(d)[:1]:
@@ -289,7 +295,7 @@ def _link_targets(d: Diagnosis, where: dict) -> list[tuple[str, str]]:
     return out
 
 
-def formats_section(tr: Trace, found: list, run: Any = None) -> str:
+def formats_section(tr: Trace, found: list[Diagnosis], run: Any = None) -> str:
     """Formats: the probe's error against FP32 over the steps, and what each format would lose per site. ``run``:
     the rules' Run the findings were read through (its histograms, statistics and peaks pass are not read again)."""
     sel = [str(p) for d in found if d.rule in ("precision-loss", "fp8-readiness", "fp16-readiness") for p in d.layers]
@@ -319,7 +325,7 @@ def formats_section(tr: Trace, found: list, run: Any = None) -> str:
     )
 
 
-def precision_section(tr: Trace, found: list, run: Any = None) -> str:
+def precision_section(tr: Trace, found: list[Diagnosis], run: Any = None) -> str:
     """The precision map: the diagnosis' verdict on every module (``run``: the rules' Run, for its compute dtype)."""
     rows = data.precision_rows(tr, found, run)
     flagged = [r for r in rows if r["verdict"] != "ok"]
@@ -408,7 +414,7 @@ def build_report(
     return page(f"ampdoctor report — {html.escape(os.path.basename(tr.path))}", found, body)
 
 
-def page(title: str, found: list, body: str, facts: str = "") -> str:
+def page(title: str, found: list[Diagnosis], body: str, facts: str = "") -> str:
     """A self-contained report page: styles, plotly.js packed, the title, a line of counts (``facts`` first)."""
     n_crit = sum(1 for d in found if getattr(d, "severity", "") == "critical")
     return f"""<!DOCTYPE html>

@@ -32,7 +32,7 @@ COLUMNS = ("loss", "loss_scale", "grad_norm", "step_time", "data_time", "samples
 _FINITE = "CASE WHEN typeof({c}) IN ('integer', 'real') AND abs({c}) <= 1.7976931348623157e308 THEN {c} END"
 
 
-def sql(tr: Trace, query: str, args: Any = ()) -> list:
+def sql(tr: Trace, query: str, args: Any = ()) -> list[Any]:
     """Rows of a query on a trace, its errors as one-line TraceErrors (as the reader's own queries)."""
     try:
         return tr.connection.execute(query, args).fetchall()
@@ -57,12 +57,12 @@ class StepSeries:
     exact: bool
     x: np.ndarray
     width: np.ndarray  # steps per point (1 when exact)
-    lo: dict = field(default_factory=dict)
-    hi: dict = field(default_factory=dict)
-    mean: dict = field(default_factory=dict)
-    skipped: list = field(default_factory=list)
-    nonfinite: list = field(default_factory=list)
-    scale_zero: list = field(default_factory=list)
+    lo: dict[str, np.ndarray] = field(default_factory=dict)
+    hi: dict[str, np.ndarray] = field(default_factory=dict)
+    mean: dict[str, np.ndarray] = field(default_factory=dict)
+    skipped: list[tuple[int, int]] = field(default_factory=list)
+    nonfinite: list[tuple[int, int]] = field(default_factory=list)
+    scale_zero: list[tuple[int, int]] = field(default_factory=list)
     n_skipped: int = 0
     n_nonfinite: int = 0
     preview: bool = False  # evenly spaced steps only, while the summary is being built
@@ -134,7 +134,8 @@ def read(
     n = n_steps(tr)
     if n == 0:
         empty = np.array([], dtype=np.int64)
-        return StepSeries(0, -1, 0, True, empty, empty, *({c: np.array([]) for c in COLUMNS} for _ in range(3)))
+        lo, hi, mean = ({c: np.array([]) for c in COLUMNS} for _ in range(3))
+        return StepSeries(0, -1, 0, True, empty, empty, lo, hi, mean)
     a, b = clip_range(n, x0, x1)
     if b - a + 1 <= max_points:
         s = _exact(tr, a, b, n)
@@ -221,7 +222,7 @@ class StepSummary:
         self.sum = np.zeros((0, k))
         self.cnt = np.zeros((0, k))
         self.flags = np.zeros((0, 3))  # skipped, non-finite, scale <= 0 (counts)
-        self.key: tuple | None = None  # (step, time) of the last summarised step: a different file resets it
+        self.key: tuple[Any, ...] | None = None  # (step, time) of the last summarised step: a different file resets it
 
     @property
     def n_buckets(self) -> int:
@@ -233,7 +234,7 @@ class StepSummary:
         n = n_steps(tr)
         done = self.n_buckets * BUCKET
         if self.key is not None and done and _last_key(tr, done - 1) != self.key:
-            self.__init__()
+            self.__init__()  # type: ignore[misc]  # a fresh summary: every field as __init__ sets it
             done = 0
         end = (n // BUCKET) * BUCKET
         if limit is not None:
@@ -288,12 +289,12 @@ class StepSummary:
         self.flags = np.vstack([self.flags, flags.reshape(-1, BUCKET, 3).sum(axis=1)])
         self.lo = lo  # last: n_buckets (its length) grows once every array holds the new buckets
 
-    def to_arrays(self) -> dict:
+    def to_arrays(self) -> dict[str, np.ndarray]:
         key = np.array([np.nan if v is None else float(v) for v in (self.key or ())], dtype=float)
         return {"lo": self.lo, "hi": self.hi, "sum": self.sum, "cnt": self.cnt, "flags": self.flags, "key": key}
 
     @classmethod
-    def from_arrays(cls, arrays: dict, tr: Trace) -> StepSummary | None:
+    def from_arrays(cls, arrays: dict[str, np.ndarray], tr: Trace) -> StepSummary | None:
         """A summary read back from disk, when it still describes the start of ``tr`` (else None)."""
         k = len(COLUMNS)
         try:
@@ -362,8 +363,8 @@ def _join(s: StepSeries, t: StepSeries) -> StepSeries:
     return out
 
 
-def _merge(iv: list) -> list:
-    out: list = []
+def _merge(iv: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
     for a, b in sorted(iv):
         if out and a <= out[-1][1] + 1:
             out[-1] = (out[-1][0], max(out[-1][1], b))
@@ -372,7 +373,7 @@ def _merge(iv: list) -> list:
     return out
 
 
-def _last_key(tr: Trace, step: int) -> tuple | None:
+def _last_key(tr: Trace, step: int) -> tuple[Any, ...] | None:
     rows = sql(tr, "SELECT step, time, loss_scale FROM steps WHERE step = ?", (step,))
     return tuple(rows[0]) if rows else None
 
@@ -432,7 +433,7 @@ def metric(
     return downsample(x, y, max_points)
 
 
-def downsample(x: Any, y: Any, max_points: int = MAX_POINTS) -> Any:
+def downsample(x: Any, y: Any, max_points: int = MAX_POINTS) -> tuple[np.ndarray, np.ndarray]:
     """At most ``max_points`` points of (x, y): the min and the max of each bucket, in x order (a bucket without a
     finite value keeps its first point: a NaN gap stays a gap). Vectorised: 10^6 points in a few tens of ms."""
     x, y = np.asarray(x), np.asarray(y, dtype=float)

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import IO, TYPE_CHECKING, Any, Union
 
-from flask import Response
+from flask import Flask, Response
 from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
 
 if TYPE_CHECKING:
@@ -76,7 +76,9 @@ def harden(app: dash.Dash, max_body: int = MAX_BODY) -> None:
     app.server.config["MAX_CONTENT_LENGTH"] = max_body  # a body with a larger Content-Length: 413 before it is read
     app.server.wsgi_app = _ChunkedBodyLimit(app.server.wsgi_app, max_body, headers)
 
-    @app.server.after_request
+    flask_app: Flask = app.server
+
+    @flask_app.after_request
     def _headers(response: Response) -> Response:
         for name, value in headers.items():
             response.headers.setdefault(name, value)
@@ -88,7 +90,7 @@ class _ChunkedBodyLimit:
     with its length; one longer is answered 413. (Flask's limit alone would cut it at ``max_body`` bytes and hand
     on the truncated JSON.)"""
 
-    def __init__(self, app: WSGIApplication, max_body: int, headers: dict):
+    def __init__(self, app: WSGIApplication, max_body: int, headers: dict[str, str]) -> None:
         self.app, self.max_body, self.headers = app, max_body, headers
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
@@ -230,7 +232,7 @@ class _Guard:
         return time.monotonic() - self.started > self.limit_s
 
 
-_GUARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Trace -> _Guard
+_GUARDS: weakref.WeakKeyDictionary[Trace, _Guard] = weakref.WeakKeyDictionary()  # Trace -> _Guard
 
 
 def open_trace(path: str, limit_s: float = QUERY_LIMIT_S) -> Trace:
@@ -241,7 +243,9 @@ def open_trace(path: str, limit_s: float = QUERY_LIMIT_S) -> Trace:
     return _guarded(tr, _Guard(before, _schema_cookie(tr), time.monotonic(), limit_s))
 
 
-_TEMPLATES: dict = {}  # real path -> the Trace this process last opened and checked there (used under the lock only)
+_TEMPLATES: dict[
+    str, Trace
+] = {}  # real path -> the Trace this process last opened and checked there (used under the lock only)
 _TEMPLATES_LOCK = threading.Lock()
 
 
@@ -266,7 +270,7 @@ def check(path: str) -> None:
         _template(os.path.realpath(path))
 
 
-def checked_meta(path: str) -> dict:
+def checked_meta(path: str) -> dict[str, Any]:
     """The metadata of the checked trace at ``path`` (see check)."""
     with _TEMPLATES_LOCK:
         return _template(os.path.realpath(path)).meta
@@ -300,7 +304,7 @@ def renew(tr: Trace) -> bool:
     return now == guard.identity or time.monotonic() - guard.checked_at < REVALIDATE_S
 
 
-def generation(tr: Trace) -> tuple:
+def generation(tr: Trace) -> tuple[int, ...]:
     """What a result computed from ``tr`` depends on besides its length: the file it was read from."""
     guard = _GUARDS.get(tr)
     return (guard.identity.dev, guard.identity.ino) if guard is not None and guard.identity is not None else ()

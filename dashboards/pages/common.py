@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import parse_qs, urlencode
 
@@ -20,11 +21,11 @@ if TYPE_CHECKING:
     from ..context import Context
 
 SEVERITY_COLORS = {"critical": "#d62728", "warning": "#ff7f0e", "info": "#1f77b4"}
-GRAPH_CONFIG = figures.GRAPH_CONFIG
+GRAPH_CONFIG: Any = figures.GRAPH_CONFIG  # (plotly's config keys; dash types them as its Config TypedDict)
 
 
 # -- URLs ------------------------------------------------------------------------------------------------------
-def parse_search(search: str | None) -> dict:
+def parse_search(search: str | None) -> dict[str, str]:
     """The URL's parameters, the first value of each."""
     q = parse_qs((search or "").lstrip("?"))
     return {k: v[0] for k, v in q.items() if v}
@@ -57,7 +58,7 @@ def number(v: Any, default: Any = None) -> Any:
     return f if math.isfinite(f) else default
 
 
-def step_range(query: dict) -> tuple[int, int] | None:
+def step_range(query: dict[str, Any]) -> tuple[int, int] | None:
     """The zoom a URL carries (x0, x1), or None."""
     a, b = number(query.get("x0")), number(query.get("x1"))
     if a is None or b is None:
@@ -66,19 +67,19 @@ def step_range(query: dict) -> tuple[int, int] | None:
     return (a, b) if a <= b else (b, a)
 
 
-def highlight(query: dict) -> tuple[int, int] | None:
+def highlight(query: dict[str, Any]) -> tuple[int, int] | None:
     """The finding steps a URL outlines ("hl=a-b"), or None."""
     m = re.fullmatch(r"\s*(\d{1,12})\s*-\s*(\d{1,12})\s*", str(query.get("hl") or ""))
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def zoom_store(page: str, query: dict) -> dcc.Store:
+def zoom_store(page: str, query: dict[str, Any]) -> dcc.Store:
     """The page's shared zoom, seeded from the URL."""
     r = step_range(query)
     return dcc.Store(id=ids.ZOOMS[page], data={"x0": r[0], "x1": r[1]} if r else None)
 
 
-def zoom_pairs(zoom: Any) -> list:
+def zoom_pairs(zoom: Any) -> list[tuple[str, Any]]:
     r = zoom_range(zoom)
     return [("x0", r[0]), ("x1", r[1])] if r else []
 
@@ -91,7 +92,7 @@ def link_zoom(app: dash.Dash, page: str, reset_id: str | None = None) -> None:
     inputs = [Input(g, "relayoutData") for g in ids.STEP_GRAPHS[page]]
     if reset_id is not None:
         inputs.append(Input(reset_id, "n_clicks"))
-    app.clientside_callback(
+    app.clientside_callback(  # type: ignore[no-untyped-call]  # (dash does not annotate it)
         ClientsideFunction("ampdoctor", "zoom"),
         Output(ids.ZOOMS[page], "data", allow_duplicate=True),
         *inputs,
@@ -100,7 +101,12 @@ def link_zoom(app: dash.Dash, page: str, reset_id: str | None = None) -> None:
     )
 
 
-def write_state(app: dash.Dash, inputs: list, pairs_fn: Callable, keep: tuple = ("hl", "sel")) -> None:
+def write_state(
+    app: dash.Dash,
+    inputs: list[Any],
+    pairs_fn: Callable[..., Iterable[tuple[str, Any]]],
+    keep: tuple[str, ...] = ("hl", "sel"),
+) -> None:
     """Keep the address bar in step with a view: ``pairs_fn(run, *values)`` -> the view's URL parameters; the
     ``keep`` parameters of the link that opened the view (a finding's steps and layers) stay."""
     from dash import Output, State
@@ -142,11 +148,10 @@ def uirevision(run: Any, *parts: Any) -> str:
 # -- pieces of a page ------------------------------------------------------------------------------------------
 def graph(id_: str, **kw: Any) -> html.Div:
     """A chart with a "CSV" button that downloads what it shows (in the browser, from the figure's data)."""
+    data_attr: dict[str, Any] = {"data-graph": id_}  # (a data-* attribute: dash takes it as a keyword)
     return html.Div(
         [
-            html.Button(
-                "CSV", className="csv-download", title="download the data this chart shows (CSV)", **{"data-graph": id_}
-            ),
+            html.Button("CSV", className="csv-download", title="download the data this chart shows (CSV)", **data_attr),
             dcc.Graph(id=id_, config=GRAPH_CONFIG, **kw),
         ],
         className="chart",
@@ -154,7 +159,11 @@ def graph(id_: str, **kw: Any) -> html.Div:
 
 
 def table(
-    rows: list[dict], id_: Any = None, bad_col: str | None = "verdict", highlight: Any = (), key_col: str | None = None
+    rows: list[dict[str, Any]],
+    id_: Any = None,
+    bad_col: str | None = "verdict",
+    highlight: Any = (),
+    key_col: str | None = None,
 ) -> Any:
     """A data table with a "CSV" button; rows whose ``key_col`` is in ``highlight`` are outlined."""
     if not rows:
@@ -168,21 +177,20 @@ def table(
         ]
         body.append(html.Tr(cells, className="highlight" if key_col and r.get(key_col) in highlight else None))
     kw = {"id": id_} if id_ else {}
+    data_attr: dict[str, Any] = {"data-table": id_ or ""}  # (a data-* attribute: dash takes it as a keyword)
     return html.Div(
         [
-            html.Button(
-                "CSV", className="csv-download", title="download this table (CSV)", **{"data-table": id_ or ""}
-            ),
+            html.Button("CSV", className="csv-download", title="download this table (CSV)", **data_attr),
             html.Table([html.Thead(head), html.Tbody(body)], className="data-table", **kw),
         ],
         className="table-wrap",
     )
 
 
-def prose(text: str) -> list:
+def prose(text: str) -> list[Any]:
     """Recommendation prose as plain text, a paragraph a line, with `code` spans. Never Markdown: a layer name in
     the text is user data, and Markdown would turn ``![x](http://host/track)`` into an image the browser fetches."""
-    paras = []
+    paras: list[Any] = []
     for line in text.splitlines():
         parts = re.split(r"`([^`]+)`", line.strip())
         kids = [html.Code(p) if i % 2 else p for i, p in enumerate(parts) if p]
@@ -193,7 +201,7 @@ def prose(text: str) -> list:
 
 def status_line(ctx: Context, run: str) -> Any:
     """What runs in the background for this run, in words and seconds; the last error when it failed."""
-    parts = []
+    parts: list[Any] = []
     st = ctx.diagnosis_state(run)
     if st is not None:
         if st.running:
@@ -223,7 +231,7 @@ def finding_card(d: Diagnosis, run: str, ctx: Context, layer_links: bool = True)
     evidence rows (labelled), the views that prove it, and the fix (code copyable)."""
     sev = str(getattr(d, "severity", "info"))
     color = SEVERITY_COLORS.get(sev, "#888")
-    culprits = []
+    culprits: list[Any] = []
     for i, link in enumerate(evidence.culprit_links(d)[:12] if layer_links else []):
         culprits.append(dcc.Link(link.layer, href=link_href(ctx, run, link), className="culprit"))
         if i < len(d.layers) - 1:
@@ -232,7 +240,7 @@ def finding_card(d: Diagnosis, run: str, ctx: Context, layer_links: bool = True)
         culprits.append(f"… ({len(d.layers)} layers in all)")
     views = evidence.links(d)
     steps = diagnosis.steps_label(d)
-    step_el = None
+    step_el: Any = None
     if steps:
         target = next((v for v in views if dict(v.params).get("hl")), None)
         step_el = (
@@ -240,7 +248,7 @@ def finding_card(d: Diagnosis, run: str, ctx: Context, layer_links: bool = True)
             if target
             else html.Span(steps, className="finding-steps")
         )
-    rec = []
+    rec: list[Any] = []
     for kind, chunk in diagnosis.fix_parts(d):
         if kind == "code":
             rec.append(
@@ -301,7 +309,7 @@ def pager(id_: str, page: int = 1) -> dcc.Dropdown:
     )
 
 
-def pager_options(page: Any, total: int, per: int) -> tuple[list, int, str]:
+def pager_options(page: Any, total: int, per: int) -> tuple[list[dict[str, Any]], int, str]:
     """(options, the page shown, "51-100 of 1,000"): nothing is cut without saying so."""
     pages = max(1, -(-total // per))
     page = min(max(1, int(number(page, 1))), pages)

@@ -19,14 +19,14 @@ if TYPE_CHECKING:
 PAGE = "/compare"
 
 
-def _choices(ctx: Context, run: Any) -> list:
+def _choices(ctx: Context, run: Any) -> list[dict[str, str]]:
     opts = [{"label": catalog.run_label(r), "value": k} for k, r in ctx.runs().items() if k != run]
     if ctx.reference_path and run != "reference":
         opts.insert(0, {"label": "reference: " + os.path.basename(ctx.reference_path), "value": "reference"})
     return opts
 
 
-def layout(ctx: Context, run: str, query: dict) -> Any:
+def layout(ctx: Context, run: str, query: dict[str, Any]) -> Any:
     opts = _choices(ctx, run)
     if not opts:
         return html.Div(
@@ -79,10 +79,11 @@ def update(ctx: Context, other: Any, stat: Any, version: Any, search: str | None
     """The callback's work, as a plain function (the tests call it on every kind of trace)."""
     run = run_of(ctx, search)
     a, b = (ctx.trace(run) if run else None), ctx.trace(other)
-    if a is None or b is None or stat not in matrix.STATS:
+    ra, rb = ctx.resolve(run), ctx.resolve(other)  # (not None where a trace is)
+    if not run or a is None or b is None or ra is None or rb is None or stat not in matrix.STATS:
         return {}, {}
     r = zoom_range(zoom)
-    names = (catalog.run_label(ctx.resolve(run)), catalog.run_label(ctx.resolve(other)))
+    names = (catalog.run_label(ra), catalog.run_label(rb))
     sa, sb = ctx.steps(run, *(r or (None, None))), ctx.steps(other, *(r or (None, None)))
     cmp = ctx.cached(run, ("compare", other, stat), lambda t: data.compare_layers(t, b, stat, "grad_out"))
     return (

@@ -22,7 +22,7 @@ PAGE = "/formats"
 PER_PAGE = 100
 
 
-def layout(ctx: Context, run: str, query: dict) -> Any:
+def layout(ctx: Context, run: str, query: dict[str, Any]) -> Any:
     by = query.get("fmt") if query.get("fmt") in data.FORMAT_NAMES else data.default_format(ctx.trace(run))
     return html.Div(
         [
@@ -84,7 +84,7 @@ def update(ctx: Context, by: Any, q: Any, page: Any, version: Any, search: str |
     """(verdict, probe figure, shares figure, table, pager options): the callback's work (the tests call it)."""
     run = run_of(ctx, search)
     tr = ctx.trace(run) if run else None
-    if tr is None or by not in data.FORMAT_NAMES:
+    if not run or tr is None or by not in data.FORMAT_NAMES:
         return None, {}, {}, None, []
     sel = parse_all(search, "sel")
     probe = ctx.background(run, ("probe", tuple(sel)), lambda t: data.probe_series(t, include=sel), wait=2.0)

@@ -52,7 +52,7 @@ def _site(ctx: Context, run: Any, search: str | None) -> Any:
     return tr, None
 
 
-def layout(ctx: Context, run: str, query: dict) -> Any:
+def layout(ctx: Context, run: str, query: dict[str, Any]) -> Any:
     stat = query.get("stat") if query.get("stat") in matrix.STATS else "absmax_log2"
     return html.Div(
         [
@@ -88,7 +88,7 @@ def update(ctx: Context, version: Any, search: str | None, stat: Any = "absmax_l
     """(title, histogram, series, findings): the callback's work, as a plain function (the tests call it)."""
     run = run_of(ctx, search)
     tr, site = _site(ctx, run, search)
-    if site is None:
+    if site is None or run is None:  # (no site without a run)
         return (
             html.Div([html.H3("No such layer"), dcc.Link("Layers", href=href("/layers", run))], id="no-such-layer"),
             {},
@@ -159,7 +159,7 @@ def update(ctx: Context, version: Any, search: str | None, stat: Any = "absmax_l
         if diagnosis.finding_mentions(d, str(site["path"])) or diagnosis.finding_mentions(d, str(site["module"]))
     ]
     if st is None or (st.value is None and st.running):
-        cards = html.P("Diagnosing…", className="muted")
+        cards: Any = html.P("Diagnosing…", className="muted")
     else:
         cards = [finding_card(d, run, ctx) for d in found] or html.P("No finding names this layer.")
     return title, hist, fig, cards
@@ -190,7 +190,7 @@ def register(app: dash.Dash, ctx: Context) -> None:
     )
     def _state(stat: Any, zoom: Any, search: str | None) -> Any:
         q = parse_qs((search or "").lstrip("?"))
-        run = (q.get("run") or [None])[0]
+        run = next(iter(q.get("run") or []), None)
         keep = [(k, q[k][0]) for k in ("site", "path", "kind") if k in q]
         kept = [(k, v) for k in ("hl",) for v in q.get(k, [])]
         return state_search(run, keep + [("stat", stat)] + zoom_pairs(zoom) + kept)

@@ -32,6 +32,7 @@ from .common import (
 if TYPE_CHECKING:
     from ampdoctor.trace import Trace
 
+    from .. import jobs
     from ..context import Context
 
 PAGE = "/layers"
@@ -44,7 +45,7 @@ def kinds_of(tr: Trace) -> list[str]:
     return [k for k in matrix.KINDS if k in have] or ["act"]
 
 
-def layout(ctx: Context, run: str, query: dict) -> Any:
+def layout(ctx: Context, run: str, query: dict[str, Any]) -> Any:
     tr = ctx.trace(run)
     st = ctx.diagnosis_state(run)
     d_kind, d_stat = data.default_view(tr, st.value if st is not None and st.value else None)
@@ -210,7 +211,7 @@ def grouped(m: matrix.LayerMatrix, depth: int) -> matrix.LayerMatrix:
     return g
 
 
-def get_matrix(ctx: Context, run: str, kind: str, stat: str, r: Any) -> tuple[matrix.LayerMatrix, object]:
+def get_matrix(ctx: Context, run: str, kind: str, stat: str, r: Any) -> tuple[matrix.LayerMatrix, jobs.State | None]:
     """The matrix of a range: read now when it is small, else a preview now and the whole in the background."""
     tr = ctx.trace(run)
     x0, x1 = r or (None, None)
@@ -242,7 +243,7 @@ def update(
     """(heat map, list, count, pager options, page): the callback's work, as a plain function (tests call it)."""
     run = run_of(ctx, search)
     tr = ctx.trace(run) if run else None
-    if tr is None or kind not in matrix.KINDS or stat not in matrix.STATS:
+    if not run or tr is None or kind not in matrix.KINDS or stat not in matrix.STATS:
         return {}, None, "", [], 1
     r = zoom_range(zoom)
     m, state = get_matrix(ctx, run, kind, stat, r)

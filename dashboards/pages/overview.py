@@ -34,17 +34,19 @@ PAGE = "/"
 SMOOTHING = 0.6  # TensorBoard's default
 
 
-def layout(ctx: Context, run: str, query: dict) -> Any:
+def layout(ctx: Context, run: str, query: dict[str, Any]) -> Any:
     others = _ranks(ctx, run)
     tr = ctx.trace(run)
     metrics = ctx.cached(run, "metric-names", series.metric_names) if tr is not None else []
     metric = query.get("metric") if query.get("metric") in metrics else (metrics[0] if metrics else None)
     smooth = number(query.get("smooth"), SMOOTHING)
+    me = ctx.resolve(run)
+    assert me is not None  # (app.py shows a page for a served run only)
     return html.Div(
         [
             html.Div(
                 [
-                    html.H2(catalog.run_label(ctx.resolve(run)), style={"margin": "0.2em 0", "display": "inline"}),
+                    html.H2(catalog.run_label(me), style={"margin": "0.2em 0", "display": "inline"}),
                     html.Span(id=ids.STEP_COUNT, className="muted", style={"marginLeft": "1em"}),
                 ]
             ),
@@ -109,7 +111,7 @@ def layout(ctx: Context, run: str, query: dict) -> Any:
     )
 
 
-def _ranks(ctx: Context, run: str) -> list:
+def _ranks(ctx: Context, run: str) -> list[catalog.Run]:
     me = ctx.resolve(run)
     return [r for r in ctx.runs().values() if me and me.rank is not None and r.group == me.group and r.key != run]
 
@@ -122,12 +124,12 @@ def update(ctx: Context, version: Any, search: str | None) -> Any:
     """Step count, run summary and the findings (the callback's work, as a plain function for the tests)."""
     run = run_of(ctx, search)
     tr = ctx.trace(run)
-    if tr is None:
+    if run is None or tr is None:
         return "", "unknown run", None
     n = series.n_steps(tr)
     st = ctx.diagnosis_state(run, wait=1.5)
     if st is None or (st.value is None and st.running):
-        cards = html.P(
+        cards: Any = html.P(
             "Diagnosing this run in the background; the findings appear here when the rules are done "
             "(the charts below are already complete).",
             id="diagnosing",
@@ -152,10 +154,11 @@ def charts(ctx: Context, version: Any, zoom: Any, smoothing: Any, log_y: Any, me
     """The step charts for the zoomed range (the callback's work, as a plain function for the tests)."""
     run = run_of(ctx, search)
     tr = ctx.trace(run)
-    if tr is None:
+    if run is None or tr is None:
         return {}, {}, {}, {}, {}
     r = zoom_range(zoom)
     s = ctx.steps(run, *(r or (None, None)))
+    assert s is not None  # (the trace is open)
     r = r or ((s.x0, s.x1) if s.n else None)  # the same step axis on every chart, zoomed or not
     hl = highlight(parse_search(search))
     smoothing = max(0.0, min(0.99, number(smoothing, SMOOTHING)))

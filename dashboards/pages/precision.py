@@ -24,7 +24,7 @@ PAGE = "/precision"
 PER_PAGE = 50
 
 
-def layout(ctx: Context, run: str, query: dict) -> Any:
+def layout(ctx: Context, run: str, query: dict[str, Any]) -> Any:
     tr = ctx.trace(run)
     only = query.get("only") in ("1", "true", "flagged")
     return html.Div(
@@ -72,12 +72,14 @@ def update(ctx: Context, q: Any, only: Any, page: Any, version: Any, search: str
     """(summary, table): the callback's work, as a plain function (the tests call it)."""
     run = run_of(ctx, search)
     tr = ctx.trace(run) if run else None
-    if tr is None:
+    if not run or tr is None:
         return None, None, [], 1
     st = ctx.diagnosis_state(run, wait=1.0)
     found = st.value if st is not None and (st.current or st.value is not None) else None
     rows = ctx.cached(
-        run, ("precision", st.version if found is not None else None), lambda t: data.precision_rows(t, found)
+        run,
+        ("precision", st.version if st is not None and found is not None else None),
+        lambda t: data.precision_rows(t, found),
     )
     sel = set(parse_all(search, "sel"))
     verdicts = Counter(

@@ -37,7 +37,7 @@ STATS = {
 }
 
 
-def layout(ctx: Context, run: str, query: dict) -> Any:
+def layout(ctx: Context, run: str, query: dict[str, Any]) -> Any:
     stat = query.get("stat") if query.get("stat") in STATS else "loss"
     return html.Div(
         [

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import dash
 from dash import Input, Output, State, dcc, html
@@ -17,6 +17,8 @@ from .. import data, evidence, figures, ids
 from .common import graph, link_href, link_zoom, run_of, uirevision, write_state, zoom_range, zoom_store
 
 if TYPE_CHECKING:
+    from ampdoctor.rules.result import Diagnosis
+
     from ..context import Context
 
 PAGE = "/whatif"
@@ -56,12 +58,21 @@ def parse(v: Any) -> Any:
         return text
 
 
-def layout(ctx: Context, run: str, query: dict) -> Any:
+def layout(ctx: Context, run: str, query: dict[str, Any]) -> Any:
     cfg = data.scaler_settings(ctx.trace(run))
     boxes = []
     for id_, label, key, param, steps in _INPUTS:
         value = query.get(param) or _shown(cfg[key])
-        kids = [dcc.Input(id=id_, type="text", inputMode="decimal", value=value, debounce=True, spellCheck=False)]
+        kids: list[Any] = [
+            dcc.Input(
+                id=id_,
+                type="text",
+                inputMode="decimal",  # type: ignore[arg-type]  # valid HTML (a keypad with a point); dash's Literal omits it
+                value=value,
+                debounce=True,
+                spellCheck=False,
+            )
+        ]
         if steps:
             kids = [
                 html.Button("÷2", id=id_ + "-halve", title=f"halve the {label}"),
@@ -89,7 +100,7 @@ def layout(ctx: Context, run: str, query: dict) -> Any:
 
 
 # what GradScaler accepts, as (test, words); an emptied box keeps the run's own setting
-_VALID = {
+_VALID: dict[str, tuple[Callable[[float], bool], str]] = {
     "init_scale": (lambda v: 0 < v < math.inf, "a positive number"),
     "growth_interval": (lambda v: v >= 1 and float(v).is_integer(), "a whole number of steps, at least 1"),
     "growth_factor": (lambda v: 1 < v < math.inf, "a number above 1 (the scale must grow)"),
@@ -97,11 +108,11 @@ _VALID = {
 }
 
 
-def settings(init: Any, interval: Any, growth: Any, backoff: Any) -> tuple[dict, str | None]:
+def settings(init: Any, interval: Any, growth: Any, backoff: Any) -> tuple[dict[str, int | float | None], str | None]:
     """The boxes' values as replay arguments (None: the run's own), or an error message for the page."""
     given = {"init_scale": init, "growth_interval": interval, "growth_factor": growth, "backoff_factor": backoff}
     labels = {key: label for _, label, key, _, _ in _INPUTS}
-    out = {}
+    out: dict[str, int | float | None] = {}
     for key, raw in given.items():
         v = parse(raw)
         if v is None:
@@ -125,7 +136,7 @@ def step(value: Any, factor: float, whole: bool) -> Any:
     return _shown(out)
 
 
-def forward_note(ctx: Context, run: str, found: list) -> Any:
+def forward_note(ctx: Context, run: str, found: list[Diagnosis]) -> Any:
     """The callout for a run whose NaN/Inf come from the forward pass: changing the scale cannot help."""
     causes = [d for d in found if d.rule in FORWARD_RULES]
     for d in found:
@@ -149,7 +160,7 @@ def forward_note(ctx: Context, run: str, found: list) -> Any:
     )
 
 
-def suggestions(ctx: Context, run: str, found: list) -> list:
+def suggestions(ctx: Context, run: str, found: list[Diagnosis]) -> list[Any]:
     """One link per scaler setting a finding suggests: the page with those values filled in."""
     out = []
     for d in found:
@@ -177,7 +188,7 @@ def update(
     """(figure, summary, note, suggestions): the callback's work, as a plain function (the tests call it)."""
     run = run_of(ctx, search)
     tr = ctx.trace(run) if run else None
-    if tr is None:
+    if not run or tr is None:
         return {}, "unknown run", None, None
     st = ctx.diagnosis_state(run, wait=1.0)
     found = list(st.value or []) if st is not None else []
