@@ -6,6 +6,8 @@ else."""
 import ast
 import os
 
+from source import parse
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FOLDERS = ("ampdoctor", "dashboards")
 # torch's private names ampdoctor reads, each because no public API gives it:
@@ -74,7 +76,7 @@ def _own(tree: ast.AST) -> set:
 
 
 def _violations(path: str) -> list:
-    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    tree = parse(path)
     own = _own(tree)
     rel = os.path.relpath(path, ROOT)
     out = []

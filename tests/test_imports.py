@@ -7,6 +7,7 @@ import ast
 import os
 
 import pytest
+from source import parse
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # folder -> the package name it installs as
@@ -37,7 +38,7 @@ MODULES = _modules()
 def _imports(name: str, top_level_only: bool) -> set:
     """Absolute names a module imports (``from pkg import mod`` counts as pkg.mod when that is a module)."""
     path, is_pkg = MODULES[name]
-    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    tree = parse(path)
     here = name if is_pkg else name.rpartition(".")[0]
     nodes = tree.body if top_level_only else ast.walk(tree)
     out = set()
