@@ -52,28 +52,27 @@ class Packer:
     def __init__(self, size: int | None = None) -> None:
         self.size = size or SIZE
         self.first = 0  # the step the block being filled starts at
-        self.values: list[Sequence[float]] = []  # one sequence of FIELDS per step
-        self.codes: list[int] = []  # per step: its reason's index in self.names
+        self.filled = 0  # its steps so far
+        # the block's columns, allocated once (nothing grows per step): FIELDS, then the reason's index in names
+        self.data = np.empty((len(FIELDS) + 1, self.size), dtype="<f8")
         self.names: dict[str | None, int] = {}
 
     def add(self, step: int, values: Sequence[float], reason: str | None) -> Row | None:
         """One step's FIELDS values; the block's row when this step completes it. A step that does not follow the
         last one (the writer numbers them 0, 1, ...: not expected) starts the blocks over after it."""
-        if step != self.first + len(self.values):
+        if step != self.first + self.filled:
             self._start(step + 1)
             return None
-        self.values.append(values)
-        self.codes.append(self.names.setdefault(reason, len(self.names)))
-        return self._full() if len(self.values) == self.size else None
+        self.data[:-1, self.filled] = values
+        self.data[-1, self.filled] = self.names.setdefault(reason, len(self.names))
+        self.filled += 1
+        return self._full() if self.filled == self.size else None
 
     def _start(self, first: int) -> None:
-        self.first, self.values, self.codes, self.names = first, [], [], {}
+        self.first, self.filled, self.names = first, 0, {}
 
     def _full(self) -> Row:
-        data = np.empty((len(FIELDS) + 1, self.size), dtype="<f8")  # column after column
-        data[:-1] = np.asarray(self.values, dtype=np.float64).T
-        data[-1] = self.codes
-        row = (self.first, self.size, WRITTEN, data.tobytes(), json.dumps(list(self.names)))
+        row = (self.first, self.size, WRITTEN, self.data.tobytes(), json.dumps(list(self.names)))
         self._start(self.first + self.size)
         return row
 
