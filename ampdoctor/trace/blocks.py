@@ -30,7 +30,6 @@ WRITTEN = ",".join(FIELDS + (REASON,))
 INSERT = "INSERT INTO step_blocks (first, n, fields, data, reasons) VALUES (?, ?, ?, ?, ?)"
 
 Row = tuple[int, int, str, bytes, str]
-ALL = list(range(len(FIELDS)))  # a block written with these FIELDS: every column where it is
 
 
 def number(v: object) -> float:
@@ -109,7 +108,7 @@ def _columns(fields: object) -> list[int] | None:
     """Where each of FIELDS, then the reason, sits in a block written with ``fields`` (a later version may add
     columns); None when a block lacks one of them."""
     if fields == WRITTEN:
-        return ALL + [len(FIELDS)]
+        return list(range(len(FIELDS) + 1))
     if not isinstance(fields, str):
         return None
     have = {f: i for i, f in enumerate(fields.split(","))}
