@@ -11,10 +11,13 @@ prints:
 - the peak resident memory of the server and of its diagnosis process,
 - `ampdoctor report`: seconds, peak resident memory (the process and its children), file size;
 each against its target (issue 18: overview <= 2 s first visit, every page <= 3 s; report <= 20 s, <= 1 GB,
-<= 10 MB).
+<= 10 MB). With ``--plotlyjs partial,full`` each trace is measured with both plotly.js bundles one after the other
+(the vendored partial bundle, the dashboards' default, and plotly.py's full one: AMPDOCTOR_PLOTLYJS=full), side by
+side in one run; the overview's first visit also gives Chromium's own script time (Performance.getMetrics'
+ScriptDuration: plotly.js parsed and run, the charts drawn) and the load average is printed with each column.
 
     python benchmarks/dashboard.py [--sizes 20000x19,1000000x19] [--dir /tmp/ampdoctor-bench] [--trace FILE]
-        [--no-report]
+        [--no-report] [--no-dashboard] [--plotlyjs partial,full]
 """
 
 from __future__ import annotations
@@ -80,10 +83,19 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def serve(trace: str, cache: str):
+def _env(bundle: str) -> dict:
+    """The environment of a command measured with plotly.js ``bundle`` ("partial": the default; "full")."""
+    env = dict(os.environ)
+    env.pop("AMPDOCTOR_PLOTLYJS", None)
+    if bundle == "full":
+        env["AMPDOCTOR_PLOTLYJS"] = "full"
+    return env
+
+
+def serve(trace: str, cache: str, bundle: str = "partial"):
     """`ampdoctor serve TRACE` in its own process: (process, base URL, seconds until it answered)."""
     port = _port()
-    env = dict(os.environ, AMPDOCTOR_CACHE_DIR=cache, AMPDOCTOR_DIAGNOSIS_MEMORY_MB=str(MEMORY_MB))
+    env = dict(_env(bundle), AMPDOCTOR_CACHE_DIR=cache, AMPDOCTOR_DIAGNOSIS_MEMORY_MB=str(MEMORY_MB))
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, "-m", "ampdoctor", "serve", trace, "--port", str(port)],
@@ -156,6 +168,12 @@ def visit(driver, url: str, element: str, timeout: float = 600.0) -> tuple[float
     return float("inf"), "timed out"
 
 
+def script_seconds(driver) -> float:
+    """Chromium's script time of the current page so far (Performance.getMetrics' ScriptDuration, seconds)."""
+    metrics = driver.execute_cdp_cmd("Performance.getMetrics", {})["metrics"]
+    return next((m["value"] for m in metrics if m["name"] == "ScriptDuration"), float("nan"))
+
+
 def wait_text(driver, selector: str, words, timeout: float = 1800.0) -> float:
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout:
@@ -179,17 +197,33 @@ def _grad_site(trace: str) -> int:
         return int(tr.sites("grad_out")["id"].iloc[0])
 
 
-def bench_trace(trace: str, n_steps: int, report: bool = True) -> dict:
+def bench_trace(trace: str, n_steps: int, report: bool = True, dashboard: bool = True, bundle: str = "partial") -> dict:
+    out: dict = {"load average at start": os.getloadavg()[0]}
+    if dashboard:
+        out.update(bench_dashboard(trace, n_steps, bundle))
+    if report:
+        out.update(bench_report(trace, bundle))
+    out["load average at end"] = os.getloadavg()[0]
+    return out
+
+
+def bench_dashboard(trace: str, n_steps: int, bundle: str = "partial") -> dict:
     out: dict = {}
     cache = tempfile.mkdtemp(prefix="ampdoctor-bench-cache-")
     driver, profile = browser()
     try:
-        proc, url, out["server start (s)"] = serve(trace, cache)
+        proc, url, out["server start (s)"] = serve(trace, cache, bundle)
         mem = Peak(proc.pid)
         run = os.path.basename(os.path.realpath(trace))  # the key the server gives a served file
         t_first = time.perf_counter()
+        driver.execute_cdp_cmd("Performance.enable", {})
         t, state = visit(driver, f"{url}/?run={run}", ids.LOSS_GRAPH)
         out["overview, first visit (s)"] = (t, state)
+        out["overview, first visit: Chromium script time (s)"] = script_seconds(driver)
+        out["plotly.js fetched (MB)"] = driver.execute_script(
+            "return performance.getEntriesByType('resource').filter(function (e) { return /plotly/.test(e.name); })"
+            ".reduce(function (a, e) { return a + e.decodedBodySize; }, 0) / 1048576"
+        )
         site = str(_grad_site(trace))
         pages = {
             "layers": (f"/layers?run={run}", ids.LAYERS_HEATMAP),
@@ -207,7 +241,7 @@ def bench_trace(trace: str, n_steps: int, report: bool = True) -> dict:
         out["server peak RSS (MB)"] = mem.stop()
         proc.terminate()
         proc.wait(30)
-        proc, url, _ = serve(trace, cache)  # a restart: the cache on disk
+        proc, url, _ = serve(trace, cache, bundle)  # a restart: the cache on disk
         out["overview, second visit (s)"] = visit(driver, f"{url}/?run={run}", ids.LOSS_GRAPH)
         proc.terminate()
         proc.wait(30)
@@ -215,12 +249,17 @@ def bench_trace(trace: str, n_steps: int, report: bool = True) -> dict:
         driver.quit()
         shutil.rmtree(profile, ignore_errors=True)
         shutil.rmtree(cache, ignore_errors=True)
-    if not report:
-        return out
+    return out
+
+
+def bench_report(trace: str, bundle: str = "partial") -> dict:
+    """`ampdoctor report TRACE` in its own process: seconds, peak RSS (with its children), the file's size."""
+    out: dict = {}
     html = tempfile.mktemp(suffix=".html", prefix="ampdoctor-bench-")
     t0 = time.perf_counter()
     rep = subprocess.Popen(
         [sys.executable, "-m", "ampdoctor", "report", trace, "-o", html],
+        env=_env(bundle),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -248,7 +287,16 @@ def main() -> None:
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "ampdoctor-bench"))
     ap.add_argument("--trace", action="append", default=[], help="a trace to measure instead (repeatable)")
     ap.add_argument("--no-report", action="store_true", help="the dashboard only (benchmarks/offline_scale.py: report)")
+    ap.add_argument("--no-dashboard", action="store_true", help="`ampdoctor report` only")
+    ap.add_argument(
+        "--plotlyjs",
+        default="partial",
+        help="plotly.js bundles to measure, comma-separated, one column each: partial (the default), full",
+    )
     args = ap.parse_args()
+    bundles = args.plotlyjs.split(",")
+    if not set(bundles) <= {"partial", "full"}:
+        raise SystemExit(f"--plotlyjs: partial and/or full, not {args.plotlyjs}")
     os.makedirs(args.dir, exist_ok=True)
     print(f"load average at start: {os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs)")
     results = {}
@@ -257,24 +305,28 @@ def main() -> None:
 
         with load(trace) as tr:
             n = tr.n_steps
-        results[os.path.basename(trace)] = bench_trace(trace, n, not args.no_report)
-        print(f"{trace}: done", flush=True)
+        for b in bundles:
+            name = os.path.basename(trace) + (f", {b} plotly.js" if len(bundles) > 1 else "")
+            results[name] = bench_trace(trace, n, not args.no_report, not args.no_dashboard, b)
+            print(f"{name}: done", flush=True)
     for size in [] if args.trace else args.sizes.split(","):
         steps, blocks = (int(v) for v in size.lower().split("x"))
         t0 = time.perf_counter()
         trace = tracegen.cached(args.dir, steps=steps, blocks=blocks)  # the traces offline_scale.py measures
         print(f"{trace} ({os.path.getsize(trace) / 2**20:.0f} MB) ready in {time.perf_counter() - t0:.0f} s")
-        results[size] = bench_trace(trace, steps, not args.no_report)
-        print(f"{size}: done", flush=True)
+        for b in bundles:
+            name = size + (f", {b} plotly.js" if len(bundles) > 1 else "")
+            results[name] = bench_trace(trace, steps, not args.no_report, not args.no_dashboard, b)
+            print(f"{name}: done", flush=True)
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
     keys = list(next(iter(results.values())))
     print(f"\n| measure | {' | '.join(results)} | target |")
     print(f"|---|{'---|' * len(results)}---|")
     for k in keys:
         target = ""
-        if k.startswith("overview, first"):
+        if k == "overview, first visit (s)":
             target = f"<= {TARGETS['overview']} s"
-        elif k.endswith("(s)") and not k.startswith(("server", "findings", "report", "overview, second")):
+        elif k.endswith("(s)") and not k.startswith(("server", "findings", "report", "overview,")):
             target = f"<= {TARGETS['page']} s"
         elif k == "report (s)":
             target = f"<= {TARGETS['report_s']} s"
@@ -284,7 +336,7 @@ def main() -> None:
             target = f"<= {TARGETS['report_size_mb']} MB"
         cells = []
         for r in results.values():
-            v = r[k]
+            v = r.get(k, "")
             if isinstance(v, tuple):
                 cells.append(f"{v[0]:.2f}" + (" (preview)" if v[1] == "preview" else ""))
             elif isinstance(v, dict):

@@ -20,7 +20,7 @@ from dash import Input, Output, State, dcc, html
 from dash.exceptions import DependencyException
 from flask import Response, request
 
-from . import catalog, hosts, ids, series, server
+from . import catalog, hosts, ids, plotlyjs, series, server
 from .context import REFERENCE_KEY, Context
 from .pages import compare, formats, layer, layers, overview, precision, whatif
 from .pages import ranks as ranks_page
@@ -155,6 +155,13 @@ def create_app(
     )
 
     flask_app: flask.Flask = app.server
+    partial = plotlyjs.bundle()
+    if partial is not None:  # the partial plotly.js where Dash's renderer fetches plotly.js (a rule of its own)
+        flask_app.add_url_rule(
+            app.config.routes_pathname_prefix + plotlyjs.DASH_PATH,
+            "ampdoctor-plotlyjs",
+            lambda: flask.send_file(partial, mimetype="text/javascript", conditional=True),
+        )
 
     @flask_app.before_request
     def _check_host() -> Any:

@@ -150,23 +150,28 @@ def default_view(tr: Trace, found: list[Diagnosis] | None = None, run: Any = Non
 
 def site_info(tr: Trace, site_id: int) -> dict[str, Any] | None:
     s = tr.sites()
-    row = s[s["id"] == site_id]
-    if not len(row):
+    return _first(s[s["id"] == site_id])
+
+
+def _first(rows: pd.DataFrame) -> dict[str, Any] | None:
+    """The first of sites() ``rows`` as a dict (NaN as None), None when there is none."""
+    if not len(rows):
         return None
-    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.iloc[0].to_dict().items()}
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in rows.iloc[0].to_dict().items()}
 
 
 def find_site(tr: Trace, path: str, kind: str | None) -> dict[str, Any] | None:
     """The site of a layer path (a module or a parameter) and kind; the closest one when that kind was not
     recorded for it (a parameter of the module, another kind), None when the layer is not in the trace."""
     s = tr.sites()
+    s = s[(s["path"] == path) | (s["module"] == path)]  # (two comparisons over every site, then a few rows)
     order = [kind] if kind else []
     order += [k for k in ("act", "grad_out", "param_grad", "update", "weight") if k not in order]
     for k in order:
         for col in ("path", "module"):
             hit = s[(s[col] == path) & (s["kind"] == k)]
             if len(hit):
-                return site_info(tr, int(hit["id"].iloc[0]))
+                return _first(hit)
     return None
 
 
@@ -196,10 +201,11 @@ def precision_rows(tr: Trace, found: list[Diagnosis] | None, run: Any = None) ->
     compute = compute_dtype(tr, run)
     modules = set(act["path"])
 
-    def names(d: Diagnosis, path: str) -> bool:  # the module itself, or one of its parameters (not a child module)
-        return any(
-            str(p) == path or (str(p) not in modules and str(p).rpartition(".")[0] == path) for p in d.layers or ()
-        )
+    named: dict[str, list[Diagnosis]] = {}  # module path -> the findings naming it, in their order
+    for d in found or []:  # the module itself, or one of its parameters (not a child module)
+        paths = {str(p) for p in d.layers or ()}
+        for p in paths | {p.rpartition(".")[0] for p in paths if p not in modules}:
+            named.setdefault(p, []).append(d)
 
     def verdict(ds: Any) -> str:
         if found is None:
@@ -219,7 +225,7 @@ def precision_rows(tr: Trace, found: list[Diagnosis] | None, run: Any = None) ->
                 "forward": s.dtype or "?",
                 "backward": grad.get(s.path, "–"),
                 "parameters": pdt.get(s.path, "–"),
-                "verdict": verdict([d for d in found or [] if names(d, s.path)]),
+                "verdict": verdict(named.get(s.path, [])),
             }
         )
     loss = cfg.get("loss_dtype")
@@ -247,7 +253,7 @@ def precision_rows(tr: Trace, found: list[Diagnosis] | None, run: Any = None) ->
                     "forward": "–",
                     "backward": "–",
                     "parameters": "–",
-                    "verdict": verdict([d for d in found or [] if names(d, ROOT_UNIT)]),
+                    "verdict": verdict(named.get(ROOT_UNIT, [])),
                 },
             )
         for row in rows:
@@ -410,15 +416,17 @@ def default_format(tr: Trace, run: Any = None) -> str:
     return "bf16" if compute_dtype(tr, run) == "bfloat16" else "fp16"
 
 
-def formats_rows(table: Any, by: str = "fp16") -> list[dict[str, Any]]:
+def formats_rows(table: Any, by: str = "fp16", limit: int | None = None) -> list[dict[str, Any]]:
     """Per site: the share of non-zero values each format would lose (saturated or flushed; FP8 with Transformer
-    Engine's default delayed scaling) and the headroom, worst in format ``by`` first (every site: the page pages).
-    ``table``: format_table()'s, or a trace."""
+    Engine's default delayed scaling) and the headroom, worst in format ``by`` first (every site: the page pages;
+    the first ``limit`` when given). ``table``: format_table()'s, or a trace."""
     if not isinstance(table, pd.DataFrame):
         table = format_table(table)
     if not len(table):
         return []
     table = table.sort_values(f"{by}_lost", ascending=False, na_position="last", kind="stable")
+    if limit is not None:
+        table = table.head(limit)
 
     def pct(v: Any) -> Any:
         return "–" if v != v else f"{100 * v:.3g}%"

@@ -482,7 +482,10 @@ def layer_heatmap(
         note(fig, "black: NaN/Inf recorded")
     ticks = dict(type="category", autorange="reversed", tickmode="array", tickvals=labels, ticktext=labels)
     fig.update_yaxes(automargin=True, **ticks)
-    _outline_rows(fig, [labels.index(text(m.labels[i])) for i in rows if m.labels[i] in highlight])
+    first: dict[str, int] = {}  # a label's first row (where the y axis puts it)
+    for j, lab in enumerate(labels):
+        first.setdefault(lab, j)
+    _outline_rows(fig, [first[text(m.labels[i])] for i in rows if m.labels[i] in highlight])
     if x_range is not None:
         fig.update_xaxes(range=[x_range[0] - 0.5, x_range[1] + 0.5], autorange=False)
     return fig
@@ -881,19 +884,16 @@ def formats_figure(
 
 
 def _outline_rows(fig: go.Figure, rows: list[int]) -> None:
-    """A highlight frame around each of ``rows`` (positions on a categorical y axis), across the plot's width."""
-    for k in rows:
-        fig.add_shape(
-            type="rect",
-            xref="paper",
-            x0=0,
-            x1=1,
-            yref="y",
-            y0=k - 0.5,
-            y1=k + 0.5,
-            line=dict(color=COLORS["highlight"], width=2),
-            name="highlight",
-        )
+    """A highlight frame around each of ``rows`` (positions on a categorical y axis), across the plot's width; set
+    in one assignment (``add_shape`` validates every shape already there again: quadratic in the rows)."""
+    if not rows:
+        return
+    line = dict(color=COLORS["highlight"], width=2)
+    frames = [
+        dict(type="rect", xref="paper", x0=0, x1=1, yref="y", y0=k - 0.5, y1=k + 0.5, line=line, name="highlight")
+        for k in rows
+    ]
+    fig.layout.shapes = (*fig.layout.shapes, *frames)
 
 
 __all__ = ["GRAPH_CONFIG", "MAX_POINTS", "downsample"]

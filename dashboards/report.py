@@ -2,9 +2,10 @@
 findings with links to the figures that prove them, the figures (downsampled with their extremes, the finding's
 layers and steps outlined), the precision map (the diagnosis' verdicts) and the formats.
 
-Small at any run length: plotly.js is embedded once, gzip-compressed (about 1.4 MB instead of 4.6 MB; the browser
-unpacks it with DecompressionStream, nothing is fetched), and each figure is compact JSON (numbers as base64 typed
-arrays, a few thousand points per line).
+Small at any run length: plotly.js is embedded once, its partial bundle of the trace types the figures draw
+(plotlyjs.py), gzip-compressed (about 0.6 MB instead of 4.6 MB for the full bundle as text; the browser unpacks it
+with DecompressionStream, nothing is fetched), and each figure is compact JSON (numbers as base64 typed arrays, a
+few thousand points per line).
 """
 
 from __future__ import annotations
@@ -20,11 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import plotly.io as pio
-from plotly.offline import get_plotlyjs
 
 from ampdoctor import __version__
 
-from . import data, diagnosis, evidence, figures, matrix, series
+from . import data, diagnosis, evidence, figures, matrix, plotlyjs, series
 
 if TYPE_CHECKING:
     from ampdoctor.rules.result import Diagnosis
@@ -40,10 +40,15 @@ MAX_ROWS = 60  # heat map rows in the report (the dashboard pages through every 
 MAX_LAYER_FIGURES = 8
 
 
-@functools.lru_cache(maxsize=1)
 def _plotly_gz() -> str:
-    """plotly.js (the version plotly.py ships), gzip-compressed and base64-encoded: unpacked in the browser."""
-    return base64.b64encode(gzip.compress(get_plotlyjs().encode(), 9, mtime=0)).decode()
+    """plotly.js (plotlyjs.source(): the partial bundle of the figures' trace types), gzip-compressed and
+    base64-encoded: unpacked in the browser."""
+    return _packed(plotlyjs.bundle())
+
+
+@functools.lru_cache(maxsize=2)
+def _packed(bundle: str | None) -> str:  # (``bundle``: the cache's key, None for the full bundle)
+    return base64.b64encode(gzip.compress(plotlyjs.source().encode(), 9, mtime=0)).decode()
 
 
 def _css() -> str:
@@ -315,13 +320,13 @@ def formats_section(tr: Trace, found: list[Diagnosis], run: Any = None) -> str:
     by = data.default_format(tr, run)
     labels, lost = data.formats_shares(table, by)
     figs.add("fig-formats", "formats", figures.formats_figure(labels, lost, data.FORMAT_NAMES[by]))
-    rows = data.formats_rows(table, by)
-    cut = f"<p>The {len(rows):,} sites worst first; the first 200 here.</p>" if len(rows) > 200 else ""
+    rows = data.formats_rows(table, by, limit=200)
+    cut = f"<p>The {len(table):,} sites worst first; the first 200 here.</p>" if len(table) > 200 else ""
     return (
         '<h2 id="formats">Formats</h2>'
         + probe
         + "<p>Share of non-zero values lost (saturated or flushed) per format; FP8 with per-tensor delayed "
-        "scaling (amax over 1024 steps, margin 0).</p>" + figs.html() + cut + _table(rows[:200], bad_col=None)
+        "scaling (amax over 1024 steps, margin 0).</p>" + figs.html() + cut + _table(rows, bad_col=None)
     )
 
 

@@ -221,6 +221,30 @@ class Browser:
                     t[k] = decode(t[k])
         return fig
 
+    def undrawn(self) -> list:
+        """Every chart of the page that plotly.js did not draw as asked: a graph without its figure, or a trace
+        whose type the loaded plotly.js lacks (it then silently draws nothing, or a heat map's data as a scatter:
+        plotly.js coerces an unknown type to its default and logs nothing at its default level). Empty: all drawn."""
+        return self.driver.execute_script(
+            """
+            var out = [];
+            document.querySelectorAll('.js-plotly-plot').forEach(function (gd, g) {
+              var name = (gd.closest('[id]') || {}).id || ('graph ' + g);
+              if (!gd._fullData || !gd._fullLayout || !gd.querySelector('.main-svg')) {
+                out.push(name + ': not drawn');
+                return;
+              }
+              (gd.data || []).forEach(function (t, i) {
+                var full = gd._fullData.find(function (f) { return f.index === i; });
+                var want = t.type || 'scatter';
+                if (!full || full.type !== want || !full._module)
+                  out.push(name + ': trace ' + i + ' ' + want + ' drawn as ' + (full ? full.type : 'nothing'));
+              });
+            });
+            return out;
+            """
+        )
+
     def errors(self) -> list:
         """Console errors since the last call."""
         return [e for e in self.driver.get_log("browser") if e.get("level") == "SEVERE"]

@@ -2,6 +2,7 @@
 requests, and bad input answered with a message on the page instead of a 500."""
 
 import base64
+import gzip
 import hashlib
 import json
 import os
@@ -439,3 +440,36 @@ def test_pages_forbid_framing_sniffing_referrers_and_foreign_script(traces, serv
         assert (
             more["X-Frame-Options"] == "DENY" and more["Content-Security-Policy"] == headers["Content-Security-Policy"]
         )
+
+
+def test_plotly_js_is_the_partial_bundle_unless_plotly_py_ships_another_version(traces, serve, monkeypatch):
+    """Where Dash's renderer fetches plotly.js, the server answers with the vendored partial bundle (plotly.js of the
+    version plotly.py writes its figures for), cached by its ETag and with the pages' headers; were plotly.py to ship
+    another plotly.js, its own full bundle (Dash's) serves instead, in the dashboard and in the report."""
+    import pkgutil
+
+    from ampdoctor.dashboards import plotlyjs, report
+
+    with open(plotlyjs.BUNDLE, "rb") as f:
+        partial = f.read()
+    full = pkgutil.get_data("plotly", "package_data/plotly.min.js")
+    assert len(partial) < 0.4 * len(full)
+    srv = serve(create_app(str(traces)))
+    headers: dict = {}
+    req = urllib.request.Request(f"http://127.0.0.1:{srv.port}/{plotlyjs.DASH_PATH}")
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.read() == partial
+        headers.update(r.headers)
+    assert headers["Content-Type"].startswith("text/javascript") and headers["X-Content-Type-Options"] == "nosniff"
+    again = urllib.request.Request(req.full_url, headers={"If-None-Match": headers["ETag"]})
+    with pytest.raises(urllib.error.HTTPError) as exc:  # (urllib raises on a 304)
+        urllib.request.urlopen(again, timeout=60)
+    assert exc.value.code == 304
+
+    monkeypatch.setattr(plotlyjs, "plotly_version", lambda: "0.0.1")
+    assert plotlyjs.bundle() is None
+    other = serve(create_app(str(traces)))
+    assert other.get("/")[0] == 200  # (Dash registers the files it serves as it writes the page)
+    with urllib.request.urlopen(f"http://127.0.0.1:{other.port}/{plotlyjs.DASH_PATH}", timeout=60) as r:
+        assert r.read() == full
+    assert gzip.decompress(base64.b64decode(report._plotly_gz())).decode() == full.decode()

@@ -1,11 +1,13 @@
 """`ampdoctor report`: one self-contained, small HTML file with a table of contents, the findings linked to the
 figures that prove them, drawn in Chromium from the file alone."""
 
+import base64
+import gzip
 import html
 import re
 
 import pytest
-from ampdoctor.dashboards import diagnosis, report
+from ampdoctor.dashboards import diagnosis, plotlyjs, report
 
 import ampdoctor
 from ampdoctor.cli import main
@@ -31,7 +33,10 @@ def test_report_is_self_contained_small_and_names_the_findings(traces, tmp_path,
     assert _external_refs(text) == []
     assert not re.search(r"<script[^>]+src=", text) and not re.search(r"<link[^>]+href=", text)
     assert 'id="plotly-gz"' in text and "DecompressionStream" in text  # plotly.js inside, packed
-    assert len(text.encode()) < 2_500_000  # was ~5 MB with plotly.js as text
+    packed = re.search(r'<script type="application/octet-stream" id="plotly-gz">([^<]*)</script>', text).group(1)
+    with open(plotlyjs.BUNDLE, "rb") as f:  # the partial bundle (the figures' trace types), not plotly.py's full one
+        assert gzip.decompress(base64.b64decode(packed)) == f.read()
+    assert len(text.encode()) < 1_200_000  # was ~5 MB with plotly.js as text, 2.2 MB with its full bundle packed
     found = diagnosis.findings(ampdoctor.load(traces / "fp16_under.db"))
     assert found
     for d in found:
@@ -98,6 +103,7 @@ def test_report_draws_every_figure_from_the_file_alone(hostile, tmp_path, browse
     )
     n_figs = len(browser.css(".fig"))
     assert n_figs >= 5 and len(browser.css(".fig .main-svg")) >= n_figs
+    assert browser.undrawn() == []  # every trace drawn as the type it asks for (plotly.js is a partial bundle)
     heat = browser.driver.execute_script(
         "return Array.from(document.querySelectorAll('.fig .js-plotly-plot')).filter(function (gd) {"
         "  return gd.data.length && gd.data[0].type === 'heatmap' && gd.data[0].meta && gd.data[0].meta.stat;"
@@ -118,6 +124,33 @@ def test_report_draws_every_figure_from_the_file_alone(hostile, tmp_path, browse
         if h["kind"] == "act":  # its Infs counted, or its NaN/Inf drawn black: never a blank row
             assert (h["black"] and h["black"][i]) or h["top"][i] > 0, h["stat"]
     assert browser.errors() == []
+
+
+@pytest.mark.browser
+def test_reports_with_a_reference_and_of_ranks_draw_every_figure(traces, tmp_path, browser):
+    """The comparison's figures (a run against its reference) and a multi-rank run's report: every trace drawn as
+    the type it asks for by the partial plotly.js the report embeds, no console error."""
+    compared, ranks = tmp_path / "cmp.html", tmp_path / "ranks.html"
+    assert (
+        main(["report", str(traces / "fp16_bad.db"), "-o", str(compared), "--reference", str(traces / "bf16.db")]) == 0
+    )
+    assert main(["report", str(traces / "ddp"), "-o", str(ranks)]) == 0
+    drawn = {}
+    for out in (compared, ranks):
+        browser.open(out.as_uri())
+        browser.wait(
+            lambda: browser.driver.execute_script("return document.body.getAttribute('data-drawn')"),
+            timeout=30,
+            what=f"the figures of {out.name} drawn",
+        )
+        assert browser.undrawn() == [], out.name
+        assert browser.errors() == [], out.name
+        drawn[out] = browser.driver.execute_script(
+            "return Array.from(document.querySelectorAll('.js-plotly-plot')).map(function (gd) {"
+            "  return gd._fullData.map(function (t) { return t.type; }); })"
+        )
+    assert {t for fig in drawn[compared] for t in fig} == set(plotlyjs.TRACE_TYPES)  # each type the figures use
+    assert len(drawn[compared]) >= 6 and len(drawn[ranks]) >= 2
 
 
 def test_report_with_reference_compares(traces, tmp_path):
