@@ -17,7 +17,7 @@ side in one run; the overview's first visit also gives Chromium's own script tim
 ScriptDuration: plotly.js parsed and run, the charts drawn) and the load average is printed with each column.
 
     python benchmarks/dashboard.py [--sizes 20000x19,1000000x19] [--dir /tmp/ampdoctor-bench] [--trace FILE]
-        [--no-report] [--no-dashboard] [--plotlyjs partial,full]
+        [--no-report] [--no-dashboard] [--plotlyjs partial,full] [--before DIR]
 """
 
 from __future__ import annotations
@@ -75,6 +75,13 @@ def _limit() -> None:
     import resource
 
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_MB * 2**20, MEMORY_MB * 2**20))
+
+
+def _children_cpu() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def _port() -> int:
@@ -197,12 +204,14 @@ def _grad_site(trace: str) -> int:
         return int(tr.sites("grad_out")["id"].iloc[0])
 
 
-def bench_trace(trace: str, n_steps: int, report: bool = True, dashboard: bool = True, bundle: str = "partial") -> dict:
+def bench_trace(
+    trace: str, n_steps: int, report: bool = True, dashboard: bool = True, bundle: str = "partial", before=None
+) -> dict:
     out: dict = {"load average at start": os.getloadavg()[0]}
     if dashboard:
         out.update(bench_dashboard(trace, n_steps, bundle))
     if report:
-        out.update(bench_report(trace, bundle))
+        out.update(bench_report(trace, bundle, before))
     out["load average at end"] = os.getloadavg()[0]
     return out
 
@@ -252,13 +261,34 @@ def bench_dashboard(trace: str, n_steps: int, bundle: str = "partial") -> dict:
     return out
 
 
-def bench_report(trace: str, bundle: str = "partial") -> dict:
-    """`ampdoctor report TRACE` in its own process: seconds, peak RSS (with its children), the file's size."""
+# `python -c BEFORE ROOT ampdoctor-args...`: the ampdoctor command of another checkout at ROOT, its dashboards/ as
+# ampdoctor.dashboards (an editable install maps that name to this checkout's dashboards/ whatever PYTHONPATH says)
+BEFORE = """
+import importlib.util, sys
+root = sys.argv.pop(1)
+sys.path.insert(0, root)
+import ampdoctor
+spec = importlib.util.spec_from_file_location(
+    "ampdoctor.dashboards", f"{root}/dashboards/__init__.py", submodule_search_locations=[f"{root}/dashboards"]
+)
+mod = sys.modules["ampdoctor.dashboards"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+ampdoctor.dashboards = mod
+from ampdoctor.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def bench_report(trace: str, bundle: str = "partial", before: str | None = None) -> dict:
+    """`ampdoctor report TRACE` in its own process (``before``: another checkout's, with its own plotly.js):
+    seconds, CPU seconds, peak RSS (with its children), the file's size."""
     out: dict = {}
     html = tempfile.mktemp(suffix=".html", prefix="ampdoctor-bench-")
     t0 = time.perf_counter()
+    code = ["-m", "ampdoctor"] if before is None else ["-c", BEFORE, os.path.abspath(before)]
+    cpu0 = _children_cpu()
     rep = subprocess.Popen(
-        [sys.executable, "-m", "ampdoctor", "report", trace, "-o", html],
+        [sys.executable, *code, "report", trace, "-o", html],
         env=_env(bundle),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -269,12 +299,19 @@ def bench_report(trace: str, bundle: str = "partial") -> dict:
     err = rep.communicate()[1]
     peak = mem.stop()
     out["report (s)"] = time.perf_counter() - t0
+    out["report CPU (s)"] = _children_cpu() - cpu0  # (the report, waited for: its own user + system time)
     out["report peak RSS (MB)"] = peak["self"] + peak["children"]
     out["report size (MB)"] = os.path.getsize(html) / 2**20 if os.path.exists(html) else float("nan")
     out["report exit status"] = rep.returncode if rep.returncode == 0 else f"{rep.returncode}: {err.strip()[-120:]}"
     if os.path.exists(html):
         os.unlink(html)
     return out
+
+
+def _label(variant: str, n: int) -> str:
+    if n == 1:
+        return ""
+    return ", code before (--before)" if variant == "before" else f", {variant} plotly.js"
 
 
 def main() -> None:
@@ -293,10 +330,16 @@ def main() -> None:
         default="partial",
         help="plotly.js bundles to measure, comma-separated, one column each: partial (the default), full",
     )
+    ap.add_argument(
+        "--before",
+        metavar="DIR",
+        help="also `ampdoctor report` with the code of another checkout (git worktree add DIR REV): a column of it",
+    )
     args = ap.parse_args()
     bundles = args.plotlyjs.split(",")
     if not set(bundles) <= {"partial", "full"}:
         raise SystemExit(f"--plotlyjs: partial and/or full, not {args.plotlyjs}")
+    variants = [(b, None) for b in bundles] + ([("before", args.before)] if args.before else [])
     os.makedirs(args.dir, exist_ok=True)
     print(f"load average at start: {os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs)")
     results = {}
@@ -305,21 +348,27 @@ def main() -> None:
 
         with load(trace) as tr:
             n = tr.n_steps
-        for b in bundles:
-            name = os.path.basename(trace) + (f", {b} plotly.js" if len(bundles) > 1 else "")
-            results[name] = bench_trace(trace, n, not args.no_report, not args.no_dashboard, b)
+        for b, before in variants:
+            name = os.path.basename(trace) + _label(b, len(variants))
+            if before:  # the report only: the other checkout's serve would need its own install
+                results[name] = bench_trace(trace, n, True, False, "partial", before)
+            else:
+                results[name] = bench_trace(trace, n, not args.no_report, not args.no_dashboard, b)
             print(f"{name}: done", flush=True)
     for size in [] if args.trace else args.sizes.split(","):
         steps, blocks = (int(v) for v in size.lower().split("x"))
         t0 = time.perf_counter()
         trace = tracegen.cached(args.dir, steps=steps, blocks=blocks)  # the traces offline_scale.py measures
         print(f"{trace} ({os.path.getsize(trace) / 2**20:.0f} MB) ready in {time.perf_counter() - t0:.0f} s")
-        for b in bundles:
-            name = size + (f", {b} plotly.js" if len(bundles) > 1 else "")
-            results[name] = bench_trace(trace, steps, not args.no_report, not args.no_dashboard, b)
+        for b, before in variants:
+            name = size + _label(b, len(variants))
+            if before:
+                results[name] = bench_trace(trace, steps, True, False, "partial", before)
+            else:
+                results[name] = bench_trace(trace, steps, not args.no_report, not args.no_dashboard, b)
             print(f"{name}: done", flush=True)
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
-    keys = list(next(iter(results.values())))
+    keys = list(dict.fromkeys(k for r in results.values() for k in r))
     print(f"\n| measure | {' | '.join(results)} | target |")
     print(f"|---|{'---|' * len(results)}---|")
     for k in keys:
