@@ -3,8 +3,8 @@ the full one plotly.py ships (4.6 MB), when both are the same plotly.js version.
 
 The figures draw three trace types only (``TRACE_TYPES``: scatter, bar, heatmap; tests/dashboards check that every
 figure of every page and of the report draws with this bundle in Chromium), so the full bundle's 3D, map, polar,
-financial and table traces are parsed and run on every first visit for nothing: ~70% of the script a visit runs
-before its first chart.
+financial and table traces were parsed and run on every page load for nothing (Chromium's script time of the
+overview's first visit: 1.8-2.3x less with this one; benchmarks/README.md).
 
 The bundle is vendored (``vendor/``: the npm package ``plotly.js-cartesian-dist-min`` as published, with its MIT
 license), not fetched at install: a wheel or an offline install must hold it, and ``pip install`` runs no npm. Its

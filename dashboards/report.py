@@ -3,7 +3,7 @@ findings with links to the figures that prove them, the figures (downsampled wit
 layers and steps outlined), the precision map (the diagnosis' verdicts) and the formats.
 
 Small at any run length: plotly.js is embedded once, its partial bundle of the trace types the figures draw
-(plotlyjs.py), gzip-compressed (about 0.6 MB instead of 4.6 MB for the full bundle as text; the browser unpacks it
+(plotlyjs.py), gzip-compressed (0.66 MB; the full bundle as text was 4.6 MB; the browser unpacks it
 with DecompressionStream, nothing is fetched), and each figure is compact JSON (numbers as base64 typed arrays, a
 few thousand points per line).
 """
