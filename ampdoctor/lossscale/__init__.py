@@ -5,8 +5,9 @@ histograms; the overflow model), scaler.py steps GradScaler's update rule over i
 scale), search.py replays one setting or searches for the best (``suggest``).
 """
 
+from .defaults import TORCH_DEFAULTS
 from .evidence import GradientPeaks, gradient_peaks
-from .scaler import TORCH_DEFAULTS, Replay, gradscaler_code
+from .scaler import Replay, gradscaler_code
 from .search import Suggestion, replay, suggest
 
 __all__ = [

@@ -13,10 +13,14 @@ cascade below is its branch for branch. Offline side: numpy only.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
+from typing import cast, overload
 
 import numpy as np
 
-from .stepper import run_one
+from .defaults import Settings
+from .evidence import BoolArray, Evidence, FloatArray, Histogram, IntArray
+from .stepper import Lane, Track, run_one
 
 F32_MAX = float(np.finfo(np.float32).max)
 WINDOW_MIN, WINDOW_MAX = 8, 1 << 16  # steps looked ahead at once (decided one by one: at most 2 * BLOCK)
@@ -24,7 +28,11 @@ BLOCK = 64  # steps whose decisions a block floor settles at once
 CHECKPOINT = 4096  # steps between the points where the settings of a family compare their states
 
 
-def f32(x):
+@overload
+def f32(x: float) -> float: ...
+@overload
+def f32(x: FloatArray) -> FloatArray: ...
+def f32(x: float | FloatArray) -> float | FloatArray:
     """Round to FP32, as the scale tensor stores it (beyond the FP32 max: inf); a float or an array of them."""
     with np.errstate(over="ignore"):
         if isinstance(x, np.ndarray):
@@ -41,9 +49,14 @@ class Machine:
     """Settings stepped side by side (``run``); ``record`` keeps every step of each (``simulate``'s Replay arrays),
     otherwise only the histogram steps' scales and skips (what ``lost`` needs)."""
 
-    BLOCK = BLOCK
-
-    def __init__(self, ev, settings: list, trackers: list, record: bool = False, bound: float = math.inf):
+    def __init__(
+        self,
+        ev: Evidence,
+        settings: Sequence[Settings],
+        trackers: list[int],
+        record: bool = False,
+        bound: float = math.inf,
+    ) -> None:
         m = len(settings)
         self.ev, self.n = ev, len(ev.steps)
         self.scale = f32(np.array([float(s["init_scale"]) for s in settings]))
@@ -64,9 +77,13 @@ class Machine:
         h = len(self.hsteps)
         self.h_scale = np.full((m, h), np.nan)
         self.h_skip = np.zeros((m, h), bool)
-        self.merged: list = []  # (member, representative, skips offset, first histogram column it shares)
+        self.merged: list[
+            tuple[int, int, int, int]
+        ] = []  # (member, representative, skips offset, first histogram column it shares)
         self.slack = np.zeros(m, dtype=np.int64)  # per representative: the fewest past skips of its members, relative
         self.record = record
+        self._track: Track | None = None  # the evidence as lists, for the settings stepped alone (stepper.py)
+        self._shares: dict[tuple[int, float], float] = {}  # (histogram step, scale) -> underflow share (``lost``)
         if record:
             self.scales = np.empty((m, self.n))
             self.skipped = np.zeros((m, self.n), bool)
@@ -94,7 +111,7 @@ class Machine:
             x = np.log2(np.maximum(top, 0.0))
         self.ceiling = np.append(np.maximum.accumulate(x[::-1])[::-1], -np.inf)
 
-    def _future_skips(self, c: np.ndarray) -> np.ndarray:
+    def _future_skips(self, c: IntArray) -> FloatArray:
         """A lower bound on the skips still to come for settings ``c`` (0 where none is known). A scale that goes
         through a step is at most 2^ceiling there, so after a growth at most 2^(ceiling + gamma); growing gamma (log2
         of the growth factor) every ``interval`` clean steps and backing off beta per skip, a setting at log2 scale x
@@ -114,7 +131,7 @@ class Machine:
         return np.where(known, np.maximum(np.floor(lb), 0.0), 0.0)
 
     # -- the schedule and the decisions ----------------------------------------------------------------------------
-    def _schedule(self, c: np.ndarray, off: np.ndarray) -> np.ndarray:
+    def _schedule(self, c: IntArray, off: IntArray) -> FloatArray:
         """The scale in force ``off`` steps ahead ([g x k] offsets, rows for settings ``c``, which may repeat) if none
         of the steps before skips: the scale grows after the step on which the tracker reaches the interval, rounded
         to FP32, never to inf."""
@@ -157,7 +174,7 @@ class Machine:
             floor = np.where(always, -np.inf, np.where(over, np.minimum(free, below_rec), calm))
         self.block_floor = np.minimum.reduceat(floor, np.arange(0, self.n, BLOCK)) if self.n else np.zeros(0)
 
-    def _decide(self, s: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _decide(self, s: FloatArray, t: IntArray) -> tuple[BoolArray, BoolArray]:
         """simulate's cascade on arrays: (skip, decided by the estimated threshold)."""
         rec, over, always, thr = self.rec[t], self.over[t], self.always[t], self.thr[t]
         with np.errstate(invalid="ignore"):
@@ -172,7 +189,11 @@ class Machine:
         return skip, estimated & self.nb[t]
 
     # -- stepping --------------------------------------------------------------------------------------------------
-    def run(self, advance=None, shares=None) -> None:
+    def run(
+        self,
+        advance: Callable[[int], object] | None = None,
+        shares: Callable[[Histogram, float], tuple[float, float]] | None = None,
+    ) -> None:
         """Step every setting to the end (or until dropped). ``shares``: the underflow shares of a histogram at a
         scale (scaler.shares): with it, a setting that finishes tightens the bound to its own loss.
 
@@ -200,7 +221,7 @@ class Machine:
                 fam, count = np.unique(family[alive], return_counts=True)
                 single = alive[np.isin(family[alive], fam[count == 1])]
                 for k in single[np.argsort(-self.interval[single], kind="stable")].tolist():  # calm ones first
-                    run_one(self, k)
+                    self._run_alone(k)
                     if shares is not None and math.isfinite(self.bound) and not self.pruned[k]:
                         self.bound = min(self.bound, self.lost(k, shares))
                 alive = np.flatnonzero(self.active)
@@ -225,9 +246,45 @@ class Machine:
                     self.bound = min(self.bound, self.lost(k, shares))
             tell()
 
-    def lost(self, k: int, shares) -> float:
+    def _run_alone(self, k: int) -> None:
+        """Setting ``k`` stepped from where it stands to the end (or until the bound drops it) in plain Python."""
+        if self._track is None:
+            self._track = Track.of(
+                self.rec,
+                self.over,
+                self.always,
+                self.thr,
+                self.block_floor,
+                self.hsteps,
+                self.n,
+                BLOCK,
+                self.ev.has_scaler,
+            )
+        lane = Lane(
+            scale=float(self.scale[k]),
+            tracker=int(self.tracker[k]),
+            skipped=int(self.sk[k]),
+            pos=int(self.pos[k]),
+            growth=float(self.growth[k]),
+            backoff=float(self.backoff[k]),
+            interval=int(self.interval[k]),
+        )
+
+        def keep(now: Lane) -> bool:  # the state so far stored; is the setting still in the running?
+            self._store(k, now)
+            self.prune(np.array([k]))
+            return bool(self.active[k])
+
+        if run_one(self._track, lane, self.h_scale[k], self.h_skip[k], keep):
+            self._store(k, lane)
+            self.active[k] = False
+
+    def _store(self, k: int, lane: Lane) -> None:
+        self.scale[k], self.tracker[k], self.sk[k], self.pos[k] = lane.scale, lane.tracker, lane.skipped, lane.pos
+
+    def lost(self, k: int, shares: Callable[[Histogram, float], tuple[float, float]]) -> float:
         """``Replay.lost`` of setting k from its histogram steps (after ``finish`` for a merged one)."""
-        cache = self.__dict__.setdefault("_shares", {})
+        cache = self._shares
         applied = ~self.h_skip[k] & ~np.isnan(self.h_scale[k])
         under = []
         for j in np.flatnonzero(applied).tolist():
@@ -241,7 +298,7 @@ class Machine:
         n = self.n
         return (int(self.sk[k]) + (n - int(self.sk[k])) * (0.0 if math.isnan(mean) else mean)) / n if n else math.nan
 
-    def _step(self, c: np.ndarray, widths, stop: np.ndarray) -> None:
+    def _step(self, c: IntArray, widths: IntArray, stop: IntArray) -> None:
         """Settings ``c`` to their next skip, or ``widths`` steps on, never past ``stop``."""
         n = self.n
         pos = self.pos[c]
@@ -267,7 +324,7 @@ class Machine:
         s = sched[:, :width]
         skip, est = self._decide(s, np.minimum(idx, n - 1))
         skip &= valid
-        has = skip.any(axis=1)
+        has = cast(BoolArray, skip.any(axis=1))  # (numpy's stubs: a bool or an array; a 2-d array gives an array)
         j = np.where(has, skip.argmax(axis=1) + 1, valid.sum(axis=1))  # decided steps taken, the skip included
         length = safe + j
         if self.record:
@@ -280,12 +337,12 @@ class Machine:
         if len(self.hsteps):
             lo = np.searchsorted(self.hsteps, pos)
             hi = np.searchsorted(self.hsteps, pos + length)
-            r = np.repeat(rows, hi - lo)
-            if len(r):
-                cols = np.arange(len(r)) - np.repeat(np.cumsum(hi - lo) - (hi - lo), hi - lo) + np.repeat(lo, hi - lo)
-                h_off = self.hsteps[cols] - pos[r]
-                self.h_scale[c[r], cols] = self._schedule(c[r], h_off[:, None])[:, 0]
-                self.h_skip[c[r], cols] = has[r] & (h_off == length[r] - 1)
+            hr = np.repeat(rows, hi - lo)  # a row per histogram step passed
+            if len(hr):
+                cols = np.arange(len(hr)) - np.repeat(np.cumsum(hi - lo) - (hi - lo), hi - lo) + np.repeat(lo, hi - lo)
+                h_off = self.hsteps[cols] - pos[hr]
+                self.h_scale[c[hr], cols] = self._schedule(c[hr], h_off[:, None])[:, 0]
+                self.h_skip[c[hr], cols] = has[hr] & (h_off == length[hr] - 1)
         # the state after the window: a skip backs off and resets the tracker; else the schedule went on
         end_scale = sched[rows, np.maximum(j - 1, 0)]  # the scale the skipped step ran at
         grown_q = (self.tracker[c] + length) // self.interval[c]
@@ -302,7 +359,7 @@ class Machine:
         self.active[c[self.pos[c] >= n]] = False
         self.prune(c[self.active[c]])
 
-    def prune(self, c: np.ndarray) -> None:
+    def prune(self, c: IntArray) -> None:
         """Drop the settings whose skipped steps alone will lose more than the bound: not the best."""
         if not math.isfinite(self.bound) or not len(c):
             return
@@ -310,7 +367,7 @@ class Machine:
         self.pruned[c[hopeless]] = True
         self.active[c[hopeless]] = False
 
-    def _merge(self, alive: np.ndarray) -> None:
+    def _merge(self, alive: IntArray) -> None:
         """Settings in the same state from here on run as one (the first of them)."""
         alive = alive[self.active[alive]]
         if len(alive) < 2 or self.record:
