@@ -46,8 +46,9 @@ def _pow2(g: float) -> bool:
 
 
 class Machine:
-    """Settings stepped side by side (``run``); ``record`` keeps every step of each (``simulate``'s Replay arrays),
-    otherwise only the histogram steps' scales and skips (what ``lost`` needs)."""
+    """Settings stepped side by side (``run``); ``record`` keeps every step of each (``simulate``'s Replay arrays:
+    each setting stepped alone, its steps rebuilt from its skips), otherwise only the histogram steps' scales and skips
+    (what ``lost`` needs)."""
 
     def __init__(
         self,
@@ -77,9 +78,8 @@ class Machine:
         h = len(self.hsteps)
         self.h_scale = np.full((m, h), np.nan)
         self.h_skip = np.zeros((m, h), bool)
-        self.merged: list[
-            tuple[int, int, int, int]
-        ] = []  # (member, representative, skips offset, first histogram column it shares)
+        # (member, representative, skips offset, first histogram column it shares)
+        self.merged: list[tuple[int, int, int, int]] = []
         self.slack = np.zeros(m, dtype=np.int64)  # per representative: the fewest past skips of its members, relative
         self.record = record
         self._track: Track | None = None  # the evidence as lists, for the settings stepped alone (stepper.py)
@@ -212,22 +212,27 @@ class Machine:
         family = family.reshape(-1)
         target = np.full(family.max() + 1 if len(family) else 0, CHECKPOINT, dtype=np.int64)
         self.prune(np.flatnonzero(self.active))
+        if self.record:  # every step of each kept: one by one (stepper.py), the record rebuilt from the skips
+            for k in np.flatnonzero(self.active).tolist():
+                self._run_alone(k, record=True)
+            tell()
+            return
         while True:
             alive = np.flatnonzero(self.active)
             if not len(alive):
                 tell()
                 break
-            if not self.record:  # a family down to one setting: stepped alone, in plain Python (stepper.py)
-                fam, count = np.unique(family[alive], return_counts=True)
-                single = alive[np.isin(family[alive], fam[count == 1])]
-                for k in single[np.argsort(-self.interval[single], kind="stable")].tolist():  # calm ones first
-                    self._run_alone(k)
-                    if shares is not None and math.isfinite(self.bound) and not self.pruned[k]:
-                        self.bound = min(self.bound, self.lost(k, shares))
-                alive = np.flatnonzero(self.active)
-                if not len(alive):
-                    tell()
-                    break
+            # a family down to one setting: stepped alone, in plain Python (stepper.py)
+            fam, count = np.unique(family[alive], return_counts=True)
+            single = alive[np.isin(family[alive], fam[count == 1])]
+            for k in single[np.argsort(-self.interval[single], kind="stable")].tolist():  # calm ones first
+                self._run_alone(k)
+                if shares is not None and math.isfinite(self.bound) and not self.pruned[k]:
+                    self.bound = min(self.bound, self.lost(k, shares))
+            alive = np.flatnonzero(self.active)
+            if not len(alive):
+                tell()
+                break
             stop = np.minimum(target[family[alive]], self.n)
             moving = self.pos[alive] < stop
             if moving.any():
@@ -246,8 +251,9 @@ class Machine:
                     self.bound = min(self.bound, self.lost(k, shares))
             tell()
 
-    def _run_alone(self, k: int) -> None:
-        """Setting ``k`` stepped from where it stands to the end (or until the bound drops it) in plain Python."""
+    def _run_alone(self, k: int, record: bool = False) -> None:
+        """Setting ``k`` stepped from where it stands to the end (or until the bound drops it) in plain Python;
+        ``record``: and its every step kept (``_fill``)."""
         if self._track is None:
             self._track = Track.of(
                 self.rec,
@@ -275,9 +281,30 @@ class Machine:
             self.prune(np.array([k]))
             return bool(self.active[k])
 
-        if run_one(self._track, lane, self.h_scale[k], self.h_skip[k], keep):
+        start = (lane.scale, lane.tracker)
+        skips: list[int] | None = [] if record else None
+        if run_one(self._track, lane, self.h_scale[k], self.h_skip[k], keep, skips):
             self._store(k, lane)
             self.active[k] = False
+            if skips is not None:
+                self._fill(k, *start, skips)
+
+    def _fill(self, k: int, scale: float, tracker: int, skips: list[int]) -> None:
+        """The record of setting ``k`` (the scale at every step, its skips, the estimated decisions) rebuilt from the
+        steps it skipped, having started at ``scale`` and ``tracker``: up to each skip the scale follows the schedule
+        (``_schedule``) from the state the previous skip left (backed off, tracker 0)."""
+        if not self.n:
+            return
+        final = (self.scale[k], self.tracker[k])
+        row = np.array([k])
+        a = 0
+        for t in skips + ([self.n - 1] if not skips or skips[-1] < self.n - 1 else []):
+            self.scale[k], self.tracker[k] = scale, tracker
+            self.scales[k, a : t + 1] = self._schedule(row, np.arange(t + 1 - a)[None, :])[0]
+            scale, tracker, a = f32(float(self.scales[k, t]) * float(self.backoff[k])), 0, t + 1
+        self.scale[k], self.tracker[k] = final
+        self.skipped[k, skips] = True
+        self.estimated[k] = self._decide(self.scales[k], np.arange(self.n))[1]
 
     def _store(self, k: int, lane: Lane) -> None:
         self.scale[k], self.tracker[k], self.sk[k], self.pos[k] = lane.scale, lane.tracker, lane.skipped, lane.pos
@@ -303,37 +330,29 @@ class Machine:
         n = self.n
         pos = self.pos[c]
         rows = np.arange(len(c))
-        safe = np.zeros(len(c), dtype=np.int64)
         widths = np.broadcast_to(np.asarray(widths, dtype=np.int64), (len(c),))
         width = int(widths.max())
-        if not self.record:  # jump over the blocks whose floor stays above the scale (no decision there)
-            nb = width // BLOCK + 1
-            col = np.arange(nb)[None, :]
-            b = np.minimum(pos[:, None] // BLOCK + col, len(self.block_floor) - 1)
-            ends = np.minimum((b + 1) * BLOCK, n) - 1
-            ok = self.block_floor[b] >= self._schedule(c, np.maximum(ends - pos[:, None], 0))
-            ok &= col < (widths // BLOCK + 1)[:, None]  # each setting looks as far ahead as its own window
-            fail = np.where(ok.all(axis=1), nb, ok.argmin(axis=1))
-            safe = np.where(fail == 0, 0, (pos // BLOCK + fail) * BLOCK - pos)
-            safe = np.clip(safe, 0, stop - pos)
-            width = min(width, 2 * BLOCK)
+        # jump over the blocks whose floor stays above the scale (no decision there)
+        nb = width // BLOCK + 1
+        col = np.arange(nb)[None, :]
+        b = np.minimum(pos[:, None] // BLOCK + col, len(self.block_floor) - 1)
+        ends = np.minimum((b + 1) * BLOCK, n) - 1
+        ok = self.block_floor[b] >= self._schedule(c, np.maximum(ends - pos[:, None], 0))
+        ok &= col < (widths // BLOCK + 1)[:, None]  # each setting looks as far ahead as its own window
+        fail = np.where(ok.all(axis=1), nb, ok.argmin(axis=1))
+        safe = np.where(fail == 0, 0, (pos // BLOCK + fail) * BLOCK - pos)
+        safe = np.clip(safe, 0, stop - pos)
+        width = min(width, 2 * BLOCK)
         off = safe[:, None] + np.arange(width + 1)[None, :]  # one more: the scale after, when nothing skips
         idx = pos[:, None] + off[:, :width]
         valid = idx < stop[:, None]
         sched = self._schedule(c, off)
         s = sched[:, :width]
-        skip, est = self._decide(s, np.minimum(idx, n - 1))
+        skip, _ = self._decide(s, np.minimum(idx, n - 1))
         skip &= valid
         has = cast(BoolArray, skip.any(axis=1))  # (numpy's stubs: a bool or an array; a 2-d array gives an array)
         j = np.where(has, skip.argmax(axis=1) + 1, valid.sum(axis=1))  # decided steps taken, the skip included
         length = safe + j
-        if self.record:
-            for r, k in enumerate(c.tolist()):
-                a, b = int(pos[r]), int(pos[r] + length[r])
-                self.scales[k, a:b] = s[r, : length[r]]
-                self.estimated[k, a:b] = est[r, : length[r]]
-                if has[r]:
-                    self.skipped[k, b - 1] = True
         if len(self.hsteps):
             lo = np.searchsorted(self.hsteps, pos)
             hi = np.searchsorted(self.hsteps, pos + length)
@@ -370,7 +389,7 @@ class Machine:
     def _merge(self, alive: IntArray) -> None:
         """Settings in the same state from here on run as one (the first of them)."""
         alive = alive[self.active[alive]]
-        if len(alive) < 2 or self.record:
+        if len(alive) < 2:
             return
         key = np.stack(
             [

@@ -88,10 +88,18 @@ class Lane:
     interval: int
 
 
-def run_one(track: Track, lane: Lane, h_scale: FloatArray, h_skip: BoolArray, keep: Callable[[Lane], bool]) -> bool:
+def run_one(
+    track: Track,
+    lane: Lane,
+    h_scale: FloatArray,
+    h_skip: BoolArray,
+    keep: Callable[[Lane], bool],
+    skips: list[int] | None = None,
+) -> bool:
     """Step ``lane`` (in place) from where it stands to the end of the track, recording the scale and skip of each
     histogram step in ``h_scale`` / ``h_skip``. Every PRUNE_EVERY steps ``keep`` is asked with the state so far
-    whether to go on: False drops the setting there (the return value: whether it reached the end)."""
+    whether to go on: False drops the setting there (the return value: whether it reached the end). ``skips``
+    gets the steps that skipped, in order."""
     rec, over, always, thr, floor, in_block, hcol = (
         track.rec,
         track.over,
@@ -143,6 +151,8 @@ def run_one(track: Track, lane: Lane, h_scale: FloatArray, h_skip: BoolArray, ke
             h_scale[col], h_skip[col] = s, skip
         if skip:
             s, tr, sk = _f32(s * b), 0, sk + 1
+            if skips is not None:
+                skips.append(t)
         else:
             tr += 1
             if tr >= iv:
