@@ -1,7 +1,7 @@
 """Settings over a trace: ``replay`` one (the run's own where not given) and ``suggest`` the best of a grid.
 
-``replay`` lives here with ``suggest`` rather than in scaler.py: both read the evidence (evidence.py) and step the
-scaler model (scaler.py) over it, and evidence.py takes torch's defaults from scaler.py, so scaler.py imports neither.
+``replay`` lives here with ``suggest`` rather than in scaler.py: both open a trace and read its evidence (evidence.py)
+before stepping the scaler model (scaler.py) over it; scaler.py works on evidence already gathered.
 """
 
 from __future__ import annotations
