@@ -124,6 +124,50 @@ def test_simulated_dynamics_match_torch_amp_update_scale(init_scale, growth, bac
     assert np.array_equal(r.skipped, over)
 
 
+@pytest.mark.parametrize(
+    "init_scale, growth, backoff, interval",
+    [(2.0**16, 2.0, 0.5, 50), (3.0, 1.7, 0.3, 40), (2.0**120, 2.0, 0.5, 1), (1e-3, 1.1, 0.9, 3)],
+)
+def test_long_runs_between_overflows_match_torch_amp_update_scale(init_scale, growth, backoff, interval):
+    """The replay passes over long stretches without an overflow in blocks and rebuilds the scale of each step from
+    the growth schedule; step by step with torch's kernel, overflowing where the scale in force exceeds the step's
+    threshold (rare dips, a stretch where nothing overflows and the scale grows to the FP32 max), every scale, skip
+    and the final scale are torch's."""
+    rng = np.random.default_rng(2)
+    n = 3000
+    threshold = np.full(n, 2.0**30)
+    dips = rng.random(n) < 0.003
+    threshold[dips] = 2.0 ** rng.uniform(5, 25, int(dips.sum()))
+    threshold[2000:2600] = np.inf
+    ev = Evidence(
+        steps=np.arange(n),
+        rec_scale=np.full(n, np.nan),
+        rec_next=np.full(n, np.nan),
+        rec_over=np.zeros(n, bool),
+        always=np.zeros(n, bool),
+        threshold=threshold,
+        from_neighbours=np.zeros(n, bool),
+        hist={},
+        run_settings={},
+        has_scaler=False,
+        assumed_fp16=False,
+        device="cpu",
+    )
+    r = simulate(
+        ev, {"init_scale": init_scale, "growth_factor": growth, "backoff_factor": backoff, "growth_interval": interval}
+    )
+    scale, tracker = torch.tensor(init_scale), torch.tensor(0, dtype=torch.int32)
+    expected, skipped = [], []
+    for t in range(n):
+        expected.append(scale.item())
+        skipped.append(scale.item() > threshold[t])
+        torch._amp_update_scale_(scale, tracker, torch.tensor(float(skipped[-1])), growth, backoff, interval)
+    clean = np.diff(np.flatnonzero(np.r_[True, skipped, True])) - 1
+    assert any(skipped) and clean.max() >= 4 * 64  # overflows, and stretches of several blocks without one
+    assert r.scales.tolist() == expected and r.final_scale == scale.item()
+    assert r.skipped.tolist() == skipped
+
+
 @pytest.mark.parametrize("has_scaler", [True, False])
 def test_the_search_loses_exactly_what_each_replay_loses(has_scaler, monkeypatch):
     """lost_many steps a whole grid side by side; each setting's lost is simulate's to the last bit, whatever the

@@ -2,11 +2,13 @@
 
 Offline side: reads a trace, never imports torch. evidence.py reads what each step says (gradient peaks, overflows,
 histograms; the overflow model), scaler.py steps GradScaler's update rule over it (the Replay, underflow at a
-scale), search.py replays one setting or searches for the best (``suggest``).
+scale; machine.py and stepper.py do the stepping), search.py replays one setting or searches for the best
+(``suggest``); defaults.py holds torch's GradScaler defaults.
 """
 
+from .defaults import TORCH_DEFAULTS
 from .evidence import GradientPeaks, gradient_peaks
-from .scaler import TORCH_DEFAULTS, Replay, gradscaler_code
+from .scaler import Replay, gradscaler_code
 from .search import Suggestion, replay, suggest
 
 __all__ = [

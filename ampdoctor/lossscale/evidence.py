@@ -37,12 +37,13 @@ import pandas as pd
 from .. import formats
 from ..trace import Trace, load
 from ..trace.view import View, containers
-from .scaler import TORCH_DEFAULTS
+from .defaults import TORCH_DEFAULTS, Settings
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
-Histograms = dict[int, tuple[FloatArray, FloatArray]]  # step index -> (log2 lower edge of each binade, counts)
+Histogram = tuple[FloatArray, FloatArray]  # (log2 lower edge of each unscaled binade, counts)
+Histograms = dict[int, Histogram]  # step index -> its histogram
 
 
 @dataclass
@@ -57,7 +58,7 @@ class Evidence:
     threshold: FloatArray  # estimated largest scale that does not overflow
     from_neighbours: BoolArray  # threshold of an overflowed step (estimate from neighbouring steps)
     hist: Histograms  # step index -> (log2 lower edge of each unscaled binade, counts)
-    run_settings: dict[str, float]  # init_scale, growth_factor, backoff_factor, growth_interval
+    run_settings: Settings  # init_scale, growth_factor, backoff_factor, growth_interval
     has_scaler: bool
     assumed_fp16: bool
     device: str

@@ -13,10 +13,14 @@ cascade below is its branch for branch. Offline side: numpy only.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
+from typing import cast, overload
 
 import numpy as np
 
-from .stepper import run_one
+from .defaults import Settings
+from .evidence import BoolArray, Evidence, FloatArray, Histogram, IntArray
+from .stepper import Lane, Track, run_one
 
 F32_MAX = float(np.finfo(np.float32).max)
 WINDOW_MIN, WINDOW_MAX = 8, 1 << 16  # steps looked ahead at once (decided one by one: at most 2 * BLOCK)
@@ -24,7 +28,11 @@ BLOCK = 64  # steps whose decisions a block floor settles at once
 CHECKPOINT = 4096  # steps between the points where the settings of a family compare their states
 
 
-def f32(x):
+@overload
+def f32(x: float) -> float: ...
+@overload
+def f32(x: FloatArray) -> FloatArray: ...
+def f32(x: float | FloatArray) -> float | FloatArray:
     """Round to FP32, as the scale tensor stores it (beyond the FP32 max: inf); a float or an array of them."""
     with np.errstate(over="ignore"):
         if isinstance(x, np.ndarray):
@@ -38,12 +46,18 @@ def _pow2(g: float) -> bool:
 
 
 class Machine:
-    """Settings stepped side by side (``run``); ``record`` keeps every step of each (``simulate``'s Replay arrays),
-    otherwise only the histogram steps' scales and skips (what ``lost`` needs)."""
+    """Settings stepped side by side (``run``); ``record`` keeps every step of each (``simulate``'s Replay arrays:
+    each setting stepped alone, its steps rebuilt from its skips), otherwise only the histogram steps' scales and skips
+    (what ``lost`` needs)."""
 
-    BLOCK = BLOCK
-
-    def __init__(self, ev, settings: list, trackers: list, record: bool = False, bound: float = math.inf):
+    def __init__(
+        self,
+        ev: Evidence,
+        settings: Sequence[Settings],
+        trackers: list[int],
+        record: bool = False,
+        bound: float = math.inf,
+    ) -> None:
         m = len(settings)
         self.ev, self.n = ev, len(ev.steps)
         self.scale = f32(np.array([float(s["init_scale"]) for s in settings]))
@@ -64,9 +78,12 @@ class Machine:
         h = len(self.hsteps)
         self.h_scale = np.full((m, h), np.nan)
         self.h_skip = np.zeros((m, h), bool)
-        self.merged: list = []  # (member, representative, skips offset, first histogram column it shares)
+        # (member, representative, skips offset, first histogram column it shares)
+        self.merged: list[tuple[int, int, int, int]] = []
         self.slack = np.zeros(m, dtype=np.int64)  # per representative: the fewest past skips of its members, relative
         self.record = record
+        self._track: Track | None = None  # the evidence as lists, for the settings stepped alone (stepper.py)
+        self._shares: dict[tuple[int, float], float] = {}  # (histogram step, scale) -> underflow share (``lost``)
         if record:
             self.scales = np.empty((m, self.n))
             self.skipped = np.zeros((m, self.n), bool)
@@ -94,7 +111,7 @@ class Machine:
             x = np.log2(np.maximum(top, 0.0))
         self.ceiling = np.append(np.maximum.accumulate(x[::-1])[::-1], -np.inf)
 
-    def _future_skips(self, c: np.ndarray) -> np.ndarray:
+    def _future_skips(self, c: IntArray) -> FloatArray:
         """A lower bound on the skips still to come for settings ``c`` (0 where none is known). A scale that goes
         through a step is at most 2^ceiling there, so after a growth at most 2^(ceiling + gamma); growing gamma (log2
         of the growth factor) every ``interval`` clean steps and backing off beta per skip, a setting at log2 scale x
@@ -114,7 +131,7 @@ class Machine:
         return np.where(known, np.maximum(np.floor(lb), 0.0), 0.0)
 
     # -- the schedule and the decisions ----------------------------------------------------------------------------
-    def _schedule(self, c: np.ndarray, off: np.ndarray) -> np.ndarray:
+    def _schedule(self, c: IntArray, off: IntArray) -> FloatArray:
         """The scale in force ``off`` steps ahead ([g x k] offsets, rows for settings ``c``, which may repeat) if none
         of the steps before skips: the scale grows after the step on which the tracker reaches the interval, rounded
         to FP32, never to inf."""
@@ -157,7 +174,7 @@ class Machine:
             floor = np.where(always, -np.inf, np.where(over, np.minimum(free, below_rec), calm))
         self.block_floor = np.minimum.reduceat(floor, np.arange(0, self.n, BLOCK)) if self.n else np.zeros(0)
 
-    def _decide(self, s: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _decide(self, s: FloatArray, t: IntArray) -> tuple[BoolArray, BoolArray]:
         """simulate's cascade on arrays: (skip, decided by the estimated threshold)."""
         rec, over, always, thr = self.rec[t], self.over[t], self.always[t], self.thr[t]
         with np.errstate(invalid="ignore"):
@@ -172,7 +189,11 @@ class Machine:
         return skip, estimated & self.nb[t]
 
     # -- stepping --------------------------------------------------------------------------------------------------
-    def run(self, advance=None, shares=None) -> None:
+    def run(
+        self,
+        advance: Callable[[int], object] | None = None,
+        shares: Callable[[Histogram, float], tuple[float, float]] | None = None,
+    ) -> None:
         """Step every setting to the end (or until dropped). ``shares``: the underflow shares of a histogram at a
         scale (scaler.shares): with it, a setting that finishes tightens the bound to its own loss.
 
@@ -191,22 +212,27 @@ class Machine:
         family = family.reshape(-1)
         target = np.full(family.max() + 1 if len(family) else 0, CHECKPOINT, dtype=np.int64)
         self.prune(np.flatnonzero(self.active))
+        if self.record:  # every step of each kept: one by one (stepper.py), the record rebuilt from the skips
+            for k in np.flatnonzero(self.active).tolist():
+                self._run_alone(k, record=True)
+            tell()
+            return
         while True:
             alive = np.flatnonzero(self.active)
             if not len(alive):
                 tell()
                 break
-            if not self.record:  # a family down to one setting: stepped alone, in plain Python (stepper.py)
-                fam, count = np.unique(family[alive], return_counts=True)
-                single = alive[np.isin(family[alive], fam[count == 1])]
-                for k in single[np.argsort(-self.interval[single], kind="stable")].tolist():  # calm ones first
-                    run_one(self, k)
-                    if shares is not None and math.isfinite(self.bound) and not self.pruned[k]:
-                        self.bound = min(self.bound, self.lost(k, shares))
-                alive = np.flatnonzero(self.active)
-                if not len(alive):
-                    tell()
-                    break
+            # a family down to one setting: stepped alone, in plain Python (stepper.py)
+            fam, count = np.unique(family[alive], return_counts=True)
+            single = alive[np.isin(family[alive], fam[count == 1])]
+            for k in single[np.argsort(-self.interval[single], kind="stable")].tolist():  # calm ones first
+                self._run_alone(k)
+                if shares is not None and math.isfinite(self.bound) and not self.pruned[k]:
+                    self.bound = min(self.bound, self.lost(k, shares))
+            alive = np.flatnonzero(self.active)
+            if not len(alive):
+                tell()
+                break
             stop = np.minimum(target[family[alive]], self.n)
             moving = self.pos[alive] < stop
             if moving.any():
@@ -225,9 +251,67 @@ class Machine:
                     self.bound = min(self.bound, self.lost(k, shares))
             tell()
 
-    def lost(self, k: int, shares) -> float:
+    def _run_alone(self, k: int, record: bool = False) -> None:
+        """Setting ``k`` stepped from where it stands to the end (or until the bound drops it) in plain Python;
+        ``record``: and its every step kept (``_fill``)."""
+        if self._track is None:
+            self._track = Track.of(
+                self.rec,
+                self.over,
+                self.always,
+                self.thr,
+                self.block_floor,
+                self.hsteps,
+                self.n,
+                BLOCK,
+                self.ev.has_scaler,
+            )
+        lane = Lane(
+            scale=float(self.scale[k]),
+            tracker=int(self.tracker[k]),
+            skipped=int(self.sk[k]),
+            pos=int(self.pos[k]),
+            growth=float(self.growth[k]),
+            backoff=float(self.backoff[k]),
+            interval=int(self.interval[k]),
+        )
+
+        def keep(now: Lane) -> bool:  # the state so far stored; is the setting still in the running?
+            self._store(k, now)
+            self.prune(np.array([k]))
+            return bool(self.active[k])
+
+        start = (lane.scale, lane.tracker)
+        skips: list[int] | None = [] if record else None
+        if run_one(self._track, lane, self.h_scale[k], self.h_skip[k], keep, skips):
+            self._store(k, lane)
+            self.active[k] = False
+            if skips is not None:
+                self._fill(k, *start, skips)
+
+    def _fill(self, k: int, scale: float, tracker: int, skips: list[int]) -> None:
+        """The record of setting ``k`` (the scale at every step, its skips, the estimated decisions) rebuilt from the
+        steps it skipped, having started at ``scale`` and ``tracker``: up to each skip the scale follows the schedule
+        (``_schedule``) from the state the previous skip left (backed off, tracker 0)."""
+        if not self.n:
+            return
+        final = (self.scale[k], self.tracker[k])
+        row = np.array([k])
+        a = 0
+        for t in skips + ([self.n - 1] if not skips or skips[-1] < self.n - 1 else []):
+            self.scale[k], self.tracker[k] = scale, tracker
+            self.scales[k, a : t + 1] = self._schedule(row, np.arange(t + 1 - a)[None, :])[0]
+            scale, tracker, a = f32(float(self.scales[k, t]) * float(self.backoff[k])), 0, t + 1
+        self.scale[k], self.tracker[k] = final
+        self.skipped[k, skips] = True
+        self.estimated[k] = self._decide(self.scales[k], np.arange(self.n))[1]
+
+    def _store(self, k: int, lane: Lane) -> None:
+        self.scale[k], self.tracker[k], self.sk[k], self.pos[k] = lane.scale, lane.tracker, lane.skipped, lane.pos
+
+    def lost(self, k: int, shares: Callable[[Histogram, float], tuple[float, float]]) -> float:
         """``Replay.lost`` of setting k from its histogram steps (after ``finish`` for a merged one)."""
-        cache = self.__dict__.setdefault("_shares", {})
+        cache = self._shares
         applied = ~self.h_skip[k] & ~np.isnan(self.h_scale[k])
         under = []
         for j in np.flatnonzero(applied).tolist():
@@ -241,51 +325,43 @@ class Machine:
         n = self.n
         return (int(self.sk[k]) + (n - int(self.sk[k])) * (0.0 if math.isnan(mean) else mean)) / n if n else math.nan
 
-    def _step(self, c: np.ndarray, widths, stop: np.ndarray) -> None:
+    def _step(self, c: IntArray, widths: IntArray, stop: IntArray) -> None:
         """Settings ``c`` to their next skip, or ``widths`` steps on, never past ``stop``."""
         n = self.n
         pos = self.pos[c]
         rows = np.arange(len(c))
-        safe = np.zeros(len(c), dtype=np.int64)
         widths = np.broadcast_to(np.asarray(widths, dtype=np.int64), (len(c),))
         width = int(widths.max())
-        if not self.record:  # jump over the blocks whose floor stays above the scale (no decision there)
-            nb = width // BLOCK + 1
-            col = np.arange(nb)[None, :]
-            b = np.minimum(pos[:, None] // BLOCK + col, len(self.block_floor) - 1)
-            ends = np.minimum((b + 1) * BLOCK, n) - 1
-            ok = self.block_floor[b] >= self._schedule(c, np.maximum(ends - pos[:, None], 0))
-            ok &= col < (widths // BLOCK + 1)[:, None]  # each setting looks as far ahead as its own window
-            fail = np.where(ok.all(axis=1), nb, ok.argmin(axis=1))
-            safe = np.where(fail == 0, 0, (pos // BLOCK + fail) * BLOCK - pos)
-            safe = np.clip(safe, 0, stop - pos)
-            width = min(width, 2 * BLOCK)
+        # jump over the blocks whose floor stays above the scale (no decision there)
+        nb = width // BLOCK + 1
+        col = np.arange(nb)[None, :]
+        b = np.minimum(pos[:, None] // BLOCK + col, len(self.block_floor) - 1)
+        ends = np.minimum((b + 1) * BLOCK, n) - 1
+        ok = self.block_floor[b] >= self._schedule(c, np.maximum(ends - pos[:, None], 0))
+        ok &= col < (widths // BLOCK + 1)[:, None]  # each setting looks as far ahead as its own window
+        fail = np.where(ok.all(axis=1), nb, ok.argmin(axis=1))
+        safe = np.where(fail == 0, 0, (pos // BLOCK + fail) * BLOCK - pos)
+        safe = np.clip(safe, 0, stop - pos)
+        width = min(width, 2 * BLOCK)
         off = safe[:, None] + np.arange(width + 1)[None, :]  # one more: the scale after, when nothing skips
         idx = pos[:, None] + off[:, :width]
         valid = idx < stop[:, None]
         sched = self._schedule(c, off)
         s = sched[:, :width]
-        skip, est = self._decide(s, np.minimum(idx, n - 1))
+        skip, _ = self._decide(s, np.minimum(idx, n - 1))
         skip &= valid
-        has = skip.any(axis=1)
+        has = cast(BoolArray, skip.any(axis=1))  # (numpy's stubs: a bool or an array; a 2-d array gives an array)
         j = np.where(has, skip.argmax(axis=1) + 1, valid.sum(axis=1))  # decided steps taken, the skip included
         length = safe + j
-        if self.record:
-            for r, k in enumerate(c.tolist()):
-                a, b = int(pos[r]), int(pos[r] + length[r])
-                self.scales[k, a:b] = s[r, : length[r]]
-                self.estimated[k, a:b] = est[r, : length[r]]
-                if has[r]:
-                    self.skipped[k, b - 1] = True
         if len(self.hsteps):
             lo = np.searchsorted(self.hsteps, pos)
             hi = np.searchsorted(self.hsteps, pos + length)
-            r = np.repeat(rows, hi - lo)
-            if len(r):
-                cols = np.arange(len(r)) - np.repeat(np.cumsum(hi - lo) - (hi - lo), hi - lo) + np.repeat(lo, hi - lo)
-                h_off = self.hsteps[cols] - pos[r]
-                self.h_scale[c[r], cols] = self._schedule(c[r], h_off[:, None])[:, 0]
-                self.h_skip[c[r], cols] = has[r] & (h_off == length[r] - 1)
+            hr = np.repeat(rows, hi - lo)  # a row per histogram step passed
+            if len(hr):
+                cols = np.arange(len(hr)) - np.repeat(np.cumsum(hi - lo) - (hi - lo), hi - lo) + np.repeat(lo, hi - lo)
+                h_off = self.hsteps[cols] - pos[hr]
+                self.h_scale[c[hr], cols] = self._schedule(c[hr], h_off[:, None])[:, 0]
+                self.h_skip[c[hr], cols] = has[hr] & (h_off == length[hr] - 1)
         # the state after the window: a skip backs off and resets the tracker; else the schedule went on
         end_scale = sched[rows, np.maximum(j - 1, 0)]  # the scale the skipped step ran at
         grown_q = (self.tracker[c] + length) // self.interval[c]
@@ -302,7 +378,7 @@ class Machine:
         self.active[c[self.pos[c] >= n]] = False
         self.prune(c[self.active[c]])
 
-    def prune(self, c: np.ndarray) -> None:
+    def prune(self, c: IntArray) -> None:
         """Drop the settings whose skipped steps alone will lose more than the bound: not the best."""
         if not math.isfinite(self.bound) or not len(c):
             return
@@ -310,10 +386,10 @@ class Machine:
         self.pruned[c[hopeless]] = True
         self.active[c[hopeless]] = False
 
-    def _merge(self, alive: np.ndarray) -> None:
+    def _merge(self, alive: IntArray) -> None:
         """Settings in the same state from here on run as one (the first of them)."""
         alive = alive[self.active[alive]]
-        if len(alive) < 2 or self.record:
+        if len(alive) < 2:
             return
         key = np.stack(
             [

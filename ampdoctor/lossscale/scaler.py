@@ -4,8 +4,7 @@ The scaler (``torch._amp_update_scale_``): on a step with an inf/NaN gradient th
 ``backoff_factor`` and the growth tracker resets; otherwise the tracker counts up and, on reaching
 ``growth_interval``, the scale is multiplied by ``growth_factor`` (unless that would make the FP32 scale infinite)
 and the tracker resets. The scale is an FP32 tensor: products are taken in double and rounded to FP32, as torch does.
-Whether a step overflows at a given scale is the evidence's answer (evidence.py, the overflow model); ``ev``
-below is an evidence.Evidence, not imported here: evidence.py takes TORCH_DEFAULTS from this module.
+Whether a step overflows at a given scale is the evidence's answer (evidence.py, the overflow model).
 
 Underflow at the simulated scale, from the exponent histograms of the gradients computed in FP16 (evidence.py): the
 share of the non-zero elements that a cast to FP16 would round below the smallest normal (2^-14: subnormal,
@@ -17,16 +16,17 @@ counts the binade below 2^-14 wholly as subnormal (docs/trace-format.md, hists).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from .. import formats
 from ..trace.checks import scaler_setting_problem
+from .defaults import TORCH_DEFAULTS, Settings
+from .evidence import BoolArray, Evidence, FloatArray, Histogram, IntArray
 from .machine import Machine
 
-# torch.amp.GradScaler defaults: what a run without a recorded scaler is replayed with
-TORCH_DEFAULTS = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
 _LOG2_NORMAL = formats.FP16.normal_exp  # -14: below this an FP16 value is subnormal (but a 2^-11 sliver)
 _LOG2_FLUSH = math.log2(formats.FP16.flush_at)  # -25: at or below this it rounds to zero (binade -25 rounds up)
 _SEARCH_CELLS = 2**22  # settings x histogram steps lost_many holds at once (32 MiB of shares)
@@ -36,13 +36,13 @@ _SEARCH_CELLS = 2**22  # settings x histogram steps lost_many holds at once (32 
 class Replay:
     """Per-step result of simulating a dynamic loss scaler over a trace (arrays indexed like ``trace.steps()``)."""
 
-    settings: dict  # init_scale, growth_factor, backoff_factor, growth_interval
-    steps: np.ndarray  # step numbers
-    scales: np.ndarray  # scale in force at each step (as trace.steps()["loss_scale"])
-    skipped: np.ndarray  # bool: the step overflowed and the optimizer step was skipped
-    underflow: np.ndarray  # share of non-zero FP16 gradient elements below 2^-14; NaN without a histogram
-    flushed: np.ndarray  # share rounded to zero (<= 2^-25); NaN without a histogram
-    estimated: np.ndarray  # bool: the skip decision rests on neighbouring steps (evidence.py)
+    settings: Settings  # init_scale, growth_factor, backoff_factor, growth_interval
+    steps: IntArray  # step numbers
+    scales: FloatArray  # scale in force at each step (as trace.steps()["loss_scale"])
+    skipped: BoolArray  # the step overflowed and the optimizer step was skipped
+    underflow: FloatArray  # share of non-zero FP16 gradient elements below 2^-14; NaN without a histogram
+    flushed: FloatArray  # share rounded to zero (<= 2^-25); NaN without a histogram
+    estimated: BoolArray  # the skip decision rests on neighbouring steps (evidence.py)
     final_scale: float  # scale after the last step's update
     assumed_fp16: bool = False  # the run computed no gradient in FP16: every gradient was treated as FP16
     growth_tracker: int = 0  # tracker value the simulation started from
@@ -69,7 +69,7 @@ class Replay:
         """
         return lost_share(len(self.steps), self.n_skipped, self.mean_underflow)
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, float]:
         return {
             "steps": len(self.steps),
             "skipped": self.n_skipped,
@@ -97,7 +97,7 @@ def lost_share(n: int, n_skipped: int, mean_underflow: float) -> float:
     return (n_skipped + (n - n_skipped) * u) / n
 
 
-def gradscaler_code(settings: dict, device: str = "cuda") -> str:
+def gradscaler_code(settings: Settings, device: str = "cuda") -> str:
     """The GradScaler line to paste (arguments left at torch's defaults are omitted, init_scale always shown)."""
     args = [f'"{device}"', f"init_scale={float(settings['init_scale'])!r}"]
     for key in ("growth_factor", "backoff_factor", "growth_interval"):
@@ -107,7 +107,7 @@ def gradscaler_code(settings: dict, device: str = "cuda") -> str:
 
 
 # -- settings ------------------------------------------------------------------------------------------------------
-def _check_settings(s: dict) -> None:
+def _check_settings(s: Settings) -> None:
     """ValueError naming the first setting GradScaler cannot run with (checks.scaler_setting_problem)."""
     for key in ("init_scale", "growth_factor", "backoff_factor", "growth_interval"):
         problem = scaler_setting_problem(key, s[key])
@@ -115,7 +115,13 @@ def _check_settings(s: dict) -> None:
             raise ValueError(f"Argument {key} should be {problem}, but given {s[key]!r}")
 
 
-def resolve(ev, init_scale, growth_factor, backoff_factor, growth_interval) -> dict:
+def resolve(
+    ev: Evidence,
+    init_scale: float | None,
+    growth_factor: float | None,
+    backoff_factor: float | None,
+    growth_interval: int | None,
+) -> Settings:
     """The settings to simulate: the run's own, each one given (not None) replacing it; checked and typed.
 
     A given setting GradScaler cannot run with is a ValueError; one of the run's own (a crafted or damaged trace:
@@ -139,12 +145,12 @@ def resolve(ev, init_scale, growth_factor, backoff_factor, growth_interval) -> d
     return s
 
 
-def initial_tracker(ev) -> int:
+def initial_tracker(ev: Evidence) -> int:
     """Consecutive unskipped steps the scaler had counted when the trace began (0 for a fresh GradScaler): read off
     the first growth when it comes before any skip."""
     if not ev.has_scaler or not len(ev.steps):
         return 0
-    gi = ev.run_settings["growth_interval"]
+    gi = int(ev.run_settings["growth_interval"])
     with np.errstate(invalid="ignore"):
         event = np.asarray(ev.rec_over, bool) | (np.asarray(ev.rec_next) > np.asarray(ev.rec_scale))
     if not event.any():
@@ -154,14 +160,14 @@ def initial_tracker(ev) -> int:
 
 
 # -- the simulation (machine.py steps it) --------------------------------------------------------------------------
-def simulate(ev, settings: dict, tracker: int = 0) -> Replay:
+def simulate(ev: Evidence, settings: Settings, tracker: int = 0) -> Replay:
     """GradScaler over the evidence, step by step, from ``settings`` and a growth tracker at ``tracker``."""
     n = len(ev.steps)
     m = Machine(ev, [settings], [tracker], record=True)
     m.run()
     under = np.full(n, np.nan)
     flushed = np.full(n, np.nan)
-    cache: dict = {}
+    cache: dict[tuple[int, float], tuple[float, float]] = {}
     for j, t in enumerate(m.hsteps.tolist()):
         key = (t, float(m.h_scale[0, j]))
         if key not in cache:
@@ -180,7 +186,12 @@ def simulate(ev, settings: dict, tracker: int = 0) -> Replay:
     )
 
 
-def lost_many(ev, settings: list, advance=None, bound: float = math.inf) -> list:
+def lost_many(
+    ev: Evidence,
+    settings: Sequence[Settings],
+    advance: Callable[[int], object] | None = None,
+    bound: float = math.inf,
+) -> list[float]:
     """``simulate(ev, s).lost`` for each of ``settings`` (each from a fresh tracker): the same decisions, FP32
     roundings and shares, so the very same numbers, for the whole grid in one pass over the steps (machine.py).
     A setting whose skipped steps alone lose more than ``bound`` cannot be the best: it comes back as inf (and is not
@@ -188,7 +199,7 @@ def lost_many(ev, settings: list, advance=None, bound: float = math.inf) -> list
     n = len(ev.steps)
     hist_steps = [t for t in sorted(ev.hist) if 0 <= t < n]
     group = max(1, _SEARCH_CELLS // max(len(hist_steps), 1))  # settings x histogram steps held at once
-    out: list = []
+    out: list[float] = []
     for i in range(0, len(settings), group):
         part = settings[i : i + group]
         m = Machine(ev, part, [0] * len(part), bound=bound)
@@ -205,7 +216,7 @@ def lost_many(ev, settings: list, advance=None, bound: float = math.inf) -> list
     return out
 
 
-def shares(hist: tuple, scale: float) -> tuple[float, float]:
+def shares(hist: Histogram, scale: float) -> tuple[float, float]:
     """(share below 2^-14, share rounded to zero) of the elements at ``scale``: whole binades below 2^-14 and at or
     below 2^-25 (edges of binades at power-of-two scales); at other scales a binade straddling a limit counts the
     fraction below it, values taken as log-uniform inside it."""
@@ -220,6 +231,6 @@ def shares(hist: tuple, scale: float) -> tuple[float, float]:
     )
 
 
-def nanmean(a: np.ndarray) -> float:
+def nanmean(a: FloatArray) -> float:
     a = a[~np.isnan(a)]
     return float(a.mean()) if len(a) else math.nan

@@ -1,16 +1,21 @@
 """Settings over a trace: ``replay`` one (the run's own where not given) and ``suggest`` the best of a grid.
 
-``replay`` lives here with ``suggest`` rather than in scaler.py: both read the evidence (evidence.py) and step the
-scaler model (scaler.py) over it, and evidence.py takes torch's defaults from scaler.py, so scaler.py imports neither.
+``replay`` lives here with ``suggest`` rather than in scaler.py: both open a trace and read its evidence (evidence.py)
+before stepping the scaler model (scaler.py) over it; scaler.py works on evidence already gathered.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import islice
 
+from ..trace import Trace
+from ..trace.view import View
+from .defaults import Settings
 from .evidence import gather, open_trace
 from .scaler import Replay, gradscaler_code, initial_tracker, lost_many, resolve, simulate
 
@@ -19,17 +24,20 @@ from .scaler import Replay, gradscaler_code, initial_tracker, lost_many, resolve
 SUGGEST_INIT_EXPONENTS = range(0, 25)  # 1 .. 2^24 (MindSpore's default init is 2^24)
 SUGGEST_INTERVALS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
+TraceLike = Trace | View | str | os.PathLike[str]  # what ``replay`` and ``suggest`` read (evidence.open_trace)
+GridPoint = tuple[float, float, int, int]  # growth_factor, backoff_factor, growth_interval, log2 init_scale
+
 
 @dataclass(eq=False)
 class Suggestion:
     """Best scaler settings found by ``suggest`` and the replays behind them."""
 
-    settings: dict
+    settings: Settings
     replay: Replay
     baseline: Replay  # the run's own settings
     device: str = "cuda"
     searched: int = 0  # settings tried
-    notes: list = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def improves(self) -> bool:
@@ -41,7 +49,13 @@ class Suggestion:
         return gradscaler_code(self.settings, self.device)
 
 
-def replay(trace_or_path, init_scale=None, growth_factor=None, backoff_factor=None, growth_interval=None) -> Replay:
+def replay(
+    trace_or_path: TraceLike,
+    init_scale: float | None = None,
+    growth_factor: float | None = None,
+    backoff_factor: float | None = None,
+    growth_interval: int | None = None,
+) -> Replay:
     """Simulate GradScaler over a recorded trace; arguments left at None keep the run's own settings (torch's
     defaults for a run without a scaler). With no arguments the recorded scale history is reproduced exactly."""
     ev = gather(open_trace(trace_or_path))
@@ -55,7 +69,11 @@ def replay(trace_or_path, init_scale=None, growth_factor=None, backoff_factor=No
     return out
 
 
-def suggest(trace_or_path, search_factors: bool = False, progress=None) -> Suggestion:
+def suggest(
+    trace_or_path: TraceLike,
+    search_factors: bool = False,
+    progress: Callable[[list[GridPoint]], Iterable[object]] | None = None,
+) -> Suggestion:
     """Search init_scale (powers of two, 1 .. 2^24) and growth_interval for the settings that lose the least
     gradient information (``Replay.lost``: skipped steps count fully, applied steps by their FP16 underflow share).
 
@@ -71,13 +89,15 @@ def suggest(trace_or_path, search_factors: bool = False, progress=None) -> Sugge
     baseline = simulate(ev, own, initial_tracker(ev))
     n = len(ev.steps)
     longer = [i for i in SUGGEST_INTERVALS if i > n][:1]  # one interval that never grows within the trace
-    intervals = sorted({i for i in SUGGEST_INTERVALS if i <= n} | set(longer) | {own["growth_interval"]})
+    intervals = sorted({i for i in SUGGEST_INTERVALS if i <= n} | set(longer) | {int(own["growth_interval"])})
     own_pair = (own["growth_factor"], own["backoff_factor"])
     factors = [own_pair]
     if search_factors:
         factors += sorted({(2.0, 0.5), (4.0, 0.5), (2.0, 0.25), (4.0, 0.25)} - {own_pair})
-    grid = [(growth, backoff, gi, e) for growth, backoff in factors for gi in intervals for e in SUGGEST_INIT_EXPONENTS]
-    settings = [
+    grid: list[GridPoint] = [
+        (growth, backoff, gi, e) for growth, backoff in factors for gi in intervals for e in SUGGEST_INIT_EXPONENTS
+    ]
+    settings: list[Settings] = [
         {"init_scale": 2.0**e, "growth_factor": growth, "backoff_factor": backoff, "growth_interval": gi}
         for growth, backoff, gi, e in grid
     ]
@@ -85,7 +105,8 @@ def suggest(trace_or_path, search_factors: bool = False, progress=None) -> Sugge
     # the bar, k settings on; a setting whose skips alone lose more than the run's own settings cannot be chosen
     lost = lost_many(ev, settings, advance=lambda k: deque(islice(bar, k), maxlen=0), bound=baseline.lost)
     deque(bar, maxlen=0)  # and to its end (a bar closes once its list is used up)
-    best_key, best_i = None, None
+    best_key: tuple[float, float, bool, int] | None = None
+    best_i = 0
     for i, ((growth, backoff, gi, e), r_lost) in enumerate(zip(grid, lost)):
         key = (
             round(r_lost, 12),
@@ -98,7 +119,7 @@ def suggest(trace_or_path, search_factors: bool = False, progress=None) -> Sugge
     best = simulate(ev, settings[best_i])
     if not best.lost < baseline.lost:  # nothing beats the run's own settings: keep them
         best = baseline
-    notes = []
+    notes: list[str] = []
     if best.estimated.any():
         notes.append(f"{int(best.estimated.sum())} skip decision(s) estimated from neighbouring steps")
     if ev.assumed_fp16:

@@ -1,13 +1,19 @@
 """One setting of a Machine (machine.py) stepped to the end in plain Python: once the settings of a family have merged,
 each runs alone, and for one setting a scalar loop (a block of BLOCK decision-free steps passed over at once, the
 others decided one by one) costs less than numpy calls on arrays of one row. Same cascade, FP32 roundings and
-histogram records as the Machine (and so as ``simulate``). Offline side: numpy only."""
+histogram records as the Machine (and so as ``simulate``). The Machine hands over what the loop needs (the evidence
+as lists, the setting's state, its histogram records and a way to ask whether to go on): this module does not know
+the Machine. Offline side: numpy only."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
+
+from .evidence import BoolArray, FloatArray, IntArray
 
 PRUNE_EVERY = 4096  # steps between two looks at the bound
 
@@ -24,27 +30,88 @@ def _f32(x: float) -> float:
         return float(np.float32(x))
 
 
-def run_one(m, k: int) -> None:
-    """Step setting ``k`` of Machine ``m`` from where it stands to the end of the trace, or until the bound drops it."""
-    lists = m.__dict__.get("_lists")
-    if lists is None:
-        in_block: dict[int, list[tuple[int, int]]] = {}  # block -> its histogram steps and their columns
-        for j, t in enumerate(m.hsteps.tolist()):
-            in_block.setdefault(t // m.BLOCK, []).append((t, j))
-        lists = m.__dict__["_lists"] = (
-            m.rec.tolist(),
-            m.over.tolist(),
-            m.always.tolist(),
-            m.thr.tolist(),
-            m.block_floor.tolist(),
-            in_block,
-            {int(t): j for j, t in enumerate(m.hsteps.tolist())},
+@dataclass(frozen=True)
+class Track:
+    """The per-step evidence a lone setting is stepped over, as Python lists (cheap to index one item at a time)."""
+
+    rec: list[float]  # recorded scale
+    over: list[bool]  # overflowed at it
+    always: list[bool]  # overflows at every scale
+    thr: list[float]  # estimated threshold
+    floor: list[float]  # per block of ``block`` steps: a scale at or below which none of them skips
+    in_block: dict[int, list[tuple[int, int]]]  # block -> its histogram steps and their columns
+    hcol: dict[int, int]  # histogram step -> its column
+    n: int  # steps
+    block: int  # steps a floor covers
+    has_scaler: bool
+
+    @classmethod
+    def of(
+        cls,
+        rec: FloatArray,
+        over: BoolArray,
+        always: BoolArray,
+        thr: FloatArray,
+        block_floor: FloatArray,
+        hsteps: IntArray,
+        n: int,
+        block: int,
+        has_scaler: bool,
+    ) -> Track:
+        in_block: dict[int, list[tuple[int, int]]] = {}
+        for j, t in enumerate(hsteps.tolist()):
+            in_block.setdefault(t // block, []).append((t, j))
+        return cls(
+            rec=rec.tolist(),
+            over=over.tolist(),
+            always=always.tolist(),
+            thr=thr.tolist(),
+            floor=block_floor.tolist(),
+            in_block=in_block,
+            hcol={int(t): j for j, t in enumerate(hsteps.tolist())},
+            n=n,
+            block=block,
+            has_scaler=has_scaler,
         )
-    rec, over, always, thr, floor, in_block, hcol = lists
-    n, block, hs = m.n, m.BLOCK, m.ev.has_scaler
-    s, tr, sk, t = float(m.scale[k]), int(m.tracker[k]), int(m.sk[k]), int(m.pos[k])
-    g, b, iv = float(m.growth[k]), float(m.backoff[k]), int(m.interval[k])
-    h_scale, h_skip = m.h_scale[k], m.h_skip[k]
+
+
+@dataclass
+class Lane:
+    """One setting's state (scale, growth tracker, skips so far, next step) and its factors and interval."""
+
+    scale: float
+    tracker: int
+    skipped: int
+    pos: int
+    growth: float
+    backoff: float
+    interval: int
+
+
+def run_one(
+    track: Track,
+    lane: Lane,
+    h_scale: FloatArray,
+    h_skip: BoolArray,
+    keep: Callable[[Lane], bool],
+    skips: list[int] | None = None,
+) -> bool:
+    """Step ``lane`` (in place) from where it stands to the end of the track, recording the scale and skip of each
+    histogram step in ``h_scale`` / ``h_skip``. Every PRUNE_EVERY steps ``keep`` is asked with the state so far
+    whether to go on: False drops the setting there (the return value: whether it reached the end). ``skips``
+    gets the steps that skipped, in order."""
+    rec, over, always, thr, floor, in_block, hcol = (
+        track.rec,
+        track.over,
+        track.always,
+        track.thr,
+        track.floor,
+        track.in_block,
+        track.hcol,
+    )
+    n, block, hs = track.n, track.block, track.has_scaler
+    s, tr, sk, t = lane.scale, lane.tracker, lane.skipped, lane.pos
+    g, b, iv = lane.growth, lane.backoff, lane.interval
 
     def grown(x: float, times: int) -> float:
         for _ in range(times):
@@ -57,10 +124,9 @@ def run_one(m, k: int) -> None:
     look = t + PRUNE_EVERY
     while t < n:
         if t >= look:
-            m.scale[k], m.tracker[k], m.sk[k], m.pos[k] = s, tr, sk, t
-            m.prune(np.array([k]))
-            if not m.active[k]:
-                return
+            lane.scale, lane.tracker, lane.skipped, lane.pos = s, tr, sk, t
+            if not keep(lane):
+                return False
             look = t + PRUNE_EVERY
         if t % block == 0 and t + block <= n:
             last = grown(s, (tr + block - 1) // iv)  # the largest scale in force within the block
@@ -80,15 +146,17 @@ def run_one(m, k: int) -> None:
             skip = False
         else:
             skip = s > thr[t]
-        j = hcol.get(t)
-        if j is not None:
-            h_scale[j], h_skip[j] = s, skip
+        col = hcol.get(t)
+        if col is not None:
+            h_scale[col], h_skip[col] = s, skip
         if skip:
             s, tr, sk = _f32(s * b), 0, sk + 1
+            if skips is not None:
+                skips.append(t)
         else:
             tr += 1
             if tr >= iv:
                 s, tr = grown(s, 1), 0
         t += 1
-    m.scale[k], m.tracker[k], m.sk[k], m.pos[k] = s, tr, sk, t
-    m.active[k] = False
+    lane.scale, lane.tracker, lane.skipped, lane.pos = s, tr, sk, t
+    return True
