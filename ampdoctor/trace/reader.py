@@ -14,11 +14,10 @@ import copy
 import os
 import sqlite3
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import numpy as np
 import numpy.typing as npt
-import pandas as pd
 
 from . import bulk, checks, files, schema
 from . import steps as steps_table
@@ -34,7 +33,35 @@ T = TypeVar("T")
 if TYPE_CHECKING:  # (typing names past Python 3.9: for the type checker only)
     from typing import Self, TypeVarTuple, Unpack
 
+    import pandas as pd  # (imported where a frame is made: `ampdoctor info` starts without pandas)
+
     Args = TypeVarTuple("Args")
+
+
+class SiteRow(NamedTuple):
+    """A row of the sites table (``Trace.site_rows``)."""
+
+    id: int
+    path: str
+    module: str
+    kind: str
+    module_type: str | None
+    dtype: str | None
+    shape: str | None
+    first_step: int
+
+
+class EventRow(NamedTuple):
+    """A row of the events table with its site's path and kind (``Trace.event_rows``); ``data`` parsed."""
+
+    step: int
+    kind: str
+    site: int | None
+    path: str | None
+    site_kind: str | None
+    phase: str | None
+    message: str | None
+    data: dict[str, Any]
 
 
 class Trace:
@@ -152,7 +179,7 @@ class Trace:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Trace({self.path!r}, steps={self.n_steps}, sites={len(self.sites())})"
+        return f"Trace({self.path!r}, steps={self.n_steps}, sites={self.n_sites})"
 
     def _repr_html_(self) -> str:  # notebooks: the `ampdoctor info` summary (ampdoctor/notebook.py)
         from ..notebook import trace_html
@@ -195,6 +222,14 @@ class Trace:
 
     def sites(self, kind: str | None = None) -> pd.DataFrame:
         """Observed sites: id, path, module, kind, module_type, dtype, shape, first_step."""
+        import pandas as pd
+
+        df = pd.DataFrame(self.site_rows(kind), columns=list(SiteRow._fields))
+        df["id"] = df["id"].astype(np.int64)  # (an empty table's columns would be objects)
+        return df
+
+    def site_rows(self, kind: str | None = None) -> list[SiteRow]:
+        """The sites as rows (``sites`` without the frame: what ``info`` reads, without importing pandas)."""
         sql = "SELECT id, path, module, kind, module_type, dtype, shape, first_step FROM sites"
         args: tuple[str, ...] = ()
         if kind is not None:
@@ -204,12 +239,12 @@ class Trace:
         rows = self.query(sql + " ORDER BY id", args)
         if any(not isinstance(r[0], int) or not isinstance(r[1], str) or not isinstance(r[2], str) for r in rows):
             raise TraceError(f"{self.path}: corrupt trace (a site without an integer id, a path or a module)")
-        df = pd.DataFrame(rows, columns=["id", "path", "module", "kind", "module_type", "dtype", "shape", "first_step"])
-        df["id"] = df["id"].astype(np.int64)  # (an empty table's columns would be objects)
-        return df
+        return [SiteRow(*r) for r in rows]
 
     def metrics(self, name: str | None = None) -> pd.DataFrame:
         """Logged scalars (log_metric): step, name, value, time."""
+        import pandas as pd
+
         self._check_table("metrics")
         sql = "SELECT step, name, value, time FROM metrics"
         args: tuple[str, ...] = ()
@@ -224,6 +259,8 @@ class Trace:
         path, module_type, calls, k (terms per output element), numel, dtype (of the half-precision output),
         rel_err (norm-wise relative error against the FP32 recomputation), max_err (max |error| / max |FP32 output|),
         ref_norm, ref_absmax. Empty for a run without probes (and for traces written before the table existed)."""
+        import pandas as pd
+
         cols = ["step", "site", "path", "module_type", "calls", "k", "numel", "dtype", *schema.PROBE_FIELDS]
         if not self._has("probes"):
             return pd.DataFrame(columns=cols)
@@ -240,6 +277,19 @@ class Trace:
 
     def events(self, kind: str | None = None) -> pd.DataFrame:
         """Events (e.g. kind "nonfinite": where the first NaN/Inf of a step came from), with the site path."""
+        import pandas as pd
+
+        rows = self._event_query(kind)
+        df = pd.DataFrame(rows, columns=list(EventRow._fields))
+        df["data"] = self.checked(lambda: [_event_data(d) for d in df["data"]])
+        return df
+
+    def event_rows(self, kind: str | None = None) -> list[EventRow]:
+        """The events as rows (``events`` without the frame: what ``info`` reads, without importing pandas)."""
+        rows = self._event_query(kind)
+        return self.checked(lambda: [EventRow._make((*r[:7], _event_data(r[7]))) for r in rows])
+
+    def _event_query(self, kind: str | None) -> list[tuple[Any, ...]]:
         self._check_table("events")
         sql = (
             "SELECT e.step, e.kind, e.site, s.path, s.kind, e.phase, e.message, e.data FROM events e "
@@ -248,10 +298,7 @@ class Trace:
         args: tuple[str, ...] = ()
         if kind is not None:
             sql, args = sql + " WHERE e.kind = ?", (kind,)
-        rows = self.query(sql + " ORDER BY e.id", args)
-        df = pd.DataFrame(rows, columns=["step", "kind", "site", "path", "site_kind", "phase", "message", "data"])
-        df["data"] = self.checked(lambda: [_event_data(d) for d in df["data"]])
-        return df
+        return self.query(sql + " ORDER BY e.id", args)
 
     def full_steps(self) -> np.ndarray:
         """Steps that have full statistics."""
@@ -377,6 +424,8 @@ _NAN_TEXT = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}  # how the writer st
 
 def _numbers(col: pd.Series) -> pd.Series:
     """A column of numbers (NULL: NaN, the writer's 'nan' text: NaN); anything else is a malformed trace."""
+    import pandas as pd
+
     if not pd.api.types.is_numeric_dtype(col):  # object, or pandas' string dtype when all are text
         col = col.astype(object).map(lambda v: _NAN_TEXT.get(v, v) if isinstance(v, str) else v)
     return pd.to_numeric(col, errors="raise")

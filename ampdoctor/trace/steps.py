@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import numpy.typing as npt
-import pandas as pd
 
 from . import blocks, checks, schema
 
@@ -49,6 +48,8 @@ _OTHER_GROUPS = re.compile(r" *,[^\n]*\]")  # ", x, y]" after a list's first num
 if TYPE_CHECKING:  # (typing names past Python 3.9: for the type checker only)
     from typing import TypeAlias
 
+    import pandas as pd  # (imported by ``read``: the arrays of ``columns`` need no pandas)
+
     # every group's learning rate of one step, as recorded (None: a JSON null)
     Groups: TypeAlias = list[float | None]
 
@@ -58,6 +59,8 @@ def read(conn: sqlite3.Connection, lr_groups: bool = True) -> pd.DataFrame:
     (every group's, as recorded) unless ``lr_groups`` is False. Run inside one read transaction (Trace.snapshot).
     Without ``lr_groups`` the steps the writer packed into blocks (trace.blocks) are read from there, the others
     from the rows."""
+    import pandas as pd
+
     numbers, reasons, groups = columns(conn, lr_groups)
     n = len(numbers)
     df = pd.DataFrame({"step": np.arange(n, dtype=np.int64)})
