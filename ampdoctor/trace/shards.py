@@ -291,7 +291,7 @@ class ShardView(Trace):
     def __init__(self, trace: Trace, combined: Combined, rank: int):  # (no Trace.__init__: the file is open)
         self.path = trace.path
         self._conn = trace._conn
-        self._snapshot_depth = 0
+        self._snapshot_depth, self._counted = 0, None  # (its own snapshot is the rank's: no count kept here)
         self._full_check = trace._full_check  # how the rank's file is checked (whole at open, or as read) ...
         self._checked_rows = trace._checked_rows  # ... and, as read, how far its small tables are (shared)
         self._own = trace
