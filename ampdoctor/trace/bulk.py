@@ -204,7 +204,8 @@ def _hists(rows: list[tuple[Any, ...]]) -> Hists:
         raise checks.Invalid("a histogram row without int64 counts")
     n //= 8
     step_a, site_a, lo_a = ints
-    counts = np.frombuffer(b"".join(blobs), dtype="<i8").astype(np.int64)
+    # read-only, and no copy where int64 is little-endian (every platform numpy ships for): nothing writes into it
+    counts = np.frombuffer(b"".join(blobs), dtype="<i8").astype(np.int64, copy=False)
     if (lo_a < HIST_LO).any() or (lo_a + n - 1 > HIST_HI).any() or (counts < 0).any():
         raise checks.Invalid(f"a histogram spans binades outside {HIST_LO}..{HIST_HI} or holds negative counts")
     return Hists(step_a, site_a, lo_a, np.concatenate(([0], np.cumsum(n))), counts)
