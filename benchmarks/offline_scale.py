@@ -8,8 +8,10 @@ those the code before the rework gave (benchmarks/results/findings-20k-before.js
 with the anomaly replay and FSDP rules, without this rework; its `diagnose --json` took 34 s CPU, 6 min wall).
 
 Run: .venv/bin/python benchmarks/offline_scale.py [--traces 1M,20k,wide,sparse] [--cache DIR] [--before DIR]
-[--json OUT]. Generated traces are kept in --cache (default $TMPDIR/ampdoctor-bench; the 10^6-step one is 2.1 GB and
-takes ~10 minutes to write the first time).
+[--commands diagnose,info,report] [--repeat N] [--json OUT]. ``--repeat N`` measures each command N times, now and
+before interleaved, and prints the medians (a loaded machine's figures vary by tens of percent from run to run).
+Generated traces are kept in --cache (default $TMPDIR/ampdoctor-bench; the 10^6-step one is 2.2 GB and takes ~10
+minutes to write the first time).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ try:
 except SystemExit as exc:
     rc = exc.code
 ru = resource.getrusage(resource.RUSAGE_SELF)
-sys.stderr.write(f"\\nMEASURED {ru.ru_maxrss} {ru.ru_utime + ru.ru_stime} {rc}\\n")
+sys.stderr.write(f"\\nMEASURED {ru.ru_maxrss} {ru.ru_utime + ru.ru_stime} {rc} {ru.ru_utime} {ru.ru_stime}\\n")
 """
 
 
@@ -74,11 +76,13 @@ def measure(argv: list, pythonpath: str, timeout: float) -> dict:
         except subprocess.TimeoutExpired as exc:
             wall, timed_out, err, out = time.perf_counter() - t0, True, str(exc.stderr or ""), ""
     got = [ln for ln in err.splitlines() if ln.startswith("MEASURED ")]
-    rss_kb, cpu, rc = got[-1].split()[1:] if got else ("nan", "nan", "nan")
+    rss_kb, cpu, rc, user, system = got[-1].split()[1:] if got else ("nan",) * 5
     text = [ln for ln in (out + err).splitlines() if ln.strip() and not ln.startswith("MEASURED ")]
     return {
         "wall_s": wall,
         "cpu_s": float(cpu),
+        "user_s": float(user),  # (the system part is mostly page faults: memory first touched)
+        "system_s": float(system),
         "rss_mb": float(rss_kb) / 1024,
         "rc": int(rc) if rc not in ("nan", "None") else (0 if rc == "None" else -1),
         "timed_out": timed_out,
@@ -102,6 +106,18 @@ def calibrate(path: str) -> float:
     return float(out.stdout)
 
 
+def median(runs: list[dict]) -> dict:
+    """Per figure, the median of the runs (the exit code and the output: the last run's)."""
+    out = dict(runs[-1])
+    for key in ("wall_s", "cpu_s", "user_s", "system_s", "rss_mb"):
+        values = sorted(r[key] for r in runs)
+        mid = len(values) // 2
+        out[key] = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+    out["timed_out"] = any(r["timed_out"] for r in runs)
+    out["runs"] = runs if len(runs) > 1 else None
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--traces", default="1M,20k,wide,sparse")
@@ -109,6 +125,13 @@ def main() -> None:
     ap.add_argument("--before", help="a checkout of the code to compare with (its ampdoctor/ on PYTHONPATH)")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--commands", default=",".join(COMMANDS), help="of diagnose,info,report")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="measure each command this many times, now and before interleaved; the figures are the medians",
+    )
     args = ap.parse_args()
     names = args.traces.split(",")
     paths = {}
@@ -131,14 +154,20 @@ def main() -> None:
     )
     rows, figures = [], []
     for name, path in paths.items():
-        for cmd in COMMANDS:
+        for cmd in args.commands.split(","):
             if name == "sparse" and cmd != "diagnose":
                 continue
-            with tempfile.TemporaryDirectory() as d:
-                argv = [cmd, path] + (["-o", os.path.join(d, "r.html")] if cmd == "report" else [])
-                now = measure(argv, ROOT, args.timeout)
-                size = os.path.getsize(os.path.join(d, "r.html")) / 1e6 if cmd == "report" and now["rc"] == 0 else None
-                before = measure(argv, os.path.abspath(args.before), args.timeout) if args.before else None
+            nows, befores, size = [], [], None
+            for _ in range(args.repeat):
+                with tempfile.TemporaryDirectory() as d:
+                    argv = [cmd, path] + (["-o", os.path.join(d, "r.html")] if cmd == "report" else [])
+                    nows.append(measure(argv, ROOT, args.timeout))
+                    if cmd == "report" and nows[-1]["rc"] == 0:
+                        size = os.path.getsize(os.path.join(d, "r.html")) / 1e6
+                    if args.before:
+                        befores.append(measure(argv, os.path.abspath(args.before), args.timeout))
+            now = median(nows)
+            before = median(befores) if befores else None
             target = TARGETS.get((name, cmd), (None, None))
             ok = (
                 now["rc"] == 0
@@ -146,7 +175,8 @@ def main() -> None:
                 and (target[1] is None or now["rss_mb"] <= target[1])
             )
             line = (
-                f"{name:6s} {cmd:8s} wall {now['wall_s']:7.2f} s  cpu {now['cpu_s']:7.2f} s  "
+                f"{name:6s} {cmd:8s} wall {now['wall_s']:7.2f} s  cpu {now['cpu_s']:7.2f} s "
+                f"(user {now['user_s']:.2f})  "
                 f"rss {now['rss_mb']:7.0f} MB"
                 + (f"  html {size:.1f} MB" if size is not None else "")
                 + f"  target {target[0] or '-'} s / {target[1] or '-'} MB: {'ok' if ok else 'MISSED'}"
@@ -154,7 +184,8 @@ def main() -> None:
             )
             if before is not None:
                 line += (
-                    f"  | before: cpu {before['cpu_s']:.1f} s, rss {before['rss_mb']:.0f} MB"
+                    f"  | before: cpu {before['cpu_s']:.1f} s (user {before['user_s']:.2f}), "
+                    f"rss {before['rss_mb']:.0f} MB"
                     + (" (timed out)" if before["timed_out"] else "")
                     + f", cpu ratio {before['cpu_s'] / max(now['cpu_s'], 1e-9):.1f}x"
                 )

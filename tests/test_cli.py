@@ -132,6 +132,48 @@ def test_help_and_version_load_only_the_command_line():
     assert r.stdout.strip().splitlines()[-1] == "['ampdoctor.cli', 'ampdoctor.commands', 'ampdoctor.commands.common']"
 
 
+def _ranks_of(path: str, folder) -> str:
+    """Two ranks of one run: copies of a trace with rank 0 / 1 of world size 2 in their run metadata."""
+    import shutil
+
+    for rank in (0, 1):
+        copy = str(folder / f"rank{rank}.db")
+        shutil.copyfile(path, copy)
+        with sqlite3.connect(copy) as conn:
+            run = json.loads(conn.execute("SELECT value FROM meta WHERE key = 'run'").fetchone()[0])
+            run.update(rank=rank, world_size=2, run_id="job")
+            conn.execute("UPDATE meta SET value = ? WHERE key = 'run'", (json.dumps(run),))
+        conn.close()
+    return str(folder)
+
+
+def test_info_starts_without_pandas_or_torch(skipping_trace, tmp_path):
+    """`ampdoctor info` in a fresh interpreter imports neither pandas (~0.4-0.7 s of a start) nor torch: on a trace
+    with skips and non-finite events, a trace of format 1 (its steps read from the rows) and one run's ranks; what it
+    prints is the full summary all the same."""
+    import shutil
+
+    v1 = str(tmp_path / "v1.db")
+    shutil.copyfile(os.path.join(ROOT, "tests", "data", "v1-fp16-run.db"), v1)
+    (tmp_path / "ranks").mkdir()
+    ranks = _ranks_of(skipping_trace, tmp_path / "ranks")
+    code = (
+        "import sys; from ampdoctor.cli import main\n"
+        f"for spec in {[skipping_trace, v1, ranks]!r}:\n"
+        "    assert main(['info', spec]) == 0\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'pandas', 'pyarrow', 'torch'}))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.splitlines()
+    assert out[-1] == "[]"
+    assert "skipped    10 step(s): 0-9" in out and "sites      act 8, grad_out 8, param_grad 8, weight 8" in out
+    assert any(line.startswith("non-finite 10 step(s); first at step 0: 6 (grad_out), bwd phase, inf") for line in out)
+    assert sum(line.startswith("steps      40 recorded") for line in out) == 1  # the v1 trace
+    rows = [line.split() for line in out if re.match(r" +[01] +20 ", line)]  # rank, steps, skipped, non-finite, ...
+    assert [row[:4] for row in rows] == [["0", "20", "10", "10"], ["1", "20", "10", "10"]]
+
+
 def test_a_command_that_fails_to_import_fails_loudly():
     """A broken command module is a traceback naming it, never a command quietly missing from --help."""
     code = (

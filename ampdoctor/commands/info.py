@@ -4,9 +4,13 @@ directory or glob of one run's ranks, the ranks side by side."""
 from __future__ import annotations
 
 import argparse
+import math
+from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ..precision_label import describe_precision
 from ..trace import load, shards
@@ -27,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     tr = load(args.trace)
     meta, cfg = tr.meta, tr.config
     st = tr.checked(summarize, tr)  # the steps as numbers (the writer's blocks): no Python object per value
-    sites = tr.sites()
+    sites = tr.site_rows()
     run = meta.get("run", {})
     print(f"trace      {args.trace}")
     print(
@@ -43,9 +47,9 @@ def run(args: argparse.Namespace) -> int:
     cost = cost_line(st)
     if cost:
         print(f"overhead   {cost}")
-    kinds = sites.groupby("kind").size().to_dict() if len(sites) else {}
+    kinds = _counts(s.kind for s in sites)
     print("sites      " + (", ".join(f"{k} {v}" for k, v in kinds.items()) or "none"))
-    dtypes = sites.groupby("dtype").size().to_dict() if len(sites) else {}
+    dtypes = _counts(s.dtype for s in sites)
     print("dtypes     " + (", ".join(f"{k} ({v} sites)" for k, v in dtypes.items()) or "-"))
     ac = cfg.get("autocast", {})
     print("precision  " + describe_precision(cfg))
@@ -82,32 +86,49 @@ def run(args: argparse.Namespace) -> int:
             print(line)
         elif tr.config.get("loss_dtype"):  # a loss was seen (its dtype is recorded), never finite
             print(f"loss       not finite at any of the {st.steps} step(s)")
-    ev = tr.events("nonfinite")
-    if len(ev):
-        first = ev.iloc[0]
-        where = f"{first['path']} ({first['site_kind']})" if first["path"] else "the loss"
+    ev = tr.event_rows("nonfinite")
+    if ev:
+        first = ev[0]
+        where = f"{first.path} ({first.site_kind})" if first.path else "the loss"
         print(
-            f"non-finite {len(ev)} step(s); first at step {int(first['step'])}: {where}, {first['phase']} "
-            f"phase, {first['data'].get('value', '?')} — {first['message']}"
+            f"non-finite {len(ev)} step(s); first at step {int(first.step)}: {where}, {first.phase} "
+            f"phase, {first.data.get('value', '?')} — {first.message}"
         )
-    unknown = tr.events("nonfinite_unknown")
-    if len(unknown):
+    unknown = tr.event_rows("nonfinite_unknown")
+    if unknown:
         print(
             f"non-finite {len(unknown)} step(s) of unknown origin (observed by the sentinel only): "
-            f"{ranges(unknown['step'].astype(int).tolist())}"
+            f"{ranges([int(e.step) for e in unknown])}"
         )
-    elif not len(ev):
+    elif not ev:
         print("non-finite none")
-    wev = tr.events("nonfinite_weights")
-    if len(wev):
-        first = wev.iloc[0]
-        names = ", ".join(first["data"].get("params", [])[:3])
-        more = ", ..." if first["data"].get("count", 0) > 3 else ""
+    wev = tr.event_rows("nonfinite_weights")
+    if wev:
+        first = wev[0]
+        names = ", ".join(first.data.get("params", [])[:3])
+        more = ", ..." if first.data.get("count", 0) > 3 else ""
         print(
-            f"weights    NaN/Inf after the optimizer step of step {int(first['step'])}: "
-            f"{first['data'].get('count', '?')} tensor(s) ({names}{more})"
+            f"weights    NaN/Inf after the optimizer step of step {int(first.step)}: "
+            f"{first.data.get('count', '?')} tensor(s) ({names}{more})"
         )
     return EXIT_OK
+
+
+def _flagged(flags: npt.NDArray[np.float64]) -> int:
+    """Steps whose flag is set (a missing flag: not set)."""
+    return int(np.count_nonzero(flags[~np.isnan(flags)]))
+
+
+def _median(values: npt.NDArray[np.float64]) -> float:
+    """The median of the recorded values (NaN: none recorded)."""
+    known = values[~np.isnan(values)]
+    return float(np.median(known)) if len(known) else math.nan
+
+
+def _counts(values: Iterable[str | None]) -> dict[str, int]:
+    """value -> how many, in the values' sorted order; missing values (None) not counted."""
+    counts = Counter(v for v in values if v is not None)
+    return dict(sorted(counts.items()))
 
 
 def info_ranks(spec: str) -> int:
@@ -133,16 +154,16 @@ def info_ranks(spec: str) -> int:
             f"{'step time':>10s} {'data wait':>10s} {'loss last':>10s}  host / trace"
         )
         for rank, tr in rr.items():
-            st = tr.steps(lr_groups=False)
+            st = tr.step_columns()  # (arrays from the writer's step blocks: no frame, no learning-rate JSON)
             host = (tr.meta.get("run", {}) or {}).get("host", "?")
-            scale = st["loss_scale_next"].dropna()
-            loss = st["loss"].replace([np.inf, -np.inf], np.nan).dropna()
+            scale = st["loss_scale_next"][~np.isnan(st["loss_scale_next"])]
+            loss = st["loss"][np.isfinite(st["loss"])]
             print(
-                f"{rank:>4d} {len(st):>6d} {int(st['skipped'].sum()):>8d} {int(st['nonfinite'].sum()):>10d} "
-                f"{approx(float(scale.iloc[-1]) if len(scale) else None):>10s} "
-                f"{approx(float(st['step_time'].median()) if len(st) else None, ' s'):>10s} "
-                f"{approx(float(st['data_time'].median()) if len(st) else None, ' s'):>10s} "
-                f"{approx(float(loss.iloc[-1]) if len(loss) else None):>10s}  {host} {tr.path}"
+                f"{rank:>4d} {len(st['step']):>6d} {_flagged(st['skipped']):>8d} {_flagged(st['nonfinite']):>10d} "
+                f"{approx(float(scale[-1]) if len(scale) else None):>10s} "
+                f"{approx(_median(st['step_time']) if len(st['step']) else None, ' s'):>10s} "
+                f"{approx(_median(st['data_time']) if len(st['step']) else None, ' s'):>10s} "
+                f"{approx(float(loss[-1]) if len(loss) else None):>10s}  {host} {tr.path}"
             )
         for line in fsdp_lines(cfg, None, None):
             print(line)

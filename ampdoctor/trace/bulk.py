@@ -22,14 +22,16 @@ N_BINADES = HIST_HI - HIST_LO + 1
 PEAK_CHUNK_VALUES = 1 << 20  # float32 peaks decoded at a time (4 MB), whatever the number of sites
 
 
-def check_steps(conn: sqlite3.Connection, table: str, n_steps: int | None = None) -> None:
+def check_steps(conn: sqlite3.Connection, table: str, recorded: int | None = None) -> None:
     """Every row of ``table`` (keyed by step first) names a recorded step: its smallest and largest step, two index
     seeks, against the steps recorded as of the same read (a trace being written commits a step's rows with the step;
-    a text or real step sorts apart from the integers: it shows there, or among the distinct steps)."""
+    a text or real step sorts apart from the integers: it shows there, or among the distinct steps). ``recorded``:
+    the steps the caller counted in the read transaction this runs in (None: counted here, ~0.05 s at 10^6 steps)."""
     # one aggregate per query: SQLite answers a lone min() or max() from the index, both together by a scan
     lo = conn.execute(f"SELECT min(step) FROM {table}").fetchone()[0]
     hi = conn.execute(f"SELECT max(step) FROM {table}").fetchone()[0]
-    n = conn.execute("SELECT count(*) FROM steps").fetchone()[0]  # after: a step committed meanwhile only adds
+    # after: a step committed meanwhile only adds
+    n = recorded if recorded is not None else conn.execute("SELECT count(*) FROM steps").fetchone()[0]
     for v in (lo, hi):
         if v is not None and not (isinstance(v, int) and 0 <= v < n):
             raise checks.Invalid(f"table {table}: column step holds {v!r:.20}: not a recorded step")
@@ -37,7 +39,8 @@ def check_steps(conn: sqlite3.Connection, table: str, n_steps: int | None = None
 
 def distinct_steps(conn: sqlite3.Connection, table: str, n_steps: int) -> np.ndarray:
     """The steps that have rows in ``table`` (stats or hists: keyed by (step, site)), found by one index seek per
-    distinct step: ~12,000 seeks for a 10^6-step run, not a scan of its 10^7 rows."""
+    distinct step: ~12,000 seeks for a 10^6-step run, not a scan of its 10^7 rows. ``n_steps``: the steps recorded,
+    counted in the caller's read transaction."""
     check_steps(conn, table, n_steps)
     rows = conn.execute(
         f"WITH RECURSIVE d(s) AS (SELECT (SELECT min(step) FROM {table}) UNION ALL "
@@ -167,7 +170,8 @@ def hists_at(conn: sqlite3.Connection, steps: np.ndarray, n_sites: int, ids: np.
 
 def hists_of(conn: sqlite3.Connection, site: int, n_sites: int, n_steps: int) -> Hists:
     """Every histogram of one site: one index seek per histogram step (the table is keyed by step, then site), and
-    two more for the smallest and largest site of that step (a row of no site: the file is corrupt)."""
+    two more for the smallest and largest site of that step (a row of no site: the file is corrupt). ``n_steps``:
+    the steps recorded, counted in the caller's read transaction."""
     check_steps(conn, "hists", n_steps)
     rows = conn.execute(
         "WITH RECURSIVE d(s) AS (SELECT (SELECT min(step) FROM hists) UNION ALL "
@@ -189,31 +193,30 @@ def _hists(rows: list[tuple[Any, ...]]) -> Hists:
         z = np.zeros(0, dtype=np.int64)
         return Hists(z, z, z, np.zeros(1, dtype=np.int64), z)
     steps, sites, lo, blobs = zip(*rows)
-    if not all(isinstance(v, int) for v in steps + sites + lo) or not all(isinstance(b, bytes) for b in blobs):
+    # the integers' types checked by numpy's reading of them (a tuple of Python ints, and only that, reads as int64;
+    # a real, a text or an integer past 64 bits does not), the BLOBs' by their lengths
+    ints = [np.array(v) for v in (steps, sites, lo)]
+    sizes = [len(b) if isinstance(b, bytes) else -1 for b in blobs]
+    if any(a.dtype != np.int64 for a in ints) or min(sizes) < 0:
         raise checks.Invalid("a histogram row without an integer step, site and binade and int64 counts")
-    n = np.fromiter((len(b) for b in blobs), dtype=np.int64, count=len(blobs))
+    n = np.array(sizes, dtype=np.int64)
     if (n % 8).any() or (n == 0).any():
         raise checks.Invalid("a histogram row without int64 counts")
     n //= 8
-    lo_a = np.array(lo, dtype=np.int64)
-    counts = np.frombuffer(b"".join(blobs), dtype="<i8").astype(np.int64)
+    step_a, site_a, lo_a = ints
+    # read-only, and no copy where int64 is little-endian (every platform numpy ships for): nothing writes into it
+    counts = np.frombuffer(b"".join(blobs), dtype="<i8").astype(np.int64, copy=False)
     if (lo_a < HIST_LO).any() or (lo_a + n - 1 > HIST_HI).any() or (counts < 0).any():
         raise checks.Invalid(f"a histogram spans binades outside {HIST_LO}..{HIST_HI} or holds negative counts")
-    return Hists(
-        np.array(steps, dtype=np.int64),
-        np.array(sites, dtype=np.int64),
-        lo_a,
-        np.concatenate(([0], np.cumsum(n))),
-        counts,
-    )
+    return Hists(step_a, site_a, lo_a, np.concatenate(([0], np.cumsum(n))), counts)
 
 
 def peak_chunks(
-    conn: sqlite3.Connection, n_steps: int, width: int
+    conn: sqlite3.Connection, n_steps: int, width: int, recorded: int | None = None
 ) -> Iterator[tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]]:
     """The peaks rows of steps 0 .. n_steps - 1 in step order, as (steps, float32 [k x width]) chunks (-1: a site not
-    observed, or beyond the row's sites)."""
-    check_steps(conn, "peaks", n_steps)
+    observed, or beyond the row's sites); ``recorded`` as for check_steps."""
+    check_steps(conn, "peaks", recorded)
     cur = conn.execute("SELECT step, data FROM peaks WHERE step >= 0 AND step < ? ORDER BY step", (n_steps,))
     per = max(16, PEAK_CHUNK_VALUES // max(width, 1))
     while True:

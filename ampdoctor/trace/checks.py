@@ -250,7 +250,11 @@ def check_values(
 
 def _dense(conn: sqlite3.Connection, table: str, col: str) -> int:
     """Rows of a table whose integer key must run 0, 1, ... without gaps (its INTEGER PRIMARY KEY: unique)."""
-    n, lo, hi = conn.execute(f"SELECT count(*), min({col}), max({col}) FROM {table}").fetchone()
+    # three queries: SQLite answers a lone min() or max() of the key by one seek, and count(*) by walking the table's
+    # pages without decoding its rows; all three in one query read every row (~0.2 s at 10^6 steps)
+    n = conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+    lo = conn.execute(f"SELECT min({col}) FROM {table}").fetchone()[0]
+    hi = conn.execute(f"SELECT max({col}) FROM {table}").fetchone()[0]
     if n and (lo != 0 or hi != n - 1):
         raise Invalid(f"table {table}: {col} runs {lo}..{hi} over {n} rows, not 0..{n - 1}")
     return int(n)  # (count(*): an int)

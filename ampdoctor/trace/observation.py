@@ -4,16 +4,18 @@ step blocks however long the run). Offline side: no torch."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
-import pandas as pd
 
 from . import schema
 
 if TYPE_CHECKING:
+    import pandas as pd  # (the frames' callers have it: `ampdoctor info` starts without pandas)
+
     from .reader import Trace
 
 _LEVEL_NAMES: dict[float, str] = {
@@ -50,12 +52,7 @@ def summarize(trace: Trace) -> Summary:
     levels = {int(v) if float(v).is_integer() else float(v): int(c) for v, c in zip(lv, k)}
     if n - int(seen.sum()):
         levels[schema.LEVEL_SENTINEL] = n - int(seen.sum())
-    codes, names = pd.factorize(st["reason"], use_na_sentinel=True)  # (a trace without reasons: all missing)
-    counts = np.bincount(codes[codes >= 0], minlength=len(names))
-    firsts = np.full(len(names), n, dtype=np.int64)
-    np.minimum.at(firsts, codes[codes >= 0], step[codes >= 0])
-    reasons = {str(r): int(c) for r, c in zip(names, counts)}
-    first_seen = {str(r): int(f) for r, f in zip(names, firsts)}
+    reasons, first_seen = _tally(st["reason"], step)
     order = sorted(reasons, key=lambda r: (-reasons[r], first_seen[r]))
     scale = _first_last(step, st["loss_scale"])
     nxt = _first_last(step, st["loss_scale_next"])
@@ -79,6 +76,23 @@ def summarize(trace: Trace) -> Summary:
         loss=loss,
         lr_last=None if np.isnan(lr) else float(lr),
     )
+
+
+def _tally(reasons: npt.NDArray[np.object_], step: npt.NDArray[np.int64]) -> tuple[dict[str, int], dict[str, int]]:
+    """reason -> steps, and reason -> its first step (None: no reason recorded, not counted). Most steps' reason is
+    "sentinel": counted at once, the others (a step in ten or so) by one Counter."""
+    common = reasons == "sentinel"
+    counts: dict[str, int] = {}
+    first: dict[str, int] = {}
+    if common.any():
+        counts["sentinel"], first["sentinel"] = int(common.sum()), int(step[np.argmax(common)])
+    others = np.flatnonzero(~common)
+    names, at = reasons[others].tolist(), step[others].tolist()
+    firsts: dict[str | None, int] = dict(zip(reversed(names), reversed(at)))  # a name's last write: its first step
+    for name, k in Counter(names).items():
+        if name is not None:  # (steps without a reason)
+            counts[name], first[name] = k, firsts[name]
+    return counts, first
 
 
 def _first_last(step: npt.NDArray[np.int64], values: npt.NDArray[np.float64]) -> dict[str, Any] | None:

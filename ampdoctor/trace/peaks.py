@@ -160,10 +160,10 @@ def scan(
             over += edge.overflows(vals).sum(axis=0)  # NaN and -1 (not observed) do not
             fin = np.where(seen & ~nonfinite, vals, -np.inf)
         top = fin.max(axis=0).astype(np.float64)
-        row = fin.argmax(axis=0)
-        better = top > site_max
-        site_max[better] = top[better]
-        site_arg[better] = st[row[better]]
+        better = np.flatnonzero(top > site_max)  # (after the first chunks: few sites, if any)
+        if len(better):
+            site_max[better] = top[better]
+            site_arg[better] = st[_first_row(fin[:, better] == top[better].astype(np.float32))]
         for g, cols in take.items():
             bad[g].append(nonfinite[:, cols].any(axis=1))
             unseen[g].append(~(seen | nonfinite)[:, cols].all(axis=1))
@@ -187,6 +187,21 @@ def scan(
         ratio=cat(ratios, np.float64) if ratio is not None else None,
         windows=win.finish() if win is not None else None,
     )
+
+
+def _first_row(hit: npt.NDArray[np.bool_]) -> npt.NDArray[np.int64]:
+    """Per column, the first row that is True (one must be): ``argmax(axis=0)`` as a reduction over the rows, which
+    numpy runs along the contiguous rows (argmax along axis 0 of a row-major array is several times slower)."""
+    rows = np.arange(len(hit), dtype=np.int64)[:, None]
+    first: npt.NDArray[np.int64] = np.where(hit, rows, len(hit)).min(axis=0)
+    return first
+
+
+def _last_row(hit: npt.NDArray[np.bool_]) -> npt.NDArray[np.int64]:
+    """Per column, the last row that is True; -1 where none is."""
+    rows = np.arange(len(hit), dtype=np.int64)[:, None]
+    last: npt.NDArray[np.int64] = np.where(hit, rows, -1).max(axis=0)
+    return last
 
 
 def _columns(ids: np.ndarray) -> slice | npt.NDArray[np.int64]:
@@ -251,21 +266,26 @@ class _WindowState:
                     part = a[a0:b0]
                     self.wmax[h][i] = np.fmax(self.wmax[h][i], np.nanmax(part, axis=0, initial=-np.inf))
                     self.count[h][i] += (~np.isnan(part)).sum(axis=0)
-        # queries at or before this chunk's last step: every row before them has been seen now
-        end = np.searchsorted(q, st[-1], side="right")
-        if end > self.done:
-            idx = np.maximum.accumulate(np.where(np.isnan(a), -1, np.arange(len(st))[:, None]), axis=0)
-            cols = np.arange(a.shape[1])
-            for i in range(self.done, end):
-                rows = np.searchsorted(st, q[i])  # rows of this chunk before the query
-                got = idx[rows - 1] if rows else np.full(len(cols), -1)
-                self.last[i] = np.where(got >= 0, a[np.maximum(got, 0), cols], self.running)
-            self.done = end
+        # queries at or before this chunk's last step: every row before them has been seen now; the running last
+        # value is carried over the rows up to each query in turn, then over the rest of the chunk
         have = ~np.isnan(a)
-        if have.any():
-            lastrow = len(st) - 1 - have[::-1].argmax(axis=0)
-            ok = have.any(axis=0)
-            self.running[ok] = a[lastrow[ok], np.flatnonzero(ok)]
+        end = np.searchsorted(q, st[-1], side="right")
+        upto = 0  # rows of this chunk carried into self.running
+        for i in range(self.done, end):
+            rows = int(np.searchsorted(st, q[i]))  # rows of this chunk before the query
+            if rows > upto:
+                self._carry(a[upto:rows], have[upto:rows])
+                upto = rows
+            self.last[i] = self.running
+        self.done = max(self.done, int(end))
+        if len(st) > upto:
+            self._carry(a[upto:], have[upto:])
+
+    def _carry(self, a: np.ndarray, have: npt.NDArray[np.bool_]) -> None:
+        """The running last value per column after rows ``a`` (``have``: where a row holds one)."""
+        last = _last_row(have)
+        ok = np.flatnonzero(last >= 0)
+        self.running[ok] = a[last[ok], ok]
 
     def finish(self) -> Windows:
         s = self.spec

@@ -14,11 +14,10 @@ import copy
 import os
 import sqlite3
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import numpy as np
 import numpy.typing as npt
-import pandas as pd
 
 from . import bulk, checks, files, schema
 from . import steps as steps_table
@@ -34,7 +33,35 @@ T = TypeVar("T")
 if TYPE_CHECKING:  # (typing names past Python 3.9: for the type checker only)
     from typing import Self, TypeVarTuple, Unpack
 
+    import pandas as pd  # (imported where a frame is made: `ampdoctor info` starts without pandas)
+
     Args = TypeVarTuple("Args")
+
+
+class SiteRow(NamedTuple):
+    """A row of the sites table (``Trace.site_rows``)."""
+
+    id: int
+    path: str
+    module: str
+    kind: str
+    module_type: str | None
+    dtype: str | None
+    shape: str | None
+    first_step: int
+
+
+class EventRow(NamedTuple):
+    """A row of the events table with its site's path and kind (``Trace.event_rows``); ``data`` parsed."""
+
+    step: int
+    kind: str
+    site: int | None
+    path: str | None
+    site_kind: str | None
+    phase: str | None
+    message: str | None
+    data: dict[str, Any]
 
 
 class Trace:
@@ -43,6 +70,7 @@ class Trace:
     def __init__(self, path: str | os.PathLike[str]):
         self.path = os.fspath(path)
         self._snapshot_depth = 0
+        self._counted: int | None = None  # the steps recorded, as of the snapshot in progress
         files.check_file(self.path)
         try:
             self._conn, app_id, version = files.connect(self.path)
@@ -127,7 +155,7 @@ class Trace:
             clone._conn, _app_id, _version = files.connect(self.path)
         except (sqlite3.DatabaseError, OSError) as exc:
             raise TraceError(f"{self.path}: corrupt or unreadable trace ({exc})") from None
-        clone._snapshot_depth = 0
+        clone._snapshot_depth, clone._counted = 0, None
         return clone
 
     @contextlib.contextmanager
@@ -137,12 +165,14 @@ class Trace:
         if self._snapshot_depth == 0:
             self.query("BEGIN")
             self.query("SELECT count(*) FROM sqlite_master")  # a deferred transaction starts at its first read
+            self._counted = None
         self._snapshot_depth += 1
         try:
             yield self
         finally:
             self._snapshot_depth -= 1
             if self._snapshot_depth == 0:
+                self._counted = None
                 self._conn.rollback()
 
     def __enter__(self) -> Self:
@@ -152,7 +182,7 @@ class Trace:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Trace({self.path!r}, steps={self.n_steps}, sites={len(self.sites())})"
+        return f"Trace({self.path!r}, steps={self.n_steps}, sites={self.n_sites})"
 
     def _repr_html_(self) -> str:  # notebooks: the `ampdoctor info` summary (ampdoctor/notebook.py)
         from ..notebook import trace_html
@@ -174,8 +204,17 @@ class Trace:
 
     @property
     def n_steps(self) -> int:
+        """The steps recorded (counted once per snapshot: a count walks the whole table, ~0.05 s at 10^6 steps)."""
+        if self._counted is not None:
+            return self._counted
         n: int = self.query("SELECT count(*) FROM steps")[0][0]
+        if self._snapshot_depth:
+            self._counted = n
         return n
+
+    def _recorded(self) -> int | None:
+        """The steps recorded as of the read transaction in progress (Trace.snapshot); None outside one."""
+        return self.n_steps if self._snapshot_depth else None
 
     # -- tables ------------------------------------------------------------------------------------------------
     def steps(self, lr_groups: bool = True) -> pd.DataFrame:
@@ -195,6 +234,14 @@ class Trace:
 
     def sites(self, kind: str | None = None) -> pd.DataFrame:
         """Observed sites: id, path, module, kind, module_type, dtype, shape, first_step."""
+        import pandas as pd
+
+        df = pd.DataFrame(self.site_rows(kind), columns=list(SiteRow._fields))
+        df["id"] = df["id"].astype(np.int64)  # (an empty table's columns would be objects)
+        return df
+
+    def site_rows(self, kind: str | None = None) -> list[SiteRow]:
+        """The sites as rows (``sites`` without the frame: what ``info`` reads, without importing pandas)."""
         sql = "SELECT id, path, module, kind, module_type, dtype, shape, first_step FROM sites"
         args: tuple[str, ...] = ()
         if kind is not None:
@@ -204,12 +251,12 @@ class Trace:
         rows = self.query(sql + " ORDER BY id", args)
         if any(not isinstance(r[0], int) or not isinstance(r[1], str) or not isinstance(r[2], str) for r in rows):
             raise TraceError(f"{self.path}: corrupt trace (a site without an integer id, a path or a module)")
-        df = pd.DataFrame(rows, columns=["id", "path", "module", "kind", "module_type", "dtype", "shape", "first_step"])
-        df["id"] = df["id"].astype(np.int64)  # (an empty table's columns would be objects)
-        return df
+        return [SiteRow(*r) for r in rows]
 
     def metrics(self, name: str | None = None) -> pd.DataFrame:
         """Logged scalars (log_metric): step, name, value, time."""
+        import pandas as pd
+
         self._check_table("metrics")
         sql = "SELECT step, name, value, time FROM metrics"
         args: tuple[str, ...] = ()
@@ -224,6 +271,8 @@ class Trace:
         path, module_type, calls, k (terms per output element), numel, dtype (of the half-precision output),
         rel_err (norm-wise relative error against the FP32 recomputation), max_err (max |error| / max |FP32 output|),
         ref_norm, ref_absmax. Empty for a run without probes (and for traces written before the table existed)."""
+        import pandas as pd
+
         cols = ["step", "site", "path", "module_type", "calls", "k", "numel", "dtype", *schema.PROBE_FIELDS]
         if not self._has("probes"):
             return pd.DataFrame(columns=cols)
@@ -240,6 +289,19 @@ class Trace:
 
     def events(self, kind: str | None = None) -> pd.DataFrame:
         """Events (e.g. kind "nonfinite": where the first NaN/Inf of a step came from), with the site path."""
+        import pandas as pd
+
+        rows = self._event_query(kind)
+        df = pd.DataFrame(rows, columns=list(EventRow._fields))
+        df["data"] = self.checked(lambda: [_event_data(d) for d in df["data"]])
+        return df
+
+    def event_rows(self, kind: str | None = None) -> list[EventRow]:
+        """The events as rows (``events`` without the frame: what ``info`` reads, without importing pandas)."""
+        rows = self._event_query(kind)
+        return self.checked(lambda: [EventRow._make((*r[:7], _event_data(r[7]))) for r in rows])
+
+    def _event_query(self, kind: str | None) -> list[tuple[Any, ...]]:
         self._check_table("events")
         sql = (
             "SELECT e.step, e.kind, e.site, s.path, s.kind, e.phase, e.message, e.data FROM events e "
@@ -248,10 +310,7 @@ class Trace:
         args: tuple[str, ...] = ()
         if kind is not None:
             sql, args = sql + " WHERE e.kind = ?", (kind,)
-        rows = self.query(sql + " ORDER BY e.id", args)
-        df = pd.DataFrame(rows, columns=["step", "kind", "site", "path", "site_kind", "phase", "message", "data"])
-        df["data"] = self.checked(lambda: [_event_data(d) for d in df["data"]])
-        return df
+        return self.query(sql + " ORDER BY e.id", args)
 
     def full_steps(self) -> np.ndarray:
         """Steps that have full statistics."""
@@ -299,7 +358,7 @@ class Trace:
             width = int(ids.max()) + 1
             got = np.full((len(uniq_ok), len(ids)), fill)
             with self.snapshot():
-                self.checked(bulk.check_steps, self._conn, "peaks", n)
+                self.checked(bulk.check_steps, self._conn, "peaks", self._recorded())
                 rows = self.query(
                     f"SELECT step, data FROM peaks WHERE step IN ({','.join(map(str, uniq_ok.tolist()))})"
                     if steps is not None
@@ -342,7 +401,7 @@ class Trace:
         """The peaks rows in step order as (steps, float32 [k x sites]) chunks of a few MB (-1: not observed)."""
         n = self.n_steps if n_steps is None else n_steps
         width = self.n_sites
-        chunks = bulk.peak_chunks(self._conn, n, width)
+        chunks = bulk.peak_chunks(self._conn, n, width, self._recorded())  # (at the first chunk: a generator)
         while (item := self.checked(next, chunks, None)) is not None:
             yield item
 
@@ -377,6 +436,8 @@ _NAN_TEXT = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}  # how the writer st
 
 def _numbers(col: pd.Series) -> pd.Series:
     """A column of numbers (NULL: NaN, the writer's 'nan' text: NaN); anything else is a malformed trace."""
+    import pandas as pd
+
     if not pd.api.types.is_numeric_dtype(col):  # object, or pandas' string dtype when all are text
         col = col.astype(object).map(lambda v: _NAN_TEXT.get(v, v) if isinstance(v, str) else v)
     return pd.to_numeric(col, errors="raise")

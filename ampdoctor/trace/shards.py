@@ -18,15 +18,17 @@ import contextlib
 import math
 from collections.abc import ItemsView, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
-import pandas as pd
 
 from . import bulk, checks
 from .reader import Trace
 from .schema import HIST_HI, HIST_LO, TraceError
+
+if TYPE_CHECKING:
+    import pandas as pd  # (the frames come from the rank's Trace: `ampdoctor info` starts without pandas)
 
 
 class Ranks(Protocol):
@@ -153,7 +155,7 @@ class Combined:
             norm2 = np.zeros(self.n_steps)
             peak = np.zeros(self.n_steps)
             for r in self.sentinel_ranks:
-                st = self.rr[r].steps()
+                st = self.rr[r].step_columns()  # (arrays from the writer's step blocks: no frame, no lr JSON)
                 n, m = _by_step(st, "grad_norm", self.n_steps), _by_step(st, "grad_max", self.n_steps)
                 with np.errstate(invalid="ignore", over="ignore"):
                     norm2 = norm2 + n * n  # NaN propagates
@@ -271,11 +273,12 @@ def _rows(arr: np.ndarray, n: int) -> np.ndarray:
     return np.vstack([arr, np.full((n - len(arr), arr.shape[1]), np.nan)])
 
 
-def _by_step(st: pd.DataFrame, col: str, n: int) -> np.ndarray:
+def _by_step(st: dict[str, np.ndarray], col: str, n: int) -> np.ndarray:
+    """A column of a rank's steps (``Trace.step_columns``) padded (NaN) or cut to n steps."""
     out = np.full(n, np.nan)
-    steps = st["step"].to_numpy(dtype=np.int64)
+    steps = np.asarray(st["step"], dtype=np.int64)
     keep = (steps >= 0) & (steps < n)
-    out[steps[keep]] = st[col].to_numpy(dtype=float)[keep]
+    out[steps[keep]] = np.asarray(st[col], dtype=np.float64)[keep]
     return out
 
 
@@ -288,7 +291,7 @@ class ShardView(Trace):
     def __init__(self, trace: Trace, combined: Combined, rank: int):  # (no Trace.__init__: the file is open)
         self.path = trace.path
         self._conn = trace._conn
-        self._snapshot_depth = 0
+        self._snapshot_depth, self._counted = 0, None  # (its own snapshot is the rank's: no count kept here)
         self._full_check = trace._full_check  # how the rank's file is checked (whole at open, or as read) ...
         self._checked_rows = trace._checked_rows  # ... and, as read, how far its small tables are (shared)
         self._own = trace
