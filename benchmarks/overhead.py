@@ -29,7 +29,11 @@ work runs by the wall clock, whichever variant is being timed). Printed per mode
 the ratio of means (periodic costs such as full-statistics steps included), the median of the per-round ratios,
 the host microseconds added per step, and per observed tensor (module outputs, their gradients and the parameter
 gradients a step observes); for ampdoctor also its own recorded observer time per step and per sentinel-only step.
+``--before DIR`` adds, for every ampdoctor variant, the same variant run with DIR's ampdoctor/ (a checkout of the
+code before a change: ``git archive <commit> | tar -x -C DIR``), in the same interleaved rounds: a change's effect
+measured side by side, which is the only comparison a loaded machine allows.
 Run: .venv/bin/python benchmarks/overhead.py [--rounds N] [--block-s S] [--models small,reference,transformer]
+     [--before DIR]
 """
 
 from __future__ import annotations
@@ -48,8 +52,11 @@ import warnings
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+# the code measured: this checkout's, or (a worker of --before) another checkout's ampdoctor/
+sys.path.insert(0, os.environ.get("AMPDOCTOR_BENCH_CODE") or os.path.join(os.path.dirname(__file__), ".."))
 import ampdoctor
+
+BEFORE = " (before)"  # a variant's name with this suffix: the same variant run with --before's code
 
 WARMUP_STEPS = 25  # covers ampdoctor's calibration (10 steps) and the first sampled steps
 
@@ -317,7 +324,7 @@ class Worker:
         self.dtype = torch.bfloat16 if dtype == "bf16" else None
         self.step_hook = self.settle = self.trace = None
         self.threads = []
-        setup = VARIANTS[variant]
+        setup = VARIANTS[variant.removesuffix(BEFORE)]
         self.closer = setup(self) if setup else None
         import psutil
 
@@ -390,6 +397,7 @@ def worker_main(model_name, variant, dtype, threads):
                 "modules": len(list(w.model.modules())) - 1,
                 "params": len(list(w.model.parameters())),
                 "children": len(w.proc.children(recursive=True)),
+                "code": os.path.dirname(os.path.dirname(os.path.abspath(ampdoctor.__file__))),
             }
         )
         + "\n"
@@ -429,14 +437,18 @@ def worker_main(model_name, variant, dtype, threads):
 
 # -- the parent: interleaved rounds over worker processes --------------------------------------------------------------
 class Proc:
-    def __init__(self, model, variant, dtype, threads):
+    def __init__(self, model, variant, dtype, threads, before=None):
         self.variant = variant
+        env = dict(os.environ)
+        if variant.endswith(BEFORE):
+            env["AMPDOCTOR_BENCH_CODE"] = before
         self.p = subprocess.Popen(
             [sys.executable, __file__, "--worker", model, variant, dtype, str(threads)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
+            env=env,
         )
 
     def ask(self, cmd):
@@ -451,8 +463,8 @@ class Proc:
         return json.loads(line)
 
 
-def measure(model, dtype, rounds, block_s, variants, threads=0):
-    procs = [Proc(model, v, dtype, threads) for v in variants]
+def measure(model, dtype, rounds, block_s, variants, threads=0, before=None):
+    procs = [Proc(model, v, dtype, threads, before) for v in variants]
     live = []
     for p in procs:
         try:
@@ -462,6 +474,8 @@ def measure(model, dtype, rounds, block_s, variants, threads=0):
             print(f"  skipping {p.variant}: not available here")
     procs = live
     for p in procs:
+        if p.variant.endswith(BEFORE) and p.info["code"] != before:
+            raise RuntimeError(f"worker {p.variant} imported ampdoctor from {p.info['code']}, not {before}")
         p.ask(f"warm {WARMUP_STEPS}")
     bare = procs[0]
     n = max(3, round(block_s / min(bare.ask("run 5")["t"] / 5 for _ in range(3))))
@@ -487,9 +501,9 @@ def measure(model, dtype, rounds, block_s, variants, threads=0):
         per = [t * (1 + e["background_share"]) + e["close_s"] / total for t in times[p.variant]]
         mean = statistics.fmean(per)
         ratio_med = statistics.median(a / b for a, b in zip(per, times["bare"]))
-        observed = OBSERVED.get(p.variant)
+        observed = OBSERVED.get(p.variant.removesuffix(BEFORE))
         tensors = observed(p.info["modules"], p.info["params"]) if observed else None
-        if p.variant == "ampdoctor defaults":
+        if p.variant.removesuffix(BEFORE) == "ampdoctor defaults":
             tensors = (
                 OBSERVED["ampdoctor debug"](p.info["modules"], p.info["params"]) * ends[p.variant]["observed_share"]
             )
@@ -550,6 +564,7 @@ def main():
     ap.add_argument("--dtypes", default="auto", help="fp32, bf16, or auto: fp32, and bf16 where native")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated; bare is always first")
     ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--before", metavar="DIR", help="also run every ampdoctor variant with DIR's ampdoctor/")
     ap.add_argument("--table", nargs="+", metavar="JSON", help="print the README table of these runs' files, no run")
     ap.add_argument(
         "--threads",
@@ -570,10 +585,15 @@ def main():
         f"{args.rounds} rounds; load average {os.getloadavg()[0]:.2f}"
     )
     variants = ["bare"] + [v for v in args.variants.split(",") if v in VARIANTS and v != "bare"]
-    out = {"load_start": os.getloadavg()[0], "threads": threads, "results": []}
+    if args.before:
+        if not os.path.isdir(os.path.join(args.before, "ampdoctor")):
+            ap.error(f"--before {args.before}: no ampdoctor/ there")
+        args.before = os.path.abspath(args.before)
+        variants += [v + BEFORE for v in variants if v.startswith("ampdoctor")]
+    out = {"load_start": os.getloadavg()[0], "threads": threads, "before": args.before, "results": []}
     for dtype in dtypes:
         for model in args.models.split(","):
-            rows = measure(model, dtype, args.rounds, args.block_s, variants, args.threads)
+            rows = measure(model, dtype, args.rounds, args.block_s, variants, args.threads, args.before)
             show(model, dtype, rows)
             out["results"].append({"model": model, "dtype": dtype, "rows": rows})
     out["load_end"] = os.getloadavg()[0]
