@@ -1,7 +1,9 @@
 """Background writer: the training thread only enqueues; this thread turns raw step packets into rows.
 
 All number crunching that need not happen on the training thread (merging calls, deriving counts from the
-histograms, locating the first non-finite value) happens here, in numpy.
+histograms, locating the first non-finite value) happens here, in numpy. This thread shares the GIL with training
+(whose every torch op gives it up and takes it back): a batch of steps becomes rows a column at a time, with no
+Python per step, and goes into SQLite in a few many-row INSERTs, not one statement (and one GIL hand-over) per row.
 """
 
 from __future__ import annotations
@@ -297,7 +299,7 @@ class Writer(threading.Thread):
     def _write_steps(self, conn: sqlite3.Connection, packets: list[StepPacket]) -> None:
         """Write consecutive step packets: their rows (and step blocks) as one batch, with no Python per step (the
         writer shares the GIL with the training thread, whose every torch op waits for it), and the sites of the
-        steps that observed some (runs of steps with one layout reduced together: one numpy pass and one executemany
+        steps that observed some (runs of steps with one layout reduced together: one numpy pass and a few INSERTs
         per run). NaN/Inf are data here, not errors (and -W error must not stop the writer)."""
         with np.errstate(all="ignore"):
             cells, numbers = self._step_cells(packets)
