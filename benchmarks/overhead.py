@@ -27,9 +27,16 @@ its own ``close()`` (charged once, over its timed steps) and the CPU time of its
 live-rules thread, wandb's service process) as a share of the measurement's wall time, charged to every step (the
 work runs by the wall clock, whichever variant is being timed). Printed per model and variant: the mean step,
 the ratio of means (periodic costs such as full-statistics steps included), the median of the per-round ratios,
+the median per-round ratio of the process's CPU time per step ("cpu": every thread of the worker, its background
+work outside the blocks and close() charged as above; steadier than the wall time on a loaded machine, blind to a
+training thread waiting for the GIL),
 the host microseconds added per step, and per observed tensor (module outputs, their gradients and the parameter
 gradients a step observes); for ampdoctor also its own recorded observer time per step and per sentinel-only step.
+``--before DIR`` adds, for every ampdoctor variant, the same variant run with DIR's ampdoctor/ (a checkout of the
+code before a change: ``git archive <commit> | tar -x -C DIR``), in the same interleaved rounds: a change's effect
+measured side by side, which is the only comparison a loaded machine allows.
 Run: .venv/bin/python benchmarks/overhead.py [--rounds N] [--block-s S] [--models small,reference,transformer]
+     [--before DIR]
 """
 
 from __future__ import annotations
@@ -48,8 +55,11 @@ import warnings
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+# the code measured: this checkout's, or (a worker of --before) another checkout's ampdoctor/
+sys.path.insert(0, os.environ.get("AMPDOCTOR_BENCH_CODE") or os.path.join(os.path.dirname(__file__), ".."))
 import ampdoctor
+
+BEFORE = " (before)"  # a variant's name with this suffix: the same variant run with --before's code
 
 WARMUP_STEPS = 25  # covers ampdoctor's calibration (10 steps) and the first sampled steps
 
@@ -317,7 +327,7 @@ class Worker:
         self.dtype = torch.bfloat16 if dtype == "bf16" else None
         self.step_hook = self.settle = self.trace = None
         self.threads = []
-        setup = VARIANTS[variant]
+        setup = VARIANTS[variant.removesuffix(BEFORE)]
         self.closer = setup(self) if setup else None
         import psutil
 
@@ -327,6 +337,7 @@ class Worker:
         self.kernels = {}  # how the native kernels' load went (stats.load_info), where they were used
 
     def run(self, n):
+        self.cpu0 = time.process_time()  # (every thread of the process: training, writer, live checks)
         t0 = time.perf_counter()
         for _ in range(n):
             with torch.autocast("cpu", dtype=self.dtype or torch.bfloat16, enabled=self.dtype is not None):
@@ -390,11 +401,12 @@ def worker_main(model_name, variant, dtype, threads):
                 "modules": len(list(w.model.modules())) - 1,
                 "params": len(list(w.model.parameters())),
                 "children": len(w.proc.children(recursive=True)),
+                "code": os.path.dirname(os.path.dirname(os.path.abspath(ampdoctor.__file__))),
             }
         )
         + "\n"
     )
-    bg0 = warm = 0
+    bg0 = warm = bg_in_blocks = 0
     for line in sys.stdin:
         cmd, _, arg = line.strip().partition(" ")
         if cmd == "warm":
@@ -409,13 +421,19 @@ def worker_main(model_name, variant, dtype, threads):
             w.hook_s = 0.0
             proto.write(json.dumps({"t": 0.0}) + "\n")
         elif cmd == "run":
-            proto.write(json.dumps({"t": w.run(int(arg))}) + "\n")
+            bg_block = w.background_cpu()
+            t = w.run(int(arg))
+            cpu = time.process_time() - w.cpu0
+            bg_block = w.background_cpu() - bg_block
+            bg_in_blocks += bg_block
+            proto.write(json.dumps({"t": t, "cpu": cpu}) + "\n")
         elif cmd == "close":
             bg = w.background_cpu() - bg0
             proto.write(
                 json.dumps(
                     {
                         "background_s": bg,
+                        "background_outside_blocks_s": bg - bg_in_blocks,
                         "background_share": bg / (time.perf_counter() - wall0),
                         "hook_us": 1e6 * w.hook_s / max(w.steps - warm, 1),
                         "kernels": w.kernels,
@@ -429,14 +447,18 @@ def worker_main(model_name, variant, dtype, threads):
 
 # -- the parent: interleaved rounds over worker processes --------------------------------------------------------------
 class Proc:
-    def __init__(self, model, variant, dtype, threads):
+    def __init__(self, model, variant, dtype, threads, before=None):
         self.variant = variant
+        env = dict(os.environ)
+        if variant.endswith(BEFORE):
+            env["AMPDOCTOR_BENCH_CODE"] = before
         self.p = subprocess.Popen(
             [sys.executable, __file__, "--worker", model, variant, dtype, str(threads)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
+            env=env,
         )
 
     def ask(self, cmd):
@@ -451,8 +473,8 @@ class Proc:
         return json.loads(line)
 
 
-def measure(model, dtype, rounds, block_s, variants, threads=0):
-    procs = [Proc(model, v, dtype, threads) for v in variants]
+def measure(model, dtype, rounds, block_s, variants, threads=0, before=None):
+    procs = [Proc(model, v, dtype, threads, before) for v in variants]
     live = []
     for p in procs:
         try:
@@ -462,14 +484,19 @@ def measure(model, dtype, rounds, block_s, variants, threads=0):
             print(f"  skipping {p.variant}: not available here")
     procs = live
     for p in procs:
+        if p.variant.endswith(BEFORE) and p.info["code"] != before:
+            raise RuntimeError(f"worker {p.variant} imported ampdoctor from {p.info['code']}, not {before}")
         p.ask(f"warm {WARMUP_STEPS}")
     bare = procs[0]
     n = max(3, round(block_s / min(bare.ask("run 5")["t"] / 5 for _ in range(3))))
     times = {p.variant: [] for p in procs}
+    cpu = {p.variant: [] for p in procs}
     order = random.Random(0)
     for _ in range(rounds):
         for p in order.sample(procs, len(procs)):
-            times[p.variant].append(p.ask(f"run {n}")["t"] / n)
+            block = p.ask(f"run {n}")
+            times[p.variant].append(block["t"] / n)
+            cpu[p.variant].append(block["cpu"] / n)
     ends = {p.variant: p.ask("close") for p in procs}
     for p in procs:
         try:
@@ -487,9 +514,14 @@ def measure(model, dtype, rounds, block_s, variants, threads=0):
         per = [t * (1 + e["background_share"]) + e["close_s"] / total for t in times[p.variant]]
         mean = statistics.fmean(per)
         ratio_med = statistics.median(a / b for a, b in zip(per, times["bare"]))
-        observed = OBSERVED.get(p.variant)
+        # the process's CPU time per step (its threads and children), the same per-round ratio: steadier than the
+        # wall time on a loaded machine (what the other processes take is not in it), blind to a thread that waits
+        # for the GIL (its wait costs no CPU)
+        cpu_per = [c + (e["background_outside_blocks_s"] + e["close_s"]) / total for c in cpu[p.variant]]
+        cpu_ratio_med = statistics.median(a / b for a, b in zip(cpu_per, cpu["bare"]))
+        observed = OBSERVED.get(p.variant.removesuffix(BEFORE))
         tensors = observed(p.info["modules"], p.info["params"]) if observed else None
-        if p.variant == "ampdoctor defaults":
+        if p.variant.removesuffix(BEFORE) == "ampdoctor defaults":
             tensors = (
                 OBSERVED["ampdoctor debug"](p.info["modules"], p.info["params"]) * ends[p.variant]["observed_share"]
             )
@@ -501,6 +533,7 @@ def measure(model, dtype, rounds, block_s, variants, threads=0):
                 "median_ms": 1e3 * statistics.median(per),
                 "ratio": mean / base,
                 "ratio_med": ratio_med,
+                "cpu_ratio_med": cpu_ratio_med,
                 "added_us": added_us,
                 "per_tensor_us": added_us / tensors if tensors else None,
                 **ends[p.variant],
@@ -518,7 +551,7 @@ def show(model, dtype, rows):
         f"(median block), {r0['steps']} steps per block"
     )
     print(
-        f"  {'variant':46s} {'ratio':>6s} {'median':>7s} {'+us/step':>9s} {'us/tensor':>9s} {'close':>7s} "
+        f"  {'variant':46s} {'ratio':>6s} {'median':>7s} {'cpu':>6s} {'+us/step':>9s} {'us/tensor':>9s} {'close':>7s} "
         f"{'bg':>5s}  ampdoctor's own record"
     )
     for r in rows:
@@ -534,7 +567,8 @@ def show(model, dtype, rows):
             own += f" [kernels loaded in {r['kernels']['seconds']:.1f} s, {r['kernels']['cpu_seconds']:.1f} s CPU]"
         per_t = f"{r['per_tensor_us']:9.1f}" if r["per_tensor_us"] is not None else f"{'-':>9s}"
         print(
-            f"  {r['variant']:46s} x{r['ratio']:5.2f} x{r['ratio_med']:5.2f} {r['added_us']:9.0f} {per_t} "
+            f"  {r['variant']:46s} x{r['ratio']:5.2f} x{r['ratio_med']:5.2f} x{r['cpu_ratio_med']:5.2f} "
+            f"{r['added_us']:9.0f} {per_t} "
             f"{1e3 * r['close_s']:5.0f}ms {100 * r['background_share']:4.1f}%  {own}",
             flush=True,
         )
@@ -550,6 +584,7 @@ def main():
     ap.add_argument("--dtypes", default="auto", help="fp32, bf16, or auto: fp32, and bf16 where native")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated; bare is always first")
     ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--before", metavar="DIR", help="also run every ampdoctor variant with DIR's ampdoctor/")
     ap.add_argument("--table", nargs="+", metavar="JSON", help="print the README table of these runs' files, no run")
     ap.add_argument(
         "--threads",
@@ -570,10 +605,15 @@ def main():
         f"{args.rounds} rounds; load average {os.getloadavg()[0]:.2f}"
     )
     variants = ["bare"] + [v for v in args.variants.split(",") if v in VARIANTS and v != "bare"]
-    out = {"load_start": os.getloadavg()[0], "threads": threads, "results": []}
+    if args.before:
+        if not os.path.isdir(os.path.join(args.before, "ampdoctor")):
+            ap.error(f"--before {args.before}: no ampdoctor/ there")
+        args.before = os.path.abspath(args.before)
+        variants += [v + BEFORE for v in variants if v.startswith("ampdoctor")]
+    out = {"load_start": os.getloadavg()[0], "threads": threads, "before": args.before, "results": []}
     for dtype in dtypes:
         for model in args.models.split(","):
-            rows = measure(model, dtype, args.rounds, args.block_s, variants, args.threads)
+            rows = measure(model, dtype, args.rounds, args.block_s, variants, args.threads, args.before)
             show(model, dtype, rows)
             out["results"].append({"model": model, "dtype": dtype, "rows": rows})
     out["load_end"] = os.getloadavg()[0]

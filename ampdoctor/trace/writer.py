@@ -1,7 +1,9 @@
 """Background writer: the training thread only enqueues; this thread turns raw step packets into rows.
 
 All number crunching that need not happen on the training thread (merging calls, deriving counts from the
-histograms, locating the first non-finite value) happens here, in numpy.
+histograms, locating the first non-finite value) happens here, in numpy. This thread shares the GIL with training
+(whose every torch op gives it up and takes it back): a batch of steps becomes rows a column at a time, with no
+Python per step, and goes into SQLite in a few many-row INSERTs, not one statement (and one GIL hand-over) per row.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import sqlite3
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from itertools import chain
+from operator import attrgetter, itemgetter, ne
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -46,6 +50,25 @@ LAYOUTS_KEPT = 8
 # How long the writer waits for another process's lock on the trace (a reader's checkpoint, a copy tool, sqlite3
 # at a shell) before it gives up: meanwhile training goes on until QUEUE_MAX steps wait, then waits with it.
 BUSY_TIMEOUT_MS = 120_000
+# Rows per INSERT statement: a batch of steps goes in a few statements of many rows each (executemany runs one
+# statement per row, and each releases and takes back the GIL, which training's thread is then handed in between:
+# two thread switches per row). 32 rows of the steps table bind 608 values, under SQLite's oldest limit of 999.
+ROWS_PER_INSERT = 32
+
+# The steps table's columns in the order the writer binds them: the packet's figures, the row's numbers (as the
+# training thread filled them), the one derived column, then the texts.
+_PACKET_COLUMNS = ("step", "loss", "loss_scale", "loss_scale_next", "skipped", "grad_norm", "nonfinite")
+_packet_figures = attrgetter("step", "loss", "scale", "scale_next", "skipped", "grad_norm", "nonfinite")
+_ROW_NUMBERS = tuple(f for f in schema.STEP_NUMBERS if f not in _PACKET_COLUMNS and f != "samples_per_s")
+_NUMBERS = _PACKET_COLUMNS + _ROW_NUMBERS + ("samples_per_s",)  # every numeric column, the step's number first
+_COLUMNS = _NUMBERS + ("lr", "reason")
+assert sorted(_COLUMNS) == sorted(schema.STEP_FIELDS)
+_row_numbers, _row_texts = itemgetter(*_ROW_NUMBERS), itemgetter("lr", "reason")
+_AT = {f: i for i, f in enumerate(_COLUMNS)}
+_BLOCK_NUMBERS = [_AT[f] for f in schema.STEP_NUMBERS]  # blocks.FIELDS but the learning rate, in _NUMBERS
+_row_of, _entries_of = attrgetter("row"), attrgetter("entries")
+_NULL = np.array(None, dtype=object)
+_STATS_COLUMNS = ("step", "site", "scale", "calls", *schema.STATS_FIELDS)
 
 
 def _sql(v: object) -> object:
@@ -71,6 +94,29 @@ def _event_json(data: object) -> str:
 
 def _finite(p: float) -> bool:
     return not (math.isnan(p) or math.isinf(p))
+
+
+_INSERTS: dict[tuple[str, int], str] = {}
+
+
+def _insert(conn: sqlite3.Connection, table: str, columns: tuple[str, ...], flat: list[Any]) -> None:
+    """Rows into ``table``: ``flat`` holds their values one row after the other (``columns`` per row),
+    ROWS_PER_INSERT rows to a statement."""
+    width = len(columns)
+    n, at = len(flat) // width, 0
+    while at < n:
+        k = min(ROWS_PER_INSERT, 1 << ((n - at).bit_length() - 1))  # 32, 16, ... rows: a few statements, each kept
+        sql = _INSERTS.get((table, k))
+        if sql is None:
+            row = "(" + ",".join("?" * width) + ")"
+            sql = _INSERTS[table, k] = f"INSERT INTO {table} ({','.join(columns)}) VALUES {','.join([row] * k)}"
+        conn.execute(sql, flat[at * width : (at + k) * width])
+        at += k
+
+
+def _rows(rows: Iterable[tuple[Any, ...]]) -> list[Any]:
+    """Rows' values one row after the other, as _insert takes them."""
+    return list(chain.from_iterable(rows))
 
 
 class Writer(threading.Thread):
@@ -251,13 +297,90 @@ class Writer(threading.Thread):
         return layout
 
     def _write_steps(self, conn: sqlite3.Connection, packets: list[StepPacket]) -> None:
-        """Write consecutive step packets; runs of steps with one layout are reduced together (one numpy pass and
-        one executemany per run instead of a few dozen small calls per step: the writer shares the GIL with the
-        training thread). NaN/Inf are data here, not errors (and -W error must not stop the writer)."""
+        """Write consecutive step packets: their rows (and step blocks) as one batch, with no Python per step (the
+        writer shares the GIL with the training thread, whose every torch op waits for it), and the sites of the
+        steps that observed some (runs of steps with one layout reduced together: one numpy pass and a few INSERTs
+        per run). NaN/Inf are data here, not errors (and -W error must not stop the writer)."""
         with np.errstate(all="ignore"):
-            self._write_packets(conn, packets)
+            cells, numbers = self._step_cells(packets)
+            observed = np.flatnonzero(
+                (numbers[:, _AT["level"]] != schema.LEVEL_SENTINEL)  # (a step without a level: written as observed)
+                | (numbers[:, _AT["nonfinite"]] != 0)
+                | np.fromiter(map(bool, map(_entries_of, packets)), dtype=bool, count=len(packets))
+            )
+            health = self._write_observed(conn, [packets[i] for i in observed.tolist()])
+            _insert(conn, "steps", _COLUMNS, cells.ravel().tolist())
+            self._pack(conn, packets, numbers, cells[:, _AT["reason"]].tolist())
+            self._log_health(packets, numbers, health)
 
-    def _write_packets(self, conn: sqlite3.Connection, packets: list[StepPacket]) -> None:
+    def _step_cells(self, packets: list[StepPacket]) -> tuple[npt.NDArray[np.object_], npt.NDArray[np.float64]]:
+        """The steps' rows as SQLite takes them ([steps x _COLUMNS] Python values: NULL for None, the text 'nan'
+        for a NaN, booleans as 0/1, the learning rates as JSON) and their numbers ([steps x _NUMBERS]: NaN for
+        None), gathered a column at a time."""
+        n = len(packets)
+        rows = list(map(_row_of, packets))
+        try:
+            numbers, texts = list(map(_row_numbers, rows)), list(map(_row_texts, rows))
+        except KeyError:  # a row some tool made without every field: a missing one is None, as in a row without it
+            numbers = [tuple(map(r.get, _ROW_NUMBERS)) for r in rows]
+            texts = [(r.get("lr"), r.get("reason")) for r in rows]
+        cells = np.empty((n, len(_COLUMNS)), dtype=object)
+        k = len(_PACKET_COLUMNS)
+        cells[:, :k] = list(map(_packet_figures, packets))
+        cells[:, k : k + len(_ROW_NUMBERS)] = numbers
+        lrs, reasons = zip(*texts)
+        cells[:, _AT["reason"]] = reasons
+        cells[:, _AT["lr"]], first_lr = self._lr_texts(list(lrs))
+        spd = _AT["samples_per_s"]
+        given = cells[:, :spd] != None  # noqa: E711 (elementwise: the cells that hold a value)
+        values = np.empty((n, len(_NUMBERS) + 1))  # _NUMBERS, then the first group's learning rate
+        values[:, :spd] = cells[:, :spd].astype(np.float64)  # (None: NaN; True/False: 1/0)
+        values[:, -1] = first_lr
+        samples, step_time = values[:, _AT["samples"]], values[:, _AT["step_time"]]
+        rate = given[:, _AT["samples"]] & (samples != 0) & given[:, _AT["step_time"]] & (step_time != 0)
+        values[:, spd] = np.where(rate, samples / step_time, np.nan)  # (samples / step_time if both, as Python does)
+        cells[:, spd] = np.where(rate, values[:, spd], _NULL)
+        for f in ("skipped", "nonfinite"):  # (stored as integers whatever truth value the packet held)
+            cells[:, _AT[f]] = values[:, _AT[f]].astype(np.int64).tolist()
+        given = np.concatenate([given, rate[:, None]], axis=1)
+        nan = np.isnan(values[:, : spd + 1]) & given  # a NaN given, not a missing value: SQLite would store NULL
+        if nan.any():
+            cells[:, : spd + 1][nan] = "nan"
+        return cells, values
+
+    def _lr_texts(self, lrs: list[Any]) -> tuple[npt.NDArray[np.object_], npt.NDArray[np.float64]]:
+        """The learning rates as JSON, and the first group's, per step: encoded again only where they change (most
+        steps repeat the last ones)."""
+        last, text, first = self._lr_json
+        changed = np.flatnonzero(list(map(ne, lrs, [last, *lrs[:-1]])))
+        texts, firsts = [text], [first]
+        for i in changed.tolist():
+            lr = lrs[i]
+            texts.append(None if lr is None else json.dumps(lr))
+            firsts.append(blocks.first_lr(texts[-1]))
+        which = np.zeros(len(lrs), dtype=np.intp)
+        which[changed] = np.arange(1, len(changed) + 1)
+        which = np.maximum.accumulate(which)
+        self._lr_json = (lrs[-1], texts[-1], firsts[-1])
+        return np.array(texts, dtype=object)[which], np.array(firsts, dtype=np.float64)[which]
+
+    def _pack(
+        self, conn: sqlite3.Connection, packets: list[StepPacket], numbers: np.ndarray, reasons: list[str | None]
+    ) -> None:
+        """The steps' numbers into the step blocks (blocks.Packer), a block's share at a time."""
+        steps = numbers[:, 0]
+        values = np.concatenate([numbers[:, _BLOCK_NUMBERS], numbers[:, -1:]], axis=1)  # blocks.FIELDS
+        if len(steps) > 1 and not (np.diff(steps) == 1).all():  # (not expected: the packer starts over at a gap)
+            rows = [r for p, v, why in zip(packets, values, reasons) if (r := self._blocks.add(p.step, v, why))]
+        else:
+            rows = self._blocks.add_many(packets[0].step, values, reasons)
+        if rows:
+            conn.executemany(blocks.INSERT, rows)
+
+    def _write_observed(self, conn: sqlite3.Connection, packets: list[StepPacket]) -> dict[int, tuple[Any, Any]]:
+        """The sites of the steps that observed some, and where a non-finite value came from: runs of packets with
+        one layout reduced together. What the health line needs of each (its sites and their peaks), by step."""
+        health: dict[int, tuple[Any, Any]] = {}
         i = 0
         while i < len(packets):
             layout = self._layout(packets[i])
@@ -269,10 +392,13 @@ class Writer(threading.Thread):
                 and len(packets[j].values) == len(packets[i].values)
             ):
                 j += 1
-            self._write_run(conn, packets[i:j], layout)
+            self._write_run(conn, packets[i:j], layout, health)
             i = j
+        return health
 
-    def _write_run(self, conn: sqlite3.Connection, run: list[StepPacket], layout: Layout) -> None:
+    def _write_run(
+        self, conn: sqlite3.Connection, run: list[StepPacket], layout: Layout, health: dict[int, tuple[Any, Any]]
+    ) -> None:
         values = np.stack([p.values for p in run])
         peaks = layout.peaks(values)
 
@@ -281,70 +407,43 @@ class Writer(threading.Thread):
         n = max(self.n_sites, int(uniq[-1]) + 1 if len(uniq) else 0)
         blobs = np.full((len(run), n), -1.0, dtype="<f4")
         blobs[:, uniq] = site_peak
-        conn.executemany(
-            "INSERT INTO peaks (step, data) VALUES (?, ?)",  # none for a sentinel-only step
-            [(p.step, blobs[k].tobytes()) for k, p in enumerate(run) if p.row.get("level") != schema.LEVEL_SENTINEL],
-        )
+        level = schema.LEVEL_SENTINEL
+        observed = [(p.step, blobs[k].tobytes()) for k, p in enumerate(run) if p.row.get("level") != level]
+        _insert(conn, "peaks", ("step", "data"), _rows(observed))  # none for a sentinel-only step
 
         # 2. full statistics, where every call of a site had them
         if layout.full_plan is not None:
             self._write_full(conn, run, values, layout.full_plan)
 
-        rows, block_rows = [], []
+        # 3. where a non-finite value came from (the training thread decided whether there was one)
         for k, p in enumerate(run):
-            # 3. where a non-finite value came from (the training thread decided whether there was one)
             if p.nonfinite and p.row.get("level") == schema.LEVEL_SENTINEL:
                 self._unknown_origin(conn, p)
             elif p.nonfinite:
                 self._locate(conn, p, values[k], peaks[k], layout.owner)
+            if self.log_every:
+                health[p.step] = (uniq, site_peak[k])
 
-            row = p.row
-            step_time, samples, lr = row.get("step_time"), row.get("samples"), row.get("lr")
-            row.update(
-                step=p.step,
-                loss=p.loss,
-                loss_scale=p.scale,
-                loss_scale_next=p.scale_next,
-                skipped=int(p.skipped),
-                grad_norm=p.grad_norm,
-                nonfinite=int(p.nonfinite),
-                samples_per_s=(samples / step_time) if samples and step_time else None,
-                lr=self._lr_text(lr),
-            )
-            rows.append([_sql(v) for v in map(row.get, schema.STEP_FIELDS)])
-            packed = self._blocks.add(
-                p.step, [*map(blocks.number, map(row.get, schema.STEP_NUMBERS)), self._lr_json[2]], row.get("reason")
-            )
-            if packed is not None:
-                block_rows.append(packed)
-            self._skipped_total += int(p.skipped)
-            if self.log_every and (p.step + 1) % self.log_every == 0:
-                log.info(self._health(p, uniq, site_peak[k]))
-        conn.executemany(
-            f"INSERT INTO steps ({','.join(schema.STEP_FIELDS)}) VALUES ({','.join('?' * len(schema.STEP_FIELDS))})",
-            rows,
-        )
-        conn.executemany(blocks.INSERT, block_rows)
+    def _log_health(self, packets: list[StepPacket], numbers: np.ndarray, health: dict[int, tuple[Any, Any]]) -> None:
+        """The health line of every log_every-th step; the count of skipped steps kept."""
+        skipped = numbers[:, _AT["skipped"]]
+        if self.log_every:
+            steps = numbers[:, 0].astype(np.int64)
+            so_far = self._skipped_total + np.cumsum(skipped).astype(np.int64)
+            nothing = (np.zeros(0, dtype=np.int64), np.zeros(0))
+            for i in np.flatnonzero((steps + 1) % self.log_every == 0).tolist():
+                p = packets[i]
+                log.info(self._health(p, int(so_far[i]), *health.get(p.step, nothing)))
+        self._skipped_total += int(skipped.sum())
 
-    def _lr_text(self, lr: object) -> str | None:
-        """The learning rates as JSON, encoded again only when they change (most steps repeat the last ones)."""
-        if lr is None:
-            self._lr_json = (None, None, math.nan)
-            return None
-        last, text, _ = self._lr_json
-        if lr != last or text is None:
-            text = json.dumps(lr)
-            self._lr_json = (lr, text, blocks.first_lr(text))
-        return text
-
-    def _health(self, p: StepPacket, sites: np.ndarray, peaks: np.ndarray) -> str:
+    def _health(self, p: StepPacket, skipped: int, sites: np.ndarray, peaks: np.ndarray) -> str:
         """One line: loss, loss scale, skipped steps so far, the layer closest to the FP16 max (or non-finite)."""
         parts = [f"ampdoctor: step {p.step}"]
         if p.loss is not None:
             parts.append(f"loss {p.loss:.4g}")
         if p.scale is not None:
             parts.append(f"loss scale {p.scale:g}")
-        parts.append(f"skipped {self._skipped_total} so far")
+        parts.append(f"skipped {skipped} so far")
         worst, worst_room = None, math.inf
         for s, pk in zip(sites.tolist(), peaks.tolist()):
             name = self._site_names.get(s)
@@ -377,10 +476,7 @@ class Writer(threading.Thread):
         steps = np.repeat([p.step for p in run], n_sites).tolist()
         sites = np.tile(plan.sites, k).tolist()
         scales = np.where(np.tile(plan.bwd, k), scale, 1.0).tolist()
-        conn.executemany(
-            f"INSERT INTO stats VALUES ({','.join('?' * (4 + len(schema.STATS_FIELDS)))})",
-            zip(steps, sites, scales, plan.calls * k, *cols),
-        )
+        _insert(conn, "stats", _STATS_COLUMNS, _rows(zip(steps, sites, scales, plan.calls * k, *cols)))
         due = np.repeat([p.store_hist for p in run], n_sites)
         if not due.any():
             return
@@ -390,13 +486,15 @@ class Writer(threading.Thread):
         lo = occupied.argmax(axis=1)
         hi = bins.shape[1] - 1 - occupied[:, ::-1].argmax(axis=1)
         counts = bins[rows].astype("<i8")
-        conn.executemany(
-            "INSERT INTO hists VALUES (?, ?, ?, ?)",
-            [
+        _insert(
+            conn,
+            "hists",
+            ("step", "site", "lo", "counts"),
+            _rows(
                 (steps[r], sites[r], int(lo[i]) + schema.HIST_LO, counts[i, lo[i] : hi[i] + 1].tobytes())
                 for i, r in enumerate(rows.tolist())
                 if any_[i]
-            ],
+            ),
         )
 
     def _unknown_origin(self, conn: sqlite3.Connection, p: StepPacket) -> None:
