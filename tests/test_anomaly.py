@@ -53,11 +53,14 @@ def test_a_value_made_inside_a_module_is_blamed_on_that_module_not_the_child_tha
     multiplication, the values were made by Gated's own mul: the producer."""
 
     def near_limit(model):
-        with torch.no_grad():  # up(x) * gate(x) ~ 59000 on the outlier batch (30x), ~20 on the others
+        with torch.no_grad():  # up(x) * gate(x) up to ~61000 on the outlier batch (46x), ~30 on the others
             model[2].up.weight.mul_(9.0)
             model[2].gate.weight.mul_(9.0)
 
-    train(classifier(head="gated"), 45, outlier={OUTLIER_STEP: 30.0}, trace=trace_path, before=near_limit, live=False)
+    # lr 0: the weights at the outlier step are the initial ones, not 37 steps of FP16 training that round
+    # differently on different CPUs' kernels (they moved this product by ~12%, and Dropout tips only [52403, 65504])
+    outlier = {OUTLIER_STEP: 46.0}
+    train(classifier(head="gated"), 45, outlier=outlier, trace=trace_path, before=near_limit, lr=0.0, live=False)
     op = _events(trace_path, "operation").set_index("step").loc[OUTLIER_STEP, "data"]
     assert op["module"] == "2.drop"  # where the Inf appeared
     producer = op["producers"][0]
