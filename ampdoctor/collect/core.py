@@ -134,7 +134,7 @@ class Core:
             weight_every=options.weight_every,
             end_step=loop.end_step,
         )
-        loop.begin(0)
+        loop.begin_step(0)
 
     def install(
         self, handles: hooks.Handles, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, scaler: Any

@@ -63,7 +63,7 @@ class StepLoop:
         self._config_written = False
         self._halted = False
 
-    def begin(self, index: int) -> None:
+    def begin_step(self, index: int) -> None:
         """Step ``index`` starts: a new state as the cadence plans it."""
         observe, reason, store_hist = self.cadence.plan(index)
         self.collector.begin(StepState(index, observe, reason, store_hist, updates=self.facts.updates))
@@ -102,7 +102,7 @@ class StepLoop:
         if not self._config_written:
             self.put(MetaMsg("config", self.config()))
             self._config_written = True
-        self.begin(state.index + 1)
+        self.begin_step(state.index + 1)
         self.end.stamp(flight.row, self.guard.take_time() + (time.perf_counter() - t0))
         if self.budget is not None:
             row = flight.row
