@@ -57,8 +57,8 @@ class Core:
             options.mode, every=every, peak_every=peak_every, hist_every=hist_every, calibration=options.calibration
         )
         # FSDP: a sharded parameter is read as this rank's shard (collect/sharded.py), never gathered
-        params = sharded.local_params(model, [(n, p) for n, p in model.named_parameters() if p.requires_grad])
-        self.params = params
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        params = self.params = sharded.local_params(model, trainable)
         modules = hooks.select_modules(model, options.include, options.exclude)
         record, sites, facts = self.record, self.sites, self.facts = StepRecord(), Sites(model, put), RunFacts()
         collector = self.collector = Collector(

@@ -64,8 +64,7 @@ class Doctor:
         self._scaler_on = scaler is not None and _enabled(scaler)
         self._boundary = _boundary(self._scaler_on, optimizer is not None)
         self.guard = Guard(self._stop_after_error)
-        self._closed = False
-        self._warned = False
+        self._closed = self._warned = False
         self._handles = hooks.Handles()
         self._live: LiveDiagnosis | None = None
         self._export: Any = None  # the exporters' thread (ampdoctor.export), with export=
