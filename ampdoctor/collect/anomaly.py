@@ -37,8 +37,6 @@ from .recompute import RngState, rng_get, rng_set
 # (batch x tokens x vocabulary) are not held on to: the replay of such a step is forward-only.
 SEED_KEEP_MAX = 1 << 22
 MAX_CALLS = 64  # micro-batches of one step kept for a replay
-MAX_REPLAYS_PER_INCIDENT = 2  # anomalous steps replayed until the run is clean again (heal needs two)
-MAX_REPLAYS = 32  # per run: a run whose every step is broken does not pay a replay per step
 TYPICAL_KEPT = 64  # recent input peaks the "usual" magnitude of the batches is the median of
 OUTLIER_FACTOR = 8.0  # a batch whose inputs are this many times the usual peak is an outlier batch
 # A keep_fp32 fix grows by the modules that still overflow after it, up to this many modules in all.
@@ -212,8 +210,9 @@ class Replay:
 
 
 class Replayer:
-    """Runs replays for a Doctor. ``observe(on)`` switches the Doctor's full observation of the step on or off
-    (the replay's sites land in the step's own record); ``paths``: id(module) -> site path."""
+    """Runs one step's replay (when one runs, and where what it observes goes: replays.py). ``observe(full)``: a
+    context in which the passes observe every site in full (into the replay's own record) or nothing; ``pause(on)``:
+    the root module's calls are not the step's micro-batches meanwhile; ``paths``: id(module) -> site path."""
 
     def __init__(
         self,
@@ -236,8 +235,6 @@ class Replayer:
         self.ours = ours  # the handle ids of ampdoctor's own module hooks (others' are off during a replay)
         self.heal = heal
         self.paths = {id(m): p for p, m in modules}
-        self.replays = 0
-        self.in_incident = 0
         # the last observed replay's parameter gradients (scaled), aligned with params
         self.grads: list[torch.Tensor | None] = []
         self.healed: dict[str, islands.KeptFP32] = {}  # path -> islands handle
@@ -248,14 +245,6 @@ class Replayer:
         """The model a replay runs (one runs only when there is one: ``run`` returns early otherwise)."""
         assert self.model is not None
         return self.model
-
-    # -- when ---------------------------------------------------------------------------------------------------------
-    def wanted(self, calls: list[Call] | None) -> bool:
-        return self.replays < MAX_REPLAYS and self.in_incident < MAX_REPLAYS_PER_INCIDENT and bool(calls)
-
-    def clean_again(self) -> None:
-        """The flight recorder saw the run clean again: the next anomaly is a new incident."""
-        self.in_incident = 0
 
     # -- the replay ---------------------------------------------------------------------------------------------------
     def run(
@@ -274,8 +263,6 @@ class Replayer:
         import time
 
         t0 = time.perf_counter()
-        self.replays += 1
-        self.in_incident += 1
         result = Replay(step=step, why=why, exact=True)
         if self.model is None:
             result.exact, result.backward = False, False

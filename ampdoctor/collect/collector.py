@@ -1,7 +1,7 @@
 """From training's calls to the step's record: the root forward (a micro-batch starts), each observed module's forward
 and output gradient, the loss (logged, or read in ``scaler.scale``), and the optimizer's update. Each entry runs
 under ``guards.guarded``; what it observes goes into ``record`` (StepRecord), what it learns about the run into
-``facts`` (RunFacts), for the step ``state`` (StepState) the Doctor hands it at every step start."""
+``facts`` (RunFacts), for the step ``state`` (StepState) the step loop hands it at every step start."""
 
 from __future__ import annotations
 
@@ -33,8 +33,10 @@ MAX_STEP_LOSSES = 64  # micro-batch losses kept apart per step; beyond, they are
 
 
 class Collector:
-    """The hooks' side of a Doctor. ``on_step_start`` runs at the first micro-batch of each step (the Doctor sends
-    the previous step's packet then, so that a loss logged after ``optimizer.step()`` still joins it)."""
+    """The module hooks' side of a run. The wiring (core.py) sets what else hears of a step's root calls:
+    ``on_step_start`` runs at the first micro-batch of each step (the finished steps' packets are sent then, so that a
+    loss logged after ``optimizer.step()`` still joins its step), ``on_root_call`` at each root forward (the anomaly
+    replay's capture), ``probe`` at the step's first forward."""
 
     def __init__(
         self,
@@ -47,7 +49,6 @@ class Collector:
         params: list[tuple[str, torch.nn.Parameter]],
         *,
         boundary_name: str,
-        on_step_start: Callable[[], None],
         keep_hooks: bool = False,
     ) -> None:
         self.guard = guard
@@ -57,13 +58,13 @@ class Collector:
         self.record = record
         self.facts = facts
         self.params = params
-        self.state = StepState(0, Observe.NONE, "sentinel", False)  # (the Doctor begins step 0 at once)
-        self.probe: StepProbe | None = None  # a StepProbe when attach(probe_every=...)
+        self.state = StepState(0, Observe.NONE, "sentinel", False)  # (the step loop begins step 0 at once)
+        self.on_step_start: Callable[[], None] = _nothing
         # (args, kwargs) of the step's root forwards (the anomaly replay)
         self.on_root_call: Callable[..., Any] | None = None
+        self.probe: StepProbe | None = None  # a StepProbe when attach(probe_every=...)
         self.paused = False  # a replay is running: its root forwards are not micro-batches
         self._boundary_name = boundary_name
-        self._on_step_start = on_step_start
         self._anchor = next(iter([*model.parameters(), *model.buffers()]), None)
         # Per-module hooks are made once and registered only for steps that observe sites (sync_hooks): a sentinel
         # step runs no Python per module call. A compiled model keeps them (its graphs would change with every
@@ -119,7 +120,7 @@ class Collector:
         state, facts = self.state, self.facts
         if state.t_first is None:
             state.t_first = time.perf_counter()
-            self._on_step_start()
+            self.on_step_start()
             facts.device = self.device_now()  # once a step: a model may be moved
             self.read_autocast()
         facts.step_starts += 1
@@ -265,3 +266,7 @@ class Collector:
             pending.add_late_loss(loss)  # logged after the optimizer step ended the step
         else:
             state.losses.append(loss)
+
+
+def _nothing() -> None:
+    pass

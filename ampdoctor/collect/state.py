@@ -51,3 +51,4 @@ class RunFacts:
     external_batches: bool = False  # begin_batch() marks the micro-batches (frameworks' callbacks)
     step_starts: int = 0  # micro-batch starts seen (root forwards or begin_batch calls)
     missed_steps: int = 0  # gradients cleared by zero_grad() while no step boundary came
+    updates: int = 0  # optimizer updates applied so far (a replay is exact while a step's count still holds)

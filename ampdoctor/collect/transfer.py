@@ -2,7 +2,7 @@
 accelerator the copy is asynchronous: into pinned host memory, behind a CUDA event, read at a later step end when
 the event says it is done, so that a clean step never waits for the device (a host sync would stall the launch
 queue of a loop that otherwise never syncs). What depends on the values (the verdict, the flight recorder, the
-anomaly replay) is decided then, one or two steps late; session.py keeps what a late decision needs."""
+anomaly replay) is decided then, one or two steps late; flights.py keeps what a late decision needs."""
 
 from __future__ import annotations
 

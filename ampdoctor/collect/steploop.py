@@ -1,0 +1,115 @@
+"""A step's life on the training thread: it begins as the cadence plans it (a new StepState), and it ends where the
+run's boundary is seen (boundary_hooks.py, or ``doctor.step()``): the step end closes it into a flight, the
+flights judge it, the next step begins, the step's time is stamped and the overhead budget adjusts the cadence.
+A halt the live rules asked for is raised into training after a step end."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from ..trace.messages import EventKind, EventMsg, MetaMsg
+from ..trace.writer import Writer
+from .anomaly import Capture
+from .boundary import StepEnd
+from .cadence import Budget, Cadence
+from .collector import Collector
+from .flights import Flights
+from .guards import Guard, guarded
+from .live import LiveDiagnosis, TrainingHalted
+from .probe import StepProbe
+from .state import RunFacts, StepState
+
+
+class StepLoop:
+    """Begins and ends the steps of one run. Given explicitly what a step end touches: the collector (whose step it
+    is), the step end, the flights, the cadence and the budget (None without budget=), the capture of the root calls
+    and the probe (None without them), the run's facts, the writer, the run's configuration (written once, after the
+    first step), and the live rules (None with live=False) with the callback that takes their halt."""
+
+    def __init__(
+        self,
+        guard: Guard,
+        collector: Collector,
+        end: StepEnd,
+        flights: Flights,
+        cadence: Cadence,
+        facts: RunFacts,
+        writer: Writer,
+        *,
+        budget: Budget | None,
+        capture: Capture | None,
+        probe: StepProbe | None,
+        config: Callable[[], dict[str, Any]],
+        live: LiveDiagnosis | None,
+        on_halt: Callable[[Any], object] | None,
+    ) -> None:
+        self.guard = guard
+        self.collector = collector
+        self.end = end
+        self.flights = flights
+        self.cadence = cadence
+        self.facts = facts
+        self.writer = writer
+        self.put = writer.put
+        self.budget = budget
+        self.capture = capture
+        self.probe = probe
+        self.config = config
+        self.live = live
+        self.on_halt = on_halt
+        self._config_written = False
+        self._halted = False
+
+    def begin_step(self, index: int) -> None:
+        """Step ``index`` starts: a new state as the cadence plans it."""
+        observe, reason, store_hist = self.cadence.plan(index)
+        self.collector.begin(StepState(index, observe, reason, store_hist, updates=self.facts.updates))
+
+    def end_step(self, skipped: bool | None) -> None:
+        """The step in progress ended (``skipped``: the optimizer did not apply it; None: read from the loss scale).
+        Not guarded as a whole: the live rules' halt is raised into training from here, on purpose."""
+        if self.guard.off:
+            return
+        self._finish(skipped)
+        live = self.live
+        if live is not None and live.halt is not None and not self._halted:
+            self._halted = True  # asked once: a loop that catches TrainingHalted may go on
+            if self.on_halt is None:
+                raise TrainingHalted(live.halt)
+            try:
+                self.on_halt(live.halt)
+            except Exception as exc:
+                warnings.warn(
+                    f"ampdoctor: on_halt callback raised {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=3
+                )
+
+    @guarded(timed=False)  # timed inside: the step's observer_time ends with its row
+    def _finish(self, skipped: bool | None) -> None:
+        if self.writer.error is not None:
+            raise RuntimeError(f"trace writer failed: {self.writer.error}")
+        t0 = time.perf_counter()
+        state, facts = self.collector.state, self.facts
+        flight = self.end.close(state, skipped, facts.step_starts, facts.device)
+        if self.capture is not None:
+            flight.calls, flight.batch_ids = self.capture.take()
+        flight.updates = state.updates
+        self.flights.add(flight)
+        if self.probe is not None:
+            self.probe.end(state.index)
+        if not self._config_written:
+            self.put(MetaMsg("config", self.config()))
+            self._config_written = True
+        self.begin_step(state.index + 1)
+        self.end.stamp(flight.row, self.guard.take_time() + (time.perf_counter() - t0))
+        if self.budget is not None:
+            row = flight.row
+            change = self.budget.update(row["observer_time"], row["step_time"], row["reason"])
+            if change is not None:
+                message = (
+                    f"ampdoctor cost {change['share']:.1%} of the steps against a budget of {change['budget']:.1%}: "
+                    f"peaks every {change['peak_every']}, full statistics every {change['every']} steps from now on"
+                )
+                self.put(EventMsg(state.index, EventKind.CADENCE, None, None, message, change))
