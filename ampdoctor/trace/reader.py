@@ -299,7 +299,12 @@ class Trace:
     def event_rows(self, kind: str | None = None) -> list[EventRow]:
         """The events as rows (``events`` without the frame: what ``info`` reads, without importing pandas)."""
         rows = self._event_query(kind)
-        return self.checked(lambda: [EventRow(*r[:7], _event_data(r[7])) for r in rows])
+        return self.checked(
+            lambda: [
+                EventRow(step, kind, site, path, site_kind, phase, message, _event_data(data))
+                for step, kind, site, path, site_kind, phase, message, data in rows
+            ]
+        )
 
     def _event_query(self, kind: str | None) -> list[tuple[Any, ...]]:
         self._check_table("events")
