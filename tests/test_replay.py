@@ -90,21 +90,17 @@ def test_a_trace_attached_mid_run_is_reproduced(trace_path):
 
 
 # -- the dynamics against torch's own update kernel --------------------------------------------------------------
-@pytest.mark.parametrize(
-    "init_scale, growth, backoff, interval",
-    [(2.0**16, 2.0, 0.5, 3), (3.0, 1.7, 0.3, 2), (2.0**126, 2.0, 0.5, 1), (1e-3, 1.1, 0.9, 1)],
-)
-def test_simulated_dynamics_match_torch_amp_update_scale(init_scale, growth, backoff, interval):
-    rng = np.random.default_rng(0)
-    over = rng.random(200) < 0.2
+def _bare(over: np.ndarray, threshold: np.ndarray) -> Evidence:
+    """Evidence of a run without recorded scales: steps that overflow at any scale (``over``) and the largest scale
+    each step takes without overflowing (``threshold``)."""
     n = len(over)
-    ev = Evidence(
+    return Evidence(
         steps=np.arange(n),
         rec_scale=np.full(n, np.nan),
         rec_next=np.full(n, np.nan),
         rec_over=over,
         always=over,
-        threshold=np.full(n, np.inf),
+        threshold=threshold,
         from_neighbours=np.zeros(n, bool),
         hist={},
         run_settings={},
@@ -112,9 +108,20 @@ def test_simulated_dynamics_match_torch_amp_update_scale(init_scale, growth, bac
         assumed_fp16=False,
         device="cpu",
     )
-    r = simulate(
-        ev, {"init_scale": init_scale, "growth_factor": growth, "backoff_factor": backoff, "growth_interval": interval}
-    )
+
+
+def _setting(init_scale: float, growth: float, backoff: float, interval: int) -> dict:
+    return {"init_scale": init_scale, "growth_factor": growth, "backoff_factor": backoff, "growth_interval": interval}
+
+
+@pytest.mark.parametrize(
+    "init_scale, growth, backoff, interval",
+    [(2.0**16, 2.0, 0.5, 3), (3.0, 1.7, 0.3, 2), (2.0**126, 2.0, 0.5, 1), (1e-3, 1.1, 0.9, 1)],
+)
+def test_simulated_dynamics_match_torch_amp_update_scale(init_scale, growth, backoff, interval):
+    rng = np.random.default_rng(0)
+    over = rng.random(200) < 0.2
+    r = simulate(_bare(over, np.full(len(over), np.inf)), _setting(init_scale, growth, backoff, interval))
     scale, tracker = torch.tensor(init_scale), torch.tensor(0, dtype=torch.int32)
     expected = []
     for o in over:
@@ -139,23 +146,7 @@ def test_long_runs_between_overflows_match_torch_amp_update_scale(init_scale, gr
     dips = rng.random(n) < 0.003
     threshold[dips] = 2.0 ** rng.uniform(5, 25, int(dips.sum()))
     threshold[2000:2600] = np.inf
-    ev = Evidence(
-        steps=np.arange(n),
-        rec_scale=np.full(n, np.nan),
-        rec_next=np.full(n, np.nan),
-        rec_over=np.zeros(n, bool),
-        always=np.zeros(n, bool),
-        threshold=threshold,
-        from_neighbours=np.zeros(n, bool),
-        hist={},
-        run_settings={},
-        has_scaler=False,
-        assumed_fp16=False,
-        device="cpu",
-    )
-    r = simulate(
-        ev, {"init_scale": init_scale, "growth_factor": growth, "backoff_factor": backoff, "growth_interval": interval}
-    )
+    r = simulate(_bare(np.zeros(n, bool), threshold), _setting(init_scale, growth, backoff, interval))
     scale, tracker = torch.tensor(init_scale), torch.tensor(0, dtype=torch.int32)
     expected, skipped = [], []
     for t in range(n):

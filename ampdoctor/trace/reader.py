@@ -21,6 +21,7 @@ import numpy.typing as npt
 
 from . import bulk, checks, files, schema
 from . import steps as steps_table
+from .messages import SiteMsg
 from .schema import TraceError
 
 # Files up to this size (with their -wal) have every value checked when opened (~0.3 s at this size); larger ones
@@ -38,17 +39,8 @@ if TYPE_CHECKING:  # (typing names past Python 3.9: for the type checker only)
     Args = TypeVarTuple("Args")
 
 
-class SiteRow(NamedTuple):
-    """A row of the sites table (``Trace.site_rows``)."""
-
-    id: int
-    path: str
-    module: str
-    kind: str
-    module_type: str | None
-    dtype: str | None
-    shape: str | None
-    first_step: int
+# a row of the sites table (``Trace.site_rows``) holds what the writer's message carried when the site was first seen
+SiteRow = SiteMsg
 
 
 class EventRow(NamedTuple):
