@@ -223,13 +223,14 @@ class Trace:
         with self.snapshot():
             return self.checked(steps_table.read, self._conn, lr_groups)
 
-    def step_columns(self) -> dict[str, np.ndarray]:
+    def step_columns(self, fields: Sequence[str] = steps_table.NUMBER_FIELDS) -> dict[str, np.ndarray]:
         """The steps as arrays, not a frame (a few columns of a long run read at less cost): "step", the number
-        columns of schema.STEP_FIELDS as float64 (NaN where a step has none), "lr" (the first group's) and "reason"."""
+        columns ``fields`` (default: all of schema.STEP_NUMBERS) as float64 (NaN where a step has none), "lr" (the
+        first group's) and "reason"."""
         with self.snapshot():
-            numbers, reasons, _ = self.checked(steps_table.columns, self._conn)
+            numbers, reasons, _ = self.checked(steps_table.columns, self._conn, False, fields)
         out = {"step": np.arange(len(numbers), dtype=np.int64), "reason": reasons}
-        out.update({f: numbers[:, i] for i, f in enumerate((*steps_table.NUMBER_FIELDS, "lr"))})
+        out.update({f: numbers[:, i] for i, f in enumerate((*fields, "lr"))})
         return out
 
     def sites(self, kind: str | None = None) -> pd.DataFrame:
