@@ -313,18 +313,23 @@ def formats_table(
             )
         span = site_medians(out["span"].astype(np.float64), h.site, judged_mask(out, False))
         absmax = inp.view.stat("absmax", kind)  # abs max at the full-statistics steps read
-        for s in inp.sites.itertuples():
-            sid = int(s.id)
+        finite = np.isfinite(absmax)
+        with np.errstate(invalid="ignore"):  # (a site without a finite value: NaN)
+            top = np.where(finite.any(axis=0), np.where(finite, absmax, -np.inf).max(axis=0, initial=-np.inf), np.nan)
+        overflow = {name: edges(fmt).overflow for name, fmt in HALF.items()}
+        # the sites' columns as lists, not rows of the frame: a wide model has thousands of sites
+        for j, (sid, path, dtype) in enumerate(
+            zip(inp.ids.tolist(), inp.sites["path"].tolist(), inp.sites["dtype"].tolist())
+        ):
             if sid not in count:
                 continue
-            row = {"path": s.path, "kind": kind, "dtype": s.dtype, "hist_steps": int(count[sid])}
+            row = {"path": path, "kind": kind, "dtype": dtype, "hist_steps": int(count[sid])}
             for name in FORMATS:
                 row[f"{name}_lost"] = float(meds[name][0].get(sid, math.nan))
                 row[f"{name}_lost_hi"] = float(meds[name][1].get(sid, math.nan))
-            col = absmax[:, inp.column[sid]]
-            am = float(np.max(col[np.isfinite(col)])) if np.isfinite(col).any() else math.nan
+            am = float(top[j])
             for name in HALF:
-                row[f"{name}_headroom"] = math.log2(edges(HALF[name]).overflow / am) if am > 0 else math.nan
+                row[f"{name}_headroom"] = math.log2(overflow[name] / am) if am > 0 else math.nan
             row["span"] = float(span.get(sid, math.nan))
             rows.append(row)
     return pd.DataFrame(rows)
