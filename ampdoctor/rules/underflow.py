@@ -135,7 +135,7 @@ def underflow_sites(run: RunView, kinds: Sequence[str] = ("grad_out", "param_gra
         rms_med = np.where(np.isfinite(rms_ok).any(axis=0), col_median(rms_ok), np.nan)
         ids = sites["id"].to_numpy()[half]
         floor = _floor_shares(run, ids)
-        named = sites.iloc[half][list(SiteRow._fields)].itertuples(index=False, name=None)
+        named = zip(*(sites[f].to_numpy()[half].tolist() for f in SiteRow._fields))  # (no frame row per site)
         for j, (col, site) in enumerate(zip(half.tolist(), named)):
             if not ok[:, j].any():
                 continue
