@@ -69,7 +69,6 @@ class Site:
     """One FP16 gradient site's underflow evidence over the clean full-statistics steps."""
 
     site: SiteRow  # the sites-table row
-    col: int  # its column in run.stat(..., kind)
     share: float  # median share of elements in the subnormal range
     zeros: float  # median share of exact zeros
     unscaled_max: float
@@ -136,13 +135,12 @@ def underflow_sites(run: RunView, kinds: Sequence[str] = ("grad_out", "param_gra
         ids = sites["id"].to_numpy()[half]
         floor = _floor_shares(run, ids)
         named = zip(*(sites[f].to_numpy()[half].tolist() for f in SiteRow._fields))  # (no frame row per site)
-        for j, (col, site) in enumerate(zip(half.tolist(), named)):
+        for j, site in enumerate(named):
             if not ok[:, j].any():
                 continue
             rows.append(
                 Site(
                     SiteRow._make(site),
-                    col,
                     float(share_med[j]),
                     float(zeros_med[j]),
                     float(top[j]),
@@ -225,12 +223,6 @@ def shares_at(run: RunView, kind: str, ids: Iterable[int], target: float) -> dic
     return dict(zip(sites.tolist(), med.tolist()))
 
 
-def share_at(run: RunView, kind: str, col: int, site_id: int, target: float) -> float | None:
-    """Median share of a site's non-zero elements below the FP16 normal range had the loss scale been ``target``
-    (``shares_at`` for one site; None without a clean histogram step)."""
-    return shares_at(run, kind, [site_id], target).get(int(site_id))
-
-
 def _severity(run: RunView, bad: list[Site], min_share: float, reachable: float) -> tuple[str, str]:
     """(severity, why) from the evidence of material loss: gradients flushed (lost) rather than only imprecise, and
     whether the scaler can still lift them (the scale's headroom) or only a change of precision can."""
@@ -250,7 +242,11 @@ def _severity(run: RunView, bad: list[Site], min_share: float, reachable: float)
         )
     # only subnormal: fewer mantissa bits for the smallest elements, nothing lost; the scaler lifts them as it grows
     # unless the largest gradients cap the scale (then only FP32 for that layer or BF16 would)
-    stuck = [r for r in bad if (share_at(run, r.site.kind, r.col, r.site.id, reachable) or 0.0) >= min_share]
+    at = {
+        k: shares_at(run, k, [r.site.id for r in bad if r.site.kind == k], reachable)
+        for k in {r.site.kind for r in bad}
+    }
+    stuck = [r for r in bad if (at[r.site.kind].get(r.site.id) or 0.0) >= min_share]  # (one pass a kind)
     if stuck:
         return "info", (
             f"nothing is flushed, only imprecise; even the largest scale the gradients allow "
