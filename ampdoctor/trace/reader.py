@@ -237,7 +237,7 @@ class Trace:
         columns ``fields`` (default: all of schema.STEP_NUMBERS) as float64 (NaN where a step has none), "lr" (the
         first group's) and "reason"."""
         with self.snapshot():
-            numbers, reasons, _ = self.checked(steps_table.columns, self._conn, False, fields)
+            numbers, reasons, _ = self.checked(steps_table.columns, self._conn, False, fields, self.n_steps)
         out = {"step": np.arange(len(numbers), dtype=np.int64), "reason": reasons}
         out.update({f: numbers[:, i] for i, f in enumerate((*fields, "lr"))})
         return out

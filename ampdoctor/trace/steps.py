@@ -87,13 +87,15 @@ def read(conn: sqlite3.Connection, lr_groups: bool = True) -> pd.DataFrame:
 
 
 def columns(
-    conn: sqlite3.Connection, lr_groups: bool = False, fields: Sequence[str] = NUMBER_FIELDS
+    conn: sqlite3.Connection, lr_groups: bool = False, fields: Sequence[str] = NUMBER_FIELDS, n: int | None = None
 ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.object_], list[Groups | None] | None]:
     """The steps as arrays, checked (``read`` without the frame, for a reader of a few columns of a long run):
     [steps x fields + lr] in column order (``fields``: some of NUMBER_FIELDS; NaN where a row has no value), the
-    reasons, and every group's learning rates when ``lr_groups`` (then read from the rows, not the blocks)."""
+    reasons, and every group's learning rates when ``lr_groups`` (then read from the rows, not the blocks). ``n``:
+    the steps recorded, counted in the caller's read transaction (None: counted here, ~0.03 s at 10^6 steps)."""
     have = {r[1] for r in conn.execute("PRAGMA table_info(steps)")}
-    n = conn.execute("SELECT count(*) FROM steps").fetchone()[0]
+    if n is None:
+        n = conn.execute("SELECT count(*) FROM steps").fetchone()[0]
     # column after column; the last one: the learning rate
     numbers = np.empty((n, len(fields) + 1), order="F")
     reasons = np.empty(n, dtype=object)  # filled, not np.full: numpy fills objects so ~10x faster (0.08 s at 10^6)
