@@ -150,6 +150,25 @@ class Inputs:
             ls = steps["loss_scale"].to_numpy(float)
             self.stored = np.where(np.isfinite(ls) & (ls > 0), ls, 1.0)
         self._scales: dict[tuple[str, int, int], tuple[FloatArray, FloatArray]] = {}
+        self._whatif: dict[tuple[int, int], tuple[Hists, Columns]] = {}
+
+    @staticmethod
+    def of(tr: Trace | View, kind: str) -> Inputs:
+        """The Inputs of a kind made once per View: the diagnosis' FP8 verdict and the report's formats table read
+        the same what-if of the same rows."""
+        view = View.of(tr)
+        key = ("whatif.Inputs", kind)
+        if key not in view.derived:
+            view.derived[key] = Inputs(view, kind)
+        inp: Inputs = view.derived[key]
+        return inp
+
+    def whatif(self, history: int = HISTORY, margin: int = MARGIN) -> tuple[Hists, Columns]:
+        """Every site's histogram rows (``rows()``) and ``whatif_rows`` over them (none: no row), once per recipe."""
+        if (history, margin) not in self._whatif:
+            h = self.rows()
+            self._whatif[(history, margin)] = (h, whatif_rows(self, h, history, margin) if len(h) else {})
+        return self._whatif[(history, margin)]
 
     def _cols(self, w: Windows) -> IntArray:
         """This kind's sites among the columns of the peaks windows."""
@@ -298,11 +317,10 @@ def formats_table(
     in binades (FP8 per-tensor scaling can hold log2(448 / 2^-9) = 17.8 binades in E4M3, 31.8 in E5M2)."""
     rows = []
     for kind in kinds:
-        inp = Inputs(tr, kind)
-        h = inp.rows()
+        inp = Inputs.of(tr, kind)
+        h, out = inp.whatif(history, margin)
         if not len(h):
             continue
-        out = whatif_rows(inp, h, history, margin)
         count = dict(zip(*np.unique(h.site, return_counts=True)))
         meds = {}
         for name in FORMATS:

@@ -72,12 +72,11 @@ def assess(tr: Trace | View, kinds: Sequence[str] = ("act", "grad_out"), min_los
     of them); the recipe search only over the sites that lose."""
     out: list[SiteLoss] = []
     for kind in kinds:
-        inp = W.Inputs(tr, kind)
-        h = inp.rows()
+        inp = W.Inputs.of(tr, kind)
+        h, base = inp.whatif()
         if not len(h):
             continue
         name = KIND_FORMAT[kind]
-        base = W.whatif_rows(inp, h, W.HISTORY, W.MARGIN)
         judged = dict(zip(*np.unique(h.site[W.judged_mask(base)], return_counts=True)))
         lost, sat, flush = _lost(base, h.site, name)
         pick = [
