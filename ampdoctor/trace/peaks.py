@@ -70,13 +70,10 @@ def gradient_sites(go: pd.DataFrame, pg: pd.DataFrame, acts: pd.DataFrame, rec_s
     assumed = bool((~seed).any()) and not fp16[~seed].any()  # an FP32/BF16 run: judged as if computed in FP16
     if assumed:
         fp16 |= ~seed
-    limits = np.array(
-        [
-            formats.FP16.finite_limit if f else formats.DTYPE_FORMATS.get(d, formats.FP32).finite_limit
-            for f, d in zip(fp16, dtypes)
-        ],
-        dtype=float,
-    )
+    # a format's limit once, not once a site (a property: a few float operations each time)
+    limit = {d: formats.DTYPE_FORMATS.get(d, formats.FP32).finite_limit for d in set(dtypes)}
+    half = formats.FP16.finite_limit
+    limits = np.array([half if f else limit[d] for f, d in zip(fp16, dtypes)], dtype=float)
     return Gradients(
         sites=grads.assign(compute_dtype=dtypes, fp16=fp16, seed=seed),
         ids=grads["id"].to_numpy(dtype=np.int64),
