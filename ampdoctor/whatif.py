@@ -150,6 +150,25 @@ class Inputs:
             ls = steps["loss_scale"].to_numpy(float)
             self.stored = np.where(np.isfinite(ls) & (ls > 0), ls, 1.0)
         self._scales: dict[tuple[str, int, int], tuple[FloatArray, FloatArray]] = {}
+        self._whatif: dict[tuple[int, int], tuple[Hists, Columns]] = {}
+
+    @staticmethod
+    def of(tr: Trace | View, kind: str) -> Inputs:
+        """The Inputs of a kind made once per View: the diagnosis' FP8 verdict and the report's formats table read
+        the same what-if of the same rows."""
+        view = View.of(tr)
+        key = ("whatif.Inputs", kind)
+        if key not in view.derived:
+            view.derived[key] = Inputs(view, kind)
+        inp: Inputs = view.derived[key]
+        return inp
+
+    def whatif(self, history: int = HISTORY, margin: int = MARGIN) -> tuple[Hists, Columns]:
+        """Every site's histogram rows (``rows()``) and ``whatif_rows`` over them (none: no row), once per recipe."""
+        if (history, margin) not in self._whatif:
+            h = self.rows()
+            self._whatif[(history, margin)] = (h, whatif_rows(self, h, history, margin) if len(h) else {})
+        return self._whatif[(history, margin)]
 
     def _cols(self, w: Windows) -> IntArray:
         """This kind's sites among the columns of the peaks windows."""
@@ -298,11 +317,10 @@ def formats_table(
     in binades (FP8 per-tensor scaling can hold log2(448 / 2^-9) = 17.8 binades in E4M3, 31.8 in E5M2)."""
     rows = []
     for kind in kinds:
-        inp = Inputs(tr, kind)
-        h = inp.rows()
+        inp = Inputs.of(tr, kind)
+        h, out = inp.whatif(history, margin)
         if not len(h):
             continue
-        out = whatif_rows(inp, h, history, margin)
         count = dict(zip(*np.unique(h.site, return_counts=True)))
         meds = {}
         for name in FORMATS:
@@ -313,18 +331,23 @@ def formats_table(
             )
         span = site_medians(out["span"].astype(np.float64), h.site, judged_mask(out, False))
         absmax = inp.view.stat("absmax", kind)  # abs max at the full-statistics steps read
-        for s in inp.sites.itertuples():
-            sid = int(s.id)
+        finite = np.isfinite(absmax)
+        with np.errstate(invalid="ignore"):  # (a site without a finite value: NaN)
+            top = np.where(finite.any(axis=0), np.where(finite, absmax, -np.inf).max(axis=0, initial=-np.inf), np.nan)
+        overflow = {name: edges(fmt).overflow for name, fmt in HALF.items()}
+        # the sites' columns as lists, not rows of the frame: a wide model has thousands of sites
+        for j, (sid, path, dtype) in enumerate(
+            zip(inp.ids.tolist(), inp.sites["path"].tolist(), inp.sites["dtype"].tolist())
+        ):
             if sid not in count:
                 continue
-            row = {"path": s.path, "kind": kind, "dtype": s.dtype, "hist_steps": int(count[sid])}
+            row = {"path": path, "kind": kind, "dtype": dtype, "hist_steps": int(count[sid])}
             for name in FORMATS:
                 row[f"{name}_lost"] = float(meds[name][0].get(sid, math.nan))
                 row[f"{name}_lost_hi"] = float(meds[name][1].get(sid, math.nan))
-            col = absmax[:, inp.column[sid]]
-            am = float(np.max(col[np.isfinite(col)])) if np.isfinite(col).any() else math.nan
+            am = float(top[j])
             for name in HALF:
-                row[f"{name}_headroom"] = math.log2(edges(HALF[name]).overflow / am) if am > 0 else math.nan
+                row[f"{name}_headroom"] = math.log2(overflow[name] / am) if am > 0 else math.nan
             row["span"] = float(span.get(sid, math.nan))
             rows.append(row)
     return pd.DataFrame(rows)

@@ -140,7 +140,7 @@ def default_view(tr: Trace, found: list[Diagnosis] | None = None, run: Any = Non
             p = dict(link.params)
             if p.get("kind") in KINDS and p.get("stat") in STATS:
                 return p["kind"], p["stat"]
-    have = set(tr.sites()["kind"])
+    have = set(tr.sites()["kind"].tolist())
     dtype = compute_dtype(tr, run)
     if dtype == "float16" and "grad_out" in have:
         return "grad_out", "fp16_under"
@@ -199,7 +199,7 @@ def precision_rows(tr: Trace, found: list[Diagnosis] | None, run: Any = None) ->
     grad = sites[sites["kind"] == "grad_out"].drop_duplicates("path").set_index("path")["dtype"].to_dict()
     pdt = cfg.get("module_param_dtypes", {}) or {}
     compute = compute_dtype(tr, run)
-    modules = set(act["path"])
+    modules = set(act["path"].tolist())
 
     named: dict[str, list[Diagnosis]] = {}  # module path -> the findings naming it, in their order
     for d in found or []:  # the module itself, or one of its parameters (not a child module)
@@ -213,19 +213,20 @@ def precision_rows(tr: Trace, found: list[Diagnosis] | None, run: Any = None) ->
         return "; ".join(f"{d.rule}: {d.title}" for d in ds) or "ok"
 
     rows = []
-    for s in act.itertuples():
-        if s.path == ROOT:
+    # the columns as lists, not the frame's rows: a wide model has thousands of modules
+    for path, module_type, dtype in zip(act["path"].tolist(), act["module_type"].tolist(), act["dtype"].tolist()):
+        if path == ROOT:
             continue
-        mtype = s.module_type if isinstance(s.module_type, str) else ""
+        mtype = module_type if isinstance(module_type, str) else ""
         rows.append(
             {
-                "module": s.path,
+                "module": path,
                 "type": mtype,
                 "allocation": allocation(mtype, compute),
-                "forward": s.dtype or "?",
-                "backward": grad.get(s.path, "–"),
-                "parameters": pdt.get(s.path, "–"),
-                "verdict": verdict(named.get(s.path, [])),
+                "forward": dtype or "?",
+                "backward": grad.get(path, "–"),
+                "parameters": pdt.get(path, "–"),
+                "verdict": verdict(named.get(path, [])),
             }
         )
     loss = cfg.get("loss_dtype")

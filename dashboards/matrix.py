@@ -153,8 +153,8 @@ def layer_matrix(
         raise ValueError(f"Argument kind should be one of {', '.join(KINDS)}, but given {kind!r}")
     sites = tr.sites(kind)
     ids = sites["id"].to_numpy(dtype=np.int64)
-    labels = [str(p) for p in sites["path"]]
-    types = [t if isinstance(t, str) else "" for t in sites["module_type"]]
+    labels = [str(p) for p in sites["path"].tolist()]
+    types = [t if isinstance(t, str) else "" for t in sites["module_type"].tolist()]
     n = n_steps(tr)
     if not n or not len(ids):
         return LayerMatrix(stat, kind, np.array([], np.int64), ids, labels, types, np.zeros((len(ids), 0)))

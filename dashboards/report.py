@@ -218,7 +218,7 @@ def key_figures(
             p = dict(link.params)
             if link.page == "/layers" and (p.get("kind"), p.get("stat")) not in views:
                 views.append((p.get("kind"), p.get("stat")))
-    have = set(tr.sites()["kind"])
+    have = set(tr.sites()["kind"].tolist())
     paths: list[str] | None = None
     memo: dict[Any, Any] = {}  # the peaks read once for every heat map
     for kind, stat in views:

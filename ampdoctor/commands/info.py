@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..precision_label import describe_precision
-from ..trace import load, shards
+from ..trace import Trace, load, shards
 from ..trace.checks import invalid_settings_note
 from ..trace.observation import cost_line, observation_line, summarize
 from ..trace.run import is_multi, load_run, run_pattern
@@ -29,6 +29,11 @@ def run(args: argparse.Namespace) -> int:
     if is_multi(args.trace):  # a directory or glob of one run's ranks
         return info_ranks(args.trace)
     tr = load(args.trace)
+    with tr.snapshot():  # one state of the file for every line, its steps counted once (~0.03 s at 10^6 steps)
+        return _info(tr, args)
+
+
+def _info(tr: Trace, args: argparse.Namespace) -> int:
     meta, cfg = tr.meta, tr.config
     st = tr.checked(summarize, tr)  # the steps as numbers (the writer's blocks): no Python object per value
     sites = tr.site_rows()

@@ -4,7 +4,10 @@ run())."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import sys
+from collections.abc import Callable, Iterator
 
 from ..trace import load
 from ..trace.run import is_multi, load_run
@@ -28,8 +31,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm.auto import tqdm
-
     from ..dashboards.report import STAGES, write_report
 
     if is_multi(args.trace):
@@ -40,16 +41,28 @@ def run(args: argparse.Namespace) -> int:
     real = check_output(out, _inputs([args.trace], args.reference), "report", default=args.output is None)
     tr = load(args.trace)
     ref = load(args.reference) if args.reference else None
-    with tqdm(total=len(STAGES), desc="report", unit="stage", disable=None, leave=False) as bar:
+    with _progress(len(STAGES)) as stage, atomic_write(real, out, "report") as tmp:
+        write_report(tr, tmp, ref, progress=stage)
+    print(f"wrote {out}")
+    return EXIT_OK
 
-        def stage(name: str) -> None:  # called as each stage starts; on stderr, and only on a terminal
+
+@contextlib.contextmanager
+def _progress(total: int) -> Iterator[Callable[[str], None] | None]:
+    """The report's progress, called as each stage starts: a bar on stderr when it is a terminal, else None (tqdm is
+    only imported where it shows: ~0.1 s, its version read from the package metadata)."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from tqdm.auto import tqdm
+
+    with tqdm(total=total, desc="report", unit="stage", leave=False) as bar:
+
+        def stage(name: str) -> None:
             bar.set_postfix_str(name)
             bar.update()
 
-        with atomic_write(real, out, "report") as tmp:
-            write_report(tr, tmp, ref, progress=stage)
-    print(f"wrote {out}")
-    return EXIT_OK
+        yield stage
 
 
 def _inputs(traces: list[str], reference: str | None) -> list[str]:

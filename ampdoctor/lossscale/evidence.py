@@ -219,9 +219,9 @@ def _histograms(view: View, grads: pd.DataFrame, fp16: BoolArray, n_go: int, n: 
     """Step index -> (log2 of the lower edge of each unscaled binade, counts), over the gradient sites computed in
     FP16 at the histogram steps read (View.hist_steps). Container modules are left out: their grad_out is their last
     child's. Counts of one step in the same unscaled binade are added (one entry per binade and step)."""
-    paths = list(grads["path"])
+    paths = grads["path"].tolist()
     outer = containers(paths[:n_go])
-    keep = fp16 & ~np.array([k == "grad_out" and p in outer for k, p in zip(grads["kind"], paths)], dtype=bool)
+    keep = fp16 & ~np.array([k == "grad_out" and p in outer for k, p in zip(grads["kind"].tolist(), paths)], dtype=bool)
     ids = grads["id"].to_numpy(dtype=np.int64)[keep]
     if not len(ids):
         return {}

@@ -231,7 +231,7 @@ class Run:
     def module_types(self) -> dict[str, str]:
         """module path -> module class name (from the activation sites)."""
         acts = self.sites("act")
-        return dict(zip(acts["path"], acts["module_type"]))
+        return dict(zip(acts["path"].tolist(), acts["module_type"].tolist()))
 
     # -- device --------------------------------------------------------------------------------------------------
     @property

@@ -72,17 +72,17 @@ def assess(tr: Trace | View, kinds: Sequence[str] = ("act", "grad_out"), min_los
     of them); the recipe search only over the sites that lose."""
     out: list[SiteLoss] = []
     for kind in kinds:
-        inp = W.Inputs(tr, kind)
-        h = inp.rows()
+        inp = W.Inputs.of(tr, kind)
+        h, base = inp.whatif()
         if not len(h):
             continue
         name = KIND_FORMAT[kind]
-        base = W.whatif_rows(inp, h, W.HISTORY, W.MARGIN)
         judged = dict(zip(*np.unique(h.site[W.judged_mask(base)], return_counts=True)))
         lost, sat, flush = _lost(base, h.site, name)
-        losing = [
-            s for s in inp.sites.itertuples() if judged.get(int(s.id), 0) >= MIN_STEPS and lost[int(s.id)] >= min_lost
+        pick = [
+            j for j, sid in enumerate(inp.ids.tolist()) if judged.get(sid, 0) >= MIN_STEPS and lost[sid] >= min_lost
         ]
+        losing = list(inp.sites.iloc[pick].itertuples())  # (rows only of the few that lose)
         if not losing:
             continue
         sub = inp.rows([int(s.id) for s in sorted(losing, key=lambda s: s.id)])

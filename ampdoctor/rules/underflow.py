@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 
 from .. import formats
+from ..trace.reader import SiteRow
 from ..trace.reduce import col_median, group_median
 from ..trace.schema import HIST_LO, ROOT
 from ..trace.view import containers
@@ -48,7 +49,7 @@ def _clean_full_steps(run: RunView) -> tuple[IntArray, IntArray]:
     return fs[rows], rows
 
 
-def _layer(site: pd.Series) -> str:
+def _layer(site: SiteRow) -> str:
     layer: str = site.module if site.kind in ("param_grad", "weight", "update") else site.path
     return layer
 
@@ -67,8 +68,7 @@ def _outer(sites: pd.DataFrame) -> set[str]:
 class Site:
     """One FP16 gradient site's underflow evidence over the clean full-statistics steps."""
 
-    site: pd.Series  # the sites-table row
-    col: int  # its column in run.stat(..., kind)
+    site: SiteRow  # the sites-table row
     share: float  # median share of elements in the subnormal range
     zeros: float  # median share of exact zeros
     unscaled_max: float
@@ -113,12 +113,10 @@ def underflow_sites(run: RunView, kinds: Sequence[str] = ("grad_out", "param_gra
     for kind in kinds:
         sites = run.sites(kind)
         outer: set[str] = _outer(sites) if kind == "grad_out" else set()
-        half = [
-            j
-            for j in np.flatnonzero(sites["dtype"].to_numpy() == "float16")
-            if sites["path"].iloc[j] not in outer and str(sites["shape"].iloc[j]) != ""
-        ]
-        if not half:
+        # every site at once (a wide model has thousands): FP16, not a container, a recorded shape
+        wanted = (sites["dtype"].to_numpy() == "float16") & (sites["shape"].to_numpy() != "")
+        half = np.flatnonzero(wanted & ~sites["path"].isin(outer).to_numpy())
+        if not len(half):
             continue
         take = np.ix_(srows, half)
         n, sub, zeros = (run.stat(f, kind)[take] for f in ("numel", "fp16_sub", "zeros"))
@@ -136,13 +134,13 @@ def underflow_sites(run: RunView, kinds: Sequence[str] = ("grad_out", "param_gra
         rms_med = np.where(np.isfinite(rms_ok).any(axis=0), col_median(rms_ok), np.nan)
         ids = sites["id"].to_numpy()[half]
         floor = _floor_shares(run, ids)
-        for j, col in enumerate(half):
+        named = zip(*(sites[f].to_numpy()[half].tolist() for f in SiteRow._fields))  # (no frame row per site)
+        for j, site in enumerate(named):
             if not ok[:, j].any():
                 continue
             rows.append(
                 Site(
-                    sites.iloc[col],
-                    int(col),
+                    SiteRow._make(site),
                     float(share_med[j]),
                     float(zeros_med[j]),
                     float(top[j]),
@@ -150,9 +148,9 @@ def underflow_sites(run: RunView, kinds: Sequence[str] = ("grad_out", "param_gra
                     rms=float(rms_med[j]),
                 )
             )
-    for r in rows:
-        if r.vanished:
-            r.dead = _dead_output(run, r.site)
+    vanished = [r for r in rows if r.vanished]
+    for r, dead in zip(vanished, _dead_outputs(run, [r.site for r in vanished])):
+        r.dead = dead
     return rows
 
 
@@ -169,29 +167,36 @@ def _floor_shares(run: RunView, ids: IntArray) -> dict[int, float]:
     return dict(zip(sites.tolist(), med.tolist()))
 
 
-def _dead_output(run: RunView, site: pd.Series) -> str:
-    """The forward output that is all zero on this gradient's path, e.g. a dead ReLU: its own module's, a module run
-    after it (the gradient flows back through that zero-masked output), or for a parameter gradient the module run
-    just before (its input). Then an all-zero gradient is masked, not flushed. "" when none is."""
+def _dead_outputs(run: RunView, sites: list[SiteRow]) -> list[str]:
+    """Per gradient site: the forward output that is all zero on its path, e.g. a dead ReLU: its own module's, a
+    module run after it (the gradient flows back through that zero-masked output), or for a parameter gradient the
+    module run just before (its input). Then an all-zero gradient is masked, not flushed. "" when none is. The
+    outputs' zero shares are reduced once for all the sites."""
+    if not sites:
+        return []
     acts = run.sites("act")
     _, rows = _clean_full_steps(run)
     if not len(acts) or not len(rows):
-        return ""
+        return [""] * len(sites)
     paths: list[str] = acts["path"].tolist()
-    module = _layer(site)
-    if module not in paths:
-        return ""
-    i = paths.index(module)
+    first = {p: i for i, p in reversed(list(enumerate(paths)))}  # (a path's first column, as list.index)
     with np.errstate(all="ignore"):
         zshare = run.stat("zeros", "act")[rows] / run.stat("numel", "act")[rows]
-    order = ([i - 1] if site["kind"] == "param_grad" else []) + list(range(i, len(paths)))
     medians = col_median(np.where(np.isfinite(zshare), zshare, np.nan))
-    for j in order:
-        if j < 0 or paths[j] == ROOT or _is_container(paths[j], [module]):
+    is_dead = np.isfinite(zshare).any(axis=0) & (medians >= VANISHED_ZEROS)
+    dead = np.flatnonzero(is_dead)  # in execution order
+    out = []
+    for site in sites:
+        module = _layer(site)
+        i = first.get(module)
+        if i is None:
+            out.append("")
             continue
-        if np.isfinite(zshare[:, j]).any() and float(medians[j]) >= VANISHED_ZEROS:
-            return paths[j]
-    return ""
+        before = [i - 1] if site.kind == "param_grad" and i > 0 and is_dead[i - 1] else []
+        order = before + dead[np.searchsorted(dead, i) :].tolist()
+        hit = (paths[j] for j in order if paths[j] != ROOT and not _is_container(paths[j], [module]))
+        out.append(next(hit, ""))
+    return out
 
 
 def shares_at(run: RunView, kind: str, ids: Iterable[int], target: float) -> dict[int, float]:
@@ -218,12 +223,6 @@ def shares_at(run: RunView, kind: str, ids: Iterable[int], target: float) -> dic
     return dict(zip(sites.tolist(), med.tolist()))
 
 
-def share_at(run: RunView, kind: str, col: int, site_id: int, target: float) -> float | None:
-    """Median share of a site's non-zero elements below the FP16 normal range had the loss scale been ``target``
-    (``shares_at`` for one site; None without a clean histogram step)."""
-    return shares_at(run, kind, [site_id], target).get(int(site_id))
-
-
 def _severity(run: RunView, bad: list[Site], min_share: float, reachable: float) -> tuple[str, str]:
     """(severity, why) from the evidence of material loss: gradients flushed (lost) rather than only imprecise, and
     whether the scaler can still lift them (the scale's headroom) or only a change of precision can."""
@@ -243,7 +242,11 @@ def _severity(run: RunView, bad: list[Site], min_share: float, reachable: float)
         )
     # only subnormal: fewer mantissa bits for the smallest elements, nothing lost; the scaler lifts them as it grows
     # unless the largest gradients cap the scale (then only FP32 for that layer or BF16 would)
-    stuck = [r for r in bad if (share_at(run, r.site["kind"], r.col, int(r.site["id"]), reachable) or 0.0) >= min_share]
+    at = {
+        k: shares_at(run, k, [r.site.id for r in bad if r.site.kind == k], reachable)
+        for k in {r.site.kind for r in bad}
+    }
+    stuck = [r for r in bad if (at[r.site.kind].get(r.site.id) or 0.0) >= min_share]  # (one pass a kind)
     if stuck:
         return "info", (
             f"nothing is flushed, only imprecise; even the largest scale the gradients allow "
@@ -282,7 +285,7 @@ def grad_underflow(run: RunView, *, min_share: float = MIN_SHARE) -> Diagnosis |
         return None  # the replay cannot start from the recorded scaler settings: no scale to quote
     init, interval = float(sug.settings["init_scale"]), int(sug.settings["growth_interval"])
     worst = bad[0]
-    per_layer = {f"{r.layer} ({r.site['kind']})": round(r.share, 4) for r in bad[:10]}
+    per_layer = {f"{r.layer} ({r.site.kind})": round(r.share, 4) for r in bad[:10]}
     fix = _fix(run, sug, scale_now, worst.layer if "largest scale" in why else None)
     vanished = [r.layer for r in bad if r.vanished and not r.dead]
     dead = [f"{r.layer} (all zero because {r.dead} outputs only zeros)" for r in rows if r.vanished and r.dead]

@@ -118,7 +118,7 @@ def _fan_in(shape: str) -> int | None:
         return None
     if len(dims) < 2:
         return None
-    return int(np.prod(dims[1:]))
+    return math.prod(dims[1:])
 
 
 fan_in = _fan_in  # public: rules/divergence.py reads it
@@ -129,7 +129,10 @@ def grad_range_anomaly(
 ) -> Diagnosis | None:
     pg = run.sites("param_grad")
     types = run.module_types
-    mats = [(j, s) for j, s in enumerate(pg.itertuples()) if _fan_in(s.shape) and types.get(s.module) not in NO_FAN_IN]
+    paths, modules = pg["path"].tolist(), pg["module"].tolist()  # (columns as lists: thousands of layers)
+    mats = [
+        j for j, shape in enumerate(pg["shape"].tolist()) if _fan_in(shape) and types.get(modules[j]) not in NO_FAN_IN
+    ]
     if len(mats) < 3:
         return None  # "the others" needs at least two other layers
     st = run.steps
@@ -138,7 +141,7 @@ def grad_range_anomaly(
     fs = run.stat_steps[rows].tolist()
     if not fs:
         return None
-    rms = run.stat("rms", "param_grad")[np.ix_(rows, np.array([j for j, _ in mats], dtype=np.int64))]
+    rms = run.stat("rms", "param_grad")[np.ix_(rows, np.array(mats, dtype=np.int64))]
     with np.errstate(all="ignore"):
         logr = np.log10(np.where(rms > 0, rms, np.nan))
     has = np.isfinite(logr).any(axis=0)  # an all-NaN column would make nanmedian warn
@@ -152,7 +155,7 @@ def grad_range_anomaly(
     idx = np.flatnonzero(ok)
     dev = np.full(len(g), np.nan)
     dev[idx] = g[idx] - _median_of_others(g[idx])
-    outliers = [(mats[i][1].path, float(dev[i]), float(10 ** g[i])) for i in idx if abs(dev[i]) >= grad_decades]
+    outliers = [(paths[mats[i]], float(dev[i]), float(10 ** g[i])) for i in idx if abs(dev[i]) >= grad_decades]
     faults = [
         (p, w["ratio"], w["rms"], w["fan_in_rms"], w["module"]) for p, w in weight_faults(run, weight_decades).items()
     ]
@@ -194,7 +197,7 @@ def grad_range_anomaly(
         layers=layers,
         steps=run.step_range(fs),
         evidence={
-            "grad_rms": {mats[i][1].path: float(10 ** g[i]) for i in np.flatnonzero(ok)},
+            "grad_rms": {paths[mats[i]]: float(10 ** g[i]) for i in np.flatnonzero(ok)},
             "median_grad_rms": 10**med,
             "outliers": {p: round(d, 2) for p, d, _ in outliers},
             "weight_faults": {p: {"rms": wr, "fan_in_rms": exp, "ratio": ratio} for p, ratio, wr, exp, _ in faults},
@@ -227,9 +230,9 @@ def weight_faults(run: RunView, weight_decades: float = WEIGHT_DECADES) -> dict[
     w_rms = run.stat("rms", "weight")  # the first full-statistics step read is the run's first
     types = run.module_types
     faults: list[tuple[str, WeightFault]] = []
-    for j, s in enumerate(w.itertuples()):
-        fan = _fan_in(s.shape)
-        if not fan or types.get(s.module) in NO_FAN_IN:
+    for j, (path, module, shape) in enumerate(zip(w["path"].tolist(), w["module"].tolist(), w["shape"].tolist())):
+        fan = _fan_in(shape)
+        if not fan or types.get(module) in NO_FAN_IN:
             continue
         col = w_rms[:, j]
         col = col[np.isfinite(col)]
@@ -238,7 +241,7 @@ def weight_faults(run: RunView, weight_decades: float = WEIGHT_DECADES) -> dict[
         ratio = float(col[0] * math.sqrt(fan))  # rms / (1/sqrt(fan_in)), at the first recorded step
         if ratio > 0 and abs(math.log10(ratio)) >= weight_decades:
             faults.append(
-                (s.path, {"rms": float(col[0]), "fan_in_rms": 1.0 / math.sqrt(fan), "ratio": ratio, "module": s.module})
+                (path, {"rms": float(col[0]), "fan_in_rms": 1.0 / math.sqrt(fan), "ratio": ratio, "module": module})
             )
     faults.sort(key=lambda f: -abs(math.log10(f[1]["ratio"])))
     return dict(faults)

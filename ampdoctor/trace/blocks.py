@@ -99,23 +99,30 @@ class Packer:
         return rows
 
 
-def read(conn: sqlite3.Connection, out: npt.NDArray[np.float64], reasons: npt.NDArray[np.object_]) -> int:
-    """Fill ``out`` ([steps x FIELDS], best in column order) and ``reasons`` (one per step) from the blocks that
-    continue each other from step 0, as far as ``out`` reaches (the rows the steps table holds); how many steps they
-    gave (0: a trace without blocks). Inside the caller's read transaction."""
+def read(
+    conn: sqlite3.Connection,
+    out: npt.NDArray[np.float64],
+    reasons: npt.NDArray[np.object_],
+    fields: Sequence[str] = FIELDS,
+) -> int:
+    """Fill ``out`` ([steps x fields], some of FIELDS; best in column order) and ``reasons`` (one per step) from the
+    blocks that continue each other from step 0, as far as ``out`` reaches (the rows the steps table holds); how many
+    steps they gave (0: a trace without blocks). Inside the caller's read transaction."""
     if not conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'step_blocks'").fetchone():
         return 0
+    wanted = [FIELDS.index(f) for f in fields]
     at = 0
-    for first, n, fields, data, names in conn.execute(
+    for first, n, written, data, names in conn.execute(
         "SELECT first, n, fields, data, reasons FROM step_blocks ORDER BY first"
     ):
         if first != at or not isinstance(n, int) or n <= 0 or at + n > len(out):
             break
-        cols = _columns(fields)
-        if cols is None or not isinstance(data, bytes) or len(data) != 8 * n * len(fields.split(",")):
+        cols = _columns(written)
+        if cols is None or not isinstance(data, bytes) or len(data) != 8 * n * len(written.split(",")):
             break
         block = np.frombuffer(data, dtype="<f8").reshape(-1, n)
-        out[at : at + n] = (block[: len(FIELDS)] if fields == WRITTEN else block[cols[:-1]]).T
+        for j, i in enumerate(wanted):  # only the columns asked for: a reader of a few copies a few
+            out[at : at + n, j] = block[cols[i]]
         reasons[at : at + n] = _reasons(names, block[cols[-1]])
         at += n
     return at

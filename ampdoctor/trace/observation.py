@@ -27,6 +27,10 @@ _LEVEL_NAMES: dict[float, str] = {
 LEVEL_NAMES = _LEVEL_NAMES  # public: the dashboard's observation line reads it
 
 
+# the step columns a Summary reads (at 10^6 steps each one is 8 MB read, copied and checked)
+SUMMARY_FIELDS = ("level", "loss_scale", "loss_scale_next", "loss", "observer_time", "step_time", "skipped")
+
+
 @dataclass
 class Summary:
     """The figures of a trace's steps that ``info`` prints (``summarize``)."""
@@ -44,7 +48,7 @@ class Summary:
 def summarize(trace: Trace) -> Summary:
     """A trace's Summary (ampdoctor.trace.Trace), from its steps read as arrays (``Trace.step_columns``: the writer's
     step blocks at once, the rows after them; checked as they are read)."""
-    st = trace.step_columns()
+    st = trace.step_columns(SUMMARY_FIELDS)
     n = len(st["step"])
     step, level = st["step"], st["level"]
     seen = ~np.isnan(level) & (level != schema.LEVEL_SENTINEL)

@@ -48,9 +48,9 @@ class Gradients:
 def _compute_dtypes(grads: pd.DataFrame, acts: pd.DataFrame) -> list[str]:
     """The dtype each gradient site is computed in: a grad_out its own; a param_grad its module's compute dtype (the
     module's act site), whatever the dtype of the .grad it lands in (an FP16 matmul's weight gradient is FP16)."""
-    act_dtype = dict(zip(acts["path"], acts["dtype"]))
+    act_dtype = dict(zip(acts["path"].tolist(), acts["dtype"].tolist()))
     out = []
-    for kind, module, dtype in zip(grads["kind"], grads["module"], grads["dtype"]):
+    for kind, module, dtype in zip(grads["kind"].tolist(), grads["module"].tolist(), grads["dtype"].tolist()):
         d = act_dtype.get(module, dtype) if kind == "param_grad" else dtype
         out.append(str(d or "float32").replace("torch.", ""))
     return out
@@ -65,18 +65,15 @@ def gradient_sites(go: pd.DataFrame, pg: pd.DataFrame, acts: pd.DataFrame, rec_s
     """The replay's definition of which format each gradient is judged against (see lossscale.evidence)."""
     grads = pd.concat([go, pg], ignore_index=True)
     dtypes = _compute_dtypes(grads, acts)
-    seed = np.array([is_seed(k, sh) for k, sh in zip(grads["kind"], grads["shape"])], dtype=bool)
+    seed = np.array([is_seed(k, sh) for k, sh in zip(grads["kind"].tolist(), grads["shape"].tolist())], dtype=bool)
     fp16 = np.array([d in ("float16", "half") for d in dtypes], dtype=bool)
     assumed = bool((~seed).any()) and not fp16[~seed].any()  # an FP32/BF16 run: judged as if computed in FP16
     if assumed:
         fp16 |= ~seed
-    limits = np.array(
-        [
-            formats.FP16.finite_limit if f else formats.DTYPE_FORMATS.get(d, formats.FP32).finite_limit
-            for f, d in zip(fp16, dtypes)
-        ],
-        dtype=float,
-    )
+    # a format's limit once, not once a site (a property: a few float operations each time)
+    limit = {d: formats.DTYPE_FORMATS.get(d, formats.FP32).finite_limit for d in set(dtypes)}
+    half = formats.FP16.finite_limit
+    limits = np.array([half if f else limit[d] for f, d in zip(fp16, dtypes)], dtype=float)
     return Gradients(
         sites=grads.assign(compute_dtype=dtypes, fp16=fp16, seed=seed),
         ids=grads["id"].to_numpy(dtype=np.int64),

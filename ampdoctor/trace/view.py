@@ -47,6 +47,8 @@ class View:
         self._sites: dict[str | None, pd.DataFrame] = {}
         self._stats: dict[tuple[str, str | None, bytes], np.ndarray] = {}  # (field, kind, steps) -> values
         self._windows: dict[int, P.Windows] = {}
+        # what other modules derive from these reads, kept by them for the view's other readers (whatif.Inputs)
+        self.derived: dict[tuple[Any, ...], Any] = {}
 
     @staticmethod
     def of(obj: object) -> View:
