@@ -65,9 +65,10 @@ def test_the_printed_data_guard_skips_the_outlier_batch_and_nothing_else(outlier
     assert not ampdoctor.load(tmp_path / "g.db").steps()["nonfinite"].any()
 
 
-def _regression(trace, broken_step, max_norm=None, steps=60):
+def _regression(trace, broken_step, max_norm=None, steps=60, log_after_step=False):
     """An MLP regressor in FP32; at ``broken_step`` the batch's targets are 1000x off (a broken label file), which
-    the model's inputs do not show. ``max_norm``: clip as a printed fix says."""
+    the model's inputs do not show. ``max_norm``: clip as a printed fix says. ``log_after_step``: the loop logs the
+    loss after ``optimizer.step()`` (as loops that log what they print do)."""
     model = mlp(width=32, depth=2, seed=4)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(3)
@@ -79,18 +80,35 @@ def _regression(trace, broken_step, max_norm=None, steps=60):
             x = torch.randn(32, 32, generator=g)
             y = x @ w * (1000.0 if step == broken_step else 1.0)
             loss = torch.nn.functional.mse_loss(model(x), y)
-            if doc is not None:
+            if doc is not None and not log_after_step:
                 doc.log_loss(loss)
             opt.zero_grad()
             loss.backward()
             if max_norm is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm)
             opt.step()
+            if doc is not None and log_after_step:
+                doc.log_loss(loss)
             losses.append(float(loss.detach()))
     finally:
         if doc is not None:
             doc.close()
     return losses
+
+
+def test_a_loss_logged_after_the_optimizer_step_is_still_judged_for_a_spike(tmp_path):
+    """The step's verdict is taken at the optimizer step (for the replay), before this loop logs its loss: the loss
+    is judged for a spike when it arrives, and the trace holds the spikes a loop logging early gets."""
+
+    def spikes(log_after_step):
+        path = str(tmp_path / f"late-{log_after_step}.db")
+        _regression(path, 43, log_after_step=log_after_step)
+        ev = ampdoctor.load(path).events()
+        return ev[ev["kind"].isin(["loss_spike", "grad_spike"])][["step", "kind"]].values.tolist(), path
+
+    late, path = spikes(True)
+    assert [43, "loss_spike"] in late and late == spikes(False)[0]
+    assert "loss-spike" in {x.rule for x in ampdoctor.diagnose(path)}
 
 
 def test_a_finite_loss_spike_is_replayed_and_its_printed_clipping_keeps_the_run(tmp_path):

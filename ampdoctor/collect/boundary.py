@@ -5,6 +5,7 @@ logged after ``optimizer.step()`` still joins it."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -171,9 +172,23 @@ class StepEnd:
         return verdict
 
     def _spikes(self, state: StepState, norm: float | None, loss: float | None) -> tuple[bool, bool]:
-        if state.spikes is None:
-            state.spikes = (self.cadence.spike(norm), self.cadence.loss_spike(loss))
-        return state.spikes
+        if state.grad_spike is None:
+            state.grad_spike = self.cadence.spike(norm)
+        if state.loss_spike is None and loss is not None:
+            state.loss_spike = self.cadence.loss_spike(loss)
+        return state.grad_spike, bool(state.loss_spike)
+
+    def late_loss(self, state: StepState, loss: float) -> None:
+        """The step's loss came after its verdict (logged after ``optimizer.step()``): judged for a spike now."""
+        if state.loss_spike is None and math.isfinite(loss):
+            state.loss_spike = self.cadence.loss_spike(loss)
+            if state.loss_spike:
+                self._loss_spike_event(state.index, loss)
+
+    def _loss_spike_event(self, step: int, loss: float | None) -> None:
+        mean = self.cadence.typical_loss
+        message = f"loss {loss:.4g} jumped far above its running mean {mean:.4g}"
+        self.put(EventMsg(step, EventKind.LOSS_SPIKE, None, None, message, {"loss": loss, "running_mean": mean}))
 
     def close(self, state: StepState, skipped: bool | None, step_starts: int, device: str | None) -> InFlight:
         """The step ``state`` ended (``skipped``: known from the optimizer; None: to read from the loss scale). Its
@@ -260,9 +275,7 @@ class StepEnd:
             data = {"grad_norm": grad_norm, "running_mean": mean}
             self.put(EventMsg(step, EventKind.GRAD_SPIKE, None, None, message, data))
         if verdict.loss_spike:
-            mean = self.cadence.typical_loss
-            message = f"loss {loss:.4g} jumped far above its running mean {mean:.4g}"
-            self.put(EventMsg(step, EventKind.LOSS_SPIKE, None, None, message, {"loss": loss, "running_mean": mean}))
+            self._loss_spike_event(step, loss)
         packet = StepPacket(
             step=step,
             row=row,

@@ -96,6 +96,7 @@ class Flights:
             if late is not None:
                 packet.loss = late
                 packet.nonfinite = packet.nonfinite or not math.isfinite(late)
+                self.end.late_loss(flight.state, late)
             self.put(packet)
 
     def drain(self) -> None:

@@ -34,8 +34,10 @@ class StepState:
     # copies of the weights before the optimizer step (update steps only)
     weights_before: list[torch.Tensor] | None = None
     figures: tuple[Any, ...] | None = None  # the sentinel's (gradient norm, largest gradient), once computed
-    # (gradient-norm spike, loss spike), once judged (the running means move once)
-    spikes: tuple[Any, ...] | None = None
+    # the gradient-norm spike and the loss spike, each once judged (a running mean moves once per step); the loss
+    # stays unjudged while the step has none (a loop may log it after optimizer.step(), past the early verdict)
+    grad_spike: bool | None = None
+    loss_spike: bool | None = None
     updates: int = 0  # optimizer updates applied before this step started (its replay is exact while unchanged)
     replay: Any = None  # the anomaly replay of this step, when one ran
     replay_record: Any = None  # the replay's full observation of every site (a StepRecord), when it observed
