@@ -30,6 +30,7 @@ THIRD_PARTY = {
     "_optimizer_step_pre_hooks": "an optimizer's step hooks (telling a torch optimizer from a wrapper)",
     "_execution_engine": "torch.autograd.Variable._execution_engine.queue_callback (ModuleTracker's own use)",
     "_fields": "a namedtuple's field names (its documented API, underscore and all)",
+    "_make": "a namedtuple made from an iterable (its documented API, as _fields)",
     "_fsdp_wrapped_module": "FSDP1's wrapped module (telling an FSDP1 model, which a replay must not run)",
     # FSDP's shards (collect/sharded.py): a rank's own piece of a parameter without a gather or a collective
     "_local_tensor": "DTensor._local_tensor: FSDP2's local shard (to_local() adds an autograd node per call)",
