@@ -11,7 +11,7 @@ from ampdoctor.rules import diagnose
 from ampdoctor.trace.run import run_pattern
 
 from . import catalog, figures, series
-from .report import Figures, finding_html, page
+from .report import Figures, data_table, finding_html, page
 
 if TYPE_CHECKING:
     from ampdoctor.trace import Trace
@@ -63,12 +63,6 @@ def _summary(tr: Trace) -> Any:
     return sm
 
 
-def _table(rows: list[dict[str, Any]]) -> str:
-    head = "".join(f"<th>{html.escape(k)}</th>" for k in rows[0])
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in r.values()) + "</tr>" for r in rows)
-    return f'<table class="data-table"><tr>{head}</tr>{body}</table>'
-
-
 def build_rank_report(rr: Any, reference: Trace | None = None) -> str:
     """The report of a multi-rank run as one HTML string: ranks, findings (naming their ranks), figures."""
     found = diagnose(rr, reference=reference) if any(tr.n_steps for tr in rr) else []
@@ -78,7 +72,7 @@ def build_rank_report(rr: Any, reference: Trace | None = None) -> str:
     for i, f in enumerate(rank_figures(rr)):
         figs.add(f"fig-ranks-{i}", f.layout.title.text, f)
     name = os.path.basename(run_pattern(rr[rr.ranks[0]].path))
-    body = f"""<h2>Ranks</h2>{_table(rank_rows(rr))}{missing}
+    body = f"""<h2>Ranks</h2>{data_table(rank_rows(rr), bad_col=None)}{missing}
 <h2>Findings</h2>{fhtml}
 <h2>Figures</h2>{figs.html()}
 <p>Each rank's own report: <code>ampdoctor report {html.escape(rr[rr.ranks[0]].path)}</code>.</p>"""

@@ -131,7 +131,8 @@ def _ranks(d: Diagnosis) -> str:
     return f" · {html.escape(label)}" if label else ""
 
 
-def _table(rows: list[dict[str, Any]], bad_col: str | None = "verdict") -> str:
+def data_table(rows: list[dict[str, Any]], bad_col: str | None = "verdict") -> str:
+    """Rows of dicts as an HTML table (a cell of ``bad_col`` other than "ok" or a dash marked bad)."""
     if not rows:
         return "<p>nothing recorded</p>"
     head = "".join(f"<th>{html.escape(k)}</th>" for k in rows[0])
@@ -326,7 +327,7 @@ def formats_section(tr: Trace, found: list[Diagnosis], run: Any = None) -> str:
         '<h2 id="formats">Formats</h2>'
         + probe
         + "<p>Share of non-zero values lost (saturated or flushed) per format; FP8 with per-tensor delayed "
-        "scaling (amax over 1024 steps, margin 0).</p>" + figs.html() + cut + _table(rows, bad_col=None)
+        "scaling (amax over 1024 steps, margin 0).</p>" + figs.html() + cut + data_table(rows, bad_col=None)
     )
 
 
@@ -339,8 +340,8 @@ def precision_section(tr: Trace, found: list[Diagnosis], run: Any = None) -> str
         "normalisation keeps its parameters and statistics in FP32; softmax in FP32 when its outputs underflow; the "
         "loss and the weight update in FP32. The verdict is the diagnosis (the findings that name the module).</p>"
         + f"<p>{len(flagged)} of {len(rows)} rows named by a finding.</p>"
-        + (_table(flagged) if flagged else "")
-        + f"<details><summary>every module ({len(rows):,})</summary>{_table(rows)}</details>"
+        + (data_table(flagged) if flagged else "")
+        + f"<details><summary>every module ({len(rows):,})</summary>{data_table(rows)}</details>"
     )
 
 
