@@ -275,10 +275,15 @@ class Context:
             "group": run.group,
         }
 
+        def early(part: dict[str, Any]) -> None:  # the formats table while the rules run: its page redraws
+            with self._lock:
+                self._formats[key] = (version, part.get("formats"), part.get("formats_error"))
+            self.jobs.touch()
+
         def work() -> Any:
             found = cache.load_json(version)
             if found is None:
-                found = _diagnose(spec, self.diagnose_in)
+                found = _diagnose(spec, self.diagnose_in, early)
                 if found.get("error") is None:
                     cache.save_json(version, found)
             if found.get("error"):
@@ -295,11 +300,14 @@ class Context:
         import pandas as pd
 
         st = self.diagnosis_state(key, wait=wait)
-        if st is None or st.value is None:
+        if st is None:
             return None, st, None
         with self._lock:
             version, table, error = self._formats.get(key, (None, None, None))
-        if version != st.version:
+            asked = self._diagnosed.get(key, (None, 0.0))[0]
+        if table is not None and version == asked and version != st.version:
+            return pd.DataFrame(table), st, None  # computed before the rules of the diagnosis now running
+        if st.value is None or version != st.version:
             return None, st, None
         if table is None:
             return None, st, error or "no formats table"
@@ -321,7 +329,7 @@ class _Worker:
         self._proc: subprocess.Popen[str] | None = None
         self._done = 0
 
-    def run(self, spec: dict[str, Any]) -> dict[str, Any]:
+    def run(self, spec: dict[str, Any], early: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
         import subprocess
         import sys
 
@@ -343,6 +351,10 @@ class _Worker:
                 stdin.write(json.dumps(spec) + "\n")
                 stdin.flush()
                 line = stdout.readline()
+                while line and json.loads(line).get("early"):  # the formats table, before the findings
+                    if early is not None:
+                        early(json.loads(line))
+                    line = stdout.readline()
             except OSError:
                 line = ""
             if not line:
@@ -369,13 +381,16 @@ class _Worker:
 _WORKER = _Worker()
 
 
-def _diagnose(spec: dict[str, Any], where: str) -> dict[str, Any]:
-    """Run diagjob over ``spec``: in the diagnosis process (the default), or in this thread."""
+def _diagnose(
+    spec: dict[str, Any], where: str, early: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
+    """Run diagjob over ``spec``: in the diagnosis process (the default), or in this thread. ``early``: given the
+    formats table as soon as it is computed, before the findings."""
     from . import diagjob
 
     if where == "thread":
-        return diagjob.run(spec)
-    return _WORKER.run(spec)
+        return diagjob.run(spec, early)
+    return _WORKER.run(spec, early)
 
 
 def _summary_name(tr: Trace) -> str:

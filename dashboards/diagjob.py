@@ -4,8 +4,10 @@ A separate process keeps the server answering while the rules run (they hold the
 and a diagnosis that runs out of memory or crashes ends that process, not the dashboard. The process reads one
 JSON spec a line on stdin, {"trace", "reference", "peers": {rank: path}, "group"}, and answers each with one JSON
 line on stdout: {"findings": [Diagnosis.to_dict(), ...], "error": null | "Type: message", "seconds": s, "formats":
-{column: [values]} | null, "formats_error": null | "Type: message"}: the formats table (ampdoctor.whatif) is computed
-from the rules' own reads of the trace (its histograms, statistics and peaks pass), not from the file again. (Not
+{column: [values]} | null, "formats_error": null | "Type: message"}, after one line {"early": true, "formats",
+"formats_error"} as soon as the table is computed (before the rules run: the page shows it while they do): the
+formats table (ampdoctor.whatif) is computed from the rules' own reads of the trace (its histograms, statistics and
+peaks pass), not from the file again. (Not
 multiprocessing: its spawned workers import the parent's main script again, which a script serving the dashboard
 without a ``__main__`` guard would not survive.)
 """
@@ -16,11 +18,13 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 
-def run(spec: dict[str, Any]) -> dict[str, Any]:
-    """Diagnose ``spec["trace"]`` (against ``spec["reference"]``) plus the rank rules over ``spec["peers"]``."""
+def run(spec: dict[str, Any], early: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Diagnose ``spec["trace"]`` (against ``spec["reference"]``) plus the rank rules over ``spec["peers"]``.
+    ``early``: called with {"formats", "formats_error"} as soon as the table is computed, before the rules run (the
+    rules' Run reads the steps, histograms and the pass over the peaks first; the table needs nothing else)."""
     from ampdoctor.trace import load
     from ampdoctor.trace.run import RankRun
 
@@ -30,8 +34,15 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         tr = load(spec["trace"])
         ref = load(spec["reference"]) if spec.get("reference") else None
-        found, rules_run = diagnosis.diagnose_run(tr, ref)
-        formats, formats_error = _formats(rules_run)
+        table: list[tuple[dict[str, list[Any]] | None, str | None]] = []
+
+        def first(rules_run: Any) -> None:
+            table.append(_formats(rules_run))
+            if early is not None:
+                early({"formats": table[0][0], "formats_error": table[0][1]})
+
+        found, rules_run = diagnosis.diagnose_run(tr, ref, first)
+        formats, formats_error = table[0] if table else _formats(rules_run)
         peers = {int(r): p for r, p in (spec.get("peers") or {}).items()}
         if len(peers) > 1:
             from ampdoctor.rules.multirank import rank_findings
@@ -121,10 +132,14 @@ def main() -> int:
         except ValueError as exc:
             result = {"findings": [], "error": f"bad request ({exc})", "seconds": 0.0}
         else:
-            result = run(spec)
-        answers.write(json.dumps(result) + "\n")
-        answers.flush()
+            result = run(spec, lambda part: _answer(answers, {"early": True, **part}))
+        _answer(answers, result)
     return 0
+
+
+def _answer(answers: Any, result: dict[str, Any]) -> None:
+    answers.write(json.dumps(result) + "\n")
+    answers.flush()
 
 
 if __name__ == "__main__":

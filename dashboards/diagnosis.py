@@ -18,6 +18,8 @@ from ampdoctor.rules.engine import Run, resolve_rules, trace_findings
 from ampdoctor.rules.result import Diagnosis
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ampdoctor.trace import Trace
 
 
@@ -29,16 +31,19 @@ def findings(tr: Trace, reference: Trace | None = None) -> list[Diagnosis]:
     return worst_first(out)
 
 
-def diagnose_run(tr: Trace, reference: Trace | None = None) -> tuple[list[Diagnosis], Run]:
+def diagnose_run(
+    tr: Trace, reference: Trace | None = None, first: Callable[[Run], None] | None = None
+) -> tuple[list[Diagnosis], Run]:
     """The diagnosis of a trace, worst first, and the rules' Run it was read through: its View holds the steps table,
     the sampled statistics and histograms and the one pass over the peaks, which the report's formats, probe and step
     charts read again without going back to the file (at 10^6 steps that pass is most of the diagnosis' time). The
-    findings are ``ampdoctor.diagnose(tr)``'s (tests/dashboards/test_dash_report.py compares the two)."""
+    findings are ``ampdoctor.diagnose(tr)``'s (tests/dashboards/test_dash_report.py compares the two). ``first(run)``:
+    called with the Run before the rules run."""
     selected = resolve_rules(None)
     if tr.n_steps == 0:
         return [], Run(tr, Run(reference, rules=selected) if reference is not None else None, rules=selected)
     with tr.snapshot(), reference.snapshot() if reference is not None else contextlib.nullcontext():
-        return trace_findings(tr, reference, selected)
+        return trace_findings(tr, reference, selected, first)
 
 
 def worst_first(found: list[Diagnosis]) -> list[Diagnosis]:

@@ -68,6 +68,11 @@ class Jobs:
             st = self._state[key]
             return State(st.value, st.current and st.version == version, st.since, st.error, st.version)
 
+    def touch(self) -> None:
+        """A job's partial result arrived: the views that show it redraw (as when a job ends)."""
+        with self._lock:
+            self.generation += 1
+
     def peek(self, key: Any) -> State | None:
         with self._lock:
             st = self._state.get(key)

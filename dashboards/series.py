@@ -342,8 +342,10 @@ class StepSummary:
         s.nonfinite = intervals(x, flags[:, 1] > 0, ends)
         s.scale_zero = intervals(x, flags[:, 2] > 0, ends)
         s.n_skipped, s.n_nonfinite = int(flags[:, 0].sum()), int(flags[:, 1].sum())
-        if b >= done:  # the steps written since the last update
-            s = _join(s, _exact(tr, max(done, a), b, n))
+        if b >= done:  # the steps written since the last update; while a build is under way, the rest of the run
+            at0 = max(done, a)  # (up to every step but the first buckets): previewed, never read row by row
+            rest = _exact(tr, at0, b, n) if b - at0 + 1 <= max_points else _preview(tr, at0, b, n, max_points)
+            s = _join(s, rest)
         return s
 
 
@@ -360,6 +362,7 @@ def _join(s: StepSeries, t: StepSeries) -> StepSeries:
         _merge(s.scale_zero + t.scale_zero),
     )
     out.n_skipped, out.n_nonfinite = s.n_skipped + t.n_skipped, s.n_nonfinite + t.n_nonfinite
+    out.preview = s.preview or t.preview
     return out
 
 

@@ -11,7 +11,7 @@ side: no torch import.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -335,14 +335,18 @@ def diagnose_trace(tr: Trace, ref: Trace | None, selected: list[Selected]) -> li
     return trace_findings(tr, ref, selected)[0]
 
 
-def trace_findings(tr: Trace, ref: Trace | None, selected: list[Selected]) -> tuple[list[Diagnosis], Run]:
+def trace_findings(
+    tr: Trace, ref: Trace | None, selected: list[Selected], first: Callable[[Run], None] | None = None
+) -> tuple[list[Diagnosis], Run]:
     """``diagnose_trace``'s findings and the Run they were read through: its View keeps what the rules read (the
     steps, the sampled statistics and histograms, the pass over the peaks) for a caller that shows them (the
-    report)."""
+    report). ``first(run)``: called before the rules run (what a caller shows from the same reads, sooner)."""
     selected = [Selected(*s) for s in selected]
     run = Run(tr, Run(ref, rules=selected) if ref is not None else None, rules=selected)
     if run.n_steps == 0:
         raise TraceError(f"{tr.path}: no steps recorded; nothing to diagnose")
+    if first is not None:
+        first(run)
     out: list[Diagnosis] = []
     for s in selected:
         if s.shown and s.rule.scope == "trace":

@@ -5,6 +5,7 @@ the trace, cached on disk with the findings); the page says what it waits for me
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from dash import Input, Output, State, dcc, html
@@ -87,7 +88,12 @@ def update(ctx: Context, by: Any, q: Any, page: Any, version: Any, search: str |
     if not run or tr is None or by not in data.FORMAT_NAMES:
         return None, {}, {}, None, []
     sel = parse_all(search, "sel")
-    probe = ctx.background(run, ("probe", tuple(sel)), lambda t: data.probe_series(t, include=sel), wait=2.0)
+    # the probe's read starts first and runs while the diagnosis is waited for: the two waits overlap
+    until = time.monotonic() + 2.0
+    ctx.background(run, ("probe", tuple(sel)), lambda t: data.probe_series(t, include=sel), wait=0.0)
+    lost_by_site, st, error = ctx.formats_table(run, wait=2.0)
+    wait = max(0.0, until - time.monotonic())
+    probe = ctx.background(run, ("probe", tuple(sel)), lambda t: data.probe_series(t, include=sel), wait=wait)
     if probe.value is None:
         verdict = f"reading the probe results ({probe.elapsed():.0f} s)" if probe.running else probe.error
         probe_fig = figures.empty("Probe: relative error against FP32", verdict or "")
@@ -102,7 +108,6 @@ def update(ctx: Context, by: Any, q: Any, page: Any, version: Any, search: str |
             else "No probe results in this trace: attach(..., probe_every=N) records them."
         )
         probe_fig = figures.probe_error_figure(series, bounds, highlight=set(sel))
-    lost_by_site, st, error = ctx.formats_table(run, wait=2.0)
     if lost_by_site is None:
         if st is not None and st.value is None and st.running:
             words = f"diagnosing: {st.elapsed():.0f} s (the formats table comes from the same reads of the trace)"

@@ -159,7 +159,7 @@ def test_findings_are_cached_and_a_failing_rule_does_not_break_the_overview(trac
     monkeypatch.setenv("AMPDOCTOR_CACHE_DIR", str(tmp_path / "cache"))  # not the findings of an earlier test's server
     calls = []
 
-    def failing(tr, reference=None):
+    def failing(tr, reference=None, first=None):
         calls.append(tr.path)
         raise IndexError("boolean index did not match")
 
@@ -301,3 +301,31 @@ def test_serve_answers_the_names_its_options_allow(traces, monkeypatch, capsys):
     capsys.readouterr()
     assert main(["serve", str(traces), "--allow-host", "not a name"]) == 2
     assert capsys.readouterr().err == "ampdoctor serve: --allow-host not a name: not a host name\n"
+
+
+def test_the_formats_table_shows_before_the_rules_end(traces, monkeypatch, tmp_path):
+    """The diagnosis hands its formats table over before its rules run: the page shows it while they do, the same
+    table the finished diagnosis has."""
+    import threading
+
+    monkeypatch.setenv("AMPDOCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    release, original = threading.Event(), diagnosis.diagnose_run
+
+    def slow(tr, reference=None, first=None):
+        def then_wait(run):
+            first(run)
+            assert release.wait(60)
+
+        return original(tr, reference, then_wait)
+
+    monkeypatch.setattr(diagnosis, "diagnose_run", slow)
+    ctx = create_app(str(traces), diagnose_in="thread").ampdoctor
+    for _ in range(200):
+        early, st, _ = ctx.formats_table("bf16.db", wait=0.1)
+        if early is not None:
+            break
+    assert early is not None and st is not None and st.value is None  # the rules have not ended
+    release.set()
+    assert ctx.findings_and_error("bf16.db")[1] is None
+    done, st, _ = ctx.formats_table("bf16.db")
+    assert st.value is not None and done.equals(early)
