@@ -5,7 +5,6 @@ logged after ``optimizer.step()`` still joins it."""
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -179,8 +178,9 @@ class StepEnd:
         return state.grad_spike, bool(state.loss_spike)
 
     def late_loss(self, state: StepState, loss: float) -> None:
-        """The step's loss came after its verdict (logged after ``optimizer.step()``): judged for a spike now."""
-        if state.loss_spike is None and math.isfinite(loss):
+        """The step's loss came after its verdict (logged after ``optimizer.step()``): judged for a spike now, where
+        the verdict judged the step's spikes (a finite step the scaler applied), as an early loss would have been."""
+        if state.loss_spike is None and state.grad_spike is not None:
             state.loss_spike = self.cadence.loss_spike(loss)
             if state.loss_spike:
                 self._loss_spike_event(state.index, loss)
