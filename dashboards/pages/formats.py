@@ -90,10 +90,13 @@ def update(ctx: Context, by: Any, q: Any, page: Any, version: Any, search: str |
     sel = parse_all(search, "sel")
     # the probe's read starts first and runs while the diagnosis is waited for: the two waits overlap
     until = time.monotonic() + 2.0
-    ctx.background(run, ("probe", tuple(sel)), lambda t: data.probe_series(t, include=sel), wait=0.0)
+
+    def read_probe(wait: float) -> Any:
+        return ctx.background(run, ("probe", tuple(sel)), lambda t: data.probe_series(t, include=sel), wait=wait)
+
+    read_probe(0.0)
     lost_by_site, st, error = ctx.formats_table(run, wait=2.0)
-    wait = max(0.0, until - time.monotonic())
-    probe = ctx.background(run, ("probe", tuple(sel)), lambda t: data.probe_series(t, include=sel), wait=wait)
+    probe = read_probe(max(0.0, until - time.monotonic()))
     if probe.value is None:
         verdict = f"reading the probe results ({probe.elapsed():.0f} s)" if probe.running else probe.error
         probe_fig = figures.empty("Probe: relative error against FP32", verdict or "")

@@ -194,16 +194,18 @@ def update(
     # the replay starts first and runs while the diagnosis is waited for: the two waits overlap, each its own length
     until = time.monotonic() + 2.0
     args, error = settings(init, interval, growth, backoff)
-    key = tuple(sorted(args.items()))
+
+    def replay(wait: float) -> Any:
+        return ctx.background(run, ("whatif", tuple(sorted(args.items()))), lambda t: data.whatif(t, **args), wait=wait)
+
     if not error:
-        ctx.background(run, ("whatif", key), lambda t: data.whatif(t, **args), wait=0.0)
+        replay(0.0)
     st = ctx.diagnosis_state(run, wait=1.0)
     found = list(st.value or []) if st is not None else []
     note, sug = forward_note(ctx, run, found), suggestions(ctx, run, found)
     if error:
         return dash.no_update, html.Span(error, id="whatif-error", className="bad"), note, sug
-    wait = max(0.0, until - time.monotonic())
-    state = ctx.background(run, ("whatif", key), lambda t: data.whatif(t, **args), wait=wait)
+    state = replay(max(0.0, until - time.monotonic()))
     if state.value is None or not state.current:  # the recorded scale at once, the replay when it is done
         r = data.recorded_scale(tr, ctx.steps(run, *(zoom_range(zoom) or (None, None))))
         fig = figures.whatif_figure(r, x_range=zoom_range(zoom), uirevision=uirevision(run, PAGE))
