@@ -266,7 +266,8 @@ def test_only_the_partial_plotly_bundle_is_fetched_and_a_missing_trace_type_is_c
 def test_data_downloads_are_made_in_the_page(site, browser):
     """The CSV of a chart (its lines and bands) and of a table, made from what the page shows."""
     browser.open(f"{site}/?run=fp16_bad.db")
-    browser.wait(lambda: browser.figure(ids.SCALE_GRAPH), what="loss scale chart")
+    # the chart with its lines (an empty placeholder figure is drawn first, while the callback runs)
+    browser.wait(lambda: (browser.figure(ids.SCALE_GRAPH) or {}).get("data"), what="loss scale chart")
     csv = browser.driver.execute_script(
         "return window.ampdoctorCsv.figure(document.querySelector('#overview-scale .js-plotly-plot'))"
     )
