@@ -16,7 +16,7 @@ from urllib.parse import urlencode
 
 import dash
 import flask
-from dash import Input, Output, State, dcc, html
+from dash import ClientsideFunction, Input, Output, State, dcc, html
 from dash.exceptions import DependencyException
 from flask import Response, request
 
@@ -144,6 +144,7 @@ def create_app(
             # the view's own settings (kind, statistic, zoom, what-if values) are written here: into the address
             # bar and the history, without a navigation (refresh=False), so that a URL restores the view
             dcc.Location(id=ids.URL_STATE, refresh=False),
+            dcc.Store(id=ids.URL_WANT),
             dcc.Interval(id=ids.POLL, interval=poll_ms),
             dcc.Store(id=ids.VERSION),
             html.Div(id=ids.HEADER),
@@ -204,6 +205,15 @@ def create_app(
             return dash.no_update, dash.no_update
         # the same view of the other run; a layer detail goes to the overview (site ids differ between runs)
         return ("/" if pathname == "/layer" else dash.no_update), "?" + urlencode({"run": run})
+
+    app.clientside_callback(  # type: ignore[no-untyped-call]  # (dash does not annotate it)
+        ClientsideFunction("ampdoctor", "address"),
+        Output(ids.URL_STATE, "search"),
+        Input(ids.URL_WANT, "data"),
+        State(ids.URL, "pathname"),
+        State(ids.URL, "search"),
+        prevent_initial_call=True,
+    )
 
     @app.callback(
         Output(ids.VERSION, "data"),

@@ -2,6 +2,7 @@
 
 URL = "url"
 URL_STATE = "url-state"  # the view's settings written to the address bar (no navigation)
+URL_WANT = "url-want"  # a view's address-bar write, applied only while its page is the current one
 POLL = "poll"
 VERSION = "trace-version"
 HEADER = "header"

@@ -27,6 +27,13 @@
 
   window.dash_clientside = Object.assign({}, window.dash_clientside, {
     ampdoctor: {
+      /* A view's settings into the address bar (pages/common.py address()), only while the navigation that opened
+         the view is the current one: a server's answer that arrives after the user followed a link (a loaded
+         machine) would otherwise put the previous page's settings on the next page's address. */
+      address: function (want, pathname, search) {
+        if (!want || want.page !== (pathname || "/") || want.opened !== (search || "")) return noUpdate();
+        return want.search;
+      },
       /* Any step chart of the page zoomed or reset: every chart of the page follows (the server redraws them for
          that range, at full resolution where it fits). Arguments: the relayoutData of each chart, then the
          current zoom. */

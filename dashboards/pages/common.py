@@ -103,6 +103,7 @@ def link_zoom(app: dash.Dash, page: str, reset_id: str | None = None) -> None:
 
 def write_state(
     app: dash.Dash,
+    page: str,
     inputs: list[Any],
     pairs_fn: Callable[..., Iterable[tuple[str, Any]]],
     keep: tuple[str, ...] = ("hl", "sel"),
@@ -112,7 +113,7 @@ def write_state(
     from dash import Output, State
 
     @app.callback(
-        Output(ids.URL_STATE, "search", allow_duplicate=True),
+        Output(ids.URL_WANT, "data", allow_duplicate=True),
         *inputs,
         State(ids.URL, "search"),
         prevent_initial_call=True,
@@ -122,7 +123,14 @@ def write_state(
         run = parse_search(search).get("run")
         q = parse_qs((search or "").lstrip("?"))
         kept = [(k, v) for k in keep for v in q.get(k, [])]
-        return state_search(run, list(pairs_fn(run, *values)) + kept)
+        return address(page, search, state_search(run, list(pairs_fn(run, *values)) + kept))
+
+
+def address(page: str, opened: str | None, search: str) -> dict[str, str]:
+    """An address-bar write of ``page``'s view, opened at ``opened`` (the navigation's query): the browser applies
+    it only while that navigation is the current one (assets/ampdoctor.js), so that an answer arriving after the
+    user has followed a link leaves the next page's address alone."""
+    return {"page": page, "opened": opened or "", "search": search}
 
 
 def zoom_range(zoom: Any) -> tuple[int, int] | None:

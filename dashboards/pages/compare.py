@@ -108,6 +108,7 @@ def register(app: dash.Dash, ctx: Context) -> None:
     link_zoom(app, PAGE)
     write_state(
         app,
+        PAGE,
         [Input(ids.COMPARE_OTHER, "value"), Input(ids.COMPARE_STAT, "value"), Input(ids.ZOOMS[PAGE], "data")],
         lambda run, other, stat, zoom: [("other", other), ("stat", stat), *zoom_pairs(zoom)],
     )

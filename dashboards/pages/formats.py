@@ -163,6 +163,7 @@ def register(app: dash.Dash, ctx: Context) -> None:
 
     write_state(
         app,
+        PAGE,
         [Input(ids.FORMATS_BY, "value"), Input(ids.FORMATS_SEARCH, "value")],
         lambda run, by, q: [("fmt", by), ("q", q)],
     )

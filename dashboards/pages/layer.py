@@ -15,6 +15,7 @@ from ampdoctor import formats
 
 from .. import data, diagnosis, figures, ids, matrix, series
 from .common import (
+    address,
     finding_card,
     graph,
     highlight,
@@ -182,7 +183,7 @@ def register(app: dash.Dash, ctx: Context) -> None:
     link_zoom(app, PAGE, ids.RESET_ZOOM + "-layer")
 
     @app.callback(
-        Output(ids.URL_STATE, "search", allow_duplicate=True),
+        Output(ids.URL_WANT, "data", allow_duplicate=True),
         Input(ids.LAYER_STAT, "value"),
         Input(ids.ZOOMS[PAGE], "data"),
         State(ids.URL, "search"),
@@ -193,4 +194,4 @@ def register(app: dash.Dash, ctx: Context) -> None:
         run = next(iter(q.get("run") or []), None)
         keep = [(k, q[k][0]) for k in ("site", "path", "kind") if k in q]
         kept = [(k, v) for k in ("hl",) for v in q.get(k, [])]
-        return state_search(run, keep + [("stat", stat)] + zoom_pairs(zoom) + kept)
+        return address(PAGE, search, state_search(run, keep + [("stat", stat)] + zoom_pairs(zoom) + kept))

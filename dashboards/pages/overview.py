@@ -218,6 +218,7 @@ def register(app: dash.Dash, ctx: Context) -> None:
 
     write_state(
         app,
+        PAGE,
         [
             Input(ids.ZOOMS[PAGE], "data"),
             Input(ids.SMOOTHING, "value"),

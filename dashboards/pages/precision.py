@@ -148,6 +148,7 @@ def register(app: dash.Dash, ctx: Context) -> None:
 
     write_state(
         app,
+        PAGE,
         [Input(ids.PRECISION_SEARCH, "value"), Input(ids.PRECISION_ONLY, "value")],
         lambda run, q, only: [("q", q), ("only", 1 if "flagged" in (only or []) else None)],
     )

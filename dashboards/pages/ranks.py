@@ -105,6 +105,8 @@ def register(app: dash.Dash, ctx: Context) -> None:
     link_zoom(app, PAGE)
     write_state(
         app,
+        PAGE,
         [Input(ids.RANKS_STAT, "value"), Input(ids.ZOOMS[PAGE], "data")],
         lambda run, stat, zoom: [("stat", stat), *zoom_pairs(zoom)],
+        keep=("rank", "hl", "sel"),  # the ranks a finding's link shows
     )

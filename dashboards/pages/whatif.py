@@ -261,6 +261,7 @@ def register(app: dash.Dash, ctx: Context) -> None:
 
     write_state(
         app,
+        PAGE,
         [Input(i[0], "value") for i in _INPUTS],
         lambda run, *values: [(p, v) for (_, _, _, p, _), v in zip(_INPUTS, values)],
     )

@@ -141,6 +141,35 @@ def test_a_url_restores_a_view(site, browser):
     assert browser.errors() == []
 
 
+def test_a_view_left_before_its_settings_reach_the_address_bar_does_not_overwrite_the_next(site, browser):
+    """Zoom the overview and follow a link at once, on a server slow to answer the zoom's address-bar write: the
+    answer arrives on the next page and must leave its address alone (it put the overview's zoom on the layers
+    page, and dropped the link's own parameters, on a loaded machine)."""
+    browser.open(f"{site}/?run=fp16_bad.db")
+    browser.wait(lambda: _drawn(browser, ids.LOSS_GRAPH), what="loss chart")
+    # the network, slowed for the overview's address-bar writes only (all else answers as usual)
+    browser.driver.execute_script(
+        "var plain = window.fetch;"
+        "window.fetch = function (url, opts) {"
+        "  var body = (opts && typeof opts.body === 'string') ? opts.body : '';"
+        "  var slow = body.indexOf('" + ids.URL_STATE + ".search') >= 0 && body.indexOf('" + ids.ZOOMS["/"] + "') >= 0;"
+        "  var call = function () { return plain(url, opts); };"
+        "  return slow ? new Promise(function (ok) { setTimeout(ok, 2500); }).then(call) : call(); };"
+    )
+    _zoom(browser, ids.LOSS_GRAPH, 3, 12)
+    link = browser.wait(lambda: browser.css("a[href^='/layers?']"), what="a link to the layers page")[0]
+    target = urlparse(link.get_attribute("href"))
+    link.click()
+    browser.wait(lambda: urlparse(browser.driver.current_url).path == "/layers", what="the layers page")
+    time.sleep(4)  # the slowed write has landed by now
+    now = urlparse(browser.driver.current_url)
+    assert now.path == "/layers"
+    have, want = parse_qs(now.query), parse_qs(target.query)
+    assert all(have.get(k) == v for k, v in want.items())  # the link's parameters (the page may add its own)
+    assert "x0" not in have and "x1" not in have  # and none of the overview's
+    assert browser.errors() == []
+
+
 def _tracegen():
     spec = importlib.util.spec_from_file_location("dash_tracegen", os.path.join(ROOT, "benchmarks", "dash_tracegen.py"))
     mod = importlib.util.module_from_spec(spec)
@@ -293,6 +322,12 @@ def test_findings_link_layers_of_their_own_rank(traces, browser):
     fig = browser.wait(lambda: browser.figure(ids.RANKS_GRAPH), what="ranks chart")
     assert {(t["meta"] or {}).get("rank") for t in fig["data"]} >= {0, 1}
     assert browser.css("#nav-ranks")
+    # the ranks a finding's link names stay in the address as the view changes (a reload shows them again)
+    browser.open(f"{url}/ranks?run=run.rank1.db&stat=loss_scale&rank=1")
+    browser.wait(lambda: _drawn(browser, ids.RANKS_GRAPH), what="ranks chart")
+    _zoom(browser, ids.RANKS_GRAPH, 2, 9)
+    browser.wait(lambda: _query(browser).get("x0") == "2", what="the zoom in the URL")
+    assert _query(browser)["rank"] == "1" and _query(browser)["stat"] == "loss_scale"
     assert browser.errors() == []
 
 
