@@ -60,8 +60,8 @@ class Context:
         self._topping_up: dict[str, threading.Lock] = {}  # path -> Lock held while a request tops its summary up
         self._opening: dict[str, threading.Lock] = {}  # path -> Lock held while the file is first opened
         self._diagnosed: dict[
-            str, tuple[str, float]
-        ] = {}  # run key -> (version, time.monotonic() the version was asked for)
+            str, tuple[str, float, tuple[int, ...]]
+        ] = {}  # run key -> (version, time.monotonic() the version was asked for, the ranks it covers)
         self._formats: dict[
             str, tuple[str, dict[str, list[Any]] | None, str | None]
         ] = {}  # run key -> (version, formats table {column: values} or None, its error)
@@ -262,12 +262,18 @@ class Context:
         peers = {r: p.path for r, k in self.peers(key).items() if (p := self.resolve(k)) is not None}
         peer_traces = [self.trace(k) for k in self.peers(key).values()]
         version = cache.key("findings", tr, ref, *peer_traces, extra=sorted(peers.items()))
+        ranks = tuple(sorted(peers))
         with self._lock:
             last = self._diagnosed.get(key)
-            if last is not None and last[0] != version and time.monotonic() - last[1] < FINDINGS_EVERY_S:
+            if (
+                last is not None
+                and last[0] != version
+                and last[2] == ranks
+                and time.monotonic() - last[1] < FINDINGS_EVERY_S
+            ):
                 version = last[0]  # a live trace: the same version until FINDINGS_EVERY_S have passed
-            else:
-                self._diagnosed[key] = (version, time.monotonic())
+            else:  # (a rank's trace that appeared or went is another run: diagnosed at once)
+                self._diagnosed[key] = (version, time.monotonic(), ranks)
         spec = {
             "trace": run.path,
             "reference": os.path.realpath(self.reference_path) if ref is not None and self.reference_path else None,

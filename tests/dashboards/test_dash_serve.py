@@ -329,3 +329,32 @@ def test_the_formats_table_shows_before_the_rules_end(traces, monkeypatch, tmp_p
     assert ctx.findings_and_error("bf16.db")[1] is None
     done, st, _ = ctx.formats_table("bf16.db")
     assert st.value is not None and done.equals(early)
+
+
+def test_a_rank_trace_that_appears_is_diagnosed_with_the_run_at_once(tmp_path, monkeypatch):
+    """A growing trace is diagnosed again at most every few seconds, but a rank's trace that appears (copied in
+    after the others, a rank that started late) makes another run: the next ask diagnoses the ranks together, not
+    the ranks seen before. Two ranks whose scalers started apart: rank 0 alone has nothing to compare."""
+    import shutil
+    import time
+
+    import rule_runs
+
+    monkeypatch.setenv("AMPDOCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    for r in (0, 1):
+        rule_runs._rank(str(tmp_path / "m-{rank}.db"), r, 2, init_scale=2.0**12 if r == 1 else 2.0**10)
+    (tmp_path / "runs").mkdir()
+    shutil.copy(tmp_path / "m-0.db", tmp_path / "runs" / "m-0.db")
+    ctx = create_app(str(tmp_path / "runs"), diagnose_in="thread").ampdoctor
+
+    def findings():
+        deadline = time.time() + 60
+        while time.time() < deadline and not ctx.diagnosis_state("m-0.db").current:
+            time.sleep(0.2)
+        return [d.rule for d in ctx.findings("m-0.db")]
+
+    assert "rank-scale-divergence" not in findings()
+    shutil.copy(tmp_path / "m-1.db", tmp_path / "runs" / "m-1.db")
+    time.sleep(1.1)  # the served directory is rescanned every second
+    assert sorted(ctx.peers("m-0.db")) == [0, 1]
+    assert "rank-scale-divergence" in findings()  # asked again within the growing trace's interval
