@@ -298,3 +298,36 @@ def test_report_and_overview_say_what_ampdoctor_cost(trace_path):
     assert rows["observed"].startswith("mode default (peaks every 10, full every 100, first 2 in full)")
     html = build_report(tr)
     assert rows["overhead"] in html and "sentinel only 9" in html
+
+
+def test_a_lasting_anomaly_is_observed_in_full_at_its_start_then_at_powers_of_two(trace_path, capsys):
+    """A forward overflow on every step from step 10 to 69 (the scaler skips them all), then clean: the first
+    STREAK_FULL steps after it starts are observed in full (what localises it), then the steps at a power of two into
+    it, the others as a clean step's plan has them, and the change is an event; once clean, CLEAN_RUN steps in full as
+    after any anomaly. Every located overflow names the module, and so does the diagnosis."""
+    from ampdoctor.collect.cadence import CLEAN_RUN, STREAK_FULL
+
+    def boom(step, x, model):
+        model[1].gain = 1e6 if 10 <= step < 70 else 1.0
+        return x
+
+    run(90, trace_path, precision="fp16", options={"calibration": 2}, on_step=boom)
+    tr = ampdoctor.load(trace_path)
+    st = tr.steps()
+    assert st["skipped"].tolist() == [10 <= s < 70 for s in range(90)]
+    full = list(range(11, 11 + STREAK_FULL)) + [10 + 32] + list(range(71, 71 + CLEAN_RUN - 1))
+    assert st.loc[st["reason"] == "anomaly", "step"].tolist() == full
+    assert (st.loc[st["step"].isin(full), "level"] == schema.LEVEL_HIST).all()
+    ev = tr.events("cadence")
+    assert ev["step"].tolist() == [10 + STREAK_FULL] and ev["data"].iloc[0]["anomaly_streak"] == STREAK_FULL + 1
+    from ampdoctor.cli import main
+
+    assert main(["info", trace_path]) == 0
+    assert f"cadence    1 change(s); at step {10 + STREAK_FULL}: the anomaly has lasted" in capsys.readouterr().out
+    located = tr.events("nonfinite")
+    assert set(located["path"]) == {"1"} and set(full[:STREAK_FULL]) <= set(located["step"])
+    found = {d.rule: d for d in ampdoctor.diagnose(trace_path)}
+    assert found["forward-overflow"].evidence["module"] == "1"
+    # 60 of the 90 steps overflowed: the steps of the lasting overflow that nothing observed count as its own
+    assert found["forward-overflow"].evidence["steps_affected"] == 60
+    assert "60 of 90 steps overflowed there" in found["forward-overflow"].summary

@@ -13,6 +13,11 @@ from .options import DEFAULT_CALIBRATION, DEFAULT_EVERY, DEFAULT_HIST_EVERY, DEF
 # After an anomaly every step is observed in full until this many clean steps in a row: a fault that recurs within
 # them is localised to its module (and a one-off one by the anomaly replay).
 CLEAN_RUN = 5
+# A lasting anomaly (weights gone NaN, a scaler that skips every step while its scale collapses): the first
+# STREAK_FULL steps of it are observed in full, which localises it; from then on the steps at a power of two into
+# it and every hist_every-th, the others as a clean step's plan has them. A dead run that goes on for hours does not
+# pay debug mode's cost (3x a small model's step, 10x a wide one's) all that time.
+STREAK_FULL = 16
 # A gradient-norm spike: the norm above SPIKE_FACTOR times its running mean (an exponential average over ~1/ALPHA
 # clean steps), once that mean has seen SPIKE_WARMUP steps. A healthy run's norm moves by a few x over hundreds of
 # steps; a 10x jump from one step to the next is a blow-up in the making.
@@ -57,6 +62,7 @@ class Cadence:
         self.every, self.peak_every, self.hist_every = every, peak_every, hist_every
         self.calibration, self.clean_run = calibration, clean_run
         self._alarm = 0  # clean steps still to observe in full after the last anomaly
+        self.streak = 0  # anomalous steps in a row, up to the last verdict
         self._norm_mean: float | None = None  # running mean of the gradient norm over clean steps
         self._norm_seen = 0
         self.stretch = 1  # the sampled tiers' intervals are multiplied by this (the overhead budget)
@@ -70,7 +76,7 @@ class Cadence:
             return Observe.FULL, "debug", step % self.hist_every == 0
         if step < self.calibration:
             return Observe.FULL, "calibration", True
-        if self._alarm:
+        if self._alarm and self._in_full(self.streak):
             return Observe.FULL, "anomaly", True
         k = self.stretch
         every, hist_every = self.every * k, self.hist_every * k
@@ -121,12 +127,21 @@ class Cadence:
         """The flight recorder is on: the run has not been clean for CLEAN_RUN steps since the last anomaly."""
         return self._alarm > 0
 
-    def after(self, anomalous: bool) -> None:
-        """A step ended: an anomaly (re)arms the flight recorder, a clean step counts down."""
+    def _in_full(self, streak: int) -> bool:
+        """Whether the next step of an anomaly that has lasted ``streak`` steps is observed in full."""
+        return streak <= STREAK_FULL or streak & (streak - 1) == 0 or streak % self.hist_every == 0
+
+    def after(self, anomalous: bool) -> bool:
+        """A step ended: an anomaly (re)arms the flight recorder, a clean step counts down. True when the anomaly
+        has just lasted long enough that its steps are no longer all observed in full."""
         if anomalous:
             self._alarm = self.clean_run
-        elif self._alarm:
+            self.streak += 1
+            return self.streak == STREAK_FULL + 1
+        self.streak = 0
+        if self._alarm:
             self._alarm -= 1
+        return False
 
     @property
     def typical_norm(self) -> float | None:

@@ -10,8 +10,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from ..trace.messages import EventKind, EventMsg
 from .boundary import InFlight, StepEnd
-from .cadence import Cadence
+from .cadence import STREAK_FULL, Cadence
 from .replays import Replays
 
 # Finished steps whose values may still be on their way from an accelerator before the oldest is waited for: the
@@ -78,8 +79,14 @@ class Flights:
             state.replay_record = None
         flight.calls = None  # (its batch, RNG states and output gradients are let go)
         # The flight recorder: an anomaly seen now gets every site in full from the next step it can still plan,
-        # until a run of clean steps.
-        self.cadence.after(verdict.anomalous)
+        # until a run of clean steps (a lasting one, at fewer of its steps from STREAK_FULL on).
+        if self.cadence.after(verdict.anomalous):
+            message = (
+                f"the anomaly has lasted {self.cadence.streak} steps: from now on its steps at a power of two into it "
+                f"and every {self.cadence.hist_every}th are observed in full, the others as a clean step's"
+            )
+            data = {"anomaly_streak": self.cadence.streak, "full_first": STREAK_FULL}
+            self.put(EventMsg(state.index, EventKind.CADENCE, None, None, message, data))
         if replays is not None and not self.cadence.alarmed:
             replays.clean_again()
 

@@ -78,6 +78,8 @@ class LiveDiagnosis(threading.Thread):
         self._errors = 0
         self._trace: Any = None  # the Trace, kept open between checks
         self.spent = 0.0  # CPU seconds the checks took so far
+        self.checks = 0  # checks that diagnosed the trace
+        self.first_cost = 0.0  # CPU seconds of the first of them
         self._last_cost = 0.0
 
     def run(self) -> None:
@@ -85,9 +87,12 @@ class LiveDiagnosis(threading.Thread):
         wait = self.interval
         while not self._stop_event.wait(wait):
             c0 = time.thread_time()
-            self.check()
+            diagnosed = self.check()
             self._last_cost = time.thread_time() - c0
             self.spent += self._last_cost
+            if diagnosed:
+                self.checks += 1
+                self.first_cost = self.first_cost or self._last_cost
             wait = self.next_wait(time.perf_counter() - start)
         self._close()
 
@@ -111,16 +116,16 @@ class LiveDiagnosis(threading.Thread):
         if self.is_alive():
             self.join(timeout=60)
 
-    def check(self) -> None:
-        """Diagnose the trace as it stands and report what is new; never raises."""
+    def check(self) -> bool:
+        """Diagnose the trace as it stands and report what is new (False: nothing new to diagnose); never raises."""
         if self._failed:
-            return
+            return False
         try:
             if self._trace is None:
                 self._trace = load(self.path)
             n = self._trace.n_steps
             if n == self._last_steps or n == 0:
-                return
+                return False
             self._last_steps = n
             found = self.diagnose(self._trace, rules=self.rules)
         except Exception as exc:  # never break training: say it once; stop looking if it keeps failing
@@ -134,7 +139,7 @@ class LiveDiagnosis(threading.Thread):
                 )
             if self._errors >= MAX_ERRORS:
                 self._failed = True
-            return
+            return True
         self._errors = 0
         for f in found:
             key = (f.rule, tuple(f.layers[:1]))
@@ -154,3 +159,4 @@ class LiveDiagnosis(threading.Thread):
                     )
             if self.halt_on is not None and self.halt is None and at_least(f.severity, self.halt_on):
                 self.halt = f
+        return True

@@ -107,6 +107,10 @@ def _info(tr: Trace, args: argparse.Namespace) -> int:
         )
     elif not ev:
         print("non-finite none")
+    changes = tr.event_rows("cadence")  # the overhead budget's changes, a lasting anomaly observed less often
+    for i, e in enumerate(changes[-3:]):
+        head = f"cadence    {len(changes)} change(s); " if i == 0 else "           "
+        print(f"{head}at step {int(e.step)}: {e.message}")
     wev = tr.event_rows("nonfinite_weights")
     if wev:
         first = wev[0]

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from .. import autocast_ops, formats
-from ..trace import Trace
+from ..trace import Trace, schema
 from . import advice as A
 from .fix import Part, code, text
 from .result import Diagnosis, finding
@@ -67,6 +67,27 @@ def batches_collapsed_scale(own: Diagnosis, collapse: Diagnosis) -> bool:
         and bool(collapse.steps)
         and collapse.steps[0] <= own.evidence["step"] <= collapse.steps[-1]
     )
+
+
+def lasting(run: RunView, located: list[int]) -> list[int]:
+    """The ``located`` steps and the anomalous (non-finite or skipped) steps around them that nothing observed:
+    within one unbroken run of anomalous steps, a step the flight recorder did not observe in full (from its
+    STREAK_FULL-th step on, a lasting anomaly is observed at a power of two into it only) is presumed to have the
+    fault the observed steps located. Steps that were observed and located nothing are not counted."""
+    if not located:
+        return []
+    st = run.steps
+    steps = st["step"].to_numpy(np.int64)
+    bad = st["nonfinite"].to_numpy(bool) | st["skipped"].to_numpy(bool)
+    unseen = bad & (st["reason"].to_numpy(object) != "anomaly") & (st["level"].to_numpy(np.int64) < schema.LEVEL_FULL)
+    found = np.isin(steps, np.asarray(located, dtype=np.int64))
+    keep = found.copy()
+    # unbroken runs of anomalous steps: a run that holds a located step counts its unseen steps
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], bad.astype(np.int8), [0]])))
+    for a, b in zip(edges[::2], edges[1::2]):
+        if found[a:b].any():
+            keep[a:b] |= unseen[a:b]
+    return sorted(set(steps[keep].tolist()) | set(located))
 
 
 def replays(run: RunView) -> list[Replay]:

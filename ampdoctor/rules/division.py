@@ -13,6 +13,7 @@ import pandas as pd
 from .. import formats
 from ..trace.schema import ROOT
 from . import advice as A
+from . import anomaly
 from .fix import code, text
 from .policy import NORM_TYPES
 from .result import Diagnosis, Evidence, finding
@@ -59,7 +60,7 @@ def division_by_zero(
     path, j, i, steps, ev = max(found, key=lambda f: len(f[3]))
     mtype = str(acts["module_type"].iloc[j])
     dtype = ev["compute_dtype"]
-    share = len(steps) / max(run.n_steps, 1)
+    share = len(anomaly.lasting(run, steps)) / max(run.n_steps, 1)
     setup = A.Setup.of(run)
     inp = paths[i] if i is not None else None
     if ev["kind"] == "0/0":

@@ -88,7 +88,8 @@ def forward_overflow(run: RunView, *, min_steps: int = 1, critical_share: float 
         j = int(np.flatnonzero(acts["path"].to_numpy() == culprit)[0])
         if first_at[j] >= 0:
             peak_step, last_finite = int(first_at[j]), float(top[j])
-    share = len(set(steps)) / max(run.n_steps, 1)
+    share = len(anomaly.lasting(run, sorted(set(steps)))) / max(run.n_steps, 1)
+    affected = len(anomaly.lasting(run, sorted(set(own))))  # (a lasting overflow's unobserved steps count too)
     loss = run.steps["loss"].to_numpy(float)
     # a NaN loss is stored as NULL: count missing losses only where the run logs a loss at all
     loss_bad = int((~np.isfinite(loss)).sum()) if np.isfinite(loss).any() or run.steps["nonfinite"].all() else 0
@@ -160,7 +161,7 @@ def forward_overflow(run: RunView, *, min_steps: int = 1, critical_share: float 
         severity,
         f"Forward overflow in {culprit}",
         f"{culprit} ({mtype}, {dtype}) {'produced values at the edge of the range' if tipped else 'produced ' + value}"
-        f"{made_by} from finite inputs: {len(set(own))} of {run.n_steps} steps overflowed there "
+        f"{made_by} from finite inputs: {affected} of {run.n_steps} steps overflowed there "
         f"(first at step {min(own)}){tip}; {peak_text}." + (f" Unsure: {'; '.join(doubt)}." if doubt else ""),
         layers=[culprit] + tipped + others,
         steps=run.step_range(steps),
@@ -168,7 +169,7 @@ def forward_overflow(run: RunView, *, min_steps: int = 1, critical_share: float 
             "module": culprit,
             "module_type": mtype,
             "dtype": dtype,
-            "steps_affected": len(set(own)),
+            "steps_affected": affected,
             "first_step": min(own),
             "first_overflow_step": min(steps),
             "value": value,

@@ -27,7 +27,7 @@ class EventKind(str, Enum):
     REPLAY = "replay"  # an anomalous step was replayed and observed in full
     OPERATION = "operation"  # the first operation that produced a non-finite value (or overflowed the format)
     HEAL = "heal"  # heal=True kept a module in FP32 from this step on
-    CADENCE = "cadence"  # the overhead budget stretched (or restored) the sampled tiers
+    CADENCE = "cadence"  # the budget stretched (or restored) the sampled tiers; a lasting anomaly observed less
 
 
 class SiteMsg(NamedTuple):
