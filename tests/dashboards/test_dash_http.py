@@ -407,8 +407,11 @@ def test_partial_requests_are_dropped_and_connections_are_capped(traces, serve):
         except OSError as exc:
             answers.append(exc)
         s.close()
-    assert sum(a.startswith(b"HTTP/1.1 503") for a in answers if isinstance(a, bytes)) == 32
-    assert sum(a == b"" for a in answers) == 8  # closed by the server after 1.5 s of silence
+    # at most 8 held (one fewer when a slot was still busy with an earlier connection on a loaded machine), every
+    # other one answered 503 at once
+    held = sum(a == b"" for a in answers)  # closed by the server after 1.5 s of silence
+    assert 7 <= held <= 8
+    assert sum(a.startswith(b"HTTP/1.1 503") for a in answers if isinstance(a, bytes)) == 40 - held
     assert srv.get("/")[0] == 200
     deadline = time.monotonic() + 10
     while threading.active_count() > before and time.monotonic() < deadline:
