@@ -1,5 +1,6 @@
-"""Results the views keep on disk between visits (a run's diagnosis, its step summary), keyed by what the trace
-holds: a trace that grows, or another file at the same path, gets a new key and the old result is not used.
+"""Results the views keep on disk between visits (a run's diagnosis, its step summary, the loss-scale replay's
+evidence), keyed by what the trace holds: a trace that grows, or another file at the same path, gets a new key and
+the old result is not used.
 
 Written only under the user's cache directory (``$AMPDOCTOR_CACHE_DIR``, else ``$XDG_CACHE_HOME/ampdoctor``, else
 ``~/.cache/ampdoctor``), never next to a trace: a trace's directory may be read-only or shared, and nothing here may
@@ -24,6 +25,7 @@ from ampdoctor import __version__
 from .series import sql
 
 if TYPE_CHECKING:
+    from ampdoctor.lossscale import Evidence
     from ampdoctor.trace import Trace
 
 FORMAT = 2  # bump when what is cached changes shape (2: the diagnosis carries the formats table)
@@ -154,3 +156,33 @@ def remove(name: str, ext: str) -> None:
     if path is not None:
         with contextlib.suppress(OSError):
             os.unlink(path)
+
+
+# -- the loss-scale replay's evidence (lossscale.gather's: what every scaler setting is replayed over) ---------------
+def evidence_name(tr: Trace) -> str:
+    """The cache name of a trace's evidence as it holds now (read inside the snapshot the evidence is read in: the
+    name and the content then agree); the diagnosis process and the server name it alike."""
+    return key("evidence", tr)
+
+
+def save_evidence(name: str, ev: Evidence) -> bool:
+    return save_arrays(name, ev.to_arrays())
+
+
+def load_evidence(name: str) -> Evidence | None:
+    """The evidence kept under ``name``, or None (none kept, or unreadable)."""
+    from ampdoctor.lossscale import Evidence
+
+    arrays = load_arrays(name)
+    if arrays is None:
+        return None
+    try:
+        return Evidence.from_arrays(arrays)
+    except (KeyError, ValueError, IndexError, TypeError):
+        return None
+
+
+def has(name: str, ext: str) -> bool:
+    """Whether a result is kept under ``name`` (a stat: nothing read)."""
+    path = _path(name, ext)
+    return path is not None and os.path.exists(path)

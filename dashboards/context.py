@@ -18,6 +18,7 @@ from . import cache, catalog, diagnosis, jobs, ranks, series, server
 if TYPE_CHECKING:
     import subprocess
 
+    from ampdoctor.lossscale import Evidence
     from ampdoctor.rules.result import Diagnosis
     from ampdoctor.trace import Trace
 
@@ -65,6 +66,10 @@ class Context:
         self._formats: dict[
             str, tuple[str, dict[str, list[Any]] | None, str | None]
         ] = {}  # run key -> (version, formats table {column: values} or None, its error)
+        self._handed: dict[str, tuple[str, str | None]] = {}  # run key -> (diagnosis version, its evidence's name)
+        # run key -> (cache name, the replay's evidence, the recorded steps it is compared with)
+        self._evidence: dict[str, tuple[str, Evidence, Any]] = {}
+        self._gathering: dict[str, threading.Lock] = {}  # run key -> Lock held while a job gathers its evidence
 
     def runs(self) -> dict[str, catalog.Run]:
         """Traces under the root (rescanned at most every second, so new runs show up)."""
@@ -275,9 +280,12 @@ class Context:
             "group": run.group,
         }
 
-        def early(part: dict[str, Any]) -> None:  # the formats table while the rules run: its page redraws
+        def early(part: dict[str, Any]) -> None:  # the formats table, the evidence, while the rules run: pages redraw
             with self._lock:
-                self._formats[key] = (version, part.get("formats"), part.get("formats_error"))
+                if "evidence" in part:
+                    self._handed[key] = (version, part["evidence"])
+                else:
+                    self._formats[key] = (version, part.get("formats"), part.get("formats_error"))
             self.jobs.touch()
 
         def work() -> Any:
@@ -312,6 +320,54 @@ class Context:
         if table is None:
             return None, st, error or "no formats table"
         return pd.DataFrame(table), st, None
+
+    # -- the loss-scale replay's evidence: read once per trace content, for every setting the what-if page tries ----
+    def evidence_coming(self, key: str) -> bool:
+        """Whether the run's diagnosis is running and has not handed its replay evidence over yet: it reads it from
+        the same pass over the peaks as the rules and the formats table (diagjob), so a replay waits for it rather
+        than reading the trace a second time meanwhile."""
+        with self._lock:
+            asked = self._diagnosed.get(key, (None, 0.0))[0]
+            handed = self._handed.get(key, (None, None))[0]
+        st = self.jobs.peek((key, "findings"))
+        return asked is not None and handed != asked and st is not None and st.running
+
+    def evidence_kept(self, key: str) -> bool:
+        """Whether the evidence of the run as it holds now is kept (in memory or on disk): a replay steps the scaler
+        only (a fraction of a second at 10^6 steps), no read of the peaks."""
+        tr = self.trace(key)
+        if tr is None:
+            return False
+        name = cache.evidence_name(tr)
+        with self._lock:
+            kept = self._evidence.get(key)
+        return (kept is not None and kept[0] == name) or cache.has(name, "npz")
+
+    def replay_inputs(self, key: str, tr: Trace) -> tuple[Evidence, Any]:
+        """(the replay's evidence, the recorded steps: data.recorded_steps) of ``tr`` (a background job's trace of
+        run ``key``) as it holds now, neither of which depends on the scaler settings: kept in memory, else the
+        evidence on disk (written by the diagnosis process or an earlier replay), else read here and kept. Call it
+        inside ``tr.snapshot()``: the evidence is that content's."""
+        from ampdoctor.lossscale import gather
+
+        from . import data
+
+        with self._lock:
+            gathering = self._gathering.setdefault(key, threading.Lock())
+        with gathering:  # two settings replayed at once: one reads, the other waits for it
+            name = cache.evidence_name(tr)
+            with self._lock:
+                kept = self._evidence.get(key)
+            if kept is not None and kept[0] == name:
+                return kept[1], kept[2]
+            ev = cache.load_evidence(name)
+            if ev is None:
+                ev = gather(tr)
+                cache.save_evidence(name, ev)
+            recorded = data.recorded_steps(tr)
+            with self._lock:
+                self._evidence[key] = (name, ev, recorded)  # (the latest content only: an older one is not asked)
+            return ev, recorded
 
     def generation(self) -> int:
         """Bumped whenever background work ends: views that show its results redraw."""

@@ -5,9 +5,10 @@ and a diagnosis that runs out of memory or crashes ends that process, not the da
 JSON spec a line on stdin, {"trace", "reference", "peers": {rank: path}, "group"}, and answers each with one JSON
 line on stdout: {"findings": [Diagnosis.to_dict(), ...], "error": null | "Type: message", "seconds": s, "formats":
 {column: [values]} | null, "formats_error": null | "Type: message"}, after one line {"early": true, "formats",
-"formats_error"} as soon as the table is computed (before the rules run: the page shows it while they do): the
-formats table (ampdoctor.whatif) is computed from the rules' own reads of the trace (its histograms, statistics and
-peaks pass), not from the file again. (Not
+"formats_error"} as soon as the table is computed (before the rules run: the page shows it while they do), then one
+line {"early": true, "evidence": cache name | null} once the loss-scale replay's evidence is kept on disk (cache.py):
+the formats table (ampdoctor.whatif) and the evidence (ampdoctor.lossscale.gather) are computed from the rules' own
+reads of the trace (its histograms, statistics and peaks pass), not from the file again. (Not
 multiprocessing: its spawned workers import the parent's main script again, which a script serving the dashboard
 without a ``__main__`` guard would not survive.)
 """
@@ -41,6 +42,9 @@ def run(spec: dict[str, Any], early: Callable[[dict[str, Any]], None] | None = N
             table.append(_formats(rules_run))
             if early is not None:
                 early({"formats": table[0][0], "formats_error": table[0][1]})
+            name = _evidence(tr, rules_run)
+            if early is not None:
+                early({"evidence": name})
 
         found, rules_run = diagnosis.diagnose_run(tr, ref, first)
         formats, formats_error = table[0] if table else _formats(rules_run)
@@ -82,6 +86,28 @@ def _formats(rules_run: Any) -> tuple[dict[str, list[Any]] | None, str | None]:
         return None, "MemoryError: the formats table ran out of memory on this trace"
     except Exception as exc:
         return None, f"{type(exc).__name__}: {exc}"
+
+
+def _evidence(tr: Any, rules_run: Any) -> str | None:
+    """The replay's evidence of the diagnosed trace (lossscale.gather over the rules' View: the pass over the peaks is
+    the one the formats table and the rules read), kept on disk under its cache name for the server's what-if
+    replays, or taken from there when the server gathered it first (the rules' search then reads it too). The name
+    when it is on disk, else None (the server then gathers it itself)."""
+    from ampdoctor.lossscale import evidence
+
+    from . import cache
+
+    if rules_run.n_steps == 0:
+        return None
+    try:
+        name = cache.evidence_name(tr)  # (inside the diagnosis' snapshot: the name says what the View reads)
+        kept = cache.load_evidence(name)
+        if kept is not None:
+            evidence.keep(rules_run.view, kept)
+            return name
+        return name if cache.save_evidence(name, evidence.gather(rules_run.view)) else None
+    except Exception:  # the rules' own search reads it again and says what failed
+        return None
 
 
 def _limit_memory() -> None:

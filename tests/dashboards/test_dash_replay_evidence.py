@@ -1,0 +1,132 @@
+"""The what-if page's replay evidence, read once per trace content: the diagnosis' pass over the peaks serves the
+formats table, the rules' search and every scaler setting the page tries; kept on disk across restarts; a trace that
+grows is read again. Real CPU training runs, real dashboard callbacks."""
+
+import time
+
+import numpy as np
+import pytest
+import runs
+from ampdoctor.dashboards import cache, data
+from ampdoctor.dashboards.app import create_app
+from ampdoctor.dashboards.pages import whatif
+
+import ampdoctor
+from ampdoctor.lossscale import Evidence, evidence, gather, replay
+
+SETTINGS = (("1024", "10", "2", "0.5"), ("65536", "100", "2", "0.5"), (None, None, None, None))
+
+
+@pytest.fixture
+def gathers(monkeypatch):
+    """Every reading of a trace's evidence (lossscale.gather's pass over the peaks and histograms), counted."""
+    calls = []
+    real = evidence._gather
+
+    def counted(view):
+        calls.append(view.trace.path)
+        return real(view)
+
+    monkeypatch.setattr(evidence, "_gather", counted)
+    return calls
+
+
+def _replayed(ctx, run, init, interval, growth, backoff, timeout=25.0):
+    """The what-if callback, called as the page's redraws call it, until the replay is drawn: its summary line."""
+    search = f"?run={run}"
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        _, text, _, _ = whatif.update(ctx, init, interval, growth, backoff, {"run": run}, search)
+        if str(text).startswith("simulated:"):
+            return text
+        assert str(text).startswith("replaying GradScaler"), text  # never blank meanwhile: the recorded scale
+        time.sleep(0.1)
+    raise AssertionError(f"no replay within {timeout} s")
+
+
+def _replay_value(ctx, run, init, interval, growth, backoff):
+    args, _ = whatif.settings(init, interval, growth, backoff)
+    return args, ctx.jobs.peek((run, ("whatif", tuple(sorted(args.items()))))).value
+
+
+def _same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], np.ndarray):
+            assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k], equal_nan=a[k].dtype.kind == "f"), k
+        else:
+            assert a[k] == b[k], k
+
+
+def test_the_evidence_round_trips_through_the_cache_bit_for_bit(traces, tmp_path, monkeypatch):
+    monkeypatch.setenv("AMPDOCTOR_CACHE_DIR", str(tmp_path))
+    tr = ampdoctor.load(str(traces / "fp16_bad.db"))
+    ev = gather(tr)
+    assert ev.hist and ev.rec_over.any()  # (histograms and overflowed steps: every part of the evidence is there)
+    assert cache.save_evidence("evidence-test", ev)
+    back = cache.load_evidence("evidence-test")
+    _same(ev.to_arrays(), back.to_arrays())
+    assert list(back.hist) == list(ev.hist) and back.run_settings == ev.run_settings
+    assert type(back.run_settings["growth_interval"]) is int and isinstance(back, Evidence)
+    for kw in ({}, {"init_scale": 1024.0, "growth_interval": 10}):
+        a, b = replay(tr, **kw), replay(back, **kw)
+        assert np.array_equal(a.scales, b.scales) and np.array_equal(a.skipped, b.skipped) and a.lost == b.lost
+    assert cache.load_evidence("evidence-none") is None
+
+
+def test_one_reading_serves_the_diagnosis_and_every_setting_and_a_restart(traces, tmp_path, monkeypatch, gathers):
+    """The diagnosis (here in a thread: its reads are counted) reads the evidence with the formats table, hands it to
+    the what-if page and its own search; three settings replay from it; a restarted server reads it from disk."""
+    monkeypatch.setenv("AMPDOCTOR_CACHE_DIR", str(tmp_path))
+    run = "fp16_bad.db"
+    path = str(traces / run)
+    ctx = create_app(path, diagnose_in="thread").ampdoctor
+    for init, interval, growth, backoff in SETTINGS:
+        _replayed(ctx, run, init, interval, growth, backoff)
+    assert ctx.findings_and_error(run)[1] is None
+    assert gathers == [path]  # one pass: the diagnosis' (its search included), then every setting from it
+    for setting in SETTINGS:  # the very values a fresh replay of the file gives
+        args, value = _replay_value(ctx, run, *setting)
+        _same(value, data.whatif(ampdoctor.load(path), **args))
+    del gathers[:]  # (the fresh replays above read the file themselves)
+    again = create_app(path, diagnose_in="thread").ampdoctor  # a restart: findings and evidence from the disk
+    _replayed(again, run, *SETTINGS[0])
+    assert gathers == []
+    _same(_replay_value(again, run, *SETTINGS[0])[1], _replay_value(ctx, run, *SETTINGS[0])[1])
+
+
+def test_a_growing_trace_is_replayed_from_what_it_holds_now(tmp_path, monkeypatch):
+    """Replayed while training writes it, then again when it has grown: the kept evidence of the shorter trace is
+    not used; both answers are those of a fresh replay of the file as it held then."""
+    monkeypatch.setenv("AMPDOCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(tmp_path / "live.db")
+    seen = {}
+
+    def midway(step, model, doc):
+        if step != 14:
+            return
+        assert doc.flush()
+        ctx = seen["ctx"] = create_app(path).ampdoctor  # the diagnosis in its own process: the server's reads count
+        _replayed(ctx, "live.db", *SETTINGS[0])
+        args, value = _replay_value(ctx, "live.db", *SETTINGS[0])
+        seen["midway"] = value
+        with ampdoctor.load(path) as tr:
+            _same(value, data.whatif(tr, **args))
+
+    runs.train(
+        runs.mlp(),
+        30,
+        precision="fp16",
+        init_scale=2.0**24,
+        trace=path,
+        attach_options={"every": 5, "hist_every": 5},
+        on_step=midway,
+    )
+    ctx = seen["ctx"]
+    assert 0 < len(seen["midway"]["steps"]) < 30
+    _replayed(ctx, "live.db", *SETTINGS[0])
+    args, value = _replay_value(ctx, "live.db", *SETTINGS[0])
+    assert len(value["steps"]) == 30
+    _same(value, data.whatif(ampdoctor.load(path), **args))
+    with ampdoctor.load(path) as tr, tr.snapshot():  # what is kept now is the grown trace's
+        assert len(ctx.replay_inputs("live.db", tr)[0].steps) == 30
