@@ -18,15 +18,21 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 
-def run(spec: dict[str, Any], early: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+def run(
+    spec: dict[str, Any],
+    early: Callable[[dict[str, Any]], None] | None = None,
+    read: Callable[[], None] | None = None,
+) -> dict[str, Any]:
     """Diagnose ``spec["trace"]`` (against ``spec["reference"]``) plus the rank rules over ``spec["peers"]``.
     ``early``: called with {"formats", "formats_error"} as soon as the table is computed, before the rules run (the
-    rules' Run reads the steps, histograms and the pass over the peaks first; the table needs nothing else)."""
+    rules' Run reads the steps, histograms and the pass over the peaks first; the table needs nothing else), then with
+    {"evidence"}. ``read``: called once both are handed over, before the rules run."""
     from ampdoctor.trace import load
     from ampdoctor.trace.run import RankRun
 
@@ -45,6 +51,8 @@ def run(spec: dict[str, Any], early: Callable[[dict[str, Any]], None] | None = N
             name = _evidence(tr, rules_run)
             if early is not None:
                 early({"evidence": name})
+            if read is not None:
+                read()
 
         found, rules_run = diagnosis.diagnose_run(tr, ref, first)
         formats, formats_error = table[0] if table else _formats(rules_run)
@@ -123,8 +131,6 @@ def _limit_memory() -> None:
 
 def _exit_with_parent() -> None:
     """End this process when the server that started it is gone (killed mid-diagnosis, its pipe is not read)."""
-    import threading
-
     parent = os.getppid()
 
     def watch() -> None:
@@ -135,19 +141,40 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _yield_cpu() -> None:
+# Linux: a thread's priority is its own (and a new thread starts at its creator's), so each diagnosis runs in a thread
+# that lowers its own priority once the reads two pages wait for are done; elsewhere the whole process runs lower.
+PER_THREAD_PRIORITY = sys.platform.startswith("linux")
+
+
+def _yield_cpu(thread: bool = False) -> None:
     """Run at a lower priority than the server: on a machine of two cores the rules would otherwise take the core the
-    page's charts are drawn with (a first visit waits for them, not for the findings)."""
+    page's charts are drawn with (a first visit waits for them, not for the findings). ``thread``: this thread only
+    (Linux): the reads of the trace before it (the formats table and the replay's evidence, which the Formats and
+    What-if pages wait for: the server no longer reads them itself) ran at the server's priority."""
     try:
-        os.nice(10)
+        if thread:
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + 10)
+        else:
+            os.nice(10)
     except OSError:  # not allowed here: the same priority
         pass
+
+
+def _in_thread(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``fn()`` in a thread of its own, waited for (its priority, lowered by _yield_cpu, ends with it)."""
+    out: list[dict[str, Any]] = []
+    t = threading.Thread(target=lambda: out.append(fn()), name="ampdoctor-diagnosis")
+    t.start()
+    t.join()
+    return out[0] if out else {"findings": [], "error": "the diagnosis thread ended without an answer", "seconds": 0.0}
 
 
 def main() -> int:
     """Answer specs until stdin closes. Anything the rules print goes to stderr: stdout carries the answers."""
     _limit_memory()
-    _yield_cpu()
+    if not PER_THREAD_PRIORITY:
+        _yield_cpu()
     _exit_with_parent()
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
     sys.stdout = sys.stderr
@@ -159,9 +186,20 @@ def main() -> int:
         except ValueError as exc:
             result = {"findings": [], "error": f"bad request ({exc})", "seconds": 0.0}
         else:
-            result = run(spec, lambda part: _answer(answers, {"early": True, **part}))
+            result = _answer_spec(spec, answers)
         _answer(answers, result)
     return 0
+
+
+def _answer_spec(spec: dict[str, Any], answers: Any) -> dict[str, Any]:
+    """One diagnosis, its early lines written as they come (in a thread of its own where priorities are per thread)."""
+
+    def early(part: dict[str, Any]) -> None:
+        _answer(answers, {"early": True, **part})
+
+    if PER_THREAD_PRIORITY:
+        return _in_thread(lambda: run(spec, early, lambda: _yield_cpu(thread=True)))
+    return run(spec, early)
 
 
 def _answer(answers: Any, result: dict[str, Any]) -> None:

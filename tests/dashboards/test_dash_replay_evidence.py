@@ -2,12 +2,14 @@
 formats table, the rules' search and every scaler setting the page tries; kept on disk across restarts; a trace that
 grows is read again. Real CPU training runs, real dashboard callbacks."""
 
+import os
+import threading
 import time
 
 import numpy as np
 import pytest
 import runs
-from ampdoctor.dashboards import cache, data
+from ampdoctor.dashboards import cache, data, diagjob
 from ampdoctor.dashboards.app import create_app
 from ampdoctor.dashboards.pages import whatif
 
@@ -130,3 +132,25 @@ def test_a_growing_trace_is_replayed_from_what_it_holds_now(tmp_path, monkeypatc
     _same(value, data.whatif(ampdoctor.load(path), **args))
     with ampdoctor.load(path) as tr, tr.snapshot():  # what is kept now is the grown trace's
         assert len(ctx.replay_inputs("live.db", tr)[0].steps) == 30
+
+
+@pytest.mark.skipif(not diagjob.PER_THREAD_PRIORITY, reason="per-thread priorities are Linux's")
+def test_the_diagnosis_lowers_its_priority_for_the_rules_only(traces, tmp_path, monkeypatch):
+    """The diagnosis process reads the trace (the formats table, the replay's evidence) at the server's priority and
+    runs the rules below it, in a thread whose priority ends with it: the next diagnosis reads at full priority."""
+    monkeypatch.setenv("AMPDOCTOR_CACHE_DIR", str(tmp_path))
+    me = threading.get_native_id()
+    seen = []
+
+    def read():
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        diagjob._yield_cpu(thread=True)
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    parts = []
+    for _ in range(2):
+        out = diagjob._in_thread(lambda: diagjob.run({"trace": str(traces / "fp16_bad.db")}, parts.append, read))
+        assert out["error"] is None and out["findings"]
+    start = os.getpriority(os.PRIO_PROCESS, me)
+    assert seen == [start, min(start + 10, 19)] * 2  # each diagnosis: read at the server's, the rules below
+    assert [sorted(p) for p in parts] == [["formats", "formats_error"], ["evidence"]] * 2
