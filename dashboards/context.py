@@ -57,6 +57,8 @@ class Context:
         self._rank_meta: dict[str, tuple[int, int] | None] = {}  # path -> (rank, world size) from the trace's metadata
         self.jobs = jobs.Jobs(workers=2)
         self.diagnose_in = diagnose_in  # "process" (default: the server stays responsive) or "thread"
+        if diagnose_in == "process":
+            _WORKER.start()  # (its imports paid while the first page loads)
         self._summaries: dict[str, series.StepSummary] = {}  # path -> series.StepSummary
         self._topping_up: dict[str, threading.Lock] = {}  # path -> Lock held while a request tops its summary up
         self._opening: dict[str, threading.Lock] = {}  # path -> Lock held while the file is first opened
@@ -386,21 +388,9 @@ class _Worker:
         self._done = 0
 
     def run(self, spec: dict[str, Any], early: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-        import subprocess
-        import sys
-
         with self._lock:  # one diagnosis at a time: the rules use a core, the server needs the other
-            if self._proc is None or self._proc.poll() is not None or self._done >= self.MAX_TASKS:
-                self._stop()
-                self._proc = subprocess.Popen(
-                    [sys.executable, "-m", "ampdoctor.dashboards.diagjob"],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.DEVNULL,
-                    text=True,
-                    bufsize=1,
-                )
-                self._done = 0
+            self._start()
+            assert self._proc is not None  # (just started)
             stdin, stdout = self._proc.stdin, self._proc.stdout
             assert stdin is not None and stdout is not None  # (opened with pipes)
             try:
@@ -422,6 +412,28 @@ class _Worker:
             self._done += 1
             out: dict[str, Any] = json.loads(line)
             return out
+
+    def start(self) -> None:
+        """Start the process now, before its first diagnosis: its imports (~1-2 s) are paid while the first page
+        loads, not while the first diagnosis (and the formats table and replay evidence it reads) is waited for."""
+        with self._lock:
+            self._start()
+
+    def _start(self) -> None:
+        import subprocess
+        import sys
+
+        if self._proc is None or self._proc.poll() is not None or self._done >= self.MAX_TASKS:
+            self._stop()
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "ampdoctor.dashboards.diagjob"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                bufsize=1,
+            )
+            self._done = 0
 
     def _stop(self) -> None:
         if self._proc is not None:

@@ -176,6 +176,8 @@ def main() -> int:
     if not PER_THREAD_PRIORITY:
         _yield_cpu()
     _exit_with_parent()
+    from . import data, diagnosis  # noqa: F401  (imported before the first spec arrives: the server starts this early)
+
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
     sys.stdout = sys.stderr
     for line in sys.stdin:
