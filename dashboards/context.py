@@ -306,10 +306,22 @@ class Context:
 
     def formats_table(self, key: str, wait: float = 0.0) -> tuple[Any, jobs.State | None, str | None]:
         """(the run's formats table as a DataFrame or None, the diagnosis' state, the table's error): the table comes
-        with the diagnosis (diagjob: from the rules' own reads), cached on disk with it."""
+        with the diagnosis (diagjob: from the rules' own reads, before the rules run), cached on disk with it. Waits
+        up to ``wait`` s for it: until the table arrives or the diagnosis ends, not for the rules after the table."""
+        deadline = time.monotonic() + wait
+        while True:
+            seen = self.jobs.generation
+            out = self._formats_table(key)
+            st = out[1]
+            left = deadline - time.monotonic()
+            if out[0] is not None or st is None or not st.running or left <= 0:
+                return out
+            self.jobs.wait_change(seen, left)
+
+    def _formats_table(self, key: str) -> tuple[Any, jobs.State | None, str | None]:
         import pandas as pd
 
-        st = self.diagnosis_state(key, wait=wait)
+        st = self.diagnosis_state(key)
         if st is None:
             return None, st, None
         with self._lock:

@@ -215,7 +215,9 @@ def update(
     ctx.diagnosis_state(run)  # started (or read from the cache) first: the replay's evidence may come with it
     if not error:
         replay(0.0)
-    st = ctx.diagnosis_state(run, wait=1.0)
+    # the findings (the notes, the suggested settings) are waited for as long as a short run's diagnosis takes; a long
+    # run's takes seconds (a diagnosis kept on disk, a fraction of one): its notes come with the page's redraw
+    st = ctx.diagnosis_state(run, wait=1.0 if ctx.n_steps(run) <= QUICK_STEPS else 0.25)
     found = list(st.value or []) if st is not None else []
     note, sug = forward_note(ctx, run, found), suggestions(ctx, run, found)
     if error:

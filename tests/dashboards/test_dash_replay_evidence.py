@@ -7,6 +7,7 @@ import threading
 import time
 
 import numpy as np
+import pandas as pd
 import pytest
 import runs
 from ampdoctor.dashboards import cache, data, diagjob
@@ -154,3 +155,32 @@ def test_the_diagnosis_lowers_its_priority_for_the_rules_only(traces, tmp_path, 
     start = os.getpriority(os.PRIO_PROCESS, me)
     assert seen == [start, min(start + 10, 19)] * 2  # each diagnosis: read at the server's, the rules below
     assert [sorted(p) for p in parts] == [["formats", "formats_error"], ["evidence"]] * 2
+
+
+def test_the_formats_table_is_shown_while_the_rules_run(traces, tmp_path, monkeypatch):
+    """The formats page waits for the table the diagnosis hands over before its rules, not for the rules: the first
+    rule held here (10 s at most) until the page has its table, the rules are still running when it gets it (what the
+    file gives, computed afresh)."""
+    from ampdoctor.rules.engine import Run
+
+    monkeypatch.setenv("AMPDOCTOR_CACHE_DIR", str(tmp_path))
+    release = threading.Event()
+    shown = Run.shown_findings
+
+    def held(self, rule):
+        release.wait(10)  # the first rule only (a wait for the whole diagnosis would see it end, and not running)
+        release.set()
+        return shown(self, rule)
+
+    monkeypatch.setattr(Run, "shown_findings", held)
+    path = str(traces / "fp16_bad.db")
+    ctx = create_app(path, diagnose_in="thread").ampdoctor
+    try:
+        table, st, error = ctx.formats_table("fp16_bad.db", wait=25)
+        assert error is None and table is not None and st.running  # the rules have not run
+        pd.testing.assert_frame_equal(table, data.format_table(ampdoctor.load(path)))
+        assert ctx.evidence_coming("fp16_bad.db") is False  # (handed over with it)
+    finally:
+        release.set()
+    assert ctx.findings_and_error("fp16_bad.db")[1] is None
+    pd.testing.assert_frame_equal(ctx.formats_table("fp16_bad.db")[0], table)
