@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import tempfile
+import zipfile
 from typing import IO, TYPE_CHECKING, Any, Callable
 
 import numpy as np
@@ -130,7 +131,7 @@ def load_arrays(name: str) -> dict[str, npt.NDArray[Any]] | None:
     try:
         with np.load(path, allow_pickle=False) as z:
             return {k: z[k] for k in z.files}
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile):  # (a file cut short: as if none were kept)
         return None
 
 

@@ -26,6 +26,7 @@ REFERENCE_KEY = "reference"
 MAX_IDLE = 8  # open connections kept per trace file between requests
 FINDINGS_EVERY_S = 5.0  # a growing trace is diagnosed again at most this often (a big run takes seconds)
 SYNC_SUMMARY_STEPS = 50_000  # a run this short is summarised inside the request; a longer one in the background
+KEPT_REPLAY_INPUTS = 4  # runs whose replay evidence and recorded steps stay in memory (the others: on disk)
 
 
 class Context:
@@ -380,7 +381,10 @@ class Context:
                 cache.save_evidence(name, ev)
             recorded = data.recorded_steps(tr)
             with self._lock:
-                self._evidence[key] = (name, ev, recorded)  # (the latest content only: an older one is not asked)
+                self._evidence.pop(key, None)  # (the latest content only: an older one is not asked)
+                self._evidence[key] = (name, ev, recorded)
+                while len(self._evidence) > KEPT_REPLAY_INPUTS:  # the runs replayed longest ago (~60 MB a 10^6 steps)
+                    self._evidence.pop(next(iter(self._evidence)))
             return ev, recorded
 
     def generation(self) -> int:

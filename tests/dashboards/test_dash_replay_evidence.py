@@ -75,6 +75,9 @@ def test_the_evidence_round_trips_through_the_cache_bit_for_bit(traces, tmp_path
         a, b = replay(tr, **kw), replay(back, **kw)
         assert np.array_equal(a.scales, b.scales) and np.array_equal(a.skipped, b.skipped) and a.lost == b.lost
     assert cache.load_evidence("evidence-none") is None
+    npz = tmp_path / f"views-{cache.FORMAT}" / "evidence-test.npz"
+    npz.write_bytes(npz.read_bytes()[:1000])  # a file cut short (not written by cache.py, which renames a whole file)
+    assert cache.load_evidence("evidence-test") is None  # as if none were kept: read from the trace again
 
 
 def test_one_reading_serves_the_diagnosis_and_every_setting_and_a_restart(traces, tmp_path, monkeypatch, gathers):
