@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from ampdoctor import __version__
 
-from .series import sql
+from .series import BUCKET, StepSummary, n_steps, sql
 
 if TYPE_CHECKING:
     from ampdoctor.lossscale import Evidence
@@ -187,3 +187,38 @@ def has(name: str, ext: str) -> bool:
     """Whether a result is kept under ``name`` (a stat: nothing read)."""
     path = _path(name, ext)
     return path is not None and os.path.exists(path)
+
+
+# -- a run's step summary (series.StepSummary: every step, in buckets), built by the server or the diagnosis ---------
+def summary_name(tr: Trace) -> str:
+    """The prefix of a run's step summaries on disk (the steps they cover follow it)."""
+    return f"steps-{identity(tr)}-"
+
+
+def load_summary(tr: Trace) -> StepSummary | None:
+    """The longest summary of this run kept on disk that is still a prefix of the trace."""
+    prefix = summary_name(tr)
+    best = None
+    for name in prefix_files(prefix, "npz"):
+        try:
+            done = int(name[len(prefix) :])
+        except ValueError:
+            continue
+        if done <= n_steps(tr) and (best is None or done > best):
+            best = done
+    if best is None:
+        return None
+    arrays = load_arrays(prefix + str(best))
+    return StepSummary.from_arrays(arrays, tr) if arrays else None
+
+
+def save_summary(tr: Trace, sm: StepSummary) -> bool:
+    """Keep ``sm`` (of ``tr``), in place of the run's shorter ones; whether it was written."""
+    prefix = summary_name(tr)
+    done = sm.n_buckets * BUCKET
+    if not save_arrays(prefix + str(done), sm.to_arrays()):
+        return False
+    for name in prefix_files(prefix, "npz"):
+        if name != prefix + str(done):
+            remove(name, "npz")
+    return True

@@ -69,7 +69,8 @@ class Context:
         self._formats: dict[
             str, tuple[str, dict[str, list[Any]] | None, str | None]
         ] = {}  # run key -> (version, formats table {column: values} or None, its error)
-        self._handed: dict[str, tuple[str, str | None]] = {}  # run key -> (diagnosis version, its evidence's name)
+        # run key -> (diagnosis version, what it handed over before its rules: {"evidence": name, "summary": steps})
+        self._handed: dict[str, tuple[str, dict[str, Any]]] = {}
         # run key -> (cache name, the replay's evidence, the recorded steps it is compared with)
         self._evidence: dict[str, tuple[str, Evidence, Any]] = {}
         self._gathering: dict[str, threading.Lock] = {}  # run key -> Lock held while a job gathers its evidence
@@ -197,7 +198,8 @@ class Context:
     # -- the step summary of a run: every step, in buckets ---------------------------------------------------------
     def summary(self, key: str) -> tuple[series.StepSummary | None, jobs.State | None]:
         """The run's step summary when it covers the run (else what it has so far), and the state of its build:
-        built in the request for a short run, in the background (and kept on disk) for a long one."""
+        built in the request for a short run; for a long one by the diagnosis while it runs (from the steps table it
+        reads anyway), else in the background; kept on disk."""
         run = self.resolve(key)
         tr = self.trace(key)
         if run is None or tr is None:
@@ -206,7 +208,7 @@ class Context:
         with self._lock:
             sm = self._summaries.get(run.path)
         if sm is None:
-            sm = _load_summary(tr) or series.StepSummary()
+            sm = cache.load_summary(tr) or series.StepSummary()
             with self._lock:
                 sm = self._summaries.setdefault(run.path, sm)
         behind = n - sm.n_buckets * series.BUCKET
@@ -218,10 +220,13 @@ class Context:
             with topping:  # one thread tops it up (a bounded read); another request waits for it, then draws it all
                 sm.update(tr)
             return sm, None
+        self.diagnosis_state(key)  # started first: the diagnosis builds the summary from the steps table it reads
+        if self._coming(key, "summary"):  # (diagjob) and hands it over with the formats table: no second reading
+            return sm, None
 
         def build(t: Trace) -> Any:
             sm.update(t)
-            _save_summary(t, sm)
+            cache.save_summary(t, sm)
             return sm.n_buckets
 
         state = self.background(key, "summary", build, wait=0.0)
@@ -283,12 +288,16 @@ class Context:
             "group": run.group,
         }
 
-        def early(part: dict[str, Any]) -> None:  # the formats table, the evidence, while the rules run: pages redraw
+        def early(part: dict[str, Any]) -> None:  # the formats table, the evidence, the summary: pages redraw
             with self._lock:
-                if "evidence" in part:
-                    self._handed[key] = (version, part["evidence"])
-                else:
+                if "formats" in part:
                     self._formats[key] = (version, part.get("formats"), part.get("formats_error"))
+                else:
+                    last = self._handed.get(key)
+                    handed = dict(last[1]) if last is not None and last[0] == version else {}
+                    self._handed[key] = (version, {**handed, **part})
+                    if part.get("summary") and run is not None:  # read from the disk at the next request
+                        self._summaries.pop(run.path, None)
             self.jobs.touch()
 
         def work() -> Any:
@@ -341,11 +350,15 @@ class Context:
         """Whether the run's diagnosis is running and has not handed its replay evidence over yet: it reads it from
         the same pass over the peaks as the rules and the formats table (diagjob), so a replay waits for it rather
         than reading the trace a second time meanwhile."""
+        return self._coming(key, "evidence")
+
+    def _coming(self, key: str, part: str) -> bool:
+        """Whether the run's diagnosis is running and has not handed ``part`` over yet."""
         with self._lock:
             asked = self._diagnosed.get(key, (None, 0.0))[0]
-            handed = self._handed.get(key, (None, None))[0]
+            version, handed = self._handed.get(key, (None, {}))
         st = self.jobs.peek((key, "findings"))
-        return asked is not None and handed != asked and st is not None and st.running
+        return asked is not None and not (version == asked and part in handed) and st is not None and st.running
 
     def evidence_kept(self, key: str) -> bool:
         """Whether the evidence of the run as it holds now is kept (in memory or on disk): a replay steps the scaler
@@ -475,33 +488,3 @@ def _diagnose(
     if where == "thread":
         return diagjob.run(spec, early)
     return _WORKER.run(spec, early)
-
-
-def _summary_name(tr: Trace) -> str:
-    return f"steps-{cache.identity(tr)}-"
-
-
-def _load_summary(tr: Trace) -> series.StepSummary | None:
-    """The longest summary of this run kept on disk that is still a prefix of the trace."""
-    prefix = _summary_name(tr)
-    best = None
-    for name in cache.prefix_files(prefix, "npz"):
-        try:
-            done = int(name[len(prefix) :])
-        except ValueError:
-            continue
-        if done <= series.n_steps(tr) and (best is None or done > best):
-            best = done
-    if best is None:
-        return None
-    arrays = cache.load_arrays(prefix + str(best))
-    return series.StepSummary.from_arrays(arrays, tr) if arrays else None
-
-
-def _save_summary(tr: Trace, sm: series.StepSummary) -> None:
-    prefix = _summary_name(tr)
-    done = sm.n_buckets * series.BUCKET
-    if cache.save_arrays(prefix + str(done), sm.to_arrays()):
-        for name in cache.prefix_files(prefix, "npz"):
-            if name != prefix + str(done):
-                cache.remove(name, "npz")

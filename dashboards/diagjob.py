@@ -6,7 +6,8 @@ JSON spec a line on stdin, {"trace", "reference", "peers": {rank: path}, "group"
 line on stdout: {"findings": [Diagnosis.to_dict(), ...], "error": null | "Type: message", "seconds": s, "formats":
 {column: [values]} | null, "formats_error": null | "Type: message"}, after one line {"early": true, "formats",
 "formats_error"} as soon as the table is computed (before the rules run: the page shows it while they do), then one
-line {"early": true, "evidence": cache name | null} once the loss-scale replay's evidence is kept on disk (cache.py):
+line {"early": true, "evidence": cache name | null} once the loss-scale replay's evidence is kept on disk (cache.py),
+and one {"early": true, "summary": steps | null} once the run's step summary is (from the steps table the rules read):
 the formats table (ampdoctor.whatif) and the evidence (ampdoctor.lossscale.gather) are computed from the rules' own
 reads of the trace (its histograms, statistics and peaks pass), not from the file again. (Not
 multiprocessing: its spawned workers import the parent's main script again, which a script serving the dashboard
@@ -51,6 +52,7 @@ def run(
             name = _evidence(tr, rules_run)
             if early is not None:
                 early({"evidence": name})
+                early({"summary": _summary(tr, rules_run)})
             if read is not None:
                 read()
 
@@ -115,6 +117,21 @@ def _evidence(tr: Any, rules_run: Any) -> str | None:
             return name
         return name if cache.save_evidence(name, evidence.gather(rules_run.view)) else None
     except Exception:  # the rules' own search reads it again and says what failed
+        return None
+
+
+def _summary(tr: Any, rules_run: Any) -> int | None:
+    """The run's step summary (series.StepSummary: the dashboard's step charts) from the steps table the rules read
+    (StepSummary.of_steps: the same buckets as read from the file), kept on disk for the server, which then does not
+    read every step itself; the steps it covers, or None (not kept: the server builds it)."""
+    from . import cache, series
+
+    try:
+        sm = series.StepSummary.of_steps(tr, rules_run.view.steps)
+        if not sm.n_buckets or not cache.save_summary(tr, sm):
+            return None
+        return sm.n_buckets * series.BUCKET
+    except Exception:  # the server reads the file instead
         return None
 
 

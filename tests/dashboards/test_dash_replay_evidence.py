@@ -157,7 +157,7 @@ def test_the_diagnosis_lowers_its_priority_for_the_rules_only(traces, tmp_path, 
         assert out["error"] is None and out["findings"]
     start = os.getpriority(os.PRIO_PROCESS, me)
     assert seen == [start, min(start + 10, 19)] * 2  # each diagnosis: read at the server's, the rules below
-    assert [sorted(p) for p in parts] == [["formats", "formats_error"], ["evidence"]] * 2
+    assert [sorted(p) for p in parts] == [["formats", "formats_error"], ["evidence"], ["summary"]] * 2
 
 
 def test_the_formats_table_is_shown_while_the_rules_run(traces, tmp_path, monkeypatch):
@@ -187,3 +187,33 @@ def test_the_formats_table_is_shown_while_the_rules_run(traces, tmp_path, monkey
         release.set()
     assert ctx.findings_and_error("fp16_bad.db")[1] is None
     pd.testing.assert_frame_equal(ctx.formats_table("fp16_bad.db")[0], table)
+
+
+def test_the_step_summary_comes_from_the_diagnosis_reading(traces, tmp_path, monkeypatch):
+    """A long run's step summary (here: any run, SYNC_SUMMARY_STEPS at 0) is built by the diagnosis from the steps
+    table it reads anyway, and the server does not read every step itself; the same buckets as read from the file."""
+    from ampdoctor.dashboards import context, series
+
+    monkeypatch.setenv("AMPDOCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(context, "SYNC_SUMMARY_STEPS", 0)
+    reads = []
+    update = series.StepSummary.update
+
+    def counted(self, tr, limit=None):
+        reads.append(tr.path)
+        return update(self, tr, limit)
+
+    monkeypatch.setattr(series.StepSummary, "update", counted)
+    path = str(traces / "fp16_bad.db")
+    ctx = create_app(path, diagnose_in="thread").ampdoctor
+    n = ctx.n_steps("fp16_bad.db")
+    t0 = time.monotonic()
+    while (ctx.summary("fp16_bad.db")[0].n_buckets * series.BUCKET < n // series.BUCKET * series.BUCKET) and (
+        time.monotonic() - t0 < 25
+    ):
+        time.sleep(0.05)
+    sm = ctx.summary("fp16_bad.db")[0]
+    assert sm.n_buckets == n // series.BUCKET > 0 and reads == []  # the server read no step row for it
+    fresh = series.StepSummary()
+    fresh.update(ampdoctor.load(path))
+    _same(sm.to_arrays(), fresh.to_arrays())
