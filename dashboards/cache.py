@@ -183,12 +183,6 @@ def load_evidence(name: str) -> Evidence | None:
         return None
 
 
-def has(name: str, ext: str) -> bool:
-    """Whether a result is kept under ``name`` (a stat: nothing read)."""
-    path = _path(name, ext)
-    return path is not None and os.path.exists(path)
-
-
 # -- a run's step summary (series.StepSummary: every step, in buckets), built by the server or the diagnosis ---------
 def summary_name(tr: Trace) -> str:
     """The prefix of a run's step summaries on disk (the steps they cover follow it)."""

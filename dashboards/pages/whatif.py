@@ -205,11 +205,12 @@ def update(
 
     def replay(wait: float) -> Any:
         """The replay's state; None while the diagnosis reads the evidence (its pass over the peaks is the one the
-        replay needs: the page redraws when it is handed over). Waited for when its evidence is kept (then it steps
-        the scaler only) or the run is short; else the recorded scale is drawn at once and the replay when done."""
+        replay needs: the page redraws when it is handed over). Waited for when its inputs are in memory (then it
+        steps the scaler only) or the run is short; else the recorded scale is drawn at once and the replay when
+        done (a long run's first replay reads the recorded scale of every step, ~2 s at 10^6 steps)."""
         if ctx.evidence_coming(run):
             return None
-        quick = wait > 0 and (ctx.n_steps(run) <= QUICK_STEPS or ctx.evidence_kept(run))
+        quick = wait > 0 and (ctx.n_steps(run) <= QUICK_STEPS or ctx.replay_ready(run))
         return ctx.background(run, ("whatif", tuple(sorted(args.items()))), job, wait=wait if quick else 0.0)
 
     ctx.diagnosis_state(run)  # started (or read from the cache) first: the replay's evidence may come with it
