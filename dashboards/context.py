@@ -444,9 +444,13 @@ class _Worker:
 
     def start(self) -> None:
         """Start the process now, before its first diagnosis: its imports (~1-2 s) are paid while the first page
-        loads, not while the first diagnosis (and the formats table and replay evidence it reads) is waited for."""
-        with self._lock:
-            self._start()
+        loads, not while the first diagnosis (and the formats table and replay evidence it reads) is waited for.
+        Never waits: a diagnosis in progress (it holds the lock) has the process started already."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._start()
+            finally:
+                self._lock.release()
 
     def _start(self) -> None:
         import subprocess
