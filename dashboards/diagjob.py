@@ -33,7 +33,8 @@ def run(
     """Diagnose ``spec["trace"]`` (against ``spec["reference"]``) plus the rank rules over ``spec["peers"]``.
     ``early``: called with {"formats", "formats_error"} as soon as the table is computed, before the rules run (the
     rules' Run reads the steps, histograms and the pass over the peaks first; the table needs nothing else), then with
-    {"evidence"}. ``read``: called once both are handed over, before the rules run."""
+    {"evidence"} and {"summary"} (made from the same reads). ``read``: called once they are handed over, before the
+    rules run."""
     from ampdoctor.trace import load
     from ampdoctor.trace.run import RankRun
 
