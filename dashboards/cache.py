@@ -1,5 +1,6 @@
-"""Results the views keep on disk between visits (a run's diagnosis, its step summary), keyed by what the trace
-holds: a trace that grows, or another file at the same path, gets a new key and the old result is not used.
+"""Results the views keep on disk between visits (a run's diagnosis, its step summary, the loss-scale replay's
+evidence), keyed by what the trace holds: a trace that grows, or another file at the same path, gets a new key and
+the old result is not used.
 
 Written only under the user's cache directory (``$AMPDOCTOR_CACHE_DIR``, else ``$XDG_CACHE_HOME/ampdoctor``, else
 ``~/.cache/ampdoctor``), never next to a trace: a trace's directory may be read-only or shared, and nothing here may
@@ -14,6 +15,7 @@ import hashlib
 import json
 import os
 import tempfile
+import zipfile
 from typing import IO, TYPE_CHECKING, Any, Callable
 
 import numpy as np
@@ -21,9 +23,10 @@ import numpy.typing as npt
 
 from ampdoctor import __version__
 
-from .series import sql
+from .series import BUCKET, StepSummary, n_steps, sql
 
 if TYPE_CHECKING:
+    from ampdoctor.lossscale import Evidence
     from ampdoctor.trace import Trace
 
 FORMAT = 2  # bump when what is cached changes shape (2: the diagnosis carries the formats table)
@@ -128,7 +131,7 @@ def load_arrays(name: str) -> dict[str, npt.NDArray[Any]] | None:
     try:
         with np.load(path, allow_pickle=False) as z:
             return {k: z[k] for k in z.files}
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile):  # (a file cut short: as if none were kept)
         return None
 
 
@@ -154,3 +157,62 @@ def remove(name: str, ext: str) -> None:
     if path is not None:
         with contextlib.suppress(OSError):
             os.unlink(path)
+
+
+# -- the loss-scale replay's evidence (lossscale.gather's: what every scaler setting is replayed over) ---------------
+def evidence_name(tr: Trace) -> str:
+    """The cache name of a trace's evidence as it holds now (read inside the snapshot the evidence is read in: the
+    name and the content then agree); the diagnosis process and the server name it alike."""
+    return key("evidence", tr)
+
+
+def save_evidence(name: str, ev: Evidence) -> bool:
+    return save_arrays(name, ev.to_arrays())
+
+
+def load_evidence(name: str) -> Evidence | None:
+    """The evidence kept under ``name``, or None (none kept, or unreadable)."""
+    from ampdoctor.lossscale import Evidence
+
+    arrays = load_arrays(name)
+    if arrays is None:
+        return None
+    try:
+        return Evidence.from_arrays(arrays)
+    except (KeyError, ValueError, IndexError, TypeError):
+        return None
+
+
+# -- a run's step summary (series.StepSummary: every step, in buckets), built by the server or the diagnosis ---------
+def summary_name(tr: Trace) -> str:
+    """The prefix of a run's step summaries on disk (the steps they cover follow it)."""
+    return f"steps-{identity(tr)}-"
+
+
+def load_summary(tr: Trace) -> StepSummary | None:
+    """The longest summary of this run kept on disk that is still a prefix of the trace."""
+    prefix = summary_name(tr)
+    best = None
+    for name in prefix_files(prefix, "npz"):
+        try:
+            done = int(name[len(prefix) :])
+        except ValueError:
+            continue
+        if done <= n_steps(tr) and (best is None or done > best):
+            best = done
+    if best is None:
+        return None
+    arrays = load_arrays(prefix + str(best))
+    return StepSummary.from_arrays(arrays, tr) if arrays else None
+
+
+def save_summary(tr: Trace, sm: StepSummary) -> bool:
+    """Keep ``sm`` (of ``tr``), in place of the run's shorter ones; whether it was written."""
+    prefix = summary_name(tr)
+    done = sm.n_buckets * BUCKET
+    if not save_arrays(prefix + str(done), sm.to_arrays()):
+        return False
+    for name in prefix_files(prefix, "npz"):
+        if name != prefix + str(done):
+            remove(name, "npz")
+    return True

@@ -18,6 +18,7 @@ from . import cache, catalog, diagnosis, jobs, ranks, series, server
 if TYPE_CHECKING:
     import subprocess
 
+    from ampdoctor.lossscale import Evidence
     from ampdoctor.rules.result import Diagnosis
     from ampdoctor.trace import Trace
 
@@ -25,6 +26,7 @@ REFERENCE_KEY = "reference"
 MAX_IDLE = 8  # open connections kept per trace file between requests
 FINDINGS_EVERY_S = 5.0  # a growing trace is diagnosed again at most this often (a big run takes seconds)
 SYNC_SUMMARY_STEPS = 50_000  # a run this short is summarised inside the request; a longer one in the background
+KEPT_REPLAY_INPUTS = 4  # runs whose replay evidence and recorded steps stay in memory (the others: on disk)
 
 
 class Context:
@@ -56,6 +58,8 @@ class Context:
         self._rank_meta: dict[str, tuple[int, int] | None] = {}  # path -> (rank, world size) from the trace's metadata
         self.jobs = jobs.Jobs(workers=2)
         self.diagnose_in = diagnose_in  # "process" (default: the server stays responsive) or "thread"
+        if diagnose_in == "process":
+            _WORKER.start()  # (its imports paid while the first page loads)
         self._summaries: dict[str, series.StepSummary] = {}  # path -> series.StepSummary
         self._topping_up: dict[str, threading.Lock] = {}  # path -> Lock held while a request tops its summary up
         self._opening: dict[str, threading.Lock] = {}  # path -> Lock held while the file is first opened
@@ -65,6 +69,11 @@ class Context:
         self._formats: dict[
             str, tuple[str, dict[str, list[Any]] | None, str | None]
         ] = {}  # run key -> (version, formats table {column: values} or None, its error)
+        # run key -> (diagnosis version, what it handed over before its rules: {"evidence": name, "summary": steps})
+        self._handed: dict[str, tuple[str, dict[str, Any]]] = {}
+        # run key -> (cache name, the replay's evidence, the recorded steps it is compared with)
+        self._evidence: dict[str, tuple[str, Evidence, Any]] = {}
+        self._gathering: dict[str, threading.Lock] = {}  # run key -> Lock held while a job gathers its evidence
 
     def runs(self) -> dict[str, catalog.Run]:
         """Traces under the root (rescanned at most every second, so new runs show up)."""
@@ -189,7 +198,8 @@ class Context:
     # -- the step summary of a run: every step, in buckets ---------------------------------------------------------
     def summary(self, key: str) -> tuple[series.StepSummary | None, jobs.State | None]:
         """The run's step summary when it covers the run (else what it has so far), and the state of its build:
-        built in the request for a short run, in the background (and kept on disk) for a long one."""
+        built in the request for a short run; for a long one by the diagnosis while it runs (from the steps table it
+        reads anyway), else in the background; kept on disk."""
         run = self.resolve(key)
         tr = self.trace(key)
         if run is None or tr is None:
@@ -198,7 +208,7 @@ class Context:
         with self._lock:
             sm = self._summaries.get(run.path)
         if sm is None:
-            sm = _load_summary(tr) or series.StepSummary()
+            sm = cache.load_summary(tr) or series.StepSummary()
             with self._lock:
                 sm = self._summaries.setdefault(run.path, sm)
         behind = n - sm.n_buckets * series.BUCKET
@@ -210,10 +220,13 @@ class Context:
             with topping:  # one thread tops it up (a bounded read); another request waits for it, then draws it all
                 sm.update(tr)
             return sm, None
+        self.diagnosis_state(key)  # started first: the diagnosis builds the summary from the steps table it reads
+        if self._coming(key, "summary"):  # (diagjob) and hands it over with the formats table: no second reading
+            return sm, None
 
         def build(t: Trace) -> Any:
             sm.update(t)
-            _save_summary(t, sm)
+            cache.save_summary(t, sm)
             return sm.n_buckets
 
         state = self.background(key, "summary", build, wait=0.0)
@@ -281,9 +294,16 @@ class Context:
             "group": run.group,
         }
 
-        def early(part: dict[str, Any]) -> None:  # the formats table while the rules run: its page redraws
+        def early(part: dict[str, Any]) -> None:  # the formats table, the evidence, the summary: pages redraw
             with self._lock:
-                self._formats[key] = (version, part.get("formats"), part.get("formats_error"))
+                if "formats" in part:
+                    self._formats[key] = (version, part.get("formats"), part.get("formats_error"))
+                else:
+                    last = self._handed.get(key)
+                    handed = dict(last[1]) if last is not None and last[0] == version else {}
+                    self._handed[key] = (version, {**handed, **part})
+                    if part.get("summary") and run is not None:  # read from the disk at the next request
+                        self._summaries.pop(run.path, None)
             self.jobs.touch()
 
         def work() -> Any:
@@ -302,10 +322,22 @@ class Context:
 
     def formats_table(self, key: str, wait: float = 0.0) -> tuple[Any, jobs.State | None, str | None]:
         """(the run's formats table as a DataFrame or None, the diagnosis' state, the table's error): the table comes
-        with the diagnosis (diagjob: from the rules' own reads), cached on disk with it."""
+        with the diagnosis (diagjob: from the rules' own reads, before the rules run), cached on disk with it. Waits
+        up to ``wait`` s for it: until the table arrives or the diagnosis ends, not for the rules after the table."""
+        deadline = time.monotonic() + wait
+        while True:
+            seen = self.jobs.generation
+            out = self._formats_table(key)
+            st = out[1]
+            left = deadline - time.monotonic()
+            if out[0] is not None or st is None or not st.running or left <= 0:
+                return out
+            self.jobs.wait_change(seen, left)
+
+    def _formats_table(self, key: str) -> tuple[Any, jobs.State | None, str | None]:
         import pandas as pd
 
-        st = self.diagnosis_state(key, wait=wait)
+        st = self.diagnosis_state(key)
         if st is None:
             return None, st, None
         with self._lock:
@@ -318,6 +350,61 @@ class Context:
         if table is None:
             return None, st, error or "no formats table"
         return pd.DataFrame(table), st, None
+
+    # -- the loss-scale replay's evidence: read once per trace content, for every setting the what-if page tries ----
+    def evidence_coming(self, key: str) -> bool:
+        """Whether the run's diagnosis is running and has not handed its replay evidence over yet: it reads it from
+        the same pass over the peaks as the rules and the formats table (diagjob), so a replay waits for it rather
+        than reading the trace a second time meanwhile."""
+        return self._coming(key, "evidence")
+
+    def _coming(self, key: str, part: str) -> bool:
+        """Whether the run's diagnosis is running and has not handed ``part`` over yet."""
+        with self._lock:
+            asked = self._diagnosed.get(key, (None, 0.0))[0]
+            version, handed = self._handed.get(key, (None, {}))
+        st = self.jobs.peek((key, "findings"))
+        return asked is not None and not (version == asked and part in handed) and st is not None and st.running
+
+    def replay_ready(self, key: str) -> bool:
+        """Whether the replay's inputs of the run as it holds now (its evidence and recorded steps) are in memory: a
+        replay then steps the scaler only (~0.5 s at 10^6 steps), no read of the trace."""
+        tr = self.trace(key)
+        if tr is None:
+            return False
+        name = cache.evidence_name(tr)
+        with self._lock:
+            kept = self._evidence.get(key)
+        return kept is not None and kept[0] == name
+
+    def replay_inputs(self, key: str, tr: Trace) -> tuple[Evidence, Any]:
+        """(the replay's evidence, the recorded steps: data.recorded_steps) of ``tr`` (a background job's trace of
+        run ``key``) as it holds now, neither of which depends on the scaler settings: kept in memory, else the
+        evidence on disk (written by the diagnosis process or an earlier replay), else read here and kept. Call it
+        inside ``tr.snapshot()``: the evidence is that content's."""
+        from ampdoctor.lossscale import gather
+
+        from . import data
+
+        with self._lock:
+            gathering = self._gathering.setdefault(key, threading.Lock())
+        with gathering:  # two settings replayed at once: one reads, the other waits for it
+            name = cache.evidence_name(tr)
+            with self._lock:
+                kept = self._evidence.get(key)
+            if kept is not None and kept[0] == name:
+                return kept[1], kept[2]
+            ev = cache.load_evidence(name)
+            if ev is None:
+                ev = gather(tr)
+                cache.save_evidence(name, ev)
+            recorded = data.recorded_steps(tr)
+            with self._lock:
+                self._evidence.pop(key, None)  # (the latest content only: an older one is not asked)
+                self._evidence[key] = (name, ev, recorded)
+                while len(self._evidence) > KEPT_REPLAY_INPUTS:  # the runs replayed longest ago (~60 MB a 10^6 steps)
+                    self._evidence.pop(next(iter(self._evidence)))
+            return ev, recorded
 
     def generation(self) -> int:
         """Bumped whenever background work ends: views that show its results redraw."""
@@ -336,21 +423,9 @@ class _Worker:
         self._done = 0
 
     def run(self, spec: dict[str, Any], early: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-        import subprocess
-        import sys
-
         with self._lock:  # one diagnosis at a time: the rules use a core, the server needs the other
-            if self._proc is None or self._proc.poll() is not None or self._done >= self.MAX_TASKS:
-                self._stop()
-                self._proc = subprocess.Popen(
-                    [sys.executable, "-m", "ampdoctor.dashboards.diagjob"],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.DEVNULL,
-                    text=True,
-                    bufsize=1,
-                )
-                self._done = 0
+            self._start()
+            assert self._proc is not None  # (just started)
             stdin, stdout = self._proc.stdin, self._proc.stdout
             assert stdin is not None and stdout is not None  # (opened with pipes)
             try:
@@ -372,6 +447,32 @@ class _Worker:
             self._done += 1
             out: dict[str, Any] = json.loads(line)
             return out
+
+    def start(self) -> None:
+        """Start the process now, before its first diagnosis: its imports (~1-2 s) are paid while the first page
+        loads, not while the first diagnosis (and the formats table and replay evidence it reads) is waited for.
+        Never waits: a diagnosis in progress (it holds the lock) has the process started already."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._start()
+            finally:
+                self._lock.release()
+
+    def _start(self) -> None:
+        import subprocess
+        import sys
+
+        if self._proc is None or self._proc.poll() is not None or self._done >= self.MAX_TASKS:
+            self._stop()
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "ampdoctor.dashboards.diagjob"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                bufsize=1,
+            )
+            self._done = 0
 
     def _stop(self) -> None:
         if self._proc is not None:
@@ -397,33 +498,3 @@ def _diagnose(
     if where == "thread":
         return diagjob.run(spec, early)
     return _WORKER.run(spec, early)
-
-
-def _summary_name(tr: Trace) -> str:
-    return f"steps-{cache.identity(tr)}-"
-
-
-def _load_summary(tr: Trace) -> series.StepSummary | None:
-    """The longest summary of this run kept on disk that is still a prefix of the trace."""
-    prefix = _summary_name(tr)
-    best = None
-    for name in cache.prefix_files(prefix, "npz"):
-        try:
-            done = int(name[len(prefix) :])
-        except ValueError:
-            continue
-        if done <= series.n_steps(tr) and (best is None or done > best):
-            best = done
-    if best is None:
-        return None
-    arrays = cache.load_arrays(prefix + str(best))
-    return series.StepSummary.from_arrays(arrays, tr) if arrays else None
-
-
-def _save_summary(tr: Trace, sm: series.StepSummary) -> None:
-    prefix = _summary_name(tr)
-    done = sm.n_buckets * series.BUCKET
-    if cache.save_arrays(prefix + str(done), sm.to_arrays()):
-        for name in cache.prefix_files(prefix, "npz"):
-            if name != prefix + str(done):
-                cache.remove(name, "npz")

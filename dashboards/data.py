@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from ampdoctor.lossscale import TORCH_DEFAULTS
+from ampdoctor.lossscale import TORCH_DEFAULTS, Evidence
 from ampdoctor.lossscale import replay as _replay
 from ampdoctor.precision_label import describe_precision
 from ampdoctor.rules.policy import NORM_TYPES, SOFTMAX_TYPES
@@ -324,14 +324,25 @@ def recorded_scale(tr: Trace, s: Any) -> dict[str, Any]:
     }
 
 
+def recorded_steps(tr: Trace) -> np.ndarray:
+    """[steps x 3]: every step, its recorded loss scale (NaN where none or not finite) and whether it was skipped
+    (0 / 1), as the what-if compares them with a replay (every step: ~2 s at 10^6 steps, kept per content)."""
+    rows = sql(tr, f"SELECT step, {_finite_sql('loss_scale')}, ifnull(skipped, 0) != 0 FROM steps ORDER BY step")
+    return np.array(rows, dtype=float).reshape(-1, 3)
+
+
 def whatif(
     tr: Trace,
     init_scale: Any = None,
     growth_factor: Any = None,
     backoff_factor: Any = None,
     growth_interval: Any = None,
+    evidence: Evidence | None = None,
+    recorded: np.ndarray | None = None,
 ) -> dict[str, Any]:
-    """Recorded vs simulated loss scale and skipped steps for other scaler settings."""
+    """Recorded vs simulated loss scale and skipped steps for other scaler settings. ``evidence`` (lossscale.gather's)
+    and ``recorded`` (recorded_steps') of this content, kept from before: only the scaler is stepped (else they are
+    read here)."""
     args = {
         "init_scale": init_scale,
         "growth_factor": growth_factor,
@@ -339,16 +350,15 @@ def whatif(
         "growth_interval": growth_interval,
     }
     n = n_steps(tr)
-    rows = sql(
-        tr,
-        f"SELECT step, {_finite_sql('loss_scale')}, ifnull(skipped, 0) != 0 FROM steps ORDER BY step",
-    )
-    rec = np.array(rows, dtype=float).reshape(-1, 3)
+    rec = recorded_steps(tr) if recorded is None else recorded
     if not n:
         sim_scales, sim_skipped, engine = np.array([]), np.array([], bool), "nothing to replay yet"
         used = scaler_settings(tr)
     else:  # settings left at None: the replay keeps the run's own (and its scaler state)
-        r = _replay(tr, **{k: (int(v) if k == "growth_interval" else v) for k, v in args.items() if v is not None})
+        r = _replay(
+            tr if evidence is None else evidence,
+            **{k: (int(v) if k == "growth_interval" else v) for k, v in args.items() if v is not None},
+        )
         sim_scales, sim_skipped = np.asarray(r.scales, float), np.asarray(r.skipped, bool)
         used = dict(r.settings)
         engine = "ampdoctor.lossscale"

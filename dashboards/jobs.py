@@ -41,6 +41,7 @@ class Jobs:
     def __init__(self, workers: int = 2, on_done: Any = None) -> None:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ampdoctor-view")
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # notified whenever ``generation`` is bumped
         self._state: dict[Any, State] = {}  # key -> State
         self._futures: dict[Any, tuple[Any, Future[None]]] = {}  # key -> (version, Future)
         self._on_done = on_done  # called with the key when a job ends (the views poll for it)
@@ -72,6 +73,15 @@ class Jobs:
         """A job's partial result arrived: the views that show it redraw (as when a job ends)."""
         with self._lock:
             self.generation += 1
+            self._changed.notify_all()
+
+    def wait_change(self, generation: int, timeout: float) -> int:
+        """Wait up to ``timeout`` s for a job to end or a partial result to arrive after ``generation`` (a value of
+        ``generation`` read before); the generation then."""
+        with self._lock:
+            if timeout > 0 and self.generation == generation:
+                self._changed.wait(timeout)
+            return self.generation
 
     def peek(self, key: Any) -> State | None:
         with self._lock:
@@ -96,6 +106,7 @@ class Jobs:
                 st.current = False
             self._futures.pop(key, None)
             self.generation += 1
+            self._changed.notify_all()
         if self._on_done is not None:
             self._on_done(key)
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -62,6 +63,49 @@ class Evidence:
     has_scaler: bool
     assumed_fp16: bool
     device: str
+
+    def to_arrays(self) -> dict[str, npt.NDArray[Any]]:
+        """The evidence as named numpy arrays (no pickle: numpy's own .npz), for a cache on disk; ``from_arrays``
+        gives back the same values, bit for bit, and the histograms in the same order."""
+        keys = list(self.hist)
+        sizes = np.array([len(self.hist[k][0]) for k in keys], dtype=np.int64)
+        edges, counts = ([np.zeros(0)] + [self.hist[k][i] for k in keys] for i in (0, 1))
+        return {
+            **{f: getattr(self, f) for f in _ARRAYS},
+            "hist_steps": np.array(keys, dtype=np.int64),
+            "hist_offsets": np.concatenate(([0], np.cumsum(sizes))).astype(np.int64),
+            "hist_edges": np.concatenate(edges).astype(np.float64),
+            "hist_counts": np.concatenate(counts).astype(np.float64),
+            "run_settings": np.array([float(self.run_settings[k]) for k in TORCH_DEFAULTS], dtype=np.float64),
+            "flags": np.array([self.has_scaler, self.assumed_fp16], dtype=bool),
+            "device": np.array(self.device),
+        }
+
+    @staticmethod
+    def from_arrays(a: dict[str, npt.NDArray[Any]]) -> Evidence:
+        """The evidence ``to_arrays`` wrote (a KeyError or ValueError for anything else)."""
+        off = a["hist_offsets"]
+        hist = {
+            int(t): (a["hist_edges"][off[i] : off[i + 1]], a["hist_counts"][off[i] : off[i + 1]])
+            for i, t in enumerate(a["hist_steps"].tolist())
+        }
+        values = a["run_settings"].tolist()
+        if len(values) != len(TORCH_DEFAULTS) or len(off) != len(a["hist_steps"]) + 1:
+            raise ValueError("not an evidence of this ampdoctor")
+        run = {k: type(TORCH_DEFAULTS[k])(v) for k, v in zip(TORCH_DEFAULTS, values)}
+        has_scaler, assumed = (bool(x) for x in a["flags"].tolist())
+        return Evidence(
+            **{f: a[f] for f in _ARRAYS},
+            hist=hist,
+            run_settings=run,
+            has_scaler=has_scaler,
+            assumed_fp16=assumed,
+            device=str(a["device"]),
+        )
+
+
+_ARRAYS = ("steps", "rec_scale", "rec_next", "rec_over", "always", "threshold", "from_neighbours")
+_DERIVED = ("lossscale.Evidence",)  # the key of a View's gathered evidence in View.derived
 
 
 @dataclass(eq=False)
@@ -112,8 +156,22 @@ def gradient_peaks(tr: Trace | View) -> GradientPeaks:
 
 
 def gather(tr: Trace | View) -> Evidence:
-    """The evidence of every step of a trace (a trace without steps is a ValueError)."""
+    """The evidence of every step of a trace (a trace without steps is a ValueError), once per View: the rules'
+    search, the replay and a caller that keeps it (the dashboard's cache) read the same object."""
     view = View.of(tr)
+    if _DERIVED not in view.derived:
+        view.derived[_DERIVED] = _gather(view)
+    ev: Evidence = view.derived[_DERIVED]
+    return ev
+
+
+def keep(tr: Trace | View, ev: Evidence) -> None:
+    """Make ``ev`` (gathered from this same content before, e.g. kept on disk) the View's evidence: ``gather``
+    returns it instead of reading the trace again."""
+    View.of(tr).derived[_DERIVED] = ev
+
+
+def _gather(view: View) -> Evidence:
     st = view.steps
     n = len(st)
     if not n:

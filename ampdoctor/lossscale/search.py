@@ -16,7 +16,7 @@ from itertools import islice
 from ..trace import Trace
 from ..trace.view import View
 from .defaults import Settings
-from .evidence import gather, open_trace
+from .evidence import Evidence, gather, open_trace
 from .scaler import Replay, gradscaler_code, initial_tracker, lost_many, resolve, simulate
 
 # --suggest search space. Powers of two only: a power-of-two scale multiplies and divides gradients exactly, which is
@@ -50,15 +50,16 @@ class Suggestion:
 
 
 def replay(
-    trace_or_path: TraceLike,
+    trace_or_path: TraceLike | Evidence,
     init_scale: float | None = None,
     growth_factor: float | None = None,
     backoff_factor: float | None = None,
     growth_interval: int | None = None,
 ) -> Replay:
-    """Simulate GradScaler over a recorded trace; arguments left at None keep the run's own settings (torch's
-    defaults for a run without a scaler). With no arguments the recorded scale history is reproduced exactly."""
-    ev = gather(open_trace(trace_or_path))
+    """Simulate GradScaler over a recorded trace (or its evidence, gathered before: the settings do not change it);
+    arguments left at None keep the run's own settings (torch's defaults for a run without a scaler). With no
+    arguments the recorded scale history is reproduced exactly."""
+    ev = trace_or_path if isinstance(trace_or_path, Evidence) else gather(open_trace(trace_or_path))
     s = resolve(ev, init_scale, growth_factor, backoff_factor, growth_interval)
     own = (
         s["init_scale"] == ev.run_settings["init_scale"] and s["growth_interval"] == ev.run_settings["growth_interval"]

@@ -147,6 +147,7 @@ def scan(
     win = _WindowState(windows) if windows is not None else None
     take = {g: _columns(ids) for g, ids in groups.items()}
     r_cols = _columns(ratio.cols) if ratio is not None else None
+    r_groups = _ratio_groups(ratio) if ratio is not None else []
     w_cols = _columns(win.spec.cols) if win is not None else None
     for st, block in chunks:
         vals = _width(block, n_sites)  # float32: masks and maxima are exact in it
@@ -165,7 +166,7 @@ def scan(
             bad[g].append(nonfinite[:, cols].any(axis=1))
             unseen[g].append(~(seen | nonfinite)[:, cols].all(axis=1))
         if ratio is not None:
-            ratios.append(_ratio(vals[:, r_cols].astype(np.float64), st, ratio))
+            ratios.append(_ratio(vals[:, r_cols], st, ratio, r_groups))
         if win is not None:
             win.add(st, vals[:, w_cols].astype(np.float64))
     none = site_arg < 0
@@ -218,7 +219,43 @@ def _width(block: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
-def _ratio(raw: np.ndarray, st: np.ndarray, r: Ratio) -> np.ndarray:
+def _ratio_groups(r: Ratio) -> list[tuple[bool, float, slice | npt.NDArray[np.int64]]]:
+    """The ratio's columns by (divided by the loss scale, format limit): a few groups (FP16 output gradients, FP16 and
+    FP32 weight gradients), each reduced at once."""
+    out = []
+    for scaled in (True, False):
+        for limit in np.unique(r.limits[r.scaled == scaled]).tolist():
+            out.append((scaled, float(limit), _columns(np.flatnonzero((r.scaled == scaled) & (r.limits == limit)))))
+    return out
+
+
+def _ratio(
+    vals: npt.NDArray[np.float32],
+    st: np.ndarray,
+    r: Ratio,
+    groups: list[tuple[bool, float, slice | npt.NDArray[np.int64]]],
+) -> np.ndarray:
+    """evidence.gradient_peaks' reduction over a chunk of rows (float32 as stored, the ratio's columns): per group of
+    columns sharing a loss-scale division and a limit, the largest stored value first, then the divisions, on one value
+    a row. The same numbers as dividing every value (``_ratio_each``): a correctly rounded division by a positive
+    number never reverses an order, so the largest quotient is the quotient of the largest value."""
+    carried = r.carried[st]
+    if not (np.isfinite(carried) & (carried > 0)).all():  # (a scale that is not a positive number: value by value)
+        return _ratio_each(vals.astype(np.float64), st, r)
+    with np.errstate(invalid="ignore"):
+        finite = np.isfinite(vals) & (vals >= 0)
+    clean = np.where(finite, vals, np.float32(0.0))
+    out = np.zeros(len(vals))
+    for scaled, limit, cols in groups:
+        top = clean[:, cols].max(axis=1).astype(np.float64)  # (float32 to float64 is exact)
+        if scaled:
+            top /= carried
+        np.maximum(out, top / limit, out=out)
+    out[~finite.any(axis=1)] = np.nan
+    return out
+
+
+def _ratio_each(raw: np.ndarray, st: np.ndarray, r: Ratio) -> np.ndarray:
     """evidence.gradient_peaks' reduction, operation for operation, over a chunk of rows."""
     with np.errstate(invalid="ignore"):
         finite = np.isfinite(raw) & (raw >= 0)
@@ -240,20 +277,23 @@ class _WindowState:
         self.last = np.full((q, c), np.nan)
         self.at = np.full((q, c), np.nan)
         self.running = np.full(c, np.nan)  # last finite positive value of the rows seen so far
+        self.divided = _columns(np.flatnonzero(spec.divide))  # the columns divided by the stored factor
         self.done = 0  # queries whose last value is final
 
     def add(self, st: np.ndarray, vals: np.ndarray) -> None:
+        """The rows ``vals`` (float64 [rows x cols], steps ``st``: overwritten) into the windows."""
         s, q = self.spec, self.spec.queries
         if not len(q):  # a trace without histogram steps: no window is asked for
             return
-        div = np.where(s.divide[None, :], s.stored[st][:, None], 1.0)
-        with np.errstate(all="ignore"):
-            a = vals / div
-            a = np.where(np.isfinite(a) & (a > 0), a, np.nan)
         qi = np.searchsorted(q, st)
         hit = (qi < len(q)) & (q[np.minimum(qi, len(q) - 1)] == st)
         if hit.any():
             self.at[qi[hit]] = np.where(vals[hit] >= 0, vals[hit], np.nan)  # NaN/Inf as stored; -1: not observed
+        a = vals  # (the caller's float64 copy of the chunk: divided and masked in place, a few passes fewer)
+        with np.errstate(all="ignore"):
+            a[:, self.divided] /= s.stored[st][:, None]
+            have = np.isfinite(a) & (a > 0)
+            a[~have] = np.nan
         first = np.searchsorted(q, st[0], side="right")  # windows end before q: only queries after a row count
         for i in range(first, np.searchsorted(q, st[-1] + max(s.histories), side="right")):
             t = int(q[i])
@@ -261,11 +301,10 @@ class _WindowState:
                 a0, b0 = np.searchsorted(st, t - h), np.searchsorted(st, t)
                 if a0 < b0:
                     part = a[a0:b0]
-                    self.wmax[h][i] = np.fmax(self.wmax[h][i], np.nanmax(part, axis=0, initial=-np.inf))
-                    self.count[h][i] += (~np.isnan(part)).sum(axis=0)
+                    self.wmax[h][i] = np.fmax(self.wmax[h][i], np.fmax.reduce(part, axis=0, initial=-np.inf))
+                    self.count[h][i] += have[a0:b0].sum(axis=0)
         # queries at or before this chunk's last step: every row before them has been seen now; the running last
         # value is carried over the rows up to each query in turn, then over the rest of the chunk
-        have = ~np.isnan(a)
         end = np.searchsorted(q, st[-1], side="right")
         upto = 0  # rows of this chunk carried into self.running
         for i in range(self.done, end):

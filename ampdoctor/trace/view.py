@@ -30,6 +30,9 @@ MAX_STEPS = 256
 # steps, so that no [steps x sites] array exceeds this many cells: memory follows what the file holds.
 SPARSE_CELLS = 1 << 18
 STAT_FIELDS = ("numel", "zeros", "absmax", "rms", "scale", "fp16_sub")  # read together (others: on demand)
+# read together at other steps than stat_steps (the histogram steps: the format what-if's abs max, the loss scale the
+# replay's histograms carry); nothing else is read there, and fewer columns decode faster (~0.3 s at 10^6 steps)
+AT_FIELDS = ("absmax", "scale")
 
 
 def sample(steps: np.ndarray, cap: int = MAX_STEPS) -> np.ndarray:
@@ -108,13 +111,14 @@ class View:
 
     def stat(self, field: str, kind: str, steps: np.ndarray | None = None) -> np.ndarray:
         """[len(steps) x sites(kind)] of one statistic at ``steps`` (default: stat_steps), NaN where none. The
-        statistics of STAT_FIELDS at a set of steps are read for every site in one query."""
+        statistics of STAT_FIELDS at stat_steps (of AT_FIELDS at other steps) are read for every site in one query."""
         steps = self.stat_steps if steps is None else np.asarray(steps, dtype=np.int64)
         key = (field, kind, steps.tobytes())
         if key not in self._stats:
             whole = (field, None, steps.tobytes())
             if whole not in self._stats:
-                fields = STAT_FIELDS if field in STAT_FIELDS else (field,)
+                together = STAT_FIELDS if np.array_equal(steps, self.stat_steps) else AT_FIELDS
+                fields = together if field in together else (field,)
                 for f, arr in self.trace.stats_at(fields, None, steps).items():
                     self._stats[(f, None, steps.tobytes())] = arr
             self._stats[key] = self._stats[whole][:, self.sites(kind)["id"].to_numpy()]

@@ -30,6 +30,9 @@ _INPUTS = (
     (ids.WHATIF_GROWTH, "growth factor", "growth_factor", "growth", False),
     (ids.WHATIF_BACKOFF, "backoff factor", "backoff_factor", "backoff", False),
 )
+# a run this short is replayed within the page's wait, its evidence read included (~0.3 s at 2 x 10^4 steps; a
+# longer run's first replay reads ~5 s at 10^6 steps: its recorded scale is drawn at once instead)
+QUICK_STEPS = 50_000
 # forward-pass causes: the loss scale multiplies the loss after the forward pass, so it cannot prevent these
 FORWARD_RULES = ("forward-overflow", "divergence", "weights-nonfinite", "rank-nonfinite")
 
@@ -195,20 +198,38 @@ def update(
     until = time.monotonic() + 2.0
     args, error = settings(init, interval, growth, backoff)
 
-    def replay(wait: float) -> Any:
-        return ctx.background(run, ("whatif", tuple(sorted(args.items()))), lambda t: data.whatif(t, **args), wait=wait)
+    def job(t: Any) -> Any:
+        with t.snapshot():  # the evidence and the recorded scale of one content
+            ev, recorded = ctx.replay_inputs(run, t)
+            return data.whatif(t, evidence=ev, recorded=recorded, **args)
 
+    def replay(wait: float) -> Any:
+        """The replay's state; None while the diagnosis reads the evidence (its pass over the peaks is the one the
+        replay needs: the page redraws when it is handed over). Waited for when its inputs are in memory (then it
+        steps the scaler only) or the run is short; else the recorded scale is drawn at once and the replay when
+        done (a long run's first replay reads the recorded scale of every step, ~2 s at 10^6 steps)."""
+        if ctx.evidence_coming(run):
+            return None
+        quick = wait > 0 and (ctx.n_steps(run) <= QUICK_STEPS or ctx.replay_ready(run))
+        return ctx.background(run, ("whatif", tuple(sorted(args.items()))), job, wait=wait if quick else 0.0)
+
+    ctx.diagnosis_state(run)  # started (or read from the cache) first: the replay's evidence may come with it
     if not error:
         replay(0.0)
-    st = ctx.diagnosis_state(run, wait=1.0)
+    # the findings (the notes, the suggested settings) are waited for as long as a short run's diagnosis takes; a long
+    # run's takes seconds (a diagnosis kept on disk, a fraction of one): its notes come with the page's redraw
+    st = ctx.diagnosis_state(run, wait=1.0 if ctx.n_steps(run) <= QUICK_STEPS else 0.25)
     found = list(st.value or []) if st is not None else []
     note, sug = forward_note(ctx, run, found), suggestions(ctx, run, found)
     if error:
         return dash.no_update, html.Span(error, id="whatif-error", className="bad"), note, sug
     state = replay(max(0.0, until - time.monotonic()))
-    if state.value is None or not state.current:  # the recorded scale at once, the replay when it is done
+    if state is None or state.value is None or not state.current:  # the recorded scale at once, then the replay
         r = data.recorded_scale(tr, ctx.steps(run, *(zoom_range(zoom) or (None, None))))
         fig = figures.whatif_figure(r, x_range=zoom_range(zoom), uirevision=uirevision(run, PAGE))
+        if state is None:
+            words = f"replaying GradScaler over {r['n']:,} steps: reading the trace with the diagnosis"
+            return fig, words, note, sug
         if state.error and not state.running:
             return fig, html.Span(f"The replay failed: {state.error}", id="whatif-error", className="bad"), note, sug
         return fig, f"replaying GradScaler over {r['n']:,} steps: {state.elapsed():.0f} s", note, sug
