@@ -345,7 +345,7 @@ def test_heatmap_click_opens_the_layer_and_the_run_picker_switches_runs(site, br
     from selenium.webdriver.common.action_chains import ActionChains
 
     browser.open(f"{site}/layers?run=fp16_under.db&kind=grad_out&stat=fp16_under")
-    fig = browser.wait(lambda: browser.figure(ids.LAYERS_HEATMAP), what="heat map")
+    fig = browser.wait(lambda: _drawn(browser, ids.LAYERS_HEATMAP), what="heat map")  # (not the empty one first)
     top = fig["data"][0]["y"][0]
     drag = browser.wait(lambda: browser.css(f"#{ids.LAYERS_HEATMAP} .nsewdrag")[0], what="plot area")
     rows = len(fig["data"][0]["y"])
