@@ -79,7 +79,7 @@ def lasting(run: RunView, located: list[int]) -> list[int]:
     st = run.steps
     steps = st["step"].to_numpy(np.int64)
     bad = st["nonfinite"].to_numpy(bool) | st["skipped"].to_numpy(bool)
-    unseen = bad & (st["reason"].to_numpy(object) != "anomaly") & (st["level"].to_numpy(np.int64) < schema.LEVEL_FULL)
+    unseen = bad & (st["level"].to_numpy(np.int64) < schema.LEVEL_FULL)  # (the flight recorder's steps are full)
     found = np.isin(steps, np.asarray(located, dtype=np.int64))
     keep = found.copy()
     # unbroken runs of anomalous steps: a run that holds a located step counts its unseen steps
