@@ -54,6 +54,63 @@
     },
   });
 
+  /* -- tables ---------------------------------------------------------------------------------------------- */
+  /* A data table (pages/common.py table()) comes as one element whose data-rows attribute holds its rows as
+     JSON: {head, rows, bad (row indices), col (the column they mark), highlight (row indices)}. Drawn here as
+     text (never markup: a cell is user data), once per value of the attribute; Dash's renderer would spend
+     milliseconds on each cell as a component of its own. */
+  var drawnRows = new WeakMap();
+
+  function cellOf(tag, text, cls) {
+    var c = document.createElement(tag);
+    c.textContent = text;
+    if (cls) c.className = cls;
+    return c;
+  }
+
+  function drawTable(table) {
+    var spec = table.getAttribute("data-rows");
+    if (drawnRows.get(table) === spec) return;
+    drawnRows.set(table, spec);
+    var d;
+    try {
+      d = JSON.parse(spec);
+    } catch (e) {
+      return;
+    }
+    var head = document.createElement("tr");
+    d.head.forEach(function (h) { head.appendChild(cellOf("th", h)); });
+    var bad = new Set(d.bad), marked = new Set(d.highlight);
+    var body = document.createElement("tbody");
+    d.rows.forEach(function (r, i) {
+      var tr = document.createElement("tr");
+      if (marked.has(i)) tr.className = "highlight";
+      r.forEach(function (v, j) { tr.appendChild(cellOf("td", v, bad.has(i) && j === d.col ? "bad" : "")); });
+      body.appendChild(tr);
+    });
+    var thead = document.createElement("thead");
+    thead.appendChild(head);
+    table.replaceChildren(thead, body);
+  }
+
+  var drawPending = false;
+
+  function drawTables() {
+    drawPending = false;
+    document.querySelectorAll("table[data-rows]").forEach(drawTable);
+  }
+
+  /* Dash mounts and updates the page's elements as callbacks answer: draw what changed, at most once a frame
+     (and at once when the page is hidden, where no frame comes). */
+  new MutationObserver(function () {
+    if (drawPending) return;
+    drawPending = true;
+    if (document.hidden) setTimeout(drawTables, 0);
+    else requestAnimationFrame(drawTables);
+  }).observe(document.documentElement, { childList: true, subtree: true, attributes: true, attributeFilter: ["data-rows"] });
+
+  window.ampdoctorTables = { draw: drawTables };
+
   /* -- CSV ------------------------------------------------------------------------------------------------- */
   var TYPES = {
     f8: Float64Array, f4: Float32Array, i4: Int32Array, u4: Uint32Array, i2: Int16Array, u2: Uint16Array,

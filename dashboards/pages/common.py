@@ -3,6 +3,7 @@ cards with their evidence links, and the line that says what runs in the backgro
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Iterable
@@ -173,23 +174,29 @@ def table(
     highlight: Any = (),
     key_col: str | None = None,
 ) -> Any:
-    """A data table with a "CSV" button; rows whose ``key_col`` is in ``highlight`` are outlined."""
+    """A data table with a "CSV" button; rows whose ``key_col`` is in ``highlight`` are outlined, ``bad_col``'s cells
+    marked unless "ok", empty or a dash. One component: the rows travel as JSON in its ``data-rows`` attribute and the
+    browser draws them (assets/ampdoctor.js ``drawTable``, as text: a layer name is never markup). A Dash component a
+    cell would cost the page's renderer ~2.5 ms each: 100 rows of 10 columns held the Formats page for 2.5-3 s."""
     if not rows:
         return html.P("nothing recorded", id=id_) if id_ else html.P("nothing recorded")
-    head = html.Tr([html.Th(k) for k in rows[0]])
-    body = []
-    for r in rows:
-        cells = [
-            html.Td(str(v), className="bad" if k == bad_col and v not in ("ok", "", "–") else None)
-            for k, v in r.items()
-        ]
-        body.append(html.Tr(cells, className="highlight" if key_col and r.get(key_col) in highlight else None))
-    kw = {"id": id_} if id_ else {}
-    data_attr: dict[str, Any] = {"data-table": id_ or ""}  # (a data-* attribute: dash takes it as a keyword)
+    head = list(rows[0])
+    col = head.index(bad_col) if bad_col in head else -1
+    cells = [[str(v) for v in r.values()] for r in rows]
+    spec = {
+        "head": head,
+        "rows": cells,
+        "bad": [i for i, c in enumerate(cells) if col >= 0 and c[col] not in ("ok", "", "–")],
+        "col": col,
+        "highlight": [i for i, r in enumerate(rows) if key_col and r.get(key_col) in highlight],
+    }
+    kw: dict[str, Any] = {"id": id_} if id_ else {}
+    kw["data-rows"] = json.dumps(spec, separators=(",", ":"))  # (a data-* attribute: dash takes it as a keyword)
+    data_attr: dict[str, Any] = {"data-table": id_ or ""}
     return html.Div(
         [
             html.Button("CSV", className="csv-download", title="download this table (CSV)", **data_attr),
-            html.Table([html.Thead(head), html.Tbody(body)], className="data-table", **kw),
+            html.Table(className="data-table", **kw),
         ],
         className="table-wrap",
     )

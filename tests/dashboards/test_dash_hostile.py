@@ -35,6 +35,17 @@ def test_hostile_names_are_text_in_the_browser_and_bad_input_is_a_message(browse
     assert any(f"<a href='http://localhost:{port}/a'>a</a><b>B</b>" in t for t in labels), labels
     assert browser.css(f"#{ids.LAYERS_HEATMAP} a") == []
 
+    # a table's cells (drawn in the browser from the rows' JSON): the name as written, no element made of it
+    browser.open(f"{base}/formats?run=hostile.db&q=pwn")
+    cells = browser.wait(
+        lambda: [c for c in browser.css(f"#{ids.FORMATS_TABLE} td") if shown in c.get_attribute("textContent")],
+        timeout=60,
+        what="the layer's row in the formats table",
+    )
+    assert cells and browser.css(f"#{ids.FORMATS_TABLE} a, #{ids.FORMATS_TABLE} b, #{ids.FORMATS_TABLE} img") == []
+    heads = [c.get_attribute("textContent") for c in browser.css(f"#{ids.FORMATS_TABLE} th")]
+    assert heads[:2] == ["layer", "kind"] and "E4M3 lost" in heads
+
     # What-if: a backoff factor GradScaler refuses is a message on the page
     browser.open(f"{base}/whatif?run=hostile.db")
     browser.wait(lambda: "simulated:" in browser.text(f"#{ids.WHATIF_SUMMARY}"), what="the replay")
