@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 PAGE = "/layers"
 PER_PAGE = 50
+MATRIX_WAIT_S = 1.0  # the longest a request waits for a matrix read in the background
 SCALES = {"linear": "linear", "log": "log", "clip": "linear, outliers clipped"}
 
 
@@ -215,9 +216,18 @@ def get_matrix(ctx: Context, run: str, kind: str, stat: str, r: Any) -> tuple[ma
     """The matrix of a range: read now when it is small, else a preview now and the whole in the background."""
     tr = ctx.trace(run)
     x0, x1 = r or (None, None)
-    if matrix.cost(tr, kind, stat, x0, x1) <= matrix.EXACT_ROWS:
+    rows = matrix.cost(tr, kind, stat, x0, x1)
+    if rows <= matrix.EXACT_ROWS:
         return ctx.cached(run, ("matrix", kind, stat, r), lambda t: matrix.layer_matrix(t, kind, stat, x0, x1)), None
-    state = ctx.background(run, ("matrix", kind, stat, r), lambda t: matrix.layer_matrix(t, kind, stat, x0, x1), 1.0)
+
+    def whole(t: Any) -> matrix.LayerMatrix:
+        return matrix.layer_matrix(t, kind, stat, x0, x1)
+
+    state = ctx.background(run, ("matrix", kind, stat, r), whole, 0.0)
+    # waited for only when it can end within the wait (it has read for a while): else the preview shows at once
+    left = rows / matrix.READ_ROWS_PER_S - state.elapsed()
+    if state.value is None and state.running and left <= MATRIX_WAIT_S:
+        state = ctx.background(run, ("matrix", kind, stat, r), whole, MATRIX_WAIT_S)
     if state.value is not None:
         return state.value, state
     prev = ctx.cached(

@@ -121,6 +121,37 @@ def test_a_long_heat_map_is_read_in_chunks_with_a_preview_first(long_run, monkey
     assert preview.preview and preview.values.shape[1] <= matrix.PREVIEW_COLS < whole.recorded
 
 
+def test_the_layers_page_waits_only_for_a_heat_map_it_can_get(long_run, monkeypatch, tmp_path):
+    """A heat map too long to read in a request is read in the background; the page waits for it only when the read
+    can end within the wait (it has read long enough), else it shows the preview at once: a read of many seconds
+    is not waited for first."""
+    monkeypatch.setenv("AMPDOCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(matrix, "EXACT_ROWS", 0)  # every heat map in the background
+    ctx = create_app(str(long_run), diagnose_in="thread").ampdoctor
+    waits = []
+    background = ctx.background
+
+    def recorded(key, what, fn, wait=1.0):
+        waits.append(wait)
+        return background(key, what, fn, wait)
+
+    monkeypatch.setattr(ctx, "background", recorded)
+    search = "?run=long.db"
+
+    def heat_map(stat):
+        heat, _, count, *_ = layers.update(ctx, "act", stat, "worst", "", 0, "linear", [], 1, None, None, search)
+        return heat, count
+
+    monkeypatch.setattr(matrix, "READ_ROWS_PER_S", 1.0)  # a read that cannot end within the wait
+    _, count = heat_map("fp16_under")
+    assert waits == [0.0] and "preview" in count
+    waits.clear()
+    monkeypatch.setattr(matrix, "READ_ROWS_PER_S", 1e15)  # one that can: waited for, the whole shown
+    monkeypatch.setattr(layers, "MATRIX_WAIT_S", 60.0)  # (however loaded the machine)
+    _, count = heat_map("absmax_log2")
+    assert waits == [0.0, 60.0] and "preview" not in count
+
+
 def _report_figures(text: str) -> dict:
     """{figure id: plotly JSON} of a report's embedded figures."""
     found = re.findall(
