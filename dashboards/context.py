@@ -5,6 +5,7 @@ pages are handed a Context; this module imports none of them."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ampdoctor.trace import TraceError
 
-from . import cache, catalog, diagnosis, jobs, ranks, series, server
+from . import cache, catalog, diagnosis, figures, jobs, ranks, series, server
 
 if TYPE_CHECKING:
     import subprocess
@@ -60,6 +61,7 @@ class Context:
         self.diagnose_in = diagnose_in  # "process" (default: the server stays responsive) or "thread"
         if diagnose_in == "process":
             _WORKER.start()  # (its imports paid while the first page loads)
+            _warm_figures()
         self._summaries: dict[str, series.StepSummary] = {}  # path -> series.StepSummary
         self._topping_up: dict[str, threading.Lock] = {}  # path -> Lock held while a request tops its summary up
         self._opening: dict[str, threading.Lock] = {}  # path -> Lock held while the file is first opened
@@ -486,6 +488,21 @@ class _Worker:
 
 
 _WORKER = _Worker()
+_WARMED = threading.Event()
+
+
+def _warm_figures() -> None:
+    """figures.warm() in a thread, once per process (a server's first answer then does not pay plotly's first use);
+    a failure there only leaves the first answer slower."""
+    if _WARMED.is_set():
+        return
+    _WARMED.set()
+
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            figures.warm()
+
+    threading.Thread(target=run, name="ampdoctor-warm", daemon=True).start()
 
 
 def _diagnose(

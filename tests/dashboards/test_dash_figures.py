@@ -370,3 +370,9 @@ def test_layers_of_the_offline_side_import_neither_dash_nor_torch():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_the_servers_warm_up_builds_the_overview_charts():
+    """figures.warm() (a server's thread at start: plotly's first use paid before the first page asks) builds the
+    overview's charts; the server swallows its failure, so a change to their arguments would only show here."""
+    figures.warm()
