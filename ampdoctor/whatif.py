@@ -151,6 +151,8 @@ class Inputs:
             self.stored = np.where(np.isfinite(ls) & (ls > 0), ls, 1.0)
         self._scales: dict[tuple[str, int, int], tuple[FloatArray, FloatArray]] = {}
         self._whatif: dict[tuple[int, int], tuple[Hists, Columns]] = {}
+        self._half: tuple[Hists, Columns] | None = None
+        self._peak_at: FloatArray | None = None
 
     @staticmethod
     def of(tr: Trace | View, kind: str) -> Inputs:
@@ -169,6 +171,13 @@ class Inputs:
             h = self.rows()
             self._whatif[(history, margin)] = (h, whatif_rows(self, h, history, margin) if len(h) else {})
         return self._whatif[(history, margin)]
+
+    def half(self) -> tuple[Hists, Columns]:
+        """``whatif()`` without the FP8 columns (no amax history read): the FP16 / BF16 shares, span and ``clean``."""
+        if self._half is None:
+            h = self.rows()
+            self._half = (h, whatif_rows(self, h, HISTORY, MARGIN, fp8=False) if len(h) else {})
+        return self._half
 
     def _cols(self, w: Windows) -> IntArray:
         """This kind's sites among the columns of the peaks windows."""
@@ -194,11 +203,11 @@ class Inputs:
 
     @property
     def peak_at(self) -> FloatArray:
-        """[hist steps x sites]: the stored peak at each histogram step (NaN: NaN, or not observed)."""
-        w = self.view.scan.windows
-        assert w is not None and w.at is not None  # (View.scan always computes the windows at the histogram steps)
-        at: FloatArray = w.at[:, self._cols(w)]
-        return at
+        """[hist steps x sites]: the stored peak at each histogram step (NaN: NaN, or not observed), read at those
+        steps alone (a few hundred rows; the pass over the peaks holds the same values: tests/test_whatif.py)."""
+        if self._peak_at is None:
+            self._peak_at = self.view.trace.records("peak", self.kind, fill=np.nan, steps=self.hsteps)
+        return self._peak_at
 
     def rows(self, ids: Iterable[int] | None = None) -> Hists:
         """The histograms (trace.bulk.Hists) of these sites (default: all of the kind) at the histogram steps."""
@@ -241,14 +250,20 @@ def _span(h: Hists) -> IntArray:
     return span
 
 
-def whatif_rows(inp: Inputs, h: Hists, history: int, margin: int) -> Columns:
-    """``site_whatif``'s columns for histogram rows of one kind (any sites), as arrays."""
+def whatif_rows(inp: Inputs, h: Hists, history: int, margin: int, fp8: bool = True) -> Columns:
+    """``site_whatif``'s columns for histogram rows of one kind (any sites), as arrays (``fp8=False``: without the
+    E4M3 / E5M2 columns, ``history`` and ``window``)."""
     r = np.searchsorted(inp.hsteps, h.step)
     j = np.searchsorted(inp.ids, h.site)
     out: Columns = {"step": h.step}
     am = inp.absmax[r, j]
     for name, fmt in HALF.items():
         _put(out, name, _rows_shares(h, am, fmt, 1.0))
+    out["clean"] = ~inp.anomalous[h.step] & np.isfinite(inp.peak_at[r, j])
+    if not fp8:
+        out["nonzero"] = h.totals
+        out["span"] = _span(h)
+        return out
     held = None
     for name, fmt in FP8.items():
         sc, held = (a[r, j] for a in inp.scales(name, history, margin))
@@ -260,7 +275,7 @@ def whatif_rows(inp: Inputs, h: Hists, history: int, margin: int) -> Columns:
     assert held is not None  # (FP8 holds two formats)
     out["history"] = held
     out["window"] = np.full(len(h), history)
-    out["clean"] = ~inp.anomalous[h.step] & np.isfinite(inp.peak_at[r, j])
+    out["clean"] = out.pop("clean")  # (the last column, as site_whatif's frames have always had it)
     return out
 
 
@@ -309,21 +324,29 @@ def site_medians(values: FloatArray, sites: IntArray, keep: BoolArray) -> dict[i
 
 
 def formats_table(
-    tr: Trace | View, kinds: Sequence[str] = ("act", "grad_out"), *, history: int = HISTORY, margin: int = MARGIN
+    tr: Trace | View,
+    kinds: Sequence[str] = ("act", "grad_out"),
+    *,
+    history: int = HISTORY,
+    margin: int = MARGIN,
+    fp8: bool = True,
 ) -> pd.DataFrame:
     """Per site: the median over histogram steps of the certainly lost share (saturated + flushed, lo) in each
     format (FP8 only over steps that had an amax history), the FP16 and BF16 headroom in binades (log2 of the
     overflow edge over the largest recorded |x|, at the full-statistics steps read) and the median span of the values
-    in binades (FP8 per-tensor scaling can hold log2(448 / 2^-9) = 17.8 binades in E4M3, 31.8 in E5M2)."""
+    in binades (FP8 per-tensor scaling can hold log2(448 / 2^-9) = 17.8 binades in E4M3, 31.8 in E5M2).
+    ``fp8=False``: without the E4M3 / E5M2 columns, whose delayed scaling needs the amax of every observed step (the
+    pass over the peaks, most of the reading of a long run); the other columns are the same numbers."""
     rows = []
+    names = FORMATS if fp8 else HALF
     for kind in kinds:
         inp = Inputs.of(tr, kind)
-        h, out = inp.whatif(history, margin)
+        h, out = inp.whatif(history, margin) if fp8 else inp.half()
         if not len(h):
             continue
         count = dict(zip(*np.unique(h.site, return_counts=True)))
         meds = {}
-        for name in FORMATS:
+        for name in names:
             keep = judged_mask(out, name in FP8)
             meds[name] = (
                 site_medians(out[f"{name}_sat_lo"] + out[f"{name}_flush_lo"], h.site, keep),
@@ -342,7 +365,7 @@ def formats_table(
             if sid not in count:
                 continue
             row = {"path": path, "kind": kind, "dtype": dtype, "hist_steps": int(count[sid])}
-            for name in FORMATS:
+            for name in names:
                 row[f"{name}_lost"] = float(meds[name][0].get(sid, math.nan))
                 row[f"{name}_lost_hi"] = float(meds[name][1].get(sid, math.nan))
             am = float(top[j])

@@ -412,13 +412,19 @@ def compare_layers(tr_a: Trace, tr_b: Trace, stat: str = "absmax_log2", kind: st
 FORMAT_NAMES = {"fp16": "FP16", "bf16": "BF16", "e4m3": "E4M3", "e5m2": "E5M2"}
 
 
-def format_table(tr: Any) -> pd.DataFrame:
+def format_table(tr: Any, fp8: bool = True) -> pd.DataFrame:
     """Per site (activations, output gradients), what each format would lose (ampdoctor.whatif.formats_table).
-    ``tr``: a Trace, or the rules' Run of one (its View read once for both kinds, and shared with the diagnosis)."""
+    ``tr``: a Trace, or the rules' Run of one (its View read once for both kinds, and shared with the diagnosis).
+    ``fp8=False``: the table without its FP8 columns, which wait for the pass over the peaks (``fp8_pending``)."""
     from ampdoctor import whatif
     from ampdoctor.trace.view import View
 
-    return whatif.formats_table(View.of(tr))
+    return whatif.formats_table(View.of(tr), fp8=fp8)
+
+
+def fp8_pending(table: pd.DataFrame) -> bool:
+    """Whether a formats table still lacks its FP8 columns (format_table(..., fp8=False): handed over first)."""
+    return len(table) > 0 and "e4m3_lost" not in table.columns
 
 
 def default_format(tr: Trace, run: Any = None) -> str:
@@ -440,6 +446,8 @@ def formats_rows(table: Any, by: str = "fp16", limit: int | None = None) -> list
         table = table.head(limit)
 
     def pct(v: Any) -> Any:
+        if v is None:
+            return "…"  # (an FP8 column still being computed)
         return "–" if v != v else f"{100 * v:.3g}%"
 
     def binades(v: Any) -> Any:
@@ -455,8 +463,8 @@ def formats_rows(table: Any, by: str = "fp16", limit: int | None = None) -> list
             "span (binades)": binades(r.span),
             "FP16 lost": pct(r.fp16_lost),
             "BF16 lost": pct(r.bf16_lost),
-            "E4M3 lost": pct(r.e4m3_lost),
-            "E5M2 lost": pct(r.e5m2_lost),
+            "E4M3 lost": pct(getattr(r, "e4m3_lost", None)),
+            "E5M2 lost": pct(getattr(r, "e5m2_lost", None)),
         }
         for r in table.itertuples()
     ]
@@ -477,7 +485,7 @@ def formats_shares(
         table = table[table["path"].isin(only)]
     table = table.sort_values(f"{by}_lost", ascending=False, na_position="last", kind="stable").head(max_rows)
     labels = [f"{p} ({matrix.KIND_LABELS.get(k, k)})" for p, k in zip(table["path"], table["kind"])]
-    return labels, {n.upper(): table[f"{n}_lost"].to_numpy(float) for n in whatif.FORMATS}
+    return labels, {n.upper(): table[f"{n}_lost"].to_numpy(float) for n in whatif.FORMATS if f"{n}_lost" in table}
 
 
 def probe_series(

@@ -5,7 +5,8 @@ and a diagnosis that runs out of memory or crashes ends that process, not the da
 JSON spec a line on stdin, {"trace", "reference", "peers": {rank: path}, "group"}, and answers each with one JSON
 line on stdout: {"findings": [Diagnosis.to_dict(), ...], "error": null | "Type: message", "seconds": s, "formats":
 {column: [values]} | null, "formats_error": null | "Type: message"}, after one line {"early": true, "formats",
-"formats_error"} as soon as the table is computed (before the rules run: the page shows it while they do), then one
+"formats_error"} as soon as the table is computed (before the rules run: the page shows it while they do; a first
+such line, without the FP8 columns, before the pass over the peaks those need), then one
 line {"early": true, "evidence": cache name | null} once the loss-scale replay's evidence is kept on disk (cache.py),
 and one {"early": true, "summary": steps | null} once the run's step summary is (from the steps table the rules read):
 the formats table (ampdoctor.whatif) and the evidence (ampdoctor.lossscale.gather) are computed from the rules' own
@@ -47,6 +48,10 @@ def run(
         table: list[tuple[dict[str, list[Any]] | None, str | None]] = []
 
         def first(rules_run: Any) -> None:
+            if early is not None:  # FP16 / BF16 first: the FP8 columns wait for the pass over every step's peaks
+                half = _formats(rules_run, fp8=False)
+                if half[0] is not None:
+                    early({"formats": half[0], "formats_error": None})
             table.append(_formats(rules_run))
             if early is not None:
                 early({"formats": table[0][0], "formats_error": table[0][1]})
@@ -84,15 +89,15 @@ def run(
         return {"findings": [], "error": f"{type(exc).__name__}: {exc}", "seconds": time.perf_counter() - t0}
 
 
-def _formats(rules_run: Any) -> tuple[dict[str, list[Any]] | None, str | None]:
+def _formats(rules_run: Any, fp8: bool = True) -> tuple[dict[str, list[Any]] | None, str | None]:
     """The formats table of the diagnosed trace as {column: [values]} (None and the error when it fails: the
-    findings still go to the page)."""
+    findings still go to the page); ``fp8=False``: without the FP8 columns (data.format_table)."""
     from . import data
 
     if rules_run.n_steps == 0:
         return None, None
     try:
-        return data.format_table(rules_run).to_dict(orient="list"), None
+        return data.format_table(rules_run, fp8=fp8).to_dict(orient="list"), None
     except MemoryError:
         return None, "MemoryError: the formats table ran out of memory on this trace"
     except Exception as exc:

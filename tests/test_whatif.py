@@ -136,3 +136,37 @@ def test_sites_without_histograms_are_left_out(tmp_path):
     assert len(W.site_whatif(tr, "late", "act")) == 0 and W.judged(W.site_whatif(tr, "late", "act")).empty
     assert "late" not in set(W.formats_table(tr)["path"])
     assert "fp8-readiness" not in {d.rule for d in ampdoctor.diagnose(path)}
+
+
+def test_the_fp16_and_bf16_columns_need_no_pass_over_the_peaks(tmp_path):
+    """The dashboard shows the FP16 / BF16 columns before the pass over every step's peaks (the FP8 columns' amax
+    history): their ``clean`` steps come from the peaks read at the histogram steps alone, which are the pass's own
+    values (NaN where a tensor overflowed), and the table without FP8 has the whole table's numbers."""
+    import pandas as pd
+
+    from ampdoctor.trace.view import View
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+    with torch.no_grad():
+        model[0].weight.mul_(10)
+    data = [(x * (1e4 if i % 3 == 1 else 1.0), y) for i, (x, y) in zip(range(9), M.tabular(9, offset=0.0))]
+    path = str(tmp_path / "spiky.db")
+    M.train(
+        model,
+        iter(data),
+        9,
+        path,
+        attach_options={"every": 1, "hist_every": 1, "live": False},
+        scaler_options={"init_scale": 2.0**8},
+    )  # every third step's first layer overflows FP16 (Inf, then NaN after it)
+    view = View.of(ampdoctor.load(path))
+    for kind in ("act", "grad_out"):
+        inp = W.Inputs(view, kind)
+        w = view.scan.windows
+        np.testing.assert_array_equal(inp.peak_at, w.at[:, inp._cols(w)])  # (NaN where NaN)
+    at = W.Inputs(view, "act").peak_at
+    assert np.isinf(at).any() and np.isnan(at).any() and np.isfinite(at).any()  # (overflowed histogram steps)
+    half, whole = W.formats_table(view, fp8=False), W.formats_table(view)
+    assert not any(c.startswith(("e4m3", "e5m2")) for c in half) and len(half) == len(whole) > 0
+    pd.testing.assert_frame_equal(half, whole[half.columns])

@@ -119,6 +119,12 @@ def update(ctx: Context, by: Any, q: Any, page: Any, version: Any, search: str |
         else:
             words = f"The formats table failed: {error}" if error else "waiting for the diagnosis"
         return verdict, probe_fig, figures.empty("Share of non-zero values lost per format", words), None, []
+    # FP16 / BF16 come first: the FP8 columns wait for the diagnosis' pass over every step's peaks (their amax history)
+    pending = data.fp8_pending(lost_by_site)
+    since = f" ({st.elapsed():.0f} s)" if st is not None and st.running else ""
+    waiting = f"E4M3 / E5M2 (…): reading the amax of every observed step for their delayed scaling{since}"
+    if pending and f"{by}_lost" not in lost_by_site.columns:  # ranked by the run's own format meanwhile
+        by = data.default_format(tr)
     name = data.FORMAT_NAMES[by]
     labels, lost = data.formats_shares(lost_by_site, by)
     if sel:
@@ -139,7 +145,7 @@ def update(ctx: Context, by: Any, q: Any, page: Any, version: Any, search: str |
     options, page, words = pager_options(page, len(rows), PER_PAGE)
     part = rows[(page - 1) * PER_PAGE : page * PER_PAGE]
     listing = [
-        html.P(f"sites {words}, worst in {name} first", className="muted"),
+        html.P(f"sites {words}, worst in {name} first" + (f". {waiting}" if pending else ""), className="muted"),
         table(part, ids.FORMATS_TABLE, bad_col=None, highlight=set(sel), key_col="layer"),
     ]
     return verdict, probe_fig, fig, listing, options

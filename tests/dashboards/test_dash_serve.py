@@ -322,13 +322,51 @@ def test_the_formats_table_shows_before_the_rules_end(traces, monkeypatch, tmp_p
     ctx = create_app(str(traces), diagnose_in="thread").ampdoctor
     for _ in range(200):
         early, st, _ = ctx.formats_table("bf16.db", wait=0.1)
-        if early is not None:
+        if early is not None and not data.fp8_pending(early):  # (its FP16 / BF16 columns came first)
             break
     assert early is not None and st is not None and st.value is None  # the rules have not ended
     release.set()
     assert ctx.findings_and_error("bf16.db")[1] is None
     done, st, _ = ctx.formats_table("bf16.db")
     assert st.value is not None and done.equals(early)
+
+
+def test_fp16_and_bf16_columns_show_before_the_pass_over_the_peaks(traces, monkeypatch, tmp_path):
+    """The FP8 columns need every observed step's amax (the pass over the peaks, most of a long run's reading); the
+    FP16 / BF16 columns come before it, with the numbers the whole table has, and the page ranks by the run's own
+    format meanwhile, its FP8 cells marked as coming."""
+    import threading
+
+    import pandas as pd
+
+    from ampdoctor.trace import peaks
+
+    monkeypatch.setenv("AMPDOCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    release, original = threading.Event(), peaks.scan
+
+    def held(*args, **kw):
+        assert release.wait(60)
+        return original(*args, **kw)
+
+    monkeypatch.setattr(peaks, "scan", held)
+    ctx = create_app(str(traces), diagnose_in="thread").ampdoctor
+    try:
+        for _ in range(300):
+            half, st, _ = ctx.formats_table("bf16.db", wait=0.1)
+            if half is not None:
+                break
+        assert half is not None and st is not None and st.value is None
+        assert data.fp8_pending(half) and "bf16_lost" in half and not any(c.startswith("e4m3") for c in half)
+        _, _, fig, listing, _ = formats.update(ctx, "e4m3", "", 1, None, "?run=bf16.db")
+        assert "worst in BF16 first" in fig.layout.title.text  # (a BF16 run) not an empty E4M3 ranking
+        assert "reading the amax of every observed step" in str(listing)
+        assert '"…"' in str(listing) or "\\u2026" in str(listing)  # the E4M3 / E5M2 cells
+    finally:
+        release.set()
+    assert ctx.findings_and_error("bf16.db")[1] is None
+    whole, _, _ = ctx.formats_table("bf16.db")
+    assert not data.fp8_pending(whole) and {"e4m3_lost", "e5m2_lost"} <= set(whole.columns)
+    pd.testing.assert_frame_equal(half, whole[half.columns])  # the same FP16 / BF16 numbers
 
 
 def test_a_rank_trace_that_appears_is_diagnosed_with_the_run_at_once(tmp_path, monkeypatch):
