@@ -376,3 +376,21 @@ def test_the_servers_warm_up_builds_the_overview_charts():
     """figures.warm() (a server's thread at start: plotly's first use paid before the first page asks) builds the
     overview's charts; the server swallows its failure, so a change to their arguments would only show here."""
     figures.warm()
+
+
+def test_the_figures_template_is_plotly_white_for_what_they_draw():
+    """Each figure carries its template: plotly_white's, less what only other subplot kinds and trace types read
+    (the report's browser test checks that no figure has another kind); the same look, a third of the bytes."""
+    import json
+
+    import plotly.io as pio
+    from ampdoctor.dashboards import plotlyjs
+
+    white, ours = pio.templates["plotly_white"], pio.templates[figures.TEMPLATE]
+    kept = {k: v for k, v in white.layout.to_plotly_json().items() if k not in {"polar", "ternary", "scene", "geo"}}
+    assert ours.layout.to_plotly_json() == kept
+    assert {k: getattr(ours.data, k) for k in plotlyjs.TRACE_TYPES} == {
+        k: getattr(white.data, k) for k in plotlyjs.TRACE_TYPES
+    }
+    fig = figures.empty("t", "n").to_plotly_json()
+    assert len(json.dumps(fig["layout"]["template"])) < len(json.dumps(white.to_plotly_json())) / 2

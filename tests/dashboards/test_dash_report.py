@@ -146,6 +146,12 @@ def test_report_with_a_reference_draws_every_figure(traces, tmp_path, browser):
     )
     assert len(drawn) >= 6 and browser.css("#fig-compare-layers .main-svg")
     assert {t for fig in drawn for t in fig} == set(plotlyjs.TRACE_TYPES)  # each type the figures use
+    # (the figures' template keeps plotly_white's settings of these types and of cartesian axes only: no other kind)
+    kinds = browser.driver.execute_script(
+        "return Array.from(document.querySelectorAll('.js-plotly-plot')).map(function (gd) {"
+        "  var s = gd._fullLayout._subplots; return Object.keys(s).filter(function (k) { return s[k].length; }); })"
+    )
+    assert {k for fig in kinds for k in fig} <= {"cartesian", "xaxis", "yaxis"}, kinds
 
 
 def test_report_with_reference_compares(traces, tmp_path):
