@@ -402,4 +402,4 @@ def register(app: dash.Dash, ctx: Context) -> None:
         out += [("page", page)] if page and page != 1 else []
         return out + zoom_pairs(zoom)
 
-    write_state(app, PAGE, [*inputs, Input(ids.ZOOMS[PAGE], "data")], pairs, keep=("sel",))
+    write_state(app, PAGE, [*inputs, Input(ids.ZOOMS[PAGE], "data")], pairs)  # (the link's sel and hl stay)

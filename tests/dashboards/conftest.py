@@ -182,8 +182,15 @@ class Browser:
         return self.driver.find_elements(By.CSS_SELECTOR, selector)
 
     def text(self, selector: str) -> str:
-        els = self.css(selector)
-        return els[0].text if els else ""
+        from selenium.common.exceptions import StaleElementReferenceException
+
+        for _ in range(5):  # an element the page redrew between finding it and reading it: found again
+            els = self.css(selector)
+            try:
+                return els[0].text if els else ""
+            except StaleElementReferenceException:
+                continue
+        return ""
 
     def figure(self, graph_id: str) -> dict | None:
         """The figure a dcc.Graph shows, as plotly holds it in the page ({"data": [...], "layout": {...}}), arrays

@@ -331,6 +331,19 @@ def test_findings_link_layers_of_their_own_rank(traces, browser):
     assert browser.errors() == []
 
 
+def test_the_layers_page_keeps_a_findings_steps_and_layers_in_the_address(site, browser):
+    """A finding's link to the Layers page names its layers (sel) and outlines its steps (hl): both stay in the
+    address as the view changes, so a reload, a bookmark or Back shows what the link showed (the page rewrote the
+    address without hl, and the evidence test then never saw the link's page: its CI failure)."""
+    browser.open(f"{site}/layers?run=fp16_under.db&kind=grad_out&stat=fp16_under&sel=0&x0=0&x1=9&hl=2-5")
+    browser.wait(lambda: _drawn(browser, ids.LAYERS_HEATMAP), what="heat map")
+    _zoom(browser, ids.LAYERS_HEATMAP, 1, 7)
+    browser.wait(lambda: _query(browser).get("x1") == "7", what="the zoom in the URL")
+    q = _query(browser)
+    assert q["hl"] == "2-5" and q["sel"] == "0" and q["kind"] == "grad_out"
+    assert browser.errors() == []
+
+
 def test_traversal_attempt_shows_unknown_run(traces, browser):
     url = browser.serve(create_app(str(traces / "ddp"), poll_ms=1000))
     browser.open(f"{url}/?run=../fp16_bad.db")
