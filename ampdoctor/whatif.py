@@ -259,23 +259,18 @@ def whatif_rows(inp: Inputs, h: Hists, history: int, margin: int, fp8: bool = Tr
     am = inp.absmax[r, j]
     for name, fmt in HALF.items():
         _put(out, name, _rows_shares(h, am, fmt, 1.0))
-    out["clean"] = ~inp.anomalous[h.step] & np.isfinite(inp.peak_at[r, j])
-    if not fp8:
-        out["nonzero"] = h.totals
-        out["span"] = _span(h)
-        return out
     held = None
-    for name, fmt in FP8.items():
+    for name, fmt in FP8.items() if fp8 else ():
         sc, held = (a[r, j] for a in inp.scales(name, history, margin))
         s = sc / inp.stored[h.step]  # stored value v = real x * stored; cast x * sc
         _put(out, name, _rows_shares(h, am, fmt, s))
         out[f"{name}_scale"] = sc
     out["nonzero"] = h.totals
     out["span"] = _span(h)
-    assert held is not None  # (FP8 holds two formats)
-    out["history"] = held
-    out["window"] = np.full(len(h), history)
-    out["clean"] = out.pop("clean")  # (the last column, as site_whatif's frames have always had it)
+    if held is not None:  # (the FP8 columns' amax history)
+        out["history"] = held
+        out["window"] = np.full(len(h), history)
+    out["clean"] = ~inp.anomalous[h.step] & np.isfinite(inp.peak_at[r, j])
     return out
 
 
