@@ -231,24 +231,26 @@ def grad_norm_peak(k: ModuleType, grads: list[torch.Tensor]) -> tuple[float, flo
     does not read (or not on the CPU). Dtype, device and layout are checked on every call, as the kernel reads
     numel values from each data pointer: a gradient whose values are not one dense block (a strided view) is
     copied first (norm and peak do not depend on the order of the values)."""
-    kinds = [_HOST_KIND.get((g.dtype, g.is_cpu), -1) for g in grads]
-    if -1 in kinds:
+    if not all([g.is_cpu for g in grads]):
         return None
+    dtypes = [g.dtype for g in grads]
+    counts = [g.numel() for g in grads]
     if not all([g.is_contiguous() for g in grads]):
         grads = [g if g.is_contiguous() or _dense(g) else g.contiguous() for g in grads]  # (kept alive until read)
     addrs = np.array([g.data_ptr() for g in grads], dtype=np.int64)
-    counts = [g.numel() for g in grads]
-    # The kinds and counts of a run's gradients repeat every step: their arrays are made again only when they change.
-    # (one tuple, read and replaced whole: another thread's run never mixes its counts with these pointers)
+    # The dtypes and counts of a run's gradients repeat every step: their arrays are made again only when they
+    # change. (one tuple, read and replaced whole: another thread's run never mixes its counts with these pointers)
     plan = _LAST_PLAN[0]
-    if plan is None or plan[0] != kinds or plan[2] != counts:
-        plan = _LAST_PLAN[0] = (kinds, np.array(kinds, dtype=np.int64), counts, np.array(counts, dtype=np.int64))
+    if plan is None or plan[0] != dtypes or plan[2] != counts:
+        kinds = [_KIND.get(d, -1) for d in dtypes]
+        if -1 in kinds:
+            return None
+        plan = _LAST_PLAN[0] = (dtypes, np.array(kinds, dtype=np.int64), counts, np.array(counts, dtype=np.int64))
     norm_peak: tuple[float, float] = k.norm_peak(addrs, plan[3], plan[1])
     return norm_peak
 
 
-_HOST_KIND = {(dtype, True): kind for dtype, kind in _KIND.items()}  # (dtype, is_cpu) -> the kernel's kind
-_LAST_PLAN: list[Any] = [None]  # (kinds, their array, counts, their array) of the last call
+_LAST_PLAN: list[Any] = [None]  # (dtypes, the kernel's kinds of them, counts, their array) of the last call
 
 
 def _dense(g: torch.Tensor) -> bool:
