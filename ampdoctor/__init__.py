@@ -153,7 +153,16 @@ def attach(
         from .rules.engine import resolve_rules
 
         resolve_rules(rules)  # unknown ids or thresholds fail here, not in the live thread later
-    return Doctor(model, optimizer, scaler, trace, options, diagnose=_live_diagnose, exporter=_start_export)
+    return Doctor(
+        model,
+        optimizer,
+        scaler,
+        trace,
+        options,
+        diagnose=_live_diagnose,
+        load_rules=_load_rules,
+        exporter=_start_export,
+    )
 
 
 def _start_export(export: Any, path: str, findings: Any = None, rules: dict[str, Any] | None = None) -> LiveExport:
@@ -161,6 +170,11 @@ def _start_export(export: Any, path: str, findings: Any = None, rules: dict[str,
     from .export import start
 
     return start(export, path, findings=findings, rules=rules)
+
+
+def _load_rules() -> None:
+    """The rules' import, done by the live thread as it starts (see collect/live.py)."""
+    from .rules import diagnose  # noqa: F401 (the engine, every rule and pandas come with it)
 
 
 def _live_diagnose(trace: Trace, rules: dict[str, Any] | None = None) -> list[Diagnosis]:

@@ -17,7 +17,9 @@ DebugUnderflowOverflow, wandb.watch(log="all", log_freq=1) offline (when install
 The native kernels load in a background thread at their first use (stats.native()); every worker waits for them
 after its warm-up steps, so that the timed steps measure the kernel that serves a run past its first seconds. The
 load's own time is printed per worker (``kernels load``: seconds from the first call, CPU seconds of the loading
-thread).
+thread). In the same way the workers with ampdoctor's live rules wait until its live thread has imported the rules
+(it does as it starts; its CPU seconds are printed as ``live rules loaded``); the live checks that follow count in
+the background share.
 
 Method. One worker process per variant, all alive at once and idle but the one being timed; rounds interleave the
 variants in a new shuffled order each round, so machine noise hits all alike. A block is N steps plus, for ampdoctor,
@@ -335,6 +337,7 @@ class Worker:
         self.steps = 0
         self.hook_s = 0.0  # time inside the step hook (the sentinel floor's own work)
         self.kernels = {}  # how the native kernels' load went (stats.load_info), where they were used
+        self.rules_load_s = None  # CPU seconds the live thread took to import the rules (ampdoctor with live rules)
 
     def run(self, n):
         self.cpu0 = time.process_time()  # (every thread of the process: training, writer, live checks)
@@ -416,6 +419,10 @@ def worker_main(model_name, variant, dtype, threads):
             if stats._load_thread is not None:  # the native kernels were asked for: time what serves after the load
                 stats.native(wait=True)
                 w.kernels = dict(stats.load_info)
+            for t in w.threads:  # ampdoctor's live rules import themselves as the thread starts: a one-off, as above
+                if hasattr(t, "loaded"):
+                    t.loaded.wait(60)
+                    w.rules_load_s = t.load_cost
             warm = w.steps
             bg0, wall0 = w.background_cpu(), time.perf_counter()
             w.hook_s = 0.0
@@ -437,6 +444,7 @@ def worker_main(model_name, variant, dtype, threads):
                         "background_share": bg / (time.perf_counter() - wall0),
                         "hook_us": 1e6 * w.hook_s / max(w.steps - warm, 1),
                         "kernels": w.kernels,
+                        "rules_load_s": w.rules_load_s,
                         **w.close(warm),
                     }
                 )
@@ -565,6 +573,8 @@ def show(model, dtype, rows):
             own += f" [native kernels unavailable: {r['kernels']['error']}]"
         elif r.get("kernels"):
             own += f" [kernels loaded in {r['kernels']['seconds']:.1f} s, {r['kernels']['cpu_seconds']:.1f} s CPU]"
+        if r.get("rules_load_s") is not None:
+            own += f" [live rules loaded: {r['rules_load_s']:.2f} s CPU]"
         per_t = f"{r['per_tensor_us']:9.1f}" if r["per_tensor_us"] is not None else f"{'-':>9s}"
         print(
             f"  {r['variant']:46s} x{r['ratio']:5.2f} x{r['ratio_med']:5.2f} x{r['cpu_ratio_med']:5.2f} "

@@ -44,7 +44,7 @@ ISLAND_GROWTH = 4
 HASH_BYTES_MAX = 1 << 26  # inputs larger than this are fingerprinted by shape, dtype and magnitudes only
 
 
-@dataclass
+@dataclass(slots=True)
 class Call:
     """One micro-batch's root call, as the replay needs it."""
 

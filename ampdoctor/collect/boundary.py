@@ -8,8 +8,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+import numpy as np
 import torch
 
 from ..trace import schema
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
 
 _LEVELS = {Observe.NONE: schema.LEVEL_SENTINEL, Observe.PEAK: schema.LEVEL_PEAK, Observe.FULL: schema.LEVEL_FULL}
 WARN_NO_FORWARD_AFTER = 3  # steps without a root forward (or begin_batch) before the run warns
+# The values and their blocks of a step whose figures were on the host at its end (it observed no site)
+_NO_VALUES = np.zeros(0)
+_SENTINEL_BASES = {FULL_BLOCK: 0, EXTRAS_BLOCK: 0}
 
 
 def read_scale(scaler: Any) -> float | torch.Tensor:
@@ -41,7 +45,7 @@ def read_scale(scaler: Any) -> float | torch.Tensor:
     return float(scaler.get_scale())
 
 
-@dataclass
+@dataclass(slots=True)
 class Verdict:
     """What the sentinel concluded about a finished step."""
 
@@ -67,18 +71,33 @@ class Verdict:
         return "loss_spike" if self.loss_spike else "grad_spike"
 
 
-@dataclass
+class StepFigures(NamedTuple):
+    """The sentinel's figures of a finished step on the host (None: not known this step)."""
+
+    loss: float | None
+    grad_norm: float | None
+    grad_max: float | None
+    scale: float | None  # the loss scale in force, and after the scaler's update
+    scale_next: float | None
+    bad_weights: float | None  # half-precision parameter tensors holding NaN/Inf (None: none are half)
+
+
+@dataclass(slots=True)
 class InFlight:
-    """A finished step whose figures are on their way to the host."""
+    """A finished step whose figures are on their way to the host: its transfer (``copy``, with where each figure
+    sits in it), or, where every figure was on the host already at the step end, the figures themselves (a
+    sentinel step on the CPU: no transfer, nothing to look up)."""
 
     state: StepState
     skipped: bool | None
     row: dict[str, Any]  # the steps-table fields known now (the packet's row once resolved)
     entries: list[Entry]
-    copy: HostCopy
-    offsets: dict[str, Any]  # where the step figures sit among the extras
-    scales: list[Any]  # [before, after] the scaler's update: floats, or device tensors read with the copy
-    scale_offs: list[Any]
+    own_loss: bool  # a loss was logged before its boundary
+    figures: StepFigures | None = None  # on the host at the step end (then copy is None)
+    copy: HostCopy | None = None
+    offsets: dict[str, Any] | None = None  # where the step figures sit among the copy's extras
+    scales: list[Any] | None = None  # [before, after] the scaler's update: floats, or device tensors in the copy
+    scale_offs: list[Any] | None = None
     calls: list[Call] | None = None  # what a replay of it needs (anomaly.Capture), kept until it is resolved
     updates: int = 0  # optimizer updates applied before it started (a replay is exact while this holds)
     # a loss logged after its boundary (a float, or a Transfer of a device value)
@@ -90,7 +109,10 @@ class InFlight:
 
     @property
     def has_loss(self) -> bool:
-        return self.offsets["loss"] is not None or self.late_loss is not None
+        return self.own_loss or self.late_loss is not None
+
+    def ready(self) -> bool:
+        return self.copy is None or self.copy.ready()
 
     def add_late_loss(self, loss: float | torch.Tensor) -> None:
         """A loss logged after the step's boundary (``optimizer.step()`` came first): a device value is copied
@@ -161,7 +183,8 @@ class StepEnd:
         """Before the optimizer applies the step (its pre-hook): what the sentinel already knows, when its figures
         are on the host (on an accelerator they come with the step's one transfer, later). None: nothing to say."""
         norm, gmax = self.figures(state)
-        loss = buffers.sum_losses(state.losses) if state.losses else None
+        losses = state.losses
+        loss = buffers.sum_losses(losses) if losses else None
         if isinstance(norm, torch.Tensor) or isinstance(gmax, torch.Tensor) or isinstance(loss, torch.Tensor):
             return None
         nonfinite = not (finite_or_none(norm) and finite_or_none(gmax) and finite_or_none(loss))
@@ -192,8 +215,14 @@ class StepEnd:
 
     def close(self, state: StepState, skipped: bool | None, step_starts: int, device: str | None) -> InFlight:
         """The step ``state`` ended (``skipped``: known from the optimizer; None: to read from the loss scale). Its
-        figures start their way to the host (read at once on the CPU); ``resolve`` turns them into the packet."""
+        figures start their way to the host; ``resolve`` turns them into the packet. A sentinel step whose figures
+        are all on the host already (the CPU) keeps them as they are: no transfer to make, nothing to look up."""
         step, observe, rec = state.index, state.observe, self.record
+        if observe is Observe.NONE and step % self.weight_every:
+            figures = self._host_figures(state)
+            if figures is not None:
+                row = self._row(state, step_starts, device)
+                return InFlight(state, skipped, row, self._no_entries, figures.loss is not None, figures)
         entries = rec.entries
         if observe is not Observe.NONE:
             self._observe_param_grads(observe, state, entries)
@@ -225,46 +254,97 @@ class StepEnd:
             else:
                 self._known_entries.insert(0, entries)
                 del self._known_entries[4:]
+        row = self._row(state, step_starts, device)
+        own_loss = offsets["loss"] is not None
+        return InFlight(state, skipped, row, entries, own_loss, None, copy, offsets, scales, scale_offs)
+
+    def _host_figures(self, state: StepState) -> StepFigures | None:
+        """The step's figures, when every one of them is on the host already (None: some are device values, to be
+        read with the step's transfer)."""
+        norm, gmax = self.figures(state)
+        losses = state.losses
+        loss = buffers.sum_losses(losses) if losses else None
+        before = after = bad_weights = None
+        if self.scaler is not None:
+            before, after = state.scale_before, read_scale(self.scaler)
+        if self._half_params:
+            count = buffers.count_nonfinite([p for _, p in self.params])
+            if not stats.on_host(count):
+                return None
+            bad_weights = count.item()
+        on_device = torch.Tensor
+        if (
+            isinstance(norm, on_device)
+            or isinstance(gmax, on_device)
+            or isinstance(loss, on_device)
+            or isinstance(before, on_device)
+            or isinstance(after, on_device)
+        ):
+            return None  # (a device tensor: ``figures`` and ``read_scale`` give floats wherever a read is free)
+        return StepFigures(loss, norm, gmax, before, after, bad_weights)
+
+    def _row(self, state: StepState, step_starts: int, device: str | None) -> dict[str, Any]:
+        """The steps-table fields known at the step end."""
         # No forward of the attached module and no begin_batch() this step: when the data arrived is unknown, so
         # the data wait is left empty (a wait of the whole step would make the time rules blame the input pipeline).
-        started = state.t_first is not None
+        step, t_first = state.index, state.t_first
+        started = t_first is not None
         if not started and step + 1 >= WARN_NO_FORWARD_AFTER and not step_starts:
             self.guard.warn_once("no-forward", no_forward(self._model_name, step + 1))
-        row = {
+        return {
             "time": time.time(),
-            "data_time": max(state.t_first - self.t_prev_end, 0.0) if state.t_first is not None else None,
+            "data_time": max(t_first - self.t_prev_end, 0.0) if t_first is not None else None,
             "samples": (state.samples or None) if started else None,
             "lr": [float(g["lr"]) for g in self.optimizer.param_groups] if self.optimizer is not None else None,
             "microbatches": state.micro,
             "peak_mem": int(torch.cuda.max_memory_allocated()) if device == "cuda" else None,
-            "level": _LEVELS[observe] if not state.store_hist else schema.LEVEL_HIST,
+            "level": _LEVELS[state.observe] if not state.store_hist else schema.LEVEL_HIST,
             "reason": state.reason,
         }
-        return InFlight(state, skipped, row, entries, copy, offsets, scales, scale_offs)
 
     def resolve(self, flight: InFlight) -> tuple[StepPacket, Verdict]:
         """The step's values are on the host: its packet and the sentinel's verdict (spikes and weights checked,
         their events sent). Called in step order."""
-        state = flight.state
-        step = state.index
-        values, bases, bad = flight.copy.result()
-        extras = values[bases[EXTRAS_BLOCK] :].tolist()  # (Python floats in one call)
+        if flight.copy is None:
+            assert flight.figures is not None  # (one or the other: close())
+            values, bases, bad, figures = _NO_VALUES, _SENTINEL_BASES, False, flight.figures
+        else:
+            values, bases, bad = flight.copy.result()
+            figures = self._read(flight, values[bases[EXTRAS_BLOCK] :].tolist())  # (Python floats in one call)
+        return self._judge(flight, figures, values, bases, bad)
+
+    @staticmethod
+    def _read(flight: InFlight, extras: list[float]) -> StepFigures:
+        """The step's figures out of its transfer's extras."""
+        offsets, scales, scale_offs = flight.offsets, flight.scales, flight.scale_offs
+        assert offsets is not None and scales is not None and scale_offs is not None  # (with the copy: close())
 
         def pick(off: int | None) -> float | None:
             return None if off is None else extras[off]
 
-        (off_before, off_after), (before, after) = flight.scale_offs, flight.scales
-        scale = before if off_before is None else pick(off_before)
-        scale_next = after if off_after is None else pick(off_after)
+        (off_before, off_after), (before, after) = scale_offs, scales
+        return StepFigures(
+            pick(offsets["loss"]),
+            pick(offsets["norm"]),
+            pick(offsets["max"]),
+            before if off_before is None else pick(off_before),
+            after if off_after is None else pick(off_after),
+            pick(offsets["bad_weights"]),
+        )
+
+    def _judge(
+        self, flight: InFlight, figures: StepFigures, values: np.ndarray, bases: dict[str, int], bad: bool
+    ) -> tuple[StepPacket, Verdict]:
+        state = flight.state
+        step = state.index
+        loss, grad_norm, grad_max, scale, scale_next, bad_weights = figures
         row = flight.row
-        row["grad_max"] = pick(flight.offsets["max"])
-        loss, grad_norm = pick(flight.offsets["loss"]), pick(flight.offsets["norm"])
+        row["grad_max"] = grad_max
         skipped = flight.skipped
         if skipped is None:  # no optimizer to tell: a scale that backed off means the scaler skipped the step
             skipped = scale is not None and scale_next is not None and scale_next < scale
-        nonfinite = bad or not (finite_or_none(grad_norm) and finite_or_none(row["grad_max"]) and finite_or_none(loss))
+        nonfinite = bad or not (finite_or_none(grad_norm) and finite_or_none(grad_max) and finite_or_none(loss))
         verdict = Verdict(skipped=bool(skipped), nonfinite=nonfinite)
-        bad_weights = pick(flight.offsets["bad_weights"])
         if verdict.anomalous or bad_weights:
             verdict.weights_bad = self._check_weights(step)
         if not verdict.anomalous:  # (observed in full from the next step on; the spike itself is an event)

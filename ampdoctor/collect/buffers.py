@@ -69,15 +69,15 @@ class GradFigures:
     an inf-norm is a scalar loop, ~40x slower) by one ``aminmax`` per gradient in a comprehension (no Python
     function call each), or, for many small gradients, one ``aminmax`` and one dot product of their concatenation.
     How to reduce is decided once per set of gradients (layout, device, sizes do not change between steps; a new
-    count, device or dtype of the first gradient plans again): reading a tensor attribute costs ~0.3 us, which per
+    count, dtype or device type of the first gradient plans again): reading a tensor attribute costs ~0.3 us, which per
     gradient and step would be most of a sentinel step on a CPU. The native read checks dtype, device and layout of
     every gradient itself, as it reads memory through their pointers."""
 
     def __init__(self) -> None:
-        self._key: tuple[int, torch.device, torch.dtype] | None = None
+        self._key: tuple[int, torch.dtype, bool] | None = None
 
-    def _plan(self, grads: list[torch.Tensor]) -> None:
-        self._key = (len(grads), grads[0].device, grads[0].dtype)
+    def _plan(self, grads: list[torch.Tensor], key: tuple[int, torch.dtype, bool]) -> None:
+        self._key = key
         self.sparse = bool([g for g in grads if g.layout != torch.strided])
         self.host = K.on_host(grads[0]) and len({g.device for g in grads}) == 1
         self.cat = self.host and sum([dense_values(g).numel() for g in grads]) < CAT_PER_GRAD * len(grads)
@@ -92,8 +92,9 @@ class GradFigures:
         grads = [g for g in [p.grad for _, p in params] if g is not None]  # (.grad read once each)
         if not grads:
             return None, None
-        if self._key != (len(grads), grads[0].device, grads[0].dtype):  # (model.to(), model.half())
-            self._plan(grads)
+        key = (len(grads), grads[0].dtype, grads[0].is_cpu)  # (not .device: it makes a torch.device, ~1 us)
+        if self._key != key:  # (model.to(), model.half())
+            self._plan(grads, key)
         if self.sparse:
             grads = [dense_values(g) for g in grads]
         if self.host:
@@ -233,6 +234,8 @@ def dense_values(g: torch.Tensor) -> torch.Tensor:
 
 def sum_losses(losses: list[float | torch.Tensor]) -> float | torch.Tensor:
     """The step's loss, summed over micro-batches: a float when every part is on the CPU, else a device tensor."""
+    if len(losses) == 1 and type(losses[0]) is float:  # (the common case: one micro-batch's, read on the host)
+        return losses[0]
     if not any(isinstance(v, torch.Tensor) and not K.on_host(v) for v in losses):
         return sum(float(v) for v in losses)
     dev = next(v.device for v in losses if isinstance(v, torch.Tensor) and not K.on_host(v))

@@ -55,7 +55,7 @@ class Flights:
         for flight in self.queue:
             if flight.packet is not None:
                 continue
-            if not flight.copy.ready() and not wait:
+            if not wait and not flight.ready():
                 break
             wait = False
             flight.packet, flight.verdict = self.end.resolve(flight)

@@ -28,6 +28,9 @@ MAX_REPLAYS = 32  # per run: a run whose every step is broken does not pay a rep
 MAX_BATCH_IDS = 1024  # sample ids kept per step (log_batch_ids)
 
 
+_CPU = torch.device("cpu")
+
+
 class Replays:
     """The replays of one run. Given explicitly what a replay reads and writes: the collector (whose step is set
     aside during a replay's passes), the run's facts (the optimizer updates applied: whether the weights moved), the
@@ -96,7 +99,9 @@ class Replays:
         """The model's device, read from its first parameter at each root call: walking the modules to find it
         costs microseconds every step. A moved model keeps its Parameter objects (``.to()`` swaps their data)."""
         anchor = self._anchor
-        return anchor.device if anchor is not None else None
+        if anchor is None:
+            return None
+        return _CPU if anchor.is_cpu else anchor.device  # (.device makes a torch.device each call: ~1 us)
 
     # -- the replay -----------------------------------------------------------------------------------------------
     def replay(

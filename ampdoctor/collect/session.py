@@ -41,6 +41,7 @@ class Doctor:
         options: Options | None = None,
         *,
         diagnose: Callable[..., Any] | None = None,
+        load_rules: Callable[[], object] | None = None,
         exporter: Callable[..., Any] | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
@@ -84,7 +85,7 @@ class Doctor:
             )
             return
         try:
-            self._build(self._writer, diagnose, exporter)
+            self._build(self._writer, diagnose, load_rules, exporter)
         except BaseException:
             self._abort()
             raise
@@ -93,12 +94,18 @@ class Doctor:
                 f"ampdoctor: {requested} exists; writing this run's trace to {self.path}", RuntimeWarning, stacklevel=4
             )
 
-    def _build(self, writer: Writer, diagnose: Callable[..., Any] | None, exporter: Callable[..., Any] | None) -> None:
+    def _build(
+        self,
+        writer: Writer,
+        diagnose: Callable[..., Any] | None,
+        load_rules: Callable[[], object] | None,
+        exporter: Callable[..., Any] | None,
+    ) -> None:
         """The core, the hooks, the writer and live threads; _abort() undoes whatever part of it was done."""
         model, options = self.model, self.options
         if options.wants_live:
             assert diagnose is not None  # (checked in __init__)
-            self._live = _live_rules(self.path, diagnose, options)
+            self._live = _live_rules(self.path, diagnose, load_rules, options)
         core = self._core = Core(
             self.guard,
             model,
@@ -321,12 +328,20 @@ class Doctor:
             pass
 
 
-def _live_rules(path: str, diagnose: Callable[..., Any], options: Options) -> LiveDiagnosis:
+def _live_rules(
+    path: str, diagnose: Callable[..., Any], load: Callable[[], object] | None, options: Options
+) -> LiveDiagnosis:
     """The live rules' thread (not started). Under an overhead budget it gets a third of it (its CPU time, on another
     thread, holds the GIL that training's Python waits for); the training thread's share is the Budget's to keep."""
     share = options.budget / LIVE_PART_OF_BUDGET if options.budget is not None else MAX_SHARE
     return LiveDiagnosis(
-        path, diagnose, on_finding=options.on_finding, halt_on=options.halt_on, rules=options.rules, share=share
+        path,
+        diagnose,
+        on_finding=options.on_finding,
+        halt_on=options.halt_on,
+        rules=options.rules,
+        share=share,
+        load=load,
     )
 
 

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     import torch
 
 
-@dataclass
+@dataclass(slots=True)
 class StepState:
     """One step between two boundaries. The cadence decides ``observe``/``reason``/``store_hist`` when it starts."""
 

@@ -84,7 +84,7 @@ class Close(NamedTuple):
     """The last message: commit and stop."""
 
 
-@dataclass
+@dataclass(slots=True)
 class StepPacket:
     """One finished step: the row figures known on the training thread, the step's one host transfer and where each
     observation sits in it, and the verdict the training thread reached (the writer does not decide again)."""
