@@ -746,3 +746,40 @@ def test_sentinel_figures_of_huge_and_non_finite_gradients():
         params[1][1].grad[3] = float("nan")
         norm, peak = GradFigures()(params)
     assert math.isnan(norm) and math.isnan(peak)
+
+
+def test_a_gradient_hook_without_a_handle_sees_what_a_registered_one_sees():
+    """hooks.grad_hook (the output gradients ampdoctor keeps every step) gets the gradient torch's register_hook
+    gives, on a non-leaf and on a leaf, beside the loop's own hooks whether those came before or after, and a hook
+    the loop registers afterwards can still be removed."""
+    from ampdoctor.collect import hooks
+
+    def run(before, after):
+        torch.manual_seed(0)
+        leaf = torch.randn(4, 3, requires_grad=True)
+        mid = (leaf * 3).tanh()
+        seen: dict[str, torch.Tensor] = {}
+        if before:
+            mid.register_hook(lambda g: seen.__setitem__("loop before", g.clone()))
+        hooks.grad_hook(mid, lambda g: seen.__setitem__("ours", g.clone()))
+        hooks.grad_hook(leaf, lambda g: seen.__setitem__("ours leaf", g.clone()))
+        removed = None
+        if after:
+            mid.register_hook(lambda g: seen.__setitem__("loop after", g.clone()))
+            removed = mid.register_hook(lambda g: seen.__setitem__("removed", g))
+            removed.remove()
+        ref = {}
+        mid.register_hook(lambda g: ref.__setitem__("mid", g.clone()))
+        (mid.square().sum()).backward()
+        ref["leaf"] = leaf.grad
+        return seen, ref
+
+    for before in (False, True):
+        for after in (False, True):
+            seen, ref = run(before, after)
+            assert torch.equal(seen["ours"], ref["mid"]) and torch.equal(seen["ours leaf"], ref["leaf"])
+            assert "removed" not in seen
+            if before:
+                assert torch.equal(seen["loop before"], ref["mid"])
+            if after:
+                assert torch.equal(seen["loop after"], ref["mid"])

@@ -114,7 +114,7 @@ class Capture:
         call.outputs = len(outs)
         for i, t in enumerate(outs):
             if t.requires_grad and t.numel() <= SEED_KEEP_MAX:
-                t.register_hook(_keep_seed(call.seeds, i))  # type: ignore[no-untyped-call]  # (unannotated in torch)
+                hooks.grad_hook(t, _keep_seed(call.seeds, i))
 
     def typical_peak(self) -> float | None:
         """The median input peak of recent sampled batches (one host read, on a replay only)."""

@@ -187,7 +187,7 @@ class Collector:
         rec.entries.append(Entry(sid, Phase.FWD, outs, ins))
         for t in tensors:
             if t.requires_grad:
-                t.register_hook(self._grad_hooks[path])
+                hooks.grad_hook(t, self._grad_hooks[path])
 
     # -- the backward pass ---------------------------------------------------------------------------------------
     @guarded  # (on an accelerator autograd's thread: the training thread waits for it)

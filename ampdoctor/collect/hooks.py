@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -163,3 +164,24 @@ def eager(fn: Callable[_P, _R]) -> Callable[_P, _R]:
         return fn(*args, **kwargs)
 
     return hook
+
+
+_OUR_HOOK = -1  # the key of ampdoctor's hook in a tensor's hook dict (torch's handles count up from 0)
+
+
+def grad_hook(t: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> None:
+    """``t.register_hook(fn)`` for as long as t's graph lives, done the way torch's ``Tensor.register_hook`` does it
+    but without the removable handle it makes (a Python object and an import per call, ~4x the time of the rest
+    inside a training loop: 16-20 us against 5 measured on the CPU, per step on the root's output). A tensor that
+    has hooks already, a subclass (its own __torch_function__) or a torch without these internals gets the public
+    call."""
+    if type(t) is torch.Tensor and t._backward_hooks is None:
+        try:
+            t._backward_hooks = OrderedDict(((_OUR_HOOK, fn),))
+            node = t.grad_fn
+            if node is not None:
+                node._register_hook_dict(t)
+            return
+        except (AttributeError, RuntimeError):  # (internals renamed in some torch: the public way below)
+            t._backward_hooks = None
+    t.register_hook(fn)  # type: ignore[no-untyped-call]  # (unannotated in torch)
