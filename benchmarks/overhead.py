@@ -6,7 +6,8 @@ d 128, 32 tokens, batch 16: 65 modules). SGD, MSE loss. FP32; BF16 autocast too 
 (avx512_bf16 / amx: an AVX2-only CPU emulates BF16 matmuls ~20x slower, which drowns every ratio).
 
 Variants: bare, ampdoctor defaults (tiers: sentinel every step, sampled sites, calibration, flight recorder; live
-rules on), ampdoctor debug (every site, every step, full statistics and histograms), and the same two with the
+rules on), the defaults under ``budget=0.03`` and the same without the anomaly replay (``replay=False``: what its
+capture of every step costs), ampdoctor debug (every site, every step, full statistics and histograms), and the same two with the
 torch/numpy statistics passes instead of the native one-pass kernels (AMPDOCTOR_NATIVE=0: what a machine without numba
 gets); the floors (the least that "peaks of every tensor every step", "histograms of every tensor every step" and
 "full statistics of every tensor every step" cost with Python hooks: no bookkeeping, nothing kept; the full
@@ -286,6 +287,8 @@ VARIANTS = {
     "bare": None,
     "ampdoctor defaults": lambda w: setup_ampdoctor(w),
     "ampdoctor defaults (budget 0.03)": lambda w: setup_ampdoctor(w, budget=0.03),
+    # what the anomaly replay's capture of every step (the call, its RNG state, the backward's seed) costs
+    "ampdoctor defaults (budget 0.03; no replay)": lambda w: setup_ampdoctor(w, budget=0.03, replay=False),
     "ampdoctor debug": lambda w: setup_ampdoctor(w, mode="debug"),
     "ampdoctor defaults (torch passes)": lambda w: setup_ampdoctor(w, native=False),
     "ampdoctor debug (torch passes)": lambda w: setup_ampdoctor(w, native=False, mode="debug"),

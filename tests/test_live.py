@@ -159,3 +159,31 @@ def test_live_checks_keep_their_cpu_share_however_costly_they_get():
         t += wait
         cost *= 1.1
     assert checks > 20  # and it kept checking
+
+
+def test_the_live_thread_imports_the_rules_as_it_starts_and_keeps_that_out_of_the_checks_share(trace_path):
+    """attach(live=True) hands the live thread the rules' import, done as the thread starts (beside the first
+    steps), not inside its first check seconds into training: the import's CPU time is the thread's load_cost, and a
+    check's share counts only the checks."""
+    import sys
+
+    from ampdoctor.collect import live as L
+
+    def costly_import():  # what importing the rules and pandas is on a fresh process: CPU-bound Python
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.05:
+            pass
+
+    seen = []
+    lv = L.LiveDiagnosis(trace_path, diagnose=lambda trace, rules=None: seen.append(1) or [], load=costly_import)
+    lv.start()
+    try:
+        assert lv.loaded.wait(30)
+        assert lv.load_cost >= 0.05 and lv.spent == 0.0 and not seen  # no check yet: interval not reached
+    finally:
+        lv.stop()
+
+    model = torch.nn.Linear(4, 2)
+    with ampdoctor.attach(model, trace=trace_path + "2", live=True) as doctor:
+        assert doctor.live is not None and doctor.live.loaded.wait(60)
+        assert "ampdoctor.rules.engine" in sys.modules and doctor.live.spent == 0.0
