@@ -25,7 +25,9 @@ THIRD_PARTY = {
     "_forward_hooks": "a module's hooks: a replay runs with only ampdoctor's (no public way to skip others')",
     "_forward_hooks_with_kwargs": "see _forward_hooks",
     "_forward_hooks_always_called": "see _forward_hooks",
-    "_backward_hooks": "see _forward_hooks",
+    "_backward_hooks": "see _forward_hooks; a tensor's hook dict, set as Tensor.register_hook does (hooks.grad_hook)",
+    "_register_hook_dict": "Tensor.register_hook's own call to hook a node to a tensor's hook dict, made without its "
+    "removable handle (hooks.grad_hook: a handle per step costs ~4x the rest inside a training loop)",
     "_backward_pre_hooks": "see _forward_hooks",
     "_optimizer_step_pre_hooks": "an optimizer's step hooks (telling a torch optimizer from a wrapper)",
     "_execution_engine": "torch.autograd.Variable._execution_engine.queue_callback (ModuleTracker's own use)",
