@@ -7,13 +7,13 @@ d 128, 32 tokens, batch 16: 65 modules). SGD, MSE loss. FP32; BF16 autocast too 
 
 Variants: bare, ampdoctor defaults (tiers: sentinel every step, sampled sites, calibration, flight recorder; live
 rules on), the defaults under ``budget=0.03`` and the same without the anomaly replay (``replay=False``: what its
-capture of every step costs), ampdoctor debug (every site, every step, full statistics and histograms), and the same two with the
-torch/numpy statistics passes instead of the native one-pass kernels (AMPDOCTOR_NATIVE=0: what a machine without numba
-gets); the floors (the least that "peaks of every tensor every step", "histograms of every tensor every step" and
-"full statistics of every tensor every step" cost with Python hooks: no bookkeeping, nothing kept; the full
-statistics with the native kernel and with the torch passes), the sentinel floors (the gradient norm and peak with no
-hooks: torch's fused reductions, and the native single read), naive per-layer .item() hooks, transformers'
-DebugUnderflowOverflow, wandb.watch(log="all", log_freq=1) offline (when installed).
+capture of every step costs), ampdoctor debug (every site, every step, full statistics and histograms), and the same
+two with the torch/numpy statistics passes instead of the native one-pass kernels (AMPDOCTOR_NATIVE=0: what a
+machine without numba gets); the floors (the least that "peaks of every tensor every step", "histograms of every
+tensor every step" and "full statistics of every tensor every step" cost with Python hooks: no bookkeeping, nothing
+kept; the full statistics with the native kernel and with the torch passes), the sentinel floors (the gradient norm
+and peak with no hooks: torch's fused reductions, and the native single read), naive per-layer .item() hooks,
+transformers' DebugUnderflowOverflow, wandb.watch(log="all", log_freq=1) offline (when installed).
 
 The native kernels load in a background thread at their first use (stats.native()); every worker waits for them
 after its warm-up steps, so that the timed steps measure the kernel that serves a run past its first seconds. The
