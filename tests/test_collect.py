@@ -783,3 +783,59 @@ def test_a_gradient_hook_without_a_handle_sees_what_a_registered_one_sees():
                 assert torch.equal(seen["loop before"], ref["mid"])
             if after:
                 assert torch.equal(seen["loop after"], ref["mid"])
+
+
+@pytest.mark.parametrize("case", ["fp16-scaler", "half-weights", "fp32-late-loss"])
+def test_a_sentinel_steps_host_figures_give_the_rows_the_transfer_gives(tmp_path, monkeypatch, case):
+    """On the CPU a sentinel step keeps its figures as they are (StepEnd._host_figures), where other steps assemble
+    them into the step's one transfer. Both ways give the same rows and events, on runs that go through what a
+    verdict reads: an FP16 run whose scaler skips steps (overflowing batches), a model whose weights are FP16 (the
+    non-finite weights check), and an FP32 loop that logs its loss after ``optimizer.step()`` (a late loss)."""
+    from ampdoctor.collect import boundary
+
+    steps = 60
+
+    factor = 30.0 if case == "fp32-late-loss" else 3e4  # a loss and gradient spike in FP32; an overflow in FP16
+
+    def data():
+        for i, (x, y) in enumerate(batches(steps)):
+            yield (x * factor if i in (17, 41) else x), y
+
+    def late_loss_loop(model, path):
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with ampdoctor.attach(model, optimizer=opt, trace=path, live=False, replay=False) as doc:
+            for x, y in data():
+                opt.zero_grad(set_to_none=True)
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                opt.step()
+                doc.log_loss(loss)  # after the step's boundary: joins the finished step
+
+    def run(path, host):
+        if host:
+            monkeypatch.undo()
+        else:
+            monkeypatch.setattr(boundary.StepEnd, "_host_figures", lambda self, state: None)
+        torch.manual_seed(0)
+        model = mlp()
+        kw = {"trace": str(path), "data": data(), "attach_options": {"live": False, "replay": False}}
+        if case == "fp16-scaler":
+            train(model, steps, precision="fp16", **kw)
+        elif case == "half-weights":
+            train(model.half(), steps, precision="fp32", scaler=False, input_dtype=torch.float16, **kw)
+        else:
+            late_loss_loop(model, str(path))
+        tr = ampdoctor.load(str(path))
+        cols = ["step", "loss", "loss_scale", "loss_scale_next", "skipped", "grad_norm", "grad_max", "nonfinite"]
+        return tr.steps()[cols + ["level", "reason"]], tr.events()[["step", "kind", "message"]]
+
+    steps_t, events_t = run(tmp_path / "transfer.db", host=False)
+    steps_h, events_h = run(tmp_path / "host.db", host=True)
+    assert (steps_h["level"] == -1).sum() >= 20  # (sentinel steps: the host path ran)
+    pd_testing = pytest.importorskip("pandas.testing")
+    pd_testing.assert_frame_equal(steps_h, steps_t)
+    pd_testing.assert_frame_equal(events_h.reset_index(drop=True), events_t.reset_index(drop=True))
+    if case == "fp16-scaler":
+        assert steps_h["skipped"].sum() >= 2
+    if case == "fp32-late-loss":
+        assert steps_h["loss"].notna().all() and {"grad_spike", "loss_spike"} & set(events_h["kind"])

@@ -260,27 +260,31 @@ class StepEnd:
 
     def _host_figures(self, state: StepState) -> StepFigures | None:
         """The step's figures, when every one of them is on the host already (None: some are device values, to be
-        read with the step's transfer)."""
+        read with the step's transfer; asked before anything is computed for them on the device)."""
         norm, gmax = self.figures(state)
+        # (``figures``, ``log_loss`` and ``read_scale`` give floats wherever a read is free)
         losses = state.losses
-        loss = buffers.sum_losses(losses) if losses else None
+        if (
+            isinstance(norm, torch.Tensor)
+            or isinstance(gmax, torch.Tensor)
+            or any([type(v) is not float for v in losses])
+        ):
+            return None
         before = after = bad_weights = None
         if self.scaler is not None:
-            before, after = state.scale_before, read_scale(self.scaler)
+            before = state.scale_before
+            if isinstance(before, torch.Tensor):
+                return None
+            scale = read_scale(self.scaler)
+            if isinstance(scale, torch.Tensor):  # (not expected: the scale in force was a float)
+                return None
+            after = scale
         if self._half_params:
             count = buffers.count_nonfinite([p for _, p in self.params])
             if not stats.on_host(count):
                 return None
             bad_weights = count.item()
-        on_device = torch.Tensor
-        if (
-            isinstance(norm, on_device)
-            or isinstance(gmax, on_device)
-            or isinstance(loss, on_device)
-            or isinstance(before, on_device)
-            or isinstance(after, on_device)
-        ):
-            return None  # (a device tensor: ``figures`` and ``read_scale`` give floats wherever a read is free)
+        loss = float(buffers.sum_losses(losses)) if losses else None
         return StepFigures(loss, norm, gmax, before, after, bad_weights)
 
     def _row(self, state: StepState, step_starts: int, device: str | None) -> dict[str, Any]:
