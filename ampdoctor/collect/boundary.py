@@ -183,8 +183,7 @@ class StepEnd:
         """Before the optimizer applies the step (its pre-hook): what the sentinel already knows, when its figures
         are on the host (on an accelerator they come with the step's one transfer, later). None: nothing to say."""
         norm, gmax = self.figures(state)
-        losses = state.losses
-        loss = buffers.sum_losses(losses) if losses else None
+        loss = buffers.sum_losses(state.losses) if state.losses else None
         if isinstance(norm, torch.Tensor) or isinstance(gmax, torch.Tensor) or isinstance(loss, torch.Tensor):
             return None
         nonfinite = not (finite_or_none(norm) and finite_or_none(gmax) and finite_or_none(loss))
