@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
-import statistics
 import sys
 import time
 
@@ -29,7 +27,7 @@ from torch.utils.cpp_extension import load_inline
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import overhead
+from sentinel_pieces import Run, interleave
 
 from ampdoctor.collect import stats
 
@@ -79,30 +77,17 @@ def build():
     return ext
 
 
-def model(figures):
-    torch.manual_seed(0)
-    m, xs, ys = overhead.small()
-    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
-    if figures is not None:
-        params = list(m.parameters())
+def with_figures(figures) -> Run:
+    """The small model with ``figures(params)`` in its optimizer's pre-hook."""
+    run = Run()
+    params = list(run.model.parameters())
 
-        def pre(optimizer, args, kwargs):  # (a pre-hook that returns a value replaces the step's arguments)
-            figures(params)
+    def pre(optimizer, args, kwargs):  # (a pre-hook that returns a value replaces the step's arguments)
+        figures(params)
 
-        opt.register_step_pre_hook(pre)
-    return m, opt, torch.randn(*xs), torch.randn(*ys)
-
-
-def block(run, n):
-    m, opt, x, y = run
-    t0 = time.perf_counter()
-    for _ in range(n):
-        loss = torch.nn.functional.mse_loss(m(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        loss.item()
-    return (time.perf_counter() - t0) / n
+    run.opt.register_step_pre_hook(pre)
+    run.after = lambda loss: loss.item()
+    return run
 
 
 def main() -> None:
@@ -116,29 +101,21 @@ def main() -> None:
     if kernels is None:
         sys.exit("the numba kernels did not load: " + str(stats.load_info.get("error")))
 
-    m, _, x, y = model(None)
-    torch.nn.functional.mse_loss(m(x), y).backward()
-    params = list(m.parameters())
+    run = Run()
+    torch.nn.functional.mse_loss(run.model(run.x), run.y).backward()
+    params = list(run.model.parameters())
     print("figures, numba:", stats.grad_norm_peak(kernels, [p.grad for p in params]))
     print("figures, C++:  ", ext.norm_peak(params)[:2])
 
+    bare = Run()
+    bare.after = lambda loss: loss.item()
     runs = {
-        "bare": model(None),
-        "numba (ampdoctor's read)": model(lambda ps: stats.grad_norm_peak(kernels, [p.grad for p in ps])),
-        "C++ (one call)": model(ext.norm_peak),
+        "bare": bare,
+        "numba (ampdoctor's read)": with_figures(lambda ps: stats.grad_norm_peak(kernels, [p.grad for p in ps])),
+        "C++ (one call)": with_figures(ext.norm_peak),
     }
-    for run in runs.values():
-        block(run, 50)
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    for _ in range(args.rounds):
-        order = list(runs)
-        random.shuffle(order)
-        for k in order:
-            times[k].append(block(runs[k], args.steps))
     print(f"small model, 1 torch thread, {args.rounds} rounds of {args.steps} steps")
-    for k, v in times.items():
-        ratio = statistics.median(b / a for a, b in zip(times["bare"], v))
-        print(f"  {k:26s} {1e6 * statistics.median(v):6.0f} us  x{ratio:.3f}")
+    interleave(runs, args.rounds, args.steps)
 
 
 if __name__ == "__main__":

@@ -168,26 +168,33 @@ def main() -> None:
     stats.native(wait=True)
     names = ["bare", "empty hooks", "least", *[v for v in args.variants.split(",") if v]]
     runs = {n: Run() if n == "bare" else make(n) for n in names}
-    for r in runs.values():  # warm-up: the allocator, the calibration steps
-        r.block(60)
-    wall: dict[str, list[float]] = {n: [] for n in names}
-    cpu: dict[str, list[float]] = {n: [] for n in names}
-    for _ in range(args.rounds):
-        order = list(names)
-        random.shuffle(order)
-        for n in order:
-            w, c = runs[n].block(args.steps)
-            wall[n].append(w)
-            cpu[n].append(c)
     print(f"small model, {args.threads} torch thread(s), {args.rounds} rounds of {args.steps} steps")
-    print(f"  {'variant':58s} {'step':>8s} {'ratio':>7s} {'cpu':>7s}")
-    for n in names:
-        ratio = statistics.median(b / a for a, b in zip(wall["bare"], wall[n]))
-        cpu_ratio = statistics.median(b / a for a, b in zip(cpu["bare"], cpu[n]))
-        print(f"  {n:58s} {1e6 * statistics.median(wall[n]):6.0f}us x{ratio:6.3f} x{cpu_ratio:6.3f}")
+    interleave(runs, args.rounds, args.steps)
     for r in runs.values():
         if r.doctor is not None:
             r.doctor.close()
+
+
+def interleave(runs: dict[str, Run], rounds: int, steps: int) -> None:
+    """Blocks of ``steps`` steps of every run, ``rounds`` times in a new shuffled order, after a warm-up (the
+    allocator, the calibration steps); prints each run's median step and median per-round ratios to ``runs["bare"]``
+    (wall time and this process's CPU time)."""
+    for r in runs.values():
+        r.block(60)
+    wall: dict[str, list[float]] = {n: [] for n in runs}
+    cpu: dict[str, list[float]] = {n: [] for n in runs}
+    for _ in range(rounds):
+        order = list(runs)
+        random.shuffle(order)
+        for n in order:
+            w, c = runs[n].block(steps)
+            wall[n].append(w)
+            cpu[n].append(c)
+    print(f"  {'variant':58s} {'step':>8s} {'ratio':>7s} {'cpu':>7s}")
+    for n in runs:
+        ratio = statistics.median(b / a for a, b in zip(wall["bare"], wall[n]))
+        cpu_ratio = statistics.median(b / a for a, b in zip(cpu["bare"], cpu[n]))
+        print(f"  {n:58s} {1e6 * statistics.median(wall[n]):6.0f}us x{ratio:6.3f} x{cpu_ratio:6.3f}")
 
 
 if __name__ == "__main__":

@@ -92,7 +92,6 @@ class InFlight:
     skipped: bool | None
     row: dict[str, Any]  # the steps-table fields known now (the packet's row once resolved)
     entries: list[Entry]
-    own_loss: bool  # a loss was logged before its boundary
     figures: StepFigures | None = None  # on the host at the step end (then copy is None)
     copy: HostCopy | None = None
     offsets: dict[str, Any] | None = None  # where the step figures sit among the copy's extras
@@ -109,7 +108,12 @@ class InFlight:
 
     @property
     def has_loss(self) -> bool:
-        return self.own_loss or self.late_loss is not None
+        """A loss was logged before its boundary, or after it (a late loss)."""
+        if self.figures is not None:
+            own = self.figures.loss
+        else:  # (where the transfer holds it: an offset, or None)
+            own = self.offsets["loss"] if self.offsets is not None else None
+        return own is not None or self.late_loss is not None
 
     def ready(self) -> bool:
         return self.copy is None or self.copy.ready()
@@ -221,7 +225,7 @@ class StepEnd:
             figures = self._host_figures(state)
             if figures is not None:
                 row = self._row(state, step_starts, device)
-                return InFlight(state, skipped, row, self._no_entries, figures.loss is not None, figures)
+                return InFlight(state, skipped, row, self._no_entries, figures)
         entries = rec.entries
         if observe is not Observe.NONE:
             self._observe_param_grads(observe, state, entries)
@@ -254,8 +258,7 @@ class StepEnd:
                 self._known_entries.insert(0, entries)
                 del self._known_entries[4:]
         row = self._row(state, step_starts, device)
-        own_loss = offsets["loss"] is not None
-        return InFlight(state, skipped, row, entries, own_loss, None, copy, offsets, scales, scale_offs)
+        return InFlight(state, skipped, row, entries, None, copy, offsets, scales, scale_offs)
 
     def _host_figures(self, state: StepState) -> StepFigures | None:
         """The step's figures, when every one of them is on the host already (None: some are device values, to be

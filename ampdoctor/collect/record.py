@@ -119,8 +119,6 @@ class StepRecord:
                 blocks.append(slots.block())
                 n += slots.n
         extras = self._extras
-        if not blocks and not self._fulls and not self._device_extras:  # a sentinel step on the CPU
-            return HostCopy(Ready(np.array(extras, dtype=np.float64)), {FULL_BLOCK: 0, EXTRAS_BLOCK: 0}, 0, 0)
         bases[FULL_BLOCK] = n
         bases[EXTRAS_BLOCK] = n + self._full_len
         n_fulls = len(self._fulls)
