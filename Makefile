@@ -12,6 +12,9 @@ $(BIN)/python:
 install: $(BIN)/python
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[test]"
+	@# the sentinel's C++ read (collect/compiled.py): built once per machine and torch version, ~20 s; without a
+	@# compiler the numba kernel serves (the tests of the C++ read then fail with the build's error)
+	$(BIN)/python -m ampdoctor.collect.compiled || true
 
 # A fault (FAULT=overflow | init-scale | no-scaler | half-weights), its diagnosis, the printed fix applied, a healthy
 # rerun.

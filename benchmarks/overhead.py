@@ -422,6 +422,13 @@ def worker_main(model_name, variant, dtype, threads):
             if stats._load_thread is not None:  # the native kernels were asked for: time what serves after the load
                 stats.native(wait=True)
                 w.kernels = dict(stats.load_info)
+                try:  # the sentinel's C++ read (session 16 on), built beforehand by make install
+                    from ampdoctor.collect import compiled
+                except ImportError:
+                    pass
+                else:
+                    compiled.wait()
+                    w.kernels["compiled"] = compiled.info.get("error") or "C++ read"
             for t in w.threads:  # ampdoctor's live rules import themselves as the thread starts: a one-off, as above
                 if hasattr(t, "loaded"):
                     t.loaded.wait(60)
@@ -576,6 +583,8 @@ def show(model, dtype, rows):
             own += f" [native kernels unavailable: {r['kernels']['error']}]"
         elif r.get("kernels"):
             own += f" [kernels loaded in {r['kernels']['seconds']:.1f} s, {r['kernels']['cpu_seconds']:.1f} s CPU]"
+            if "compiled" in r["kernels"]:
+                own += f" [{r['kernels']['compiled']}]"
         if r.get("rules_load_s") is not None:
             own += f" [live rules loaded: {r['rules_load_s']:.2f} s CPU]"
         per_t = f"{r['per_tensor_us']:9.1f}" if r["per_tensor_us"] is not None else f"{'-':>9s}"

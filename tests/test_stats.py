@@ -567,6 +567,20 @@ class NoCacheLocator:
 
 
 # -- the sentinel's one-read gradient figures (buffers.GradFigures) ------------------------------------------------
+@pytest.fixture(params=["numba", "C++"])
+def reader(request, monkeypatch):
+    """Each read of the figures: the numba kernel (the C++ extension kept off), and the C++ extension (compiled.py;
+    make install builds it, so a build that fails here fails the test, with the build's error)."""
+    from ampdoctor.collect import compiled
+
+    if request.param == "numba":
+        monkeypatch.setattr(compiled, "ENABLED", False)
+        monkeypatch.setattr(compiled, "_ext", None)
+    elif compiled.wait() is None:
+        pytest.fail(f"the C++ extension did not load: {compiled.info}")
+    return request.param
+
+
 def _grad_params(dtype) -> list:
     """Gradients the sentinel meets: a weight, a bias, a transposed (dense, permuted) one, a channels-last conv
     weight, a slice with gaps (copied before reading), an empty one; float32 ones at magnitudes whose float32
@@ -602,10 +616,12 @@ def _float64_figures(params) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_sentinel_reads_every_gradient_once_natively(dtype, monkeypatch):
-    """The global norm and peak in one native call over all gradients, against float64 references: the norm
-    within float64 rounding (the float32 squares of 1e30 / 1e-30 overflow / vanish, not here), the peak exact; NaN
-    anywhere makes both NaN, an Inf both Inf; the torch path it replaces agrees within float32 rounding."""
+def test_sentinel_reads_every_gradient_once_natively(dtype, reader, monkeypatch):
+    """The global norm and peak in one native call over all gradients (the numba kernel's, or the C++ extension's,
+    which then leaves the kernel alone), against float64 references: the norm within float64 rounding (the float32
+    squares of 1e30 / 1e-30 overflow / vanish, not here), the peak exact; NaN anywhere makes both NaN, an Inf both
+    Inf; the torch path they replace agrees within float32 rounding."""
+    from ampdoctor.collect import compiled
     from ampdoctor.collect.buffers import GradFigures
 
     k = _kernels()
@@ -619,26 +635,28 @@ def test_sentinel_reads_every_gradient_once_natively(dtype, monkeypatch):
     n = sum(p.numel() for _, p in params)
     norm, peak = figures(params)
     ref_norm, ref_peak = _float64_figures(params)
-    assert len(calls) == 1 and isinstance(norm, float) and isinstance(peak, float)
+    kernel_calls = 1 if reader == "numba" else 0
+    assert len(calls) == kernel_calls and isinstance(norm, float) and isinstance(peak, float)
     assert abs(norm - ref_norm) <= n * U64 * ref_norm and peak == ref_peak
-    monkeypatch.setattr(K, "_kernels", None)
-    monkeypatch.setattr(K, "NATIVE", False)
-    torch_norm, torch_peak = GradFigures()(params)
+    with monkeypatch.context() as off:
+        off.setattr(K, "_kernels", None)
+        off.setattr(K, "NATIVE", False)
+        off.setattr(compiled, "ENABLED", False)
+        off.setattr(compiled, "_ext", None)
+        torch_norm, torch_peak = GradFigures()(params)
     assert torch_norm == pytest.approx(ref_norm, rel=n * U32) and torch_peak == ref_peak
-    monkeypatch.undo()
-    monkeypatch.setattr(k, "norm_peak", lambda *a: calls.append(a) or real(*a))
     for bad, expect in ((math.inf, math.inf), (-math.inf, math.inf), (math.nan, math.nan)):
         params[0][1].grad[7, 3] = bad
         got = figures(params)
         assert all(v == expect or (math.isnan(v) and math.isnan(expect)) for v in got), (bad, got)
         assert all(a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(got, _float64_figures(params)))
         params[0][1].grad[7, 3] = 0.0
-    assert len(calls) == 4
+    assert len(calls) == 4 * kernel_calls
 
 
-def test_sentinel_native_figures_of_sparse_and_mixed_gradients():
-    """A sparse embedding gradient (its stored values) next to dense ones of two dtypes: one native read, equal to
-    the float64 figures of the dense gradients."""
+def test_sentinel_native_figures_of_sparse_and_mixed_gradients(reader):
+    """A sparse embedding gradient (its stored values) next to dense ones of two dtypes: one native read (the C++
+    extension leaves a sparse gradient to the numba kernel), equal to the float64 figures of the dense gradients."""
     from ampdoctor.collect.buffers import GradFigures
 
     _kernels()
@@ -653,7 +671,7 @@ def test_sentinel_native_figures_of_sparse_and_mixed_gradients():
     assert norm == pytest.approx(dense.norm().item(), rel=1e-12) and peak == dense.abs().max().item()
 
 
-def test_sentinel_checks_dtype_and_device_on_every_step(monkeypatch):
+def test_sentinel_checks_dtype_and_device_on_every_step(reader):
     """The kernel reads numel values of the planned kind from each pointer: a gradient whose dtype changes between
     steps (model.half()) is read as what it now is, and one the kernel does not read (float64) goes to the torch
     path, never through the native read."""

@@ -54,7 +54,6 @@ class Call:
     rng: RngState
     autocast: tuple[str, torch.dtype] | None  # (device_type, dtype) when autocast was on at the call
     seeds: dict[int, torch.Tensor] = field(default_factory=dict)  # output index -> gradient that reached it
-    outputs: int = 0  # float outputs that required grad
 
 
 class Capture:
@@ -85,7 +84,7 @@ class Capture:
             return
         a0 = args[0] if len(args) == 1 and not kwargs else None
         if type(a0) is torch.Tensor:  # the common case, without walking the arguments: one tensor
-            tensors = [a0] if not a0.is_floating_point() or a0.layout == torch.strided else []
+            tensors = [a0] if a0.layout == torch.strided or not a0.is_floating_point() else []
         else:
             tensors = hooks.float_tensors((args, kwargs)) + _int_tensors((args, kwargs))
         dev = self.device()
@@ -104,17 +103,18 @@ class Capture:
 
     def on_output(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         """The root's forward ended: hook the gradients that will reach its outputs (the backward's seeds)."""
-        if self.paused or not self.calls or not torch.is_grad_enabled():
+        if self.paused or not self.calls:
             return
-        call = self.calls[-1]
-        if type(output) is torch.Tensor:  # the common case, without walking the output
-            outs = [output] if output.is_floating_point() and output.layout == torch.strided else []
-        else:
-            outs = hooks.float_tensors(output)
-        call.outputs = len(outs)
-        for i, t in enumerate(outs):
+        seeds = self.calls[-1].seeds
+        # (an output that requires grad is a float one, made with grad enabled: the common case, one tensor, asks
+        # nothing else)
+        if type(output) is torch.Tensor:
+            if output.requires_grad and output.numel() <= SEED_KEEP_MAX and output.layout == torch.strided:
+                hooks.grad_hook(output, _keep_seed(seeds, 0))
+            return
+        for i, t in enumerate(hooks.float_tensors(output)):
             if t.requires_grad and t.numel() <= SEED_KEEP_MAX:
-                hooks.grad_hook(t, _keep_seed(call.seeds, i))
+                hooks.grad_hook(t, _keep_seed(seeds, i))
 
     def typical_peak(self) -> float | None:
         """The median input peak of recent sampled batches (one host read, on a replay only)."""

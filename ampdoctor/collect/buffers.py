@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ..trace.vectors import Entry, Phase, peak_block
+from . import compiled
 from . import stats as K
 
 SMALL_GRAD = 4096  # parameter gradients up to this size are stacked by size and reduced together
@@ -75,6 +76,10 @@ class GradFigures:
 
     def __init__(self) -> None:
         self._key: tuple[int, torch.dtype, bool] | None = None
+        # The C++ read (compiled.py) of the parameters it was made for; False: their gradients are ones it does not
+        # read (another device, sparse, float64), until they change
+        self._compiled: Callable[[], tuple[float, float, int]] | bool | None = None
+        self._compiled_for: list[Any] | None = None
 
     def _plan(self, grads: list[torch.Tensor], key: tuple[int, torch.dtype, bool]) -> None:
         self._key = key
@@ -89,12 +94,17 @@ class GradFigures:
     def __call__(self, params: list[tuple[str, torch.nn.Parameter]]) -> tuple[Any, ...]:
         """Floats on the CPU, else 0-d device tensors that join the step's one transfer; (None, None) without
         gradients."""
+        if self._compiled is not False:
+            read = self._read_compiled(params)
+            if read is not None:
+                return read
         grads = [g for g in [p.grad for _, p in params] if g is not None]  # (.grad read once each)
         if not grads:
             return None, None
         key = (len(grads), grads[0].dtype, grads[0].is_cpu)  # (not .device: it makes a torch.device, ~1 us)
         if self._key != key:  # (model.to(), model.half())
             self._plan(grads, key)
+            self._compiled = None  # (the C++ read may serve the new ones)
         if self.sparse:
             grads = [dense_values(g) for g in grads]
         if self.host:
@@ -123,6 +133,23 @@ class GradFigures:
             both = torch.stack([f if f.device == dev else f.to(dev) for f in figures]).to(torch.float64)
         k = len(grads)
         return both[:k].square().sum().sqrt(), both[k:].max()
+
+    def _read_compiled(self, params: list[tuple[str, torch.nn.Parameter]]) -> tuple[Any, Any] | None:
+        """The figures by one C++ call that reads every ``.grad`` itself (None: the extension is not loaded yet, or
+        a gradient is one it does not read)."""
+        read = self._compiled
+        if read is None or self._compiled_for is not params:
+            ext = compiled.get()
+            if ext is None:
+                return None
+            read = self._compiled = ext.Grads([p for _, p in params]).figures
+            self._compiled_for = params
+        assert callable(read)
+        norm, peak, n = read()
+        if n < 0:
+            self._compiled = False
+            return None
+        return (norm, peak) if n else (None, None)
 
 
 def _norm_and_peak(flat: np.ndarray) -> tuple[float, float]:

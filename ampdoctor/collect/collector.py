@@ -254,10 +254,11 @@ class Collector:
         if isinstance(loss, torch.Tensor):
             if self.facts.loss_dtype is None:
                 self.facts.loss_dtype = buffers.dtype_name(loss.dtype)
-            if not loss.numel():
+            n = loss.numel()
+            if not n:
                 return
             # a CPU value is read now (no sync to wait for); an accelerator's joins the step's one transfer
-            loss = loss.item() if loss.numel() == 1 and stats.on_host(loss) else loss.detach().reshape(-1)[0]
+            loss = loss.item() if n == 1 and stats.on_host(loss) else loss.detach().reshape(-1)[0]
         if loss is None:
             return
         state = self.state

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..trace.writer import Writer
-from . import hooks, meta, sharded, stats
+from . import compiled, hooks, meta, sharded, stats
 from .boundary import StepEnd
 from .boundary_hooks import BoundaryHooks
 from .cadence import Budget, Cadence
@@ -51,6 +51,7 @@ class Core:
     ) -> None:
         put = writer.put
         stats.native()  # the native kernels start loading now, beside the first (calibration) steps
+        compiled.get()  # and the C++ reads: loaded, or built by a process of their own
         every, peak_every, hist_every = options.every, options.peak_every, options.hist_every
         assert every is not None and peak_every is not None and hist_every is not None  # (Options fills them in)
         cadence = self.cadence = Cadence(
