@@ -74,7 +74,9 @@ class Capture:
     def take(self) -> tuple[list[Call], list[Any]]:
         """The finished step's calls and batch ids (kept by its InFlight until its verdict), and a fresh start."""
         taken = (self.calls, self.batch_ids)
-        self.calls, self.batch_ids = [], []
+        self.calls = []
+        if self.batch_ids:  # (log_batch_ids replaces the list, never appends: an empty one is shared)
+            self.batch_ids = []
         return taken
 
     def on_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], measure: bool) -> None:

@@ -142,7 +142,11 @@ class GradFigures:
             ext = compiled.get()
             if ext is None:
                 return None
-            read = self._compiled = ext.Grads([p for _, p in params]).figures
+            tensors = [p for _, p in params]
+            if not all([isinstance(p, torch.Tensor) for p in tensors]):  # (FSDP's local shards: sharded.LocalParam)
+                self._compiled = False
+                return None
+            read = self._compiled = ext.Grads(tensors).figures
             self._compiled_for = params
         assert callable(read)
         norm, peak, n = read()

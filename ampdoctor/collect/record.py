@@ -21,20 +21,27 @@ class StepRecord:
     def __init__(self) -> None:
         # PeakList per dtype (or (dtype, device)): kept across steps, cleared
         self._bufs: dict[torch.dtype | tuple[torch.dtype, torch.device], buffers.PeakList] = {}
-        self.clear()
+        self._new_containers()
+        self._device_fulls = False  # a full vector is a device tensor
+        self._device_extras = False  # an extra is a device tensor (read with the step's transfer)
 
-    def clear(self) -> None:
-        for buf in self._bufs.values():
-            buf.clear()
+    def _new_containers(self) -> None:
         self.entries: list[Entry] = []
         self._fulls: list[torch.Tensor | np.ndarray] = []  # (numpy: the native kernel's, already on the host)
-        self._device_fulls = False  # a full vector is a device tensor
         self._full_len = 0
         # floats, or 0-d tensors on an accelerator (read with the step's transfer)
         self._extras: list[float | torch.Tensor] = []
-        self._device_extras = False  # an extra is a device tensor (read with the step's transfer)
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, tuple[int, str, int]]] = {}
         self.act_seen: set[int] = set()  # sites whose forward was recorded this step (checkpointing recomputes)
+
+    def clear(self) -> None:
+        """A new step. Its containers are new ones where the last step filled them (a flight keeps its entries),
+        and kept where they are empty: a sentinel step records nothing, and makes nothing here."""
+        for buf in self._bufs.values():
+            buf.clear()
+        if self.entries or self._fulls or self._extras or self._seen or self.act_seen:
+            self._new_containers()
+        self._device_fulls = self._device_extras = False
 
     def drop_observations(self) -> None:
         """Forget what the step observed so far (its step figures stay): the step has no end in sight."""
