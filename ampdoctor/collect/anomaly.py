@@ -79,9 +79,17 @@ class Capture:
             self.batch_ids = []
         return taken
 
-    def on_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], measure: bool) -> None:
-        """The root's forward starts (training, grad enabled). ``measure``: also keep the batch's input peak for
-        the run's usual magnitude (on steps that observe sites)."""
+    def on_call(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        measure: bool,
+        device_type: str | None,
+        autocast: tuple[str, torch.dtype] | None,
+    ) -> None:
+        """The root's forward starts (training, grad enabled), on the model's ``device_type``, with ``autocast``
+        as the collector read it at this call. ``measure``: also keep the batch's input peak for the run's usual
+        magnitude (on steps that observe sites)."""
         if self.paused or len(self.calls) >= MAX_CALLS:
             return
         a0 = args[0] if len(args) == 1 and not kwargs else None
@@ -89,11 +97,8 @@ class Capture:
             tensors = [a0] if a0.layout == torch.strided or not a0.is_floating_point() else []
         else:
             tensors = hooks.float_tensors((args, kwargs)) + _int_tensors((args, kwargs))
-        dev = self.device()
-        ac = None
-        if dev is not None and torch.is_autocast_enabled(dev.type):
-            ac = (dev.type, torch.get_autocast_dtype(dev.type))
-        self.calls.append(Call(args, kwargs, [(t, t._version) for t in tensors], rng_get(dev), ac))
+        dev = self.device() if device_type != "cpu" else None  # (the CPU generator's state is always kept)
+        self.calls.append(Call(args, kwargs, [(t, t._version) for t in tensors], rng_get(dev), autocast))
         if measure:
             peaks = [t.detach().abs().amax().float() for t in hooks.float_tensors((args, kwargs)) if t.numel()]
             if peaks:

@@ -62,6 +62,7 @@ class Collector:
         self.on_step_start: Callable[[], None] = _nothing
         # (args, kwargs) of the step's root forwards (the anomaly replay)
         self.on_root_call: Callable[..., Any] | None = None
+        self.autocast_now: tuple[str, torch.dtype] | None = None  # (device type, dtype) at the last root call
         self.probe: StepProbe | None = None  # a StepProbe when attach(probe_every=...)
         self.paused = False  # a replay is running: its root forwards are not micro-batches
         self._boundary_name = boundary_name
@@ -111,18 +112,26 @@ class Collector:
         a0 = args[0] if args else None
         self.start_micro(a0 if type(a0) is torch.Tensor else hooks.first_tensor(args, kwargs))
         if self.on_root_call is not None:
-            self.on_root_call(args, kwargs, self.state.observe is not Observe.NONE)
+            self.on_root_call(
+                args, kwargs, self.state.observe is not Observe.NONE, self.facts.device, self.autocast_now
+            )
         if first and self.probe is not None:
             self.probe.begin(self.state.index, args, kwargs)  # the step's first forward: its RNG state, inputs
 
     def start_micro(self, t: torch.Tensor | None) -> None:
         """A micro-batch's forward begins: the step's first one ends the data wait; ``t`` gives the batch size."""
         state, facts = self.state, self.facts
-        if state.t_first is None:
+        first = state.t_first is None
+        if first:
             state.t_first = time.perf_counter()
             self.on_step_start()
             facts.device = self.device_now()  # once a step: a model may be moved
-            self.read_autocast()
+        # The autocast state at this call, asked once for the step's record and the replay's capture (a torch call
+        # inside a training loop costs microseconds)
+        dev = facts.device
+        self.autocast_now = (dev, torch.get_autocast_dtype(dev)) if dev and torch.is_autocast_enabled(dev) else None
+        if first:
+            self.record_autocast(self.autocast_now)
         facts.step_starts += 1
         state.micro += 1
         if t is not None and t.dim() > 0:
@@ -138,15 +147,26 @@ class Collector:
         return next((t.device.type for t in [*self.model.parameters(), *self.model.buffers()]), None)
 
     def read_autocast(self) -> None:
-        """Record the autocast state at the step's first forward. Frameworks enter autocast inside ``forward``
-        (accelerate wraps it), after the root pre-hook: the first observed forward inside looks again."""
+        """Record the autocast state as it is now, at an observed forward: frameworks enter autocast inside
+        ``forward`` (accelerate wraps it), after the root pre-hook, so the first observed forward inside looks
+        again."""
+        dev = self.facts.device
+        if dev is not None and not self._autocast_known(dev):
+            self.record_autocast((dev, torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None)
+
+    def record_autocast(self, now: tuple[str, torch.dtype] | None) -> None:
+        """Record the autocast state read at a micro-batch's start (``now``: (device type, dtype), or None: off)."""
         dev, seen = self.facts.device, self.facts.autocast
-        if dev is None or (seen.get("enabled") and seen.get("device_type") == dev):
+        if dev is None or self._autocast_known(dev):
             return
-        enabled = torch.is_autocast_enabled(dev)
-        if enabled or not seen:
-            dtype = buffers.dtype_name(torch.get_autocast_dtype(dev)) if enabled else None
-            self.facts.autocast = {"device_type": dev, "enabled": enabled, "dtype": dtype}
+        if now is not None or not seen:
+            dtype = buffers.dtype_name(now[1]) if now is not None else None
+            self.facts.autocast = {"device_type": dev, "enabled": now is not None, "dtype": dtype}
+
+    def _autocast_known(self, dev: str) -> bool:
+        """Autocast was seen on for this device already (what is recorded stays)."""
+        seen = self.facts.autocast
+        return bool(seen.get("enabled")) and seen.get("device_type") == dev
 
     @guarded
     def on_forward(self, path: str, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
