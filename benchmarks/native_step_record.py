@@ -1,12 +1,11 @@
-"""What the sentinel's gradient figures would cost read in C++: the measured basis of the "native step record" design
-(docs/overhead.md), not a part of ampdoctor.
+"""What the sentinel's gradient figures cost read in C++ against the numba kernel: the measured basis of the
+"native step record" design (docs/overhead.md), now ampdoctor's own C++ read (collect/compiled.py).
 
-The sentinel reads every parameter gradient once per step (global L2 norm and largest |g|). ampdoctor does it with
-its numba kernel, after Python has collected the gradients and checked each one's dtype, device, layout and size:
+The sentinel reads every parameter gradient once per step (global L2 norm and largest |g|). The numba kernel reads
+the values as fast, after Python has collected the gradients and checked each one's dtype, device, layout and size:
 ~5 torch attribute reads per gradient, each ~2-3 us inside a training loop (cold caches), and one Python wrapper made
-per gradient (``p.grad`` of a tensor autograd made in C++). Here the same figures come from one C++ call that takes
-the parameter list and reads ``grad()``, its metadata and its float32 values in C++ (a torch extension compiled with
-``torch.utils.cpp_extension.load_inline``: needs a C++ compiler and ninja).
+per gradient (``p.grad`` of a tensor autograd made in C++). The C++ read takes the parameter list once and reads
+``grad()``, its metadata and its values in C++, in one call per step.
 
 Printed: the figures of both (they must agree), then whole training steps of the small model (overhead.py's) with
 the figures computed in the optimizer's pre-hook each way and without them, interleaved in shuffled rounds in one
@@ -23,67 +22,30 @@ import sys
 import time
 
 import torch
-from torch.utils.cpp_extension import load_inline
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from sentinel_pieces import Run, interleave
 
-from ampdoctor.collect import stats
-
-SOURCE = r"""
-#include <torch/extension.h>
-#include <cmath>
-#include <cstring>
-
-// (L2 norm, largest |g|, gradients read) over the parameters' float32 CPU gradients; NaN where one is not that.
-std::tuple<double, double, int64_t> norm_peak(const std::vector<at::Tensor>& params) {
-  double q = 0.0;
-  uint32_t m = 0;
-  int64_t read = 0;
-  for (const auto& p : params) {
-    const at::Tensor& g = p.grad();
-    if (!g.defined()) continue;
-    if (!g.device().is_cpu() || g.scalar_type() != at::kFloat || !g.is_contiguous()) return {NAN, NAN, -1};
-    const float* x = g.data_ptr<float>();
-    const uint32_t* bits = reinterpret_cast<const uint32_t*>(x);
-    const int64_t n = g.numel();
-    double s = 0.0;
-    uint32_t peak = 0;
-    for (int64_t i = 0; i < n; ++i) { const double f = x[i]; s += f * f; }
-    for (int64_t i = 0; i < n; ++i) { const uint32_t a = bits[i] & 0x7FFFFFFFu; peak = a > peak ? a : peak; }
-    q += s;
-    m = peak > m ? peak : m;
-    ++read;
-  }
-  float peak;
-  std::memcpy(&peak, &m, 4);
-  if (std::isnan(peak)) return {NAN, NAN, read};
-  return {std::sqrt(q), static_cast<double>(peak), read};
-}
-"""
+from ampdoctor.collect import compiled, stats
 
 
 def build():
     t0 = time.perf_counter()
-    ext = load_inline(
-        "ampdoctor_native_step_record",
-        cpp_sources=SOURCE,
-        functions=["norm_peak"],
-        # (reassociation lets the float64 sum vectorize, as numba's 'reassoc'; NaN and Inf still propagate)
-        extra_cflags=["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"],
-    )
-    print(f"extension built (or loaded from its cache) in {time.perf_counter() - t0:.1f} s")
+    ext = compiled.wait()
+    if ext is None:
+        sys.exit("the C++ extension did not load: " + str(compiled.info))
+    print(f"C++ read built (or loaded from its cache) in {time.perf_counter() - t0:.1f} s")
     return ext
 
 
-def with_figures(figures) -> Run:
-    """The small model with ``figures(params)`` in its optimizer's pre-hook."""
+def with_figures(make_read) -> Run:
+    """The small model with ``make_read(params)()`` in its optimizer's pre-hook."""
     run = Run()
-    params = list(run.model.parameters())
+    read = make_read(list(run.model.parameters()))
 
     def pre(optimizer, args, kwargs):  # (a pre-hook that returns a value replaces the step's arguments)
-        figures(params)
+        read()
 
     run.opt.register_step_pre_hook(pre)
     run.after = lambda loss: loss.item()
@@ -105,14 +67,16 @@ def main() -> None:
     torch.nn.functional.mse_loss(run.model(run.x), run.y).backward()
     params = list(run.model.parameters())
     print("figures, numba:", stats.grad_norm_peak(kernels, [p.grad for p in params]))
-    print("figures, C++:  ", ext.norm_peak(params)[:2])
+    print("figures, C++:  ", ext.Grads(params).figures()[:2])
 
     bare = Run()
     bare.after = lambda loss: loss.item()
     runs = {
         "bare": bare,
-        "numba (ampdoctor's read)": with_figures(lambda ps: stats.grad_norm_peak(kernels, [p.grad for p in ps])),
-        "C++ (one call)": with_figures(ext.norm_peak),
+        "numba (the read behind Python)": with_figures(
+            lambda ps: lambda: stats.grad_norm_peak(kernels, [p.grad for p in ps])
+        ),
+        "C++ (ampdoctor's read: one call)": with_figures(lambda ps: ext.Grads(ps).figures),
     }
     print(f"small model, 1 torch thread, {args.rounds} rounds of {args.steps} steps")
     interleave(runs, args.rounds, args.steps)

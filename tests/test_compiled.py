@@ -86,11 +86,11 @@ def test_a_failed_build_leaves_the_run_to_the_numba_read_and_is_not_tried_again(
     """No working compiler (CXX=false): the first run starts the build in a process of its own and trains with
     the same figures meanwhile; the build's failure is written beside it, and the next run does not build again."""
     cache = tmp_path / "cache"
-    env = {"AMPDOCTOR_CACHE_DIR": str(cache), "CXX": "false"}
+    env = {"AMPDOCTOR_BUILD_DIR": str(cache), "CXX": "false"}
     first = _run(tmp_path, "first", **env)
     assert first["read"] == "numba or torch"
     _same_figures(first, rel=1e-6)
-    where = cache / "ext" / compiled.tag()
+    where = cache / compiled.tag()
     deadline = time.monotonic() + 50  # (the builder imports torch, then the compiler fails at once)
     while not (where / "error.txt").exists() and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -104,7 +104,7 @@ def test_a_failed_build_leaves_the_run_to_the_numba_read_and_is_not_tried_again(
 def test_a_build_is_started_once_and_never_beside_a_running_one(tmp_path, monkeypatch):
     """A fresh marker of a build in progress (another process) means wait for it; a marker left by a build that
     died long ago is no reason to wait; one process starts at most one build."""
-    monkeypatch.setenv("AMPDOCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("AMPDOCTOR_BUILD_DIR", str(tmp_path))
     monkeypatch.setattr(compiled, "_ext", None)
     monkeypatch.setattr(compiled, "_started", False)
     monkeypatch.setattr(compiled, "info", {})
@@ -139,7 +139,7 @@ def test_an_extension_whose_figures_disagree_with_torch_is_never_used(tmp_path, 
             return 1.0, 1.0, 1
 
     for fake in (Off, LosesNaN):
-        monkeypatch.setenv("AMPDOCTOR_CACHE_DIR", str(tmp_path / fake.__name__))
+        monkeypatch.setenv("AMPDOCTOR_BUILD_DIR", str(tmp_path / fake.__name__))
         monkeypatch.setattr(compiled, "_ext", None)
         monkeypatch.setattr(compiled, "info", {})
         monkeypatch.setattr(compiled, "_import", lambda library, fake=fake: type("Ext", (), {"Grads": fake}))
@@ -170,3 +170,25 @@ def test_gradients_the_cpp_read_does_not_take_go_to_the_other_reads(monkeypatch)
         norm, peak = figures(params)
         assert norm == pytest.approx(flat.norm().item(), rel=1e-6) and peak == flat.abs().max().item()
         assert callable(figures._compiled) == (dtype != torch.float64)
+
+
+def test_whatever_keeps_the_extension_out_reaches_info_never_training(tmp_path, monkeypatch):
+    """An install without the C++ source (a packaging slip) or a cache that cannot be written: ``get()`` answers
+    None with the reason in ``info``, and a run attaches and trains with the other reads."""
+    import ampdoctor
+
+    monkeypatch.setattr(compiled, "_ext", None)
+    monkeypatch.setattr(compiled, "info", {})
+    monkeypatch.setattr(compiled, "_next_look", 0.0)
+    monkeypatch.setattr(compiled, "SOURCE", tmp_path / "missing.cpp")
+    assert compiled.get() is None and "missing.cpp" in compiled.info["error"]
+    model = mlp(width=16, depth=2, d_in=8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ampdoctor.attach(model, optimizer=opt, trace=str(tmp_path / "t.db"), live=False) as doc:
+        for x, y in batches(3, batch=4, d_in=8):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            doc.log_loss(loss)
+        assert not doc.guard.off

@@ -6,7 +6,7 @@ thirds of the sentinel's read (benchmarks/native_step_record.py).
 The extension is built once per machine, Python and torch version (a torch extension needs a C++ compiler and ninja:
 ~30-40 s), by a process of its own started at the first ``attach`` (niced, so it takes the spare core, and it
 finishes even if the script that started it does not), into ``~/.cache/ampdoctor/ext/<tag>``
-(AMPDOCTOR_CACHE_DIR moves it). Until it is there, and wherever it cannot be built, the numba kernel and the
+(AMPDOCTOR_BUILD_DIR moves it). Until it is there, and wherever it cannot be built, the numba kernel and the
 Python hook serve, with the same figures. ``python -m ampdoctor.collect.compiled`` builds it in the foreground
 (``make install`` does). AMPDOCTOR_NATIVE=0 keeps it off, as the numba kernels.
 
@@ -52,8 +52,14 @@ def tag() -> str:
 
 
 def build_dir() -> Path:
-    root = os.environ.get("AMPDOCTOR_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ampdoctor")
-    return Path(root) / "ext" / tag()
+    """Where the build of this tag lives: under AMPDOCTOR_BUILD_DIR, else the user's cache (``$XDG_CACHE_HOME``, else
+    ``~/.cache``) in ``ampdoctor/ext``. Not AMPDOCTOR_CACHE_DIR, which moves the dashboard's results: a run's
+    results may be kept apart (the tests do) without building the extension again."""
+    root = os.environ.get("AMPDOCTOR_BUILD_DIR")
+    if not root:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(xdg, "ampdoctor", "ext")
+    return Path(root) / tag()
 
 
 def module_name() -> str:
@@ -71,8 +77,8 @@ def get() -> ModuleType | None:
         return None
     _next_look = now + RECHECK_S
     with _lock:
-        if _ext is None:
-            _try_load(start_build=True)
+        if _ext is None and "error" not in info:
+            _look()
     return _ext
 
 
@@ -82,11 +88,20 @@ def wait(timeout: float = BUILD_TIMEOUT_S) -> ModuleType | None:
     end = time.monotonic() + timeout
     while ENABLED and _ext is None and "error" not in info and time.monotonic() < end:
         with _lock:
-            _try_load(start_build=True)
+            _look()
         if _ext is None:
             time.sleep(0.2)
     _next_look = 0.0
     return _ext
+
+
+def _look() -> None:
+    """Load the extension, or start its build; whatever fails (a source missing from an install, a cache that cannot
+    be written) is kept in ``info`` and the numba kernel serves: never an error in training."""
+    try:
+        _try_load(start_build=True)
+    except Exception as exc:
+        info["error"] = f"{type(exc).__name__}: {exc}"
 
 
 def _try_load(start_build: bool) -> None:
