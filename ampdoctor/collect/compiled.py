@@ -139,9 +139,13 @@ def _building(where: Path) -> bool:
 def _spawn_build() -> None:
     """The build in a process of its own, niced: it takes the spare core, and it finishes even where the script that
     started it ends first (a build interrupted halfway would leave torch's own lock behind)."""
+    # (this ampdoctor, wherever it was imported from: a source tree put on sys.path by the script itself too)
+    package_root = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])
     try:
         subprocess.Popen(
             [sys.executable, "-m", "ampdoctor.collect.compiled", "--quiet"],
+            env={**os.environ, "PYTHONPATH": path},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
