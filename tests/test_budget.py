@@ -83,3 +83,33 @@ def test_a_step_that_waited_does_not_undo_the_stretch():
     for _ in range(BUDGET_WINDOW):
         change = budget.update(0.000005, 0.001, "sentinel")
     assert change is not None and cadence.stretch == 1
+
+
+def test_a_budget_the_every_step_work_alone_exceeds_is_said_to_be_unheld(trace_path, capsys):
+    """A budget below what the never-stretched work costs (the sentinel and the replay's capture on a small model):
+    once the sampled tiers are stretched their most, the trace says once that it cannot be held, with the
+    sentinel-only steps' own share, and ``info`` says so; a budget the run holds says nothing of the kind."""
+    from ampdoctor import cli
+    from ampdoctor.collect.cadence import BUDGET_WINDOW, STRETCH_MAX
+
+    budget = 0.0005
+    train(mlp(width=16, depth=2), 420, precision="fp32", trace=trace_path, attach_options={"budget": budget})
+    tr = ampdoctor.load(trace_path)
+    changes = tr.event_rows("cadence")
+    unheld = [e for e in changes if e.data.get("held") is False]
+    assert len(unheld) == 1 and unheld[0].data["stretch"] == STRETCH_MAX
+    said = unheld[0]
+    # the share said is the sentinel-only steps' own in the window that ended there (observer over step time)
+    st = tr.steps().set_index("step").loc[: said.step]
+    window = st[st["reason"].isin(["sentinel", "sampled"])].tail(BUDGET_WINDOW)
+    sentinel = window[window["reason"] == "sentinel"]
+    expected = (sentinel["observer_time"] / sentinel["step_time"]).clip(upper=1.0).mean()
+    assert said.data["sentinel_share"] > budget and abs(said.data["sentinel_share"] - expected) < 1e-9
+    assert "cannot be held" in said.message and st["loss"].notna().all()
+    capsys.readouterr()
+    assert cli.main(["info", trace_path]) == 0
+    assert f"budget     not held from step {said.step}" in capsys.readouterr().out
+
+    held = trace_path + ".held.db"
+    train(mlp(width=16, depth=2), 420, precision="fp32", trace=held, attach_options={"budget": 0.9})
+    assert not [e for e in ampdoctor.load(held).event_rows("cadence") if e.data.get("held") is False]

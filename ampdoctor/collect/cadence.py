@@ -159,26 +159,41 @@ class Budget:
         self.cadence = cadence
         self._shares = 0.0
         self._steps = 0
+        self._floor_shares = 0.0  # the window's sentinel-only steps: what no stretch can lower
+        self._floor_steps = 0
+        self.floor_said = False  # the run was told once that its every-step work alone is above the budget
 
     def update(self, observer_time: float, step_time: float, reason: str) -> dict[str, Any] | None:
-        """One finished step's times; at the end of a window, the new cadence (a dict for the trace) or None."""
+        """One finished step's times; at the end of a window, the new cadence (a dict for the trace) or None. The
+        dict also says whether the budget is held (``held``): False where the sampled tiers are stretched their most and
+        the window's sentinel-only steps alone (the sentinel and the replay's capture, never stretched) still cost
+        more than the budget; said once per run."""
         if reason in ("anomaly", "calibration", "replay", "debug") or step_time <= 0:
             return None  # never stretched, so not what the budget steers
-        self._shares += min(observer_time / step_time, 1.0)
+        share = min(observer_time / step_time, 1.0)
+        self._shares += share
         self._steps += 1
+        if reason == "sentinel":
+            self._floor_shares += share
+            self._floor_steps += 1
         if self._steps < BUDGET_WINDOW:
             return None
         measured = self._shares / self._steps
-        self._shares = 0.0
-        self._steps = 0
+        floor = self._floor_shares / self._floor_steps if self._floor_steps >= BUDGET_WINDOW // 2 else None
+        self._shares = self._floor_shares = 0.0
+        self._steps = self._floor_steps = 0
         c = self.cadence
         before = c.stretch
         if measured > self.share and c.stretch < STRETCH_MAX:
             c.stretch *= 2
         elif measured < self.share / 3 and c.stretch > 1:
             c.stretch //= 2
-        if c.stretch == before:
+        # (said once the stretch is at its most: a window early in the run, the kernels still loading, is no verdict)
+        held = floor is None or floor <= self.share or c.stretch < STRETCH_MAX
+        if c.stretch == before and (held or self.floor_said):
             return None
+        if not held:
+            self.floor_said = True
         return {
             "share": measured,
             "budget": self.share,
@@ -186,4 +201,6 @@ class Budget:
             "peak_every": c.peak_every * c.stretch,
             "every": c.every * c.stretch,
             "hist_every": c.hist_every * c.stretch,
+            "sentinel_share": floor,
+            "held": held,
         }

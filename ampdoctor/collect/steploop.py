@@ -108,8 +108,18 @@ class StepLoop:
             row = flight.row
             change = self.budget.update(row["observer_time"], row["step_time"], row["reason"])
             if change is not None:
-                message = (
-                    f"ampdoctor cost {change['share']:.1%} of the steps against a budget of {change['budget']:.1%}: "
-                    f"peaks every {change['peak_every']}, full statistics every {change['every']} steps from now on"
-                )
-                self.put(EventMsg(state.index, EventKind.CADENCE, None, None, message, change))
+                self.put(EventMsg(state.index, EventKind.CADENCE, None, None, budget_message(change), change))
+
+
+def budget_message(change: dict[str, Any]) -> str:
+    """The trace's line for a change of the budget's cadence (cadence.Budget.update)."""
+    message = (
+        f"ampdoctor cost {change['share']:.1%} of the steps against a budget of {change['budget']:.1%}: "
+        f"peaks every {change['peak_every']}, full statistics every {change['every']} steps from now on"
+    )
+    if not change.get("held", True):
+        message += (
+            f"; the budget cannot be held on this run: the work done on every step, which is never stretched (the "
+            f"sentinel, the replay's capture), costs {change['sentinel_share']:.1%} of a step by itself"
+        )
+    return message

@@ -111,6 +111,14 @@ def _info(tr: Trace, args: argparse.Namespace) -> int:
     for i, e in enumerate(changes[-3:]):
         head = f"cadence    {len(changes)} change(s); " if i == 0 else "           "
         print(f"{head}at step {int(e.step)}: {e.message}")
+    unheld = next((e for e in changes if e.data.get("held") is False), None)
+    if unheld is not None:
+        floor, budget = (unheld.data.get(k) for k in ("sentinel_share", "budget"))
+        floor, budget = (v if isinstance(v, (int, float)) else math.nan for v in (floor, budget))  # (a file's data)
+        print(
+            f"budget     not held from step {int(unheld.step)}: the work on every step costs {floor:.1%} of a "
+            f"step by itself, against a budget of {budget:.1%}"
+        )
     wev = tr.event_rows("nonfinite_weights")
     if wev:
         first = wev[0]
