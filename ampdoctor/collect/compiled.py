@@ -4,7 +4,7 @@ the Python around the numba kernel (collecting the gradients, checking each one'
 thirds of the sentinel's read (benchmarks/native_step_record.py).
 
 The extension is built once per machine, Python and torch version (a torch extension needs a C++ compiler and ninja:
-~30-40 s), by a process of its own started at the first ``attach`` (niced, so it takes the spare core, and it
+17-20 s on the project's 2-core machine), by a process of its own started at the first ``attach`` (niced, so it takes the spare core, and it
 finishes even if the script that started it does not), into ``~/.cache/ampdoctor/ext/<tag>``
 (AMPDOCTOR_BUILD_DIR moves it). Until it is there, and wherever it cannot be built, the numba kernel and the
 Python hook serve, with the same figures. ``python -m ampdoctor.collect.compiled`` builds it in the foreground
@@ -41,7 +41,7 @@ _ext: ModuleType | None = None
 _lock = threading.Lock()
 _started = False
 _next_look = 0.0
-info: dict[str, Any] = {}  # how it went: "built"/"loaded" seconds, "error" (for info, tests and the benchmarks)
+info: dict[str, Any] = {}  # how it went: "loaded" (seconds), or "error" (for tests and the benchmarks)
 
 
 def tag() -> str:
@@ -108,7 +108,7 @@ def _try_load(start_build: bool) -> None:
     global _ext, _started
     where = build_dir()
     library = where / (module_name() + ".so")
-    if library.exists() and not (where / "building").exists():
+    if library.exists() and not _building(where):
         t0 = time.perf_counter()
         try:
             ext = _import(library)
