@@ -4,11 +4,11 @@ the Python around the numba kernel (collecting the gradients, checking each one'
 thirds of the sentinel's read (benchmarks/native_step_record.py).
 
 The extension is built once per machine, Python and torch version (a torch extension needs a C++ compiler and ninja:
-17-20 s on the project's 2-core machine), by a process of its own started at the first ``attach`` (niced, so it takes the spare core, and it
-finishes even if the script that started it does not), into ``~/.cache/ampdoctor/ext/<tag>``
-(AMPDOCTOR_BUILD_DIR moves it). Until it is there, and wherever it cannot be built, the numba kernel and the
-Python hook serve, with the same figures. ``python -m ampdoctor.collect.compiled`` builds it in the foreground
-(``make install`` does). AMPDOCTOR_NATIVE=0 keeps it off, as the numba kernels.
+17-20 s on the project's 2-core machine), by a process of its own started at the first ``attach`` (niced, so that it
+takes the spare core; it finishes even if the script that started it does not), into
+``~/.cache/ampdoctor/ext/<tag>`` (AMPDOCTOR_BUILD_DIR moves it). Until it is there, and wherever it cannot be built,
+the numba kernel and the torch passes serve, with the same figures. ``python -m ampdoctor.collect.compiled`` builds
+it in the foreground (``make install`` does). AMPDOCTOR_NATIVE=0 keeps it off, as the numba kernels.
 
 Loaded, it is checked once against torch on a few values of each dtype (NaN and Inf among them); an extension that
 disagrees is never used."""
