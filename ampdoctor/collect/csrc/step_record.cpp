@@ -115,8 +115,10 @@ struct Grads {
       const at::Tensor& grad = p.grad();
       if (!grad.defined()) continue;
       if (!readable(grad)) return {NAN, NAN, -1};
-      // norm and peak do not depend on the order of the values: a strided gradient is read from a dense copy
-      const at::Tensor g = grad.is_contiguous() ? grad : grad.contiguous();
+      // Norm and peak do not depend on the order of the values: a dense gradient in any order of its dimensions
+      // (transposed, channels-last) fills numel slots from its data pointer and is read in place; one with gaps (a
+      // slice) is read from a dense copy.
+      const at::Tensor g = grad.is_non_overlapping_and_dense() ? grad : grad.contiguous();
       const int64_t n = g.numel();
       switch (g.scalar_type()) {
         case at::kFloat: {
