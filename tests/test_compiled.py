@@ -113,12 +113,12 @@ def test_a_build_is_started_once_and_never_beside_a_running_one(tmp_path, monkey
     where = compiled.build_dir()
     where.mkdir(parents=True)
     (where / "building").write_text("")
-    compiled._try_load(start_build=True)
+    compiled._try_load()
     assert not spawned and compiled._ext is None
     old = time.time() - compiled.STALE_BUILD_S - 60
     os.utime(where / "building", (old, old))
-    compiled._try_load(start_build=True)
-    compiled._try_load(start_build=True)
+    compiled._try_load()
+    compiled._try_load()
     assert spawned == [1]
 
 
@@ -146,7 +146,7 @@ def test_an_extension_whose_figures_disagree_with_torch_is_never_used(tmp_path, 
         where = compiled.build_dir()
         where.mkdir(parents=True)
         (where / (compiled.module_name() + ".so")).write_bytes(b"")
-        compiled._try_load(start_build=False)
+        compiled._try_load()
         error = compiled.info["error"]
         assert compiled._ext is None and ("disagree" in error or "loses a NaN" in error), error
 

@@ -110,28 +110,29 @@ class Collector:
             return
         first = self.state.t_first is None
         a0 = args[0] if args else None
-        self.start_micro(a0 if type(a0) is torch.Tensor else hooks.first_tensor(args, kwargs))
-        if self.on_root_call is not None:
-            self.on_root_call(
-                args, kwargs, self.state.observe is not Observe.NONE, self.facts.device, self.autocast_now
-            )
+        call = self.on_root_call
+        self.start_micro(a0 if type(a0) is torch.Tensor else hooks.first_tensor(args, kwargs), call is not None)
+        if call is not None:
+            call(args, kwargs, self.state.observe is not Observe.NONE, self.facts.device, self.autocast_now)
         if first and self.probe is not None:
             self.probe.begin(self.state.index, args, kwargs)  # the step's first forward: its RNG state, inputs
 
-    def start_micro(self, t: torch.Tensor | None) -> None:
-        """A micro-batch's forward begins: the step's first one ends the data wait; ``t`` gives the batch size."""
+    def start_micro(self, t: torch.Tensor | None, capture: bool = False) -> None:
+        """A micro-batch's forward begins: the step's first one ends the data wait; ``t`` gives the batch size;
+        ``capture``: the replay's capture keeps this call (it reads the autocast state read here)."""
         state, facts = self.state, self.facts
         first = state.t_first is None
         if first:
             state.t_first = time.perf_counter()
             self.on_step_start()
             facts.device = self.device_now()  # once a step: a model may be moved
-        # The autocast state at this call, asked once for the step's record and the replay's capture (a torch call
-        # inside a training loop costs microseconds)
+        # The autocast state: asked at every call the capture keeps (once, for it and the step's record: a torch
+        # call inside a training loop costs microseconds), else at a step's start until autocast is seen on
         dev = facts.device
-        self.autocast_now = (dev, torch.get_autocast_dtype(dev)) if dev and torch.is_autocast_enabled(dev) else None
-        if first:
-            self.record_autocast(self.autocast_now)
+        if capture or (first and dev is not None and not self._autocast_known(dev)):
+            self.autocast_now = _autocast_state(dev) if dev is not None else None
+            if first:
+                self.record_autocast(self.autocast_now)
         facts.step_starts += 1
         state.micro += 1
         if t is not None and t.dim() > 0:
@@ -152,7 +153,7 @@ class Collector:
         again."""
         dev = self.facts.device
         if dev is not None and not self._autocast_known(dev):
-            self.record_autocast((dev, torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None)
+            self.record_autocast(_autocast_state(dev))
 
     def record_autocast(self, now: tuple[str, torch.dtype] | None) -> None:
         """Record the autocast state read at a micro-batch's start (``now``: (device type, dtype), or None: off)."""
@@ -288,6 +289,11 @@ class Collector:
             pending.add_late_loss(loss)  # logged after the optimizer step ended the step
         else:
             state.losses.append(loss)
+
+
+def _autocast_state(dev: str) -> tuple[str, torch.dtype] | None:
+    """(device type, dtype) where autocast is on for ``dev`` now, else None."""
+    return (dev, torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
 
 
 def _nothing() -> None:

@@ -99,12 +99,12 @@ def _look() -> None:
     """Load the extension, or start its build; whatever fails (a source missing from an install, a cache that cannot
     be written) is kept in ``info`` and the numba kernel serves: never an error in training."""
     try:
-        _try_load(start_build=True)
+        _try_load()
     except Exception as exc:
         info["error"] = f"{type(exc).__name__}: {exc}"
 
 
-def _try_load(start_build: bool) -> None:
+def _try_load() -> None:
     global _ext, _started
     where = build_dir()
     library = where / (module_name() + ".so")
@@ -123,7 +123,7 @@ def _try_load(start_build: bool) -> None:
     if failed.exists():
         info["error"] = "the C++ extension did not build here: " + failed.read_text()[-300:].strip()
         return
-    if start_build and not _started and not _building(where):
+    if not _started and not _building(where):
         _started = True
         _spawn_build()
 
