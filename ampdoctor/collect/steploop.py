@@ -108,10 +108,10 @@ class StepLoop:
             row = flight.row
             change = self.budget.update(row["observer_time"], row["step_time"], row["reason"])
             if change is not None:
-                self.put(EventMsg(state.index, EventKind.CADENCE, None, None, budget_message(change), change))
+                self.put(EventMsg(state.index, EventKind.CADENCE, None, None, _budget_message(change), change))
 
 
-def budget_message(change: dict[str, Any]) -> str:
+def _budget_message(change: dict[str, Any]) -> str:
     """The trace's line for a change of the budget's cadence (cadence.Budget.update)."""
     message = (
         f"ampdoctor cost {change['share']:.1%} of the steps against a budget of {change['budget']:.1%}: "
