@@ -8,7 +8,7 @@ misses again (session 16: ``torch.is_grad_enabled()`` 3.5 us, ``torch.is_autocas
 state 11-15 us, against 0.1-1.6 us in a tight loop). Nested rows are part of the row above them; the timers add
 ~0.1 us each.
 
-Run: .venv/bin/python benchmarks/step_costs.py [--steps N] [--threads T] [--no-replay]
+Run: .venv/bin/python benchmarks/step_costs.py [--steps N] [--threads T] [--no-replay] [--no-lane]
 """
 
 from __future__ import annotations
@@ -26,23 +26,44 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from sentinel_pieces import make
 
-from ampdoctor.collect import anomaly, boundary, boundary_hooks, collector, compiled, flights, session, stats, steploop
+from ampdoctor.collect import (
+    anomaly,
+    boundary,
+    boundary_hooks,
+    collector,
+    compiled,
+    core,
+    flights,
+    lane,
+    session,
+    stats,
+    steploop,
+)
 
-# (class, method, label): every entry from training, then the parts of each, indented under it
+# (class, method, label): every entry from training, then the parts of each, indented under it. The clean steps take
+# the lane (lane.py) first; the general path's entries are timed where a step goes that way.
 PIECES = [
+    (lane.Lane, "root_pre", "lane: root pre-hook"),
+    (lane.Lane, "step_start", "  the step start (rows to the writer)"),
+    (anomaly.Capture, "on_call", "  the replay's capture of the call"),
+    (lane.Lane, "root_out", "lane: root forward hook (the seed's hook)"),
+    (lane.Lane, "opt_pre", "lane: optimizer pre-hook"),
+    (boundary.StepEnd, "figures", "  gradient norm and peak"),
+    (lane.Lane, "opt_post", "lane: optimizer post-hook"),
+    (steploop.StepLoop, "begin_step", "  the next step's plan and state"),
+    (lane.Lane, "log_loss", "lane: log_loss"),
+    (lane.Lane, "flush", "lane: rows to the writer"),
     (collector.Collector, "on_root_pre", "root pre-hook"),
     (flights.Flights, "on_step_start", "  the finished step to the writer"),
-    (anomaly.Capture, "on_call", "  the replay's capture of the call"),
     (anomaly.Capture, "on_output", "root forward hook: the seed's hook"),
     (boundary_hooks.BoundaryHooks, "on_opt_pre", "optimizer pre-hook"),
     (boundary.StepEnd, "early_verdict", "  early verdict"),
-    (boundary.StepEnd, "figures", "    gradient norm and peak"),
     (boundary_hooks.BoundaryHooks, "on_opt_post", "optimizer post-hook: the step end"),
     (boundary.StepEnd, "close", "  close (figures, row, flight)"),
     (flights.Flights, "add", "  verdict, flight recorder"),
-    (steploop.StepLoop, "begin_step", "  the next step's plan and state"),
     (session.Doctor, "log_loss", "log_loss after optimizer.step()"),
 ]
+# (shared parts, listed once above: the capture of the call, the figures, the next step's plan)
 
 
 def main() -> None:
@@ -50,7 +71,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4000)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-replay", action="store_true")
+    ap.add_argument("--no-lane", action="store_true", help="every step on the general path (core.LANE = False)")
     args = ap.parse_args()
+    core.LANE = not args.no_lane
     warnings.simplefilter("ignore")
     torch.set_num_threads(args.threads)
     stats.native(wait=True)

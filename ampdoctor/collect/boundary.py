@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 _LEVELS = {Observe.NONE: schema.LEVEL_SENTINEL, Observe.PEAK: schema.LEVEL_PEAK, Observe.FULL: schema.LEVEL_FULL}
 WARN_NO_FORWARD_AFTER = 3  # steps without a root forward (or begin_batch) before the run warns
 # The values and their blocks of a step whose figures were on the host at its end (it observed no site)
-_NO_VALUES = np.zeros(0)
-_SENTINEL_BASES = {FULL_BLOCK: 0, EXTRAS_BLOCK: 0}
+NO_VALUES = np.zeros(0)
+SENTINEL_BASES = {FULL_BLOCK: 0, EXTRAS_BLOCK: 0}
 
 
 def read_scale(scaler: Any) -> float | torch.Tensor:
@@ -170,9 +170,9 @@ class StepEnd:
         self._model_name = model_name
         self._grad_plan: buffers.GradPlan | None = None
         self._grad_figures = buffers.GradFigures()
-        self._half_params = any(p.dtype in (torch.float16, torch.bfloat16) for _, p in params)
+        self.half_params = any(p.dtype in (torch.float16, torch.bfloat16) for _, p in params)
         self._known_entries: list[Any] = []  # the entries of recent steps' distinct layouts, newest first
-        self._no_entries: list[Entry] = []  # every sentinel step's (never appended to)
+        self.no_entries: list[Entry] = []  # every sentinel step's (never appended to)
         self._bad_weights = 0
         self.t_prev_end = time.perf_counter()
 
@@ -193,10 +193,10 @@ class StepEnd:
         nonfinite = not (finite_or_none(norm) and finite_or_none(gmax) and finite_or_none(loss))
         verdict = Verdict(skipped=False, nonfinite=nonfinite)
         if not nonfinite:
-            verdict.spike, verdict.loss_spike = self._spikes(state, norm, loss)
+            verdict.spike, verdict.loss_spike = self.spikes(state, norm, loss)
         return verdict
 
-    def _spikes(self, state: StepState, norm: float | None, loss: float | None) -> tuple[bool, bool]:
+    def spikes(self, state: StepState, norm: float | None, loss: float | None) -> tuple[bool, bool]:
         if state.grad_spike is None:
             state.grad_spike = self.cadence.spike(norm)
         if state.loss_spike is None and loss is not None:
@@ -225,7 +225,7 @@ class StepEnd:
             figures = self._host_figures(state)
             if figures is not None:
                 row = self._row(state, step_starts, device)
-                return InFlight(state, skipped, row, self._no_entries, figures)
+                return InFlight(state, skipped, row, self.no_entries, figures)
         entries = rec.entries
         if observe is not Observe.NONE:
             self._observe_param_grads(observe, state, entries)
@@ -239,7 +239,7 @@ class StepEnd:
         offsets["loss"] = rec.add_extra(buffers.sum_losses(state.losses)) if state.losses else None
         # Half-precision weights can turn NaN/Inf in an optimizer step from finite gradients (Adam's eps is 0 in
         # FP16): watched every step for them (one fused norm), on anomalous steps only for FP32 weights.
-        nonfinite_weights = buffers.count_nonfinite([p for _, p in self.params]) if self._half_params else None
+        nonfinite_weights = buffers.count_nonfinite([p for _, p in self.params]) if self.half_params else None
         offsets["bad_weights"] = rec.add_extra(nonfinite_weights) if nonfinite_weights is not None else None
         scales = [state.scale_before, read_scale(self.scaler)] if self.scaler is not None else [None, None]
         scale_offs = [rec.add_extra(v) if isinstance(v, torch.Tensor) else None for v in scales]
@@ -249,7 +249,7 @@ class StepEnd:
         copy = rec.start_transfer(grad_slots)  # the step's one transfer
         # Same control flow as a recent step (the tiers alternate a few layouts): the writer reuses its Layout.
         if not entries:
-            entries = self._no_entries  # a sentinel step
+            entries = self.no_entries  # a sentinel step
         else:
             same = next((e for e in self._known_entries if e == entries), None)
             if same is not None:
@@ -281,7 +281,7 @@ class StepEnd:
             if isinstance(scale, torch.Tensor):  # (not expected: the scale in force was a float)
                 return None
             after = scale
-        if self._half_params:
+        if self.half_params:
             count = buffers.count_nonfinite([p for _, p in self.params])
             if not stats.on_host(count):
                 return None
@@ -313,7 +313,7 @@ class StepEnd:
         their events sent). Called in step order."""
         if flight.copy is None:
             assert flight.figures is not None  # (one or the other: close())
-            values, bases, bad, figures = _NO_VALUES, _SENTINEL_BASES, False, flight.figures
+            values, bases, bad, figures = NO_VALUES, SENTINEL_BASES, False, flight.figures
         else:
             values, bases, bad = flight.copy.result()
             figures = self._read(flight, values[bases[EXTRAS_BLOCK] :].tolist())  # (Python floats in one call)
@@ -354,7 +354,7 @@ class StepEnd:
         if verdict.anomalous or bad_weights:
             verdict.weights_bad = self._check_weights(step)
         if not verdict.anomalous:  # (observed in full from the next step on; the spike itself is an event)
-            verdict.spike, verdict.loss_spike = self._spikes(state, grad_norm, loss)
+            verdict.spike, verdict.loss_spike = self.spikes(state, grad_norm, loss)
         if verdict.spike:
             mean = self.cadence.typical_norm
             message = f"gradient norm {grad_norm:.4g} jumped above {SPIKE_FACTOR:g}x its running mean {mean:.4g}"

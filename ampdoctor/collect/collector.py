@@ -66,11 +66,11 @@ class Collector:
         self.probe: StepProbe | None = None  # a StepProbe when attach(probe_every=...)
         self.paused = False  # a replay is running: its root forwards are not micro-batches
         self._boundary_name = boundary_name
-        self._anchor = next(iter([*model.parameters(), *model.buffers()]), None)
+        self.anchor = next(iter([*model.parameters(), *model.buffers()]), None)
         # Per-module hooks are made once and registered only for steps that observe sites (sync_hooks): a sentinel
         # step runs no Python per module call. A compiled model keeps them (its graphs would change with every
         # registration); they return at once on steps that observe no site.
-        self._keep_hooks = keep_hooks
+        self.keep_hooks = keep_hooks
         self._grad_hooks = {path: hooks.eager(functools.partial(self.on_grad, path, mod)) for path, mod in modules}
         self._fwd_hooks = [(mod, hooks.eager(functools.partial(self.on_forward, path))) for path, mod in modules]
         self._handles: list[Any] = []
@@ -84,7 +84,7 @@ class Collector:
         self.sync_hooks()
 
     def sync_hooks(self) -> None:
-        want = ((self.state is not None and self.state.observe is not Observe.NONE) or self._keep_hooks) and not (
+        want = ((self.state is not None and self.state.observe is not Observe.NONE) or self.keep_hooks) and not (
             self.guard.off
         )
         if want == bool(self._handles):
@@ -129,8 +129,8 @@ class Collector:
         # The autocast state: asked at every call the capture keeps (once, for it and the step's record: a torch
         # call inside a training loop costs microseconds), else at a step's start until autocast is seen on
         dev = facts.device
-        if capture or (first and dev is not None and not self._autocast_known(dev)):
-            self.autocast_now = _autocast_state(dev) if dev is not None else None
+        if capture or (first and dev is not None and not self.autocast_known(dev)):
+            self.autocast_now = autocast_state(dev) if dev is not None else None
             if first:
                 self.record_autocast(self.autocast_now)
         facts.step_starts += 1
@@ -142,7 +142,7 @@ class Collector:
     def device_now(self) -> str | None:
         """The model's device type, read from its first parameter (or buffer): walking the modules to find one
         costs ~10 us, every step. A moved model keeps its Parameter objects (``.to()`` swaps their data)."""
-        anchor = self._anchor
+        anchor = self.anchor
         if anchor is not None:
             return "cpu" if anchor.is_cpu else anchor.device.type  # (.device makes a torch.device: ~1 us)
         return next((t.device.type for t in [*self.model.parameters(), *self.model.buffers()]), None)
@@ -152,19 +152,19 @@ class Collector:
         ``forward`` (accelerate wraps it), after the root pre-hook, so the first observed forward inside looks
         again."""
         dev = self.facts.device
-        if dev is not None and not self._autocast_known(dev):
-            self.record_autocast(_autocast_state(dev))
+        if dev is not None and not self.autocast_known(dev):
+            self.record_autocast(autocast_state(dev))
 
     def record_autocast(self, now: tuple[str, torch.dtype] | None) -> None:
         """Record the autocast state read at a micro-batch's start (``now``: (device type, dtype), or None: off)."""
         dev, seen = self.facts.device, self.facts.autocast
-        if dev is None or self._autocast_known(dev):
+        if dev is None or self.autocast_known(dev):
             return
         if now is not None or not seen:
             dtype = buffers.dtype_name(now[1]) if now is not None else None
             self.facts.autocast = {"device_type": dev, "enabled": now is not None, "dtype": dtype}
 
-    def _autocast_known(self, dev: str) -> bool:
+    def autocast_known(self, dev: str) -> bool:
         """Autocast was seen on for this device already (what is recorded stays)."""
         seen = self.facts.autocast
         return bool(seen.get("enabled")) and seen.get("device_type") == dev
@@ -291,7 +291,7 @@ class Collector:
             state.losses.append(loss)
 
 
-def _autocast_state(dev: str) -> tuple[str, torch.dtype] | None:
+def autocast_state(dev: str) -> tuple[str, torch.dtype] | None:
     """(device type, dtype) where autocast is on for ``dev`` now, else None."""
     return (dev, torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
 

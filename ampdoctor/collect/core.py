@@ -22,14 +22,19 @@ from .cadence import Budget, Cadence
 from .collector import Collector
 from .flights import Flights
 from .guards import Guard
+from .lane import Lane
 from .live import LiveDiagnosis
-from .options import Boundary, Options
+from .options import Boundary, Mode, Options
 from .probe import StepProbe
 from .record import StepRecord
 from .replays import Replays
 from .sites import Sites
 from .state import RunFacts
 from .steploop import StepLoop
+
+# Clean host steps take the lane (lane.py) where the run allows it; False keeps every step on the general path (the
+# tests compare the two).
+LANE = True
 
 
 class Core:
@@ -135,22 +140,61 @@ class Core:
             weight_every=options.weight_every,
             end_step=loop.end_step,
         )
+        self.lane: Lane | None = None
+        if (
+            optimizer is not None
+            and boundary is Boundary.OPTIMIZER
+            and not scaler_enabled
+            and collector.probe is None
+            and collector.anchor is not None
+            and not collector.keep_hooks
+            and not end.half_params
+            and options.mode is not Mode.DEBUG  # (every step observed)
+            and LANE
+        ):
+            self.lane = Lane(
+                guard,
+                collector,
+                end,
+                flights,
+                loop,
+                self.boundary_hooks,
+                replays,
+                facts,
+                cadence,
+                optimizer,
+                weight_every=options.weight_every,
+            )
+            collector.on_step_start = self.lane.step_start
+            loop.on_begin = self.lane.take
         loop.begin_step(0)
 
     def install(
         self, handles: hooks.Handles, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, scaler: Any
     ) -> None:
         """Every hook and wrapped method on the user's objects, each undone by ``handles.remove()``."""
-        collector, boundary_hooks = self.collector, self.boundary_hooks
-        handles.add(model.register_forward_pre_hook(hooks.eager(collector.on_root_pre), with_kwargs=True))
+        collector, boundary_hooks, lane = self.collector, self.boundary_hooks, self.lane
+        # (the lane's hooks pass every call of a step it does not hold to the general path's)
+        root_pre = lane.root_pre if lane is not None else collector.on_root_pre
+        handles.add(model.register_forward_pre_hook(hooks.eager(root_pre), with_kwargs=True))
         if self.replays is not None:
-            handles.add(model.register_forward_hook(hooks.eager(self.replays.on_root_output)))
+            root_out = lane.root_out if lane is not None else self.replays.on_root_output
+            handles.add(model.register_forward_hook(hooks.eager(root_out)))
         if collector.probe is not None:
             handles.on_remove(collector.probe.disarm)
         handles.on_remove(collector.unhook)
         if optimizer is not None:
-            handles.add(optimizer.register_step_pre_hook(boundary_hooks.on_opt_pre))
-            handles.add(optimizer.register_step_post_hook(boundary_hooks.on_opt_post))
+            opt_pre, opt_post = boundary_hooks.on_opt_pre, boundary_hooks.on_opt_post
+            if lane is not None:
+                opt_pre, opt_post = lane.opt_pre, lane.opt_post
+            handles.add(optimizer.register_step_pre_hook(opt_pre))
+            handles.add(optimizer.register_step_post_hook(opt_post))
         if scaler is not None:
             hooks.wrap_method(handles, scaler, "scale", boundary_hooks.wrap_scale)
             hooks.wrap_method(handles, scaler, "update", boundary_hooks.wrap_update)
+
+    def drain(self) -> None:
+        """Every finished step to the writer, in order (close())."""
+        if self.lane is not None:
+            self.lane.flush()
+        self.flights.drain()

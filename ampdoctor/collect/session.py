@@ -155,7 +155,9 @@ class Doctor:
     def log_loss(self, loss: Any) -> None:
         """The training loss of this step (tensor or float); summed over the step's micro-batches. Not needed with
         a GradScaler (``scaler.scale(loss)`` is read)."""
-        self._collector.log_loss(loss, self._core.flights.last_open())
+        lane = self._core.lane
+        if lane is None or not lane.log_loss(loss):
+            self._collector.log_loss(loss, self._core.flights.last_open())
 
     def log_metric(self, name: str, value: Any, step: int | None = None) -> None:
         """Any scalar, e.g. a validation metric; ``step`` defaults to the last completed step. A value that is not
@@ -226,6 +228,9 @@ class Doctor:
         and readable by other processes. False if that did not happen within ``timeout`` seconds."""
         if self._writer is None or self._closed:
             return False
+        lane = self._core.lane
+        if lane is not None and not self.guard.off:
+            lane.flush(keep_open=True)
         return self._writer.sync(timeout)
 
     # -- what the integrations and tools read -------------------------------------------------------------------------
@@ -297,7 +302,7 @@ class Doctor:
             self._live.stop()
         if writer is not None and core is not None:
             try:
-                core.flights.drain()
+                core.drain()
             except Exception:
                 pass
             try:

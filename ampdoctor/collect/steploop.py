@@ -60,13 +60,17 @@ class StepLoop:
         self.config = config
         self.live = live
         self.on_halt = on_halt
-        self._config_written = False
+        self.configured = False  # the run's configuration is in the trace (written after the first step)
         self._halted = False
+        self.on_begin: Callable[[StepState], None] | None = None  # told of each new step (the lane: lane.py)
 
     def begin_step(self, index: int) -> None:
         """Step ``index`` starts: a new state as the cadence plans it."""
         observe, reason, store_hist = self.cadence.plan(index)
-        self.collector.begin(StepState(index, observe, reason, store_hist, updates=self.facts.updates))
+        state = StepState(index, observe, reason, store_hist, updates=self.facts.updates)
+        self.collector.begin(state)
+        if self.on_begin is not None:
+            self.on_begin(state)
 
     def end_step(self, skipped: bool | None) -> None:
         """The step in progress ended (``skipped``: the optimizer did not apply it; None: read from the loss scale).
@@ -74,6 +78,10 @@ class StepLoop:
         if self.guard.off:
             return
         self._finish(skipped)
+        self.after_step()
+
+    def after_step(self) -> None:
+        """After a step end (this one's, or the lane's): the halt the live rules asked for, once."""
         live = self.live
         if live is not None and live.halt is not None and not self._halted:
             self._halted = True  # asked once: a loop that catches TrainingHalted may go on
@@ -99,16 +107,20 @@ class StepLoop:
         self.flights.add(flight)
         if self.probe is not None:
             self.probe.end(state.index)
-        if not self._config_written:
+        if not self.configured:
             self.put(MetaMsg("config", self.config()))
-            self._config_written = True
+            self.configured = True
         self.begin_step(state.index + 1)
-        self.end.stamp(flight.row, self.guard.take_time() + (time.perf_counter() - t0))
+        row = flight.row
+        self.end.stamp(row, self.guard.take_time() + (time.perf_counter() - t0))
+        self.budget_step(state.index, row["observer_time"], row["step_time"], row["reason"])
+
+    def budget_step(self, step: int, observer_time: float, step_time: float, reason: str) -> None:
+        """The overhead budget hears a finished step's times; a change of cadence goes into the trace."""
         if self.budget is not None:
-            row = flight.row
-            change = self.budget.update(row["observer_time"], row["step_time"], row["reason"])
+            change = self.budget.update(observer_time, step_time, reason)
             if change is not None:
-                self.put(EventMsg(state.index, EventKind.CADENCE, None, None, _budget_message(change), change))
+                self.put(EventMsg(step, EventKind.CADENCE, None, None, _budget_message(change), change))
 
 
 def _budget_message(change: dict[str, Any]) -> str:

@@ -1,0 +1,344 @@
+"""The clean step's short way. Most steps of a healthy run observe no site and are clean: the sentinel reads its
+figures, finds nothing, and the step's row goes to the trace. Inside a training loop each distinct call ampdoctor
+makes on such a step pays its cache misses again (benchmarks/step_costs.py): through the general path (the
+collector's and the boundary's hooks, the step end, the flights' verdicts and packets, one packet a step to the
+writer) a clean step cost ~180 us on the small CPU model, where the same decisions taken in few calls cost ~25.
+
+The lane holds a step from its start when the step can only be a clean host step or stop being one: it observes no
+site (the cadence's plan), its figures are on the host (a CPU model, no scaler, no half-precision weights) and the
+optimizer's step ends it. It works on the general path's own state (the step's StepState, the replay's Capture and
+its Calls) and decides with the same functions (the sentinel's figures, the running means of the spikes). Where the
+step turns out not to be clean (a NaN/Inf, a spike, a loss on a device, a model moved, a closure, a writer that
+failed), the lane lets it go at once and the general path carries on from there: nothing is converted, the replay
+finds the step's calls where it always does.
+
+A clean step's row waits in the lane while a loss logged after ``optimizer.step()`` may still join it; the rows go
+to the writer together, at most ROWS_MAX steps or FLUSH_S seconds after the oldest, and always before any packet of
+the general path (the trace stays in step order)."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..trace import schema
+from ..trace.messages import StepPacket
+from . import buffers, hooks, stats
+from .boundary import NO_VALUES, SENTINEL_BASES
+from .collector import MAX_STEP_LOSSES, autocast_state
+from .options import Observe
+
+if TYPE_CHECKING:
+    from .anomaly import Capture
+    from .boundary import StepEnd
+    from .boundary_hooks import BoundaryHooks
+    from .cadence import Cadence
+    from .collector import Collector
+    from .flights import Flights
+    from .guards import Guard
+    from .replays import Replays
+    from .state import RunFacts, StepState
+    from .steploop import StepLoop
+
+ROWS_MAX = 64  # clean steps' rows sent to the writer together (one deque append for them all)
+FLUSH_S = 0.25  # ... or once the oldest waited this long: a live reader sees a slow run's steps within a commit
+
+now = time.perf_counter
+is_grad_enabled = torch.is_grad_enabled
+
+
+class Lane:
+    """The hooks of a run whose clean steps can take the short way (core.Core makes it where the run's configuration
+    allows: a CPU-able optimizer boundary, no enabled scaler, no probe, no half-precision weights, an eager model).
+    Each hook passes the call to the general path's own hook whenever the lane does not hold the step."""
+
+    def __init__(
+        self,
+        guard: Guard,
+        collector: Collector,
+        end: StepEnd,
+        flights: Flights,
+        loop: StepLoop,
+        boundary_hooks: BoundaryHooks,
+        replays: Replays | None,
+        facts: RunFacts,
+        cadence: Cadence,
+        optimizer: torch.optim.Optimizer,
+        *,
+        weight_every: int,
+    ) -> None:
+        self.guard = guard
+        self.collector = collector
+        self.end = end
+        self.flights = flights
+        self.loop = loop
+        self.boundary_hooks = boundary_hooks
+        self.replays = replays
+        self.capture: Capture | None = replays.capture if replays is not None else None
+        self.facts = facts
+        self.cadence = cadence
+        self.groups = optimizer.param_groups
+        self.weight_every = weight_every
+        self.put = loop.put
+        self.held = False  # the step in progress is the lane's
+        self.carried = 0  # steps the lane carried to their end
+        self.rows: list[list[Any]] = []  # clean steps' rows not sent yet, oldest first (_ROW's fields)
+        self.open: StepState | None = None  # the newest of them while a late loss may join it (its step's state)
+        self._oldest = 0.0  # when the oldest row's step ended (perf_counter)
+        anchor = collector.anchor
+        assert anchor is not None  # (Core makes a lane only for a model with one)
+        self._anchor = anchor
+        self._losses_judged = -1  # the step's losses its verdict has seen (a loss logged after it is judged again)
+
+    # -- which steps ---------------------------------------------------------------------------------------------------
+    def take(self, state: StepState) -> None:
+        """A step begins: the lane holds it when it can only be a clean host step or stop being one."""
+        facts = self.facts
+        self.held = (
+            state.observe is Observe.NONE
+            and state.index % self.weight_every != 0
+            and facts.device == "cpu"
+            and stats.HOST_READS  # (False: the accelerator's path, emulated on the CPU by the tests)
+            and not facts.external_batches
+            and self.loop.configured
+            and not self.guard.off
+        )
+        self._losses_judged = -1
+
+    # -- training's hooks ----------------------------------------------------------------------------------------------
+    def root_pre(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.held and not self.guard.off:
+            t0 = now()
+            try:
+                done = self._root_pre(args, kwargs, t0)
+            except Exception as exc:
+                done = True
+                self.guard.fail(exc)
+            self.guard.observer_time += now() - t0
+            if done:
+                return
+        self.collector.on_root_pre(module, args, kwargs)
+
+    def _root_pre(self, args: tuple[Any, ...], kwargs: dict[str, Any], t0: float) -> bool:
+        """Collector.on_root_pre and start_micro for a held step (False: let go, the general path takes the call)."""
+        if not is_grad_enabled() or hooks.graph_task_id() != -1:
+            return True  # (an evaluation forward, a checkpoint's recomputation)
+        collector, state, facts = self.collector, self.collector.state, self.facts
+        first = state.t_first is None
+        if first:
+            if not self._anchor.is_cpu:  # the model moved: the general path reads its new device
+                self.held = False
+                return False
+            state.t_first = t0
+            self.step_start()
+        capture = self.capture
+        if capture is not None or (first and not collector.autocast_known("cpu")):
+            now_on = collector.autocast_now = autocast_state("cpu")
+            if first:
+                collector.record_autocast(now_on)
+        facts.step_starts += 1
+        state.micro += 1
+        a0 = args[0] if args else None
+        t = a0 if type(a0) is torch.Tensor else hooks.first_tensor(args, kwargs)
+        if t is not None and t.dim() > 0:
+            state.samples += int(t.shape[0])
+        state.first_backward = True
+        if capture is not None:
+            capture.on_call(args, kwargs, False, "cpu", collector.autocast_now)
+        return True
+
+    def root_out(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """The root's forward hook (the replay's backward seed): Capture.on_output, without the general checks a held
+        step has passed already."""
+        replays = self.replays
+        if replays is None:
+            return
+        if not self.held:
+            replays.on_root_output(module, args, output)
+            return
+        t0 = now()
+        try:
+            replays.capture.on_output(module, args, output)
+        except Exception as exc:
+            self.guard.fail(exc)
+        self.guard.observer_time += now() - t0
+
+    def opt_pre(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.held and not self.guard.off:
+            t0 = now()
+            try:
+                # (``args`` holds the optimizer itself; a closure, which runs forwards inside the step: general path)
+                clean = len(args) <= 1 and not kwargs and self._clean(self.collector.state)
+            except Exception as exc:
+                clean = True
+                self.guard.fail(exc)
+            self.guard.observer_time += now() - t0
+            if clean:
+                return
+            self.held = False
+        self.boundary_hooks.on_opt_pre(optimizer, args, kwargs)  # (an anomaly known now is replayed there)
+
+    def opt_post(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.held and not self.guard.off:
+            t0 = now()
+            try:
+                done = self._end(t0)
+            except Exception as exc:
+                done = True
+                self.guard.fail(exc)
+            if done:
+                self.loop.after_step()
+                return
+        self.boundary_hooks.on_opt_post(optimizer, args, kwargs)
+
+    def log_loss(self, loss: Any) -> bool:
+        """Doctor.log_loss for a loss the lane can take (a CPU scalar tensor or a float, in a held step or just after
+        one); False: the general path takes it."""
+        if (not self.held and self.open is None) or self.facts.loss_dtype is None or self.flights.queue:
+            return False  # (a finished step of the general path's may take it as a late loss)
+        if type(loss) is torch.Tensor:
+            if loss.numel() != 1 or not stats.on_host(loss):
+                return False
+            value = loss.item()
+        elif type(loss) is float:
+            value = loss
+        else:
+            return False
+        state = self.collector.state
+        open_ = self.open
+        if state.t_first is None and open_ is not None:
+            row = self.rows[-1]
+            if row[_LOSS] is None:  # logged after optimizer.step() ended its step: it joins that step
+                row[_LOSS] = value
+                if not math.isfinite(value):
+                    row[_NONFINITE] = True
+                self.end.late_loss(open_, value)
+                return True
+        if not self.held:
+            return False
+        losses = state.losses
+        if len(losses) >= MAX_STEP_LOSSES:
+            state.losses = [buffers.sum_losses(losses)]
+        state.losses.append(value)
+        return True
+
+    # -- the step's verdict and end ------------------------------------------------------------------------------------
+    def _clean(self, state: StepState) -> bool:
+        """The sentinel's verdict on a held step, where StepEnd.early_verdict and _judge reach it: its figures and
+        losses on the host and finite, no spike. False: the step is let go (the general path reaches the same verdict
+        from the same cached figures and judged spikes)."""
+        norm, gmax = self.end.figures(state)
+        losses = state.losses
+        if type(norm) is not float or type(gmax) is not float or not math.isfinite(norm + gmax):
+            return False  # (on the device, absent, or a NaN/Inf)
+        loss = None
+        if losses:
+            total = buffers.sum_losses(losses)
+            if type(total) is not float or not math.isfinite(total):
+                return False
+            loss = total
+        grad_spike, loss_spike = self.end.spikes(state, norm, loss)
+        self._losses_judged = len(losses)
+        return not (grad_spike or loss_spike)
+
+    def _end(self, t0: float) -> bool:
+        """BoundaryHooks.on_opt_post and StepLoop._finish for a clean held step: its row, the next step. False: the
+        step is let go at its end (the general path closes it)."""
+        collector, end, loop = self.collector, self.end, self.loop
+        state = collector.state
+        if (
+            state.t_first is None  # no forward this step: the general path knows what to warn
+            or loop.writer.error is not None
+            or self.flights.queue  # (the general path's finished steps go to the writer before this one)
+            or (len(state.losses) != self._losses_judged and not self._clean(state))
+        ):
+            self.held = False
+            return False
+        self.facts.updates += 1
+        state.opt_stepped = True
+        norm, gmax = state.figures  # type: ignore[misc]  # (judged clean: floats)
+        losses = state.losses
+        t_prev = end.t_prev_end
+        row = [
+            state.index,
+            time.time(),
+            max(state.t_first - t_prev, 0.0),
+            state.samples or None,
+            [float(g["lr"]) for g in self.groups],
+            state.micro,
+            gmax,
+            norm,
+            buffers.sum_losses(losses) if losses else None,
+            False,  # non-finite (a late loss may be)
+            0.0,  # step time, observer time: below
+            0.0,
+            state.reason,
+        ]
+        rows = self.rows
+        rows.append(row)
+        self.open = state
+        if self.capture is not None:
+            self.capture.take()  # (a clean step's calls are let go)
+        self.cadence.after(False)
+        if self.replays is not None and not self.cadence.alarmed:
+            self.replays.clean_again()
+        loop.begin_step(state.index + 1)
+        t_end = now()  # (StepEnd.stamp)
+        end.t_prev_end = t_end
+        if len(rows) == 1:
+            self._oldest = t_end
+        row[_STEP_TIME] = step_time = t_end - t_prev
+        row[_OBSERVER_TIME] = observer_time = self.guard.take_time() + (t_end - t0)
+        loop.budget_step(state.index, observer_time, step_time, state.reason)
+        self.carried += 1
+        return True
+
+    # -- to the writer -------------------------------------------------------------------------------------------------
+    def step_start(self) -> None:
+        """A step's first micro-batch: no loss joins the last clean step any more; the rows go to the writer when
+        enough wait, and the general path's finished steps (Flights.on_step_start) when it has some."""
+        self.open = None
+        rows = self.rows
+        if rows and (len(rows) >= ROWS_MAX or now() - self._oldest >= FLUSH_S):
+            self.flush()
+        if self.flights.queue:
+            self.flush()
+            self.flights.on_step_start()
+
+    def flush(self, keep_open: bool = False) -> None:
+        """The clean steps' rows to the writer (before any later step's packet), each as the packet the general path
+        would have made (StepEnd._row and _judge). ``keep_open``: the newest stays while a late loss may join it
+        (``doctor.flush()``: the general path too sends a step once the next one starts)."""
+        rows = self.rows
+        if keep_open and self.open is not None:
+            rows, self.rows = rows[:-1], rows[-1:]
+        else:
+            self.rows = []
+            self.open = None
+        if self.rows:
+            self._oldest = now()
+        if not rows:
+            return
+        entries, level, put = self.end.no_entries, schema.LEVEL_SENTINEL, self.put
+        for step, wall, data_time, samples, lr, micro, gmax, norm, loss, bad, step_time, spent, reason in rows:
+            row = {
+                "time": wall,
+                "data_time": data_time,
+                "samples": samples,
+                "lr": lr,
+                "microbatches": micro,
+                "peak_mem": None,
+                "level": level,
+                "reason": reason,
+                "grad_max": gmax,
+                "step_time": step_time,
+                "observer_time": spent,
+            }
+            put(StepPacket(step, row, NO_VALUES, SENTINEL_BASES, entries, loss, None, None, norm, False, bad, False))
+
+
+# a row's fields (Lane._end), by position
+_LOSS, _NONFINITE, _STEP_TIME, _OBSERVER_TIME = 8, 9, 10, 11

@@ -1,0 +1,115 @@
+"""The clean step's short way (collect/lane.py) writes what the general path writes: real runs with the lane and
+without it (core.LANE), compared row by row and event by event, through late and early losses, accumulated
+micro-batches, dropout, a finite loss spike and a NaN the replay must localise."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+import torch
+
+import ampdoctor
+from ampdoctor.collect import core
+
+# (wall clocks, which differ between any two runs)
+TIMES = ["time", "data_time", "step_time", "observer_time", "samples_per_s"]
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(0.1),
+        torch.nn.Linear(32, 32),
+        torch.nn.ReLU(),
+        torch.nn.Linear(32, 1),
+    )
+
+
+def run(path, lane, monkeypatch, *, steps=60, late=True, accumulation=1, replay=True, spike=None, nan=None):
+    """Train, attached; ``spike``: the step whose targets are 1000x (a finite loss spike), ``nan``: the step whose
+    batch holds an Inf. Returns the Doctor's lane (None without one)."""
+    monkeypatch.setattr(core, "LANE", lane)
+    m = model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    with ampdoctor.attach(m, optimizer=opt, trace=path, live=False, replay=replay) as doc:
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            for _ in range(accumulation):
+                x, y = torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
+                if step == spike:
+                    y = y * 1000
+                if step == nan:
+                    x[0, 0] = float("inf")
+                loss = torch.nn.functional.mse_loss(m(x), y) / accumulation
+                loss.backward()
+                if not late:
+                    doc.log_loss(loss)
+            opt.step()
+            if late:
+                doc.log_loss(loss)
+        return doc._core.lane
+
+
+def tables(path):
+    t = ampdoctor.load(path)
+    steps = t.steps().drop(columns=TIMES)
+    events = t.events()[["step", "kind", "path", "phase", "message"]]
+    return steps, events
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"late": False},
+        {"accumulation": 2},
+        {"replay": False},
+        {"spike": 40},
+        {"late": False, "spike": 40},
+        {"nan": 43},
+    ],
+    ids=["late-loss", "early-loss", "accumulation", "no-replay", "late-spike", "early-spike", "nan"],
+)
+def test_the_lane_writes_what_the_general_path_writes(tmp_path, monkeypatch, kwargs):
+    fast = run(str(tmp_path / "lane.db"), True, monkeypatch, **kwargs)
+    slow = run(str(tmp_path / "general.db"), False, monkeypatch, **kwargs)
+    assert slow is None and fast is not None
+    # the lane carried the clean sentinel steps: all but calibration, sampled and anomalous ones (and the last,
+    # ended by close())
+    sentinel = (tables(str(tmp_path / "lane.db"))[0]["reason"] == "sentinel").sum()
+    assert sentinel > 20 and fast.carried >= sentinel - 2
+    (s1, e1), (s2, e2) = tables(str(tmp_path / "lane.db")), tables(str(tmp_path / "general.db"))
+    assert s1.equals(s2), s1.compare(s2)
+    assert e1.equals(e2), (e1, e2)
+    if "spike" in kwargs:
+        assert (e1["kind"] == "loss_spike").any()
+    if "nan" in kwargs:
+        assert s1.loc[s1["step"] == kwargs["nan"], "nonfinite"].item()
+        assert (e1["step"] == kwargs["nan"]).any()  # the replay's localisation of the Inf, as without the lane
+
+
+def test_flush_writes_every_finished_clean_step(tmp_path, monkeypatch):
+    """``doctor.flush()`` makes every step before the last finished one readable, lane or not (the last finished
+    step waits for a late loss either way)."""
+    for lane in (True, False):
+        path = str(tmp_path / f"{lane}.db")
+        monkeypatch.setattr(core, "LANE", lane)
+        m = model()
+        opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+        doc = ampdoctor.attach(m, optimizer=opt, trace=path, live=False)
+        try:
+            for _ in range(50):
+                loss = m(torch.randn(4, 16)).square().mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                doc.log_loss(loss)
+            assert doc.flush()
+            steps = [r[0] for r in sqlite3.connect(path).execute("SELECT step FROM steps ORDER BY step")]
+            assert steps == list(range(49)), lane
+        finally:
+            doc.close()
