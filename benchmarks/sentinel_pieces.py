@@ -14,11 +14,12 @@ with the replay and without (``replay=False``); and ampdoctor with one piece swi
 Doctor only (a benchmark's own reach into ampdoctor's parts: what is switched off is named per variant):
 
   no-figures   the gradient norm and peak (the step's figures are 1.0)
-  no-write     the step packets are not sent to the writer
-  no-end       the step end (the next step is only begun)
+  no-write     the step packets are not sent to the writer (on the general path: implies no-lane)
+  no-end       the step end (the next step is only begun; on the general path: implies no-lane)
   no-loss      log_loss (the loop reads the loss itself)
   no-seed      the hook that keeps the gradient reaching the root's output (the replay's backward seed)
   no-call      the replay's capture of the root call (arguments, versions, RNG and autocast state)
+  no-lane      every step on the general path: the clean steps' short way (collect/lane.py) off
 
 Run: .venv/bin/python benchmarks/sentinel_pieces.py [--rounds R] [--steps N] [--threads T]
      [--variants replay,no-replay,no-seed,no-seed+no-call,...]
@@ -43,6 +44,7 @@ import overhead
 
 import ampdoctor
 from ampdoctor.collect import compiled, stats
+from ampdoctor.collect import core as wiring
 from ampdoctor.trace.messages import StepPacket
 
 OFF = {"every": 10**9, "peak_every": 10**9, "hist_every": 10**9, "live": False}
@@ -122,9 +124,11 @@ def least() -> Run:
 
 def attached(pieces: set[str], replay: bool = True) -> Run:
     r = Run()
+    wiring.LANE = not pieces & {"no-lane", "no-write", "no-end"}  # (these two switch off the general path's parts)
     doc = r.doctor = ampdoctor.attach(
         r.model, optimizer=r.opt, trace=os.path.join(tempfile.mkdtemp(), "t.db"), replay=replay, **OFF
     )
+    wiring.LANE = True
     r.after = doc.log_loss
     core = doc._core
     if "no-figures" in pieces:
@@ -165,8 +169,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument(
         "--variants",
-        default="replay,no-replay,no-seed,no-seed+no-call,no-replay+no-figures+no-write,"
-        "no-replay+no-figures+no-write+no-end,no-replay+no-figures+no-write+no-loss",
+        default="replay,no-replay,no-lane,no-lane+no-replay,no-seed,no-seed+no-call",
     )
     args = ap.parse_args()
     warnings.simplefilter("ignore")

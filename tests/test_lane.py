@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import ampdoctor
-from ampdoctor.collect import core
+from ampdoctor.collect import compiled, core
+from ampdoctor.collect import lane as lane_module
 
 # (wall clocks, which differ between any two runs)
 TIMES = ["time", "data_time", "step_time", "observer_time", "samples_per_s"]
@@ -75,9 +76,15 @@ def tables(path):
     ids=["late-loss", "early-loss", "accumulation", "no-replay", "late-spike", "early-spike", "nan"],
 )
 def test_the_lane_writes_what_the_general_path_writes(tmp_path, monkeypatch, kwargs):
+    compare(tmp_path, monkeypatch, kwargs)
+
+
+def compare(tmp_path, monkeypatch, kwargs):
     fast = run(str(tmp_path / "lane.db"), True, monkeypatch, **kwargs)
     slow = run(str(tmp_path / "general.db"), False, monkeypatch, **kwargs)
     assert slow is None and fast is not None
+    # where the C++ extension is loaded (make install builds it), the lane reads each root call by one C++ call
+    assert (fast._call_state is not None) == (compiled.get() is not None)
     # the lane carried the clean sentinel steps: all but calibration, sampled and anomalous ones (and the last,
     # ended by close())
     sentinel = (tables(str(tmp_path / "lane.db"))[0]["reason"] == "sentinel").sum()
@@ -90,6 +97,13 @@ def test_the_lane_writes_what_the_general_path_writes(tmp_path, monkeypatch, kwa
     if "nan" in kwargs:
         assert s1.loc[s1["step"] == kwargs["nan"], "nonfinite"].item()
         assert (e1["step"] == kwargs["nan"]).any()  # the replay's localisation of the Inf, as without the lane
+
+
+def test_the_lane_without_the_cpp_extension(tmp_path, monkeypatch):
+    """Where the extension is not built (no compiler), the lane reads a root call in Python, and still writes what
+    the general path writes, through a NaN the replay localises (its RNG state read in Python, not in C++)."""
+    monkeypatch.setattr(lane_module.compiled, "get", lambda: None)
+    compare(tmp_path, monkeypatch, {"nan": 43})
 
 
 def test_flush_writes_every_finished_clean_step(tmp_path, monkeypatch):

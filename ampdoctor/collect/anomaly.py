@@ -98,7 +98,7 @@ class Capture:
         else:
             tensors = hooks.float_tensors((args, kwargs)) + _int_tensors((args, kwargs))
         dev = self.device() if device_type != "cpu" else None  # (the CPU generator's state is always kept)
-        self.calls.append(Call(args, kwargs, [(t, t._version) for t in tensors], rng_get(dev), autocast))
+        self.keep(args, kwargs, [(t, t._version) for t in tensors], rng_get(dev), autocast)
         if measure:
             peaks = [t.detach().abs().amax().float() for t in hooks.float_tensors((args, kwargs)) if t.numel()]
             if peaks:
@@ -107,6 +107,18 @@ class Capture:
                     self._peaks = torch.full((TYPICAL_KEPT,), math.nan, device=peak.device)
                 self._peaks[self._next_peak % TYPICAL_KEPT] = peak  # (on the device: no host read)
                 self._next_peak += 1
+
+    def keep(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        versions: list[tuple[torch.Tensor, int]],
+        rng: RngState,
+        autocast: tuple[str, torch.dtype] | None,
+    ) -> None:
+        """A root call, its tensors' versions and RNG state read already (on_call, or the lane's one C++ call)."""
+        if not self.paused and len(self.calls) < MAX_CALLS:
+            self.calls.append(Call(args, kwargs, versions, rng, autocast))
 
     def on_output(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         """The root's forward ended: hook the gradients that will reach its outputs (the backward's seeds)."""

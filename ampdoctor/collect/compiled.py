@@ -208,6 +208,17 @@ def _self_check(ext: ModuleType) -> None:
         norm, peak, _ = ext.Grads([p]).figures()
         if not (math.isnan(norm) and math.isnan(peak)):
             raise RuntimeError(f"the C++ figures lose a NaN in {dtype}")
+    x = torch.zeros(6, 2)
+    x.add_(1)  # (version 1)
+    seen = [ext.call_state(x, True), ext.call_state(None, False)]
+    with torch.no_grad():
+        seen.append(ext.call_state(x, True))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        seen.append(ext.call_state(torch.tensor(1.0), False))
+    expected = [(True, None, 6, 1), (True, None, -1, -1), (False, None, -1, -1), (True, torch.bfloat16, -1, 0)]
+    states = [s[:4] for s in seen]
+    if states != expected or not torch.equal(seen[0][4], torch.default_generator.get_state()):
+        raise RuntimeError(f"the C++ call state disagrees with torch: {states} against {expected}")
 
 
 def main() -> None:

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..trace import schema
 from ..trace.messages import StepPacket
-from . import buffers, hooks, stats
+from . import buffers, compiled, hooks, stats
 from .boundary import NO_VALUES, SENTINEL_BASES
 from .collector import MAX_STEP_LOSSES, autocast_state
 from .options import Observe
@@ -92,6 +93,7 @@ class Lane:
         assert anchor is not None  # (Core makes a lane only for a model with one)
         self._anchor = anchor
         self._losses_judged = -1  # the step's losses its verdict has seen (a loss logged after it is judged again)
+        self._call_state: Callable[..., tuple[Any, ...]] | None = None  # the C++ read of a root call, once loaded
 
     # -- which steps ---------------------------------------------------------------------------------------------------
     def take(self, state: StepState) -> None:
@@ -107,6 +109,9 @@ class Lane:
             and not self.guard.off
         )
         self._losses_judged = -1
+        if self._call_state is None and self.held:
+            ext = compiled.get()  # (looks again every few seconds while the extension builds elsewhere)
+            self._call_state = getattr(ext, "call_state", None)
 
     # -- training's hooks ----------------------------------------------------------------------------------------------
     def root_pre(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -123,31 +128,40 @@ class Lane:
         self.collector.on_root_pre(module, args, kwargs)
 
     def _root_pre(self, args: tuple[Any, ...], kwargs: dict[str, Any], t0: float) -> bool:
-        """Collector.on_root_pre and start_micro for a held step (False: let go, the general path takes the call)."""
-        if not is_grad_enabled() or hooks.graph_task_id() != -1:
-            return True  # (an evaluation forward, a checkpoint's recomputation)
+        """Collector.on_root_pre and start_micro for a held step (False: let go, the general path takes the call). The
+        common call, one plain tensor, is read by one C++ call where the extension is loaded (compiled.py)."""
+        a0: Any = args[0] if len(args) == 1 and not kwargs else None
+        call_state, capture = self._call_state, self.capture
+        if call_state is not None and type(a0) is torch.Tensor:
+            training, dtype, rows, version, rng = call_state(a0, capture is not None)
+            if not training:
+                return True  # (an evaluation forward, a checkpoint's recomputation)
+            autocast = ("cpu", dtype) if dtype is not None else None
+        else:
+            if not is_grad_enabled() or hooks.graph_task_id() != -1:
+                return True
+            t = a0 if type(a0) is torch.Tensor else hooks.first_tensor(args, kwargs)
+            rows = t.shape[0] if t is not None and t.dim() > 0 else -1
+            autocast, rng = autocast_state("cpu"), None
         collector, state, facts = self.collector, self.collector.state, self.facts
-        first = state.t_first is None
-        if first:
+        if state.t_first is None:
             if not self._anchor.is_cpu:  # the model moved: the general path reads its new device
                 self.held = False
                 return False
             state.t_first = t0
             self.step_start()
-        capture = self.capture
-        if capture is not None or (first and not collector.autocast_known("cpu")):
-            now_on = collector.autocast_now = autocast_state("cpu")
-            if first:
-                collector.record_autocast(now_on)
+            collector.record_autocast(autocast)
+        collector.autocast_now = autocast
         facts.step_starts += 1
         state.micro += 1
-        a0 = args[0] if args else None
-        t = a0 if type(a0) is torch.Tensor else hooks.first_tensor(args, kwargs)
-        if t is not None and t.dim() > 0:
-            state.samples += int(t.shape[0])
+        if rows > 0:
+            state.samples += rows
         state.first_backward = True
         if capture is not None:
-            capture.on_call(args, kwargs, False, "cpu", collector.autocast_now)
+            if rng is not None:
+                capture.keep(args, kwargs, [(a0, version)] if version >= 0 else [], (rng, None, None), autocast)
+            else:
+                capture.on_call(args, kwargs, False, "cpu", autocast)
         return True
 
     def root_out(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:

@@ -3,19 +3,39 @@
 //
 // Grads(params).figures(): the global L2 norm and the largest |g| over the parameters' gradients, read from their
 //   memory in one pass (float32, bfloat16, float16 on the CPU): no Python object per gradient.
+// call_state(x): at a root forward's start on the CPU, the state the step's record and the replay's capture read
+//   there, in one call where Python makes seven (grad mode, backward recomputation, autocast, the batch's rows and
+//   version counter, the CPU generator's state).
 
 // (not torch/extension.h, which includes all of torch's C++ API: the build takes a third of the time)
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/core/GradMode.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <torch/csrc/DynamicTypes.h>
+
+#include <mutex>
+#include <optional>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <tuple>
 #include <vector>
+
+// Declared as torch's own headers declare them (ATen/autocast_mode.h and torch/csrc/autograd/graph_task.h pull in
+// most of ATen and autograd: 14 s more of every build, for two functions). A torch that no longer exports them fails
+// to load this extension, and the Python path serves (compiled.py).
+namespace at::autocast {
+TORCH_API bool is_autocast_enabled(at::DeviceType device_type);
+TORCH_API at::ScalarType get_autocast_dtype(at::DeviceType device_type);
+}  // namespace at::autocast
+namespace torch::autograd {
+TORCH_API int get_current_graph_task_id();
+}  // namespace torch::autograd
 
 namespace {
 
@@ -148,10 +168,41 @@ struct Grads {
   std::vector<at::Tensor> params_;
 };
 
+// (training, autocast dtype or None, rows, version, generator state) at a root forward's start: training is grad mode on
+// outside a backward's recomputation (a checkpoint's forward); the autocast dtype is the CPU's, None when autocast is
+// off there; rows and version are x's first dimension and version counter (-1 without x, or for a 0-d x: rows; a
+// sparse floating x is not kept: version), the generator's state as torch.default_generator.get_state() gives it
+// (None unless ``rng``). Nothing else is read when not training.
+py::tuple call_state(const std::optional<at::Tensor>& x, bool rng) {
+  if (!c10::GradMode::is_enabled() || torch::autograd::get_current_graph_task_id() != -1) {
+    return py::make_tuple(false, py::none(), -1, -1, py::none());
+  }
+  py::object dtype = py::none();
+  if (at::autocast::is_autocast_enabled(at::kCPU)) {
+    dtype = py::reinterpret_borrow<py::object>(
+        reinterpret_cast<PyObject*>(torch::getTHPDtype(at::autocast::get_autocast_dtype(at::kCPU))));
+  }
+  int64_t rows = -1, version = -1;
+  if (x.has_value() && x->defined()) {
+    const at::Tensor& t = *x;
+    if (t.dim() > 0) rows = t.size(0);
+    if (t.layout() == at::kStrided || !t.is_floating_point()) version = static_cast<int64_t>(t._version());
+  }
+  if (!rng) return py::make_tuple(true, dtype, rows, version, py::none());
+  auto gen = at::detail::getDefaultCPUGenerator();
+  at::Tensor state;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());  // (as torch's own get_state binding)
+    state = gen.get_state();
+  }
+  return py::make_tuple(true, dtype, rows, version, state);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Grads>(m, "Grads")
       .def(py::init<std::vector<at::Tensor>>())
       .def("figures", &Grads::figures, py::call_guard<py::gil_scoped_release>());
+  m.def("call_state", &call_state);
 }
