@@ -32,9 +32,9 @@ from ampdoctor.collect import (
     boundary_hooks,
     collector,
     compiled,
-    core,
     flights,
     lane,
+    replays,
     session,
     stats,
     steploop,
@@ -46,7 +46,8 @@ PIECES = [
     (lane.Lane, "root_pre", "lane: root pre-hook"),
     (lane.Lane, "step_start", "  the step start (rows to the writer)"),
     (anomaly.Capture, "on_call", "  the replay's capture of the call"),
-    (lane.Lane, "root_out", "lane: root forward hook (the seed's hook)"),
+    (lane.Lane, "root_out", "lane: root forward hook"),
+    (anomaly.Capture, "on_output", "  the seed's hook"),
     (lane.Lane, "opt_pre", "lane: optimizer pre-hook"),
     (boundary.StepEnd, "figures", "  gradient norm and peak"),
     (lane.Lane, "opt_post", "lane: optimizer post-hook"),
@@ -55,7 +56,7 @@ PIECES = [
     (lane.Lane, "flush", "lane: rows to the writer"),
     (collector.Collector, "on_root_pre", "root pre-hook"),
     (flights.Flights, "on_step_start", "  the finished step to the writer"),
-    (anomaly.Capture, "on_output", "root forward hook: the seed's hook"),
+    (replays.Replays, "on_root_output", "root forward hook"),
     (boundary_hooks.BoundaryHooks, "on_opt_pre", "optimizer pre-hook"),
     (boundary.StepEnd, "early_verdict", "  early verdict"),
     (boundary_hooks.BoundaryHooks, "on_opt_post", "optimizer post-hook: the step end"),
@@ -63,7 +64,7 @@ PIECES = [
     (flights.Flights, "add", "  verdict, flight recorder"),
     (session.Doctor, "log_loss", "log_loss after optimizer.step()"),
 ]
-# (shared parts, listed once above: the capture of the call, the figures, the next step's plan)
+# (shared parts, listed once above: the capture of the call, the seed's hook, the figures, the next step's plan)
 
 
 def main() -> None:
@@ -71,9 +72,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4000)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-replay", action="store_true")
-    ap.add_argument("--no-lane", action="store_true", help="every step on the general path (core.LANE = False)")
+    ap.add_argument("--no-lane", action="store_true", help="every step on the general path (the lane off)")
     args = ap.parse_args()
-    core.LANE = not args.no_lane
     warnings.simplefilter("ignore")
     torch.set_num_threads(args.threads)
     stats.native(wait=True)
@@ -93,7 +93,8 @@ def main() -> None:
                 calls[_label] += 1
 
         setattr(cls, name, timed)
-    run = make("no-replay" if args.no_replay else "replay")
+    variant = "+".join(["no-lane"] * args.no_lane + ["no-replay"] * args.no_replay) or "replay"
+    run = make(variant)  # (sentinel_pieces' variants: "no-lane" sets core.LANE = False for its attach)
     run.block(300)
     spent.clear()
     calls.clear()

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..trace import schema
-from ..trace.messages import StepPacket
+from ..trace.messages import StepBatch, StepPacket
 from . import buffers, compiled, hooks, stats
 from .boundary import NO_VALUES, SENTINEL_BASES
 from .collector import MAX_STEP_LOSSES, autocast_state
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from .state import RunFacts, StepState
     from .steploop import StepLoop
 
-ROWS_MAX = 64  # clean steps' rows sent to the writer together (one deque append for them all)
+ROWS_MAX = 256  # clean steps sent to the writer together: one queue item (StepBatch), one write of them all
 FLUSH_S = 0.25  # ... or once the oldest waited this long: a live reader sees a slow run's steps within a commit
 
 now = time.perf_counter
@@ -336,7 +336,7 @@ class Lane:
             self._oldest = now()
         if not rows:
             return
-        entries, level, put = self.end.no_entries, schema.LEVEL_SENTINEL, self.put
+        entries, level, packets = self.end.no_entries, schema.LEVEL_SENTINEL, []
         for step, wall, data_time, samples, lr, micro, gmax, norm, loss, bad, step_time, spent, reason in rows:
             row = {
                 "time": wall,
@@ -351,7 +351,10 @@ class Lane:
                 "step_time": step_time,
                 "observer_time": spent,
             }
-            put(StepPacket(step, row, NO_VALUES, SENTINEL_BASES, entries, loss, None, None, norm, False, bad, False))
+            packets.append(
+                StepPacket(step, row, NO_VALUES, SENTINEL_BASES, entries, loss, None, None, norm, False, bad, False)
+            )
+        self.put(StepBatch(packets))
 
 
 # a row's fields (Lane._end), by position

@@ -102,3 +102,10 @@ class StepPacket:
     nonfinite: bool  # a NaN/Inf in the loss, the gradients or any observed value
     store_hist: bool
     late_loss: object = None  # a loss logged after the step boundary, resolved before writing
+
+
+class StepBatch(NamedTuple):
+    """Consecutive finished steps sent together (the clean steps of collect/lane.py): one queue item and one wake-up
+    of the writer for many steps, which it writes with the others it holds."""
+
+    packets: list[StepPacket]

@@ -25,7 +25,7 @@ import numpy.typing as npt
 
 from .. import formats
 from . import blocks, newfile, schema, vectors
-from .messages import Close, EventKind, EventMsg, MetaMsg, MetricMsg, ProbeMsg, SiteMsg, StepPacket, Sync
+from .messages import Close, EventKind, EventMsg, MetaMsg, MetricMsg, ProbeMsg, SiteMsg, StepBatch, StepPacket, Sync
 from .vectors import Entry, FullPlan, Layout, Phase, tensor_peaks
 
 if TYPE_CHECKING:  # (typing names past Python 3.9: for the type checker only)
@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # (typing names past Python 3.9: for the type checker only)
 
     # what the training side puts on the queue (messages.py), and what the writer thread stores one by one
     Message: TypeAlias = SiteMsg | MetaMsg | MetricMsg | ProbeMsg | EventMsg
-    Item: TypeAlias = Message | StepPacket | Sync | Close
+    Item: TypeAlias = Message | StepPacket | StepBatch | Sync | Close
 
 log = logging.getLogger("ampdoctor")
 
@@ -148,7 +148,7 @@ class Writer(threading.Thread):
         self._conn: sqlite3.Connection | None = newfile.open_new(self.path)
 
     # -- training-thread side ----------------------------------------------------------------------------------
-    def put(self, item: SiteMsg | MetaMsg | MetricMsg | EventMsg | ProbeMsg | StepPacket) -> None:
+    def put(self, item: SiteMsg | MetaMsg | MetricMsg | EventMsg | ProbeMsg | StepPacket | StepBatch) -> None:
         """Enqueue (a deque append: no lock; a wake-up only when WAKE_AT items wait). Waits only while the writer is
         QUEUE_MAX items behind, and drops items once the writer has failed (the Doctor then stops collecting)."""
         items = self._items
@@ -204,6 +204,9 @@ class Writer(threading.Thread):
                     item = items.popleft()
                     if type(item) is StepPacket:  # gathered, written together (in order with the rest)
                         steps.append(item)
+                        continue
+                    if type(item) is StepBatch:
+                        steps.extend(item.packets)
                         continue
                     if steps:
                         self._write_steps(conn, steps)
