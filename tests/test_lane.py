@@ -17,6 +17,26 @@ from ampdoctor.collect import lane as lane_module
 TIMES = ["time", "data_time", "step_time", "observer_time", "samples_per_s"]
 
 
+class Amplify(torch.autograd.Function):
+    """Identity forward; its backward multiplies the gradient by 1e36 where its input held a value above 1e4: a
+    batch with one large (finite) input overflows in the backward only, and a replay from the same inputs and the
+    kept seed overflows there again."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.large = bool(x.detach().abs().max() > 1e4)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 1e36 if ctx.large else g
+
+
+class Amplifier(torch.nn.Module):
+    def forward(self, x):
+        return Amplify.apply(x)
+
+
 def model():
     torch.manual_seed(0)
     return torch.nn.Sequential(
@@ -24,14 +44,18 @@ def model():
         torch.nn.ReLU(),
         torch.nn.Dropout(0.1),
         torch.nn.Linear(32, 32),
+        Amplifier(),
         torch.nn.ReLU(),
         torch.nn.Linear(32, 1),
     )
 
 
-def run(path, lane, monkeypatch, *, steps=60, late=True, accumulation=1, replay=True, spike=None, nan=None):
+def run(
+    path, lane, monkeypatch, *, steps=60, late=True, accumulation=1, replay=True, spike=None, nan=None, bwd_nan=None
+):
     """Train, attached; ``spike``: the step whose targets are 1000x (a finite loss spike), ``nan``: the step whose
-    batch holds an Inf. Returns the Doctor's lane (None without one)."""
+    batch holds an Inf, ``bwd_nan``: the step whose batch holds 1e6 (finite; Amplify overflows its backward).
+    Returns the Doctor's lane (None without one)."""
     monkeypatch.setattr(core, "LANE", lane)
     m = model()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
@@ -45,6 +69,8 @@ def run(path, lane, monkeypatch, *, steps=60, late=True, accumulation=1, replay=
                     y = y * 1000
                 if step == nan:
                     x[0, 0] = float("inf")
+                if step == bwd_nan:
+                    x[0, 0] = 1e6
                 loss = torch.nn.functional.mse_loss(m(x), y) / accumulation
                 loss.backward()
                 if not late:
@@ -72,8 +98,9 @@ def tables(path):
         {"spike": 40},
         {"late": False, "spike": 40},
         {"nan": 43},
+        {"bwd_nan": 44},
     ],
-    ids=["late-loss", "early-loss", "accumulation", "no-replay", "late-spike", "early-spike", "nan"],
+    ids=["late-loss", "early-loss", "accumulation", "no-replay", "late-spike", "early-spike", "nan", "backward-nan"],
 )
 def test_the_lane_writes_what_the_general_path_writes(tmp_path, monkeypatch, kwargs):
     compare(tmp_path, monkeypatch, kwargs)
@@ -94,9 +121,12 @@ def compare(tmp_path, monkeypatch, kwargs):
     assert e1.equals(e2), (e1, e2)
     if "spike" in kwargs:
         assert (e1["kind"] == "loss_spike").any()
-    if "nan" in kwargs:
-        assert s1.loc[s1["step"] == kwargs["nan"], "nonfinite"].item()
-        assert (e1["step"] == kwargs["nan"]).any()  # the replay's localisation of the Inf, as without the lane
+    for key in ("nan", "bwd_nan"):
+        if key in kwargs:
+            assert s1.loc[s1["step"] == kwargs[key], "nonfinite"].item()
+            assert (e1["step"] == kwargs[key]).any()  # the replay's localisation of the Inf, as without the lane
+    if "bwd_nan" in kwargs:  # found in the backward, which the replay ran from the seed the lane's hook kept
+        assert (e1.loc[e1["step"] == kwargs["bwd_nan"], "phase"] == "bwd").any(), e1
 
 
 def test_the_lane_without_the_cpp_extension(tmp_path, monkeypatch):

@@ -54,6 +54,14 @@ class Call:
     rng: RngState
     autocast: tuple[str, torch.dtype] | None  # (device_type, dtype) when autocast was on at the call
     seeds: dict[int, torch.Tensor] = field(default_factory=dict)  # output index -> gradient that reached it
+    held: Any = None  # output 0's gradient held by a C++ hook (the lane's: compiled.py), until take_held()
+
+    def take_held(self) -> None:
+        """The gradient a C++ hook held for output 0 joins ``seeds`` (before a replay reads them)."""
+        held, self.held = self.held, None
+        grad = held.get() if held is not None else None
+        if grad is not None:
+            self.seeds[0] = grad
 
 
 class Capture:

@@ -219,6 +219,13 @@ def _self_check(ext: ModuleType) -> None:
     states = [s[:4] for s in seen]
     if states != expected or not torch.equal(seen[0][4], torch.default_generator.get_state()):
         raise RuntimeError(f"the C++ call state disagrees with torch: {states} against {expected}")
+    w = torch.ones(3, requires_grad=True)
+    out = w * 2
+    seed = ext.keep_seed(out, 1 << 22)
+    (out * 3).sum().backward()  # type: ignore[no-untyped-call]  # (unannotated in torch)
+    grad = seed.get()
+    if grad is None or not torch.equal(grad, torch.full((3,), 3.0)) or ext.keep_seed(out.detach(), 8) is not None:
+        raise RuntimeError(f"the C++ seed hook disagrees with torch: {grad}")
 
 
 def main() -> None:

@@ -28,6 +28,7 @@ import torch
 from ..trace import schema
 from ..trace.messages import StepBatch, StepPacket
 from . import buffers, compiled, hooks, stats
+from .anomaly import SEED_KEEP_MAX
 from .boundary import NO_VALUES, SENTINEL_BASES
 from .collector import MAX_STEP_LOSSES, autocast_state
 from .options import Observe
@@ -93,7 +94,9 @@ class Lane:
         assert anchor is not None  # (Core makes a lane only for a model with one)
         self._anchor = anchor
         self._losses_judged = -1  # the step's losses its verdict has seen (a loss logged after it is judged again)
-        self._call_state: Callable[..., tuple[Any, ...]] | None = None  # the C++ read of a root call, once loaded
+        # the C++ read of a root call and the C++ seed hook, once the extension is loaded
+        self._call_state: Callable[..., tuple[Any, ...]] | None = None
+        self._keep_seed: Callable[..., Any] | None = None
 
     # -- which steps ---------------------------------------------------------------------------------------------------
     def take(self, state: StepState) -> None:
@@ -112,6 +115,7 @@ class Lane:
         if self._call_state is None and self.held:
             ext = compiled.get()  # (looks again every few seconds while the extension builds elsewhere)
             self._call_state = getattr(ext, "call_state", None)
+            self._keep_seed = getattr(ext, "keep_seed", None)
 
     # -- training's hooks ----------------------------------------------------------------------------------------------
     def root_pre(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -165,8 +169,8 @@ class Lane:
         return True
 
     def root_out(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        """The root's forward hook (the replay's backward seed): Capture.on_output, without the general checks a held
-        step has passed already."""
+        """The root's forward hook: the replay's backward seed. On a held step a single output tensor's is kept by a
+        hook in C++ (the backward runs no Python for it) where the extension is loaded; else Capture.on_output."""
         replays = self.replays
         if replays is None:
             return
@@ -175,7 +179,12 @@ class Lane:
             return
         t0 = now()
         try:
-            replays.capture.on_output(module, args, output)
+            capture, keep_seed = replays.capture, self._keep_seed
+            if keep_seed is not None and type(output) is torch.Tensor:
+                if capture.calls and not capture.paused:
+                    capture.calls[-1].held = keep_seed(output, SEED_KEEP_MAX)
+            else:
+                capture.on_output(module, args, output)
         except Exception as exc:
             self.guard.fail(exc)
         self.guard.observer_time += now() - t0

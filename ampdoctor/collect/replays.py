@@ -108,6 +108,8 @@ class Replays:
         self, state: StepState, why: str, calls: list[Call], batch_ids: list[Any], *, moved: str | None
     ) -> Replay | None:
         """Replay the step, record what it found; a replay that fails is recorded as such and training goes on."""
+        for call in calls:
+            call.take_held()
         scale = state.scale_before
         scale = float(scale) if scale is not None else None  # (a device value: read on an anomalous step only)
         full = state.observe is Observe.FULL  # it observed its sites itself

@@ -6,6 +6,8 @@
 // call_state(x): at a root forward's start on the CPU, the state the step's record and the replay's capture read
 //   there, in one call where Python makes seven (grad mode, backward recomputation, autocast, the batch's rows and
 //   version counter, the CPU generator's state).
+// keep_seed(output, max_numel): the gradient that will reach a root output in the backward (the replay's seed), kept
+//   by a hook in C++: the backward runs no Python for it.
 
 // (not torch/extension.h, which includes all of torch's C++ API: the build takes a third of the time)
 #include <ATen/core/Tensor.h>
@@ -198,6 +200,31 @@ py::tuple call_state(const std::optional<at::Tensor>& x, bool rng) {
   return py::make_tuple(true, dtype, rows, version, state);
 }
 
+// The gradient that reached a root output (summed where the output was used twice), held for the step's replay.
+struct Seed {
+  at::Tensor grad;
+  std::optional<at::Tensor> get() const {
+    if (!grad.defined()) return std::nullopt;
+    return grad;
+  }
+};
+
+// A Seed for ``output``'s gradient, or None where it is not kept: an output that does not require grad, is not
+// strided, or holds more than ``max_numel`` values (the anomaly replay's SEED_KEEP_MAX). The hook holds the Seed weakly:
+// the Seed lives as long as the capture's call keeps it, the hook as long as the graph.
+std::optional<std::shared_ptr<Seed>> keep_seed(const at::Tensor& output, int64_t max_numel) {
+  if (!output.requires_grad() || output.layout() != at::kStrided || output.numel() > max_numel) return std::nullopt;
+  auto seed = std::make_shared<Seed>();
+  std::weak_ptr<Seed> held = seed;
+  output.register_hook([held](const at::TensorBase& g) {
+    if (auto s = held.lock()) {
+      const at::Tensor grad(g);
+      s->grad = s->grad.defined() ? s->grad.add(grad) : grad;
+    }
+  });
+  return seed;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -205,4 +232,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<at::Tensor>>())
       .def("figures", &Grads::figures, py::call_guard<py::gil_scoped_release>());
   m.def("call_state", &call_state);
+  py::class_<Seed, std::shared_ptr<Seed>>(m, "Seed").def("get", &Seed::get);
+  m.def("keep_seed", &keep_seed);
 }
