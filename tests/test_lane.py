@@ -51,17 +51,40 @@ def model():
 
 
 def run(
-    path, lane, monkeypatch, *, steps=60, late=True, accumulation=1, replay=True, spike=None, nan=None, bwd_nan=None
+    path,
+    lane,
+    monkeypatch,
+    *,
+    steps=60,
+    late=True,
+    accumulation=1,
+    replay=True,
+    spike=None,
+    nan=None,
+    bwd_nan=None,
+    lbfgs=False,
 ):
     """Train, attached; ``spike``: the step whose targets are 1000x (a finite loss spike), ``nan``: the step whose
-    batch holds an Inf, ``bwd_nan``: the step whose batch holds 1e6 (finite; Amplify overflows its backward).
-    Returns the Doctor's lane (None without one)."""
+    batch holds an Inf, ``bwd_nan``: the step whose batch holds 1e6 (finite; Amplify overflows its backward);
+    ``lbfgs``: LBFGS, whose step runs the forward and backward in a closure. Returns the Doctor's lane (None without
+    one)."""
     monkeypatch.setattr(core, "LANE", lane)
     m = model()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    opt = torch.optim.LBFGS(m.parameters(), lr=0.1, max_iter=2) if lbfgs else torch.optim.AdamW(m.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
     with ampdoctor.attach(m, optimizer=opt, trace=path, live=False, replay=replay) as doc:
         for step in range(steps):
+            if lbfgs:
+                x, y = torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
+
+                def closure():
+                    opt.zero_grad()
+                    loss = torch.nn.functional.mse_loss(m(x), y)
+                    loss.backward()
+                    return loss
+
+                doc.log_loss(opt.step(closure))
+                continue
             opt.zero_grad(set_to_none=True)
             for _ in range(accumulation):
                 x, y = torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
@@ -99,8 +122,19 @@ def tables(path):
         {"late": False, "spike": 40},
         {"nan": 43},
         {"bwd_nan": 44},
+        {"lbfgs": True},
     ],
-    ids=["late-loss", "early-loss", "accumulation", "no-replay", "late-spike", "early-spike", "nan", "backward-nan"],
+    ids=[
+        "late-loss",
+        "early-loss",
+        "accumulation",
+        "no-replay",
+        "late-spike",
+        "early-spike",
+        "nan",
+        "backward-nan",
+        "lbfgs-closure",
+    ],
 )
 def test_the_lane_writes_what_the_general_path_writes(tmp_path, monkeypatch, kwargs):
     compare(tmp_path, monkeypatch, kwargs)
@@ -115,7 +149,10 @@ def compare(tmp_path, monkeypatch, kwargs):
     # the lane carried the clean sentinel steps: all but calibration, sampled and anomalous ones (and the last,
     # ended by close())
     sentinel = (tables(str(tmp_path / "lane.db"))[0]["reason"] == "sentinel").sum()
-    assert sentinel > 20 and fast.carried >= sentinel - 2
+    if kwargs.get("lbfgs"):  # (its forwards run inside optimizer.step(): every step is let go to the general path)
+        assert sentinel > 20 and fast.carried == 0
+    else:
+        assert sentinel > 20 and fast.carried >= sentinel - 2
     (s1, e1), (s2, e2) = tables(str(tmp_path / "lane.db")), tables(str(tmp_path / "general.db"))
     assert s1.equals(s2), s1.compare(s2)
     assert e1.equals(e2), (e1, e2)
@@ -134,6 +171,23 @@ def test_the_lane_without_the_cpp_extension(tmp_path, monkeypatch):
     the general path writes, through a NaN the replay localises (its RNG state read in Python, not in C++)."""
     monkeypatch.setattr(lane_module.compiled, "get", lambda: None)
     compare(tmp_path, monkeypatch, {"nan": 43})
+
+
+@pytest.mark.parametrize(
+    "setting",
+    ["scaler", "debug", "probe", "half weights"],
+)
+def test_runs_the_lane_does_not_serve_take_the_general_path(tmp_path, setting):
+    """A GradScaler's scale (read before and after its update), debug mode (every step observed), the probe and
+    half-precision weights (checked every step) need the general path: no lane is made for them."""
+    m = model()
+    if setting == "half weights":
+        m = m.bfloat16()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    options = {"mode": "debug"} if setting == "debug" else {"probe_every": 5} if setting == "probe" else {}
+    scaler = torch.amp.GradScaler("cpu") if setting == "scaler" else None
+    with ampdoctor.attach(m, optimizer=opt, scaler=scaler, trace=str(tmp_path / "t.db"), live=False, **options) as doc:
+        assert doc._core.lane is None
 
 
 def test_flush_writes_every_finished_clean_step(tmp_path, monkeypatch):

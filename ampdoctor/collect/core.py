@@ -147,6 +147,7 @@ class Core:
             and not scaler_enabled
             and collector.probe is None
             and collector.anchor is not None
+            and collector.anchor.is_cpu  # (an accelerator's steps all take the general path: no extra call a hook)
             and not collector.keep_hooks
             and not end.half_params
             and options.mode is not Mode.DEBUG  # (every step observed)
