@@ -55,8 +55,9 @@ is_grad_enabled = torch.is_grad_enabled
 
 class Lane:
     """The hooks of a run whose clean steps can take the short way (core.Core makes it where the run's configuration
-    allows: a CPU-able optimizer boundary, no enabled scaler, no probe, no half-precision weights, an eager model).
-    Each hook passes the call to the general path's own hook whenever the lane does not hold the step."""
+    allows: a model on the CPU, the optimizer as the step boundary, no enabled scaler, no probe, no half-precision
+    weights, an eager model, not debug mode). Each hook passes the call to the general path's own hook whenever the
+    lane does not hold the step."""
 
     def __init__(
         self,
@@ -88,7 +89,7 @@ class Lane:
         self.put = loop.put
         self.held = False  # the step in progress is the lane's
         self.carried = 0  # steps the lane carried to their end
-        self.rows: list[list[Any]] = []  # clean steps' rows not sent yet, oldest first (_ROW's fields)
+        self.rows: list[list[Any]] = []  # clean steps' rows not sent yet, oldest first (fields by position: _end)
         self.open: StepState | None = None  # the newest of them while a late loss may join it (its step's state)
         self._oldest = 0.0  # when the oldest row's step ended (perf_counter)
         anchor = collector.anchor
