@@ -45,26 +45,25 @@ from ampdoctor.collect import (
 PIECES = [
     (lane.Lane, "root_pre", "lane: root pre-hook"),
     (lane.Lane, "step_start", "  the step start (rows to the writer)"),
-    (anomaly.Capture, "on_call", "  the replay's capture of the call"),
-    (lane.Lane, "root_out", "lane: root forward hook"),
-    (anomaly.Capture, "on_output", "  the seed's hook"),
+    (lane.Lane, "root_out", "lane: root forward hook (the seed)"),
     (lane.Lane, "opt_pre", "lane: optimizer pre-hook"),
     (boundary.StepEnd, "figures", "  gradient norm and peak"),
     (lane.Lane, "opt_post", "lane: optimizer post-hook"),
     (steploop.StepLoop, "begin_step", "  the next step's plan and state"),
-    (lane.Lane, "log_loss", "lane: log_loss"),
     (lane.Lane, "flush", "lane: rows to the writer"),
     (collector.Collector, "on_root_pre", "root pre-hook"),
     (flights.Flights, "on_step_start", "  the finished step to the writer"),
+    (anomaly.Capture, "on_call", "  the replay's capture of the call"),
     (replays.Replays, "on_root_output", "root forward hook"),
+    (anomaly.Capture, "on_output", "  the seed's hook"),
     (boundary_hooks.BoundaryHooks, "on_opt_pre", "optimizer pre-hook"),
     (boundary.StepEnd, "early_verdict", "  early verdict"),
     (boundary_hooks.BoundaryHooks, "on_opt_post", "optimizer post-hook: the step end"),
     (boundary.StepEnd, "close", "  close (figures, row, flight)"),
     (flights.Flights, "add", "  verdict, flight recorder"),
-    (session.Doctor, "log_loss", "log_loss after optimizer.step()"),
+    (session.Doctor, "log_loss", "log_loss after the step (both paths)"),
 ]
-# (shared parts, listed once above: the capture of the call, the seed's hook, the figures, the next step's plan)
+# (parts both paths call are listed once, under the lane: the figures, the next step's plan)
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -21,7 +21,6 @@ from .sites import Sites
 from .state import RunFacts, StepState
 
 if TYPE_CHECKING:
-    from .boundary import InFlight
     from .probe import StepProbe
 
 WARN_AFTER_STEPS = 3  # steps (or cleared gradients) before a run that is not observed as it should be warns
@@ -30,6 +29,15 @@ WARN_AFTER_STEPS = 3  # steps (or cleared gradients) before a run that is not ob
 # the step's observations so far are dropped, so that memory stays bounded.
 MAX_STEP_ENTRIES = 200_000
 MAX_STEP_LOSSES = 64  # micro-batch losses kept apart per step; beyond, they are summed into one
+
+
+class LateLoss(Protocol):
+    """A finished step a loss logged after its boundary may still join (boundary.InFlight, lane.Lane's open row)."""
+
+    @property
+    def has_loss(self) -> bool: ...
+
+    def add_late_loss(self, loss: float | torch.Tensor) -> None: ...
 
 
 class Collector:
@@ -269,9 +277,10 @@ class Collector:
         state.weights_before = None
 
     # -- the loss ------------------------------------------------------------------------------------------------
-    def log_loss(self, loss: Any, pending: InFlight | None = None) -> None:
-        """A loss of this step (summed over micro-batches). ``pending``: the finished step (boundary.InFlight) a loss
-        logged after its boundary (``optimizer.step()`` before the loss was logged) and before the next step joins."""
+    def log_loss(self, loss: Any, pending: LateLoss | None = None) -> None:
+        """A loss of this step (summed over micro-batches). ``pending``: the finished step (boundary.InFlight, or the
+        lane's open row) a loss logged after its boundary (``optimizer.step()`` before the loss was logged) and before
+        the next step joins."""
         if isinstance(loss, torch.Tensor):
             if self.facts.loss_dtype is None:
                 self.facts.loss_dtype = buffers.dtype_name(loss.dtype)

@@ -19,7 +19,7 @@ from . import compiled, hooks, meta, sharded, stats
 from .boundary import StepEnd
 from .boundary_hooks import BoundaryHooks
 from .cadence import Budget, Cadence
-from .collector import Collector
+from .collector import Collector, LateLoss
 from .flights import Flights
 from .guards import Guard
 from .lane import Lane
@@ -193,6 +193,13 @@ class Core:
         if scaler is not None:
             hooks.wrap_method(handles, scaler, "scale", boundary_hooks.wrap_scale)
             hooks.wrap_method(handles, scaler, "update", boundary_hooks.wrap_update)
+
+    def last_open(self) -> LateLoss | None:
+        """The finished step a loss logged now joins: the lane's last clean step while its row waits, else the
+        general path's (Flights.last_open). (Never both: the lane adds a row only while the flights are empty.)"""
+        if self.lane is not None and self.lane.open is not None:
+            return self.lane
+        return self.flights.last_open()
 
     def drain(self) -> None:
         """Every finished step to the writer, in order (close())."""

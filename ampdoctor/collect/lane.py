@@ -28,10 +28,10 @@ import torch
 
 from ..trace import schema
 from ..trace.messages import StepBatch, StepPacket
-from . import buffers, compiled, hooks, stats
+from . import buffers, compiled, stats
 from .anomaly import SEED_KEEP_MAX
 from .boundary import NO_VALUES, SENTINEL_BASES
-from .collector import MAX_STEP_LOSSES, autocast_state
+from .guards import guarded
 from .options import Observe
 
 if TYPE_CHECKING:
@@ -50,7 +50,6 @@ ROWS_MAX = 256  # clean steps sent to the writer together: one queue item (StepB
 FLUSH_S = 0.25  # ... or once the oldest waited this long: a live reader sees a slow run's steps within a commit
 
 now = time.perf_counter
-is_grad_enabled = torch.is_grad_enabled
 
 
 class Lane:
@@ -95,7 +94,6 @@ class Lane:
         anchor = collector.anchor
         assert anchor is not None  # (Core makes a lane only for a model with one)
         self._anchor = anchor
-        self._losses_judged = -1  # the step's losses its verdict has seen (a loss logged after it is judged again)
         # the C++ read of a root call and the C++ seed hook, once the extension is loaded
         self._call_state: Callable[..., tuple[Any, ...]] | None = None
         self._keep_seed: Callable[..., Any] | None = None
@@ -113,48 +111,36 @@ class Lane:
             and self.loop.configured
             and not self.guard.off
         )
-        self._losses_judged = -1
         if self._call_state is None and self.held:
             ext = compiled.get()  # (looks again every few seconds while the extension builds elsewhere)
             self._call_state = getattr(ext, "call_state", None)
             self._keep_seed = getattr(ext, "keep_seed", None)
 
     # -- training's hooks ----------------------------------------------------------------------------------------------
+    # Each hook runs its held-step part under the run's guard (guards.guarded: timed, an error stops collection); a
+    # part that answers False lets the call go to the general path's own hook, which times itself.
     def root_pre(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self.held and not self.guard.off:
-            t0 = now()
-            try:
-                done = self._root_pre(args, kwargs, t0)
-            except Exception as exc:
-                done = True
-                self.guard.fail(exc)
-            self.guard.observer_time += now() - t0
-            if done:
-                return
-        self.collector.on_root_pre(module, args, kwargs)
+        if not self.held or self._root_pre(args, kwargs) is False:
+            self.collector.on_root_pre(module, args, kwargs)
 
-    def _root_pre(self, args: tuple[Any, ...], kwargs: dict[str, Any], t0: float) -> bool:
-        """Collector.on_root_pre and start_micro for a held step (False: let go, the general path takes the call). The
-        common call, one plain tensor, is read by one C++ call where the extension is loaded (compiled.py)."""
-        a0: Any = args[0] if len(args) == 1 and not kwargs else None
+    @guarded
+    def _root_pre(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Collector.on_root_pre and start_micro for the common call of a held step, one plain tensor, read by one C++
+        call (compiled.py). False: the general path takes the call (another call, no extension, a moved model)."""
+        a0 = args[0] if len(args) == 1 and not kwargs else None
         call_state, capture = self._call_state, self.capture
-        if call_state is not None and type(a0) is torch.Tensor:
-            training, dtype, rows, version, rng = call_state(a0, capture is not None)
-            if not training:
-                return True  # (an evaluation forward, a checkpoint's recomputation)
-            autocast = ("cpu", dtype) if dtype is not None else None
-        else:
-            if not is_grad_enabled() or hooks.graph_task_id() != -1:
-                return True
-            t = a0 if type(a0) is torch.Tensor else hooks.first_tensor(args, kwargs)
-            rows = t.shape[0] if t is not None and t.dim() > 0 else -1
-            autocast, rng = autocast_state("cpu"), None
+        if call_state is None or type(a0) is not torch.Tensor:
+            return False
+        training, dtype, rows, version, rng = call_state(a0, capture is not None)
+        if not training:
+            return True  # (an evaluation forward, a checkpoint's recomputation)
+        autocast = ("cpu", dtype) if dtype is not None else None
         collector, state, facts = self.collector, self.collector.state, self.facts
         if state.t_first is None:
             if not self._anchor.is_cpu:  # the model moved: the general path reads its new device
                 self.held = False
                 return False
-            state.t_first = t0
+            state.t_first = now()
             self.step_start()
             collector.record_autocast(autocast)
         collector.autocast_now = autocast
@@ -164,97 +150,66 @@ class Lane:
             state.samples += rows
         state.first_backward = True
         if capture is not None:
-            if rng is not None:
-                capture.keep(args, kwargs, [(a0, version)] if version >= 0 else [], (rng, None, None), autocast)
-            else:
-                capture.on_call(args, kwargs, False, "cpu", autocast)
+            capture.keep(args, kwargs, [(a0, version)] if version >= 0 else [], (rng, None, None), autocast)
         return True
 
     def root_out(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        """The root's forward hook: the replay's backward seed. On a held step a single output tensor's is kept by a
-        hook in C++ (the backward runs no Python for it) where the extension is loaded; else Capture.on_output."""
-        replays = self.replays
-        if replays is None:
-            return
-        if not self.held:
-            replays.on_root_output(module, args, output)
-            return
-        t0 = now()
-        try:
-            capture, keep_seed = replays.capture, self._keep_seed
-            if keep_seed is not None and type(output) is torch.Tensor:
-                if capture.calls and not capture.paused:
-                    capture.calls[-1].held = keep_seed(output, SEED_KEEP_MAX)
-            else:
-                capture.on_output(module, args, output)
-        except Exception as exc:
-            self.guard.fail(exc)
-        self.guard.observer_time += now() - t0
+        """The root's forward hook (registered with the replay): the backward's seed. On a held step a single output
+        tensor's is kept by a hook in C++ (the backward runs no Python for it); else Replays.on_root_output."""
+        if self.held and self._keep_seed is not None and type(output) is torch.Tensor:
+            self._seed(output)
+        else:
+            assert self.replays is not None  # (registered only with the replay)
+            self.replays.on_root_output(module, args, output)
+
+    @guarded
+    def _seed(self, output: torch.Tensor) -> None:
+        capture, keep_seed = self.capture, self._keep_seed
+        assert capture is not None and keep_seed is not None  # (root_out)
+        if capture.calls and not capture.paused:
+            capture.calls[-1].held = keep_seed(output, SEED_KEEP_MAX)
 
     def opt_pre(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self.held and not self.guard.off:
-            t0 = now()
-            try:
-                # (``args`` holds the optimizer itself; a closure, which runs forwards inside the step: general path)
-                clean = len(args) <= 1 and not kwargs and self._clean(self.collector.state)
-            except Exception as exc:
-                clean = True
-                self.guard.fail(exc)
-            self.guard.observer_time += now() - t0
-            if clean:
-                return
-            self.held = False
+        # (``args`` holds the optimizer itself; a closure, which runs forwards inside the step: the general path)
+        if self.held and len(args) <= 1 and not kwargs and self._clean(self.collector.state) is not False:
+            return
+        self.held = False
         self.boundary_hooks.on_opt_pre(optimizer, args, kwargs)  # (an anomaly known now is replayed there)
 
     def opt_post(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self.held and not self.guard.off:
-            t0 = now()
-            try:
-                done = self._end(t0)
-            except Exception as exc:
-                done = True
-                self.guard.fail(exc)
-            if done:
-                self.loop.after_step()
-                return
-        self.boundary_hooks.on_opt_post(optimizer, args, kwargs)
-
-    def log_loss(self, loss: Any) -> bool:
-        """Doctor.log_loss for a loss the lane can take (a CPU scalar tensor or a float, in a held step or just after
-        one); False: the general path takes it."""
-        if (not self.held and self.open is None) or self.facts.loss_dtype is None or self.flights.queue:
-            return False  # (a finished step of the general path's may take it as a late loss)
-        if type(loss) is torch.Tensor:
-            if loss.numel() != 1 or not stats.on_host(loss):
-                return False
-            value = loss.item()
-        elif type(loss) is float:
-            value = loss
+        if not self.held or self._end() is False:
+            self.boundary_hooks.on_opt_post(optimizer, args, kwargs)
         else:
-            return False
-        state = self.collector.state
-        open_ = self.open
-        if state.t_first is None and open_ is not None:
-            row = self.rows[-1]
-            if row[_LOSS] is None:  # logged after optimizer.step() ended its step: it joins that step
-                row[_LOSS] = value
-                if not math.isfinite(value):
-                    row[_NONFINITE] = True
-                self.end.late_loss(open_, value)
-                return True
-        if not self.held:
-            return False
-        losses = state.losses
-        if len(losses) >= MAX_STEP_LOSSES:
-            state.losses = [buffers.sum_losses(losses)]
-        state.losses.append(value)
-        return True
+            self.loop.after_step()  # (as StepLoop.end_step after its _finish)
+
+    # -- a loss logged after the step ----------------------------------------------------------------------------------
+    # While its row waits (``open``), the last clean step stands for the general path's finished step
+    # (Core.last_open): a loss logged after ``optimizer.step()`` joins it through Collector.log_loss as it would join
+    # an InFlight.
+    @property
+    def has_loss(self) -> bool:
+        return self.rows[-1][_LOSS] is not None
+
+    def add_late_loss(self, loss: float | torch.Tensor) -> None:
+        """The loss joins the open row, judged for a spike as Flights.send judges a late loss."""
+        value = float(loss)  # (a host value: the lane holds only host steps)
+        row = self.rows[-1]
+        row[_LOSS] = value
+        if not math.isfinite(value):
+            row[_NONFINITE] = True
+        assert self.open is not None  # (last_open)
+        self.end.late_loss(self.open, value)
 
     # -- the step's verdict and end ------------------------------------------------------------------------------------
+    @guarded
     def _clean(self, state: StepState) -> bool:
+        return self._verdict(state)
+
+    def _verdict(self, state: StepState) -> bool:
         """The sentinel's verdict on a held step, where StepEnd.early_verdict and _judge reach it: its figures and
         losses on the host and finite, no spike. False: the step is let go (the general path reaches the same verdict
-        from the same cached figures and judged spikes)."""
+        from the same cached figures and judged spikes). Asked again at the step end: the figures and the spikes
+        judged so far are cached, a loss logged since is judged then."""
         norm, gmax = self.end.figures(state)
         losses = state.losses
         if type(norm) is not float or type(gmax) is not float or not math.isfinite(norm + gmax):
@@ -266,19 +221,20 @@ class Lane:
                 return False
             loss = total
         grad_spike, loss_spike = self.end.spikes(state, norm, loss)
-        self._losses_judged = len(losses)
         return not (grad_spike or loss_spike)
 
-    def _end(self, t0: float) -> bool:
+    @guarded(timed=False)  # timed inside: the step's observer_time ends with its row (as StepLoop._finish)
+    def _end(self) -> bool:
         """BoundaryHooks.on_opt_post and StepLoop._finish for a clean held step: its row, the next step. False: the
         step is let go at its end (the general path closes it)."""
+        t0 = now()
         collector, end, loop = self.collector, self.end, self.loop
         state = collector.state
         if (
             state.t_first is None  # no forward this step: the general path knows what to warn
             or loop.writer.error is not None
             or self.flights.queue  # (the general path's finished steps go to the writer before this one)
-            or (len(state.losses) != self._losses_judged and not self._clean(state))
+            or not self._verdict(state)
         ):
             self.held = False
             return False
