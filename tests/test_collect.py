@@ -673,6 +673,28 @@ def test_no_step_boundary_warns_with_the_fix(trace_path):
             model(torch.randn(2, 32)).sum().backward()
 
 
+def test_lbfgs_closures_inside_one_step_are_not_missed_boundaries(trace_path):
+    """LBFGS evaluates its closure (zero_grad, forward, backward) several times inside one optimizer.step(): those
+    cleared gradients are the step's own, not steps that went by without a boundary. No warning, one step each."""
+    model = mlp(width=16)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ampdoctor.attach(model, optimizer=opt, trace=trace_path, live=False) as doc:
+            for x, y in batches(12):
+
+                def closure():
+                    opt.zero_grad()
+                    loss = torch.nn.functional.mse_loss(model(x), y)
+                    loss.backward()
+                    return loss
+
+                doc.log_loss(opt.step(closure))
+    assert [str(w.message) for w in caught if "ampdoctor" in str(w.message)] == []
+    st = ampdoctor.load(trace_path).steps()
+    assert st["step"].tolist() == list(range(12)) and (st["microbatches"] >= 2).all()
+
+
 class _Wrapper(torch.nn.Module):
     """Holds the network but is never called itself, like a LightningModule whose training_step calls self.net."""
 

@@ -57,6 +57,7 @@ class BoundaryHooks:
     @guarded
     def on_opt_pre(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         state = self.collector.state
+        state.in_update = True
         replays = self.replays
         if replays is not None and state.replay is None and replays.wanted(replays.capture.calls):
             # Before the update the weights are still the step's own: a replay now is exact (at the step end an
@@ -74,6 +75,7 @@ class BoundaryHooks:
         self.facts.updates += 1
         state = self.collector.state
         state.opt_stepped = True
+        state.in_update = False
         if state.weights_before is not None:
             self.collector.record_updates()
         if self.boundary is Boundary.OPTIMIZER:

@@ -238,9 +238,11 @@ class Collector:
 
     def _check_missed_step(self) -> None:
         """At a micro-batch's first backward hook: gradients of an earlier backward of this step that are gone
-        (``zero_grad()``) mean a step passed with no step boundary. Warn once after a few; the step's observations
-        are bounded by MAX_STEP_ENTRIES meanwhile."""
-        if not self.state.grads_seen or any(p.grad is not None for _, p in self.params):
+        (``zero_grad()``) mean a step passed with no step boundary, unless they were cleared inside the optimizer's step
+        (a closure's, as LBFGS evaluates several in one step). Warn once after a few; the step's observations are
+        bounded by MAX_STEP_ENTRIES meanwhile."""
+        state = self.state
+        if not state.grads_seen or state.in_update or any(p.grad is not None for _, p in self.params):
             return  # (only asked after an earlier backward of this step: accumulated micro-batches)
         self.facts.missed_steps += 1
         if self.facts.missed_steps == WARN_AFTER_STEPS:

@@ -28,6 +28,8 @@ class StepState:
     losses: list[float | torch.Tensor] = field(default_factory=list)
     scale_before: Any = None  # the loss scale in force when the step's loss was scaled
     opt_stepped: bool = False  # the optimizer applied this step (the scaler did not skip it)
+    # inside optimizer.step(): a closure's zero_grad() and backward there (LBFGS) are the step's own, not a missed one
+    in_update: bool = False
     grads_seen: bool = False  # an output gradient was observed (a backward ran)
     look_at_autocast: bool = True  # the first observed forward still has to read the autocast state
     first_backward: bool = False  # the next output gradient is the first of a micro-batch's backward
