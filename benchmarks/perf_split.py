@@ -1,0 +1,158 @@
+"""Where the time ampdoctor adds to a step goes, down to the native symbol: Linux ``perf`` samples a process that
+trains the small model (sentinel_pieces.py's variants: bare, empty hooks, the sentinel's least, ampdoctor with or
+without the lane, ...) and the samples are split by library and by symbol. Python's interpreter shows up as
+``_PyEval_EvalFrameDefault`` and its attribute lookups; torch's kernels as ``libtorch_cpu``; ampdoctor's C++ reads as
+its extension.
+
+Each variant trains in its own process, one torch thread; after a warm-up, ``perf record`` samples it (every thread:
+the writer's too) for ``--seconds``. Per-step figures are each library's or symbol's share of the samples times the
+process's CPU time per step (its time per step times the CPUs its threads kept busy while sampled). Printed: per
+library, and the symbols whose time per step differs most from the bare run's. Between two processes torch's own
+kernels (MKL's sgemm above all) move by up to ~10% of the step on a shared machine, with no ampdoctor in either:
+read the libraries that are ampdoctor's work (the interpreter, the extension, numpy and sqlite for the writer),
+not torch's, as what a variant adds.
+
+Needs ``perf`` (Debian: linux-perf) and the rights to sample a process (root, or kernel.perf_event_paranoid <= 1).
+
+Run: .venv/bin/python benchmarks/perf_split.py [--variants replay,no-lane] [--seconds 8] [--top 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FREQUENCY = 1999  # samples per second per CPU
+
+
+def child(variant: str) -> None:
+    """Train ``variant`` until stdin closes: 'ready' once warm, then the time per step of the steps since."""
+    import warnings
+
+    sys.path.insert(0, HERE)
+    sys.path.insert(0, os.path.dirname(HERE))
+    import sentinel_pieces as pieces
+    import torch
+
+    from ampdoctor.collect import compiled, stats
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    stats.native(wait=True)
+    compiled.wait()
+    run = pieces.Run() if variant == "bare" else pieces.make(variant)
+    run.block(400)
+    import select
+
+    print("ready", flush=True)
+    steps, t0 = 0, time.perf_counter()
+    while not select.select([sys.stdin], [], [], 0)[0]:
+        run.block(50)
+        steps += 50
+    print(f"{1e6 * (time.perf_counter() - t0) / steps:.1f}", flush=True)
+    if run.doctor is not None:
+        run.doctor.close()
+
+
+def sample(variant: str, seconds: float, where: str) -> tuple[float, str]:
+    """(the variant's time per step in us, the perf data file)."""
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--child", variant], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdin is not None
+    if proc.stdout.readline().strip() != "ready":
+        raise SystemExit(f"perf_split: the {variant} run did not start")
+    data = os.path.join(where, f"{variant.replace('+', '_').replace(' ', '_')}.data")
+    subprocess.run(
+        ["perf", "record", "-q", "-F", str(FREQUENCY), "-p", str(proc.pid), "-o", data, "--", "sleep", str(seconds)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    proc.stdin.close()
+    us = float(proc.stdout.readline())
+    proc.wait()
+    return us, data
+
+
+def shares(data: str) -> tuple[dict[tuple[str, str], float], int]:
+    """((library, symbol) -> share of the samples, the number of samples)."""
+    out = subprocess.run(
+        ["perf", "report", "-i", data, "--sort", "dso,sym", "--stdio", "--no-children"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    found: dict[tuple[str, str], float] = {}
+    count = re.search(r"# Samples: (\d+)([KM]?)", out)
+    assert count is not None, out[:500]
+    samples = int(count.group(1)) * {"": 1, "K": 1000, "M": 10**6}[count.group(2)]
+    for line in out.splitlines():
+        m = re.match(r"\s*([\d.]+)%\s+(\S+)\s+\[.\]\s+(.*)", line)
+        if m:
+            key = (m.group(2), m.group(3).strip())
+            found[key] = found.get(key, 0.0) + float(m.group(1)) / 100
+    return found, samples
+
+
+def per_step(data: str, us: float, seconds: float) -> tuple[dict[tuple[str, str], float], float]:
+    """Each (library, symbol)'s CPU us per step, and the CPU us per step in all."""
+    found, samples = shares(data)
+    cpu = us * samples / (FREQUENCY * seconds)  # (the CPUs kept busy: ~1 for the training thread, more with a writer)
+    return {k: v * cpu for k, v in found.items()}, cpu
+
+
+def by_library(split: dict[tuple[str, str], float]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for (lib, _), t in split.items():
+        out[lib] = out.get(lib, 0.0) + t
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", default="empty hooks,least,replay,no-lane")
+    ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args.child)
+        return
+    if shutil.which("perf") is None:
+        print("perf_split: needs Linux perf (Debian: apt install linux-perf)", file=sys.stderr)
+        raise SystemExit(2)
+    where = tempfile.mkdtemp(prefix="perf_split-")
+    variants = ["bare", *[v for v in args.variants.split(",") if v]]
+    measured = {v: sample(v, args.seconds, where) for v in variants}
+    bare_us, bare_data = measured["bare"]
+    bare, bare_cpu = per_step(bare_data, bare_us, args.seconds)
+    print(f"small model, 1 torch thread, {args.seconds:.0f} s of samples per variant")
+    print(f"bare: {bare_us:.0f} us/step, {bare_cpu:.0f} us of CPU per step")
+    print("CPU us per step, each library (then symbol) of the variant against the bare run")
+    for v in variants[1:]:
+        us, data = measured[v]
+        split, cpu = per_step(data, us, args.seconds)
+        before, after = by_library(bare), by_library(split)
+        print(f"\n{v}: {us:.0f} us/step, {cpu:.0f} us of CPU per step ({cpu - bare_cpu:+.0f} against bare)")
+        for lib in sorted(set(before) | set(after), key=lambda k: before.get(k, 0.0) - after.get(k, 0.0)):
+            a, b = before.get(lib, 0.0), after.get(lib, 0.0)
+            if abs(b - a) >= 0.5:
+                print(f"  {b - a:+7.1f}  {a:7.1f} -> {b:7.1f}  {lib}")
+        print("  symbols:")
+        keys = set(bare) | set(split)
+        deltas = sorted(keys, key=lambda k: bare.get(k, 0.0) - split.get(k, 0.0))[: args.top]
+        for k in deltas:
+            a, b = bare.get(k, 0.0), split.get(k, 0.0)
+            print(f"  {b - a:+7.1f}  {a:7.1f} -> {b:7.1f}  {k[0][:24]:24s} {k[1][:80]}")
+
+
+if __name__ == "__main__":
+    main()
