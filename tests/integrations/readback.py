@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import struct
+import time
 
 import pytest
 
@@ -59,15 +60,29 @@ def _wandb_chunks(path: str):
             yield parts + chunk
 
 
-def wandb_run(folder: str) -> dict:
-    """The offline run under ``folder`` (WANDB_DIR): {"history": [row dicts], "alerts": [(title, text, level)]}."""
+def wandb_run(folder: str, timeout: float = 60.0) -> dict:
+    """The offline run under ``folder`` (WANDB_DIR): {"history": [row dicts], "alerts": [(title, text, level)]}.
+    W&B's service process writes the file: ``wandb.finish()`` may return before its last records are there (seen
+    with two test processes on two cores), so the file is read once it ends with the run's exit record."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     (path,) = glob.glob(os.path.join(folder, "wandb", "offline-run-*", "run-*.wandb"))
+    end = time.monotonic() + timeout
+    while True:
+        records = []
+        try:
+            for raw in _wandb_chunks(path):
+                r = pb.Record()
+                r.ParseFromString(raw)
+                records.append(r)
+        except Exception:  # (a record the service is still writing)
+            records = []
+        if records and records[-1].WhichOneof("record_type") == "exit":
+            break
+        assert time.monotonic() < end, f"{path}: no exit record {timeout:.0f} s after wandb.finish()"
+        time.sleep(0.2)
     out: dict = {"history": [], "alerts": []}
-    for raw in _wandb_chunks(path):
-        r = pb.Record()
-        r.ParseFromString(raw)
+    for r in records:
         kind = r.WhichOneof("record_type")
         if kind == "history":
             out["history"].append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item})
