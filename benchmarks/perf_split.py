@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,8 +56,8 @@ def child(variant: str) -> None:
     print("ready", flush=True)
     steps, t0 = 0, time.perf_counter()
     while not select.select([sys.stdin], [], [], 0)[0]:
-        run.block(50)
-        steps += 50
+        run.block(400)  # (ampdoctor's variants flush() at a block's end: the writer's wait, once per 400 steps)
+        steps += 400
     print(f"{1e6 * (time.perf_counter() - t0) / steps:.1f}", flush=True)
     if run.doctor is not None:
         run.doctor.close()
@@ -109,6 +111,15 @@ def per_step(data: str, us: float, seconds: float) -> tuple[dict[tuple[str, str]
     return {k: v * cpu for k, v in found.items()}, cpu
 
 
+def median(
+    runs: list[tuple[float, dict[tuple[str, str], float], float]],
+) -> tuple[float, dict[tuple[str, str], float], float]:
+    """The median of each figure over a variant's samples (a symbol absent from one counts 0 there)."""
+    keys = set().union(*[split for _, split, _ in runs])
+    split = {k: statistics.median([s.get(k, 0.0) for _, s, _ in runs]) for k in keys}
+    return statistics.median([u for u, _, _ in runs]), split, statistics.median([c for _, _, c in runs])
+
+
 def by_library(split: dict[tuple[str, str], float]) -> dict[str, float]:
     out: dict[str, float] = {}
     for (lib, _), t in split.items():
@@ -121,6 +132,7 @@ def main() -> None:
     ap.add_argument("--variants", default="empty hooks,least,replay,no-lane")
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--repeat", type=int, default=1, help="samples of each variant, in a new shuffled order each time")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -131,15 +143,19 @@ def main() -> None:
         raise SystemExit(2)
     where = tempfile.mkdtemp(prefix="perf_split-")
     variants = ["bare", *[v for v in args.variants.split(",") if v]]
-    measured = {v: sample(v, args.seconds, where) for v in variants}
-    bare_us, bare_data = measured["bare"]
-    bare, bare_cpu = per_step(bare_data, bare_us, args.seconds)
-    print(f"small model, 1 torch thread, {args.seconds:.0f} s of samples per variant")
+    taken: dict[str, list[tuple[float, dict[tuple[str, str], float], float]]] = {v: [] for v in variants}
+    for _ in range(args.repeat):
+        for v in random.sample(variants, len(variants)):
+            us, data = sample(v, args.seconds, where)
+            split, cpu = per_step(data, us, args.seconds)
+            taken[v].append((us, split, cpu))
+    measured = {v: median(runs) for v, runs in taken.items()}
+    bare_us, bare, bare_cpu = measured["bare"]
+    print(f"small model, 1 torch thread, {args.seconds:.0f} s of samples per variant, median of {args.repeat}")
     print(f"bare: {bare_us:.0f} us/step, {bare_cpu:.0f} us of CPU per step")
     print("CPU us per step, each library (then symbol) of the variant against the bare run")
     for v in variants[1:]:
-        us, data = measured[v]
-        split, cpu = per_step(data, us, args.seconds)
+        us, split, cpu = measured[v]
         before, after = by_library(bare), by_library(split)
         print(f"\n{v}: {us:.0f} us/step, {cpu:.0f} us of CPU per step ({cpu - bare_cpu:+.0f} against bare)")
         for lib in sorted(set(before) | set(after), key=lambda k: before.get(k, 0.0) - after.get(k, 0.0)):
