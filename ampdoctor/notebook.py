@@ -12,9 +12,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from . import cards
+from .severity import WORST_FIRST
 
-# The objects shown (a Any, a Any, a Any, a Any) are typed Any: their modules import this one to show
-# themselves, so naming their classes here, even for the type checker only, would close an import cycle.
+# The objects shown (a Trace, a Diagnosis, a RankRun, a loss-scale Replay) are typed Any: their modules import this
+# one to show themselves, so naming their classes here, even for the type checker only, would close an import cycle.
 
 _CSS = (
     "<style>.ampd{font-family:system-ui,sans-serif;font-size:13px;max-width:1000px}"
@@ -26,7 +27,6 @@ _CSS = (
     "font-size:.85em;margin-right:.6em}.ampd .rule{font-family:monospace;color:#555}.ampd h3{margin:.3em 0}"
     ".ampd pre{background:#f6f8fa;padding:.5em;overflow-x:auto}</style>"
 )
-_WORST_FIRST = {"critical": 0, "warning": 1, "info": 2}
 
 
 def _e(v: object) -> str:
@@ -97,7 +97,7 @@ def diagnosis_html(d: Any) -> str:
 
 def findings_html(found: Iterable[Any]) -> str:
     """A list of findings, worst first, with a line of counts; an empty list says so."""
-    found = sorted(found, key=lambda d: _WORST_FIRST.get(d.severity, 3))
+    found = sorted(found, key=lambda d: WORST_FIRST.get(d.severity, len(WORST_FIRST)))
     if not found:
         return _box("<p>No findings.</p>")
     counts = ", ".join(
