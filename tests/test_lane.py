@@ -211,3 +211,46 @@ def test_flush_writes_every_finished_clean_step(tmp_path, monkeypatch):
             assert steps == list(range(49)), lane
         finally:
             doc.close()
+
+
+def test_evaluation_forwards_a_schedule_and_an_interrupted_step(tmp_path, monkeypatch):
+    """An evaluation forward under no_grad every few steps (not a micro-batch), two parameter groups (one with a
+    tensor learning rate) under StepLR, two forwards in one step, and a run stopped by an error between a step's
+    backward and its optimizer step: the lane's trace is the general path's."""
+
+    def train(path, lane):
+        monkeypatch.setattr(core, "LANE", lane)
+        m = model()
+        params = list(m.parameters())
+        groups = [{"params": params[:2], "lr": 0.01}, {"params": params[2:], "lr": torch.tensor(0.02)}]
+        opt = torch.optim.SGD(groups, lr=0.01, momentum=0.9)
+        schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5)
+        g = torch.Generator().manual_seed(1)
+        with pytest.raises(RuntimeError, match="stopped"):
+            with ampdoctor.attach(m, optimizer=opt, trace=path, live=False) as doc:
+                for step in range(60):
+                    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
+                    if step % 5 == 0:
+                        m.eval()
+                        with torch.no_grad():
+                            m(x)
+                        m.train()
+                    loss = torch.nn.functional.mse_loss(m(x), y)
+                    if step % 4 == 1:
+                        loss = loss + torch.nn.functional.mse_loss(m(x * 0.5), y)
+                    opt.zero_grad()
+                    loss.backward()
+                    if step == 45:
+                        raise RuntimeError("stopped")
+                    opt.step()
+                    schedule.step()
+                    doc.log_loss(loss)
+        return doc._core.lane
+
+    lane = train(str(tmp_path / "lane.db"), True)
+    assert train(str(tmp_path / "general.db"), False) is None
+    (s1, e1), (s2, e2) = tables(str(tmp_path / "lane.db")), tables(str(tmp_path / "general.db"))
+    assert lane.carried >= 20 and len(s1) == 45
+    assert s1.equals(s2), s1.compare(s2)
+    assert e1.equals(e2), (e1, e2)
+    assert s1["lr"].nunique() > 3 and set(s1["microbatches"]) == {1, 2}
