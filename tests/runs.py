@@ -147,3 +147,15 @@ def live_tensors(before=()) -> list:
         # (a dead weak proxy some library left in gc's lists raises on isinstance: a proxy is not a tensor)
         objs = [o for o in gc.get_objects() if not isinstance(o, weakref.ProxyTypes)]
         return [o for o in objs if isinstance(o, torch.Tensor) and id(o) not in old]
+
+
+# the steps table's wall clocks, which differ between any two runs
+WALL_CLOCKS = ["time", "data_time", "step_time", "observer_time", "samples_per_s"]
+
+
+def comparable(path):
+    """(steps, events) of a trace as two runs of the same training write them alike: the steps table without its
+    wall clocks, and each event's step, kind, path, phase and message (two ways of recording one run compare
+    equal)."""
+    t = ampdoctor.load(path)
+    return t.steps().drop(columns=WALL_CLOCKS), t.events()[["step", "kind", "path", "phase", "message"]]

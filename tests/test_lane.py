@@ -8,13 +8,11 @@ import sqlite3
 
 import pytest
 import torch
+from runs import comparable
 
 import ampdoctor
 from ampdoctor.collect import compiled, core
 from ampdoctor.collect import lane as lane_module
-
-# (wall clocks, which differ between any two runs)
-TIMES = ["time", "data_time", "step_time", "observer_time", "samples_per_s"]
 
 
 class Amplify(torch.autograd.Function):
@@ -104,13 +102,6 @@ def run(
         return doc._core.lane
 
 
-def tables(path):
-    t = ampdoctor.load(path)
-    steps = t.steps().drop(columns=TIMES)
-    events = t.events()[["step", "kind", "path", "phase", "message"]]
-    return steps, events
-
-
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -148,12 +139,12 @@ def compare(tmp_path, monkeypatch, kwargs):
     assert (fast._call_state is not None) == (compiled.get() is not None)
     # the lane carried the clean sentinel steps: all but calibration, sampled and anomalous ones (and the last,
     # ended by close())
-    sentinel = (tables(str(tmp_path / "lane.db"))[0]["reason"] == "sentinel").sum()
+    sentinel = (comparable(str(tmp_path / "lane.db"))[0]["reason"] == "sentinel").sum()
     if kwargs.get("lbfgs"):  # (its forwards run inside optimizer.step(): every step is let go to the general path)
         assert sentinel > 20 and fast.carried == 0
     else:
         assert sentinel > 20 and fast.carried >= sentinel - 2
-    (s1, e1), (s2, e2) = tables(str(tmp_path / "lane.db")), tables(str(tmp_path / "general.db"))
+    (s1, e1), (s2, e2) = comparable(str(tmp_path / "lane.db")), comparable(str(tmp_path / "general.db"))
     assert s1.equals(s2), s1.compare(s2)
     assert e1.equals(e2), (e1, e2)
     if "spike" in kwargs:
@@ -249,7 +240,7 @@ def test_evaluation_forwards_a_schedule_and_an_interrupted_step(tmp_path, monkey
 
     lane = train(str(tmp_path / "lane.db"), True)
     assert train(str(tmp_path / "general.db"), False) is None
-    (s1, e1), (s2, e2) = tables(str(tmp_path / "lane.db")), tables(str(tmp_path / "general.db"))
+    (s1, e1), (s2, e2) = comparable(str(tmp_path / "lane.db")), comparable(str(tmp_path / "general.db"))
     assert lane.carried >= 20 and len(s1) == 45
     assert s1.equals(s2), s1.compare(s2)
     assert e1.equals(e2), (e1, e2)

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_models import SEQ, VOCAB, tiny
+from runs import comparable
 
 import ampdoctor
 from ampdoctor.collect import core
 
-TIMES = ["time", "data_time", "step_time", "observer_time", "samples_per_s"]  # (wall clocks)
 SPIKE, BAD = 22, 31
 
 
@@ -36,16 +36,11 @@ def train(kind, path, lane, monkeypatch):
         return doc._core.lane
 
 
-def tables(path):
-    t = ampdoctor.load(path)
-    return t.steps().drop(columns=TIMES), t.events()[["step", "kind", "path", "phase", "message"]]
-
-
 @pytest.mark.parametrize("kind", ["gpt2", "bert", "t5"])
 def test_the_lane_writes_what_the_general_path_writes_on_hugging_face_models(tmp_path, monkeypatch, kind):
     lane = train(kind, str(tmp_path / "lane.db"), True, monkeypatch)
     assert train(kind, str(tmp_path / "general.db"), False, monkeypatch) is None
-    (s1, e1), (s2, e2) = tables(str(tmp_path / "lane.db")), tables(str(tmp_path / "general.db"))
+    (s1, e1), (s2, e2) = comparable(str(tmp_path / "lane.db")), comparable(str(tmp_path / "general.db"))
     # the lane carried the clean sentinel steps (not the calibration, sampled, anomalous and flight recorder ones)
     sentinel = int((s1["reason"] == "sentinel").sum())
     assert lane is not None and sentinel >= 8 and lane.carried >= sentinel - 2
