@@ -23,6 +23,7 @@ import argparse
 import os
 import random
 import re
+import select
 import shutil
 import statistics
 import subprocess
@@ -49,10 +50,12 @@ def child(variant: str) -> None:
     torch.set_num_threads(1)
     stats.native(wait=True)
     compiled.wait()
-    run = pieces.Run() if variant == "bare" else pieces.make(variant)
+    try:
+        run = pieces.Run() if variant == "bare" else pieces.make(variant)
+    except ValueError as exc:
+        print(f"perf_split: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     run.block(400)
-    import select
-
     print("ready", flush=True)
     steps, t0 = 0, time.perf_counter()
     while not select.select([sys.stdin], [], [], 0)[0]:
@@ -70,18 +73,29 @@ def sample(variant: str, seconds: float, where: str) -> tuple[float, str]:
     )
     assert proc.stdout is not None and proc.stdin is not None
     if proc.stdout.readline().strip() != "ready":
-        raise SystemExit(f"perf_split: the {variant} run did not start")
+        fail(f"the {variant!r} run did not start", proc)
     data = os.path.join(where, f"{variant.replace('+', '_').replace(' ', '_')}.data")
-    subprocess.run(
+    record = subprocess.run(
         ["perf", "record", "-q", "-F", str(FREQUENCY), "-p", str(proc.pid), "-o", data, "--", "sleep", str(seconds)],
-        check=True,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
+    if record.returncode != 0:
+        why = record.stderr.strip().splitlines()[-1:] or ["no message"]
+        fail(f"perf record could not sample the run ({why[0][:200]}); kernel.perf_event_paranoid <= 1?", proc)
     proc.stdin.close()
     us = float(proc.stdout.readline())
     proc.wait()
     return us, data
+
+
+def fail(message: str, proc: subprocess.Popen[str]) -> None:
+    """One line, exit code 2; the child stopped."""
+    proc.kill()
+    proc.wait()
+    print(f"perf_split: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def shares(data: str) -> tuple[dict[tuple[str, str], float], int]:
@@ -140,6 +154,9 @@ def main() -> None:
         return
     if shutil.which("perf") is None:
         print("perf_split: needs Linux perf (Debian: apt install linux-perf)", file=sys.stderr)
+        raise SystemExit(2)
+    if args.repeat < 1 or args.seconds <= 0:
+        print("perf_split: --repeat must be at least 1 and --seconds above 0", file=sys.stderr)
         raise SystemExit(2)
     where = tempfile.mkdtemp(prefix="perf_split-")
     variants = ["bare", *[v for v in args.variants.split(",") if v]]

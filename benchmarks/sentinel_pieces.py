@@ -47,6 +47,8 @@ from ampdoctor.collect import compiled, stats
 from ampdoctor.collect import core as wiring
 from ampdoctor.trace.messages import StepPacket
 
+# what a variant may switch off (joined by '+'), as the docstring lists them
+PIECES = {"no-figures", "no-write", "no-end", "no-loss", "no-seed", "no-call", "no-lane", "no-replay"}
 OFF = {"every": 10**9, "peak_every": 10**9, "hist_every": 10**9, "live": False}
 
 
@@ -158,6 +160,8 @@ def make(name: str) -> Run:
     if name == "no-replay":
         return attached(set(), replay=False)
     pieces = set(name.split("+"))
+    if not pieces <= PIECES:
+        raise ValueError(f"unknown variant {name!r}: pieces are {', '.join(sorted(PIECES))}")
     replay = "no-replay" not in pieces
     return attached(pieces - {"no-replay"}, replay=replay)
 
