@@ -245,3 +245,51 @@ def test_evaluation_forwards_a_schedule_and_an_interrupted_step(tmp_path, monkey
     assert s1.equals(s2), s1.compare(s2)
     assert e1.equals(e2), (e1, e2)
     assert s1["lr"].nunique() > 3 and set(s1["microbatches"]) == {1, 2}
+
+
+class Keyworded(torch.nn.Module):
+    """model() behind a forward that also takes its batch by keyword (a call the lane passes to the general path)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = model()
+
+    def forward(self, x=None, *, batch=None):
+        return self.net(x if x is not None else batch)
+
+
+def test_a_step_of_lane_kept_and_general_calls_replays_both(tmp_path, monkeypatch):
+    """Two micro-batches a step, the first a plain call the lane keeps as read, the second by keyword, which the
+    general path takes: the calls reach the replay in their order. An Inf in a later step's second batch is
+    localised by the replay as on the general path, and the traces are equal."""
+
+    def train(path, lane):
+        monkeypatch.setattr(core, "LANE", lane)
+        m = Keyworded()
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        g = torch.Generator().manual_seed(1)
+        with ampdoctor.attach(m, optimizer=opt, trace=path, live=False) as doc:
+            for step in range(40):
+                x1, x2, y = (torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g), torch.randn(8, 1))
+                if step == 33:
+                    x2[3, 5] = float("inf")
+                opt.zero_grad()
+                loss1 = torch.nn.functional.mse_loss(m(x1), y)
+                loss1.backward()
+                loss2 = torch.nn.functional.mse_loss(m(batch=x2), y)
+                loss2.backward()
+                opt.step()
+                doc.log_loss(loss1.detach() + loss2.detach())
+        return doc._core.lane
+
+    lane = train(str(tmp_path / "lane.db"), True)
+    assert train(str(tmp_path / "general.db"), False) is None
+    (s1, e1), (s2, e2) = comparable(str(tmp_path / "lane.db")), comparable(str(tmp_path / "general.db"))
+    assert lane.carried >= 15
+    assert s1.equals(s2), s1.compare(s2)
+    assert e1.equals(e2), (e1, e2)
+    at = e1[e1["step"] == 33]
+    assert "replayed exactly: reproduced" in " ".join(at.loc[at["kind"] == "replay", "message"]), at.to_dict("records")
+    nonfinite = at[at["kind"] == "nonfinite"]  # (the batch itself holds the Inf: the root's forward meets it)
+    assert list(nonfinite["path"]) == ["(model)"] and list(nonfinite["phase"]) == ["fwd"], at.to_dict("records")
+    assert not lane.raw  # (nothing kept as read after the run)

@@ -6,12 +6,14 @@ the boundary's hooks, the step end, the flights' verdicts and packets, one packe
 
 The lane holds a step from its start when the step can only be a clean host step or stop being one: it observes no
 site (the cadence's plan), its figures are on the host (a CPU model, no scaler, no half-precision weights) and the
-optimizer's step ends it. It works on the general path's own state (the step's StepState, the replay's Capture and
-its Calls) and decides with the same functions (the sentinel's figures, the running means of the spikes). Where the
-step turns out not to be clean (a NaN/Inf, a spike, a loss on a device, a model moved, a closure, a writer that
-failed), the lane lets it go at once and the general path carries on from there: nothing is converted, the replay
-finds the step's calls where it always does. Where the C++ extension is loaded (compiled.py), a root call's state is
-read by one call and the backward's seed is kept by a C++ hook (the backward runs no Python for it).
+optimizer's step ends it. It works on the general path's own state (the step's StepState, the replay's Capture) and
+decides with the same functions (the sentinel's figures, the running means of the spikes). The one thing it keeps
+its own way is the step's root calls: as read, made into the replay's Calls only if the general path takes the step
+(a clean step's are let go unmade). Where the step turns out not to be clean (a NaN/Inf, a spike, a loss on a
+device, a model moved, a closure, a writer that failed), the lane lets it go at once and the general path carries on
+from there: the replay finds the step's calls where it always does. Where the C++ extension is loaded
+(compiled.py), a root call's state is read by one call, the gradients' figures by another, and the backward's seed
+is kept by a C++ hook (the backward runs no Python for it).
 
 A clean step's row waits in the lane while a loss logged after ``optimizer.step()`` may still join it; the rows go
 to the writer together, as one queue item, at most ROWS_MAX steps or FLUSH_S seconds after the oldest, and always
@@ -29,10 +31,10 @@ import torch
 from ..trace import schema
 from ..trace.messages import StepBatch, StepPacket
 from . import buffers, compiled, stats
-from .anomaly import SEED_KEEP_MAX
+from .anomaly import MAX_CALLS, SEED_KEEP_MAX, Call
 from .boundary import NO_VALUES, SENTINEL_BASES
-from .guards import guarded
 from .options import Observe
+from .state import StepState
 
 if TYPE_CHECKING:
     from .anomaly import Capture
@@ -43,7 +45,7 @@ if TYPE_CHECKING:
     from .flights import Flights
     from .guards import Guard
     from .replays import Replays
-    from .state import RunFacts, StepState
+    from .state import RunFacts
     from .steploop import StepLoop
 
 ROWS_MAX = 256  # clean steps sent to the writer together: one queue item (StepBatch), one write of them all
@@ -97,6 +99,12 @@ class Lane:
         # the C++ read of a root call and the C++ seed hook, once the extension is loaded
         self._call_state: Callable[..., tuple[Any, ...]] | None = None
         self._keep_seed: Callable[..., Any] | None = None
+        # the held step's root calls, kept as read ([args, kwargs, versions, rng, autocast, seed]) and made into the
+        # replay's Calls only when the general path takes the step (settle): a clean step's are let go unmade
+        self.raw: list[list[Any]] = []
+        self._read: Callable[[], tuple[float, float, int]] | None = None  # the C++ read of the gradients' figures
+        self._read_for: list[Any] | None = None  # ... of these parameters (StepEnd.params)
+        self._autocast_seen: Any = False  # the last autocast state given to Collector.record_autocast
 
     # -- which steps ---------------------------------------------------------------------------------------------------
     def take(self, state: StepState) -> None:
@@ -115,72 +123,154 @@ class Lane:
             ext = compiled.get()  # (looks again every few seconds while the extension builds elsewhere)
             self._call_state = getattr(ext, "call_state", None)
             self._keep_seed = getattr(ext, "keep_seed", None)
+            params = self.end.params
+            if ext is not None and all([isinstance(p, torch.Tensor) for _, p in params]):
+                self._read, self._read_for = ext.Grads([p for _, p in params]).figures, params
 
     # -- training's hooks ----------------------------------------------------------------------------------------------
-    # Each hook runs its held-step part under the run's guard (guards.guarded: timed, an error stops collection); a
-    # part that answers False lets the call go to the general path's own hook, which times itself.
+    # On a held step each hook does its work in its own body, under the run's guard as guards.guarded does it (timed;
+    # an error stops collection, never training): inside a training loop every further Python call a step makes pays
+    # its cache misses again (benchmarks/sentinel_pieces.py), so a held step makes few. Where the lane lets a call go,
+    # the general path's own hook takes it and times itself; the step's calls are settled first.
     def root_pre(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not self.held or self._root_pre(args, kwargs) is False:
-            self.collector.on_root_pre(module, args, kwargs)
+        """Collector.on_root_pre and start_micro for the common call of a held step: one plain tensor, read by one
+        C++ call (compiled.py). Another call, no extension, a moved model: the general path takes the call."""
+        guard = self.guard
+        if self.held and not guard.off:
+            t0 = now()
+            try:
+                a0 = args[0] if len(args) == 1 and not kwargs else None
+                call_state = self._call_state
+                if call_state is not None and type(a0) is torch.Tensor:
+                    if self._root_call(a0, args, kwargs, call_state, t0):
+                        return
+                    self.held = False
+            except Exception as exc:
+                guard.fail(exc)
+                return
+            finally:
+                guard.observer_time += now() - t0
+            self.settle()
+        self.collector.on_root_pre(module, args, kwargs)
 
-    @guarded
-    def _root_pre(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """Collector.on_root_pre and start_micro for the common call of a held step, one plain tensor, read by one C++
-        call (compiled.py). False: the general path takes the call (another call, no extension, a moved model)."""
-        a0 = args[0] if len(args) == 1 and not kwargs else None
-        call_state, capture = self._call_state, self.capture
-        if call_state is None or type(a0) is not torch.Tensor:
-            return False
-        training, dtype, rows, version, rng = call_state(a0, capture is not None)
+    def _root_call(
+        self, a0: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any], call_state: Any, t0: float
+    ) -> bool:
+        """root_pre's work on a held step's common call. False: the step is let go (the model moved)."""
+        training, dtype, rows, version, rng = call_state(a0, self.capture is not None)
         if not training:
             return True  # (an evaluation forward, a checkpoint's recomputation)
         autocast = ("cpu", dtype) if dtype is not None else None
-        collector, state, facts = self.collector, self.collector.state, self.facts
+        collector = self.collector
+        state = collector.state
         if state.t_first is None:
             if not self._anchor.is_cpu:  # the model moved: the general path reads its new device
-                self.held = False
                 return False
-            state.t_first = now()
-            self.step_start()
-            collector.record_autocast(autocast)
+            state.t_first = t0
+            self.open = None  # (step_start: no loss joins the last clean step any more)
+            if (self.rows and (len(self.rows) >= ROWS_MAX or t0 - self._oldest >= FLUSH_S)) or self.flights.queue:
+                self.step_start()
+            if autocast != self._autocast_seen:  # (recording the same state again changes nothing)
+                collector.record_autocast(autocast)
+                self._autocast_seen = autocast
         collector.autocast_now = autocast
-        facts.step_starts += 1
+        self.facts.step_starts += 1
         state.micro += 1
         if rows > 0:
             state.samples += rows
         state.first_backward = True
-        if capture is not None:
-            capture.keep(args, kwargs, [(a0, version)] if version >= 0 else [], (rng, None, None), autocast)
+        capture = self.capture
+        if capture is not None and not capture.paused and len(capture.calls) + len(self.raw) < MAX_CALLS:
+            self.raw.append([args, kwargs, [(a0, version)] if version >= 0 else [], (rng, None, None), autocast, None])
         return True
 
     def root_out(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         """The root's forward hook (registered with the replay): the backward's seed. On a held step a single output
         tensor's is kept by a hook in C++ (the backward runs no Python for it); else Replays.on_root_output."""
-        if self.held and self._keep_seed is not None and type(output) is torch.Tensor:
-            self._seed(output)
-        else:
-            assert self.replays is not None  # (registered only with the replay)
-            self.replays.on_root_output(module, args, output)
-
-    @guarded
-    def _seed(self, output: torch.Tensor) -> None:
-        capture, keep_seed = self.capture, self._keep_seed
-        assert capture is not None and keep_seed is not None  # (root_out)
-        if capture.calls and not capture.paused:
-            capture.calls[-1].held = keep_seed(output, SEED_KEEP_MAX)
+        guard, keep_seed = self.guard, self._keep_seed
+        if self.held and keep_seed is not None and type(output) is torch.Tensor:
+            if guard.off:
+                return
+            t0 = now()
+            try:
+                capture = self.capture
+                assert capture is not None  # (registered only with the replay)
+                if self.raw:
+                    self.raw[-1][5] = keep_seed(output, SEED_KEEP_MAX)
+                elif capture.calls and not capture.paused:  # (a call the general path took)
+                    capture.calls[-1].held = keep_seed(output, SEED_KEEP_MAX)
+            except Exception as exc:
+                guard.fail(exc)
+            finally:
+                guard.observer_time += now() - t0
+            return
+        assert self.replays is not None  # (registered only with the replay)
+        self.settle()
+        self.replays.on_root_output(module, args, output)
 
     def opt_pre(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        # (``args`` holds the optimizer itself; a closure, which runs forwards inside the step: the general path)
-        if self.held and len(args) <= 1 and not kwargs and self._clean(self.collector.state) is not False:
-            return
-        self.held = False
+        """The sentinel's verdict on a held step before the update (StepEnd.early_verdict): its figures read by one C++
+        call. Not clean, or a closure (which runs forwards inside the step): the general path takes the step."""
+        guard = self.guard
+        # (``args`` holds the optimizer itself)
+        if self.held and len(args) <= 1 and not kwargs and not guard.off:
+            t0 = now()
+            try:
+                if self._judge(self.collector.state):
+                    return
+            except Exception as exc:
+                guard.fail(exc)
+                return
+            finally:
+                guard.observer_time += now() - t0
+        self.let_go()
         self.boundary_hooks.on_opt_pre(optimizer, args, kwargs)  # (an anomaly known now is replayed there)
 
+    def _judge(self, state: StepState) -> bool:
+        """The verdict of a held step, the C++ read's figures cached on its state as StepEnd.figures caches them."""
+        read = self._read
+        if state.figures is None and read is not None and self._read_for is self.end.params:
+            norm, gmax, n = read()
+            if n > 0:
+                state.figures = (norm, gmax)
+                if not state.losses and math.isfinite(norm + gmax):  # (the common step: its loss comes later)
+                    if state.grad_spike is None:
+                        state.grad_spike = self.cadence.spike(norm)  # (as StepEnd.spikes judges it)
+                    return not state.grad_spike
+        return self._verdict(state)
+
     def opt_post(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not self.held or self._end() is False:
-            self.boundary_hooks.on_opt_post(optimizer, args, kwargs)
-        else:
-            self.loop.after_step()  # (as StepLoop.end_step after its _finish)
+        guard = self.guard
+        if self.held and not guard.off:
+            t0 = now()
+            try:
+                ended = self._end(t0)
+            except Exception as exc:
+                guard.fail(exc)
+                return
+            if ended:
+                live = self.loop.live
+                if live is not None and live.halt is not None:
+                    self.loop.after_step()  # (as StepLoop.end_step after its _finish; raised into training)
+                return
+        self.let_go()
+        self.boundary_hooks.on_opt_post(optimizer, args, kwargs)
+
+    # -- the general path takes the step -------------------------------------------------------------------------------
+    def let_go(self) -> None:
+        self.held = False
+        self.settle()
+
+    def settle(self) -> None:
+        """The held step's root calls into the replay's Capture, as Capture.keep would have kept them: the general
+        path finds them where it always does."""
+        raw = self.raw
+        if raw:
+            capture = self.capture
+            assert capture is not None  # (raw calls are kept only with the replay)
+            for args, kwargs, versions, rng, autocast, held in raw:
+                capture.calls.append(Call(args, kwargs, versions, rng, autocast, held=held))
+            self.raw = []
 
     # -- a loss logged after the step ----------------------------------------------------------------------------------
     # While its row waits (``open``), the last clean step stands for the general path's finished step
@@ -200,16 +290,28 @@ class Lane:
         assert self.open is not None  # (last_open)
         self.end.late_loss(self.open, value)
 
-    # -- the step's verdict and end ------------------------------------------------------------------------------------
-    @guarded
-    def _clean(self, state: StepState) -> bool:
-        return self._verdict(state)
+    def log_loss(self, loss: Any) -> bool:
+        """Doctor.log_loss's short way for the common call: a one-value CPU tensor logged after ``optimizer.step()``
+        of a clean step, while its row waits without a loss (what Collector.log_loss does then, in one call). False:
+        Collector.log_loss takes it."""
+        if (
+            self.open is None
+            or type(loss) is not torch.Tensor
+            or not loss.is_cpu
+            or loss.numel() != 1
+            or self.facts.loss_dtype is None
+            or self.rows[-1][_LOSS] is not None
+            or self.collector.state.t_first is not None
+        ):
+            return False
+        self.add_late_loss(loss.item())
+        return True
 
+    # -- the step's verdict and end ------------------------------------------------------------------------------------
     def _verdict(self, state: StepState) -> bool:
         """The sentinel's verdict on a held step, where StepEnd.early_verdict and _judge reach it: its figures and
         losses on the host and finite, no spike. False: the step is let go (the general path reaches the same verdict
-        from the same cached figures and judged spikes). Asked again at the step end: the figures and the spikes
-        judged so far are cached, a loss logged since is judged then."""
+        from the same cached figures and judged spikes)."""
         norm, gmax = self.end.figures(state)
         losses = state.losses
         if type(norm) is not float or type(gmax) is not float or not math.isfinite(norm + gmax):
@@ -223,32 +325,30 @@ class Lane:
         grad_spike, loss_spike = self.end.spikes(state, norm, loss)
         return not (grad_spike or loss_spike)
 
-    @guarded(timed=False)  # timed inside: the step's observer_time ends with its row (as StepLoop._finish)
-    def _end(self) -> bool:
+    def _end(self, t0: float) -> bool:
         """BoundaryHooks.on_opt_post and StepLoop._finish for a clean held step: its row, the next step. False: the
-        step is let go at its end (the general path closes it)."""
-        t0 = now()
-        collector, end, loop = self.collector, self.end, self.loop
+        step is let go at its end (the general path closes it). Its observer_time ends with its row."""
+        collector, end, loop, cadence = self.collector, self.end, self.loop, self.cadence
         state = collector.state
         if (
             state.t_first is None  # no forward this step: the general path knows what to warn
             or loop.writer.error is not None
             or self.flights.queue  # (the general path's finished steps go to the writer before this one)
-            or not self._verdict(state)
+            or state.grad_spike is None  # (not judged before the update: an optimizer hook of ours came after)
         ):
-            self.held = False
             return False
         self.facts.updates += 1
         state.opt_stepped = True
         norm, gmax = state.figures  # type: ignore[misc]  # (judged clean: floats)
         losses = state.losses
         t_prev = end.t_prev_end
+        groups = self.groups
         row = [
             state.index,
             time.time(),
             max(state.t_first - t_prev, 0.0),
             state.samples or None,
-            [float(g["lr"]) for g in self.groups],
+            [float(groups[0]["lr"])] if len(groups) == 1 else [float(g["lr"]) for g in groups],
             state.micro,
             gmax,
             norm,
@@ -261,19 +361,27 @@ class Lane:
         rows = self.rows
         rows.append(row)
         self.open = state
-        if self.capture is not None:
-            self.capture.take()  # (a clean step's calls are let go)
-        self.cadence.after(False)
-        if self.replays is not None and not self.cadence.alarmed:
+        self.raw = []  # (a clean step's calls are let go: Capture.take)
+        capture = self.capture
+        if capture is not None and (capture.calls or capture.batch_ids):
+            capture.take()
+        cadence.after(False)
+        if self.replays is not None and not cadence.alarmed:
             self.replays.clean_again()
-        loop.begin_step(state.index + 1)
+        # the next step (StepLoop.begin_step)
+        index = state.index + 1
+        observe, reason, store_hist = cadence.plan(index)
+        new = StepState(index, observe, reason, store_hist, updates=self.facts.updates)
+        collector.begin(new)
+        self.take(new)
         t_end = now()  # (StepEnd.stamp)
         end.t_prev_end = t_end
         if len(rows) == 1:
             self._oldest = t_end
         row[_STEP_TIME] = step_time = t_end - t_prev
         row[_OBSERVER_TIME] = observer_time = self.guard.take_time() + (t_end - t0)
-        loop.budget_step(state.index, observer_time, step_time, state.reason)
+        if loop.budget is not None:
+            loop.budget_step(state.index, observer_time, step_time, state.reason)
         self.carried += 1
         return True
 
