@@ -5,15 +5,16 @@ Models: small (10 modules: Linear 64 -> 4 x Linear 128 -> 10 with ReLU/LayerNorm
 d 128, 32 tokens, batch 16: 65 modules). SGD, MSE loss. FP32; BF16 autocast too where the CPU has native BF16
 (avx512_bf16 / amx: an AVX2-only CPU emulates BF16 matmuls ~20x slower, which drowns every ratio).
 
-Variants: bare, ampdoctor defaults (tiers: sentinel every step, sampled sites, calibration, flight recorder; live
-rules on), the defaults under ``budget=0.03`` and the same without the anomaly replay (``replay=False``: what its
-capture of every step costs), ampdoctor debug (every site, every step, full statistics and histograms), and the same
-two with the torch/numpy statistics passes instead of the native one-pass kernels (AMPDOCTOR_NATIVE=0: what a
-machine without numba gets); the floors (the least that "peaks of every tensor every step", "histograms of every
-tensor every step" and "full statistics of every tensor every step" cost with Python hooks: no bookkeeping, nothing
-kept; the full statistics with the native kernel and with the torch passes), the sentinel floors (the gradient norm
-and peak with no hooks: torch's fused reductions, and the native single read), naive per-layer .item() hooks,
-transformers' DebugUnderflowOverflow, wandb.watch(log="all", log_freq=1) offline (when installed).
+Variants: bare, the bare loop again in a second process (the error bar of every ratio), ampdoctor defaults (tiers:
+sentinel every step, sampled sites, calibration, flight recorder; live rules on), the defaults under ``budget=0.03``
+and the same without the anomaly replay (``replay=False``: what its capture of every step costs), ampdoctor debug
+(every site, every step, full statistics and histograms), and the same two with the torch/numpy statistics passes
+instead of the native one-pass kernels (AMPDOCTOR_NATIVE=0: what a machine without numba gets); the floors (the least
+that "peaks of every tensor every step", "histograms of every tensor every step" and "full statistics of every tensor
+every step" cost with Python hooks: no bookkeeping, nothing kept; the full statistics with the native kernel and with
+the torch passes), the sentinel floors (the gradient norm and peak with no hooks: torch's fused reductions, and the
+native single read), naive per-layer .item() hooks, transformers' DebugUnderflowOverflow, wandb.watch(log="all",
+log_freq=1) offline (when installed).
 
 The native kernels load in a background thread at their first use (stats.native()); every worker waits for them
 after its warm-up steps, so that the timed steps measure the kernel that serves a run past its first seconds. The
@@ -285,6 +286,9 @@ def setup_wandb(w):
 
 VARIANTS = {
     "bare": None,
+    # the same bare loop in another process: how far two processes of the same code differ (their memory layout,
+    # the core they ran on), the error bar of every ratio below
+    "bare (a second process)": None,
     "ampdoctor defaults": lambda w: setup_ampdoctor(w),
     "ampdoctor defaults (budget 0.03)": lambda w: setup_ampdoctor(w, budget=0.03),
     # what the anomaly replay's capture of every step (the call, its RNG state, the backward's seed) costs
