@@ -293,3 +293,39 @@ def test_a_step_of_lane_kept_and_general_calls_replays_both(tmp_path, monkeypatc
     nonfinite = at[at["kind"] == "nonfinite"]  # (the batch itself holds the Inf: the root's forward meets it)
     assert list(nonfinite["path"]) == ["(model)"] and list(nonfinite["phase"]) == ["fwd"], at.to_dict("records")
     assert not lane.raw  # (nothing kept as read after the run)
+
+
+def test_an_evaluation_forward_inside_a_step_keeps_the_training_calls_seed(tmp_path, monkeypatch):
+    """An evaluation forward under no_grad between a step's forward and its backward (a probe of the model mid-step)
+    is no micro-batch and has no gradient to keep: the seed kept for the step's training call stays, and a replay of
+    an overflow in the backward only reproduces it from that seed, as on the general path."""
+
+    def train(path, lane):
+        monkeypatch.setattr(core, "LANE", lane)
+        m = model()
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        g = torch.Generator().manual_seed(1)
+        with ampdoctor.attach(m, optimizer=opt, trace=path, live=False) as doc:
+            for step in range(36):
+                x, y = torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
+                if step == 31:
+                    x[2, 3] = 1e6  # (finite: Amplify overflows the backward only)
+                loss = torch.nn.functional.mse_loss(m(x), y)
+                m.eval()
+                with torch.no_grad():
+                    m(x[:2])
+                m.train()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                doc.log_loss(loss)
+        return doc._core.lane
+
+    lane = train(str(tmp_path / "lane.db"), True)
+    assert train(str(tmp_path / "general.db"), False) is None
+    (s1, e1), (s2, e2) = comparable(str(tmp_path / "lane.db")), comparable(str(tmp_path / "general.db"))
+    assert lane.carried >= 15
+    assert s1.equals(s2), s1.compare(s2)
+    assert e1.equals(e2), (e1, e2)
+    at = e1[e1["step"] == 31]
+    assert "reproduced" in " ".join(at.loc[at["kind"] == "replay", "message"]), at.to_dict("records")

@@ -195,10 +195,13 @@ class Lane:
             try:
                 capture = self.capture
                 assert capture is not None  # (registered only with the replay)
-                if self.raw:
-                    self.raw[-1][5] = keep_seed(output, SEED_KEEP_MAX)
-                elif capture.calls and not capture.paused:  # (a call the general path took)
-                    capture.calls[-1].held = keep_seed(output, SEED_KEEP_MAX)
+                # (None: no gradient will reach it, e.g. an evaluation forward inside the step, which is no call: the
+                # last call's seed stays, as Capture.on_output leaves it)
+                held = keep_seed(output, SEED_KEEP_MAX)
+                if held is not None and self.raw:
+                    self.raw[-1][5] = held
+                elif held is not None and capture.calls and not capture.paused:  # (a call the general path took)
+                    capture.calls[-1].held = held
             except Exception as exc:
                 guard.fail(exc)
             finally:
