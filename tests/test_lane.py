@@ -329,3 +329,52 @@ def test_an_evaluation_forward_inside_a_step_keeps_the_training_calls_seed(tmp_p
     assert e1.equals(e2), (e1, e2)
     at = e1[e1["step"] == 31]
     assert "reproduced" in " ".join(at.loc[at["kind"] == "replay", "message"]), at.to_dict("records")
+
+
+def _raise(*args, **kwargs):
+    raise RuntimeError("broken on purpose")
+
+
+@pytest.mark.parametrize("part", ["call_state", "keep_seed", "read", "step_end", "late_loss"])
+def test_an_error_in_a_held_steps_part_stops_collection_never_training(tmp_path, part):
+    """Each part of a held step that can raise (the C++ reads of the call and the gradients, the seed's hook, the step
+    end, a late loss's row) stops collection with one warning; training goes on, its weights those of the same run
+    without ampdoctor, and the trace keeps the steps before."""
+    if compiled.get() is None:
+        pytest.skip("the C++ extension is not loaded here (make install builds it)")
+
+    def train(attach):
+        m = model()
+        opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+        g = torch.Generator().manual_seed(1)
+        doc = ampdoctor.attach(m, optimizer=opt, trace=str(tmp_path / "t.db"), live=False) if attach else None
+        for step in range(40):
+            if step == 25 and doc is not None:
+                lane = doc._core.lane
+                assert lane is not None and lane.held
+                if part == "step_end":
+                    lane.take = _raise
+                elif part == "late_loss":
+                    lane.add_late_loss = _raise
+                else:
+                    setattr(lane, f"_{part}", _raise)
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
+            loss = torch.nn.functional.mse_loss(m(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if doc is not None:
+                doc.log_loss(loss)
+        if doc is not None:
+            doc.close()
+        return m, doc
+
+    bare, _ = train(False)
+    with pytest.warns(RuntimeWarning, match="collection stopped after an internal error.*broken on purpose"):
+        observed, doc = train(True)
+    assert not doc.active
+    for a, b in zip(bare.parameters(), observed.parameters()):
+        assert torch.equal(a, b)
+    with sqlite3.connect(str(tmp_path / "t.db")) as conn:
+        steps = [s for (s,) in conn.execute("SELECT step FROM steps ORDER BY step")]
+    assert steps[:25] == list(range(25)) and max(steps) <= 25
