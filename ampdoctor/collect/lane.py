@@ -12,8 +12,8 @@ its own way is the step's root calls: as read, made into the replay's Calls only
 (a clean step's are let go unmade). Where the step turns out not to be clean (a NaN/Inf, a spike, a loss on a
 device, a model moved, a closure, a writer that failed), the lane lets it go at once and the general path carries on
 from there: the replay finds the step's calls where it always does. Where the C++ extension is loaded
-(compiled.py), a root call's state is read by one call, the gradients' figures by another, and the backward's seed
-is kept by a C++ hook (the backward runs no Python for it).
+(compiled.py), a root call's state is read by one call and the backward's seed is kept by a C++ hook (the backward
+runs no Python for it).
 
 A clean step's row waits in the lane while a loss logged after ``optimizer.step()`` may still join it; the rows go
 to the writer together, as one queue item, at most ROWS_MAX steps or FLUSH_S seconds after the oldest, and always
@@ -34,7 +34,6 @@ from . import buffers, compiled, stats
 from .anomaly import MAX_CALLS, SEED_KEEP_MAX, Call
 from .boundary import NO_VALUES, SENTINEL_BASES
 from .options import Observe
-from .state import StepState
 
 if TYPE_CHECKING:
     from .anomaly import Capture
@@ -45,7 +44,7 @@ if TYPE_CHECKING:
     from .flights import Flights
     from .guards import Guard
     from .replays import Replays
-    from .state import RunFacts
+    from .state import RunFacts, StepState
     from .steploop import StepLoop
 
 ROWS_MAX = 256  # clean steps sent to the writer together: one queue item (StepBatch), one write of them all
@@ -102,8 +101,6 @@ class Lane:
         # the held step's root calls, kept as read ([args, kwargs, versions, rng, autocast, seed]) and made into the
         # replay's Calls only when the general path takes the step (settle): a clean step's are let go unmade
         self.raw: list[list[Any]] = []
-        self._read: Callable[[], tuple[float, float, int]] | None = None  # the C++ read of the gradients' figures
-        self._read_for: list[Any] | None = None  # ... of these parameters (StepEnd.params)
         self._autocast_seen: Any = False  # the last autocast state given to Collector.record_autocast
 
     # -- which steps ---------------------------------------------------------------------------------------------------
@@ -123,9 +120,6 @@ class Lane:
             ext = compiled.get()  # (looks again every few seconds while the extension builds elsewhere)
             self._call_state = getattr(ext, "call_state", None)
             self._keep_seed = getattr(ext, "keep_seed", None)
-            params = self.end.params
-            if ext is not None and all([isinstance(p, torch.Tensor) for _, p in params]):
-                self._read, self._read_for = ext.Grads([p for _, p in params]).figures, params
 
     # -- training's hooks ----------------------------------------------------------------------------------------------
     # On a held step each hook does its work in its own body, under the run's guard as guards.guarded does it (timed;
@@ -212,14 +206,14 @@ class Lane:
         self.replays.on_root_output(module, args, output)
 
     def opt_pre(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """The sentinel's verdict on a held step before the update (StepEnd.early_verdict): its figures read by one C++
-        call. Not clean, or a closure (which runs forwards inside the step): the general path takes the step."""
+        """The sentinel's verdict on a held step before the update (StepEnd.early_verdict). Not clean, or a closure
+        (which runs forwards inside the step): the general path takes the step."""
         guard = self.guard
         # (``args`` holds the optimizer itself)
         if self.held and len(args) <= 1 and not kwargs and not guard.off:
             t0 = now()
             try:
-                if self._judge(self.collector.state):
+                if self._verdict(self.collector.state):
                     return
             except Exception as exc:
                 guard.fail(exc)
@@ -228,19 +222,6 @@ class Lane:
                 guard.observer_time += now() - t0
         self.let_go()
         self.boundary_hooks.on_opt_pre(optimizer, args, kwargs)  # (an anomaly known now is replayed there)
-
-    def _judge(self, state: StepState) -> bool:
-        """The verdict of a held step, the C++ read's figures cached on its state as StepEnd.figures caches them."""
-        read = self._read
-        if state.figures is None and read is not None and self._read_for is self.end.params:
-            norm, gmax, n = read()
-            if n > 0:
-                state.figures = (norm, gmax)
-                if not state.losses and math.isfinite(norm + gmax):  # (the common step: its loss comes later)
-                    if state.grad_spike is None:
-                        state.grad_spike = self.cadence.spike(norm)  # (as StepEnd.spikes judges it)
-                    return not state.grad_spike
-        return self._verdict(state)
 
     def opt_post(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         guard = self.guard
@@ -292,23 +273,6 @@ class Lane:
             row[_NONFINITE] = True
         assert self.open is not None  # (last_open)
         self.end.late_loss(self.open, value)
-
-    def log_loss(self, loss: Any) -> bool:
-        """Doctor.log_loss's short way for the common call: a one-value CPU tensor logged after ``optimizer.step()``
-        of a clean step, while its row waits without a loss (what Collector.log_loss does then, in one call). False:
-        Collector.log_loss takes it."""
-        if (
-            self.open is None
-            or type(loss) is not torch.Tensor
-            or not loss.is_cpu
-            or loss.numel() != 1
-            or self.facts.loss_dtype is None
-            or self.rows[-1][_LOSS] is not None
-            or self.collector.state.t_first is not None
-        ):
-            return False
-        self.add_late_loss(loss.item())
-        return True
 
     # -- the step's verdict and end ------------------------------------------------------------------------------------
     def _verdict(self, state: StepState) -> bool:
@@ -371,12 +335,7 @@ class Lane:
         cadence.after(False)
         if self.replays is not None and not cadence.alarmed:
             self.replays.clean_again()
-        # the next step (StepLoop.begin_step)
-        index = state.index + 1
-        observe, reason, store_hist = cadence.plan(index)
-        new = StepState(index, observe, reason, store_hist, updates=self.facts.updates)
-        collector.begin(new)
-        self.take(new)
+        loop.begin_step(state.index + 1)  # (its on_begin: take)
         t_end = now()  # (StepEnd.stamp)
         end.t_prev_end = t_end
         if len(rows) == 1:

@@ -155,9 +155,7 @@ class Doctor:
     def log_loss(self, loss: Any) -> None:
         """The training loss of this step (tensor or float); summed over the step's micro-batches. Not needed with
         a GradScaler (``scaler.scale(loss)`` is read)."""
-        lane = self._core.lane
-        if lane is None or not lane.log_loss(loss):
-            self._collector.log_loss(loss, self._core.last_open())
+        self._collector.log_loss(loss, self._core.last_open())
 
     def log_metric(self, name: str, value: Any, step: int | None = None) -> None:
         """Any scalar, e.g. a validation metric; ``step`` defaults to the last completed step. A value that is not
