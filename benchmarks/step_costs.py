@@ -44,12 +44,11 @@ from ampdoctor.collect import (
 # the lane (lane.py) first; the general path's entries are timed where a step goes that way.
 PIECES = [
     (lane.Lane, "root_pre", "lane: root pre-hook"),
-    (lane.Lane, "step_start", "  the step start (rows to the writer)"),
+    (lane.Lane, "_call_extras", "  a step's first call: rows to the writer"),
     (lane.Lane, "root_out", "lane: root forward hook (the seed)"),
-    (lane.Lane, "opt_pre", "lane: optimizer pre-hook"),
-    (boundary.StepEnd, "figures", "  gradient norm and peak"),
+    (lane.Lane, "opt_pre", "lane: optimizer pre-hook (figures, verdict)"),
     (lane.Lane, "opt_post", "lane: optimizer post-hook"),
-    (steploop.StepLoop, "begin_step", "  the next step's plan and state"),
+    (lane.Lane, "_after_end", "  the next step's own start, the budget"),
     (lane.Lane, "flush", "lane: rows to the writer"),
     (collector.Collector, "on_root_pre", "root pre-hook"),
     (flights.Flights, "on_step_start", "  the finished step to the writer"),
@@ -58,12 +57,15 @@ PIECES = [
     (anomaly.Capture, "on_output", "  the seed's hook"),
     (boundary_hooks.BoundaryHooks, "on_opt_pre", "optimizer pre-hook"),
     (boundary.StepEnd, "early_verdict", "  early verdict"),
+    (boundary.StepEnd, "figures", "    gradient norm and peak"),
     (boundary_hooks.BoundaryHooks, "on_opt_post", "optimizer post-hook: the step end"),
+    (steploop.StepLoop, "begin_step", "  the next step's plan and state"),
     (boundary.StepEnd, "close", "  close (figures, row, flight)"),
     (flights.Flights, "add", "  verdict, flight recorder"),
     (session.Doctor, "log_loss", "log_loss after the step (both paths)"),
+    (lane.Lane, "log_loss", "  on a held step"),
 ]
-# (parts both paths call are listed once, under the lane: the figures, the next step's plan)
+# (a held step's parts run in C++, inside the lane's hooks: csrc/step_record.cpp, HeldSteps)
 
 
 def main() -> None:

@@ -135,12 +135,14 @@ def compare(tmp_path, monkeypatch, kwargs):
     fast = run(str(tmp_path / "lane.db"), True, monkeypatch, **kwargs)
     slow = run(str(tmp_path / "general.db"), False, monkeypatch, **kwargs)
     assert slow is None and fast is not None
-    # where the C++ extension is loaded (make install builds it), the lane reads each root call by one C++ call
-    assert (fast._call_state is not None) == (compiled.get() is not None)
+    # where the C++ extension is loaded (make install builds it), the lane's HeldSteps records the held steps;
+    # without it the general path takes every step
+    loaded = compiled.get() is not None
+    assert (fast.rec is not None) == loaded
     # the lane carried the clean sentinel steps: all but calibration, sampled and anomalous ones (and the last,
     # ended by close())
     sentinel = (comparable(str(tmp_path / "lane.db"))[0]["reason"] == "sentinel").sum()
-    if kwargs.get("lbfgs"):  # (its forwards run inside optimizer.step(): every step is let go to the general path)
+    if kwargs.get("lbfgs") or not loaded:  # (LBFGS's forwards run inside optimizer.step(): every step is let go)
         assert sentinel > 20 and fast.carried == 0
     else:
         assert sentinel > 20 and fast.carried >= sentinel - 2
@@ -158,8 +160,8 @@ def compare(tmp_path, monkeypatch, kwargs):
 
 
 def test_the_lane_without_the_cpp_extension(tmp_path, monkeypatch):
-    """Where the extension is not built (no compiler), the lane reads a root call in Python, and still writes what
-    the general path writes, through a NaN the replay localises (its RNG state read in Python, not in C++)."""
+    """Where the extension is not built (no compiler), the lane holds no step: the general path writes the trace,
+    through a NaN the replay localises."""
     monkeypatch.setattr(lane_module.compiled, "get", lambda: None)
     compare(tmp_path, monkeypatch, {"nan": 43})
 
@@ -295,7 +297,7 @@ def test_a_step_of_lane_kept_and_general_calls_replays_both(tmp_path, monkeypatc
     assert "replayed exactly: reproduced" in " ".join(at.loc[at["kind"] == "replay", "message"]), at.to_dict("records")
     nonfinite = at[at["kind"] == "nonfinite"]  # (the batch itself holds the Inf: the root's forward meets it)
     assert list(nonfinite["path"]) == ["(model)"] and list(nonfinite["phase"]) == ["fwd"], at.to_dict("records")
-    assert not lane.raw  # (nothing kept as read after the run)
+    assert lane.rec.kept == 0  # (nothing kept as read after the run)
 
 
 def test_an_evaluation_forward_inside_a_step_keeps_the_training_calls_seed(tmp_path, monkeypatch):
@@ -334,13 +336,23 @@ def _raise(*args, **kwargs):
     raise RuntimeError("broken on purpose")
 
 
-@pytest.mark.parametrize("part", ["call_state", "keep_seed", "read", "step_end", "late_loss"])
+class Broken:
+    """A HeldSteps whose method ``name`` raises."""
+
+    def __init__(self, rec, name):
+        self._rec, self._name = rec, name
+
+    def __getattr__(self, attr):
+        return _raise if attr == self._name else getattr(self._rec, attr)
+
+
+@pytest.mark.parametrize("part", ["call", "seed", "verdict", "end", "loss"])
 def test_an_error_in_a_held_steps_part_stops_collection_never_training(tmp_path, part):
-    """Each part of a held step that can raise (the C++ reads of the call and the gradients, the seed's hook, the step
-    end, a late loss's row) stops collection with one warning; training goes on, its weights those of the same run
-    without ampdoctor, and the trace keeps the steps before."""
-    if part in ("call_state", "keep_seed", "read") and compiled.get() is None:
-        pytest.skip("the C++ extension is not loaded here (make install builds it): its parts cannot break")
+    """Each part of a held step (HeldSteps: the root call, the seed's hook, the gradients' read and the verdict, the
+    step end, a loss) that raises stops collection with one warning; training goes on, its weights those of the same
+    run without ampdoctor, and the trace keeps the steps before."""
+    if compiled.get() is None:
+        pytest.skip("the C++ extension is not loaded here (make install builds it): no step is held")
 
     def train(attach):
         m = model()
@@ -351,14 +363,7 @@ def test_an_error_in_a_held_steps_part_stops_collection_never_training(tmp_path,
             if step == 25 and doc is not None:
                 lane = doc._core.lane
                 assert lane is not None and lane.held
-                if part == "step_end":
-                    lane.loop.on_begin = _raise  # (the next step's take, at the held step's end)
-                elif part == "late_loss":
-                    lane.add_late_loss = _raise
-                elif part == "read":
-                    lane.end._grad_figures._compiled = _raise  # (the sentinel's C++ read, GradFigures)
-                else:
-                    setattr(lane, f"_{part}", _raise)
+                lane.rec = Broken(lane.rec, part)
             x, y = torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
             loss = torch.nn.functional.mse_loss(m(x), y)
             opt.zero_grad()

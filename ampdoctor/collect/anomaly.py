@@ -54,14 +54,15 @@ class Call:
     rng: RngState
     autocast: tuple[str, torch.dtype] | None  # (device_type, dtype) when autocast was on at the call
     seeds: dict[int, torch.Tensor] = field(default_factory=dict)  # output index -> gradient that reached it
-    held: Any = None  # output 0's gradient held by a C++ hook (the lane's: compiled.py), until take_held()
+    held: dict[int, Any] | None = None  # output index -> its gradient held by a C++ hook (the lane's): take_held()
 
     def take_held(self) -> None:
-        """The gradient a C++ hook held for output 0 joins ``seeds`` (before a replay reads them)."""
+        """The gradients C++ hooks held join ``seeds`` (before a replay reads them)."""
         held, self.held = self.held, None
-        grad = held.get() if held is not None else None
-        if grad is not None:
-            self.seeds[0] = grad
+        for i, seed in (held or {}).items():
+            grad = seed.get()
+            if grad is not None:
+                self.seeds[i] = grad
 
 
 class Capture:
@@ -104,7 +105,7 @@ class Capture:
         if type(a0) is torch.Tensor:  # the common case, without walking the arguments: one tensor
             tensors = [a0] if a0.layout == torch.strided or not a0.is_floating_point() else []
         else:
-            tensors = hooks.float_tensors((args, kwargs)) + _int_tensors((args, kwargs))
+            tensors = hooks.float_tensors((args, kwargs)) + int_tensors((args, kwargs))
         dev = self.device() if device_type != "cpu" else None  # (the CPU generator's state is always kept)
         self.keep(args, kwargs, [(t, t._version) for t in tensors], rng_get(dev), autocast)
         if measure:
@@ -190,7 +191,7 @@ def _keep_seed(seeds: dict[int, torch.Tensor], i: int) -> Callable[[torch.Tensor
     return keep
 
 
-def _int_tensors(obj: object) -> list[torch.Tensor]:
+def int_tensors(obj: object) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     for t in _flat(obj):
         if isinstance(t, torch.Tensor) and not t.is_floating_point():
@@ -514,7 +515,7 @@ class Replayer:
         inputs = []
         top = 0.0
         for c in calls:
-            for t in [*hooks.float_tensors((c.args, c.kwargs)), *_int_tensors((c.args, c.kwargs))]:
+            for t in [*hooks.float_tensors((c.args, c.kwargs)), *int_tensors((c.args, c.kwargs))]:
                 d = t.detach()
                 entry: dict[str, Any] = {"shape": list(d.shape), "dtype": str(d.dtype).replace("torch.", "")}
                 if d.numel() and d.is_floating_point():

@@ -209,10 +209,13 @@ class StepEnd:
         if state.loss_spike is None and state.grad_spike is not None:
             state.loss_spike = self.cadence.loss_spike(loss)
             if state.loss_spike:
-                self._loss_spike_event(state.index, loss)
+                self.loss_spike_event(state.index, loss)
 
-    def _loss_spike_event(self, step: int, loss: float | None) -> None:
-        mean = self.cadence.typical_loss
+    def loss_spike_event(self, step: int, loss: float | None, mean: float | None = None) -> None:
+        """The trace's event for a loss spike at ``step``; ``mean``: the running mean it was judged against (the
+        cadence's, unless the lane's held steps judged it: lane.py)."""
+        if mean is None:
+            mean = self.cadence.typical_loss
         message = f"loss {loss:.4g} jumped far above its running mean {mean:.4g}"
         self.put(EventMsg(step, EventKind.LOSS_SPIKE, None, None, message, {"loss": loss, "running_mean": mean}))
 
@@ -361,7 +364,7 @@ class StepEnd:
             data = {"grad_norm": grad_norm, "running_mean": mean}
             self.put(EventMsg(step, EventKind.GRAD_SPIKE, None, None, message, data))
         if verdict.loss_spike:
-            self._loss_spike_event(step, loss)
+            self.loss_spike_event(step, loss)
         packet = StepPacket(
             step=step,
             row=row,

@@ -118,6 +118,14 @@ class Cadence:
         self._loss_seen += 1
         return False
 
+    def spike_state(self) -> tuple[float | None, int, float | None, float, int]:
+        """The running means ``spike`` and ``loss_spike`` judge against, as one value (the lane's held steps keep
+        them in C++ from one let-go to the next: lane.py)."""
+        return self._norm_mean, self._norm_seen, self._loss_mean, self._loss_var, self._loss_seen
+
+    def set_spike_state(self, state: tuple[float | None, int, float | None, float, int]) -> None:
+        self._norm_mean, self._norm_seen, self._loss_mean, self._loss_var, self._loss_seen = state
+
     @property
     def typical_loss(self) -> float | None:
         return self._loss_mean

@@ -30,8 +30,9 @@ from typing import Any
 import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "step_record.cpp"
-# -fopenmp-simd: the loops' simd reductions vectorize (the float64 sum is reassociated there only, NaN and Inf kept)
-CFLAGS = ["-O3", "-fopenmp-simd"]
+# -fopenmp-simd: the loops' simd reductions vectorize (the float64 sum is reassociated there only, NaN and Inf kept);
+# -ffp-contract=off: no fused multiply-add where the lane repeats a running mean of cadence.py (bit for bit)
+CFLAGS = ["-O3", "-fopenmp-simd", "-ffp-contract=off"]
 ENABLED = os.environ.get("AMPDOCTOR_NATIVE", "1") != "0"
 RECHECK_S = 2.0  # while a build runs elsewhere, how often a caller looks for its result
 BUILD_TIMEOUT_S = 600

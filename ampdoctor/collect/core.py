@@ -150,6 +150,7 @@ class Core:
             and collector.anchor.is_cpu  # (an accelerator's steps all take the general path: no extra call a hook)
             and not collector.keep_hooks
             and not end.half_params
+            and all(type(p) is torch.nn.Parameter for _, p in params)  # (not shards: FSDP's are read their own way)
             and options.mode is not Mode.DEBUG  # (every step observed)
             and LANE
         ):
@@ -197,7 +198,7 @@ class Core:
     def last_open(self) -> LateLoss | None:
         """The finished step a loss logged now joins: the lane's last clean step while its row waits, else the
         general path's (Flights.last_open). (Never both: the lane adds a row only while the flights are empty.)"""
-        if self.lane is not None and self.lane.open is not None:
+        if self.lane is not None and self.lane.open:
             return self.lane
         return self.flights.last_open()
 

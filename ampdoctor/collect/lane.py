@@ -1,38 +1,42 @@
 """The clean step's short way. Most steps of a healthy run observe no site and are clean: the sentinel reads its
 figures, finds nothing, and the step's row goes to the trace. Inside a training loop each distinct call ampdoctor
-makes on such a step pays its cache misses again (benchmarks/step_costs.py): the general path (the collector's and
-the boundary's hooks, the step end, the flights' verdicts and packets, one packet a step to the writer) spent
-~150-180 us of a small CPU model's ~1 ms step on it; the short way ~85, of which ~17 read the gradients' memory.
+makes on such a step pays its cache misses again (benchmarks/step_costs.py), and so does each Python object it
+touches: the general path (the collector's and the boundary's hooks, the step end, the flights' verdicts and packets,
+one packet a step to the writer) spent ~150-180 us of a small CPU model's ~1 ms step on it.
 
 The lane holds a step from its start when the step can only be a clean host step or stop being one: it observes no
-site (the cadence's plan), its figures are on the host (a CPU model, no scaler, no half-precision weights) and the
-optimizer's step ends it. It works on the general path's own state (the step's StepState, the replay's Capture) and
-decides with the same functions (the sentinel's figures, the running means of the spikes). The one thing it keeps
-its own way is the step's root calls: as read, made into the replay's Calls only if the general path takes the step
-(a clean step's are let go unmade). Where the step turns out not to be clean (a NaN/Inf, a spike, a loss on a
-device, a model moved, a closure, a writer that failed), the lane lets it go at once and the general path carries on
-from there: the replay finds the step's calls where it always does. Where the C++ extension is loaded
-(compiled.py), a root call's state is read by one call and the backward's seed is kept by a C++ hook (the backward
-runs no Python for it).
+site (the cadence's plan), its figures are on the host (a CPU model, no scaler, no half-precision weights), the
+flight recorder is off and the optimizer's step ends it. A held step is recorded by the C++ extension's HeldSteps
+(csrc/step_record.cpp, loaded by compiled.py): its counts, its root calls kept for the replay, the backward's seed,
+the gradients' figures and the sentinel's verdict, its row, and the next step, which it holds too while the plan
+allows. The hooks below are thin: each hands its call to HeldSteps and returns. Between two let-gos no Python object
+of the general path is touched but the step's StepState index; the cadence's running means, the run's counts and the
+step's fields are HeldSteps' own until the general path takes a step back (``let_go``: a NaN/Inf, a spike, a loss on
+a device, a model moved, a closure, another kind of call, a writer that failed, a step the cadence observes), when
+they are written where the general path reads them and the step's kept calls become the replay's Calls. The verdict
+is HeldSteps' repetition of the general path's (StepEnd.early_verdict and Cadence.spike/loss_spike, compiled without
+fused multiply-adds: bit for bit); tests/test_lane.py compares whole traces of both. Without the extension the
+general path takes every step.
 
-A clean step's row waits in the lane while a loss logged after ``optimizer.step()`` may still join it; the rows go
+A clean step's row waits in HeldSteps while a loss logged after ``optimizer.step()`` may still join it; the rows go
 to the writer together, as one queue item, at most ROWS_MAX steps or FLUSH_S seconds after the oldest, and always
 before any packet of the general path (the trace stays in step order)."""
 
 from __future__ import annotations
 
-import math
+import sys
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..trace import schema
 from ..trace.messages import StepBatch, StepPacket
-from . import buffers, compiled, stats
-from .anomaly import MAX_CALLS, SEED_KEEP_MAX, Call
+from . import cadence as cadence_module
+from . import compiled, hooks, stats
+from .anomaly import MAX_CALLS, SEED_KEEP_MAX, Call, int_tensors
 from .boundary import NO_VALUES, SENTINEL_BASES
+from .collector import MAX_STEP_LOSSES
 from .options import Observe
 
 if TYPE_CHECKING:
@@ -49,6 +53,9 @@ if TYPE_CHECKING:
 
 ROWS_MAX = 256  # clean steps sent to the writer together: one queue item (StepBatch), one write of them all
 FLUSH_S = 0.25  # ... or once the oldest waited this long: a live reader sees a slow run's steps within a commit
+
+# HeldSteps' answers (csrc/step_record.cpp, HeldSteps::Code)
+_LET_GO, _START, _AUTOCAST, _NEXT, _SPIKE, _OTHER, _PENDING = 1, 2, 4, 8, 32, 64, 128
 
 now = time.perf_counter
 
@@ -87,27 +94,24 @@ class Lane:
         self.groups = optimizer.param_groups
         self.weight_every = weight_every
         self.put = loop.put
-        self.held = False  # the step in progress is the lane's
-        self.carried = 0  # steps the lane carried to their end
-        self.rows: list[list[Any]] = []  # clean steps' rows not sent yet, oldest first (fields by position: _end)
-        self.open: StepState | None = None  # the newest of them while a late loss may join it (its step's state)
-        self._oldest = 0.0  # when the oldest row's step ended (perf_counter)
+        self.held = False  # the step in progress is the lane's (HeldSteps records it)
         anchor = collector.anchor
         assert anchor is not None  # (Core makes a lane only for a model with one)
         self._anchor = anchor
-        # the C++ read of a root call and the C++ seed hook, once the extension is loaded
-        self._call_state: Callable[..., tuple[Any, ...]] | None = None
-        self._keep_seed: Callable[..., Any] | None = None
-        # the held step's root calls, kept as read ([args, kwargs, versions, rng, autocast, seed]) and made into the
-        # replay's Calls only when the general path takes the step (settle): a clean step's are let go unmade
-        self.raw: list[list[Any]] = []
-        self._autocast_seen: Any = False  # the last autocast state given to Collector.record_autocast
+        self.rec: Any = None  # the extension's HeldSteps, once the extension is loaded
+        self._unmade = False  # HeldSteps refused this run's parameters or groups
+
+    @property
+    def carried(self) -> int:
+        """Steps the lane carried to their end."""
+        return self.rec.carried if self.rec is not None else 0
 
     # -- which steps ---------------------------------------------------------------------------------------------------
     def take(self, state: StepState) -> None:
-        """A step begins: the lane holds it when it can only be a clean host step or stop being one."""
-        facts = self.facts
-        self.held = (
+        """A step begins (StepLoop.begin_step): the lane holds it when it can only be a clean host step or stop being
+        one, and HeldSteps holds the steps after it while the plan allows."""
+        facts, cadence = self.facts, self.cadence
+        held = (
             state.observe is Observe.NONE
             and state.index % self.weight_every != 0
             and facts.device == "cpu"
@@ -115,94 +119,137 @@ class Lane:
             and not facts.external_batches
             and self.loop.configured
             and not self.guard.off
+            and not cadence.alarmed  # (the flight recorder's steps end as the general path ends them)
         )
-        if self._call_state is None and self.held:
-            ext = compiled.get()  # (looks again every few seconds while the extension builds elsewhere)
-            self._call_state = getattr(ext, "call_state", None)
-            self._keep_seed = getattr(ext, "keep_seed", None)
+        rec = self.rec
+        if held and rec is None and not self._unmade:
+            rec = self.rec = self._make()  # (None until the extension is loaded: looked for again every few seconds)
+        if held and rec is not None:
+            capture = self.capture
+            room = 0 if capture is None or capture.paused else MAX_CALLS - len(capture.calls)
+            start = bool(self.flights.queue)  # (the general path's finished steps go out at this step's start)
+            rec.begin(
+                state,
+                state.index,
+                self._until(state.index + 1),
+                self.end.t_prev_end,
+                cadence.spike_state(),
+                room,
+                start,
+            )
+            self.held = True
+        else:
+            self.held = False
+
+    def _make(self) -> Any:
+        ext = compiled.get()
+        if ext is None or not hasattr(ext, "HeldSteps"):
+            return None
+        limits = {
+            "seed_max": SEED_KEEP_MAX,
+            "calls_max": MAX_CALLS,
+            "rows_max": ROWS_MAX,
+            "losses_max": MAX_STEP_LOSSES,
+            "flush_s": FLUSH_S,
+            "spike_warmup": cadence_module.SPIKE_WARMUP,
+            "loss_warmup": cadence_module.LOSS_WARMUP,
+            "spike_factor": cadence_module.SPIKE_FACTOR,
+            "spike_alpha": cadence_module.SPIKE_ALPHA,
+            "loss_sigmas": cadence_module.LOSS_SPIKE_SIGMAS,
+            "loss_factor": cadence_module.LOSS_SPIKE_FACTOR,
+            "loss_alpha": cadence_module.LOSS_ALPHA,
+            "compensated_sum": sys.version_info >= (3, 12),  # (Python's sum() of floats, as buffers.sum_losses sums)
+        }
+        # (HeldSteps reads CLOCK_MONOTONIC: the offset puts its times on perf_counter's, where they differ)
+        offset = time.perf_counter() - time.clock_gettime(time.CLOCK_MONOTONIC)
+        params = [p for _, p in self.end.params]
+        try:
+            return ext.HeldSteps(params, self._anchor, self.groups, limits, offset)
+        except Exception:  # (parameters or groups it does not take: the general path takes every step)
+            self._unmade = True
+            return None
+
+    def _until(self, index: int) -> int:
+        """The first step from ``index`` on that the lane does not hold by the plan: one the cadence observes, or
+        one that reads the weights (at most weight_every steps on)."""
+        plan, every = self.cadence.plan, self.weight_every
+        while index % every and plan(index)[0] is Observe.NONE:
+            index += 1
+        return index
 
     # -- training's hooks ----------------------------------------------------------------------------------------------
-    # On a held step each hook does its work in its own body, under the run's guard as guards.guarded does it (timed;
-    # an error stops collection, never training): inside a training loop every further Python call a step makes pays
-    # its cache misses again (benchmarks/sentinel_pieces.py), so a held step makes few. Where the lane lets a call go,
-    # the general path's own hook takes it and times itself; the step's calls are settled first.
+    # On a held step each hook hands its call to HeldSteps (which times itself) under the run's guard, as
+    # guards.guarded does it: an error stops collection, never training. Where the lane lets a step go, the general
+    # path's own hook takes the call.
     def root_pre(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Collector.on_root_pre and start_micro for the common call of a held step: one plain tensor, read by one
-        C++ call (compiled.py). Another call, no extension, a moved model: the general path takes the call."""
+        """Collector.on_root_pre and the replay's capture (Capture.on_call) for a held step's call. A moved model: the
+        general path takes the step."""
         guard = self.guard
         if self.held and not guard.off:
-            t0 = now()
             try:
-                a0 = args[0] if len(args) == 1 and not kwargs else None
-                call_state = self._call_state
-                if call_state is not None and type(a0) is torch.Tensor:
-                    if self._root_call(a0, args, kwargs, call_state, t0):
-                        return
-                    self.held = False
+                code = self.rec.call(args, kwargs)
+                if code == 0:
+                    return
+                if code & _OTHER:  # (keywords, several arguments: its tensors found as the general path finds them)
+                    code = self._other_call(args, kwargs)
+                if not code & _LET_GO:
+                    self._call_extras(code)
+                    return
             except Exception as exc:
                 guard.fail(exc)
                 return
-            finally:
-                guard.observer_time += now() - t0
-            self.settle()
+            self.let_go()
         self.collector.on_root_pre(module, args, kwargs)
 
-    def _root_call(
-        self, a0: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any], call_state: Any, t0: float
-    ) -> bool:
-        """root_pre's work on a held step's common call. False: the step is let go (the model moved)."""
-        training, dtype, rows, version, rng = call_state(a0, self.capture is not None)
-        if not training:
-            return True  # (an evaluation forward, a checkpoint's recomputation)
-        autocast = ("cpu", dtype) if dtype is not None else None
-        collector = self.collector
-        state = collector.state
-        if state.t_first is None:
-            if not self._anchor.is_cpu:  # the model moved: the general path reads its new device
-                return False
-            state.t_first = t0
-            self.open = None  # (step_start: no loss joins the last clean step any more)
-            if (self.rows and (len(self.rows) >= ROWS_MAX or t0 - self._oldest >= FLUSH_S)) or self.flights.queue:
-                self.step_start()
-            if autocast != self._autocast_seen:  # (recording the same state again changes nothing)
-                collector.record_autocast(autocast)
-                self._autocast_seen = autocast
-        collector.autocast_now = autocast
-        self.facts.step_starts += 1
-        state.micro += 1
-        if rows > 0:
-            state.samples += rows
-        state.first_backward = True
-        capture = self.capture
-        if capture is not None and not capture.paused and len(capture.calls) + len(self.raw) < MAX_CALLS:
-            self.raw.append([args, kwargs, [(a0, version)] if version >= 0 else [], (rng, None, None), autocast, None])
-        return True
+    def _other_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        t0 = now()
+        tensors = hooks.float_tensors((args, kwargs)) + int_tensors((args, kwargs))
+        first = hooks.first_tensor(args, kwargs)
+        code = self.rec.call_with(args, kwargs, first, [(t, t._version) for t in tensors])
+        self.guard.observer_time += now() - t0
+        return int(code)
+
+    def _call_extras(self, code: int) -> None:
+        """A held step's first call: the rows (and the general path's finished steps) to the writer, a new autocast
+        state to the run's facts."""
+        t0 = now()
+        rec = self.rec
+        if code & _AUTOCAST:
+            self.collector.record_autocast(rec.autocast_now)
+        if code & _START:
+            self.flush()
+            if self.flights.queue:
+                # (a replay the finished steps ask for runs the root's forward: the general path's hooks, paused
+                # meanwhile, take it)
+                self.held = False
+                try:
+                    self.flights.on_step_start()
+                finally:
+                    self.held = True
+                rec.set_means(self.cadence.spike_state())  # (their verdicts judged late losses)
+                if self.cadence.alarmed:  # (an anomaly among them: the flight recorder's steps are the general path's)
+                    self.let_go()
+        self.guard.observer_time += now() - t0
 
     def root_out(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        """The root's forward hook (registered with the replay): the backward's seed. On a held step a single output
-        tensor's is kept by a hook in C++ (the backward runs no Python for it); else Replays.on_root_output."""
-        guard, keep_seed = self.guard, self._keep_seed
-        if self.held and keep_seed is not None and type(output) is torch.Tensor:
+        """The root's forward hook (registered with the replay): the backward's seeds, kept by hooks in C++ (the
+        backward runs no Python for them); else Replays.on_root_output."""
+        if self.held:
+            guard = self.guard
             if guard.off:
                 return
-            t0 = now()
             try:
-                capture = self.capture
-                assert capture is not None  # (registered only with the replay)
-                # (None: no gradient will reach it, e.g. an evaluation forward inside the step, which is no call: the
-                # last call's seed stays, as Capture.on_output leaves it)
-                held = keep_seed(output, SEED_KEEP_MAX)
-                if held is not None and self.raw:
-                    self.raw[-1][5] = held
-                elif held is not None and capture.calls and not capture.paused:  # (a call the general path took)
-                    capture.calls[-1].held = held
+                rec = self.rec
+                # (not one plain tensor: its floating tensors, found as Capture.on_output finds them)
+                if not rec.seed(output):
+                    t0 = now()
+                    for i, t in enumerate(hooks.float_tensors(output)):
+                        rec.seed_at(i, t)
+                    guard.observer_time += now() - t0
             except Exception as exc:
                 guard.fail(exc)
-            finally:
-                guard.observer_time += now() - t0
             return
         assert self.replays is not None  # (registered only with the replay)
-        self.settle()
         self.replays.on_root_output(module, args, output)
 
     def opt_pre(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -211,150 +258,176 @@ class Lane:
         guard = self.guard
         # (``args`` holds the optimizer itself)
         if self.held and len(args) <= 1 and not kwargs and not guard.off:
-            t0 = now()
             try:
-                if self._verdict(self.collector.state):
+                if self.rec.verdict():
                     return
             except Exception as exc:
                 guard.fail(exc)
                 return
-            finally:
-                guard.observer_time += now() - t0
         self.let_go()
         self.boundary_hooks.on_opt_pre(optimizer, args, kwargs)  # (an anomaly known now is replayed there)
 
     def opt_post(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """BoundaryHooks.on_opt_post and StepLoop._finish for a clean held step: its row, the next step."""
         guard = self.guard
         if self.held and not guard.off:
-            t0 = now()
+            loop = self.loop
             try:
-                ended = self._end(t0)
+                if loop.writer.error is None:  # (else the general path stops collection, and says why)
+                    capture = self.capture
+                    if capture is not None and capture.batch_ids:
+                        capture.take()  # (a clean step's batch ids are let go)
+                    extra, guard.observer_time = guard.observer_time, 0.0
+                    code = self.rec.end(extra)
+                    if code & _LET_GO:
+                        guard.observer_time += extra
+                    else:
+                        if code or loop.budget is not None:
+                            self._after_end(code)
+                        code = -1
             except Exception as exc:
                 guard.fail(exc)
                 return
-            if ended:
-                live = self.loop.live
+            if code == -1:
+                live = loop.live
                 if live is not None and live.halt is not None:
-                    self.loop.after_step()  # (as StepLoop.end_step after its _finish; raised into training)
+                    loop.after_step()  # (as StepLoop.end_step after its _finish; raised into training)
                 return
         self.let_go()
         self.boundary_hooks.on_opt_post(optimizer, args, kwargs)
 
+    def _after_end(self, code: int) -> None:
+        """After a held step's end: the next step's own start where the lane does not hold it, the overhead budget
+        (StepLoop._finish's order: the next step begins with the cadence the budget then changes)."""
+        t0 = now()
+        rec, loop = self.rec, self.loop
+        index = rec.index  # (the next step)
+        if code & _NEXT:
+            self.held = False
+            self._sync()
+            loop.begin_step(index)  # (its on_begin: take)
+        if loop.budget is not None:
+            stretch = self.cadence.stretch
+            loop.budget_step(index - 1, rec.last_observer_time, rec.last_step_time, "sentinel")
+            if self.held and self.cadence.stretch != stretch:
+                rec.until = self._until(index + 1)
+        self.guard.observer_time += now() - t0
+
     # -- the general path takes the step -------------------------------------------------------------------------------
     def let_go(self) -> None:
+        """The held step to the general path: its fields into its StepState, the run's counts and the running means
+        where the general path reads them, its kept calls into the replay's Capture."""
+        if not self.held:
+            return
         self.held = False
-        self.settle()
+        try:
+            self._release()
+        except Exception as exc:
+            self.guard.fail(exc)
 
-    def settle(self) -> None:
-        """The held step's root calls into the replay's Capture, as Capture.keep would have kept them: the general
-        path finds them where it always does."""
-        raw = self.raw
-        if raw:
+    def _release(self) -> None:
+        t0 = now()
+        t_first, micro, samples, losses, figures, called, autocast, calls, spent = self.rec.release()
+        self._sync()
+        collector = self.collector
+        state = collector.state
+        state.t_first, state.micro, state.samples, state.losses = t_first, micro, samples, losses
+        state.first_backward = micro > 0
+        state.updates = self.facts.updates
+        if figures is not None:
+            state.figures = figures
+        if called:
+            collector.autocast_now = autocast
+        if calls:
             capture = self.capture
-            assert capture is not None  # (raw calls are kept only with the replay)
-            for args, kwargs, versions, rng, autocast, held in raw:
-                capture.calls.append(Call(args, kwargs, versions, rng, autocast, held=held))
-            self.raw = []
+            assert capture is not None  # (calls are kept only with the replay)
+            for args, kwargs, versions, rng, call_autocast, seeds in calls:
+                capture.calls.append(Call(args, kwargs, versions, rng, call_autocast, held=seeds))
+        self.guard.observer_time += spent + (now() - t0)
 
-    # -- a loss logged after the step ----------------------------------------------------------------------------------
+    def _sync(self) -> None:
+        """The run's counts, the cadence's running means and the last step end's time, from HeldSteps (the clean
+        steps it ended since the last sync leave the flight recorder and the replay's incident as a clean step
+        leaves them)."""
+        step_starts, updates, ended, t_prev_end, means = self.rec.sync()
+        facts = self.facts
+        facts.step_starts += step_starts
+        facts.updates += updates
+        self.cadence.set_spike_state(means)
+        if ended:
+            self.end.t_prev_end = t_prev_end
+            self.cadence.after(False)
+            if self.replays is not None and not self.cadence.alarmed:
+                self.replays.clean_again()
+
+    # -- a loss -----------------------------------------------------------------------------------------------------
+    def log_loss(self, loss: Any) -> bool:
+        """Doctor.log_loss while the lane holds the step, under the guard: the step's loss, or the last clean step's
+        late loss, judged in HeldSteps. False: the general path takes the loss: the late loss of its own last step,
+        or one HeldSteps does not take (on a device, of several values, of another type), the step let go first."""
+        guard = self.guard
+        if guard.off:
+            return True
+        t0 = now()
+        try:
+            return self._loss(loss)
+        except Exception as exc:
+            guard.fail(exc)
+            return True
+        finally:
+            guard.observer_time += now() - t0
+
+    def _loss(self, loss: Any) -> bool:
+        if type(loss) is torch.Tensor:
+            if loss.numel() != 1 or not loss.is_cpu or self.facts.loss_dtype is None:
+                self.let_go()
+                return False
+            value = loss.item()
+        elif type(loss) is float or type(loss) is int:
+            value = float(loss)
+        else:
+            self.let_go()
+            return False
+        rec = self.rec
+        code = rec.loss(value)
+        if code & _PENDING:  # (logged before the step's first call, no clean step open: Collector.log_loss's rule)
+            pending = self.flights.last_open()
+            if pending is not None and not pending.has_loss:
+                return False  # (the general path's finished step's late loss)
+            code = rec.add_loss(value)
+        if code & _SPIKE:
+            self.end.loss_spike_event(rec.late_step, value, rec.late_mean)
+        return True
+
     # While its row waits (``open``), the last clean step stands for the general path's finished step
-    # (Core.last_open): a loss logged after ``optimizer.step()`` joins it through Collector.log_loss as it would join
-    # an InFlight.
+    # (Core.last_open): a loss the general path is given after ``optimizer.step()`` joins it through
+    # Collector.log_loss as it would join an InFlight.
+    @property
+    def open(self) -> bool:
+        return self.rec is not None and self.rec.open
+
     @property
     def has_loss(self) -> bool:
-        return self.rows[-1][_LOSS] is not None
+        return bool(self.rec.open_has_loss)
 
     def add_late_loss(self, loss: float | torch.Tensor) -> None:
-        """The loss joins the open row, judged for a spike as Flights.send judges a late loss."""
+        """The loss joins the open row, judged for a spike as StepEnd.late_loss judges one (the general path's step
+        is in progress: the running means are the cadence's)."""
         value = float(loss)  # (a host value: the lane holds only host steps)
-        row = self.rows[-1]
-        row[_LOSS] = value
-        if not math.isfinite(value):
-            row[_NONFINITE] = True
-        assert self.open is not None  # (last_open)
-        self.end.late_loss(self.open, value)
-
-    # -- the step's verdict and end ------------------------------------------------------------------------------------
-    def _verdict(self, state: StepState) -> bool:
-        """The sentinel's verdict on a held step, where StepEnd.early_verdict and _judge reach it: its figures and
-        losses on the host and finite, no spike. False: the step is let go (the general path reaches the same verdict
-        from the same cached figures and judged spikes)."""
-        norm, gmax = self.end.figures(state)
-        losses = state.losses
-        if type(norm) is not float or type(gmax) is not float or not math.isfinite(norm + gmax):
-            return False  # (on the device, absent, or a NaN/Inf)
-        loss = None
-        if losses:
-            total = buffers.sum_losses(losses)
-            if type(total) is not float or not math.isfinite(total):
-                return False
-            loss = total
-        grad_spike, loss_spike = self.end.spikes(state, norm, loss)
-        return not (grad_spike or loss_spike)
-
-    def _end(self, t0: float) -> bool:
-        """BoundaryHooks.on_opt_post and StepLoop._finish for a clean held step: its row, the next step. False: the
-        step is let go at its end (the general path closes it). Its observer_time ends with its row."""
-        collector, end, loop, cadence = self.collector, self.end, self.loop, self.cadence
-        state = collector.state
-        if (
-            state.t_first is None  # no forward this step: the general path knows what to warn
-            or loop.writer.error is not None
-            or self.flights.queue  # (the general path's finished steps go to the writer before this one)
-            or state.grad_spike is None  # (not judged before the update: an optimizer hook of ours came after)
-        ):
-            return False
-        self.facts.updates += 1
-        state.opt_stepped = True
-        norm, gmax = state.figures  # type: ignore[misc]  # (judged clean: floats)
-        losses = state.losses
-        t_prev = end.t_prev_end
-        groups = self.groups
-        row = [
-            state.index,
-            time.time(),
-            max(state.t_first - t_prev, 0.0),
-            state.samples or None,
-            [float(groups[0]["lr"])] if len(groups) == 1 else [float(g["lr"]) for g in groups],
-            state.micro,
-            gmax,
-            norm,
-            buffers.sum_losses(losses) if losses else None,
-            False,  # non-finite (a late loss may be)
-            0.0,  # step time, observer time: below
-            0.0,
-            state.reason,
-        ]
-        rows = self.rows
-        rows.append(row)
-        self.open = state
-        self.raw = []  # (a clean step's calls are let go: Capture.take)
-        capture = self.capture
-        if capture is not None and (capture.calls or capture.batch_ids):
-            capture.take()
-        cadence.after(False)
-        if self.replays is not None and not cadence.alarmed:
-            self.replays.clean_again()
-        loop.begin_step(state.index + 1)  # (its on_begin: take)
-        t_end = now()  # (StepEnd.stamp)
-        end.t_prev_end = t_end
-        if len(rows) == 1:
-            self._oldest = t_end
-        row[_STEP_TIME] = step_time = t_end - t_prev
-        row[_OBSERVER_TIME] = observer_time = self.guard.take_time() + (t_end - t0)
-        if loop.budget is not None:
-            loop.budget_step(state.index, observer_time, step_time, state.reason)
-        self.carried += 1
-        return True
+        step = self.rec.late_loss(value)
+        if self.cadence.loss_spike(value):
+            self.end.loss_spike_event(step, value)
 
     # -- to the writer -------------------------------------------------------------------------------------------------
     def step_start(self) -> None:
-        """A step's first micro-batch: no loss joins the last clean step any more; the rows go to the writer when
-        enough wait, and the general path's finished steps (Flights.on_step_start) when it has some."""
-        self.open = None
-        rows = self.rows
-        if rows and (len(rows) >= ROWS_MAX or now() - self._oldest >= FLUSH_S):
-            self.flush()
+        """A general path's step's first micro-batch (Collector.on_step_start): no loss joins the last clean step any
+        more; the rows go to the writer when enough wait, and the general path's finished steps
+        (Flights.on_step_start) when it has some."""
+        rec = self.rec
+        if rec is not None:
+            rec.close_open()
+            if rec.rows_due:
+                self.flush()
         if self.flights.queue:
             self.flush()
             self.flights.on_step_start()
@@ -363,18 +436,13 @@ class Lane:
         """The clean steps' rows to the writer (before any later step's packet), each as the packet the general path
         would have made (StepEnd._row and _judge). ``keep_open``: the newest stays while a late loss may join it
         (``doctor.flush()``: the general path too sends a step once the next one starts)."""
-        rows = self.rows
-        if keep_open and self.open is not None:
-            rows, self.rows = rows[:-1], rows[-1:]
-        else:
-            self.rows = []
-            self.open = None
-        if self.rows:
-            self._oldest = now()
+        if self.rec is None:
+            return
+        rows = self.rec.rows(keep_open)
         if not rows:
             return
         entries, level, packets = self.end.no_entries, schema.LEVEL_SENTINEL, []
-        for step, wall, data_time, samples, lr, micro, gmax, norm, loss, bad, step_time, spent, reason in rows:
+        for step, wall, data_time, samples, lr, micro, gmax, norm, loss, bad, step_time, spent in rows:
             row = {
                 "time": wall,
                 "data_time": data_time,
@@ -383,7 +451,7 @@ class Lane:
                 "microbatches": micro,
                 "peak_mem": None,
                 "level": level,
-                "reason": reason,
+                "reason": "sentinel",  # (the plan of every step the lane holds)
                 "grad_max": gmax,
                 "step_time": step_time,
                 "observer_time": spent,
@@ -392,7 +460,3 @@ class Lane:
                 StepPacket(step, row, NO_VALUES, SENTINEL_BASES, entries, loss, None, None, norm, False, bad, False)
             )
         self.put(StepBatch(packets))
-
-
-# a row's fields (Lane._end), by position
-_LOSS, _NONFINITE, _STEP_TIME, _OBSERVER_TIME = 8, 9, 10, 11

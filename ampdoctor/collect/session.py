@@ -69,6 +69,7 @@ class Doctor:
         self._handles = hooks.Handles()
         self._live: LiveDiagnosis | None = None
         self._export: Any = None  # the exporters' thread (ampdoctor.export), with export=
+        self._lane: Any = None  # the clean steps' short way (lane.py), where the run allows it
         requested = self.path = meta.trace_path(trace)
         guards.ATTACHED.claim(self, [*model.modules(), *(o for o in (optimizer, scaler) if o is not None)])
         try:
@@ -118,6 +119,7 @@ class Doctor:
             live=self._live,
         )
         self._collector = core.collector
+        self._lane = core.lane
         writer.log_every = options.log_every
         writer.start()
         writer.put(MetaMsg("run", meta.run_meta(model, options, core.cadence)))
@@ -151,10 +153,16 @@ class Doctor:
         guards.ATTACHED.release(self)
 
     # -- public API ---------------------------------------------------------------------------------------------------
-    @guarded
     def log_loss(self, loss: Any) -> None:
         """The training loss of this step (tensor or float); summed over the step's micro-batches. Not needed with
         a GradScaler (``scaler.scale(loss)`` is read)."""
+        lane = self._lane
+        if lane is not None and lane.held and lane.log_loss(loss):  # (a held step's: guarded and timed there)
+            return
+        self._log_loss(loss)
+
+    @guarded
+    def _log_loss(self, loss: Any) -> None:
         self._collector.log_loss(loss, self._core.last_open())
 
     def log_metric(self, name: str, value: Any, step: int | None = None) -> None:
@@ -187,6 +195,9 @@ class Doctor:
         """A training micro-batch starts, for loops where the attached module's own ``forward`` is not what runs
         (a LightningModule whose ``training_step`` calls an inner model); frameworks' callbacks call it. From the
         first call on, step timing and batch sizes come from these calls, not from the root forward."""
+        lane = self._core.lane
+        if lane is not None:
+            lane.let_go()  # (the general path keeps the steps of a loop that marks its batches)
         self._core.facts.external_batches = True
         if isinstance(batch, dict):
             t = hooks.first_tensor((), batch)
