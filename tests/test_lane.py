@@ -61,16 +61,17 @@ def run(
     nan=None,
     bwd_nan=None,
     lbfgs=False,
+    budget=None,
 ):
     """Train, attached; ``spike``: the step whose targets are 1000x (a finite loss spike), ``nan``: the step whose
     batch holds an Inf, ``bwd_nan``: the step whose batch holds 1e6 (finite; Amplify overflows its backward);
-    ``lbfgs``: LBFGS, whose step runs the forward and backward in a closure. Returns the Doctor's lane (None without
-    one)."""
+    ``lbfgs``: LBFGS, whose step runs the forward and backward in a closure; ``budget``: attach's. Returns the
+    Doctor's lane (None without one)."""
     monkeypatch.setattr(core, "LANE", lane)
     m = model()
     opt = torch.optim.LBFGS(m.parameters(), lr=0.1, max_iter=2) if lbfgs else torch.optim.AdamW(m.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
-    with ampdoctor.attach(m, optimizer=opt, trace=path, live=False, replay=replay) as doc:
+    with ampdoctor.attach(m, optimizer=opt, trace=path, live=False, replay=replay, budget=budget) as doc:
         for step in range(steps):
             if lbfgs:
                 x, y = torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
@@ -114,6 +115,8 @@ def run(
         {"nan": 43},
         {"bwd_nan": 44},
         {"lbfgs": True},
+        # (a budget no step can hold: the sampled tiers stretch at the end of every window, in both runs alike)
+        {"budget": 1e-9, "steps": 170},
     ],
     ids=[
         "late-loss",
@@ -125,6 +128,7 @@ def run(
         "nan",
         "backward-nan",
         "lbfgs-closure",
+        "budget",
     ],
 )
 def test_the_lane_writes_what_the_general_path_writes(tmp_path, monkeypatch, kwargs):
@@ -148,6 +152,8 @@ def compare(tmp_path, monkeypatch, kwargs):
         assert sentinel > 20 and fast.carried >= sentinel - 2
     (s1, e1), (s2, e2) = comparable(str(tmp_path / "lane.db")), comparable(str(tmp_path / "general.db"))
     assert s1.equals(s2), s1.compare(s2)
+    for e in (e1, e2):  # (what a cadence change says it measured is each run's own timing; the change is compared)
+        e["message"] = e["message"].str.replace(r"cost [0-9.]+%", "cost ...%", regex=True)
     assert e1.equals(e2), (e1, e2)
     if "spike" in kwargs:
         assert (e1["kind"] == "loss_spike").any()
@@ -155,8 +161,32 @@ def compare(tmp_path, monkeypatch, kwargs):
         if key in kwargs:
             assert s1.loc[s1["step"] == kwargs[key], "nonfinite"].item()
             assert (e1["step"] == kwargs[key]).any()  # the replay's localisation of the Inf, as without the lane
+    if "budget" in kwargs:  # the cadence changed twice, the lane held steps under each
+        assert (e1["kind"] == "cadence").sum() >= 2
     if "bwd_nan" in kwargs:  # found in the backward, which the replay ran from the seed the lane's hook kept
         assert (e1.loc[e1["step"] == kwargs["bwd_nan"], "phase"] == "bwd").any(), e1
+
+
+def test_a_cadence_the_budget_changes_is_followed_both_ways(tmp_path, monkeypatch):
+    """The overhead budget stretches the sampled tiers and relaxes them again (here at fixed steps, alike in both
+    runs: the budget's own measurement is tests/test_budget.py's): the lane holds the steps each new plan leaves to the
+    sentinel and none it observes, so its trace is the general path's."""
+    from ampdoctor.collect import cadence as cadence_module
+
+    def update(self, observer_time, step_time, reason):
+        if reason in ("anomaly", "calibration", "replay", "debug"):
+            return None
+        self._steps += 1
+        stretch = {40: 4, 90: 1, 120: 2}.get(self._steps)
+        if stretch is None:
+            return None
+        c = self.cadence
+        c.stretch = stretch
+        every = {"peak_every": c.peak_every * stretch, "every": c.every * stretch, "hist_every": c.hist_every * stretch}
+        return {"share": 0.5, "budget": self.share, "stretch": stretch, **every, "sentinel_share": None, "held": True}
+
+    monkeypatch.setattr(cadence_module.Budget, "update", update)
+    compare(tmp_path, monkeypatch, {"budget": 0.5, "steps": 170})
 
 
 def test_the_lane_without_the_cpp_extension(tmp_path, monkeypatch):
