@@ -189,6 +189,44 @@ def test_a_cadence_the_budget_changes_is_followed_both_ways(tmp_path, monkeypatc
     compare(tmp_path, monkeypatch, {"budget": 0.5, "steps": 170})
 
 
+def test_each_kept_call_has_the_generator_state_it_started_with(tmp_path):
+    """A held step's calls keep the CPU generator's state at each call: read again after anything moved it (dropout,
+    a torch.rand, a manual_seed), the same tensor while nothing did; compared with torch.get_rng_state() taken at
+    each call."""
+
+    if compiled.get() is None:
+        pytest.skip("the C++ extension is not loaded here (make install builds it): no step is held")
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    with ampdoctor.attach(m, optimizer=opt, trace=str(tmp_path / "t.db"), live=False) as doc:
+        lane, x = doc._core.lane, torch.randn(4, 16)
+        for _ in range(25):  # (past the calibration, to a step the lane holds)
+            m(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert lane.held
+        expected = []
+        m.eval()  # (no dropout: the generator moves only where the loop moves it)
+        for move in (None, None, "rand", None, "seed", None):
+            if move == "rand":
+                torch.rand(3)
+            elif move == "seed":
+                torch.manual_seed(7)
+            expected.append(torch.get_rng_state())
+            m(x).sum().backward()
+        m.train()
+        expected.append(torch.get_rng_state())
+        m(x).sum().backward()  # (dropout: moves it during the call, after its state was kept)
+        expected.append(torch.get_rng_state())
+        m(x).sum().backward()
+        lane.let_go()
+        calls = doc._core.replays.capture.calls
+        assert len(calls) == len(expected) <= lane_module.MAX_CALLS
+        for call, state in zip(calls, expected):
+            assert torch.equal(call.rng[0], state)
+        assert calls[0].rng[0] is calls[1].rng[0] and calls[2].rng[0] is not calls[1].rng[0]
+
+
 def test_the_lane_without_the_cpp_extension(tmp_path, monkeypatch):
     """Where the extension is not built (no compiler), the lane holds no step: the general path writes the trace,
     through a NaN the replay localises."""

@@ -208,6 +208,36 @@ at::Tensor rng_state() {
   return gen.get_state();
 }
 
+// The CPU generator's state for a kept call: the tensor of the last call again while the generator has not moved
+// since (a model without CPU randomness, the eval forwards of a step), else a new one. The generator's state is
+// compared field by field (the Mersenne Twister's words, its position, the cached normal samples): a state tensor is
+// 5 KB made and filled at every root call otherwise.
+class RngStates {
+ public:
+  at::Tensor get() {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    auto* impl = gen.get<at::CPUGeneratorImpl>();
+    const at::mt19937_data_pod pod = impl->engine().data();
+    const std::optional<float> f = impl->next_float_normal_sample();
+    const std::optional<double> d = impl->next_double_normal_sample();
+    if (!last_.defined() || pod.seed_ != pod_.seed_ || pod.left_ != pod_.left_ || pod.seeded_ != pod_.seeded_ ||
+        pod.next_ != pod_.next_ || pod.state_ != pod_.state_ || f != f_ || d != d_) {
+      last_ = gen.get_state();
+      pod_ = pod;
+      f_ = f;
+      d_ = d;
+    }
+    return last_;
+  }
+
+ private:
+  at::Tensor last_;
+  at::mt19937_data_pod pod_{};
+  std::optional<float> f_;
+  std::optional<double> d_;
+};
+
 py::object dtype_object(const std::optional<at::ScalarType>& dtype) {
   if (!dtype) return py::none();
   return py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(*dtype)));
@@ -625,7 +655,7 @@ class HeldSteps {
         k.x = py::reinterpret_borrow<py::object>(x);
         k.version = r.version;
       }
-      k.rng = rng_state();
+      k.rng = rng_.get();
       k.autocast = r.autocast;
       kept_.push_back(std::move(k));
     }
@@ -701,6 +731,7 @@ class HeldSteps {
   }
 
   Grads grads_;
+  RngStates rng_;
   at::Tensor anchor_;
   py::list groups_;
   double offset_;
