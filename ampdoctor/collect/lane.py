@@ -370,34 +370,31 @@ class Lane:
             return True
         t0 = now()
         try:
-            return self._loss(loss)
+            if type(loss) is torch.Tensor:
+                if loss.numel() != 1 or not loss.is_cpu or self.facts.loss_dtype is None:
+                    self.let_go()
+                    return False
+                value = loss.item()
+            elif type(loss) is float or type(loss) is int:
+                value = float(loss)
+            else:
+                self.let_go()
+                return False
+            rec = self.rec
+            code = rec.loss(value)
+            if code & _PENDING:  # (before the step's first call, no clean step open: Collector.log_loss's rule)
+                pending = self.flights.last_open()
+                if pending is not None and not pending.has_loss:
+                    return False  # (the general path's finished step's late loss)
+                code = rec.add_loss(value)
+            if code & _SPIKE:
+                self.end.loss_spike_event(rec.late_step, value, rec.late_mean)
+            return True
         except Exception as exc:
             guard.fail(exc)
             return True
         finally:
             guard.observer_time += now() - t0
-
-    def _loss(self, loss: Any) -> bool:
-        if type(loss) is torch.Tensor:
-            if loss.numel() != 1 or not loss.is_cpu or self.facts.loss_dtype is None:
-                self.let_go()
-                return False
-            value = loss.item()
-        elif type(loss) is float or type(loss) is int:
-            value = float(loss)
-        else:
-            self.let_go()
-            return False
-        rec = self.rec
-        code = rec.loss(value)
-        if code & _PENDING:  # (logged before the step's first call, no clean step open: Collector.log_loss's rule)
-            pending = self.flights.last_open()
-            if pending is not None and not pending.has_loss:
-                return False  # (the general path's finished step's late loss)
-            code = rec.add_loss(value)
-        if code & _SPIKE:
-            self.end.loss_spike_event(rec.late_step, value, rec.late_mean)
-        return True
 
     # While its row waits (``open``), the last clean step stands for the general path's finished step
     # (Core.last_open): a loss the general path is given after ``optimizer.step()`` joins it through

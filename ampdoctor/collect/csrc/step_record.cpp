@@ -500,8 +500,11 @@ class HeldSteps {
     const Py_ssize_t n = PyList_GET_SIZE(groups_.ptr());
     row.lr.reserve(n);
     for (Py_ssize_t i = 0; i < n; ++i) {
-      PyObject* lr = PyDict_GetItemString(PyList_GET_ITEM(groups_.ptr(), i), "lr");  // (borrowed)
-      if (lr == nullptr) throw py::key_error("lr");
+      PyObject* lr = PyDict_GetItemWithError(PyList_GET_ITEM(groups_.ptr(), i), lr_key_.ptr());  // (borrowed)
+      if (lr == nullptr) {
+        if (PyErr_Occurred()) throw py::error_already_set();
+        throw py::key_error("lr");
+      }
       const double v = PyFloat_Check(lr) ? PyFloat_AS_DOUBLE(lr) : py::reinterpret_borrow<py::object>(lr).cast<double>();
       row.lr.push_back(v);
     }
@@ -515,7 +518,7 @@ class HeldSteps {
     ++ended_;
     ++carried_;
     ++index_;
-    py::setattr(state_, "index", py::int_(index_));
+    if (PyObject_SetAttr(state_.ptr(), index_key_.ptr(), py::int_(index_).ptr()) != 0) throw py::error_already_set();
     const double t_end = now();
     row.step_time = t_end - t_prev_;
     row.observer_time = spent_ + extra + (t_end - t0);
@@ -735,6 +738,7 @@ class HeldSteps {
   at::Tensor anchor_;
   py::list groups_;
   double offset_;
+  py::str lr_key_ = py::str("lr"), index_key_ = py::str("index");  // (made once: a C string is made into one per use)
   Limits lim_{};
   py::object state_ = py::none();
   int64_t index_ = 0, until_ = 0, room_ = 0;
