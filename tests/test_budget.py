@@ -32,6 +32,33 @@ def test_a_budget_stretches_the_sampled_tiers_and_records_each_change(trace_path
     assert (after == "sentinel").mean() > 0.5  # most observe none after
     assert st["loss"].notna().all()  # the sentinel never stopped
     assert "budget of 2.0%" in changes["message"].iloc[0]
+    # the weights and their updates are a sampled tier too: read every 200 steps at the defaults, then stretched
+    last = changes["data"].iloc[-1]
+    assert (
+        last["weight_every"] == 200 * last["stretch"]
+        and f"weights every {last['weight_every']}" in changes["message"].iloc[-1]
+    )
+
+
+def test_the_steps_a_cadence_leaves_to_the_sentinel_are_known_ahead():
+    """Cadence.next_observed (the lane holds the steps before it) is the first step from the given one whose plan
+    observes sites or reads the weights, for the default tiers and others, at every stretch the budget sets; the
+    calibration steps, debug mode and the flight recorder's steps are never ahead."""
+    from ampdoctor.collect.cadence import STRETCH_MAX, Cadence
+    from ampdoctor.collect.options import Mode, Observe
+
+    for tiers in ({}, {"every": 7, "peak_every": 3, "hist_every": 11, "weight_every": 5}, {"peak_every": 1}):
+        cadence = Cadence(**tiers)
+        for stretch in (1, 2, 8, STRETCH_MAX):
+            cadence.stretch = stretch
+            for step in [*range(0, 700), *range(12_700, 12_900)]:
+                j = step
+                while cadence.plan(j)[0] is Observe.NONE and not cadence.reads_weights(j):
+                    j += 1
+                assert cadence.next_observed(step) == j, (tiers, stretch, step)
+    armed = Cadence()
+    armed.after(True)  # (an anomaly: the flight recorder's plan depends on the streak, not on the step's number)
+    assert armed.next_observed(500) == 500 and Cadence(Mode.DEBUG).next_observed(500) == 500
 
 
 def test_under_a_budget_a_one_off_fault_is_still_replayed(trace_path):

@@ -182,7 +182,7 @@ def test_a_cadence_the_budget_changes_is_followed_both_ways(tmp_path, monkeypatc
             return None
         c = self.cadence
         c.stretch = stretch
-        every = {"peak_every": c.peak_every * stretch, "every": c.every * stretch, "hist_every": c.hist_every * stretch}
+        every = {f: getattr(c, f) * stretch for f in ("peak_every", "every", "hist_every", "weight_every")}
         return {"share": 0.5, "budget": self.share, "stretch": stretch, **every, "sentinel_share": None, "held": True}
 
     monkeypatch.setattr(cadence_module.Budget, "update", update)

@@ -155,7 +155,6 @@ class StepEnd:
         optimizer: torch.optim.Optimizer | None = None,
         scaler: Any = None,
         scaler_enabled: bool = False,
-        weight_every: int,
         model_name: str,
     ) -> None:
         self.guard = guard
@@ -166,7 +165,6 @@ class StepEnd:
         self.put = put
         self.optimizer = optimizer
         self.scaler = scaler if scaler_enabled else None
-        self.weight_every = weight_every
         self._model_name = model_name
         self._grad_plan: buffers.GradPlan | None = None
         self._grad_figures = buffers.GradFigures()
@@ -224,7 +222,7 @@ class StepEnd:
         figures start their way to the host; ``resolve`` turns them into the packet. A sentinel step whose figures
         are all on the host already (the CPU) keeps them as they are: no transfer to make, nothing to look up."""
         step, observe, rec = state.index, state.observe, self.record
-        if observe is Observe.NONE and step % self.weight_every:
+        if observe is Observe.NONE and not self.cadence.reads_weights(step):
             figures = self._host_figures(state)
             if figures is not None:
                 row = self._row(state, step_starts, device)
@@ -235,7 +233,7 @@ class StepEnd:
         norm, gmax = self.figures(state)
         offsets = {"norm": rec.add_extra(norm) if norm is not None else None}
         offsets["max"] = rec.add_extra(gmax) if gmax is not None else None
-        if step % self.weight_every == 0:
+        if self.cadence.reads_weights(step):
             for name, p in self.params:
                 sid = self.sites.param(name, "weight", p, step)
                 entries.append(Entry(sid, Phase.WEIGHT, [rec.observe(p.detach(), Observe.FULL)]))

@@ -38,7 +38,7 @@ class BoundaryHooks:
         scaler: Any,
         boundary: Boundary,
         has_optimizer: bool,
-        weight_every: int,
+        reads_weights: Callable[[int], bool],
         end_step: Callable[[bool | None], None],
     ) -> None:
         self.guard = guard
@@ -50,7 +50,7 @@ class BoundaryHooks:
         self.scaler = scaler
         self.boundary = boundary
         self.has_optimizer = has_optimizer
-        self.weight_every = weight_every
+        self.reads_weights = reads_weights  # (Cadence.reads_weights: a sampled tier the budget stretches)
         self.end_step = end_step
 
     # -- the optimizer --------------------------------------------------------------------------------------------
@@ -66,7 +66,7 @@ class BoundaryHooks:
             if verdict is not None and verdict.anomalous:
                 capture = replays.capture
                 replays.replay(state, verdict.kind, capture.calls, capture.batch_ids, moved=None)
-        if state.index % self.weight_every == 0:
+        if self.reads_weights(state.index):
             self.collector.keep_weights()
 
     def on_opt_post(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -8,7 +8,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .options import DEFAULT_CALIBRATION, DEFAULT_EVERY, DEFAULT_HIST_EVERY, DEFAULT_PEAK_EVERY, Mode, Observe
+from .options import (
+    DEFAULT_CALIBRATION,
+    DEFAULT_EVERY,
+    DEFAULT_HIST_EVERY,
+    DEFAULT_PEAK_EVERY,
+    DEFAULT_WEIGHT_EVERY,
+    Mode,
+    Observe,
+)
 
 # After an anomaly every step is observed in full until this many clean steps in a row: a fault that recurs within
 # them is localised to its module (and a one-off one by the anomaly replay).
@@ -34,8 +42,9 @@ LOSS_ALPHA = 0.05
 LOSS_WARMUP = 20
 
 # The overhead budget (attach(budget=...)): ampdoctor's share of the step time, measured over windows of this many
-# steps outside the flight recorder, stretches the sampled tiers by 2x while above the budget (at most STRETCH_MAX,
-# peaks every 640 steps at the defaults) and relaxes them by 2x while below a third of it. The sentinel, the
+# steps outside the flight recorder, stretches the sampled tiers (peaks, full statistics, histograms, the weights and
+# their updates) by 2x while above the budget (at most STRETCH_MAX, peaks every 640 steps at the defaults) and relaxes
+# them by 2x while below a third of it. The sentinel, the
 # calibration steps and the flight recorder are never stretched: they are what catches a fault.
 BUDGET_WINDOW = 50
 STRETCH_MAX = 64
@@ -57,9 +66,11 @@ class Cadence:
         hist_every: int = DEFAULT_HIST_EVERY,
         calibration: int = DEFAULT_CALIBRATION,
         clean_run: int = CLEAN_RUN,
+        weight_every: int = DEFAULT_WEIGHT_EVERY,
     ) -> None:
         self.mode = mode
         self.every, self.peak_every, self.hist_every = every, peak_every, hist_every
+        self.weight_every = weight_every
         self.calibration, self.clean_run = calibration, clean_run
         self._alarm = 0  # clean steps still to observe in full after the last anomaly
         self.streak = 0  # anomalous steps in a row, up to the last verdict
@@ -85,6 +96,21 @@ class Cadence:
         if step % (self.peak_every * k) == 0:
             return Observe.PEAK, "sampled", False
         return Observe.NONE, "sentinel", False
+
+    def next_observed(self, step: int) -> int:
+        """The first step from ``step`` on that observes sites or reads the weights, while the cadence stays as it is
+        (the steps before it are the sentinel's alone: the lane holds them). ``step`` itself where the plan depends
+        on more than the step's number: debug mode, calibration, the flight recorder on."""
+        if self.mode is Mode.DEBUG or step < self.calibration or self._alarm:
+            return step
+        k = self.stretch
+        return min(
+            -(-step // (n * k)) * n * k for n in (self.every, self.hist_every, self.peak_every, self.weight_every)
+        )
+
+    def reads_weights(self, step: int) -> bool:
+        """Whether step ``step`` reads the weights and their update (a sampled tier: the budget stretches it too)."""
+        return step % (self.weight_every * self.stretch) == 0
 
     def spike(self, grad_norm: float | None) -> bool:
         """Whether this (finite) gradient norm jumps far above its running mean; updates the mean otherwise."""
@@ -209,6 +235,7 @@ class Budget:
             "peak_every": c.peak_every * c.stretch,
             "every": c.every * c.stretch,
             "hist_every": c.hist_every * c.stretch,
+            "weight_every": c.weight_every * c.stretch,
             "sentinel_share": floor,
             "held": held,
         }

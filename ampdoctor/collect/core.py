@@ -60,7 +60,12 @@ class Core:
         every, peak_every, hist_every = options.every, options.peak_every, options.hist_every
         assert every is not None and peak_every is not None and hist_every is not None  # (Options fills them in)
         cadence = self.cadence = Cadence(
-            options.mode, every=every, peak_every=peak_every, hist_every=hist_every, calibration=options.calibration
+            options.mode,
+            every=every,
+            peak_every=peak_every,
+            hist_every=hist_every,
+            calibration=options.calibration,
+            weight_every=options.weight_every,
         )
         # FSDP: a sharded parameter is read as this rank's shard (collect/sharded.py), never gathered
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -88,7 +93,6 @@ class Core:
             optimizer=optimizer,
             scaler=scaler,
             scaler_enabled=scaler_enabled,
-            weight_every=options.weight_every,
             model_name=type(model).__name__,
         )
         if options.probe_every:
@@ -137,7 +141,7 @@ class Core:
             scaler=scaler,
             boundary=boundary,
             has_optimizer=optimizer is not None,
-            weight_every=options.weight_every,
+            reads_weights=cadence.reads_weights,
             end_step=loop.end_step,
         )
         self.lane: Lane | None = None
@@ -165,7 +169,6 @@ class Core:
                 facts,
                 cadence,
                 optimizer,
-                weight_every=options.weight_every,
             )
             collector.on_step_start = self.lane.step_start
             loop.on_begin = self.lane.take

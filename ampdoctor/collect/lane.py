@@ -78,8 +78,6 @@ class Lane:
         facts: RunFacts,
         cadence: Cadence,
         optimizer: torch.optim.Optimizer,
-        *,
-        weight_every: int,
     ) -> None:
         self.guard = guard
         self.collector = collector
@@ -92,7 +90,6 @@ class Lane:
         self.facts = facts
         self.cadence = cadence
         self.groups = optimizer.param_groups
-        self.weight_every = weight_every
         self.put = loop.put
         self.held = False  # the step in progress is the lane's (HeldSteps records it)
         anchor = collector.anchor
@@ -113,7 +110,7 @@ class Lane:
         facts, cadence = self.facts, self.cadence
         held = (
             state.observe is Observe.NONE
-            and state.index % self.weight_every != 0
+            and not cadence.reads_weights(state.index)
             and facts.device == "cpu"
             and stats.HOST_READS  # (False: the accelerator's path, emulated on the CPU by the tests)
             and not facts.external_batches
@@ -131,7 +128,7 @@ class Lane:
             rec.begin(
                 state,
                 state.index,
-                self._until(state.index + 1),
+                cadence.next_observed(state.index + 1),
                 self.end.t_prev_end,
                 cadence.spike_state(),
                 room,
@@ -168,14 +165,6 @@ class Lane:
         except Exception:  # (parameters or groups it does not take: the general path takes every step)
             self._unmade = True
             return None
-
-    def _until(self, index: int) -> int:
-        """The first step from ``index`` on that the lane does not hold by the plan: one the cadence observes, or
-        one that reads the weights (at most weight_every steps on)."""
-        plan, every = self.cadence.plan, self.weight_every
-        while index % every and plan(index)[0] is Observe.NONE:
-            index += 1
-        return index
 
     # -- training's hooks ----------------------------------------------------------------------------------------------
     # On a held step each hook hands its call to HeldSteps (which times itself) under the run's guard, as
@@ -310,7 +299,7 @@ class Lane:
             stretch = self.cadence.stretch
             loop.budget_step(index - 1, rec.last_observer_time, rec.last_step_time, "sentinel")
             if self.held and self.cadence.stretch != stretch:
-                rec.until = self._until(index + 1)
+                rec.until = self.cadence.next_observed(index + 1)
         self.guard.observer_time += now() - t0
 
     # -- the general path takes the step -------------------------------------------------------------------------------

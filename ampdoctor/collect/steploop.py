@@ -127,7 +127,8 @@ def _budget_message(change: dict[str, Any]) -> str:
     """The trace's line for a change of the budget's cadence (cadence.Budget.update)."""
     message = (
         f"ampdoctor cost {change['share']:.1%} of the steps against a budget of {change['budget']:.1%}: "
-        f"peaks every {change['peak_every']}, full statistics every {change['every']} steps from now on"
+        f"peaks every {change['peak_every']}, full statistics every {change['every']}, weights every "
+        f"{change['weight_every']} steps from now on"
     )
     if not change.get("held", True):
         message += (
