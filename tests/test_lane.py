@@ -168,16 +168,17 @@ def compare(tmp_path, monkeypatch, kwargs):
 
 
 def test_a_cadence_the_budget_changes_is_followed_both_ways(tmp_path, monkeypatch):
-    """The overhead budget stretches the sampled tiers and relaxes them again (here at fixed steps, alike in both
-    runs: the budget's own measurement is tests/test_budget.py's): the lane holds the steps each new plan leaves to the
-    sentinel and none it observes, so its trace is the general path's."""
+    """The overhead budget stretches the sampled tiers and relaxes them again (here at its first three windows' ends,
+    alike in both runs: the budget's own measurement is tests/test_budget.py's): the lane holds the steps each new
+    plan leaves to the sentinel and none it observes, and its windows end where the general path's do, so its trace
+    is the general path's."""
     from ampdoctor.collect import cadence as cadence_module
 
-    def update(self, observer_time, step_time, reason):
-        if reason in ("anomaly", "calibration", "replay", "debug"):
-            return None
-        self._steps += 1
-        stretch = {40: 4, 90: 1, 120: 2}.get(self._steps)
+    def close_window(self):
+        self.windows = getattr(self, "windows", 0) + 1
+        self._shares = self._floor_shares = 0.0
+        self._steps = self._floor_steps = 0
+        stretch = {1: 4, 2: 1, 3: 2}.get(self.windows)
         if stretch is None:
             return None
         c = self.cadence
@@ -185,7 +186,7 @@ def test_a_cadence_the_budget_changes_is_followed_both_ways(tmp_path, monkeypatc
         every = {f: getattr(c, f) * stretch for f in ("peak_every", "every", "hist_every", "weight_every")}
         return {"share": 0.5, "budget": self.share, "stretch": stretch, **every, "sentinel_share": None, "held": True}
 
-    monkeypatch.setattr(cadence_module.Budget, "update", update)
+    monkeypatch.setattr(cadence_module.Budget, "close_window", close_window)
     compare(tmp_path, monkeypatch, {"budget": 0.5, "steps": 170})
 
 

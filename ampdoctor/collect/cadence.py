@@ -212,6 +212,18 @@ class Budget:
             self._floor_steps += 1
         if self._steps < BUDGET_WINDOW:
             return None
+        return self.close_window()
+
+    def state(self) -> tuple[float, int, float, int, int]:
+        """The window so far (its shares and steps, its sentinel-only ones) and its length: the lane's held steps
+        add theirs in C++ as ``update`` adds them, and hand the window back to close it (lane.py)."""
+        return self._shares, self._steps, self._floor_shares, self._floor_steps, BUDGET_WINDOW
+
+    def set_state(self, state: tuple[float, int, float, int, int]) -> None:
+        self._shares, self._steps, self._floor_shares, self._floor_steps, _ = state
+
+    def close_window(self) -> dict[str, Any] | None:
+        """A window's end: the cadence stretched or relaxed (``update``'s answer)."""
         measured = self._shares / self._steps
         floor = self._floor_shares / self._floor_steps if self._floor_steps >= BUDGET_WINDOW // 2 else None
         self._shares = self._floor_shares = 0.0

@@ -55,7 +55,7 @@ ROWS_MAX = 256  # clean steps sent to the writer together: one queue item (StepB
 FLUSH_S = 0.25  # ... or once the oldest waited this long: a live reader sees a slow run's steps within a commit
 
 # HeldSteps' answers (csrc/step_record.cpp, HeldSteps::Code)
-_LET_GO, _START, _AUTOCAST, _NEXT, _SPIKE, _OTHER, _PENDING = 1, 2, 4, 8, 32, 64, 128
+_LET_GO, _START, _AUTOCAST, _NEXT, _SPIKE, _OTHER, _PENDING, _WINDOW, _BUDGET = 1, 2, 4, 8, 32, 64, 128, 256, 512
 
 now = time.perf_counter
 
@@ -133,6 +133,7 @@ class Lane:
                 cadence.spike_state(),
                 room,
                 start,
+                self.loop.budget is not None,
             )
             self.held = True
         else:
@@ -203,6 +204,8 @@ class Lane:
         state to the run's facts."""
         t0 = now()
         rec = self.rec
+        if code & _BUDGET:
+            rec.set_budget(self.loop.budget.state())  # type: ignore[union-attr]  # (asked only with a budget)
         if code & _AUTOCAST:
             self.collector.record_autocast(rec.autocast_now)
         if code & _START:
@@ -271,7 +274,7 @@ class Lane:
                     if code & _LET_GO:
                         guard.observer_time += extra
                     else:
-                        if code or loop.budget is not None:
+                        if code:
                             self._after_end(code)
                         code = -1
             except Exception as exc:
@@ -286,20 +289,26 @@ class Lane:
         self.boundary_hooks.on_opt_post(optimizer, args, kwargs)
 
     def _after_end(self, code: int) -> None:
-        """After a held step's end: the next step's own start where the lane does not hold it, the overhead budget
-        (StepLoop._finish's order: the next step begins with the cadence the budget then changes)."""
+        """After a held step's end: the next step's own start where the lane does not hold it, the overhead budget's
+        window closed where it is full (StepLoop._finish's order: the next step begins with the cadence the budget
+        then changes)."""
         t0 = now()
         rec, loop = self.rec, self.loop
         index = rec.index  # (the next step)
+        budget = loop.budget
         if code & _NEXT:
             self.held = False
             self._sync()
             loop.begin_step(index)  # (its on_begin: take)
-        if loop.budget is not None:
+        if code & _WINDOW and budget is not None:
+            if self.held:
+                budget.set_state(rec.budget())
             stretch = self.cadence.stretch
-            loop.budget_step(index - 1, rec.last_observer_time, rec.last_step_time, "sentinel")
-            if self.held and self.cadence.stretch != stretch:
-                rec.until = self.cadence.next_observed(index + 1)
+            loop.budget_change(index - 1, budget.close_window())
+            if self.held:
+                rec.set_budget(budget.state())
+                if self.cadence.stretch != stretch:
+                    rec.until = self.cadence.next_observed(index + 1)
         self.guard.observer_time += now() - t0
 
     # -- the general path takes the step -------------------------------------------------------------------------------
@@ -338,7 +347,11 @@ class Lane:
         """The run's counts, the cadence's running means and the last step end's time, from HeldSteps (the clean
         steps it ended since the last sync leave the flight recorder and the replay's incident as a clean step
         leaves them)."""
-        step_starts, updates, ended, t_prev_end, means = self.rec.sync()
+        rec = self.rec
+        step_starts, updates, ended, t_prev_end, means = rec.sync()
+        budget, window = self.loop.budget, rec.budget()
+        if budget is not None and window is not None:  # (None: no held step reached its first call)
+            budget.set_state(window)
         facts = self.facts
         facts.step_starts += step_starts
         facts.updates += updates

@@ -118,9 +118,12 @@ class StepLoop:
     def budget_step(self, step: int, observer_time: float, step_time: float, reason: str) -> None:
         """The overhead budget hears a finished step's times; a change of cadence goes into the trace."""
         if self.budget is not None:
-            change = self.budget.update(observer_time, step_time, reason)
-            if change is not None:
-                self.put(EventMsg(step, EventKind.CADENCE, None, None, _budget_message(change), change))
+            self.budget_change(step, self.budget.update(observer_time, step_time, reason))
+
+    def budget_change(self, step: int, change: dict[str, Any] | None) -> None:
+        """A change of cadence the budget made after step ``step`` into the trace."""
+        if change is not None:
+            self.put(EventMsg(step, EventKind.CADENCE, None, None, _budget_message(change), change))
 
 
 def _budget_message(change: dict[str, Any]) -> str:

@@ -346,6 +346,9 @@ class HeldSteps {
     kOther = 64,     // (call) not one plain tensor: lane.py reads the call's tensors and hands them to call_with
     kPending = 128,  // (loss) before the step's first call, no clean step open: the general path's last step may
                      // take it (lane.py asks); else add_loss
+    kWindow = 256,   // (end) the overhead budget's window is full: lane.py closes it (Budget.close_window)
+    kBudget = 512,   // (call) the step's first: the budget's window as it stands now, to hand in (set_budget; the
+                     // general path's last step added its share after this object began)
   };
 
   HeldSteps(std::vector<at::Tensor> params, at::Tensor anchor, py::list groups, py::dict limits, double clock_offset)
@@ -363,9 +366,9 @@ class HeldSteps {
   // Step ``index`` (its StepState ``state``) is the lane's from its start. ``until``: the first step after it that is
   // not (the cadence observes it, or it reads the weights); ``means``: the cadence's spike state; ``room``: calls the
   // capture may still keep (0: no capture, or paused); ``start``: the general path's finished steps wait for this
-  // step's start.
+  // step's start; ``budget``: the run has an overhead budget (its window is asked for at the step's first call).
   void begin(py::object state, int64_t index, int64_t until, double t_prev_end, py::tuple means, int64_t room,
-             bool start) {
+             bool start, bool budget) {
     state_ = std::move(state);
     index_ = index;
     until_ = until;
@@ -374,7 +377,28 @@ class HeldSteps {
     room_ = room;
     start_ = start;
     called_ = false;
+    budget_ = false;
+    want_budget_ = budget;
     reset_step();
+  }
+
+  // The overhead budget's window so far (Budget.state: shares, steps, sentinel-only shares and steps, its length), or
+  // None without a budget: a held step's share is added as Budget.update adds it.
+  void set_budget(py::object window) {
+    want_budget_ = false;
+    budget_ = !window.is_none();
+    if (!budget_) return;
+    py::tuple w = window.cast<py::tuple>();
+    b_shares_ = w[0].cast<double>();
+    b_steps_ = w[1].cast<int64_t>();
+    b_floor_shares_ = w[2].cast<double>();
+    b_floor_steps_ = w[3].cast<int64_t>();
+    b_window_ = w[4].cast<int64_t>();
+  }
+
+  py::object budget() const {
+    if (!budget_) return py::none();
+    return py::make_tuple(b_shares_, b_steps_, b_floor_shares_, b_floor_steps_, b_window_);
   }
 
   // The cadence's spike state (Cadence.spike_state), where Python judged a step meanwhile (a finished step's late loss).
@@ -523,13 +547,20 @@ class HeldSteps {
     row.step_time = t_end - t_prev_;
     row.observer_time = spent_ + extra + (t_end - t0);
     t_prev_ = t_end;
-    last_step_time_ = row.step_time;
-    last_observer_time_ = row.observer_time;
     if (rows_.empty()) oldest_ = t_end;
+    int code = index_ < until_ ? kDone : kNext;
+    if (budget_ && row.step_time > 0) {  // (Budget.update for a sentinel step)
+      const double share = std::min(row.observer_time / row.step_time, 1.0);
+      b_shares_ += share;
+      ++b_steps_;
+      b_floor_shares_ += share;
+      ++b_floor_steps_;
+      if (b_steps_ >= b_window_) code |= kWindow;
+    }
     rows_.push_back(std::move(row));
     open_ = true;
     reset_step();
-    return index_ < until_ ? kDone : kNext;
+    return code;
   }
 
   // The step in progress to the general path: (t_first or None, micro, samples, losses, figures or None, whether a
@@ -605,8 +636,6 @@ class HeldSteps {
   int64_t until() const { return until_; }
   void set_until(int64_t until) { until_ = until; }
   py::object autocast_now() const { return autocast_tuple(autocast_now_); }
-  double last_step_time() const { return last_step_time_; }
-  double last_observer_time() const { return last_observer_time_; }
   int64_t late_step() const { return late_step_; }
   double late_mean() const { return late_mean_; }
 
@@ -638,6 +667,7 @@ class HeldSteps {
       open_ = false;  // (no loss joins the last clean step any more)
       if (start_ || rows_due()) code |= kStart;
       start_ = false;
+      if (want_budget_) code |= kBudget;
       if (!autocast_seen_ || *autocast_seen_ != r.autocast) {  // (recording the same state again changes nothing)
         code |= kAutocast;
         autocast_seen_ = r.autocast;
@@ -765,9 +795,12 @@ class HeldSteps {
   std::vector<Row> rows_;
   bool open_ = false;
   double oldest_ = 0.0;
-  double last_step_time_ = 0.0, last_observer_time_ = 0.0;
   int64_t late_step_ = -1;
   double late_mean_ = NAN;
+  // the overhead budget's window, while this object holds the steps (asked for at the first call after begin)
+  bool budget_ = false, want_budget_ = false;
+  double b_shares_ = 0.0, b_floor_shares_ = 0.0;
+  int64_t b_steps_ = 0, b_floor_steps_ = 0, b_window_ = 0;
 };
 
 }  // namespace
@@ -783,6 +816,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<at::Tensor>, at::Tensor, py::list, py::dict, double>())
       .def("begin", &HeldSteps::begin)
       .def("set_means", &HeldSteps::set_means)
+      .def("set_budget", &HeldSteps::set_budget)
+      .def("budget", &HeldSteps::budget)
       .def("call", &HeldSteps::call)
       .def("call_with", &HeldSteps::call_with)
       .def("seed", &HeldSteps::seed)
@@ -804,8 +839,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("kept", &HeldSteps::kept)
       .def_property("until", &HeldSteps::until, &HeldSteps::set_until)
       .def_property_readonly("autocast_now", &HeldSteps::autocast_now)
-      .def_property_readonly("last_step_time", &HeldSteps::last_step_time)
-      .def_property_readonly("last_observer_time", &HeldSteps::last_observer_time)
       .def_property_readonly("late_step", &HeldSteps::late_step)
       .def_property_readonly("late_mean", &HeldSteps::late_mean);
 }
