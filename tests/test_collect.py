@@ -14,6 +14,7 @@ import torch.utils.checkpoint
 from runs import batches, mlp, train
 
 import ampdoctor
+from ampdoctor.collect import compiled
 
 
 def params_of(model):
@@ -474,6 +475,41 @@ def test_torch_compile_runs_hooks_eagerly_without_recompiling(trace_path, caplog
     assert "_orig_mod.0" in tr.sites("act")["path"].tolist()
     assert tr.steps()["level"].tolist() == [2, 2, -1, 0, -1, -1]
     assert np.isfinite(tr.records("peak", "grad_out")[[0, 1, 3]]).all()
+
+
+def test_a_model_compiled_after_attach_runs_the_hooks_eagerly_without_recompiling(trace_path, caplog):
+    """attach() on the eager model, torch.compile after it: the root's hooks (C++ EagerHook objects where the
+    extension is loaded, hooks.eager's wrapper otherwise) run eagerly from the compiled region, never traced: no
+    graph after the first step, no recompilation, every step recorded."""
+    compiles = []
+
+    def counting_backend(gm, example_inputs):
+        compiles.append(len(gm.graph.nodes))
+        return gm.forward
+
+    torch._dynamo.reset()
+    model = mlp(width=32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    after_step = []
+    with (
+        caplog.at_level(logging.WARNING, logger="torch._dynamo"),
+        ampdoctor.attach(model, optimizer=opt, trace=trace_path, live=False, calibration=2, peak_every=3) as doc,
+    ):
+        if compiled.get() is not None:
+            assert all(type(h).__name__ == "EagerHook" for h in model._forward_pre_hooks.values())
+        fast = torch.compile(model, backend=counting_backend)
+        for x, y in batches(8):
+            loss = torch.nn.functional.mse_loss(fast(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            doc.log_loss(loss)
+            after_step.append(len(compiles))
+        assert doc.active
+    assert not [r for r in caplog.records if "recompil" in r.getMessage().lower()]
+    assert after_step[0] > 0 and after_step == [after_step[0]] * 8, after_step
+    st = ampdoctor.load(trace_path).steps()
+    assert len(st) == 8 and st["loss"].notna().all() and (st["reason"] == "sentinel").sum() >= 3
 
 
 def test_accelerator_path_writes_the_trace_the_host_path_writes(tmp_path, monkeypatch):

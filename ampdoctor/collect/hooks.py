@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # (typing.ParamSpec is Python 3.10+)
 import torch
 
 from ..trace.schema import ROOT
+from . import compiled
 
 
 class Handles:
@@ -150,11 +151,18 @@ graph_task_id = torch._C._current_graph_task_id
 def eager(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     """Hooks run eagerly under torch.compile: traced, their id()/weakref bookkeeping would make dynamo guard on
     tensor identities and recompile every step. The disabled copy is only entered while dynamo traces (its
-    wrapper costs microseconds per call, which eager training would pay on every hook)."""
+    wrapper costs microseconds per call, which eager training would pay on every hook). Where the C++ extension is
+    loaded the test is its EagerHook (csrc/step_record.cpp): one C call instead of this wrapper's three Python frames,
+    on every hook call of every step."""
     compiler = getattr(torch, "compiler", None)
     if compiler is None or not hasattr(compiler, "disable") or not hasattr(compiler, "is_compiling"):
         return fn
     disabled: Callable[_P, _R] = compiler.disable(fn)
+    ext, flags = compiled.get(), vars(compiler)
+    callback = _eval_frame_callback()
+    if ext is not None and hasattr(ext, "EagerHook") and type(flags.get("_is_compiling_flag")) is bool and callback:
+        hook_c: Callable[_P, _R] = ext.EagerHook(fn, disabled, flags, callback)
+        return hook_c
     is_compiling = compiler.is_compiling
 
     @functools.wraps(fn)
@@ -164,6 +172,16 @@ def eager(fn: Callable[_P, _R]) -> Callable[_P, _R]:
         return fn(*args, **kwargs)
 
     return hook
+
+
+def _eval_frame_callback() -> Callable[[], Any] | None:
+    """dynamo's getter of its frame callback (None in eager code, set inside a compiled region), where this torch
+    has it (a private name: without it the Python wrapper serves)."""
+    try:
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+    except ImportError:
+        return None
+    return get_eval_frame_callback
 
 
 _OUR_HOOK = -1  # the key of ampdoctor's hook in a tensor's hook dict (torch's handles count up from 0)

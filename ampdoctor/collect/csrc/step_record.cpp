@@ -24,6 +24,7 @@
 #include <torch/csrc/DynamicTypes.h>
 
 #include <Python.h>
+#include <structmember.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <chrono>
@@ -803,6 +804,120 @@ class HeldSteps {
   int64_t b_steps_ = 0, b_floor_steps_ = 0, b_window_ = 0;
 };
 
+// -- hooks.eager in C ------------------------------------------------------------------------------------------------
+// EagerHook(fn, disabled, flags, callback): a module hook that calls ``fn`` in eager training, else ``disabled``
+// (torch.compiler.disable(fn)): while torch.compile compiles (torch.compiler's _is_compiling_flag, read from the
+// module's dict ``flags``: what torch.compiler.is_compiling() returns outside TorchScript), and while dynamo's frame
+// callback is set (``callback()`` is not None: the hook is called from a compiled region, whose frames dynamo would
+// otherwise compile, ours among them). hooks.eager's Python wrapper made three Python frames a call (the wrapper,
+// is_compiling, torch.jit.is_scripting); dynamo does not trace into this object: a compiled model's call of it
+// breaks the graph and runs it eagerly, as the disabled copy.
+struct EagerHook {
+  PyObject_HEAD
+  vectorcallfunc vectorcall;
+  PyObject* fn;
+  PyObject* disabled;
+  PyObject* flags;
+  PyObject* callback;
+  PyObject* key;
+};
+
+PyObject* eager_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  auto* e = reinterpret_cast<EagerHook*>(self);
+  PyObject* flag = PyDict_GetItemWithError(e->flags, e->key);  // (borrowed)
+  if (flag == nullptr && PyErr_Occurred()) return nullptr;
+  int compiling = 0;
+  if (flag != nullptr && flag != Py_False) {
+    compiling = PyObject_IsTrue(flag);
+    if (compiling < 0) return nullptr;
+  }
+  if (!compiling) {
+    PyObject* set = PyObject_CallNoArgs(e->callback);
+    if (set == nullptr) return nullptr;
+    compiling = set != Py_None;
+    Py_DECREF(set);
+  }
+  return PyObject_Vectorcall(compiling ? e->disabled : e->fn, args, nargsf, kwnames);
+}
+
+PyObject* eager_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  PyObject *fn, *disabled, *flags, *callback;
+  if (kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0) {
+    PyErr_SetString(PyExc_TypeError, "EagerHook takes no keyword arguments");
+    return nullptr;
+  }
+  if (!PyArg_ParseTuple(args, "OOO!O", &fn, &disabled, &PyDict_Type, &flags, &callback)) return nullptr;
+  PyObject* key = PyUnicode_InternFromString("_is_compiling_flag");
+  if (key == nullptr) return nullptr;
+  auto* e = reinterpret_cast<EagerHook*>(type->tp_alloc(type, 0));
+  if (e == nullptr) {
+    Py_DECREF(key);
+    return nullptr;
+  }
+  e->vectorcall = eager_call;
+  Py_INCREF(fn);
+  Py_INCREF(disabled);
+  Py_INCREF(flags);
+  Py_INCREF(callback);
+  e->fn = fn;
+  e->disabled = disabled;
+  e->flags = flags;
+  e->callback = callback;
+  e->key = key;
+  return reinterpret_cast<PyObject*>(e);
+}
+
+int eager_traverse(PyObject* self, visitproc visit, void* arg) {
+  auto* e = reinterpret_cast<EagerHook*>(self);
+  Py_VISIT(Py_TYPE(self));  // (a heap type: its instances keep it alive)
+  Py_VISIT(e->fn);
+  Py_VISIT(e->disabled);
+  Py_VISIT(e->flags);
+  Py_VISIT(e->callback);
+  return 0;
+}
+
+int eager_clear(PyObject* self) {
+  auto* e = reinterpret_cast<EagerHook*>(self);
+  Py_CLEAR(e->fn);
+  Py_CLEAR(e->disabled);
+  Py_CLEAR(e->flags);
+  Py_CLEAR(e->callback);
+  Py_CLEAR(e->key);
+  return 0;
+}
+
+void eager_dealloc(PyObject* self) {
+  PyTypeObject* type = Py_TYPE(self);
+  PyObject_GC_UnTrack(self);
+  eager_clear(self);
+  type->tp_free(self);
+  Py_DECREF(type);
+}
+
+PyMemberDef eager_members[] = {
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(EagerHook, vectorcall), READONLY, nullptr},
+    {nullptr, 0, 0, 0, nullptr},
+};
+
+PyType_Slot eager_slots[] = {
+    {Py_tp_new, reinterpret_cast<void*>(eager_new)},
+    {Py_tp_dealloc, reinterpret_cast<void*>(eager_dealloc)},
+    {Py_tp_traverse, reinterpret_cast<void*>(eager_traverse)},
+    {Py_tp_clear, reinterpret_cast<void*>(eager_clear)},
+    {Py_tp_call, reinterpret_cast<void*>(PyVectorcall_Call)},
+    {Py_tp_members, eager_members},
+    {0, nullptr},
+};
+
+PyType_Spec eager_spec = {
+    "ampdoctor_step_record.EagerHook",
+    sizeof(EagerHook),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    eager_slots,
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -812,6 +927,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("call_state", &call_state);
   py::class_<Seed, std::shared_ptr<Seed>>(m, "Seed").def("get", &Seed::get);
   m.def("keep_seed", &keep_seed);
+  PyObject* eager = PyType_FromSpec(&eager_spec);
+  if (eager == nullptr) throw py::error_already_set();
+  m.add_object("EagerHook", py::reinterpret_steal<py::object>(eager));
   py::class_<HeldSteps>(m, "HeldSteps")
       .def(py::init<std::vector<at::Tensor>, at::Tensor, py::list, py::dict, double>())
       .def("begin", &HeldSteps::begin)
