@@ -228,6 +228,37 @@ def test_each_kept_call_has_the_generator_state_it_started_with(tmp_path):
         assert calls[0].rng[0] is calls[1].rng[0] and calls[2].rng[0] is not calls[1].rng[0]
 
 
+def test_a_writer_that_failed_while_steps_are_held_stops_collection_never_training(tmp_path):
+    """The trace's writer fails (a full disk) while the lane holds the steps: the step is let go, the general path
+    stops collection with one warning that names the writer's error, and training goes on as without ampdoctor."""
+
+    def train(attach):
+        m = model()
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        g = torch.Generator().manual_seed(1)
+        doc = ampdoctor.attach(m, optimizer=opt, trace=str(tmp_path / "t.db"), live=False) if attach else None
+        for step in range(30):
+            if step == 24 and doc is not None:
+                assert doc._core.lane.held or compiled.get() is None
+                doc._core.loop.writer.error = OSError("No space left on device")
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
+            loss = torch.nn.functional.mse_loss(m(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if doc is not None:
+                doc.log_loss(loss)
+        return m, doc
+
+    bare, _ = train(False)
+    with pytest.warns(RuntimeWarning, match="collection stopped after an internal error.*No space left on device"):
+        observed, doc = train(True)
+    assert not doc.active
+    for a, b in zip(bare.parameters(), observed.parameters()):
+        assert torch.equal(a, b)
+    doc.close()  # (said once: the warning above)
+
+
 def test_the_lane_without_the_cpp_extension(tmp_path, monkeypatch):
     """Where the extension is not built (no compiler), the lane holds no step: the general path writes the trace,
     through a NaN the replay localises."""

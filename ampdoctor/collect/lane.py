@@ -63,8 +63,8 @@ now = time.perf_counter
 class Lane:
     """The hooks of a run whose clean steps can take the short way (core.Core makes it where the run's configuration
     allows: a model on the CPU, the optimizer as the step boundary, no enabled scaler, no probe, no half-precision
-    weights, an eager model, not debug mode). Each hook passes the call to the general path's own hook whenever the
-    lane does not hold the step."""
+    weights, parameters that are not shards, an eager model, not debug mode; it holds steps once the C++ extension is
+    loaded). Each hook passes the call to the general path's own hook whenever the lane does not hold the step."""
 
     def __init__(
         self,
@@ -178,10 +178,10 @@ class Lane:
         if self.held and not guard.off:
             try:
                 code = self.rec.call(args, kwargs)
-                if code == 0:
-                    return
                 if code & _OTHER:  # (keywords, several arguments: its tensors found as the general path finds them)
                     code = self._other_call(args, kwargs)
+                if code == 0:
+                    return
                 if not code & _LET_GO:
                     self._call_extras(code)
                     return
@@ -195,9 +195,9 @@ class Lane:
         t0 = now()
         tensors = hooks.float_tensors((args, kwargs)) + int_tensors((args, kwargs))
         first = hooks.first_tensor(args, kwargs)
-        code = self.rec.call_with(args, kwargs, first, [(t, t._version) for t in tensors])
-        self.guard.observer_time += now() - t0
-        return int(code)
+        versions = [(t, t._version) for t in tensors]
+        self.guard.observer_time += now() - t0  # (HeldSteps times its own part)
+        return int(self.rec.call_with(args, kwargs, first, versions))
 
     def _call_extras(self, code: int) -> None:
         """A held step's first call: the rows (and the general path's finished steps) to the writer, a new autocast
@@ -264,6 +264,7 @@ class Lane:
         guard = self.guard
         if self.held and not guard.off:
             loop = self.loop
+            code = _LET_GO
             try:
                 if loop.writer.error is None:  # (else the general path stops collection, and says why)
                     capture = self.capture
