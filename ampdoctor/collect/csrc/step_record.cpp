@@ -492,6 +492,7 @@ class HeldSteps {
   // The last clean step's late loss while the general path holds the step in progress (the running means are its):
   // the row only. Returns the row's step.
   int64_t late_loss(double value) {
+    if (!open_ || rows_.empty()) throw py::value_error("no clean step's row is open for a late loss");
     Row& row = rows_.back();
     row.has_loss = true;
     row.loss = value;
