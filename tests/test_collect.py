@@ -439,11 +439,11 @@ def test_weights_turned_nonfinite_by_the_update_are_an_event(trace_path):
     assert "forward-overflow" not in [f.rule for f in ampdoctor.diagnose(tr)]
 
 
-def test_torch_compile_runs_hooks_eagerly_without_recompiling(trace_path, caplog):
-    """Under torch.compile the hooks run eagerly (torch.compiler.disable): traced, their identity bookkeeping
-    would make dynamo recompile, per call or per step. A counting backend sees every graph dynamo compiles: none
-    after the first step; and no frame reaches dynamo's recompile limit (its warning), which traced hooks reach
-    within the first step. Steps that observe sites and steps that do not alternate."""
+def train_compiled(trace_path, caplog, steps, *, attach_first, on_attach=None):
+    """mlp() trained ``steps`` steps through torch.compile with a backend that counts the graphs dynamo compiles,
+    attached (calibration=2, peak_every=3) to the compiled module, or (``attach_first``) to the eager model, compiled
+    after; ``on_attach(model)`` runs once attached. Asserts that dynamo compiled the model, no graph after the first
+    step and no recompilation (its warning, which traced hooks reach within the first step). Returns the trace."""
     compiles = []
 
     def counting_backend(gm, example_inputs):
@@ -452,15 +452,21 @@ def test_torch_compile_runs_hooks_eagerly_without_recompiling(trace_path, caplog
 
     torch._dynamo.reset()
     model = mlp(width=32)
-    compiled = torch.compile(model, backend=counting_backend)
+    fast = None if attach_first else torch.compile(model, backend=counting_backend)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     after_step = []
     with (
         caplog.at_level(logging.WARNING, logger="torch._dynamo"),
-        ampdoctor.attach(compiled, optimizer=opt, trace=trace_path, live=False, calibration=2, peak_every=3) as doc,
+        ampdoctor.attach(
+            model if attach_first else fast, optimizer=opt, trace=trace_path, live=False, calibration=2, peak_every=3
+        ) as doc,
     ):
-        for x, y in batches(6):
-            loss = torch.nn.functional.mse_loss(compiled(x), y)
+        if on_attach is not None:
+            on_attach(model)
+        if fast is None:
+            fast = torch.compile(model, backend=counting_backend)
+        for x, y in batches(steps):
+            loss = torch.nn.functional.mse_loss(fast(x), y)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -469,8 +475,16 @@ def test_torch_compile_runs_hooks_eagerly_without_recompiling(trace_path, caplog
         assert doc.active
     assert not [r for r in caplog.records if "recompil" in r.getMessage().lower()]
     assert after_step[0] > 0  # the model was compiled (the backend did run)
-    assert after_step == [after_step[0]] * 6, after_step
-    tr = ampdoctor.load(trace_path)
+    assert after_step == [after_step[0]] * steps, after_step
+    return ampdoctor.load(trace_path)
+
+
+def test_torch_compile_runs_hooks_eagerly_without_recompiling(trace_path, caplog):
+    """Under torch.compile the hooks run eagerly (torch.compiler.disable): traced, their identity bookkeeping
+    would make dynamo recompile, per call or per step. A counting backend sees every graph dynamo compiles: none
+    after the first step; and no frame reaches dynamo's recompile limit (its warning), which traced hooks reach
+    within the first step. Steps that observe sites and steps that do not alternate."""
+    tr = train_compiled(trace_path, caplog, 6, attach_first=False)
     assert tr.n_steps == 6 and tr.steps()["loss"].notna().all()
     assert "_orig_mod.0" in tr.sites("act")["path"].tolist()
     assert tr.steps()["level"].tolist() == [2, 2, -1, 0, -1, -1]
@@ -481,34 +495,12 @@ def test_a_model_compiled_after_attach_runs_the_hooks_eagerly_without_recompilin
     """attach() on the eager model, torch.compile after it: the root's hooks (C++ EagerHook objects where the
     extension is loaded, hooks.eager's wrapper otherwise) run eagerly from the compiled region, never traced: no
     graph after the first step, no recompilation, every step recorded."""
-    compiles = []
 
-    def counting_backend(gm, example_inputs):
-        compiles.append(len(gm.graph.nodes))
-        return gm.forward
-
-    torch._dynamo.reset()
-    model = mlp(width=32)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    after_step = []
-    with (
-        caplog.at_level(logging.WARNING, logger="torch._dynamo"),
-        ampdoctor.attach(model, optimizer=opt, trace=trace_path, live=False, calibration=2, peak_every=3) as doc,
-    ):
+    def hooks_in_c(model):
         if compiled.get() is not None:
             assert all(type(h).__name__ == "EagerHook" for h in model._forward_pre_hooks.values())
-        fast = torch.compile(model, backend=counting_backend)
-        for x, y in batches(8):
-            loss = torch.nn.functional.mse_loss(fast(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            doc.log_loss(loss)
-            after_step.append(len(compiles))
-        assert doc.active
-    assert not [r for r in caplog.records if "recompil" in r.getMessage().lower()]
-    assert after_step[0] > 0 and after_step == [after_step[0]] * 8, after_step
-    st = ampdoctor.load(trace_path).steps()
+
+    st = train_compiled(trace_path, caplog, 8, attach_first=True, on_attach=hooks_in_c).steps()
     assert len(st) == 8 and st["loss"].notna().all() and (st["reason"] == "sentinel").sum() >= 3
 
 

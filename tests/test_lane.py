@@ -228,19 +228,19 @@ def test_each_kept_call_has_the_generator_state_it_started_with(tmp_path):
         assert calls[0].rng[0] is calls[1].rng[0] and calls[2].rng[0] is not calls[1].rng[0]
 
 
-def test_a_writer_that_failed_while_steps_are_held_stops_collection_never_training(tmp_path):
-    """The trace's writer fails (a full disk) while the lane holds the steps: the step is let go, the general path
-    stops collection with one warning that names the writer's error, and training goes on as without ampdoctor."""
+def stopped_at(tmp_path, at, fault, match):
+    """model() trained 40 steps without ampdoctor, then attached with ``fault(doc)`` done before step ``at``: one
+    warning that matches ``match`` says collection stopped, and the weights are the bare run's. Returns the closed
+    Doctor."""
 
     def train(attach):
         m = model()
-        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
         g = torch.Generator().manual_seed(1)
         doc = ampdoctor.attach(m, optimizer=opt, trace=str(tmp_path / "t.db"), live=False) if attach else None
-        for step in range(30):
-            if step == 24 and doc is not None:
-                assert doc._core.lane.held or compiled.get() is None
-                doc._core.loop.writer.error = OSError("No space left on device")
+        for step in range(40):
+            if step == at and doc is not None:
+                fault(doc)
             x, y = torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
             loss = torch.nn.functional.mse_loss(m(x), y)
             opt.zero_grad()
@@ -248,15 +248,28 @@ def test_a_writer_that_failed_while_steps_are_held_stops_collection_never_traini
             opt.step()
             if doc is not None:
                 doc.log_loss(loss)
+        if doc is not None:
+            doc.close()  # (said once: the warning that stopped collection)
         return m, doc
 
     bare, _ = train(False)
-    with pytest.warns(RuntimeWarning, match="collection stopped after an internal error.*No space left on device"):
+    with pytest.warns(RuntimeWarning, match="collection stopped after an internal error.*" + match):
         observed, doc = train(True)
     assert not doc.active
     for a, b in zip(bare.parameters(), observed.parameters()):
         assert torch.equal(a, b)
-    doc.close()  # (said once: the warning above)
+    return doc
+
+
+def test_a_writer_that_failed_while_steps_are_held_stops_collection_never_training(tmp_path):
+    """The trace's writer fails (a full disk) while the lane holds the steps: the step is let go, the general path
+    stops collection with one warning that names the writer's error, and training goes on as without ampdoctor."""
+
+    def full_disk(doc):
+        assert doc._core.lane.held or compiled.get() is None
+        doc._core.loop.writer.error = OSError("No space left on device")
+
+    stopped_at(tmp_path, 24, full_disk, "No space left on device")
 
 
 def test_the_lane_without_the_cpp_extension(tmp_path, monkeypatch):
@@ -454,33 +467,12 @@ def test_an_error_in_a_held_steps_part_stops_collection_never_training(tmp_path,
     if compiled.get() is None:
         pytest.skip("the C++ extension is not loaded here (make install builds it): no step is held")
 
-    def train(attach):
-        m = model()
-        opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
-        g = torch.Generator().manual_seed(1)
-        doc = ampdoctor.attach(m, optimizer=opt, trace=str(tmp_path / "t.db"), live=False) if attach else None
-        for step in range(40):
-            if step == 25 and doc is not None:
-                lane = doc._core.lane
-                assert lane is not None and lane.held
-                lane.rec = Broken(lane.rec, part)
-            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
-            loss = torch.nn.functional.mse_loss(m(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            if doc is not None:
-                doc.log_loss(loss)
-        if doc is not None:
-            doc.close()
-        return m, doc
+    def break_part(doc):
+        lane = doc._core.lane
+        assert lane is not None and lane.held
+        lane.rec = Broken(lane.rec, part)
 
-    bare, _ = train(False)
-    with pytest.warns(RuntimeWarning, match="collection stopped after an internal error.*broken on purpose"):
-        observed, doc = train(True)
-    assert not doc.active
-    for a, b in zip(bare.parameters(), observed.parameters()):
-        assert torch.equal(a, b)
+    stopped_at(tmp_path, 25, break_part, "broken on purpose")
     with sqlite3.connect(str(tmp_path / "t.db")) as conn:
         steps = [s for (s,) in conn.execute("SELECT step FROM steps ORDER BY step")]
     assert steps[:25] == list(range(25)) and max(steps) <= 25
