@@ -21,6 +21,9 @@ Doctor only (a benchmark's own reach into ampdoctor's parts: what is switched of
   no-call      the replay's capture of the root call (arguments, versions, RNG and autocast state)
   no-lane      every step on the general path: the clean steps' short way (collect/lane.py) off
 
+no-figures, no-seed and no-call switch off the general path's parts: a step the lane holds does all three in C++
+(HeldSteps, csrc/step_record.cpp), which no variant reaches into; combine them with no-lane to measure them.
+
 Run: .venv/bin/python benchmarks/sentinel_pieces.py [--rounds R] [--steps N] [--threads T]
      [--variants replay,no-replay,no-seed,no-seed+no-call,...]
 """
