@@ -195,9 +195,8 @@ class Doctor:
         """A training micro-batch starts, for loops where the attached module's own ``forward`` is not what runs
         (a LightningModule whose ``training_step`` calls an inner model); frameworks' callbacks call it. From the
         first call on, step timing and batch sizes come from these calls, not from the root forward."""
-        lane = self._core.lane
-        if lane is not None:
-            lane.let_go()  # (the general path keeps the steps of a loop that marks its batches)
+        if self._lane is not None:
+            self._lane.let_go()  # (the general path keeps the steps of a loop that marks its batches)
         self._core.facts.external_batches = True
         if isinstance(batch, dict):
             t = hooks.first_tensor((), batch)
